@@ -1,0 +1,495 @@
+"""
+FineWeb-Edu (or your own text) -> GPT-2 token shards for train_gpt2.py.
+
+Documents are streamed (nothing is downloaded up front), tokenized with tiktoken's gpt2 encoding
+in a pool of worker processes, each prefixed by <|endoftext|> (50256), and written as shards of
+--shard-size uint16 tokens: {prefix}_val_000000.npy first, then {prefix}_train_000001.npy, ...
+A manifest beside the shards ({prefix}_manifest.json) records what each finished shard consumed,
+so rerunning the same command after a crash or a kill continues after the last finished shard.
+
+Usage:
+    python fineweb.py                                     # FineWeb-Edu sample-10BT -> edu_fineweb10B/
+    python fineweb.py --name sample-100BT --out-dir edu_fineweb100B
+    python fineweb.py --dataset HuggingFaceFW/fineweb --name sample-10BT --prefix fineweb --out-dir fineweb10B
+    python fineweb.py --input 'corpus/*.parquet' --out-dir my_shards       # local files, offline
+    python fineweb.py --input input.txt --shard-size 1000000 --format bin  # llm.c / modded-nanogpt .bin
+    python fineweb.py --max-tokens 10000000                                # a quick 10M-token run
+"""
+
+import argparse
+import array
+import collections
+import glob
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from train_gpt2 import EOT, UserError, get_tokenizer
+
+BIN_MAGIC, BIN_VERSION = 20240520, 1  # llm.c's header for uint16 token shards
+BIN_HEADER_INTS = 256
+BATCH_CHARS = 1 << 18  # characters per task sent to a worker: ~60K tokens, a few tens of ms of work
+INPUT_TYPES = (".txt", ".jsonl", ".parquet")
+
+
+# ----------------------------------------------------------------------------------------------
+# Documents: local files or a streamed Hugging Face dataset, as an iterator of strings
+
+
+def expand_inputs(patterns):
+    """Files named on the command line, globs expanded (sorted), in the order given."""
+    paths = []
+    for pattern in patterns:
+        if any(c in pattern for c in "*?["):
+            matches = [m for m in sorted(glob.glob(pattern, recursive=True)) if not os.path.isdir(m)]
+            if not matches:
+                raise UserError(f"no files match --input {pattern!r}")
+            paths += matches
+        else:
+            paths.append(pattern)
+    for path in paths:
+        if os.path.isdir(path):
+            raise UserError(f"--input {path} is a directory: pass its files, e.g. '{path}/*.parquet'")
+        if not os.path.exists(path):
+            raise UserError(f"--input {path} does not exist")
+        if not path.endswith(INPUT_TYPES):
+            raise UserError(f"--input {path}: unknown file type, use {', '.join(INPUT_TYPES)}")
+    return paths
+
+
+def _text(value, where):
+    if not isinstance(value, str):
+        raise UserError(f"{where}: the text is {type(value).__name__}, not a string")
+    return value
+
+
+def read_documents(path, text_field):
+    """The documents of one file: a .txt is one document; .jsonl and .parquet have one per row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if path.endswith(".txt"):
+            with open(path, encoding="utf-8", newline="") as f:  # newline="": the text exactly as stored
+                yield f.read()
+        elif path.endswith(".jsonl"):
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise UserError(f"{path} line {lineno} is not valid JSON ({e.msg})") from None
+                    if not isinstance(row, dict) or text_field not in row:
+                        raise UserError(f"{path} line {lineno} has no {text_field!r} field: choose one with --text-field")
+                    yield _text(row[text_field], f"{path} line {lineno}")
+        else:
+            pf = pq.ParquetFile(path)
+            columns = pf.schema_arrow.names
+            if text_field not in columns:
+                raise UserError(
+                    f"{path} has no {text_field!r} column (it has {', '.join(columns)}): choose one with --text-field"
+                )
+            row = 0
+            for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
+                for text in batch.column(0).to_pylist():
+                    row += 1
+                    yield _text(text, f"{path} row {row}")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+    except pa.ArrowException as e:
+        raise UserError(f"{path} is not a readable parquet file ({_first_line(e)})") from None
+
+
+def check_inputs(paths, text_field):
+    """Fail before any work on an unreadable file or a missing text column, not hours into the run."""
+    for path in paths:
+        if path.endswith(".txt"):
+            try:
+                open(path, "rb").close()
+            except OSError as e:
+                raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+        else:
+            docs = read_documents(path, text_field)
+            next(docs, None)  # opens the file and checks the first row
+            docs.close()
+
+
+def local_documents(paths, text_field, skip=0):
+    """All documents of the files in order, after the first `skip` (a resumed run)."""
+    import pyarrow.parquet as pq
+
+    for path in paths:
+        if skip:
+            # whole files whose row count is known without reading their text are skipped for free
+            known = 1 if path.endswith(".txt") else pq.ParquetFile(path).metadata.num_rows if path.endswith(".parquet") else None
+            if known is not None and skip >= known:
+                skip -= known
+                continue
+        for text in read_documents(path, text_field):
+            if skip:
+                skip -= 1
+                continue
+            yield text
+
+
+def hub_documents(dataset, name, split, text_field, skip=0):
+    """Documents streamed from the Hugging Face Hub: tokenizing starts at once, nothing but the
+    shards is kept on disk. Opens the dataset now, so a bad name fails before any work."""
+    import datasets  # slow to import; only this path needs it
+
+    try:
+        ds = datasets.load_dataset(dataset, name=name, split=split, streaming=True)
+    except Exception as e:  # not found, no network, bad config name: the library's message says which
+        raise UserError(f"cannot open {dataset} (name {name}, split {split}): {_first_line(e)}") from None
+    if ds.column_names is not None:
+        if text_field not in ds.column_names:
+            raise UserError(
+                f"{dataset} has no {text_field!r} column (it has {', '.join(ds.column_names)}): choose one with --text-field"
+            )
+        ds = ds.select_columns([text_field])  # the other columns are then never decoded
+    if skip:
+        ds = ds.skip(skip)
+
+    def documents():
+        row = skip
+        batches = ds.iter(batch_size=1000)
+        while True:
+            try:
+                batch = next(batches, None)
+            except Exception as e:  # a dropped connection hours in: what finished is kept, so say how to go on
+                raise UserError(f"reading {dataset} failed ({_first_line(e)}): rerun the same command to resume") from None
+            if batch is None:
+                return
+            if text_field not in batch:
+                raise UserError(f"{dataset} rows have no {text_field!r} field: choose one with --text-field")
+            for text in batch[text_field]:
+                row += 1
+                yield _text(text, f"{dataset} row {row}")
+
+    return documents()
+
+
+def _first_line(e):
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenization in a pool of worker processes
+
+_enc = None  # each worker's own tiktoken encoding, loaded once by _init_worker
+
+
+def _init_worker():
+    global _enc
+    _enc = get_tokenizer()
+
+
+def _tokenize_batch(texts):
+    """In a worker: the <|endoftext|>-prefixed tokens of texts, concatenated, and each document's length."""
+    tokens = array.array("H")  # unsigned 16-bit: fromlist refuses any id >= 2**16, and is 2x faster than np.array
+    lengths = []
+    for text in texts:
+        ids = _enc.encode_ordinary(text)  # ordinary: a literal "<|endoftext|>" in a web page is just text
+        tokens.append(EOT)
+        tokens.fromlist(ids)
+        lengths.append(len(ids) + 1)
+    return np.frombuffer(tokens, dtype=np.uint16), np.array(lengths, dtype=np.int64)
+
+
+def _batched(documents, batch_chars):
+    batch, chars = [], 0
+    for text in documents:
+        batch.append(text)
+        chars += len(text)
+        if chars >= batch_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def default_workers():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def tokenize_batches(documents, workers=None, batch_chars=BATCH_CHARS):
+    """Yield (tokens, doc_lengths) for successive batches of documents, in input order.
+
+    tokens is uint16, every document prefixed by EOT. At most 2 * workers batches are in flight,
+    so memory does not grow with the dataset (Pool.imap would read the whole input ahead)."""
+    workers = workers or default_workers()
+    # load it here first: a worker failing in its initializer would be restarted forever by the pool
+    enc = get_tokenizer()
+    if enc.max_token_value >= 2**16:  # every id is <= max_token_value, so this one check covers all tokens
+        raise UserError(f"the tokenizer has ids up to {enc.max_token_value}, which do not fit in uint16 shards")
+    with mp.Pool(workers, initializer=_init_worker) as pool:
+        pending = collections.deque()
+        for batch in _batched(documents, batch_chars):
+            pending.append(pool.apply_async(_tokenize_batch, (batch,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def tokenize_docs(documents, workers=None):
+    """All documents as one uint16 array of EOT-prefixed tokens, through the same pool as the CLI."""
+    parts = [tokens for tokens, _ in tokenize_batches(documents, workers)]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shards and the manifest
+
+
+def shard_path(out_dir, prefix, index, fmt="npy"):
+    split = "val" if index == 0 else "train"  # shard 0 is held out for validation
+    return os.path.join(out_dir, f"{prefix}_{split}_{index:06d}.{fmt}")
+
+
+def _write_atomic(path, write):
+    """write(f) into a hidden temporary file, then rename it over path: readers and a resumed run
+    see a whole file or none."""
+    tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_shard(path, tokens, fmt="npy"):
+    if fmt == "bin":
+        header = np.zeros(BIN_HEADER_INTS, dtype="<i4")
+        header[:3] = BIN_MAGIC, BIN_VERSION, len(tokens)
+
+        def write(f):
+            f.write(header.tobytes())
+            f.write(tokens.astype("<u2", copy=False).data)
+
+    else:
+
+        def write(f):
+            np.save(f, tokens)
+
+    _write_atomic(path, write)
+
+
+def load_manifest(path, config):
+    """The shards a previous run of this configuration finished, or a fresh manifest."""
+    if not os.path.exists(path):
+        return {"config": config, "shards": [], "complete": False}
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        old, shards, complete = manifest["config"], manifest["shards"], manifest["complete"]
+        if old != config:
+            diff = [k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
+            shown = ", ".join(f"{k} {_short(old.get(k))} there, {_short(config.get(k))} now" for k in diff)
+            raise UserError(
+                f"{path} was written by a different configuration ({shown}): use another --out-dir or delete it to start over"
+            )
+        # keep the shards still whole on disk; the first missing or changed one and all after it are redone
+        intact = []
+        for shard in shards:
+            file = os.path.join(os.path.dirname(path), shard["file"])
+            if not os.path.isfile(file) or os.path.getsize(file) != shard["bytes"]:
+                print(f"{file} is missing or changed: redoing it and the shards after it", file=sys.stderr)
+                break
+            intact.append(shard)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{path} is not a readable manifest ({type(e).__name__}): delete it to start over") from None
+    return {"config": config, "shards": intact, "complete": complete and len(intact) == len(shards)}
+
+
+def _short(value, width=60):
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def save_manifest(path, manifest):
+    _write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+
+
+def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None, max_shards=None):
+    """Tokenize documents into shards in out_dir, resuming from its manifest.
+
+    open_documents(skip) returns the documents after the first `skip`. config (a JSON-able dict
+    with at least shard_size, prefix and format) must match the manifest's to resume.
+    Returns a summary dict."""
+    shard_size, prefix, fmt = config["shard_size"], config["prefix"], config["format"]
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        _write_atomic(os.path.join(out_dir, ".fineweb_write_test"), lambda f: f.write(b"ok"))
+        os.remove(os.path.join(out_dir, ".fineweb_write_test"))
+    except OSError as e:
+        raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror or e}") from None
+    manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
+    manifest = load_manifest(manifest_path, config)
+    shards = manifest["shards"]
+
+    # --max-shards is a token limit too: max_shards full shards
+    limit = min(max_tokens or float("inf"), max_shards * shard_size if max_shards else float("inf"))
+    pos = sum(s["tokens"] for s in shards)  # tokens written so far
+    summary = dict(out_dir=out_dir, new_tokens=0, seconds=0.0)
+    if manifest["complete"] or pos >= limit:
+        return _summary(summary, shards, nothing_to_do=True)
+    if shards and shards[-1]["tokens"] < shard_size:
+        pos -= shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone in full
+    if shards:
+        print(f"resuming after {shards[-1]['file']}: {pos:,} tokens already in {len(shards)} shards", file=sys.stderr)
+
+    docs_done = sum(s["documents"] for s in shards)  # documents whose every token is in a finished shard
+    skip_tokens = shards[-1]["carry"] if shards else 0  # tokens of the next document already written
+    shard_start_doc = docs_done  # the current shard's first document, by global index
+    batch_first_doc = docs_done  # the current batch's first document
+    buf = np.empty(shard_size, dtype=np.uint16)
+    fill = 0
+
+    def finish_shard(end_doc, carry):
+        nonlocal fill, shard_start_doc
+        path = shard_path(out_dir, prefix, len(shards), fmt)
+        write_shard(path, buf[:fill], fmt)
+        shards.append(
+            dict(
+                file=os.path.basename(path),
+                split="val" if len(shards) == 0 else "train",
+                tokens=fill,
+                bytes=os.path.getsize(path),
+                documents=end_doc - shard_start_doc,  # documents that end in this shard
+                carry=carry,  # tokens of the next document (split across shards) already in this one
+            )
+        )
+        save_manifest(manifest_path, manifest)  # after the rename: the manifest never names a file not there
+        fill, shard_start_doc = 0, end_doc
+
+    documents = open_documents(docs_done)  # before the bar: a dataset that cannot be opened is just an error
+    t0, pos0 = time.time(), pos
+    bar = tqdm(total=None if limit == float("inf") else limit, initial=pos, unit="tok", unit_scale=True, desc=out_dir)
+    stream = tokenize_batches(documents, workers)
+    try:
+        for tokens, lengths in stream:
+            ends = np.cumsum(lengths)  # end of each document in this batch's tokens
+            i, skip_tokens = skip_tokens, 0
+            while i < len(tokens) and pos < limit:
+                n = min(shard_size - fill, len(tokens) - i, limit - pos)
+                buf[fill : fill + n] = tokens[i : i + n]
+                fill, i, pos = fill + n, i + n, pos + n
+                if fill == shard_size or pos == limit:
+                    done = int(np.searchsorted(ends, i, side="right"))  # documents of this batch fully written
+                    finish_shard(batch_first_doc + done, i - (int(ends[done - 1]) if done else 0))
+            batch_first_doc += len(lengths)
+            bar.update(pos - bar.n)
+            bar.set_postfix(docs=batch_first_doc, shards=len(shards), refresh=False)
+            if pos >= limit:
+                break
+        else:  # the input is exhausted: write the last, partial shard
+            if fill:
+                finish_shard(batch_first_doc, 0)
+            manifest["complete"] = True
+            save_manifest(manifest_path, manifest)
+    finally:
+        stream.close()  # stops the worker pool, also on an early stop or an error
+        bar.close()
+    summary.update(new_tokens=pos - pos0, seconds=time.time() - t0)
+    return _summary(summary, shards, nothing_to_do=False, complete=manifest["complete"])
+
+
+def _summary(summary, shards, **extra):
+    summary.update(
+        documents=sum(s["documents"] for s in shards),
+        tokens=sum(s["tokens"] for s in shards),
+        shards=len(shards),
+        files=[s["file"] for s in shards],
+        **extra,
+    )
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def _positive_int(s):
+    try:
+        value = int(float(s)) if "e" in s.lower() else int(s)  # 100_000_000 and 1e8 both work
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{s!r} must be at least 1")
+    return value
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("input (default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub)")
+    src.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu", help="Hub dataset (default %(default)s)")
+    src.add_argument("--name", default="sample-10BT", help="its subset, e.g. sample-100BT; '' for none (default %(default)s)")
+    src.add_argument("--split", default="train", help="the dataset's split to read (default %(default)s)")
+    src.add_argument("--input", nargs="+", metavar="FILE", help="local .txt (one document each), .jsonl or .parquet files or globs, instead of the Hub")
+    src.add_argument("--text-field", default="text", help="the jsonl field / parquet / dataset column holding the text (default %(default)s)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out-dir", default="edu_fineweb10B", help="shard folder, relative to the working dir (default %(default)s)")
+    out.add_argument("--prefix", default="edufineweb", help="shard name prefix (default %(default)s)")
+    out.add_argument("--shard-size", type=_positive_int, default=100_000_000, help="tokens per shard (default %(default)s)")
+    out.add_argument("--format", choices=("npy", "bin"), default="npy", help="npy (np.save) or bin (llm.c header + uint16)")
+    out.add_argument("--max-tokens", type=_positive_int, help="stop after this many tokens in all (the last shard may be partial)")
+    out.add_argument("--max-shards", type=_positive_int, help="stop after this many shards")
+    p.add_argument("--workers", type=_positive_int, default=None, help="tokenizer processes (default: the CPU cores)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.input:
+        paths = expand_inputs(args.input)
+        check_inputs(paths, args.text_field)
+        # the exact files (and sizes) go in the manifest: resuming over different input would skip the wrong documents
+        source = {"input": [[os.path.abspath(p), os.path.getsize(p)] for p in paths]}
+
+        def open_documents(skip):
+            return local_documents(paths, args.text_field, skip)
+
+    else:
+        name = args.name or None
+        source = {"dataset": args.dataset, "name": name, "split": args.split}
+
+        def open_documents(skip):
+            return hub_documents(args.dataset, name, args.split, args.text_field, skip)
+
+    config = dict(
+        source=source, text_field=args.text_field, encoding="gpt2", shard_size=args.shard_size, prefix=args.prefix, format=args.format
+    )
+    s = build_shards(open_documents, config, args.out_dir, args.workers, args.max_tokens, args.max_shards)
+    where = f"{s['tokens']:,} tokens from {s['documents']:,} documents in {s['shards']} shards in {s['out_dir']}"
+    if s["nothing_to_do"]:
+        print(f"nothing to do: {where} already (delete the folder to start over)")
+    else:
+        rate = s["new_tokens"] / max(s["seconds"], 1e-9)
+        state = "done" if s["complete"] else "stopped early"
+        print(f"{state}: {where}; this run wrote {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate:,.0f} tokens/s)")
+    return s
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command to resume after the last finished shard", file=sys.stderr)
+        sys.exit(130)
