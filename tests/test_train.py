@@ -1,0 +1,418 @@
+"""The training run: schedule, optimizer groups, FLOPs, gradient accumulation, a tiny overfit run
+with its evaluations and log, exact resume after SIGKILL, SIGTERM, and bad input."""
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt2
+from test_train_data import write_shard
+from train_gpt2 import (
+    GPT,
+    DataLoaderLite,
+    GPTConfig,
+    UserError,
+    accumulate_gradients,
+    flops_per_token,
+    get_lr,
+    load_checkpoint,
+    load_model,
+    sample_text,
+)
+
+ROOT = __import__("conftest").ROOT
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_process():
+    """Other test runs share these cores: with 2 threads a step often waits for a descheduled
+    sibling thread, and runs 3-5x slower than with one. Subprocesses inherit OMP_NUM_THREADS."""
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    torch.set_num_threads(threads)
+    if env is None:
+        del os.environ["OMP_NUM_THREADS"]
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
+
+
+def random_shards(folder, train_lengths=(600, 600), val_length=600, seed=0):
+    """Shards of random GPT-2 token ids: train shards and one val shard."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    write_shard(folder / "rand_val_000000.npy", rng.integers(0, 50257, val_length))
+    for i, n in enumerate(train_lengths, start=1):
+        write_shard(folder / f"rand_train_{i:06d}.npy", rng.integers(0, 50257, n))
+    return folder
+
+
+def tiny_args(data_dir, out_dir, *extra):
+    """A 2-layer, 32-wide model on the CPU; later flags override earlier ones."""
+    return [
+        "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--device", "cpu",
+        "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64",
+        "-B", "2", "-T", "16", "--total-batch-size", "64", "--max-steps", "6", "--warmup-steps", "3",
+        "--max-lr", "3e-3", "--eval-every", "4", "--val-tokens", "256", "--hellaswag-every", "0",
+        "--sample-every", "0", "--ckpt-every", "0", *map(str, extra),
+    ]  # fmt: skip
+
+
+def read_log(out_dir):
+    """(all records, {step: last step record}): a resumed run repeats steps, the last one counts."""
+    records = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl")) if line.strip()]
+    steps = {r["step"]: r for r in records if "train_loss" in r}
+    return records, steps
+
+
+def cli(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "train_gpt2.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# schedule, optimizer, FLOPs
+
+
+def test_lr_schedule():
+    lr = lambda step: get_lr(step, 6e-4, 6e-5, 715, 19073)  # noqa: E731
+    assert lr(0) == pytest.approx(6e-4 / 715)  # not 0
+    assert lr(357) == pytest.approx(6e-4 * 358 / 715)
+    assert lr(714) == pytest.approx(6e-4)  # end of warmup
+    assert lr(715) == pytest.approx(6e-4)  # cosine starts at the top
+    assert lr(715 + (19073 - 715) // 2) == pytest.approx((6e-4 + 6e-5) / 2)  # half way down
+    assert lr(19072) == pytest.approx(6e-5, rel=1e-6)
+    assert lr(19073) == lr(19074) == lr(50000) == 6e-5
+
+
+def test_weight_decay_only_on_matrices_and_counts_printed(capsys):
+    model = GPT(GPTConfig(vocab_size=50304))  # GPT-2 124M as trained
+    opt = model.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, device_type="cpu")
+    decay, no_decay = opt.param_groups
+    name = {id(p): n for n, p in model.named_parameters()}
+    assert {name[id(p)] for p in decay["params"]} == {n for n, p in model.named_parameters() if p.dim() >= 2}
+    assert {name[id(p)] for p in no_decay["params"]} == {n for n, p in model.named_parameters() if p.dim() < 2}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert decay["betas"] == (0.9, 0.95) and decay["eps"] == 1e-8 and decay["fused"] is True
+    # the counts build-nanogpt printed for this model
+    out = capsys.readouterr().out
+    assert "decayed tensors: 50, with 124,354,560 parameters" in out
+    assert "non-decayed tensors: 98, with 121,344 parameters" in out
+
+
+def test_flops_per_token_gpt2_124m():
+    config = GPTConfig(vocab_size=50304)
+    with torch.device("meta"):
+        model = GPT(config)
+    n = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
+    assert flops_per_token(config, 1024) == 6 * n + 12 * 12 * 12 * 64 * 1024
+    assert round(flops_per_token(config, 1024) / 1e6) == 855
+
+
+# ----------------------------------------------------------------------------------------------
+# gradient accumulation
+
+
+def test_grad_accumulation_equals_one_big_batch(tmp_path):
+    random_shards(tmp_path, train_lengths=(2000,))
+    T = 16
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))
+    loader = DataLoaderLite(str(tmp_path), "train", 2, T, shuffle=False)
+    loss = accumulate_gradients(model, loader, 4, "cpu")  # 4 micro-batches of 2 rows
+    accumulated = [p.grad.clone() for p in model.parameters()]
+    # the reference: one forward/backward over the same 8 rows, read straight from the shard
+    model.zero_grad(set_to_none=True)
+    tokens = torch.from_numpy(np.load(tmp_path / "rand_train_000001.npy")[: 8 * T + 1].astype(np.int64))
+    _, big_loss = model(tokens[:-1].view(8, T), tokens[1:].view(8, T))
+    big_loss.backward()
+    assert loss.item() == pytest.approx(big_loss.item(), rel=1e-6)
+    for g, p in zip(accumulated, model.parameters()):
+        assert (g - p.grad).norm() <= 1e-6 * p.grad.norm()
+
+
+# ----------------------------------------------------------------------------------------------
+# a tiny model overfits tiny shakespeare, with val loss, HellaSwag and samples in its log
+
+OVERFIT_STEPS = 150
+
+
+@pytest.fixture(scope="module")
+def overfit_run(tmp_path_factory, shared_data, enc):
+    data = tmp_path_factory.mktemp("shakespeare")
+    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()
+    encode = lambda s: [enc.eot_token] + enc.encode_ordinary(s)  # noqa: E731  (as fineweb.py writes)
+    write_shard(data / "ts_val_000000.npy", encode(text[:4000]))
+    train = encode(text[4000:12000])  # about 2,400 tokens: a model this small can memorise them
+    write_shard(data / "ts_train_000001.npy", train[: len(train) // 2])
+    write_shard(data / "ts_train_000002.npy", train[len(train) // 2 :])
+    out = tmp_path_factory.mktemp("overfit")
+    args = tiny_args(
+        data, out, "--max-steps", OVERFIT_STEPS, "--warmup-steps", 10, "--max-lr", 1e-2, "-B", 4, "-T", 32,
+        "--total-batch-size", 128,
+        "--eval-every", 75, "--val-tokens", 1024, "--hellaswag-every", OVERFIT_STEPS, "--hellaswag-limit", 8,
+        "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl", "--sample-every", OVERFIT_STEPS,
+        "--num-samples", 2, "--max-new-tokens", 12, "--peak-flops", 1e12,
+    )  # fmt: skip
+    assert train_gpt2.main(args) == 0
+    return data, out
+
+
+def test_tiny_model_overfits(overfit_run):
+    data, out = overfit_run
+    records, steps = read_log(out)
+    assert sorted(steps) == list(range(OVERFIT_STEPS))
+    losses = [steps[s]["train_loss"] for s in range(OVERFIT_STEPS)]
+    assert abs(losses[0] - math.log(50257)) < 0.3  # starts at chance
+    final_train = sum(losses[-10:]) / 10
+    vals = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert sorted(vals) == [0, 75, 150]
+    assert final_train < losses[0] - 4  # well below its start ...
+    assert final_train < vals[150] - 1  # ... and below the loss on unseen text: memorised
+    assert steps[OVERFIT_STEPS - 1]["epoch"] >= 5  # ~2,300 usable tokens, 128 a step: repeated
+
+
+def test_logged_val_loss_is_the_final_models(overfit_run):
+    data, out = overfit_run
+    records, _ = read_log(out)
+    logged = [r["val_loss"] for r in records if r.get("step") == OVERFIT_STEPS and "val_loss" in r][0]
+    model = load_model(str(out / f"ckpt_{OVERFIT_STEPS:06d}.pt")).eval()
+    tokens = torch.from_numpy(np.load(data / "ts_val_000000.npy").astype(np.int64))
+    n_seq = min(1024, len(tokens) - 1) // 32  # --val-tokens 1024 in sequences of T=32
+    with torch.no_grad():
+        x = tokens[: n_seq * 32].view(n_seq, 32)
+        y = tokens[1 : n_seq * 32 + 1].view(n_seq, 32)
+        _, loss = model(x, y)
+    assert logged == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_logged_hellaswag_and_samples_are_the_final_models(overfit_run, shared_data, enc):
+    import hellaswag
+
+    _, out = overfit_run
+    records, _ = read_log(out)
+    model = load_model(str(out / f"ckpt_{OVERFIT_STEPS:06d}.pt")).eval()
+    hs = [r for r in records if "hellaswag" in r]
+    assert [r["step"] for r in hs] == [0, OVERFIT_STEPS] and hs[-1]["hellaswag_n"] == 8
+    examples = hellaswag.load_examples(str(shared_data / "hellaswag" / "hellaswag_val.jsonl"), limit=8)
+    counts = hellaswag.evaluate(model, enc, examples, "cpu")
+    assert hs[-1]["hellaswag"] == counts["correct_norm"] / 8 and hs[-1]["hellaswag_acc"] == counts["correct"] / 8
+    samples = [r["samples"] for r in records if "samples" in r]
+    assert samples == [sample_text(model, enc, "Hello, I'm a language model,", 2, 12, seed=42)]
+
+
+def test_step_records_lr_tokens_throughput_mfu(overfit_run):
+    _, out = overfit_run
+    records, steps = read_log(out)
+    header = records[0]
+    assert header["event"] == "header" and header["resumed_from"] is None
+    assert header["config"]["max_steps"] == OVERFIT_STEPS and header["versions"]["torch"] == torch.__version__
+    config = GPTConfig(**header["config"]["model_config"])
+    for s, r in steps.items():
+        assert r["lr"] == pytest.approx(get_lr(s, 1e-2, 1e-3, 10, OVERFIT_STEPS))
+        assert r["tokens"] == (s + 1) * 128
+        assert r["tok_per_sec"] == pytest.approx(128 / (r["dt_ms"] / 1000))
+        assert r["mfu"] == pytest.approx(flops_per_token(config, 32) * r["tok_per_sec"] / 1e12)
+        assert r["grad_norm"] > 0
+
+
+def test_checkpoint_has_plain_names_and_training_state(overfit_run):
+    _, out = overfit_run
+    ckpt = load_checkpoint(str(out / f"ckpt_{OVERFIT_STEPS:06d}.pt"))
+    assert not any(k.startswith("_orig_mod.") or k.startswith("module.") for k in ckpt["model"])
+    assert ckpt["step"] == OVERFIT_STEPS and ckpt["optimizer"]["state"]
+    assert ckpt["data"]["shards"] == ["ts_train_000001.npy", "ts_train_000002.npy"]
+    assert ckpt["val_loss"] == [r for r in read_log(out)[0] if "val_loss" in r][-1]["val_loss"]
+    assert len(ckpt["rng"]) == 1 and ckpt["train_config"]["max_steps"] == OVERFIT_STEPS
+
+
+def test_missing_hellaswag_data_is_one_warning_not_a_crash(tmp_path, capsys):
+    data = random_shards(tmp_path / "data")
+    args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--hellaswag-data", tmp_path / "nope.jsonl")  # fmt: skip
+    assert train_gpt2.main(args) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: HellaSwag evaluation is off") == 1 and "nope.jsonl" in err
+    records, steps = read_log(tmp_path / "out")
+    assert 0 in steps and not any("hellaswag" in r for r in records)
+
+
+# ----------------------------------------------------------------------------------------------
+# resume
+
+
+def _wait_for_step(proc, out_dir, step, timeout=240):
+    """Poll the log until it records `step`; the process must still be running then."""
+    log = out_dir / "log.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if log.exists() and any(f'"step": {step}, "train_loss"' in line for line in log.read_text().splitlines()):
+            return
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.005)
+    raise AssertionError(f"step {step} never logged")
+
+
+def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
+    data = random_shards(tmp_path / "data", train_lengths=(200, 250))  # 2 epochs in 16 steps: shuffles too
+    run = lambda out, *extra: tiny_args(data, out, "--max-steps", 16, "--ckpt-every", 4, *extra)  # noqa: E731
+    ref = cli(*run(tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stderr
+    proc = subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *map(str, run(tmp_path / "b"))],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for_step(proc, tmp_path / "b", 6)  # after the step-4 checkpoint, before the step-8 one
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert (tmp_path / "b" / "ckpt_000004.pt").exists() and not (tmp_path / "b" / "ckpt_000008.pt").exists()
+    resumed = cli(*run(tmp_path / "b", "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout and "ckpt_000004.pt" in resumed.stdout
+    ref_records, ref_steps = read_log(tmp_path / "ref")
+    records, steps = read_log(tmp_path / "b")
+    assert sorted(steps) == list(range(16))
+    for s in range(16):  # bitwise: JSON floats round-trip exactly
+        for key in ("train_loss", "grad_norm", "lr", "epoch", "tokens"):
+            assert steps[s][key] == ref_steps[s][key], (s, key)
+    vals = lambda recs: {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}  # noqa: E731
+    assert vals(records) == vals(ref_records)
+    headers = [r for r in records if r.get("event") == "header"]
+    assert [h["resumed_from"] for h in headers] == [None, 4]  # the log was appended, not wiped
+    a, b = load_checkpoint(str(tmp_path / "ref" / "ckpt_000016.pt")), load_checkpoint(str(tmp_path / "b" / "ckpt_000016.pt"))  # fmt: skip
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_sigterm_writes_a_usable_checkpoint(tmp_path):
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 100000)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for_step(proc, out, 2)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "caught SIGTERM" in stdout and "Traceback" not in stderr
+    _, steps = read_log(out)
+    last = max(steps)
+    path = out / f"ckpt_{last + 1:06d}.pt"
+    ckpt = load_checkpoint(str(path))
+    assert ckpt["step"] == last + 1 and ckpt["optimizer"]["state"]
+    # the data position is just after the batches of the steps done: 2 micro-batches a step
+    loader = DataLoaderLite(str(data), "train", 2, 16, seed=1337)
+    for _ in range(2 * (last + 1)):
+        loader.next_batch()
+    assert ckpt["data"] == loader.state_dict()
+    model = load_model(str(path))
+    assert torch.equal(model.lm_head.weight, ckpt["model"]["lm_head.weight"])
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input: one line, non-zero exit, no traceback
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """Two steps with a checkpoint after each: checkpoints to break."""
+    tmp = tmp_path_factory.mktemp("short")
+    data = random_shards(tmp / "data")
+    assert train_gpt2.main(tiny_args(data, tmp / "out", "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)) == 0
+    return data, tmp / "out"
+
+
+def _user_error(args):
+    with pytest.raises(UserError) as e:
+        train_gpt2.main(args)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_missing_data_folder_cli(tmp_path):
+    r = cli(*tiny_args(tmp_path / "nope", tmp_path / "out"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ") and r.stderr.strip().count("\n") == 0
+    assert "nope" in r.stderr and "fineweb.py" in r.stderr
+
+
+def test_empty_data_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert "no train shards" in _user_error(tiny_args(tmp_path / "empty", tmp_path / "out"))
+
+
+def test_batch_sizes_that_do_not_divide(tmp_path):
+    data = random_shards(tmp_path / "data")
+    msg = _user_error(tiny_args(data, tmp_path / "out", "--total-batch-size", 200))
+    assert "not a multiple" in msg and "2*16*1 = 32" in msg
+
+
+def test_bin_shard_with_bad_header(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "x_train_000001.bin", np.arange(1000))
+    raw = bytearray((data / "x_train_000001.bin").read_bytes())
+    raw[0:4] = (12345).to_bytes(4, "little")
+    (data / "x_train_000001.bin").write_bytes(raw)
+    assert "20240520" in _user_error(tiny_args(data, tmp_path / "out"))
+    write_shard(data / "x_train_000001.bin", np.arange(1000))
+    with open(data / "x_train_000001.bin", "r+b") as f:
+        f.truncate(1024 + 900)  # the header still says 1,000 tokens
+    assert "truncated" in _user_error(tiny_args(data, tmp_path / "out"))
+
+
+def test_checkpoint_from_another_config(short_run, tmp_path):
+    data, out = short_run
+    msg = _user_error(tiny_args(data, tmp_path / "out", "--n-embd", 64, "--resume", out / "ckpt_000002.pt"))
+    assert "another model" in msg
+
+
+def test_truncated_checkpoint(short_run, tmp_path):
+    data, out = short_run
+    raw = (out / "ckpt_000002.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(raw[: len(raw) // 2])
+    msg = _user_error(tiny_args(data, tmp_path / "out", "--resume", tmp_path / "cut.pt"))
+    assert "cut.pt" in msg and "cannot be loaded" in msg
+
+
+def test_resume_latest_falls_back_past_a_truncated_checkpoint(short_run, tmp_path, capsys):
+    data, out = short_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    raw = (run / "ckpt_000002.pt").read_bytes()
+    (run / "ckpt_000002.pt").write_bytes(raw[: len(raw) // 2])
+    assert train_gpt2.main(tiny_args(data, run, "--max-steps", 2, "--resume")) == 0
+    assert "skipping" in capsys.readouterr().err
+    assert [r["resumed_from"] for r in read_log(run)[0] if r.get("event") == "header"] == [None, 1]
+
+
+def test_pickle_carrying_code_is_refused(short_run, tmp_path):
+    data, _ = short_run
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (pathlib.Path.touch, (marker,))
+
+    torch.save({"model": Evil(), "model_config": {}}, tmp_path / "evil.pt")
+    msg = _user_error(tiny_args(data, tmp_path / "out", "--resume", tmp_path / "evil.pt"))
+    assert "evil.pt" in msg and not marker.exists()
+    torch.load(tmp_path / "evil.pt", weights_only=False)  # the file really does carry code:
+    assert marker.exists()  # loaded unsafely, it runs
