@@ -87,7 +87,9 @@ def read_documents(path, text_field):
                     except json.JSONDecodeError as e:
                         raise UserError(f"{path} line {lineno} is not valid JSON ({e.msg})") from None
                     if not isinstance(row, dict) or text_field not in row:
-                        raise UserError(f"{path} line {lineno} has no {text_field!r} field: choose one with --text-field")
+                        raise UserError(
+                            f"{path} line {lineno} has no {text_field!r} field: choose one with --text-field"
+                        )
                     yield _text(row[text_field], f"{path} line {lineno}")
         else:
             pf = pq.ParquetFile(path)
@@ -128,12 +130,13 @@ def local_documents(paths, text_field, skip=0):
     import pyarrow.parquet as pq
 
     for path in paths:
-        if skip:
-            # whole files whose row count is known without reading their text are skipped for free
-            known = 1 if path.endswith(".txt") else pq.ParquetFile(path).metadata.num_rows if path.endswith(".parquet") else None
-            if known is not None and skip >= known:
-                skip -= known
-                continue
+        # a whole file whose row count is known without reading its text is skipped for free
+        if skip and path.endswith(".txt"):
+            skip -= 1
+            continue
+        if skip and path.endswith(".parquet") and skip >= (rows := pq.ParquetFile(path).metadata.num_rows):
+            skip -= rows
+            continue
         for text in read_documents(path, text_field):
             if skip:
                 skip -= 1
@@ -153,7 +156,8 @@ def hub_documents(dataset, name, split, text_field, skip=0):
     if ds.column_names is not None:
         if text_field not in ds.column_names:
             raise UserError(
-                f"{dataset} has no {text_field!r} column (it has {', '.join(ds.column_names)}): choose one with --text-field"
+                f"{dataset} has no {text_field!r} column (it has {', '.join(ds.column_names)}): "
+                f"choose one with --text-field"
             )
         ds = ds.select_columns([text_field])  # the other columns are then never decoded
     if skip:
@@ -166,7 +170,9 @@ def hub_documents(dataset, name, split, text_field, skip=0):
             try:
                 batch = next(batches, None)
             except Exception as e:  # a dropped connection hours in: what finished is kept, so say how to go on
-                raise UserError(f"reading {dataset} failed ({_first_line(e)}): rerun the same command to resume") from None
+                raise UserError(
+                    f"reading {dataset} failed ({_first_line(e)}): rerun the same command to resume"
+                ) from None
             if batch is None:
                 return
             if text_field not in batch:
@@ -296,7 +302,8 @@ def load_manifest(path, config):
             diff = [k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
             shown = ", ".join(f"{k} {_short(old.get(k))} there, {_short(config.get(k))} now" for k in diff)
             raise UserError(
-                f"{path} was written by a different configuration ({shown}): use another --out-dir or delete it to start over"
+                f"{path} was written by a different configuration ({shown}): "
+                f"use another --out-dir or delete it to start over"
             )
         # keep the shards still whole on disk; the first missing or changed one and all after it are redone
         intact = []
@@ -346,7 +353,7 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
     pos = sum(s["tokens"] for s in shards)  # tokens written so far
     summary = dict(out_dir=out_dir, new_tokens=0, seconds=0.0)
     if manifest["complete"] or pos >= limit:
-        return _summary(summary, shards, nothing_to_do=True)
+        return _summary(summary, shards, nothing_to_do=True, complete=manifest["complete"])
     if shards and shards[-1]["tokens"] < shard_size:
         pos -= shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone in full
     if shards:
@@ -437,16 +444,35 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("input (default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub)")
     src.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu", help="Hub dataset (default %(default)s)")
-    src.add_argument("--name", default="sample-10BT", help="its subset, e.g. sample-100BT; '' for none (default %(default)s)")
+    src.add_argument(
+        "--name", default="sample-10BT", help="its subset, e.g. sample-100BT; '' for none (default %(default)s)"
+    )
     src.add_argument("--split", default="train", help="the dataset's split to read (default %(default)s)")
-    src.add_argument("--input", nargs="+", metavar="FILE", help="local .txt (one document each), .jsonl or .parquet files or globs, instead of the Hub")
-    src.add_argument("--text-field", default="text", help="the jsonl field / parquet / dataset column holding the text (default %(default)s)")
+    src.add_argument(
+        "--input",
+        nargs="+",
+        metavar="FILE",
+        help="local .txt (one document each), .jsonl or .parquet files or globs, instead of the Hub",
+    )
+    src.add_argument(
+        "--text-field",
+        default="text",
+        help="the jsonl field / parquet / dataset column holding the text (default %(default)s)",
+    )
     out = p.add_argument_group("output")
-    out.add_argument("--out-dir", default="edu_fineweb10B", help="shard folder, relative to the working dir (default %(default)s)")
+    out.add_argument(
+        "--out-dir", default="edu_fineweb10B", help="shard folder, relative to the working dir (default %(default)s)"
+    )
     out.add_argument("--prefix", default="edufineweb", help="shard name prefix (default %(default)s)")
-    out.add_argument("--shard-size", type=_positive_int, default=100_000_000, help="tokens per shard (default %(default)s)")
-    out.add_argument("--format", choices=("npy", "bin"), default="npy", help="npy (np.save) or bin (llm.c header + uint16)")
-    out.add_argument("--max-tokens", type=_positive_int, help="stop after this many tokens in all (the last shard may be partial)")
+    out.add_argument(
+        "--shard-size", type=_positive_int, default=100_000_000, help="tokens per shard (default %(default)s)"
+    )
+    out.add_argument(
+        "--format", choices=("npy", "bin"), default="npy", help="npy (np.save) or bin (llm.c header + uint16)"
+    )
+    out.add_argument(
+        "--max-tokens", type=_positive_int, help="stop after this many tokens in all (the last shard may be partial)"
+    )
     out.add_argument("--max-shards", type=_positive_int, help="stop after this many shards")
     p.add_argument("--workers", type=_positive_int, default=None, help="tokenizer processes (default: the CPU cores)")
     return p.parse_args(argv)
@@ -471,7 +497,12 @@ def main(argv=None):
             return hub_documents(args.dataset, name, args.split, args.text_field, skip)
 
     config = dict(
-        source=source, text_field=args.text_field, encoding="gpt2", shard_size=args.shard_size, prefix=args.prefix, format=args.format
+        source=source,
+        text_field=args.text_field,
+        encoding="gpt2",
+        shard_size=args.shard_size,
+        prefix=args.prefix,
+        format=args.format,
     )
     s = build_shards(open_documents, config, args.out_dir, args.workers, args.max_tokens, args.max_shards)
     where = f"{s['tokens']:,} tokens from {s['documents']:,} documents in {s['shards']} shards in {s['out_dir']}"
@@ -480,7 +511,9 @@ def main(argv=None):
     else:
         rate = s["new_tokens"] / max(s["seconds"], 1e-9)
         state = "done" if s["complete"] else "stopped early"
-        print(f"{state}: {where}; this run wrote {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate:,.0f} tokens/s)")
+        print(
+            f"{state}: {where}; this run wrote {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate:,.0f} tokens/s)"
+        )
     return s
 
 

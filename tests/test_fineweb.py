@@ -66,7 +66,18 @@ def parquet_tokens(parquet_files, enc):
 def parquet_run(tmp_path_factory, shared_data):
     """One uninterrupted run over the parquet sample, shared by the tests that compare against it."""
     out = tmp_path_factory.mktemp("parquet_run") / "shards"
-    fineweb.main(["--input", str(shared_data / "fineweb_sample" / "*.parquet"), "--out-dir", str(out), "--shard-size", str(SHARD), "--workers", "2"])
+    fineweb.main(
+        [
+            "--input",
+            str(shared_data / "fineweb_sample" / "*.parquet"),
+            "--out-dir",
+            str(out),
+            "--shard-size",
+            str(SHARD),
+            "--workers",
+            "2",
+        ]
+    )
     return out
 
 
@@ -85,7 +96,16 @@ def test_tinyshakespeare_is_one_document(tmp_path, shared_data, enc):
     text = (shared_data / "tinyshakespeare" / "input.txt").read_text()
     expected = np.array([EOT] + enc.encode_ordinary(text), dtype=np.uint16)
     assert len(expected) == 338_025 + 1
-    fineweb.main(["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", str(tmp_path), "--shard-size", str(SHARD)])
+    fineweb.main(
+        [
+            "--input",
+            str(shared_data / "tinyshakespeare" / "input.txt"),
+            "--out-dir",
+            str(tmp_path),
+            "--shard-size",
+            str(SHARD),
+        ]
+    )
     shards = ordered(read_shards(tmp_path))
     assert [len(s) for s in shards] == [SHARD, SHARD, SHARD, 38_026]
     np.testing.assert_array_equal(np.concatenate(shards), expected)
@@ -94,7 +114,18 @@ def test_tinyshakespeare_is_one_document(tmp_path, shared_data, enc):
 def test_bin_format_has_llmc_header_and_same_tokens(tmp_path, shared_data, enc):
     text = (shared_data / "tinyshakespeare" / "input.txt").read_text()
     expected = np.array([EOT] + enc.encode_ordinary(text), dtype=np.uint16)
-    fineweb.main(["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", str(tmp_path), "--shard-size", "150000", "--format", "bin"])
+    fineweb.main(
+        [
+            "--input",
+            str(shared_data / "tinyshakespeare" / "input.txt"),
+            "--out-dir",
+            str(tmp_path),
+            "--shard-size",
+            "150000",
+            "--format",
+            "bin",
+        ]
+    )
     shards = read_shards(tmp_path, "bin")  # checks magic, version, count, zero padding and file size
     assert list(shards) == ["edufineweb_train_000001.bin", "edufineweb_train_000002.bin", "edufineweb_val_000000.bin"]
     assert [len(s) for s in ordered(shards)] == [150_000, 150_000, 38_026]
@@ -106,14 +137,30 @@ def test_txt_and_jsonl_globs_in_order_with_text_field(tmp_path, enc):
     src.mkdir()
     (src / "b.txt").write_bytes("second file\r\nkeeps its CRLF\n".encode())
     (src / "a.txt").write_text("first file, sorted before b")
-    rows = [{"content": "caf\u00e9 \u2603 <|endoftext|> is plain text here", "id": 1}, {"content": "", "id": 2}, {"content": "x " * 40, "id": 3}]
+    rows = [
+        {"content": "caf\u00e9 \u2603 <|endoftext|> is plain text here", "id": 1},
+        {"content": "", "id": 2},
+        {"content": "x " * 40, "id": 3},
+    ]
     (src / "c.jsonl").write_text(json.dumps(rows[0]) + "\n\n" + "\n".join(json.dumps(r) for r in rows[1:]) + "\n")
     docs = ["first file, sorted before b", "second file\r\nkeeps its CRLF\n"] + [r["content"] for r in rows]
     expected = np.array([t for d in docs for t in [EOT, *enc.encode_ordinary(d)]], dtype=np.uint16)
 
     out = tmp_path / "out"
     # shards of 7 tokens: documents split across shards, the long one across several
-    fineweb.main(["--input", str(src / "*.txt"), str(src / "c.jsonl"), "--text-field", "content", "--out-dir", str(out), "--shard-size", "7"])
+    fineweb.main(
+        [
+            "--input",
+            str(src / "*.txt"),
+            str(src / "c.jsonl"),
+            "--text-field",
+            "content",
+            "--out-dir",
+            str(out),
+            "--shard-size",
+            "7",
+        ]
+    )
     shards = ordered(read_shards(out))
     assert all(len(s) == 7 for s in shards[:-1]) and 0 < len(shards[-1]) <= 7
     np.testing.assert_array_equal(np.concatenate(shards), expected)
@@ -126,7 +173,10 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, parquet_files, parquet
     args = ["--input", *parquet_files * 4, "--out-dir", "out", "--shard-size", "50000"]
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "fineweb.py"), *args, "--workers", "1"],
-        cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     manifest_path = tmp_path / "out" / "edufineweb_manifest.json"
     deadline = time.time() + 120
@@ -170,7 +220,9 @@ def test_max_tokens_stops_exactly_then_resumes(tmp_path, parquet_files, parquet_
 
 
 def test_max_shards(tmp_path, parquet_files, parquet_run):
-    fineweb.main(["--input", *parquet_files, "--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--max-shards", "2"])
+    fineweb.main(
+        ["--input", *parquet_files, "--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--max-shards", "2"]
+    )
     shards = {n: b for n, b in file_bytes(tmp_path).items() if n.endswith(".npy")}
     assert sorted(shards) == ["edufineweb_train_000001.npy", "edufineweb_val_000000.npy"]
     assert all(shards[n] == file_bytes(parquet_run)[n] for n in shards)
@@ -237,7 +289,10 @@ def _bad_parquet(tmp_path):
         (lambda tmp, data: [str(tmp)], "is a directory"),
         (lambda tmp, data: [str(data / "reference" / "reference_numbers.json")], "unknown file type"),
         (lambda tmp, data: _bad_parquet(tmp), "not a readable parquet file"),
-        (lambda tmp, data: [str(data / "fineweb_sample" / "batch_000001.parquet"), "--text-field", "body"], "has no 'body' column"),
+        (
+            lambda tmp, data: [str(data / "fineweb_sample" / "batch_000001.parquet"), "--text-field", "body"],
+            "has no 'body' column",
+        ),
     ],
     ids=["glob-matches-nothing", "missing-file", "directory", "unknown-type", "not-parquet", "missing-column"],
 )
@@ -292,7 +347,14 @@ def test_manifest_from_other_config_or_corrupt(tmp_path):
 
 
 def test_missing_shard_is_redone(tmp_path, shared_data):
-    args = ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", str(tmp_path), "--shard-size", "100000"]
+    args = [
+        "--input",
+        str(shared_data / "tinyshakespeare" / "input.txt"),
+        "--out-dir",
+        str(tmp_path),
+        "--shard-size",
+        "100000",
+    ]
     fineweb.main(args)
     before = file_bytes(tmp_path)
     os.remove(tmp_path / "edufineweb_train_000002.npy")
@@ -308,7 +370,10 @@ def test_hub_dataset_that_cannot_be_opened(tmp_path):
 
 def test_cli_prints_one_line_and_exits_1(tmp_path):
     r = subprocess.run(
-        [sys.executable, str(ROOT / "fineweb.py"), "--input", "missing.txt"], cwd=tmp_path, capture_output=True, text=True
+        [sys.executable, str(ROOT / "fineweb.py"), "--input", "missing.txt"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 1
     assert r.stderr == "error: --input missing.txt does not exist\n"
