@@ -4,9 +4,11 @@ reports the numbers the log holds; the committed notebook is clean."""
 import json
 import os
 import re
+import subprocess
 import sys
 
 import nbformat
+import numpy as np
 import pytest
 from matplotlib.image import imread
 from nbclient import NotebookClient
@@ -58,7 +60,8 @@ def assert_pngs(folder):
 
 
 def stderr_of(nb):
-    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("name") == "stderr")
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    return "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,7 +70,8 @@ def stderr_of(nb):
 
 def header(resumed_from=None):
     config = {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 64, "total_batch_size": 1024}
-    return {"event": "header", "config": config, "versions": {"torch": "2.13.0"}, "device": "cpu", "resumed_from": resumed_from}
+    versions = {"torch": "2.13.0"}
+    return {"event": "header", "config": config, "versions": versions, "device": "cpu", "resumed_from": resumed_from}
 
 
 def step_record(step, loss, dt_ms=100.0):
@@ -148,30 +152,33 @@ def test_log_still_being_written(tmp_path, kernel_env):
 
 
 def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel_env):
-    # run 1 trains steps 0..29 (loss 8.0), checkpoints at 19, and is killed mid-way through writing
-    # step 30; run 2 resumes from 19, redoes steps 20.. (loss 4.0) and has reached step 25
-    first = [header()] + [step_record(s, 8.0, dt_ms=100.0) for s in range(30)]
-    first.insert(21, {"step": 20, "val_loss": 7.5})
-    first.append({"step": 25, "val_loss": 7.0})
-    second = [header(resumed_from=19), {"step": 20, "val_loss": 4.5}] + [step_record(s, 4.0, dt_ms=50.0) for s in range(20, 26)]
-    killed = json.dumps(step_record(30, 8.0))[:25]  # the resume header lands on this line
-    path = tmp_path / "run" / "log.jsonl"
-    write_log(path.parent, first, tail=killed)
-    with open(path, "a") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in second))
-    assert sum(1 for line in path.read_text().splitlines() if '"event": "header"' in line) == 2
+    # run 1 evaluates every 5 steps and checkpoints after 20 updates; it is killed after step
+    # record 29 and the val eval at 30, while writing step record 30
+    val_1 = {0: 10.9, 5: 9.0, 10: 8.0, 15: 7.0, 20: 6.0, 25: 5.0, 30: 4.0}
+    first = [header()]
+    for s in range(30):
+        first += [{"step": s, "val_loss": val_1[s]}] if s in val_1 else []
+        first.append(step_record(s, 8.0, dt_ms=100.0))
+    first.append({"step": 30, "val_loss": val_1[30]})
+    killed = json.dumps(step_record(30, 8.0))[:25]
+    # run 2 resumes from that checkpoint (20 updates done), so it skips the eval at 20 and redoes
+    # step records 20..; as train_gpt2.py does, it starts its records on a fresh line
+    second = [header(resumed_from=20)] + [step_record(s, 4.0, dt_ms=50.0) for s in range(20, 25)]
+    second += [{"step": 25, "val_loss": 6.5}] + [step_record(s, 4.0, dt_ms=50.0) for s in range(25, 28)]
+    path = write_log(tmp_path / "run", first, tail=killed + "\n" + "".join(json.dumps(r) + "\n" for r in second))
 
     _, out = run_notebook(path, tmp_path)
     s = out["summary"]
-    # steps 0..19 from run 1 and 20..25 from run 2; run 1's steps 26..29 are gone with it
-    assert s["last_step"] == 25
-    assert s["tokens"] == 26 * 1024
+    # step records 0..19 from run 1 and 20..27 from run 2; run 1's 28, 29 and val at 30 are gone
+    assert s["last_step"] == 27
+    assert s["tokens"] == 28 * 1024
     assert s["last_train_loss"] == 4.0
-    assert s["last_val_loss"] == [20, 4.5]  # run 1's val at 25 was dropped, its val at 20 replaced
-    assert s["best_val_loss"] == [20, 4.5]
-    assert s["step_time_s"] == pytest.approx(20 * 0.1 + 6 * 0.05)
-    assert s["redone_steps"] == 10  # run 1's records for steps 20..29
-    assert s["skipped_lines"] == 0 and s["partial_last_line"] is False
+    assert s["last_val_loss"] == [25, 6.5]  # run 2's, over run 1's 5.0
+    assert s["best_val_loss"] == [20, 6.0]  # run 1's eval at the checkpoint still counts
+    assert s["step_time_s"] == pytest.approx(20 * 0.1 + 8 * 0.05)
+    assert s["redone_steps"] == 10  # run 1's step records 20..29
+    assert s["skipped_lines"] == 1  # the killed line
+    assert s["partial_last_line"] is False
     assert_pngs(path.parent)
 
 
@@ -180,3 +187,88 @@ def test_missing_log_is_a_clear_error(tmp_path, kernel_env):
 
     with pytest.raises(CellExecutionError, match="no training log at .*set log_path"):
         run_notebook(tmp_path / "nowhere", tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# A real log: train_gpt2.py trains a tiny model on tiny shakespeare, then resumes from a checkpoint
+
+
+def expected_summary(path):
+    """What the notebook should report, by the contract's plain rule: complete lines only, the
+    last record per step counts."""
+    lines = path.read_text().split("\n")[:-1]  # whatever follows the last newline is unfinished
+    steps, val, hella = {}, {}, {}
+    for r in map(json.loads, filter(str.strip, lines)):
+        if "train_loss" in r:
+            steps[r["step"]] = r
+        if "val_loss" in r:
+            val[r["step"]] = r["val_loss"]
+        if "hellaswag" in r:
+            hella[r["step"]] = r["hellaswag"]
+    last = steps[max(steps)]
+    # HellaSwag records only appear where hellaswag.py and its data are there: none is fine too
+    best = lambda d, pick: [pick(d, key=d.get), d[pick(d, key=d.get)]] if d else None  # noqa: E731
+    return {
+        "last_step": max(steps),
+        "tokens": last["tokens"],
+        "last_train_loss": last["train_loss"],
+        "last_val_loss": [max(val), val[max(val)]],
+        "best_val_loss": best(val, min),
+        "best_hellaswag": best(hella, max),
+        "step_time_s": sum(r["dt_ms"] for r in steps.values()) / 1000,
+    }
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory, shared_data, enc):
+    """Run 1 trains 12 steps with checkpoints after 6 and 12; run 2 resumes from the one after 6
+    and redoes steps 6..11, appending to the same log. Returns (run-1 log text, out dir)."""
+    data = tmp_path_factory.mktemp("shards")
+    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()[:20000]
+    tokens = np.array([enc.eot_token] + enc.encode_ordinary(text), dtype=np.uint16)
+    np.save(data / "edufineweb_val_000000.npy", tokens[:2048])
+    np.save(data / "edufineweb_train_000001.npy", tokens[2048:])
+    out = tmp_path_factory.mktemp("run")
+    args = [
+        sys.executable, "train_gpt2.py", "--data-dir", data, "--out-dir", out, "--device", "cpu",
+        "--n-layer", 2, "--n-head", 2, "--n-embd", 32, "--block-size", 64, "-B", 4, "-T", 32,
+        "--total-batch-size", 128, "--max-steps", 12, "--warmup-steps", 2, "--max-lr", 3e-3,
+        "--eval-every", 4, "--val-tokens", 512, "--hellaswag-every", 6, "--hellaswag-limit", 8,
+        "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl", "--sample-every", 0,
+        "--ckpt-every", 6, "--keep-ckpts", 0,
+    ]  # fmt: skip
+    args = list(map(str, args))
+    subprocess.run(args, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    first = (out / "log.jsonl").read_text()
+    resume = args + ["--resume", str(out / "ckpt_000006.pt")]
+    subprocess.run(resume, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    return first, out
+
+
+def test_real_log_still_being_written(real_run, tmp_path, kernel_env):
+    first, _ = real_run
+    log = tmp_path / "writing" / "log.jsonl"
+    log.parent.mkdir()
+    log.write_text(first[: first.rstrip("\n").rfind("\n") + 30])  # the last record cut after 29 characters
+    _, out = run_notebook(log, tmp_path)
+    s = out["summary"]
+    assert s["partial_last_line"] is True and s["skipped_lines"] == 0
+    for key, value in expected_summary(log).items():
+        assert s[key] == pytest.approx(value), key
+    assert s["max_steps"] == 12
+    assert_pngs(log.parent)
+
+
+def test_real_resumed_log(real_run, tmp_path, kernel_env):
+    _, run_dir = real_run
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert [r["resumed_from"] for r in records if r.get("event") == "header"] == [None, 6]
+    step_ids = [r["step"] for r in records if "train_loss" in r]
+    assert sorted(step_ids) == sorted(list(range(12)) + list(range(6, 12)))  # steps 6..11 twice
+    nb, out = run_notebook(run_dir, tmp_path)
+    s = out["summary"]
+    for key, value in expected_summary(run_dir / "log.jsonl").items():
+        assert s[key] == pytest.approx(value), key
+    assert (s["last_step"], s["redone_steps"], s["skipped_lines"], s["partial_last_line"]) == (11, 6, 0, False)
+    assert_pngs(run_dir)
+    assert stderr_of(nb) == ""
