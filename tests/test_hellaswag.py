@@ -1,0 +1,318 @@
+"""hellaswag.py: tokens, batched scores against a plain per-example loop, sharding, the data
+sources (Hub, then URL; network calls replaced by local data) and refusing bad data."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import datasets
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import hellaswag
+from hellaswag import HellaSwagDataError
+from train_gpt2 import GPT
+
+ROOT = __import__("conftest").ROOT
+
+
+@pytest.fixture(scope="module")
+def val_path(shared_data):
+    return shared_data / "hellaswag" / "hellaswag_val.jsonl"
+
+
+@pytest.fixture(scope="module")
+def examples(val_path):
+    return hellaswag.load_examples(str(val_path))
+
+
+@pytest.fixture(scope="module")
+def reference(shared_data):
+    return json.loads((shared_data / "reference" / "reference_numbers.json").read_text())
+
+
+def plain_losses(logits_of, enc, example, block_size):
+    """The scoring written out directly, the original way: one example per forward pass (its 4
+    rows right-padded). Returns the summed loss and the mean loss per scored token of each ending."""
+    ctx = enc.encode(example["ctx"])
+    rows, n_ends = [], []
+    for ending in example["endings"]:
+        end = enc.encode(" " + ending)
+        rows.append((ctx + end)[-(block_size + 1) :])  # the documented cut: keep the last block_size+1
+        n_ends.append(min(len(end), len(rows[-1]) - 1))  # ending tokens that have a token before them
+    T = max(len(r) for r in rows)
+    tokens = torch.tensor([r + [0] * (T - len(r)) for r in rows])
+    logits = logits_of(tokens[:, :-1])  # position t predicts token t + 1
+    sums, means = [], []
+    for i, (row, n_end) in enumerate(zip(rows, n_ends)):
+        logp = F.log_softmax(logits[i, len(row) - 1 - n_end : len(row) - 1].float(), dim=-1)
+        sums.append(-logp[torch.arange(n_end), torch.tensor(row[-n_end:])].sum().item())
+        means.append(sums[-1] / n_end)
+    return sums, means
+
+
+def argmin(values):
+    return min(range(len(values)), key=values.__getitem__)
+
+
+def counts_by_hand(examples, preds, preds_norm):
+    c = Counter()
+    for ex, p, pn in zip(examples, preds, preds_norm):
+        for t in ("", "_" + ex["split_type"]):
+            c["n" + t] += 1
+            c["correct" + t] += p == ex["label"]
+            c["correct_norm" + t] += pn == ex["label"]
+    return c
+
+
+# ----------------------------------------------------------------------------------------------
+# Data and tokens
+
+
+def test_full_validation_file_loads(examples, reference):
+    ref = reference["hellaswag_val"]
+    assert len(examples) == ref["num_examples"] == hellaswag.NUM_VAL
+    assert dict(Counter(str(ex["label"]) for ex in examples)) == ref["label_counts"]
+    assert dict(Counter(ex["split_type"] for ex in examples)) == ref["split_type_counts"]
+    assert examples[0]["ind"] == 24 and examples[0]["label"] == 3
+
+
+def test_render_example_zero(examples, enc, reference):
+    ref = reference["hellaswag_val"]["first_example"]
+    ctx_tokens, ending_tokens = hellaswag.render_example(examples[0], enc)
+    assert ctx_tokens == ref["ctx_tokens"] == [32, 582, 318, 5586, 319, 257, 9753, 13, 339]
+    assert [len(e) for e in ending_tokens] == ref["ending_token_lengths_with_leading_space"] == [11, 6, 8, 9]
+    assert ending_tokens[3] == enc.encode(" starts pulling up roofing on a roof.")
+
+
+def test_malformed_line_is_named(tmp_path, val_path):
+    lines = val_path.read_text().splitlines(keepends=True)[:5]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines[:2] + ['{"ctx": "cut off\n'] + lines[3:]))
+    with pytest.raises(HellaSwagDataError, match=r"bad\.jsonl, line 3: not JSON"):
+        hellaswag.load_examples(str(bad))
+    row = json.loads(lines[1])
+    row["label"] = str(row["label"])  # the Hub's string label is not the original format
+    bad.write_text(lines[0] + json.dumps(row) + "\n")
+    with pytest.raises(HellaSwagDataError, match="line 2: label '3' is not an int"):
+        hellaswag.load_examples(str(bad))
+    with pytest.raises(HellaSwagDataError, match="does not exist"):
+        hellaswag.load_examples(str(tmp_path / "missing.jsonl"))
+    bad.write_text("\n")
+    with pytest.raises(HellaSwagDataError, match="holds no examples"):
+        hellaswag.load_examples(str(bad))
+
+
+def test_cache_with_html_error_page_is_refused(tmp_path):
+    (tmp_path / hellaswag.CACHE_NAME).write_text("<!DOCTYPE html>\n<html><body>404: Not Found</body></html>\n")
+    with pytest.raises(HellaSwagDataError, match=r"bad cache: .*line 1: not JSON.*delete"):
+        hellaswag.load_examples(cache_dir=str(tmp_path))
+
+
+def test_truncated_cache_is_refused(tmp_path, val_path):
+    cache = tmp_path / hellaswag.CACHE_NAME
+    data = val_path.read_bytes()
+    cache.write_bytes(b"".join(data.splitlines(keepends=True)[:1000]))  # cut at a line end
+    with pytest.raises(HellaSwagDataError, match="has 1000 rows, expected 10042"):
+        hellaswag.load_examples(cache_dir=str(tmp_path))
+    cut = data[: len(data) // 2]  # cut inside a line: that line is named
+    cache.write_bytes(cut)
+    last_line = cut.count(b"\n") + 1
+    with pytest.raises(HellaSwagDataError, match=f"line {last_line}: not JSON"):
+        hellaswag.load_examples(cache_dir=str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Downloads, with local data in place of the network
+
+
+class FakeResponse(io.BytesIO):
+    def __init__(self, body, status=200):
+        super().__init__(body)
+        self.status = status
+
+
+def hub_rows(val_path):
+    """The rows as the Hub serves them: its own column order, label a string."""
+    columns = ("ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "source_id", "split", "split_type", "label")
+    rows = [json.loads(line) for line in val_path.read_text().splitlines()]
+    return [{k: (str(r[k]) if k == "label" else r[k]) for k in columns} for r in rows]
+
+
+def no_network(*args, **kwargs):
+    raise ConnectionError("offline in this test")
+
+
+def test_hub_download_writes_the_original_file(tmp_path, monkeypatch, val_path):
+    hub = datasets.Dataset.from_list(hub_rows(val_path))
+    calls = []
+
+    def load_dataset(name, split):
+        calls.append((name, split))
+        return hub
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    examples = hellaswag.load_examples(cache_dir=str(tmp_path / "cache"), limit=3)
+    assert calls == [("Rowan/hellaswag", "validation")]
+    assert [ex["label"] for ex in examples] == [3, 3, 2]
+    # the cache is the original jsonl byte for byte, and nothing else is left beside it
+    assert (tmp_path / "cache" / hellaswag.CACHE_NAME).read_bytes() == val_path.read_bytes()
+    assert os.listdir(tmp_path / "cache") == [hellaswag.CACHE_NAME]
+    monkeypatch.setattr(datasets, "load_dataset", no_network)  # the second time reads the cache
+    assert len(hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))) == 10042
+
+
+def test_url_fallback_when_the_hub_fails(tmp_path, monkeypatch, val_path):
+    urls = []
+
+    def urlopen(url, timeout=None):
+        urls.append(url)
+        return FakeResponse(val_path.read_bytes())
+
+    monkeypatch.setattr(datasets, "load_dataset", no_network)
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    assert len(hellaswag.load_examples(cache_dir=str(tmp_path))) == 10042
+    assert urls == [hellaswag.DATA_URL]
+    assert (tmp_path / hellaswag.CACHE_NAME).read_bytes() == val_path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "response, message",
+    [
+        (lambda v: FakeResponse(b"<html>Service unavailable</html>"), "line 1: not JSON"),
+        (lambda v: FakeResponse(v.read_bytes(), status=203), "HTTP status 203"),
+        (lambda v: FakeResponse(b"".join(v.read_bytes().splitlines(keepends=True)[:100])), "100 rows, expected 10042"),
+    ],
+    ids=["html", "status", "short"],
+)
+def test_bad_download_is_not_cached(tmp_path, monkeypatch, val_path, response, message):
+    monkeypatch.setattr(datasets, "load_dataset", no_network)
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: response(val_path))
+    with pytest.raises(HellaSwagDataError, match=f"Rowan/hellaswag: offline in this test; .*{message}.*--data"):
+        hellaswag.load_examples(cache_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_http_error_names_both_sources(tmp_path, monkeypatch):
+    def urlopen(url, timeout=None):
+        raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
+
+    monkeypatch.setattr(datasets, "load_dataset", no_network)
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    with pytest.raises(HellaSwagDataError, match=r"cannot download HellaSwag \(Rowan/hellaswag: .*HTTP Error 404"):
+        hellaswag.load_examples(cache_dir=str(tmp_path / "c"))
+    assert not (tmp_path / "c" / hellaswag.CACHE_NAME).exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A random transformers GPT-2 saved locally; n_embd 32 keeps the 50257-way output layer cheap."""
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():  # move the LayerNorms and biases off their 1 / 0 init so that they matter
+        for name, p in model.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("hf_hellaswag")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def parity(hf_dir, examples, enc):
+    """The transformers model and ours with the same weights (block size 128), and the plain
+    losses of the transformers model on the first 200 examples: the reference for both."""
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    exs = examples[:200]
+    with torch.no_grad():
+        plain = [plain_losses(lambda x: hf(x).logits, enc, ex, 128) for ex in exs]
+    return {"hf": hf, "ours": GPT.from_pretrained(str(hf_dir)), "examples": exs, "plain": plain}
+
+
+@pytest.mark.parametrize("kind", ["ours", "hf"])
+def test_batched_equals_plain_per_example_loop(kind, parity, enc):
+    exs, plain = parity["examples"], parity["plain"]
+    sum_loss, n_tokens = hellaswag.ending_losses(parity[kind], enc, exs, "cpu", batch_size=7)  # 7: a ragged last batch
+    assert torch.allclose(sum_loss, torch.tensor([s for s, _ in plain]), rtol=1e-4, atol=1e-4)
+    preds, preds_norm = [argmin(s) for s, _ in plain], [argmin(m) for _, m in plain]
+    assert preds != preds_norm  # the two scores pick differently here, so both are really checked
+    assert sum_loss.argmin(1).tolist() == preds
+    assert (sum_loss / n_tokens).argmin(1).tolist() == preds_norm
+
+
+def test_rows_longer_than_block_size_keep_their_end(tiny_config, examples, enc):
+    torch.manual_seed(0)
+    model = GPT(tiny_config)  # block size 64
+    block_size = tiny_config.block_size
+    wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
+    exs = examples[:10] + wikihow[:10]  # short ActivityNet rows and long WikiHow ones
+    lengths = [len(enc.encode(ex["ctx"])) + len(enc.encode(" " + e)) for ex in exs for e in ex["endings"]]
+    assert sum(n > block_size + 1 for n in lengths) >= 40 and sum(n <= block_size + 1 for n in lengths) >= 40
+    with torch.no_grad():
+        plain = [plain_losses(lambda x: model(x)[0], enc, ex, block_size) for ex in exs]
+    sum_loss, _ = hellaswag.ending_losses(model, enc, exs, "cpu", batch_size=8)
+    assert torch.allclose(sum_loss, torch.tensor([s for s, _ in plain]), rtol=1e-4, atol=1e-4)
+    # an ending longer than the window: every target in the window is an ending token
+    long = dict(exs[0], endings=["word " * 100, "a", "b c", "d e f"])
+    _, n_tokens = hellaswag.ending_losses(model, enc, [long], "cpu")
+    assert n_tokens.tolist() == [[block_size, 1, 2, 3]]
+
+
+def test_evaluate_counts_and_shards_sum_to_the_whole(parity, enc):
+    model, exs, plain = parity["ours"], parity["examples"][:40], parity["plain"][:40]
+    by_hand = counts_by_hand(exs, [argmin(s) for s, _ in plain], [argmin(m) for _, m in plain])
+    whole = hellaswag.evaluate(model, enc, exs, "cpu", batch_size=16)
+    assert set(whole) == {f"{k}{t}" for k in ("n", "correct", "correct_norm") for t in ("", "_indomain", "_zeroshot")}
+    assert whole == {k: by_hand[k] for k in whole} and whole["n"] == 40
+    parts = [hellaswag.evaluate(model, enc, exs, "cpu", rank, 3, batch_size=16) for rank in range(3)]
+    assert [p["n"] for p in parts] == [14, 13, 13]
+    assert {k: sum(p[k] for p in parts) for k in whole} == whole
+    # a rank with no examples still returns every key, as zeros, so the ranks can be summed
+    assert hellaswag.evaluate(model, enc, exs[:3], "cpu", rank=5, world_size=8) == dict.fromkeys(whole, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "hellaswag.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_cli_prints_accuracy(hf_dir, parity, val_path):
+    r = run_cli("-m", hf_dir, "-d", "cpu", "--data", val_path, "--limit", 20, "--batch-size", 4)
+    assert r.returncode == 0, r.stderr
+    plain = parity["plain"][:20]
+    c = counts_by_hand(parity["examples"][:20], [argmin(s) for s, _ in plain], [argmin(m) for _, m in plain])
+    assert f"acc      {c['correct'] / 20:.4f}  ({c['correct']}/20)" in r.stdout
+    assert f"acc_norm {c['correct_norm'] / 20:.4f}  ({c['correct_norm']}/20)" in r.stdout
+    assert f"indomain  n={c['n_indomain']:<5} acc {c['correct_indomain'] / c['n_indomain']:.4f}" in r.stdout
+
+
+def test_cli_bad_data_is_one_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0, "split_type": "indomain"}\nnot json\n')
+    for data, message in ((bad, "bad.jsonl, line 2: not JSON"), (tmp_path / "none.jsonl", "does not exist")):
+        r = run_cli("-m", "gpt2", "--data", data)
+        assert r.returncode == 1
+        assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_import_needs_neither_transformers_nor_the_trainer():
+    code = "import sys, hellaswag; print([m for m in ('transformers', 'train_gpt2', 'datasets') if m in sys.modules])"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
