@@ -438,11 +438,11 @@ def load_shard(path):
             if len(header) < 256 or header[0] != SHARD_MAGIC:
                 raise UserError(f"{path}: not an llm.c token shard (its header does not start with {SHARD_MAGIC})")
             if header[1] != SHARD_VERSION:
-                raise UserError(f"{path}: shard version {header[1]}; only version {SHARD_VERSION} (uint16 tokens) is read")
+                raise UserError(f"{path}: shard version {header[1]}; only version {SHARD_VERSION} is read")
             n = int(header[2])
             have = (os.path.getsize(path) - SHARD_HEADER_BYTES) // 2
             if n != have:
-                raise UserError(f"{path}: the header says {n:,} tokens but the file holds {have:,} (truncated?): rewrite it")
+                raise UserError(f"{path}: the header says {n:,} tokens but the file holds {have:,}: truncated?")
             if n == 0:
                 return np.empty(0, dtype=np.uint16)  # mmap cannot map zero bytes
             return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_BYTES, shape=(n,))
@@ -458,7 +458,7 @@ def load_shard(path):
 def find_shards(data_dir, split):
     """The {prefix}_{split}_{index}.npy (or .bin) shards in data_dir, in name order."""
     if not os.path.isdir(data_dir):
-        raise UserError(f"data folder {data_dir} does not exist: write shards with `python fineweb.py` or pass --data-dir")
+        raise UserError(f"data folder {data_dir} does not exist: write shards with fineweb.py or pass --data-dir")
     names = sorted(n for n in os.listdir(data_dir) if re.fullmatch(rf".+_{split}_\d+\.(npy|bin)", n))
     if len({os.path.splitext(n)[1] for n in names}) > 1:
         raise UserError(f"{data_dir} holds both .npy and .bin {split} shards: keep one format")
@@ -622,13 +622,16 @@ def find_resume_checkpoint(resume, out_dir):
 
 def get_rng_state(device_type):
     """Every random generator's state, as tensors and plain values (weights_only-loadable)."""
+    # numpy's state holds a numpy array, which weights_only loading refuses: keep it as a tensor
     _, key, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos)}
+    numpy_state.update(has_gauss=int(has_gauss), gauss=float(gauss))
     return {
         "python": random.getstate(),
-        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "numpy": numpy_state,
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None,
-    }  # fmt: skip
+    }
 
 
 def set_rng_state(state, device_type):
@@ -764,11 +767,18 @@ def train(args):
     torch.manual_seed(args.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
     if master_process:
         print(f"device {device} x {ddp_world_size} | dtype {dtype} | compile {use_compile}")
-        print(f"total batch {args.total_batch_size:,} tokens = B {B} x T {T} x {ddp_world_size} ranks x {grad_accum_steps} accumulation steps")
+        print(
+            f"total batch {args.total_batch_size:,} tokens = B {B} x T {T} x {ddp_world_size} ranks "
+            f"x {grad_accum_steps} accumulation steps"
+        )
         try:
             os.makedirs(args.out_dir, exist_ok=True)
         except OSError as e:
             raise UserError(f"cannot create --out-dir {args.out_dir}: {e.strerror}") from None
+        for name in os.listdir(args.out_dir):
+            if re.fullmatch(r"ckpt_\d+\.pt\.tmp", name):  # a write cut short by a kill: never complete
+                print(f"removing the unfinished {name}")
+                os.remove(os.path.join(args.out_dir, name))
 
     # --- resume: rank 0 picks the checkpoint, so that every rank loads the same one -------------
     ckpt_path, ckpt = None, None
@@ -783,7 +793,10 @@ def train(args):
                 ckpt = load_training_checkpoint(ckpt_path)  # multi-node: out-dir must be shared
 
     # --- model -------------------------------------------------------------------------------
-    config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)  # fmt: skip
+    config = GPTConfig(
+        block_size=args.block_size, vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
+        n_embd=args.n_embd,
+    )  # fmt: skip
     if ckpt is not None:
         if args.init_from == "scratch" and ckpt["model_config"] != asdict(config):
             raise UserError(
@@ -804,7 +817,9 @@ def train(args):
         print(f"model: {asdict(config)}, {sum(p.numel() for p in raw_model.parameters()):,} parameters")
 
     # --- data --------------------------------------------------------------------------------
-    train_loader = DataLoaderLite(args.data_dir, "train", B, T, ddp_rank, ddp_world_size, not args.no_shuffle, args.seed)
+    train_loader = DataLoaderLite(
+        args.data_dir, "train", B, T, ddp_rank, ddp_world_size, shuffle=not args.no_shuffle, seed=args.seed
+    )
     val_tokens = None
     if args.eval_every > 0:
         val_tokens = load_val_tokens(args.data_dir, args.val_tokens)
@@ -932,7 +947,9 @@ def train(args):
             log({"step": step, "val_loss": val_loss})
         if hellaswag is not None and (step % args.hellaswag_every == 0 or last_step) and not resumed_here:
             raw_model.eval()
-            counts = hellaswag.evaluate(raw_model, enc, hellaswag_examples, device, ddp_rank, ddp_world_size, autocast_dtype=autocast_dtype)  # fmt: skip
+            counts = hellaswag.evaluate(
+                raw_model, enc, hellaswag_examples, device, ddp_rank, ddp_world_size, autocast_dtype=autocast_dtype
+            )
             raw_model.train()
             totals = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=device)
             if ddp:
@@ -941,10 +958,13 @@ def train(args):
             if master_process:
                 print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f}")
             log({"step": step, "hellaswag": correct_norm / n, "hellaswag_acc": correct / n, "hellaswag_n": n})
-        if args.sample_every > 0 and master_process and ((step > 0 and step % args.sample_every == 0) or last_step) and not resumed_here:  # fmt: skip
+        sample_now = args.sample_every > 0 and ((step > 0 and step % args.sample_every == 0) or last_step)
+        if sample_now and master_process and not resumed_here:
             raw_model.eval()
             with autocast(device_type, autocast_dtype):
-                texts = sample_text(raw_model, enc, args.prompt, args.num_samples, args.max_new_tokens, args.temperature, args.top_k, seed=42)  # fmt: skip
+                texts = sample_text(
+                    raw_model, enc, args.prompt, args.num_samples, args.max_new_tokens, args.temperature, args.top_k
+                )  # a fixed seed: the same noise at every step, so the samples show what the model learned
             raw_model.train()
             for i, text in enumerate(texts):
                 print(f"step {step:5d} | sample {i}: {text!r}")
@@ -960,8 +980,8 @@ def train(args):
         if ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
             dist.all_reduce(loss)
             loss /= ddp_world_size
-        # clip_grad_norm_ also returns the norm before clipping; with inf it only measures
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf)
+        # clip_grad_norm_ returns the norm before clipping; with inf it only measures it
+        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or math.inf)
         lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -1001,7 +1021,7 @@ def parse_args(argv=None):
     g.add_argument("--no-shuffle", action="store_true", help="read the shards in name order every epoch")
     g.add_argument("--out-dir", default="log", help="log.jsonl and checkpoints go here")
     g = p.add_argument_group("model (ignored with --init-from other than scratch, or --resume)")
-    g.add_argument("--init-from", default="scratch", help="scratch, gpt2, gpt2-medium, ..., a transformers dir or our checkpoint")  # fmt: skip
+    g.add_argument("--init-from", default="scratch", help="scratch, gpt2*, a transformers dir or our checkpoint")
     g.add_argument("--n-layer", type=int, default=12)
     g.add_argument("--n-head", type=int, default=12)
     g.add_argument("--n-embd", type=int, default=768)
@@ -1021,19 +1041,19 @@ def parse_args(argv=None):
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 turns clipping off")
     g = p.add_argument_group("precision and speed")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="auto: bfloat16 autocast on CUDA, float32 elsewhere")  # fmt: skip
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile (default: on for CUDA)")  # fmt: skip
-    g.add_argument("--peak-flops", type=float, default=None, help="the device's peak FLOP/s for MFU (default: a table of GPUs)")  # fmt: skip
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="auto: bfloat16 on CUDA")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default: on for CUDA)")
+    g.add_argument("--peak-flops", type=float, help="the device's peak FLOP/s, for MFU (default: a table of GPUs)")
     g = p.add_argument_group("evaluation, sampling, checkpoints")
     g.add_argument("--eval-every", type=int, default=250, help="val loss every N steps (0: never)")
-    g.add_argument("--val-tokens", type=int, default=10_485_760, help="val loss over this many tokens, whatever the GPU count")  # fmt: skip
+    g.add_argument("--val-tokens", type=int, default=10_485_760, help="val loss over this many tokens (any GPU count)")
     g.add_argument("--hellaswag-every", type=int, default=250, help="HellaSwag every N steps (0: never)")
     g.add_argument("--hellaswag-limit", type=int, default=None, help="only the first N HellaSwag examples")
-    g.add_argument("--hellaswag-data", default=None, help="a local HellaSwag jsonl (default: hellaswag.py's cache/download)")  # fmt: skip
+    g.add_argument("--hellaswag-data", help="a local HellaSwag jsonl (default: hellaswag.py's cache or download)")
     g.add_argument("--sample-every", type=int, default=250, help="print samples every N steps (0: never)")
-    g.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps (and at the end; 0: only at the end)")  # fmt: skip
+    g.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps, and at the end")
     g.add_argument("--keep-ckpts", type=int, default=3, help="keep the newest N checkpoints (0: all)")
-    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CKPT", help="continue a run: the newest checkpoint in --out-dir, or CKPT")  # fmt: skip
+    g.add_argument("--resume", nargs="?", const="latest", metavar="CKPT", help="continue: newest in --out-dir, or CKPT")
     g = p.add_argument_group("sampling and export (instead of training)")
     g.add_argument("--sample-from", metavar="MODEL", help="gpt2*, a transformers dir or our checkpoint: sample and exit")
     g.add_argument("--prompt", default="Hello, I'm a language model,")
@@ -1047,7 +1067,8 @@ def parse_args(argv=None):
 
 def check_args(args, world_size):
     """Bad numbers as one-line errors, before any process starts waiting on another."""
-    for name in ("batch_size", "seq_len", "total_batch_size", "max_steps", "n_layer", "n_head", "n_embd", "block_size", "val_tokens"):  # fmt: skip
+    positive = ("batch_size", "seq_len", "total_batch_size", "max_steps", "n_layer", "n_head", "n_embd", "block_size")
+    for name in (*positive, "val_tokens"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     if args.warmup_steps < 0 or args.max_lr <= 0:
@@ -1062,7 +1083,8 @@ def check_args(args, world_size):
     if args.total_batch_size % micro != 0:
         raise UserError(
             f"--total-batch-size {args.total_batch_size:,} is not a multiple of B*T*world_size = "
-            f"{args.batch_size}*{args.seq_len}*{world_size} = {micro:,}: change --batch-size, --seq-len or --total-batch-size"
+            f"{args.batch_size}*{args.seq_len}*{world_size} = {micro:,}: change --batch-size, --seq-len or "
+            f"--total-batch-size"
         )
 
 

@@ -240,12 +240,42 @@ def test_checkpoint_has_plain_names_and_training_state(overfit_run):
 
 def test_missing_hellaswag_data_is_one_warning_not_a_crash(tmp_path, capsys):
     data = random_shards(tmp_path / "data")
-    args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--hellaswag-data", tmp_path / "nope.jsonl")  # fmt: skip
+    missing = tmp_path / "nope.jsonl"
+    args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--hellaswag-data", missing)
     assert train_gpt2.main(args) == 0
     err = capsys.readouterr().err
     assert err.count("warning: HellaSwag evaluation is off") == 1 and "nope.jsonl" in err
     records, steps = read_log(tmp_path / "out")
     assert 0 in steps and not any("hellaswag" in r for r in records)
+
+
+def test_warns_when_the_run_repeats_data(tmp_path, capsys):
+    data = random_shards(tmp_path / "data", train_lengths=(100, 100))
+    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--eval-every", 0)) == 0
+    # by hand: micro-batches of 2*16 = 32 tokens; (100 - 1) // 32 = 3 per shard, 192 tokens an
+    # epoch; 6 steps of 64 tokens = 384 tokens = 2 epochs
+    err = capsys.readouterr().err
+    assert "trains on 384 tokens but the train shards hold 192 usable ones" in err and "(2.00 epochs)" in err
+    _, steps = read_log(tmp_path / "out")
+    assert [steps[s]["epoch"] for s in range(6)] == [0, 0, 0, 1, 1, 1]
+
+
+def test_init_from_a_transformers_dir(tmp_path, hf_tiny_dir):
+    from transformers import GPT2LMHeadModel
+
+    data = random_shards(tmp_path / "data")
+    args = tiny_args(data, tmp_path / "out", "--init-from", hf_tiny_dir, "--max-steps", 1, "--eval-every", 1)
+    assert train_gpt2.main(args) == 0
+    records, _ = read_log(tmp_path / "out")
+    hf_shape = {"block_size": 128, "vocab_size": 50257, "n_layer": 2, "n_head": 4, "n_embd": 64}  # not the flags
+    assert records[0]["config"]["model_config"] == hf_shape
+    # step 0's val loss is the pretrained model's: recompute it with transformers itself
+    hf = GPT2LMHeadModel.from_pretrained(hf_tiny_dir).eval()
+    val = torch.from_numpy(np.load(data / "rand_val_000000.npy")[: 256 + 1].astype(np.int64))
+    with torch.no_grad():
+        logits = hf(val[:-1].view(16, 16)).logits
+        expected = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), val[1:]).item()
+    assert records[1] == {"step": 0, "val_loss": pytest.approx(expected, rel=1e-5)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,6 +299,7 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
     run = lambda out, *extra: tiny_args(data, out, "--max-steps", 16, "--ckpt-every", 4, *extra)  # noqa: E731
     ref = cli(*run(tmp_path / "ref"))
     assert ref.returncode == 0, ref.stderr
+    assert sorted(p.name for p in (tmp_path / "ref").glob("ckpt_*")) == [f"ckpt_0000{s:02d}.pt" for s in (8, 12, 16)]
     proc = subprocess.Popen(
         [sys.executable, "train_gpt2.py", *map(str, run(tmp_path / "b"))],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -280,9 +311,12 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert (tmp_path / "b" / "ckpt_000004.pt").exists() and not (tmp_path / "b" / "ckpt_000008.pt").exists()
+    (tmp_path / "b" / "ckpt_000008.pt.tmp").write_bytes(b"half a checkpoint")  # as if killed mid-write
     resumed = cli(*run(tmp_path / "b", "--resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout and "ckpt_000004.pt" in resumed.stdout
+    assert "removing the unfinished ckpt_000008.pt.tmp" in resumed.stdout
+    assert not list((tmp_path / "b").glob("*.tmp"))
     ref_records, ref_steps = read_log(tmp_path / "ref")
     records, steps = read_log(tmp_path / "b")
     assert sorted(steps) == list(range(16))
@@ -293,7 +327,7 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
     assert vals(records) == vals(ref_records)
     headers = [r for r in records if r.get("event") == "header"]
     assert [h["resumed_from"] for h in headers] == [None, 4]  # the log was appended, not wiped
-    a, b = load_checkpoint(str(tmp_path / "ref" / "ckpt_000016.pt")), load_checkpoint(str(tmp_path / "b" / "ckpt_000016.pt"))  # fmt: skip
+    a, b = (load_checkpoint(str(tmp_path / run / "ckpt_000016.pt")) for run in ("ref", "b"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 

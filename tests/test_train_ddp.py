@@ -1,0 +1,54 @@
+"""DDP: torchrun with 2 CPU ranks (gloo) trains exactly like one process with twice the
+gradient accumulation over the same data, and evaluates the same."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from test_train import ROOT, one_thread_per_process, random_shards, read_log, tiny_args  # noqa: F401
+
+
+def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, shared_data):
+    # B*T = 32 tokens; 2 ranks read 64 per micro-step. Shards of 64k+1 tokens leave no tail in
+    # either layout, so both runs see the same tokens in the same order
+    data = random_shards(tmp_path / "data", train_lengths=(321, 257), val_length=257)
+    hellaswag = shared_data / "hellaswag" / "hellaswag_val.jsonl"
+
+    def args(out):
+        return tiny_args(
+            data, out, "--total-batch-size", 128, "--max-steps", 5, "--eval-every", 5, "--hellaswag-every", 5,
+            "--hellaswag-limit", 6, "--hellaswag-data", hellaswag, "--sample-every", 5, "--num-samples", 1,
+            "--max-new-tokens", 4,
+        )  # fmt: skip
+
+    def run(*command):
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    ddp = run(*torchrun, "train_gpt2.py", *args(tmp_path / "ddp"))
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    single = run(sys.executable, "train_gpt2.py", *args(tmp_path / "one"))
+    assert single.returncode == 0, single.stderr
+
+    ddp_records, ddp_steps = read_log(tmp_path / "ddp")
+    one_records, one_steps = read_log(tmp_path / "one")
+    ddp_header, one_header = ddp_records[0], one_records[0]
+    assert ddp_header["config"]["world_size"] == 2 and ddp_header["config"]["grad_accum_steps"] == 2
+    assert one_header["config"]["world_size"] == 1 and one_header["config"]["grad_accum_steps"] == 4
+    assert sum(r.get("event") == "header" for r in ddp_records) == 1  # one process writes the log
+    assert sorted(ddp_steps) == sorted(one_steps) == list(range(5))
+    for s in range(5):
+        assert ddp_steps[s]["train_loss"] == pytest.approx(one_steps[s]["train_loss"], rel=1e-5)
+        assert ddp_steps[s]["grad_norm"] == pytest.approx(one_steps[s]["grad_norm"], rel=1e-4)
+    for key in ("val_loss", "hellaswag"):  # evaluated on sharded data, summed over the ranks
+        a = [(r["step"], r[key]) for r in ddp_records if key in r]
+        b = [(r["step"], r[key]) for r in one_records if key in r]
+        assert [s for s, _ in a] == [s for s, _ in b] == [0, 5]
+        assert [v for _, v in a] == pytest.approx([v for _, v in b], rel=1e-5)
+    assert [r["hellaswag_n"] for r in ddp_records if "hellaswag_n" in r] == [6, 6]
+    assert ddp.stdout.count("sample 0:") == 1  # rank 0 samples, once
+    ckpt = __import__("train_gpt2").load_checkpoint(str(tmp_path / "ddp" / "ckpt_000005.pt"))
+    assert ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2  # every rank's random state
+    json.dumps(ckpt["train_config"])  # plain values only
