@@ -266,11 +266,16 @@ def _write_atomic(path, write):
     """write(f) into a hidden temporary file, then rename it over path: readers and a resumed run
     see a whole file or none."""
     tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):  # a full disk: give back the space the partial file holds
+            os.remove(tmp)
+        raise
 
 
 def write_shard(path, tokens, fmt="npy"):
@@ -408,6 +413,11 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
                 finish_shard(batch_first_doc, 0)
             manifest["complete"] = True
             save_manifest(manifest_path, manifest)
+    except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
+        raise UserError(
+            f"cannot write to {out_dir} ({e.strerror or e}): the shards finished before are kept; "
+            f"make room and rerun the same command to resume"
+        ) from None
     finally:
         stream.close()  # stops the worker pool, also on an early stop or an error
         bar.close()
