@@ -29,6 +29,7 @@ import signal
 import sys
 import tempfile
 import time
+import zipfile
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
@@ -389,12 +390,18 @@ def load_checkpoint(path):
     """Our checkpoint as a dict of tensors and plain values. weights_only=True: a checkpoint
     carrying pickled code is refused instead of run."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        # torch.save writes a zip with a CRC per tensor, which torch.load never checks: without
+        # this, a flipped bit on disk loads as silently wrong weights
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()
+        ckpt = torch.load(path, map_location="cpu", weights_only=True) if bad is None else None
     except FileNotFoundError:
         raise UserError(f"checkpoint {path} does not exist") from None
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"checkpoint {path} cannot be loaded safely (truncated, corrupt or not ours): {first}") from None
+    if bad is not None:
+        raise UserError(f"checkpoint {path} is corrupt: its {bad} fails the zip CRC check")
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise UserError(f"checkpoint {path} is not a train_gpt2.py checkpoint (no model / model_config)")
     return ckpt
