@@ -247,10 +247,15 @@ class GPT(nn.Module):
         if name_or_dir not in HF_NAMES and not os.path.isdir(name_or_dir):
             raise UserError(f"{name_or_dir!r} is neither one of {', '.join(HF_NAMES)} nor a directory")
         try:
-            hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
+            hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True)
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"cannot load transformers GPT-2 from {name_or_dir!r}: {first}") from None
+        if info["missing_keys"]:  # transformers fills these with random numbers and only warns
+            missing = sorted(info["missing_keys"])
+            raise UserError(
+                f"{name_or_dir}: key {missing[0]} is missing from the transformers checkpoint ({len(missing)} missing)"
+            )
         hc = hf.config
         if hc.activation_function not in ("gelu_new", "gelu_pytorch_tanh") or hc.layer_norm_epsilon != 1e-5:
             raise UserError(
