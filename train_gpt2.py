@@ -591,11 +591,22 @@ def save_checkpoint(ckpt, out_dir, keep):
     a half checkpoint under the real name. Then delete all but the newest `keep`."""
     path = os.path.join(out_dir, f"ckpt_{ckpt['step']:06d}.pt")
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename makes it count
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it count
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        cause = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write
+        if not isinstance(cause, OSError):
+            raise  # not the disk: a bug, keep its traceback
+        if os.path.exists(tmp):
+            os.remove(tmp)  # a full disk: give back the space the partial file holds
+        raise UserError(
+            f"cannot write checkpoint {path} ({cause.strerror or cause}): the checkpoints before it are intact; "
+            f"make room or fix --out-dir, then continue with --resume"
+        ) from None
     if keep > 0:
         for old in checkpoint_paths(out_dir)[keep:]:
             os.remove(old)
@@ -894,8 +905,12 @@ def train(args):
 
     def log(record):
         if log_file is not None:
-            log_file.write(json.dumps(record) + "\n")
-            log_file.flush()
+            try:
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
+            except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
+                msg = f"cannot write {log_path} ({e.strerror}): make room, then continue with --resume"
+                raise UserError(msg) from None
 
     log({
         "event": "header",
