@@ -762,6 +762,9 @@ def accumulate_gradients(model, train_loader, grad_accum_steps, device, autocast
     return loss_accum
 
 
+MAX_BAD_STEPS = 3  # non-finite steps in a row: one is skipped as a bad batch, this many mean the run diverged
+
+
 def train(args):
     # --- config: processes, device, precision, batch arithmetic --------------------------------
     ddp = "RANK" in os.environ  # launched by torchrun
@@ -957,6 +960,8 @@ def train(args):
     # --- the loop ------------------------------------------------------------------------------
     # Iteration `step` first evaluates the model after `step` updates (not timed), checkpoints,
     # then makes update number step+1. The last iteration only evaluates and checkpoints.
+    bad_steps = 0  # non-finite steps in a row
+    inject = dict(args.inject_nonfinite)  # the test hook in parse_args: {step: factor}
     for step in range(start_step, args.max_steps + 1):
         last_step = step == args.max_steps
         signum = torch.tensor(stop["signum"], device=device)
@@ -1004,6 +1009,10 @@ def train(args):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = accumulate_gradients(model, train_loader, grad_accum_steps, device, autocast_dtype)
+        if step in inject:
+            loss *= inject[step]
+            for p in raw_model.parameters():
+                p.grad *= inject[step]
         if ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
             dist.all_reduce(loss)
             loss /= ddp_world_size
@@ -1012,11 +1021,27 @@ def train(args):
         lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        # one NaN or inf (an overflow, a bad batch) in an update would spread to every weight: skip
+        # such a step; every rank sees the same all-reduced loss and gradients, so all skip it
+        loss, norm = loss.item(), norm.item()
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            bad_steps += 1
+            log({"step": step, "skipped": f"loss {loss}, grad norm {norm}", "lr": lr})
+            if master_process:
+                print(f"step {step:5d}/{args.max_steps} | loss {loss} | norm {norm} | skipped ({bad_steps} in a row)")
+            if bad_steps == MAX_BAD_STEPS:
+                checkpoint(step + 1)  # the weights and optimizer state of the last good step
+                raise UserError(
+                    f"{bad_steps} steps in a row ({step - bad_steps + 1}-{step}) had a non-finite loss or grad norm: "
+                    f"stopped; ckpt_{step + 1:06d}.pt in {args.out_dir} holds the last good weights: lower --max-lr "
+                    f"or check the data, then continue with --resume"
+                )
+            continue
+        bad_steps = 0
         optimizer.step()
         if device_type == "cuda":
             torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
         dt = time.perf_counter() - t0
-        loss, norm = loss.item(), norm.item()
         tok_per_sec = args.total_batch_size / dt
         mfu = flops * tok_per_sec / ddp_world_size / peak if peak else None
         record = {"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000,
@@ -1089,6 +1114,10 @@ def parse_args(argv=None):
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=50)
     g.add_argument("--export-hf", nargs=2, metavar=("CKPT", "DIR"), help="write our checkpoint as a transformers dir")
+    # a test hook for tests/test_faults.py, hidden from --help: STEP=FACTOR multiplies that step's
+    # loss and gradients by FACTOR (nan, inf), which is how a diverging step looks
+    step_factor = lambda s: (int(s.split("=")[0]), float(s.split("=")[1]))  # noqa: E731
+    p.add_argument("--inject-nonfinite", nargs="+", default=[], type=step_factor, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
