@@ -477,6 +477,16 @@ def find_shards(data_dir, split):
     return [os.path.join(data_dir, n) for n in names]
 
 
+def check_token_ids(tokens, vocab_size, path):
+    """An id the model has no embedding row for crashes the step whose batch holds it (a device
+    assert on CUDA), possibly hours in: a shard of another tokenizer is refused up front."""
+    if vocab_size is not None and len(tokens) and (top := int(tokens.max())) >= vocab_size:
+        raise UserError(
+            f"{path}: token id {top} is not below the model's vocab_size {vocab_size}: "
+            f"written with another tokenizer? rewrite it with fineweb.py"
+        )
+
+
 class DataLoaderLite:
     """Batches (x, y) of B rows of T tokens, y being x shifted by one, from a folder of shards.
 
@@ -487,7 +497,7 @@ class DataLoaderLite:
     (seed, epoch), so a second epoch does not repeat the first one's sequence of data.
     The position (epoch, shard, pos) is all the state there is: state_dict() saves it."""
 
-    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, shuffle=True, seed=1337):
+    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, shuffle=True, seed=1337, vocab_size=None):
         self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
         self.shuffle, self.seed = shuffle, seed
         self.chunk = B * T * world_size
@@ -497,7 +507,11 @@ class DataLoaderLite:
                 f"no {split} shards (*_{split}_NNNNNN.npy or .bin) in {data_dir}: write them with "
                 f"`python fineweb.py` or pass --data-dir"
             )
-        sizes = [len(load_shard(p)) for p in self.shards]  # checks every shard now, not hours later
+        sizes = []
+        for path in self.shards:  # checks every shard now, not hours later (~10 ms per 100M tokens)
+            tokens = load_shard(path)
+            check_token_ids(tokens, vocab_size, path)
+            sizes.append(len(tokens))
         self.batches_per_epoch = sum(max(0, (n - 1) // self.chunk) for n in sizes)
         if self.batches_per_epoch == 0:
             raise UserError(
@@ -543,12 +557,13 @@ class DataLoaderLite:
         self.set_position(state["epoch"], state["shard"], state["pos"])
 
 
-def load_val_tokens(data_dir, n_tokens):
+def load_val_tokens(data_dir, n_tokens, vocab_size=None):
     """The fixed validation set: the first n_tokens (+1 target) of the val shards, in name order.
     None when there is no val shard."""
     parts, have = [], 0
     for path in find_shards(data_dir, "val"):
         tokens = load_shard(path)[: n_tokens + 1 - have]
+        check_token_ids(tokens, vocab_size, path)
         parts.append(tokens)
         have += len(tokens)
         if have == n_tokens + 1:
@@ -844,16 +859,22 @@ def train(args):
 
     # --- data --------------------------------------------------------------------------------
     train_loader = DataLoaderLite(
-        args.data_dir, "train", B, T, ddp_rank, ddp_world_size, shuffle=not args.no_shuffle, seed=args.seed
+        args.data_dir, "train", B, T, ddp_rank, ddp_world_size, not args.no_shuffle, args.seed, config.vocab_size
     )
+    if train_loader.tokens_per_epoch < args.total_batch_size:  # one step would see the same tokens twice
+        raise UserError(
+            f"the train shards in {args.data_dir} hold {train_loader.tokens_per_epoch:,} usable tokens, fewer than "
+            f"one step's --total-batch-size {args.total_batch_size:,}: write more data or lower --total-batch-size"
+        )
     val_tokens = None
     if args.eval_every > 0:
-        val_tokens = load_val_tokens(args.data_dir, args.val_tokens)
+        val_tokens = load_val_tokens(args.data_dir, args.val_tokens, config.vocab_size)
         if val_tokens is None or len(val_tokens) < T + 1:
-            val_tokens = None
-            if master_process:
-                print(f"warning: no val shard with {T + 1} tokens in {args.data_dir}: no val loss", file=sys.stderr)
-        elif master_process and len(val_tokens) < args.val_tokens + 1:
+            raise UserError(
+                f"no val shard (*_val_NNNNNN.npy or .bin) with {T + 1} tokens in {args.data_dir}: fineweb.py "
+                f"writes one (its shard 0), or pass --eval-every 0 to train without val loss"
+            )
+        if master_process and len(val_tokens) < args.val_tokens + 1:
             print(f"note: the val shards hold only {len(val_tokens) - 1:,} of the --val-tokens {args.val_tokens:,}")
     run_tokens = args.max_steps * args.total_batch_size
     if master_process and run_tokens > train_loader.tokens_per_epoch:
