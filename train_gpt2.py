@@ -32,6 +32,7 @@ import time
 import zipfile
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -795,7 +796,9 @@ def train(args):
     check_args(args, ddp_world_size)
     grad_accum_steps = args.total_batch_size // (B * T * ddp_world_size)
     if ddp:
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        # a rank that freezes (not dies: torchrun sees that) holds the others in a collective for this long
+        timeout = timedelta(seconds=args.ddp_timeout)
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=timeout)
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
@@ -1089,6 +1092,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
     p.add_argument("--seed", type=int, default=1337, help="model init, shard order")
+    p.add_argument("--ddp-timeout", type=float, default=1800, help="seconds a rank waits for the others before failing")
     g = p.add_argument_group("data and output")
     g.add_argument("--data-dir", default="edu_fineweb10B", help="folder of *_train_*/*_val_* .npy or .bin shards")
     g.add_argument("--no-shuffle", action="store_true", help="read the shards in name order every epoch")
