@@ -7,13 +7,25 @@ test_hellaswag.py) are not repeated here; the Reliability table in README.md nam
 
 import errno
 import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zipfile
 
 import numpy as np
 import pytest
+import torch
 
 import fineweb
 import hellaswag
-from train_gpt2 import EOT, UserError
+import train_gpt2
+from test_train import one_thread_per_process, random_shards, tiny_args  # noqa: F401
+from test_train_data import write_shard
+from train_gpt2 import EOT, UserError, load_checkpoint, load_training_checkpoint
 
 ROOT = __import__("conftest").ROOT
 
@@ -25,9 +37,10 @@ class FullDisk:
         self.f, self.room = f, room
 
     def write(self, data):
-        n = len(memoryview(data).cast("B"))
+        text = isinstance(data, str)  # a text-mode file (the log), else bytes or an array
+        n = len(data) if text else memoryview(data).nbytes
         if n > self.room:
-            self.f.write(bytes(memoryview(data).cast("B")[: self.room]))
+            self.f.write(data[: self.room] if text else bytes(memoryview(data).cast("B")[: self.room]))
             self.room = 0
             raise OSError(errno.ENOSPC, "No space left on device")
         self.room -= n
@@ -50,7 +63,7 @@ def fail_nth_write(monkeypatch, module, suffix, n, room=1000):
 
     def open_(path, mode="r", *args, **kwargs):
         f = open(path, mode, *args, **kwargs)
-        if "w" in mode and str(path).endswith(suffix):
+        if ("w" in mode or "a" in mode) and str(path).endswith(suffix):
             opened.append(path)
             if len(opened) == n:
                 return FullDisk(f, room)
@@ -103,3 +116,336 @@ def test_hellaswag_label_out_of_range_is_named(tmp_path, shared_data, label):
     (tmp_path / "h.jsonl").write_text("\n".join([lines[0], json.dumps(row), lines[2]]) + "\n")
     with pytest.raises(hellaswag.HellaSwagDataError, match=r"h\.jsonl, line 2: label .* is not an int from 0 to 3"):
         hellaswag.load_examples(str(tmp_path / "h.jsonl"))
+
+
+# ----------------------------------------------------------------------------------------------
+# train_gpt2.py: helpers
+
+
+def read_steps(out_dir):
+    """{step: the last record of that step} from log.jsonl; a line cut short by a kill is skipped."""
+    steps = {}
+    for line in open(os.path.join(out_dir, "log.jsonl")):
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "train_loss" in r or "skipped" in r:
+            steps[r["step"]] = r
+    return steps
+
+
+def user_error(args):
+    """train_gpt2.main(args) must stop with a one-line UserError; returns its message."""
+    with pytest.raises(UserError) as e:
+        train_gpt2.main([str(a) for a in args])
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A run of 2 steps with a checkpoint after each, to break."""
+    tmp = tmp_path_factory.mktemp("two_ckpts")
+    data = random_shards(tmp / "data")
+    assert train_gpt2.main(tiny_args(data, tmp / "out", "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)) == 0
+    return data, tmp / "out"
+
+
+# ----------------------------------------------------------------------------------------------
+# train_gpt2.py: SIGKILL at any moment
+
+
+def newest_checkpoint(out):
+    paths = train_gpt2.checkpoint_paths(str(out))
+    return paths[0] if paths else None
+
+
+def step_records(out):
+    return sum('"train_loss"' in line for line in open(out / "log.jsonl")) if (out / "log.jsonl").exists() else 0
+
+
+def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path):
+    data = random_shards(tmp_path / "data", train_lengths=(200, 250))  # 2 epochs: the shuffle is resumed too
+    steps_args = ("--max-steps", 12, "--ckpt-every", 2, "--keep-ckpts", 2, "--eval-every", 3)
+    cmd = lambda out, *extra: [sys.executable, "train_gpt2.py", *map(str, tiny_args(data, out, *steps_args, *extra))]  # noqa: E731,E501
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # what a run printed before its kill is not lost
+    ref = subprocess.run(cmd(tmp_path / "ref"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr
+    out = tmp_path / "out"
+    rng = random.Random(8)
+    # when to kill each run: during start-up, while torch.save writes a checkpoint, a random few steps in
+    plan = ["start-up", "checkpoint write", "steps", "checkpoint write", "steps"]
+    hit = []
+    for when in plan:
+        expected = newest_checkpoint(out)  # what --resume must pick: the newest complete checkpoint
+        proc = subprocess.Popen([*cmd(out), "--resume"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            deadline, records = time.time() + 120, step_records(out)
+            if when == "start-up":
+                time.sleep(rng.uniform(0.2, 2.0))
+            elif when == "checkpoint write":  # poll for the temporary file torch.save is writing into
+                while proc.poll() is None and time.time() < deadline:
+                    if out.is_dir() and any(n.endswith(".pt.tmp") for n in os.listdir(out)):
+                        break
+                    time.sleep(0.001)
+            else:
+                n = rng.randint(1, 3)
+                while proc.poll() is None and time.time() < deadline and step_records(out) < records + n:
+                    time.sleep(0.002)
+                time.sleep(rng.uniform(0, 0.1))
+            proc.kill()
+        finally:
+            stdout, stderr = proc.communicate()
+        assert proc.returncode == -signal.SIGKILL, f"{when}: the run ended before the kill\n{stderr}"
+        if "resuming from" in stdout or expected is not None:
+            assert f"resuming from {expected} " in stdout, (when, expected, stdout[-2000:])
+        hit.append(when if when != "checkpoint write" or list(out.glob("*.pt.tmp")) else "just after a checkpoint write")
+    assert hit.count("checkpoint write") >= 1, hit  # at least one kill really cut a checkpoint in half
+    final = subprocess.run([*cmd(out), "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr
+    assert not list(out.glob("*.tmp"))
+    ref_steps, steps = read_steps(tmp_path / "ref"), read_steps(out)
+    assert sorted(steps) == list(range(12))
+    for s in range(12):  # bitwise: JSON floats round-trip exactly
+        for key in ("train_loss", "grad_norm", "lr", "tokens", "epoch"):
+            assert steps[s][key] == ref_steps[s][key], (s, key)
+    a, b = load_checkpoint(str(tmp_path / "ref" / "ckpt_000012.pt")), load_checkpoint(str(out / "ckpt_000012.pt"))
+    assert same_weights(a["model"], b["model"])
+    print("kills:", hit)
+
+
+# ----------------------------------------------------------------------------------------------
+# train_gpt2.py: broken checkpoints
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint_in_one_line(two_checkpoints, tmp_path, capsys):
+    # test_train.py has the truncated case; here the file is whole but bytes inside a tensor changed
+    data, out = two_checkpoints
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    raw = bytearray((run / "ckpt_000002.pt").read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)  # zeros over the middle of a tensor
+    (run / "ckpt_000002.pt").write_bytes(raw)
+    with pytest.raises(UserError, match="corrupt"):
+        load_checkpoint(str(run / "ckpt_000002.pt"))
+    capsys.readouterr()
+    assert train_gpt2.main(tiny_args(data, run, "--max-steps", 2, "--resume", "--eval-every", 0)) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ckpt_000002.pt" in err[0] and "corrupt" in err[0], err
+    headers = [json.loads(line) for line in open(run / "log.jsonl") if '"header"' in line]
+    assert [h["resumed_from"] for h in headers] == [None, 1]
+
+
+def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(hf_tiny_dir, hf_dir)
+    weights = load_file(hf_dir / "model.safetensors")
+    del weights["transformer.h.1.mlp.c_fc.weight"]  # transformers would fill it with random numbers
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"transformer\.h\.1\.mlp\.c_fc\.weight is missing") as e:
+        train_gpt2.load_model(str(hf_dir))
+    assert "\n" not in str(e.value)
+    r = subprocess.run([sys.executable, "train_gpt2.py", "--sample-from", str(hf_dir), "--device", "cpu"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "c_fc.weight is missing" in r.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# train_gpt2.py: a checkpoint write that fails
+
+
+def read_only_on_nth_open(monkeypatch, n):
+    """The n-th checkpoint file train_gpt2 opens for writing fails as on a read-only file system."""
+    opened = []
+
+    def open_(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).endswith(".pt.tmp"):
+            opened.append(path)
+            if len(opened) == n:
+                raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(train_gpt2, "open", open_, raising=False)
+    return opened
+
+
+@pytest.mark.parametrize("fault, reason", [("disk-full", "No space left on device"), ("read-only", "Read-only file system")])  # fmt: skip
+def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_path, monkeypatch, fault, reason):
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)
+    if fault == "disk-full":
+        fail_nth_write(monkeypatch, train_gpt2, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
+    else:
+        read_only_on_nth_open(monkeypatch, 3)
+    msg = user_error(args)
+    assert reason in msg and "ckpt_000003.pt" in msg
+    assert sorted(os.listdir(out)) == ["ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"]  # no partial file left
+    assert max(read_steps(out)) == 2  # stopped at the failed write, not after more steps
+    previous = load_training_checkpoint(str(out / "ckpt_000002.pt"))
+    monkeypatch.undo()  # the disk has room again: the run continues from the previous checkpoint
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0, "--resume")) == 0
+    ref = tmp_path / "ref"
+    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)) == 0
+    assert same_weights(previous["model"], load_checkpoint(str(ref / "ckpt_000002.pt"))["model"])
+    assert same_weights(load_checkpoint(str(out / "ckpt_000004.pt"))["model"], load_checkpoint(str(ref / "ckpt_000004.pt"))["model"])  # fmt: skip
+
+
+def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    fail_nth_write(monkeypatch, train_gpt2, "log.jsonl", 1, room=3000)  # room for the header and a few steps
+    msg = user_error(tiny_args(data, out, "--max-steps", 50, "--ckpt-every", 1, "--eval-every", 0))
+    assert "log.jsonl" in msg and "No space left on device" in msg and "--resume" in msg
+    last = max(read_steps(out))  # the record cut short is skipped
+    assert 0 < last < 49
+    # stopped at once: the checkpoints on disk are those of the steps before the failed record
+    assert sorted(os.listdir(out))[-2:] == [f"ckpt_{last + 1:06d}.pt", "log.jsonl"]
+    load_training_checkpoint(str(out / f"ckpt_{last + 1:06d}.pt"))
+
+
+# ----------------------------------------------------------------------------------------------
+# train_gpt2.py: NaN and inf
+
+
+def test_nonfinite_steps_are_not_applied(tmp_path):
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    # --inject-nonfinite is a hidden test hook: it scales that step's loss and gradients by nan / inf
+    args = tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 1, "--keep-ckpts", 0, "--eval-every", 0,
+                     "--inject-nonfinite", "2=nan", "4=inf")  # fmt: skip
+    assert train_gpt2.main(args) == 0
+    ckpt = {s: load_checkpoint(str(out / f"ckpt_{s:06d}.pt")) for s in range(1, 7)}
+    for bad in (2, 4):  # the update after a bad step's checkpoint never happened ...
+        assert same_weights(ckpt[bad]["model"], ckpt[bad + 1]["model"])
+        assert ckpt[bad]["optimizer"]["state"][0]["step"] == ckpt[bad + 1]["optimizer"]["state"][0]["step"]
+    for good in (1, 3, 5):  # ... while every good one changed the weights
+        assert not torch.equal(ckpt[good]["model"]["lm_head.weight"], ckpt[good + 1]["model"]["lm_head.weight"])
+    steps = read_steps(out)
+    assert sorted(steps) == list(range(6))
+    assert [s for s in steps if "skipped" in steps[s]] == [2, 4] and "train_loss" not in steps[2]
+    assert all(np.isfinite(steps[s]["train_loss"]) for s in (0, 1, 3, 5))
+
+
+def test_nonfinite_steps_in_a_row_stop_with_a_checkpoint_of_the_last_good_state(tmp_path):
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 20, "--ckpt-every", 2, "--keep-ckpts", 0, "--eval-every", 0,
+                     "--inject-nonfinite", "2=nan", "3=inf", "4=nan")  # fmt: skip
+    msg = user_error(args)
+    assert "3 steps in a row" in msg and "ckpt_000005.pt" in msg
+    steps = read_steps(out)
+    assert sorted(steps) == [0, 1, 2, 3, 4]  # stopped right away, no step after the third bad one
+    last_good = load_checkpoint(str(out / "ckpt_000002.pt"))  # written before step 2, the first bad one
+    stop = load_training_checkpoint(str(out / "ckpt_000005.pt"))
+    assert stop["step"] == 5 and same_weights(stop["model"], last_good["model"])
+    assert stop["optimizer"]["state"][0]["step"] == last_good["optimizer"]["state"][0]["step"] == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# train_gpt2.py: a DDP rank dies
+
+
+def hit_rank_1(tmp_path, sig, *extra):
+    """torchrun 2 CPU ranks (gloo); once they are 2 steps in, send rank 1 `sig`. Returns torchrun's
+    exit code, the seconds it took to exit after the signal, and its output. Never leaves a process."""
+    import psutil
+
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
+    args = tiny_args(data, out, "--max-steps", 100000, "--eval-every", 0, *extra)
+    proc = subprocess.Popen([*torchrun, *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    workers = []
+    try:
+        deadline = time.time() + 120
+        while not (out / "log.jsonl").exists() or '"step": 2,' not in (out / "log.jsonl").read_text():
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train_gpt2.py" in " ".join(p.cmdline())]  # fmt: skip
+        rank1 = [p for p in workers if p.environ().get("RANK") == "1"]
+        assert len(workers) == 2 and len(rank1) == 1
+        t0 = time.time()
+        rank1[0].send_signal(sig)
+        proc.wait(timeout=90)
+        waited = time.time() - t0
+        left_behind = [p.pid for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:  # a failed test must not leave a rank running either
+        proc.kill()
+        for p in workers:
+            if p.is_running():
+                p.kill()
+        output = proc.communicate()[0]
+    assert not left_behind, output[-2000:]
+    return proc.returncode, waited, output
+
+
+def test_ddp_rank_killed_ends_torchrun_quickly(tmp_path):
+    # the dead rank's sockets close: gloo fails the other rank's collective, torchrun stops the rest
+    returncode, waited, output = hit_rank_1(tmp_path, signal.SIGKILL)
+    assert returncode != 0 and waited < 30, output[-2000:]
+
+
+def test_ddp_rank_frozen_times_out(tmp_path):
+    # a frozen rank (SIGSTOP: a hung disk, a stuck driver) looks alive to torchrun; only the
+    # collective timeout ends the other rank's wait, then torchrun kills the frozen one (after its
+    # 30 s grace period for SIGTERM, which a stopped process cannot act on)
+    returncode, waited, output = hit_rank_1(tmp_path, signal.SIGSTOP, "--ddp-timeout", 5)
+    assert returncode != 0 and waited < 75, output[-2000:]
+    assert "Timed out" in output
+
+
+# ----------------------------------------------------------------------------------------------
+# train_gpt2.py: bad data, refused before any training step
+
+
+def test_token_ids_outside_the_vocab(tmp_path):
+    data = random_shards(tmp_path / "data")
+    tokens = np.load(data / "rand_train_000002.npy")
+    tokens[123] = 50400  # fits in uint16, but the model's embedding has 50304 rows
+    write_shard(data / "rand_train_000002.npy", tokens)
+    msg = user_error(tiny_args(data, tmp_path / "out"))
+    assert "rand_train_000002.npy" in msg and "50400" in msg and "50304" in msg
+    assert not (tmp_path / "out" / "log.jsonl").exists()
+
+
+def test_token_ids_outside_the_vocab_in_val(tmp_path):
+    data = random_shards(tmp_path / "data")
+    tokens = np.load(data / "rand_val_000000.npy")
+    tokens[5] = 60000
+    write_shard(data / "rand_val_000000.npy", tokens)
+    msg = user_error(tiny_args(data, tmp_path / "out"))
+    assert "rand_val_000000.npy" in msg and "60000" in msg
+
+
+def test_truncated_npy_shard(tmp_path):
+    data = random_shards(tmp_path / "data")
+    raw = (data / "rand_train_000001.npy").read_bytes()
+    (data / "rand_train_000001.npy").write_bytes(raw[: len(raw) - 100])  # the header still says 600 tokens
+    msg = user_error(tiny_args(data, tmp_path / "out"))
+    assert "rand_train_000001.npy" in msg and "cannot read" in msg
+
+
+def test_missing_val_split(tmp_path):
+    data = random_shards(tmp_path / "data")
+    os.remove(data / "rand_val_000000.npy")
+    msg = user_error(tiny_args(data, tmp_path / "out"))
+    assert "no val shard" in msg and "--eval-every 0" in msg
+    assert not (tmp_path / "out" / "log.jsonl").exists()
+    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0)) == 0  # the fix works
+
+
+def test_fewer_tokens_than_one_batch(tmp_path):
+    # by hand: micro-batches of B*T = 2*16 = 32 tokens, (100 - 1) // 32 = 3 per shard: 96 usable
+    # tokens, fewer than one optimizer step's --total-batch-size of 128
+    data = random_shards(tmp_path / "data", train_lengths=(100,))
+    msg = user_error(tiny_args(data, tmp_path / "out", "--total-batch-size", 128))
+    assert "96" in msg and "128" in msg
+    assert not (tmp_path / "out" / "log.jsonl").exists()
