@@ -1,0 +1,875 @@
+"""
+Every speed claim of this project, measured side by side in one run on one machine.
+
+Shared machines drift: absolute times move, ratios taken back to back hold. So each benchmark
+runs its contenders interleaved (A B A B ...), drops the warm-up rounds, and reports medians with
+min-max; a ratio is the ratio of the medians, with the min-max of the per-round (paired) ratios.
+
+  ceiling    fp32 and bf16 GFLOP/s of a large square torch.mm: what this device can do
+  train      one training step (forward, backward, clip, AdamW step) of train_gpt2.GPT with
+             GPT.configure_optimizers, against transformers' GPT2LMHeadModel (sdpa attention, plain
+             torch AdamW) with the same config, batch, precision and data (train_gpt2's loader and
+             accumulate_gradients feed both). Configs small (6 layers, 384 wide, T 256, B 8) and
+             gpt2 (124M, T 1024, B 1 on CPU, 16 on GPU); fp32 and bf16 autocast; eager and
+             torch.compile. MFU: against the matmul ceiling measured in the same rounds on a CPU,
+             against the datasheet peak (train_gpt2.PEAK_FLOPS, --peak-flops) on a GPU
+  loader     DataLoaderLite.next_batch through 100M-token shards (written to a temporary folder):
+             microseconds per batch, at the shard switches, and the memory it adds
+  fineweb    fineweb.py's tokenizer pool against tiktoken's encode_ordinary_batch, same documents
+             and the same number of workers
+  hellaswag  hellaswag.evaluate batched against one example per forward (batch_size=1), same model
+  sample     GPT.generate with the KV cache against recomputing the whole prefix, 256 new tokens
+
+Usage:
+    python bench.py                  # everything: ~25 min on 2 CPU cores; table on stdout, JSON to bench.json
+    python bench.py --quick          # small models, eager only, fewer rounds: < 5 min on 2 CPU cores
+    python bench.py --only train --configs gpt2 --out gpt2.json     # one section, one config
+    python bench.py --device cuda    # on a GPU (B 16 at the gpt2 config)
+    python bench.py --tiny           # seconds: every section on toy sizes (the smoke test runs this)
+FineWeb documents and HellaSwag data come from --docs / --hellaswag-data, else from shared/data
+beside the repository when it is there; a section without data is skipped with a note.
+"""
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import train_gpt2
+from train_gpt2 import GPT, GPTConfig, UserError, flops_per_token, get_tokenizer, pick_device
+
+SECTIONS = ("ceiling", "loader", "fineweb", "train", "hellaswag", "sample")
+
+# the model configs of the training benchmark; B is per device type where it differs
+TRAIN_CONFIGS = {
+    "small": dict(n_layer=6, n_head=6, n_embd=384, T=256, B=8),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, T=1024, B=1, B_cuda=16),
+    "tiny": dict(n_layer=2, n_head=2, n_embd=64, T=32, B=2),
+}
+VOCAB = 50304  # the padded vocabulary training uses, for both implementations
+
+# The original build-nanogpt training step, measured on these 2-core CPU machines (AMD Zen 5,
+# torch 2.13, fp32, 124M, B 1, T 1024; issue 7): its code is not run here, so it is quoted.
+ORIGINAL_TOK_PER_SEC = 164.0
+ORIGINAL_MFU = 0.79  # of the 177 GFLOP/s fp32 matmul ceiling measured alongside it
+
+# the targets of issue 7, as ratios ours / baseline (MFU: a fraction of the ceiling)
+TARGETS = {
+    "vs_transformers": 1.15,
+    "vs_original": 1.0,
+    "mfu_gpt2_fp32": 0.85,
+    "bf16_vs_fp32": 1.7,  # on a CPU
+    "compile_vs_eager": 1.0,
+    "loader_switch_ms": 1.0,  # below
+    "loader_rss_mb": 50.0,  # below
+    "fineweb_vs_tiktoken": 0.8,
+    "hellaswag_batched": 3.0,
+    "kv_cache": 5.0,
+}
+
+
+# How much each size of run does. *_rounds: (warm-up rounds, measured rounds), or measured
+# rounds alone where the warm-up is a short call of its own.
+RUNS = {
+    "full": dict(
+        configs=["small", "gpt2"],
+        compile=[False, True],
+        train_rounds=dict(tiny=(2, 5), small=(2, 5), gpt2=(1, 3)),
+        mm_n=4096,
+        mm_rounds=(1, 5),
+        shards=3,
+        shard_tokens=100_000_000,
+        docs=None,
+        docs_repeat=2,
+        tok_rounds=(1, 3),  # all the documents, twice: ~3M tokens
+        eval_model="gpt2",
+        hs_examples=32,
+        hs_rounds=2,
+        new_tokens=256,
+        sample_rounds=2,
+    ),
+    "quick": dict(
+        configs=["small"],
+        compile=[False],
+        train_rounds=dict(tiny=(1, 3), small=(1, 3), gpt2=(1, 2)),
+        mm_n=4096,
+        mm_rounds=(1, 3),
+        shards=2,
+        shard_tokens=100_000_000,
+        docs=None,
+        docs_repeat=1,
+        tok_rounds=(1, 3),
+        eval_model="small",
+        hs_examples=16,
+        hs_rounds=2,
+        new_tokens=256,
+        sample_rounds=2,
+    ),
+    "tiny": dict(
+        configs=["tiny"],
+        compile=[False],
+        train_rounds=dict(tiny=(1, 2), small=(0, 1), gpt2=(0, 1)),
+        mm_n=256,
+        mm_rounds=(1, 3),
+        shards=2,
+        shard_tokens=200_000,
+        docs=20,
+        docs_repeat=1,
+        tok_rounds=(0, 2),
+        eval_model="tiny",
+        hs_examples=8,
+        hs_rounds=2,
+        new_tokens=16,
+        sample_rounds=2,
+    ),
+}
+
+
+def settings(args):
+    s = dict(RUNS["tiny" if args.tiny else "quick" if args.quick else "full"])
+    if args.configs:
+        s["configs"] = args.configs
+    if args.compile is not None:
+        s["compile"] = [False, True] if args.compile else [False]
+    return s
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing and statistics
+
+
+def timed(fn, device_type):
+    """Seconds one call of fn takes; on a GPU the queued work is waited for on both sides."""
+    sync = {"cuda": torch.cuda.synchronize, "mps": lambda: torch.mps.synchronize()}.get(device_type, lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def interleave(contenders, warmup, rounds, device_type, label):
+    """Call every contender once per round, in the same order each round (A B A B ...), so that
+    a slow spell of the machine hits them all alike. Returns ({name: seconds per measured
+    round}, {name: seconds of its very first call}); the first `warmup` rounds are dropped."""
+    times = {name: [] for name in contenders}
+    first = {}
+    for r in range(warmup + rounds):
+        this_round = {}
+        for name, fn in contenders.items():
+            this_round[name] = timed(fn, device_type)
+            first.setdefault(name, this_round[name])
+            if r >= warmup:
+                times[name].append(this_round[name])
+        done = "warm-up" if r < warmup else "measured"
+        log(
+            f"  {label}: round {r + 1}/{warmup + rounds} ({done}): "
+            + ", ".join(f"{n} {t:.3f}s" for n, t in this_round.items())
+        )
+    return times, first
+
+
+def stats(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def rates(work, seconds):
+    """Throughput per round: work (tokens, examples, ...) over each round's seconds."""
+    return [work / s for s in seconds]
+
+
+# ----------------------------------------------------------------------------------------------
+# The report: every comparison is one row of the table and one entry of the JSON
+
+
+def fmt(x, unit):
+    if unit == "%":
+        return f"{100 * x:.1f}%"
+    if abs(x) >= 100:
+        return f"{x:,.0f} {unit}"
+    return f"{x:.3g} {unit}"
+
+
+def fmt_stats(s, unit):
+    return f"{fmt(s['median'], unit)} [{fmt(s['min'], unit).split()[0]}–{fmt(s['max'], unit).split()[0]}]"
+
+
+def comparison(name, ours, baseline, unit, target=None, higher_is_better=True, judge="median", note=""):
+    """One row: ours and baseline are lists of per-round values (the same rounds, in order,
+    when paired) or, for a quoted reference, a single number; baseline None: ours alone
+    against the target, judged by its median or its mean."""
+    ours_s = stats(ours)
+    row = {
+        "name": name,
+        "unit": unit,
+        "ours": ours_s,
+        "note": note,
+        "target": target,
+        "higher_is_better": higher_is_better,
+    }
+    if baseline is None:  # an absolute number against a target
+        row.update(baseline=None, ratio=None)
+        value = ours_s["median"] if judge == "median" else statistics.fmean(ours)
+        if judge == "mean":
+            row["ours"]["mean"] = value
+    else:
+        base_s = (
+            stats(baseline)
+            if isinstance(baseline, list)
+            else {"median": baseline, "min": baseline, "max": baseline, "n": 0}
+        )
+        row["baseline"] = base_s
+        row["ratio"] = ours_s["median"] / base_s["median"]
+        if isinstance(baseline, list) and len(baseline) == len(ours):
+            row["paired_ratio"] = stats([a / b for a, b in zip(ours, baseline)])
+        value = row["ratio"]
+    row["met"] = None if target is None else (value >= target if higher_is_better else value < target)
+    return row
+
+
+def table(rows):
+    lines = [
+        "| benchmark | ours | baseline | ratio [paired min–max] | target | met |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        unit = r["unit"]
+        ours = fmt_stats(r["ours"], unit)
+        if r["baseline"] is None:
+            base, ratio = "", ""
+        else:
+            base = (
+                fmt_stats(r["baseline"], unit)
+                if r["baseline"]["n"]
+                else f"{fmt(r['baseline']['median'], unit)} (quoted)"
+            )
+            ratio = f"{r['ratio']:.2f}x"
+            if "paired_ratio" in r:
+                ratio += f" [{r['paired_ratio']['min']:.2f}–{r['paired_ratio']['max']:.2f}]"
+        if r["target"] is None:
+            target = ""
+        elif r["baseline"] is None:
+            target = ("≥ " if r["higher_is_better"] else "< ") + fmt(r["target"], unit)
+            if "mean" in r["ours"]:
+                target = "mean " + target
+        else:
+            target = f"≥ {r['target']:g}x"
+        met = {None: "", True: "yes", False: "**no**"}[r["met"]]
+        name = r["name"] + (f" ({r['note']})" if r["note"] else "")
+        lines.append(f"| {name} | {ours} | {base} | {ratio} | {target} | {met} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Matmul ceiling
+
+
+def matmul_fn(n, dtype, device):
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return lambda: torch.mm(a, b)
+
+
+def onednn_fp32_fn(n):
+    """The same fp32 product through oneDNN's matmul (which torch.mm does not use for fp32 on x86:
+    it calls MKL, and MKL runs its AVX2 code on AMD CPUs), or None where that op is missing."""
+    linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if linear is None:
+        return None
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return lambda: linear(a, b, None, "none", [], "")  # a @ b.T: the same 2 n^3 FLOPs
+
+
+def bench_ceiling(s, device, device_type):
+    n = s["mm_n"]
+    contenders = {"fp32": matmul_fn(n, torch.float32, device), "bf16": matmul_fn(n, torch.bfloat16, device)}
+    if device_type == "cpu" and onednn_fp32_fn(8) is not None:
+        contenders["fp32 oneDNN"] = onednn_fp32_fn(n)
+    times, _ = interleave(contenders, *s["mm_rounds"], device_type, f"ceiling {n}x{n} matmul")
+    gflops = {k: rates(2 * n**3 / 1e9, v) for k, v in times.items()}
+    result = {"n": n, "gflops": {k: stats(v) for k, v in gflops.items()}}
+    rows = [
+        comparison(f"matmul ceiling fp32 ({n}x{n} torch.mm)", gflops["fp32"], None, "GFLOP/s"),
+        comparison(f"matmul ceiling bf16 ({n}x{n} torch.mm)", gflops["bf16"], None, "GFLOP/s"),
+    ]
+    if "fp32 oneDNN" in gflops:
+        rows.append(
+            comparison(
+                f"matmul fp32 through oneDNN ({n}x{n})",
+                gflops["fp32 oneDNN"],
+                gflops["fp32"],
+                "GFLOP/s",
+                note="for reference: nn.Linear and torch.mm call MKL for fp32",
+            )
+        )
+    return result, rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Training step
+
+
+class HFCausalLM(nn.Module):
+    """transformers' GPT2LMHeadModel behind our model's call, (idx, targets) -> (logits, loss),
+    so that the same accumulate_gradients drives both. It computes its loss the way its users
+    do, labels=input_ids (it shifts them itself): the same batch and the same next tokens as
+    ours, less the last position of each row, whose target only ours is given."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, idx, targets):
+        out = self.hf(input_ids=idx, labels=idx, use_cache=False)  # no KV cache to build in training
+        return out.logits, out.loss
+
+
+def make_hf_model(config):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hc = GPT2Config(
+        vocab_size=config.vocab_size,
+        n_positions=config.block_size,
+        n_embd=config.n_embd,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,  # ours has no dropout either
+        attn_implementation="sdpa",
+    )
+    hf = GPT2LMHeadModel(hc)
+    assert hf.config._attn_implementation == "sdpa"
+    return hf
+
+
+def train_step_fn(model, optimizer, loader, device, autocast_dtype):
+    """train_gpt2's step: zero grads, forward + backward (one micro-batch), clip to 1.0, AdamW."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        train_gpt2.accumulate_gradients(model, loader, 1, device, autocast_dtype)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    return step
+
+
+def bench_train_config(name, s, device, device_type, peak, data_dir):
+    from train_gpt2 import DataLoaderLite
+
+    c = TRAIN_CONFIGS[name]
+    B = c.get(f"B_{device_type}", c["B"])
+    T = c["T"]
+    config = GPTConfig(block_size=T, vocab_size=VOCAB, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
+    torch.manual_seed(1337)
+    ours = GPT(config).to(device)
+    ours_opt = ours.configure_optimizers(0.1, 6e-4, device_type, verbose=False)
+    hf = HFCausalLM(make_hf_model(config)).to(device).train()
+    # transformers' users pass all the parameters to torch's AdamW, which runs its per-tensor loop on a CPU
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    # the same batches for both: two loaders over the same shard, in the same order
+    loaders = {impl: DataLoaderLite(data_dir, "train", B, T, shuffle=False) for impl in ("ours", "hf")}
+
+    contenders = {}
+    for compiled in s["compile"]:
+        for precision, autocast_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+            mode = "compiled" if compiled else "eager"
+            for impl, model, opt in (("ours", ours, ours_opt), ("hf", hf, hf_opt)):
+                # the compiled module shares the eager one's parameters, so one optimizer serves both
+                m = torch.compile(model) if compiled else model
+                contenders[f"{impl} {precision} {mode}"] = train_step_fn(m, opt, loaders[impl], device, autocast_dtype)
+    if device_type != "cuda":  # the CPU's own ceiling, measured in the same rounds
+        for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            contenders[f"mm {precision}"] = matmul_fn(s["mm_n"], dtype, device)
+
+    warmup, rounds = s["train_rounds"][name]
+    times, first = interleave(contenders, warmup, rounds, device_type, f"train {name} B{B} T{T}")
+    fpt = flops_per_token(config, T)
+    tok = {k: rates(B * T, v) for k, v in times.items() if not k.startswith("mm ")}
+    mfu = {}
+    for k, r in tok.items():
+        precision = k.split()[1]
+        if device_type == "cuda":
+            mfu[k] = [fpt * x / peak for x in r]
+        else:  # each round against the same round's ceiling at this precision
+            ceiling = rates(2 * s["mm_n"] ** 3, times[f"mm {precision}"])
+            mfu[k] = [fpt * x / cl for x, cl in zip(r, ceiling)]
+    result = {
+        "config": {**c, "B": B, "vocab_size": VOCAB, "n_params": sum(p.numel() for p in ours.parameters())},
+        "flops_per_token": fpt,
+        "step_s": {k: stats(v) for k, v in times.items()},
+        "tok_per_sec": {k: stats(v) for k, v in tok.items()},
+        "mfu": {k: stats(v) for k, v in mfu.items()},
+        "first_call_s": first,
+    }
+    if device_type != "cuda":
+        result["ceiling_gflops"] = {
+            p: stats(rates(2 * s["mm_n"] ** 3 / 1e9, times[f"mm {p}"])) for p in ("fp32", "bf16")
+        }
+
+    compile_s = {k: first[k] - stats(times[k])["median"] for k in tok if k.endswith("compiled")}
+    if compile_s:
+        result["compile_s"] = compile_s  # the first step's time over a later step's: compiling
+
+    def median_mfu(k):
+        return fmt(stats(mfu[k])["median"], "%")
+
+    rows = []
+    for k in tok:
+        if k.startswith("ours"):
+            hf_k = k.replace("ours", "hf")
+            note = f"MFU ours {median_mfu(k)}, transformers {median_mfu(hf_k)}"
+            rows.append(comparison(f"train {name} {k[5:]}: ours vs transformers", tok[k], tok[hf_k], "tok/s", TARGETS["vs_transformers"], note=note))  # fmt: skip
+    for mode in ("eager", "compiled"):
+        if f"ours fp32 {mode}" not in tok:
+            continue
+        fp32, bf16 = tok[f"ours fp32 {mode}"], tok[f"ours bf16 {mode}"]
+        target = TARGETS["bf16_vs_fp32"] if device_type == "cpu" else None  # the target is the CPU's
+        rows.append(comparison(f"train {name} {mode}: bf16 vs fp32 (ours)", bf16, fp32, "tok/s", target))
+        if name == "gpt2" and device_type == "cpu":  # the quoted reference's own config and precision
+            mfu32 = mfu[f"ours fp32 {mode}"]
+            rows += [
+                comparison(f"train gpt2 fp32 {mode}: ours vs build-nanogpt", fp32, ORIGINAL_TOK_PER_SEC, "tok/s", TARGETS["vs_original"], note="its quoted 164 tok/s"),  # fmt: skip
+                comparison(f"train gpt2 fp32 {mode}: MFU ours vs build-nanogpt", mfu32, ORIGINAL_MFU, "%", TARGETS["vs_original"], note="its quoted 79% of the fp32 ceiling"),  # fmt: skip
+                comparison(f"train gpt2 fp32 {mode}: MFU (of the fp32 torch.mm ceiling)", mfu32, None, "%", TARGETS["mfu_gpt2_fp32"]),  # fmt: skip
+            ]
+    for precision in ("fp32", "bf16"):
+        k = f"ours {precision} compiled"
+        if k in tok:
+            note = f"compile {compile_s[k]:.0f} s, transformers {compile_s[k.replace('ours', 'hf')]:.0f} s"
+            rows.append(comparison(f"train {name} {precision}: compiled vs eager (ours)", tok[k], tok[f"ours {precision} eager"], "tok/s", TARGETS["compile_vs_eager"], note=note))  # fmt: skip
+    del contenders, ours, ours_opt, hf, hf_opt
+    torch._dynamo.reset()
+    gc.collect()
+    return result, rows
+
+
+def bench_train(s, device, device_type, peak, tmp):
+    # a shard of random token ids; every config reads it through train_gpt2's loader
+    import fineweb
+
+    data_dir = os.path.join(tmp, "train_data")
+    os.makedirs(data_dir, exist_ok=True)
+    tokens = np.random.default_rng(0).integers(0, 50257, 2_000_000, dtype=np.uint16)
+    fineweb.write_shard(fineweb.shard_path(data_dir, "bench", 1), tokens)
+    results, rows = {}, []
+    for name in s["configs"]:
+        results[name], r = bench_train_config(name, s, device, device_type, peak, data_dir)
+        rows += r
+    return results, rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Data loader across shard boundaries
+
+
+def rss_mib():
+    """(anonymous, file-backed) resident MiB of this process. Anonymous memory is what the process
+    allocated; the file-backed pages of a memory-mapped shard are the kernel's page cache, shared
+    and dropped under memory pressure, and leave with the mapping."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["RssAnon"].split()[0]) / 1024, int(fields["RssFile"].split()[0]) / 1024
+    except (OSError, KeyError):  # not Linux
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20, 0.0
+
+
+def bench_loader(s, device_type, tmp):
+    import fineweb
+    from train_gpt2 import DataLoaderLite
+
+    c = TRAIN_CONFIGS["gpt2"]
+    B, T = c.get(f"B_{device_type}", c["B"]), c["T"]
+    data_dir = os.path.join(tmp, "loader_data")
+    os.makedirs(data_dir)
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    for i in range(1, s["shards"] + 1):
+        fineweb.write_shard(
+            fineweb.shard_path(data_dir, "bench", i), rng.integers(0, 50257, s["shard_tokens"], dtype=np.uint16)
+        )
+    log(f"  loader: wrote {s['shards']} shards of {s['shard_tokens']:,} tokens in {time.perf_counter() - t0:.1f}s")
+    gc.collect()
+    anon0, file0 = rss_mib()
+    loader = DataLoaderLite(data_dir, "train", B, T, shuffle=False)
+    calls = loader.batches_per_epoch + 2  # through every shard and on into the next epoch
+    times, switch_times = np.empty(calls), []
+    anon_peak, file_peak = anon0, file0
+    for i in range(calls):
+        where = (loader.epoch, loader.shard)
+        t0 = time.perf_counter()
+        loader.next_batch()
+        times[i] = time.perf_counter() - t0
+        if (loader.epoch, loader.shard) != where:
+            switch_times.append(times[i])
+        if (loader.epoch, loader.shard) != where or i % 4096 == 0 or i == calls - 1:
+            anon, file = rss_mib()
+            anon_peak, file_peak = max(anon_peak, anon), max(file_peak, file)
+    anon1, file1 = rss_mib()
+    del loader
+    result = {
+        "B": B,
+        "T": T,
+        "shards": s["shards"],
+        "shard_tokens": s["shard_tokens"],
+        "batches": calls,
+        "switches": len(switch_times),
+        "us_per_batch_mean": 1e6 * times.mean(),
+        "us_per_batch": stats((1e6 * times).tolist()),
+        "us_at_switch": stats([1e6 * t for t in switch_times]),
+        "rss_anon_growth_mib": anon_peak - anon0,
+        "rss_anon_end_growth_mib": anon1 - anon0,
+        "rss_file_peak_growth_mib": file_peak - file0,
+    }
+    note = f"B {B} T {T}, {len(switch_times)} switches between {s['shards']} shards of {s['shard_tokens']:,} tokens"
+    ms, switch_ms = (times * 1e3).tolist(), [t * 1e3 for t in switch_times]
+    below_1ms = dict(target=TARGETS["loader_switch_ms"], higher_is_better=False, judge="mean")
+    rows = [
+        comparison("loader: ms per next_batch, all batches", ms, None, "ms", note=note, **below_1ms),
+        comparison("loader: ms per next_batch at a shard switch", switch_ms, None, "ms", **below_1ms),
+        comparison("loader: RSS added (anonymous, peak)", [anon_peak - anon0], None, "MiB", TARGETS["loader_rss_mb"],
+                   higher_is_better=False, note=f"and up to {file_peak - file0:,.0f} MiB of page cache: the mapped shard"),
+    ]  # fmt: skip
+    return result, rows
+
+
+# ----------------------------------------------------------------------------------------------
+# fineweb.py tokenization
+
+
+def find_shared_data():
+    """shared/data beside the repository (or above it), where the offline test data lives."""
+    for base in Path(__file__).resolve().parents:
+        if (base / "shared" / "data").is_dir():
+            return base / "shared" / "data"
+    return None
+
+
+def bench_fineweb(s, args):
+    import fineweb
+
+    pattern = args.docs
+    if pattern is None:
+        shared = find_shared_data()
+        if shared is None or not list((shared / "fineweb_sample").glob("*.parquet")):
+            return {"skipped": "no documents: pass --docs 'files/*.parquet'"}, []
+        pattern = str(shared / "fineweb_sample" / "*.parquet")
+    docs = list(fineweb.local_documents(fineweb.expand_inputs([pattern]), args.text_field))[: s["docs"]]
+    docs = docs * s["docs_repeat"]  # long enough that the pool's start is a small part of it
+    workers = fineweb.default_workers()
+    enc = get_tokenizer()
+    n_tokens = sum(len(ids) for ids in enc.encode_ordinary_batch(docs, num_threads=workers))
+    chars = sum(len(d) for d in docs)
+    log(f"  fineweb: {len(docs)} documents, {chars:,} characters, {n_tokens:,} tokens, {workers} workers")
+
+    def ours():  # the CLI's own path: the worker pool, EOT-prefixed uint16 tokens
+        out = fineweb.tokenize_docs(docs, workers)
+        assert len(out) == n_tokens + len(docs)  # the same work: every token, plus one EOT per document
+
+    def theirs():
+        enc.encode_ordinary_batch(docs, num_threads=workers)
+
+    times, _ = interleave({"fineweb": ours, "tiktoken": theirs}, *s["tok_rounds"], "cpu", "fineweb tokenize")
+    start = [timed(lambda: fineweb.tokenize_docs([], workers), "cpu") for _ in range(3)]  # the pool alone
+    tok = {k: rates(n_tokens, v) for k, v in times.items()}
+    result = {
+        "documents": len(docs),
+        "characters": chars,
+        "tokens": n_tokens,
+        "workers": workers,
+        "tok_per_sec": {k: stats(v) for k, v in tok.items()},
+        "pool_start_s": stats(start),
+    }
+    rows = [
+        comparison(
+            "fineweb.py tokenize vs tiktoken encode_ordinary_batch",
+            tok["fineweb"],
+            tok["tiktoken"],
+            "tok/s",
+            TARGETS["fineweb_vs_tiktoken"],
+            note=f"{workers} workers, {n_tokens:,} tokens; pool start {statistics.median(start):.2f} s included",
+        )
+    ]
+    return result, rows
+
+
+# ----------------------------------------------------------------------------------------------
+# HellaSwag and sampling: one eval-mode model
+
+
+def eval_model(name, device):
+    c = TRAIN_CONFIGS[name]
+    block_size = 1024 if name != "tiny" else 256
+    config = GPTConfig(
+        block_size=block_size, vocab_size=50257, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"]
+    )
+    torch.manual_seed(0)
+    return GPT(config).to(device).eval()  # random weights: the speed does not depend on them
+
+
+def bench_hellaswag(s, args, device, device_type):
+    try:
+        import hellaswag
+    except ImportError as e:
+        return {"skipped": f"cannot import hellaswag.py ({e})"}, []
+    path = args.hellaswag_data
+    if path is None:
+        shared = find_shared_data()
+        candidate = shared / "hellaswag" / "hellaswag_val.jsonl" if shared else None
+        path = str(candidate) if candidate and candidate.is_file() else None  # None: hellaswag.py's cache
+    rounds, n = s["hs_rounds"], s["hs_examples"]
+    try:
+        examples = hellaswag.load_examples(path)
+    except hellaswag.HellaSwagDataError as e:
+        return {"skipped": str(e)}, []
+    enc = get_tokenizer()
+    # A full pass sorts all the examples by length, so that a batch holds examples of about one
+    # length; a random handful would pad each batch to its longest example and misstate the
+    # batched speed. So each round takes n examples that are neighbours in length order, from
+    # evenly spaced places in it (round r of R around quantile (r + 0.5) / R).
+    longest = [max(len(c) + len(e) for e in ends) for c, ends in (hellaswag.render_example(ex, enc) for ex in examples)]
+    order = sorted(range(len(examples)), key=longest.__getitem__)
+    starts = [max(0, min(len(order) - n, int((r + 0.5) * len(order) / rounds) - n // 2)) for r in range(rounds)]
+    chunks = iter([examples[i] for i in order[start : start + n]] for start in starts)
+    model = eval_model(s["eval_model"], device)
+    for batch_size in (16, 1):  # warm-up
+        hellaswag.evaluate(model, enc, examples[:4], device, batch_size=batch_size)
+    state = {}
+
+    def batched():  # a new chunk of examples each round; the per-example call then scores the same ones
+        state["chunk"] = next(chunks)
+        state["batched"] = hellaswag.evaluate(model, enc, state["chunk"], device, batch_size=16)  # training's default
+
+    def per_example():
+        state["per_example"] = hellaswag.evaluate(model, enc, state["chunk"], device, batch_size=1)
+
+    times, _ = interleave({"batched": batched, "per_example": per_example}, 0, rounds, device_type, "hellaswag")
+    ex = {k: rates(n, v) for k, v in times.items()}
+    result = {
+        "model": s["eval_model"],
+        "examples_per_round": n,
+        "examples_per_sec": {k: stats(v) for k, v in ex.items()},
+        "same_counts_last_round": state["batched"] == state["per_example"],
+    }
+    rows = [
+        comparison(
+            "hellaswag: batched vs one example per forward",
+            ex["batched"],
+            ex["per_example"],
+            "ex/s",
+            TARGETS["hellaswag_batched"],
+            note=f"{s['eval_model']} model, {n} examples a round",
+        )
+    ]
+    del model
+    return result, rows
+
+
+def bench_sample(s, device, device_type):
+    enc = get_tokenizer()
+    model = eval_model(s["eval_model"], device)
+    prompt = torch.tensor([enc.encode("Hello, I'm a language model,")], dtype=torch.long, device=device)
+    new = min(s["new_tokens"], model.config.block_size - prompt.size(1))
+
+    def generate(use_cache, n_tokens):
+        def run():  # the same seed every call: the same tokens drawn, the same work
+            g = torch.Generator(device=device).manual_seed(42)
+            model.generate(prompt, n_tokens, generator=g, use_cache=use_cache)
+
+        return run
+
+    for use_cache in (True, False):  # warm-up: a few tokens are enough, recomputing 256 is long
+        generate(use_cache, 8)()
+    contenders = {"kv_cache": generate(True, new), "recompute": generate(False, new)}
+    times, _ = interleave(contenders, 0, s["sample_rounds"], device_type, f"sample {new} tokens")
+    tok = {k: rates(new, v) for k, v in times.items()}
+    result = {
+        "model": s["eval_model"],
+        "new_tokens": new,
+        "prompt_tokens": prompt.size(1),
+        "batch": 1,
+        "tok_per_sec": {k: stats(v) for k, v in tok.items()},
+    }
+    rows = [
+        comparison(
+            f"sample {new} new tokens: KV cache vs recompute",
+            tok["kv_cache"],
+            tok["recompute"],
+            "tok/s",
+            TARGETS["kv_cache"],
+            note=f"{s['eval_model']} model, batch 1",
+        )
+    ]
+    del model
+    return result, rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def machine(device, device_type):
+    cpu = platform.processor() or platform.machine()
+    try:
+        info = {k.strip(): v for k, v in (line.split(":", 1) for line in open("/proc/cpuinfo") if ":" in line)}
+        cpu = f"{info['model name'].strip()} (family {info['cpu family'].strip()}, model {info['model'].strip()})"
+    except (OSError, KeyError):
+        pass
+    import transformers
+
+    return {
+        "device": torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu",
+        "cpu": cpu,
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def write_atomic(path, text):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--quick", action="store_true", help="small models, eager only, fewer rounds (< 5 min on 2 CPU cores)"
+    )
+    p.add_argument("--tiny", action="store_true", help="toy sizes everywhere: a smoke run of seconds")
+    p.add_argument("--only", default=None, help=f"comma-separated sections to run: {','.join(SECTIONS)}")
+    p.add_argument(
+        "--configs", default=None, help=f"training configs to run, comma-separated: {','.join(TRAIN_CONFIGS)}"
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time torch.compile (default: on in the full run)",
+    )
+    p.add_argument("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
+    p.add_argument(
+        "--peak-flops", type=float, default=None, help="the GPU's peak FLOP/s for MFU (default: train_gpt2's table)"
+    )
+    p.add_argument(
+        "--docs", default=None, help="documents for the fineweb benchmark (.parquet/.jsonl/.txt files or a glob)"
+    )
+    p.add_argument("--text-field", default="text", help="their text column")
+    p.add_argument(
+        "--hellaswag-data", default=None, help="a HellaSwag jsonl (default: shared/data, else hellaswag.py's cache)"
+    )
+    p.add_argument("--out", default="bench.json", help="the JSON results (default bench.json)")
+    args = p.parse_args(argv)
+    args.only = args.only.split(",") if args.only else list(SECTIONS)
+    args.configs = args.configs.split(",") if args.configs else None
+    for name in args.only:
+        if name not in SECTIONS:
+            raise UserError(f"--only {name}: unknown section, choose from {', '.join(SECTIONS)}")
+    for name in args.configs or []:
+        if name not in TRAIN_CONFIGS:
+            raise UserError(f"--configs {name}: unknown config, choose from {', '.join(TRAIN_CONFIGS)}")
+    if args.tiny and args.quick:
+        raise UserError("--tiny and --quick are two sizes of run: pass one")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    shared = find_shared_data()
+    if shared is not None and (shared / "tiktoken_cache").is_dir():
+        os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(shared / "tiktoken_cache"))  # offline machines
+    s = settings(args)
+    device, device_type = pick_device(args.device)
+    if device_type == "cuda":
+        torch.set_float32_matmul_precision("high")  # as train_gpt2 does: TF32 for fp32 matmuls
+    peak = args.peak_flops or (
+        train_gpt2.peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None
+    )
+    if device_type == "cuda" and peak is None:
+        raise UserError(f"no peak FLOP/s known for {torch.cuda.get_device_name(device)}: pass --peak-flops")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise UserError(f"--out {args.out}: folder {out_dir} does not exist")
+
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    report = {
+        "command": "python bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "mode": mode,
+        "machine": machine(device, device_type),
+        "settings": s,
+        "sections": {},
+        "rows": [],
+    }
+    t_start = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+        for section in SECTIONS:
+            if section not in args.only:
+                continue
+            log(f"{section} ...")
+            t0 = time.time()
+            if section == "ceiling":
+                result, rows = bench_ceiling(s, device, device_type)
+            elif section == "loader":
+                result, rows = bench_loader(s, device_type, tmp)
+            elif section == "fineweb":
+                result, rows = bench_fineweb(s, args)
+            elif section == "train":
+                result, rows = bench_train(s, device, device_type, peak, tmp)
+            elif section == "hellaswag":
+                result, rows = bench_hellaswag(s, args, device, device_type)
+            else:
+                result, rows = bench_sample(s, device, device_type)
+            result["seconds"] = time.time() - t0
+            if "skipped" in result:
+                log(f"  skipped {section}: {result['skipped']}")
+            report["sections"][section] = result
+            report["rows"] += rows
+            gc.collect()
+    report["seconds"] = time.time() - t_start
+    report["table"] = table(report["rows"])
+    write_atomic(args.out, json.dumps(report, indent=1) + "\n")
+    m = report["machine"]
+    print(
+        f"bench.py ({mode}) on {m['device']}, {m['cpu']}, {m['cpu_cores']} cores, torch {m['torch']}, "
+        f"transformers {m['transformers']}: {report['seconds'] / 60:.1f} min"
+    )
+    print()
+    print(report["table"])
+    for section, result in report["sections"].items():
+        if "skipped" in result:
+            print(f"\n{section}: skipped ({result['skipped']})")
+    print(f"\nwrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

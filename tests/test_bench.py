@@ -1,0 +1,80 @@
+"""bench.py end to end on toy sizes: every section runs, the table and the JSON agree, and the
+numbers hold up against arithmetic done here by hand. No speed is asserted: CI machines vary."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+import tiktoken
+
+ROOT = __import__("conftest").ROOT
+
+
+def run_bench(*args, cwd):
+    # one thread: other test runs share these cores, and two threads then wait on each other
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "bench.py"), *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_tiny_bench_writes_table_and_json(tmp_path, shared_data):
+    out = tmp_path / "bench.json"
+    docs = shared_data / "fineweb_sample" / "*.parquet"
+    hellaswag = shared_data / "hellaswag" / "hellaswag_val.jsonl"
+    r = run_bench("--tiny", "--out", out, "--docs", docs, "--hellaswag-data", hellaswag, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["table"] in r.stdout  # the printed table is the one saved
+    assert report["table"].startswith("| benchmark | ours | baseline |")
+    assert sorted(report["sections"]) == sorted(["ceiling", "loader", "fineweb", "train", "hellaswag", "sample"])
+    assert not [name for name, s in report["sections"].items() if "skipped" in s]
+    assert sorted(os.listdir(tmp_path)) == ["bench.json"]  # the shards went to a temporary folder, now gone
+
+    rows = report["rows"]
+    assert len(report["table"].splitlines()) == len(rows) + 2
+    names = " | ".join(row["name"] for row in rows)
+    for wanted in ("matmul ceiling fp32", "loader", "fineweb.py", "ours vs transformers", "bf16 vs fp32", "hellaswag", "KV cache"):  # fmt: skip
+        assert wanted in names
+    for row in rows:
+        s = row["ours"]
+        assert 0 < s["min"] <= s["median"] <= s["max"] and math.isfinite(s["max"]), row["name"]
+        if row["baseline"] is not None:
+            assert row["baseline"]["median"] > 0
+            assert row["ratio"] == pytest.approx(s["median"] / row["baseline"]["median"])
+            assert f"{row['ratio']:.2f}x" in report["table"]
+
+    # training: toy config n_layer 2, n_head 2, n_embd 64, T 32, B 2, vocab 50304, by hand:
+    # 6 * (50304*64 + 2*(12*64^2 + 13*64) + 2*64) + 12 * 2 layers * 2 heads * 32 head_dim * T 32
+    train = report["sections"]["train"]["tiny"]
+    assert train["flops_per_token"] == 6 * 3_319_552 + 49_152 == 19_966_464
+    for variant in ("ours fp32 eager", "hf fp32 eager", "ours bf16 eager", "hf bf16 eager"):
+        tok, step = train["tok_per_sec"][variant], train["step_s"][variant]
+        assert tok["max"] == pytest.approx(2 * 32 / step["min"])  # tokens per step over the fastest step
+        assert 0 < train["mfu"][variant]["median"]
+
+    # loader: 2 shards of 200,000 tokens, B 1 x T 1024 per batch (+1 target token), then 2 more
+    # batches into the next epoch: (200,000 - 1) // 1024 = 195 batches a shard, 2 shard switches
+    loader = report["sections"]["loader"]
+    assert loader["batches"] == 2 * 195 + 2 and loader["switches"] == 2
+
+    # fineweb: the first 20 documents of the sample, counted with tiktoken called directly
+    enc = tiktoken.get_encoding("gpt2")
+    texts = []
+    for path in sorted((shared_data / "fineweb_sample").glob("*.parquet")):
+        texts += pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    assert report["sections"]["fineweb"]["tokens"] == sum(len(enc.encode_ordinary(t)) for t in texts[:20])
+
+    assert report["sections"]["hellaswag"]["examples_per_round"] == 8
+    assert report["sections"]["sample"]["new_tokens"] == 16
+
+
+def test_unknown_section_is_a_one_line_error(tmp_path):
+    r = run_bench("--only", "speed", cwd=tmp_path)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "error: --only speed: unknown section, choose from ceiling, loader, fineweb, train, hellaswag, sample"
+    ]
