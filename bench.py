@@ -5,7 +5,9 @@ Shared machines drift: absolute times move, ratios taken back to back hold. So e
 runs its contenders interleaved (A B A B ...), drops the warm-up rounds, and reports medians with
 min-max; a ratio is the ratio of the medians, with the min-max of the per-round (paired) ratios.
 
-  ceiling    fp32 and bf16 GFLOP/s of a large square torch.mm: what this device can do
+  ceiling    fp32 and bf16 GFLOP/s of a large square torch.mm: what this device can do with the
+             kernels torch uses (on a CPU also fp32 through oneDNN, for reference: torch.mm and
+             nn.Linear call MKL for fp32, which on AMD CPUs reaches about half of oneDNN's speed)
   train      one training step (forward, backward, clip, AdamW step) of train_gpt2.GPT with
              GPT.configure_optimizers, against transformers' GPT2LMHeadModel (sdpa attention, plain
              torch AdamW) with the same config, batch, precision and data (train_gpt2's loader and
@@ -21,7 +23,7 @@ min-max; a ratio is the ratio of the medians, with the min-max of the per-round 
   sample     GPT.generate with the KV cache against recomputing the whole prefix, 256 new tokens
 
 Usage:
-    python bench.py                  # everything: ~25 min on 2 CPU cores; table on stdout, JSON to bench.json
+    python bench.py                  # everything: ~13 min on 2 idle CPU cores; table on stdout, JSON to bench.json
     python bench.py --quick          # small models, eager only, fewer rounds: < 5 min on 2 CPU cores
     python bench.py --only train --configs gpt2 --out gpt2.json     # one section, one config
     python bench.py --device cuda    # on a GPU (B 16 at the gpt2 config)
@@ -85,7 +87,7 @@ RUNS = {
     "full": dict(
         configs=["small", "gpt2"],
         compile=[False, True],
-        train_rounds=dict(tiny=(2, 5), small=(2, 5), gpt2=(1, 3)),
+        train_rounds=dict(tiny=(2, 6), small=(2, 6), gpt2=(1, 4)),
         mm_n=4096,
         mm_rounds=(1, 5),
         shards=3,
@@ -95,7 +97,7 @@ RUNS = {
         tok_rounds=(1, 3),  # all the documents, twice: ~3M tokens
         eval_model="gpt2",
         hs_examples=32,
-        hs_rounds=2,
+        hs_rounds=3,
         new_tokens=256,
         sample_rounds=2,
     ),
@@ -286,8 +288,9 @@ def matmul_fn(n, dtype, device):
 
 
 def onednn_fp32_fn(n):
-    """The same fp32 product through oneDNN's matmul (which torch.mm does not use for fp32 on x86:
-    it calls MKL, and MKL runs its AVX2 code on AMD CPUs), or None where that op is missing."""
+    """The same fp32 product through oneDNN's matmul, which torch.mm and nn.Linear do not use for
+    fp32 on x86 (they call MKL, whose sgemm on AMD CPUs runs at about AVX2 speed), or None where
+    torch lacks the op."""
     linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
     if linear is None:
         return None
@@ -851,12 +854,17 @@ def main(argv=None):
             report["rows"] += rows
             gc.collect()
     report["seconds"] = time.time() - t_start
+    report["machine"]["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     report["table"] = table(report["rows"])
     write_atomic(args.out, json.dumps(report, indent=1) + "\n")
     m = report["machine"]
+    load = (
+        ", load average {:.1f} at the start".format(m["load_average_at_start"][0]) if m["load_average_at_start"] else ""
+    )
     print(
-        f"bench.py ({mode}) on {m['device']}, {m['cpu']}, {m['cpu_cores']} cores, torch {m['torch']}, "
-        f"transformers {m['transformers']}: {report['seconds'] / 60:.1f} min"
+        f"`{report['command']}` ({mode}) on {m['device']}, {m['cpu']}, {m['cpu_cores']} cores, "
+        f"{m['torch_threads']} torch threads, torch {m['torch']}, transformers {m['transformers']}: "
+        f"{report['seconds'] / 60:.1f} min{load}"
     )
     print()
     print(report["table"])
