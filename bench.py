@@ -13,8 +13,9 @@ min-max; a ratio is the ratio of the medians, with the min-max of the per-round 
              torch AdamW) with the same config, batch, precision and data (train_gpt2's loader and
              accumulate_gradients feed both). Configs small (6 layers, 384 wide, T 256, B 8) and
              gpt2 (124M, T 1024, B 1 on CPU, 16 on GPU); fp32 and bf16 autocast; eager and
-             torch.compile. MFU: against the matmul ceiling measured in the same rounds on a CPU,
-             against the datasheet peak (train_gpt2.PEAK_FLOPS, --peak-flops) on a GPU
+             torch.compile (compile time: cold, from an empty inductor cache). MFU: against the
+             matmul ceiling measured in the same rounds on a CPU, against the datasheet peak
+             (train_gpt2.PEAK_FLOPS, --peak-flops) on a GPU
   loader     DataLoaderLite.next_batch through 100M-token shards (written to a temporary folder):
              microseconds per batch, at the shard switches, and the memory it adds
   fineweb    fineweb.py's tokenizer pool against tiktoken's encode_ordinary_batch, same documents
@@ -830,6 +831,8 @@ def main(argv=None):
     }
     t_start = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+        # an empty inductor cache: the compile times are those of a first compile, not of a cache hit
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor_cache")
         for section in SECTIONS:
             if section not in args.only:
                 continue
