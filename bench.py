@@ -822,7 +822,7 @@ def main(argv=None):
 
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
     report = {
-        "command": "python bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python", "bench.py", *(sys.argv[1:] if argv is None else argv)]),
         "mode": mode,
         "machine": machine(device, device_type),
         "settings": s,
