@@ -23,7 +23,7 @@ import torch
 import fineweb
 import hellaswag
 import train_gpt2
-from test_train import one_thread_per_process, random_shards, tiny_args  # noqa: F401
+from test_train import one_thread_per_process, random_shards, short_run, tiny_args  # noqa: F401
 from test_train_data import write_shard
 from train_gpt2 import EOT, UserError, load_checkpoint, load_training_checkpoint
 
@@ -147,15 +147,6 @@ def same_weights(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-    """A run of 2 steps with a checkpoint after each, to break."""
-    tmp = tmp_path_factory.mktemp("two_ckpts")
-    data = random_shards(tmp / "data")
-    assert train_gpt2.main(tiny_args(data, tmp / "out", "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)) == 0
-    return data, tmp / "out"
-
-
 # ----------------------------------------------------------------------------------------------
 # train_gpt2.py: SIGKILL at any moment
 
@@ -223,9 +214,9 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
 # train_gpt2.py: broken checkpoints
 
 
-def test_resume_skips_a_corrupt_newest_checkpoint_in_one_line(two_checkpoints, tmp_path, capsys):
+def test_resume_skips_a_corrupt_newest_checkpoint_in_one_line(short_run, tmp_path, capsys):
     # test_train.py has the truncated case; here the file is whole but bytes inside a tensor changed
-    data, out = two_checkpoints
+    data, out = short_run
     run = tmp_path / "run"
     shutil.copytree(out, run)
     raw = bytearray((run / "ckpt_000002.pt").read_bytes())
