@@ -50,7 +50,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import train_gpt2
-from train_gpt2 import GPT, GPTConfig, UserError, flops_per_token, get_tokenizer, pick_device
+from fineweb import UserError, get_tokenizer, run_cli, write_atomic
+from train_gpt2 import GPT, GPTConfig, flops_per_token, pick_device
 
 SECTIONS = ("ceiling", "loader", "fineweb", "train", "hellaswag", "sample")
 
@@ -753,13 +754,6 @@ def machine(device, device_type):
     }
 
 
-def write_atomic(path, text):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -859,7 +853,7 @@ def main(argv=None):
     report["seconds"] = time.time() - t_start
     report["machine"]["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     report["table"] = table(report["rows"])
-    write_atomic(args.out, json.dumps(report, indent=1) + "\n")
+    write_atomic(args.out, lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()))
     m = report["machine"]
     load = (
         ", load average {:.1f} at the start".format(m["load_average_at_start"][0]) if m["load_average_at_start"] else ""
@@ -879,8 +873,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_cli(main)

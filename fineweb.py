@@ -29,12 +29,120 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from train_gpt2 import EOT, UserError, get_tokenizer
-
-BIN_MAGIC, BIN_VERSION = 20240520, 1  # llm.c's header for uint16 token shards
-BIN_HEADER_INTS = 256
+EOT = 50256  # <|endoftext|>: every document starts with it
 BATCH_CHARS = 1 << 18  # characters per task sent to a worker: ~60K tokens, a few tens of ms of work
 INPUT_TYPES = (".txt", ".jsonl", ".parquet")
+
+
+# ----------------------------------------------------------------------------------------------
+# What every script of the project shares. fineweb.py is the bottom of the stack (it imports no
+# torch and none of the other scripts), so these live here, once, and hellaswag.py, train_gpt2.py
+# and bench.py import them.
+
+
+class UserError(Exception):
+    """A mistake in the user's input: reported as one line, exit code 1, no traceback."""
+
+
+def first_line(e):
+    """The first line of an exception's message (or its type's name): enough for a one-line error."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def write_atomic(path, write, mode="wb"):
+    """write(f) into a hidden temporary file beside path, fsync it, then rename it over path:
+    readers and a resumed run see the whole old file or the whole new one, never half of one.
+    The temporary file is removed on any failure, a full disk and Ctrl-C included."""
+    tmp = os.path.join(os.path.dirname(path) or ".", "." + os.path.basename(path) + ".tmp")
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it count
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):  # a full disk: give back the space the partial file holds
+            os.remove(tmp)
+        raise
+
+
+def run_cli(main, interrupted="interrupted"):
+    """Run a script's main(): a UserError is one `error:` line and exit 1, Ctrl-C the one line
+    `interrupted` and exit 130 (the shell's code for SIGINT); anything else is a bug and keeps
+    its traceback."""
+    try:
+        code = main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def get_tokenizer():
+    """tiktoken's gpt2 encoding. Offline machines point TIKTOKEN_CACHE_DIR at a cache of it."""
+    import tiktoken
+
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # network errors, hash mismatches: all mean the same thing to the user
+        raise UserError(
+            f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}); offline, set TIKTOKEN_CACHE_DIR "
+            f"to a folder holding its cached vocab.bpe and encoder.json"
+        ) from None
+
+
+# --- the token shard format, written here and read by train_gpt2.py ---------------------------
+# .npy: np.save of a 1-D uint16 array. .bin: llm.c / modded-nanogpt's format, a header of 256
+# int32 (magic, version, token count, zeros) and then the uint16 tokens.
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+SHARD_HEADER_INTS = 256
+
+
+def write_shard(path, tokens, fmt="npy"):
+    """tokens (uint16) as one shard file, written atomically."""
+    if fmt == "bin":
+        header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+        header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
+
+        def write(f):
+            f.write(header.tobytes())
+            f.write(tokens.astype("<u2", copy=False).data)
+
+    else:
+
+        def write(f):
+            np.save(f, tokens)
+
+    write_atomic(path, write)
+
+
+def load_shard(path):
+    """The tokens of one .npy or .bin shard as a read-only, memory-mapped uint16 array. Pages are
+    read from disk only when a batch slices them: switching to a 100M-token shard copies nothing."""
+    try:
+        if path.endswith(".bin"):
+            header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
+            if len(header) < SHARD_HEADER_INTS or header[0] != SHARD_MAGIC:
+                raise UserError(f"{path}: not an llm.c token shard (its header does not start with {SHARD_MAGIC})")
+            if header[1] != SHARD_VERSION:
+                raise UserError(f"{path}: shard version {header[1]}; only version {SHARD_VERSION} is read")
+            n = int(header[2])
+            have = (os.path.getsize(path) - SHARD_HEADER_INTS * 4) // 2
+            if n != have:
+                raise UserError(f"{path}: the header says {n:,} tokens but the file holds {have:,}: truncated?")
+            if n == 0:
+                return np.empty(0, dtype=np.uint16)  # mmap cannot map zero bytes
+            return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_INTS * 4, shape=(n,))
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise UserError(f"{path}: cannot read this token shard ({first_line(e)}): rewrite it with fineweb.py") from None
+    if tokens.dtype != np.uint16 or tokens.ndim != 1:
+        raise UserError(f"{path}: a token shard is a 1-D uint16 array, this one is {tokens.ndim}-D {tokens.dtype}")
+    return tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,7 +216,7 @@ def read_documents(path, text_field):
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
     except pa.ArrowException as e:
-        raise UserError(f"{path} is not a readable parquet file ({_first_line(e)})") from None
+        raise UserError(f"{path} is not a readable parquet file ({first_line(e)})") from None
 
 
 def check_inputs(paths, text_field):
@@ -152,7 +260,7 @@ def hub_documents(dataset, name, split, text_field, skip=0):
     try:
         ds = datasets.load_dataset(dataset, name=name, split=split, streaming=True)
     except Exception as e:  # not found, no network, bad config name: the library's message says which
-        raise UserError(f"cannot open {dataset} (name {name}, split {split}): {_first_line(e)}") from None
+        raise UserError(f"cannot open {dataset} (name {name}, split {split}): {first_line(e)}") from None
     if ds.column_names is not None:
         if text_field not in ds.column_names:
             raise UserError(
@@ -171,7 +279,7 @@ def hub_documents(dataset, name, split, text_field, skip=0):
                 batch = next(batches, None)
             except Exception as e:  # a dropped connection hours in: what finished is kept, so say how to go on
                 raise UserError(
-                    f"reading {dataset} failed ({_first_line(e)}): rerun the same command to resume"
+                    f"reading {dataset} failed ({first_line(e)}): rerun the same command to resume"
                 ) from None
             if batch is None:
                 return
@@ -182,10 +290,6 @@ def hub_documents(dataset, name, split, text_field, skip=0):
                 yield _text(text, f"{dataset} row {row}")
 
     return documents()
-
-
-def _first_line(e):
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,39 +366,6 @@ def shard_path(out_dir, prefix, index, fmt="npy"):
     return os.path.join(out_dir, f"{prefix}_{split}_{index:06d}.{fmt}")
 
 
-def _write_atomic(path, write):
-    """write(f) into a hidden temporary file, then rename it over path: readers and a resumed run
-    see a whole file or none."""
-    tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        if os.path.exists(tmp):  # a full disk: give back the space the partial file holds
-            os.remove(tmp)
-        raise
-
-
-def write_shard(path, tokens, fmt="npy"):
-    if fmt == "bin":
-        header = np.zeros(BIN_HEADER_INTS, dtype="<i4")
-        header[:3] = BIN_MAGIC, BIN_VERSION, len(tokens)
-
-        def write(f):
-            f.write(header.tobytes())
-            f.write(tokens.astype("<u2", copy=False).data)
-
-    else:
-
-        def write(f):
-            np.save(f, tokens)
-
-    _write_atomic(path, write)
-
-
 def load_manifest(path, config):
     """The shards a previous run of this configuration finished, or a fresh manifest."""
     if not os.path.exists(path):
@@ -329,7 +400,7 @@ def _short(value, width=60):
 
 
 def save_manifest(path, manifest):
-    _write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,7 +416,7 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
     shard_size, prefix, fmt = config["shard_size"], config["prefix"], config["format"]
     try:
         os.makedirs(out_dir, exist_ok=True)
-        _write_atomic(os.path.join(out_dir, ".fineweb_write_test"), lambda f: f.write(b"ok"))
+        write_atomic(os.path.join(out_dir, ".fineweb_write_test"), lambda f: f.write(b"ok"))
         os.remove(os.path.join(out_dir, ".fineweb_write_test"))
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror or e}") from None
@@ -528,11 +599,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        print("interrupted: rerun the same command to resume after the last finished shard", file=sys.stderr)
-        sys.exit(130)
+    run_cli(main, interrupted="interrupted: rerun the same command to resume after the last finished shard")

@@ -34,11 +34,12 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import urllib.request
 
 import torch
 from torch.nn import functional as F
+
+from fineweb import UserError, first_line, run_cli, write_atomic
 
 NUM_VAL = 10042
 HUB_DATASET = "Rowan/hellaswag"  # split "validation": the same rows, with label as a string
@@ -53,7 +54,7 @@ KEYS = ("ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split", "split_type",
 WIKIHOW_KEYS = ("ind", "ctx", *(k for k in KEYS if k not in ("ind", "ctx")))
 
 
-class HellaSwagDataError(Exception):
+class HellaSwagDataError(UserError):
     """The data is missing, malformed or a bad cache: one line that names the file and the fix."""
 
 
@@ -126,10 +127,6 @@ def _fetch_from_url():
         return resp.read().decode("utf-8")
 
 
-def _first_line(e):
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
 def download(cache_path):
     """Fetch the validation split (Hub, then the original URL), check it, write cache_path atomically."""
     print(f"downloading the HellaSwag validation split to {cache_path}", file=sys.stderr)
@@ -142,21 +139,13 @@ def download(cache_path):
                 raise HellaSwagDataError(f"{n} rows, expected {NUM_VAL}")
             break
         except Exception as e:  # offline, 404, a moved dataset: all mean "try the next source"
-            errors.append(f"{where}: {_first_line(e)}")
+            errors.append(f"{where}: {first_line(e)}")
     else:
         raise HellaSwagDataError(
             f"cannot download HellaSwag ({'; '.join(errors)}); pass --data path/to/hellaswag_val.jsonl"
         )
     os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
-    # write to a temporary name and rename: an interrupted download never leaves a partial cache
-    fd, tmp = tempfile.mkstemp(prefix=".hellaswag_", suffix=".tmp", dir=os.path.dirname(cache_path) or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        os.replace(tmp, cache_path)
-    except BaseException:
-        os.remove(tmp)
-        raise
+    write_atomic(cache_path, lambda f: f.write(text.encode("utf-8")))  # a cut download never leaves a partial cache
 
 
 def load_examples(path=None, cache_dir=None, limit=None):
@@ -296,7 +285,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="autocast dtype")
     args = p.parse_args(argv)
 
-    from train_gpt2 import UserError, get_tokenizer, load_model, pick_device  # here: importing us stays light
+    from train_gpt2 import get_tokenizer, load_model, pick_device  # train_gpt2 imports us: not at the top
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: give a positive number of examples")
@@ -322,10 +311,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from train_gpt2 import UserError  # only here and in main: importing hellaswag stays light
-
-    try:
-        main()
-    except (HellaSwagDataError, UserError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_cli(main)

@@ -41,13 +41,11 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import hellaswag
+from fineweb import EOT, UserError, first_line, get_tokenizer, load_shard, run_cli, write_atomic  # noqa: F401
+
 GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding and are never sampled
-EOT = 50256  # <|endoftext|>
 HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-
-
-class UserError(Exception):
-    """A mistake in the user's input: reported as one line, exit code 1, no traceback."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,8 +248,7 @@ class GPT(nn.Module):
         try:
             hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True)
         except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"cannot load transformers GPT-2 from {name_or_dir!r}: {first}") from None
+            raise UserError(f"cannot load transformers GPT-2 from {name_or_dir!r}: {first_line(e)}") from None
         if info["missing_keys"]:  # transformers fills these with random numbers and only warns
             missing = sorted(info["missing_keys"])
             raise UserError(
@@ -350,19 +347,6 @@ def peak_flops(device_name):
 # Tokenizer and device
 
 
-def get_tokenizer():
-    """tiktoken's gpt2 encoding. Offline machines point TIKTOKEN_CACHE_DIR at a cache of it."""
-    import tiktoken
-
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # network errors, hash mismatches: all mean the same thing to the user
-        raise UserError(
-            f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}); offline, set TIKTOKEN_CACHE_DIR "
-            f"to a folder holding its cached vocab.bpe and encoder.json"
-        ) from None
-
-
 def pick_device(requested=None):
     """cuda > mps > cpu unless requested; returns (device, device_type)."""
     if requested:
@@ -404,7 +388,7 @@ def load_checkpoint(path):
     except FileNotFoundError:
         raise UserError(f"checkpoint {path} does not exist") from None
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         raise UserError(f"checkpoint {path} cannot be loaded safely (truncated, corrupt or not ours): {first}") from None
     if bad is not None:
         raise UserError(f"checkpoint {path} is corrupt: its {bad} fails the zip CRC check")
@@ -419,7 +403,7 @@ def model_from_checkpoint(ckpt, path):
         model = GPT(GPTConfig(**ckpt["model_config"]))
         model.load_state_dict(ckpt["model"])
     except (TypeError, RuntimeError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         raise UserError(f"checkpoint {path}: its weights do not match its model_config ({first})") from None
     return model
 
@@ -436,37 +420,6 @@ def sample_text(model, enc, prompt, num_samples=4, max_new_tokens=32, temperatur
 
 # ----------------------------------------------------------------------------------------------
 # Data: token shards on disk, memory-mapped
-
-SHARD_MAGIC = 20240520  # llm.c / modded-nanogpt .bin shard: 256 int32 header, then uint16 tokens
-SHARD_VERSION = 1
-SHARD_HEADER_BYTES = 256 * 4
-
-
-def load_shard(path):
-    """The tokens of one .npy or .bin shard as a read-only, memory-mapped uint16 array. Pages are
-    read from disk only when a batch slices them: switching to a 100M-token shard copies nothing."""
-    try:
-        if path.endswith(".bin"):
-            header = np.fromfile(path, dtype="<i4", count=256)
-            if len(header) < 256 or header[0] != SHARD_MAGIC:
-                raise UserError(f"{path}: not an llm.c token shard (its header does not start with {SHARD_MAGIC})")
-            if header[1] != SHARD_VERSION:
-                raise UserError(f"{path}: shard version {header[1]}; only version {SHARD_VERSION} is read")
-            n = int(header[2])
-            have = (os.path.getsize(path) - SHARD_HEADER_BYTES) // 2
-            if n != have:
-                raise UserError(f"{path}: the header says {n:,} tokens but the file holds {have:,}: truncated?")
-            if n == 0:
-                return np.empty(0, dtype=np.uint16)  # mmap cannot map zero bytes
-            return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_BYTES, shape=(n,))
-        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"{path}: cannot read this token shard ({first}): rewrite it with fineweb.py") from None
-    if tokens.dtype != np.uint16 or tokens.ndim != 1:
-        raise UserError(f"{path}: a token shard is a 1-D uint16 array, this one is {tokens.ndim}-D {tokens.dtype}")
-    return tokens
-
 
 def find_shards(data_dir, split):
     """The {prefix}_{split}_{index}.npy (or .bin) shards in data_dir, in name order."""
@@ -729,7 +682,7 @@ def load_hellaswag(args, master_process, ddp):
             try:
                 return hellaswag.load_examples(args.hellaswag_data, limit=args.hellaswag_limit), None
             except Exception as e:  # no network, a bad cache, a datasets error: all mean "no data"
-                return None, (str(e).strip().splitlines() or [type(e).__name__])[0]
+                return None, first_line(e)
 
         # rank 0 first: it may download and cache the data, which the others then just read
         if master_process:
@@ -1197,8 +1150,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_cli(main)
