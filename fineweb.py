@@ -17,20 +17,31 @@ Usage:
 """
 
 import argparse
-import array
 import collections
+import concurrent.futures
 import glob
 import json
-import multiprocessing as mp
 import os
+import queue
+import re
+import signal
+import socket
 import sys
+import threading
 import time
+import urllib.parse
 
-import numpy as np
-from tqdm import tqdm
+try:
+    import numpy as np
+    from tqdm import tqdm
+except KeyboardInterrupt:  # Ctrl-C in the first tenth of a second: one line, as at any other moment
+    if __name__ != "__main__":
+        raise
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
 
 EOT = 50256  # <|endoftext|>: every document starts with it
-BATCH_CHARS = 1 << 18  # characters per task sent to a worker: ~60K tokens, a few tens of ms of work
+BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
 INPUT_TYPES = (".txt", ".jsonl", ".parquet")
 
 
@@ -70,6 +81,7 @@ def run_cli(main, interrupted="interrupted"):
     """Run a script's main(): a UserError is one `error:` line and exit 1, Ctrl-C the one line
     `interrupted` and exit 130 (the shell's code for SIGINT); anything else is a bug and keeps
     its traceback."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt from here on
     try:
         code = main()
     except UserError as e:
@@ -178,9 +190,6 @@ def _text(value, where):
 
 def read_documents(path, text_field):
     """The documents of one file: a .txt is one document; .jsonl and .parquet have one per row."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         if path.endswith(".txt"):
             with open(path, encoding="utf-8", newline="") as f:  # newline="": the text exactly as stored
@@ -200,21 +209,29 @@ def read_documents(path, text_field):
                         )
                     yield _text(row[text_field], f"{path} line {lineno}")
         else:
-            pf = pq.ParquetFile(path)
-            columns = pf.schema_arrow.names
-            if text_field not in columns:
-                raise UserError(
-                    f"{path} has no {text_field!r} column (it has {', '.join(columns)}): choose one with --text-field"
-                )
-            row = 0
-            for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
-                for text in batch.column(0).to_pylist():
-                    row += 1
-                    yield _text(text, f"{path} row {row}")
+            yield from _parquet_documents(path, text_field)
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text") from None
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _parquet_documents(path, text_field):
+    import pyarrow as pa  # only parquet input needs it
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+        columns = pf.schema_arrow.names
+        if text_field not in columns:
+            raise UserError(
+                f"{path} has no {text_field!r} column (it has {', '.join(columns)}): choose one with --text-field"
+            )
+        row = 0
+        for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                yield _text(text, f"{path} row {row}")
     except pa.ArrowException as e:
         raise UserError(f"{path} is not a readable parquet file ({first_line(e)})") from None
 
@@ -292,27 +309,70 @@ def hub_documents(dataset, name, split, text_field, skip=0):
     return documents()
 
 
+HUB_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def check_online(dataset, timeout=5.0):
+    """Offline, the Hub client retries for half a minute and then says nothing about offline use:
+    find out at once, and say what to pass instead."""
+    hint = "pass local files with --input instead, e.g. --input 'corpus/*.parquet' (.txt, .jsonl or .parquet)"
+    for var in HUB_OFFLINE_VARS:
+        if os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE"):  # as huggingface_hub reads it
+            raise UserError(f"{var} is set, so {dataset} cannot be streamed from the Hugging Face Hub: {hint}")
+    if os.path.exists(dataset) or any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY")):
+        return  # a local dataset folder, or a proxy, which a direct connection says nothing about
+    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    outcome = []
+
+    def probe():  # in a thread: a resolver that never answers must not hold the run either
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome or outcome[0] is not None:
+        reason = first_line(outcome[0]) if outcome else f"no answer in {timeout:.0f} s"
+        raise UserError(f"cannot reach {host} to stream {dataset} ({reason}); offline? {hint}")
+
+
 # ----------------------------------------------------------------------------------------------
-# Tokenization in a pool of worker processes
+# Tokenization in a pool of threads
+#
+# tiktoken encodes in Rust with the GIL released, so threads of one process scale like processes
+# (tiktoken's own encode_ordinary_batch is a thread pool too) without their costs: no pool start
+# (a process per worker, each loading the tokenizer: the part that made 16 workers slow on small
+# inputs), no copy of every text and result through pipes, one tokenizer in memory, and Ctrl-C
+# lands in the one process, which stops at once (worker processes died holding the pool's queue
+# lock and hung the run). What a worker does while holding the GIL is kept small: tokens come back
+# as a numpy buffer, not as a Python list of ints, so 16 threads do not queue for the GIL.
 
-_enc = None  # each worker's own tiktoken encoding, loaded once by _init_worker
+
+def encode_ordinary(enc, text):
+    """tiktoken's enc.encode_ordinary(text) as a uint32 array, the same tokens without the list."""
+    try:
+        return enc.encode_to_numpy(text, disallowed_special=())  # no special tokens: "<|endoftext|>" is text
+    except UnicodeEncodeError:  # lone surrogates (a JSON "\ud800"): repaired as encode_ordinary does
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return enc.encode_to_numpy(text, disallowed_special=())
 
 
-def _init_worker():
-    global _enc
-    _enc = get_tokenizer()
+_EOT_ARRAY = np.array([EOT], dtype=np.uint32)
 
 
-def _tokenize_batch(texts):
-    """In a worker: the <|endoftext|>-prefixed tokens of texts, concatenated, and each document's length."""
-    tokens = array.array("H")  # unsigned 16-bit: fromlist refuses any id >= 2**16, and is 2x faster than np.array
-    lengths = []
-    for text in texts:
-        ids = _enc.encode_ordinary(text)  # ordinary: a literal "<|endoftext|>" in a web page is just text
-        tokens.append(EOT)
-        tokens.fromlist(ids)
-        lengths.append(len(ids) + 1)
-    return np.frombuffer(tokens, dtype=np.uint16), np.array(lengths, dtype=np.int64)
+def _tokenize_batch(enc, texts):
+    """The <|endoftext|>-prefixed tokens of texts, concatenated (uint16), and each document's length."""
+    parts, lengths = [], np.empty(len(texts), dtype=np.int64)
+    for i, text in enumerate(texts):
+        ids = encode_ordinary(enc, text)
+        parts += (_EOT_ARRAY, ids)
+        lengths[i] = len(ids) + 1
+    # exact: tokenize_batches checked that every id of the encoding fits in 16 bits
+    return np.concatenate(parts).astype(np.uint16), lengths
 
 
 def _batched(documents, batch_chars):
@@ -334,21 +394,42 @@ def default_workers():
 def tokenize_batches(documents, workers=None, batch_chars=BATCH_CHARS):
     """Yield (tokens, doc_lengths) for successive batches of documents, in input order.
 
-    tokens is uint16, every document prefixed by EOT. At most 2 * workers batches are in flight,
+    tokens is uint16, every document prefixed by EOT. At most 4 * workers batches are in flight,
     so memory does not grow with the dataset (Pool.imap would read the whole input ahead)."""
     workers = workers or default_workers()
-    # load it here first: a worker failing in its initializer would be restarted forever by the pool
     enc = get_tokenizer()
     if enc.max_token_value >= 2**16:  # every id is <= max_token_value, so this one check covers all tokens
         raise UserError(f"the tokenizer has ids up to {enc.max_token_value}, which do not fit in uint16 shards")
-    with mp.Pool(workers, initializer=_init_worker) as pool:
-        pending = collections.deque()
+    tasks = queue.SimpleQueue()
+
+    def work():
+        while (task := tasks.get()) is not None:
+            texts, result = task
+            if result.set_running_or_notify_cancel():  # False: cancelled by an early stop
+                try:
+                    result.set_result(_tokenize_batch(enc, texts))
+                except BaseException as e:
+                    result.set_exception(e)
+
+    # daemon threads: on Ctrl-C the process exits without waiting for a batch in progress (a single
+    # large .txt is one document, and one encode call, of minutes)
+    threads = [threading.Thread(target=work, name=f"fineweb-tokenizer-{i}", daemon=True) for i in range(workers)]
+    for t in threads:
+        t.start()
+    pending = collections.deque()
+    try:
         for batch in _batched(documents, batch_chars):
-            pending.append(pool.apply_async(_tokenize_batch, (batch,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+            pending.append(concurrent.futures.Future())
+            tasks.put((batch, pending[-1]))
+            if len(pending) >= 4 * workers:  # small batches, several per worker: none waits for the slowest
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    finally:  # the end, an early stop (the generator closed), an error or Ctrl-C: stop every thread
+        for result in pending:
+            result.cancel()
+        for _ in threads:
+            tasks.put(None)
 
 
 def tokenize_docs(documents, workers=None):
@@ -369,17 +450,18 @@ def shard_path(out_dir, prefix, index, fmt="npy"):
 def load_manifest(path, config):
     """The shards a previous run of this configuration finished, or a fresh manifest."""
     if not os.path.exists(path):
-        return {"config": config, "shards": [], "complete": False}
+        return {"config": config, "shards": [], "complete": False, "started": 0}
     try:
         with open(path) as f:
             manifest = json.load(f)
         old, shards, complete = manifest["config"], manifest["shards"], manifest["complete"]
+        started = int(manifest.get("started", len(shards)))
         if old != config:
             diff = [k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
             shown = ", ".join(f"{k} {_short(old.get(k))} there, {_short(config.get(k))} now" for k in diff)
             raise UserError(
-                f"{path} was written by a different configuration ({shown}): "
-                f"use another --out-dir or delete it to start over"
+                f"{path} was written by a different configuration ({shown}): use another --out-dir, "
+                f"or delete that folder's shards and manifest to start over"
             )
         # keep the shards still whole on disk; the first missing or changed one and all after it are redone
         intact = []
@@ -390,8 +472,18 @@ def load_manifest(path, config):
                 break
             intact.append(shard)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"{path} is not a readable manifest ({type(e).__name__}): delete it to start over") from None
-    return {"config": config, "shards": intact, "complete": complete and len(intact) == len(shards)}
+        raise UserError(
+            f"{path} is not a readable manifest ({type(e).__name__}): use another --out-dir, or delete "
+            f"that folder's shards and manifest to start over"
+        ) from None
+    # started: shards 0 .. started-1 are this configuration's names, finished or begun (a kill
+    # between a shard's rename and the manifest's leaves one the list does not name yet)
+    return {
+        "config": config,
+        "shards": intact,
+        "complete": complete and len(intact) == len(shards),
+        "started": max(started, len(shards)),
+    }
 
 
 def _short(value, width=60):
@@ -401,6 +493,33 @@ def _short(value, width=60):
 
 def save_manifest(path, manifest):
     write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+
+
+SHARD_NAME = re.compile(r".+_(train|val)_\d+\.(npy|bin)")  # what train_gpt2.find_shards reads
+
+
+def foreign_shards(out_dir, prefix, fmt, started):
+    """Files in out_dir that train_gpt2.py would read as shards and this configuration did not write."""
+    ours = {os.path.basename(shard_path(out_dir, prefix, i, fmt)) for i in range(started)}
+    return sorted(n for n in os.listdir(out_dir) if SHARD_NAME.fullmatch(n) and n not in ours)
+
+
+def lock_folder(out_dir):
+    """An exclusive lock on out_dir for this run (released when the process ends, a kill included):
+    a second fineweb.py into the same folder would interleave its shards with this one's."""
+    try:
+        import fcntl
+    except ImportError:  # not on Linux or macOS: no lock
+        return None
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise UserError(
+            f"another fineweb.py is writing to {out_dir}: wait for it to finish, or use another --out-dir"
+        ) from None
+    return fd
 
 
 # ----------------------------------------------------------------------------------------------
@@ -413,16 +532,40 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
     open_documents(skip) returns the documents after the first `skip`. config (a JSON-able dict
     with at least shard_size, prefix and format) must match the manifest's to resume.
     Returns a summary dict."""
-    shard_size, prefix, fmt = config["shard_size"], config["prefix"], config["format"]
+    created = not os.path.isdir(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
         write_atomic(os.path.join(out_dir, ".fineweb_write_test"), lambda f: f.write(b"ok"))
         os.remove(os.path.join(out_dir, ".fineweb_write_test"))
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror or e}") from None
+    lock = lock_folder(out_dir)
+    try:
+        return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards)
+    except UserError:
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)  # refused before anything was written: leave no empty folder behind
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards):
+    shard_size, prefix, fmt = config["shard_size"], config["prefix"], config["format"]
     manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
+    had_manifest = os.path.exists(manifest_path)
     manifest = load_manifest(manifest_path, config)
     shards = manifest["shards"]
+    # training reads every *_train_* / *_val_* file of the folder: refuse to mix ours with others',
+    # and never delete them (a run of another --prefix, or shards whose manifest was deleted)
+    foreign = foreign_shards(out_dir, prefix, fmt, manifest["started"])
+    if foreign:
+        raise UserError(
+            f"{out_dir} holds {len(foreign)} shard file(s) this run's manifest does not list ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}), which train_gpt2.py would read with the new ones: "
+            f"use another --out-dir, or move those files away"
+        )
 
     # --max-shards is a token limit too: max_shards full shards
     limit = min(max_tokens or float("inf"), max_shards * shard_size if max_shards else float("inf"))
@@ -444,6 +587,9 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
 
     def finish_shard(end_doc, carry):
         nonlocal fill, shard_start_doc
+        if manifest["started"] <= len(shards):  # claim the name before the file exists (see load_manifest)
+            manifest["started"] = len(shards) + 1
+            save_manifest(manifest_path, manifest)
         path = shard_path(out_dir, prefix, len(shards), fmt)
         write_shard(path, buf[:fill], fmt)
         shards.append(
@@ -456,8 +602,18 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
                 carry=carry,  # tokens of the next document (split across shards) already in this one
             )
         )
+        manifest["started"] = max(manifest["started"], len(shards) + 1)  # and claims the next name
         save_manifest(manifest_path, manifest)  # after the rename: the manifest never names a file not there
         fill, shard_start_doc = 0, end_doc
+
+    def drop_stale_shards():
+        """Our own shards past the list's end (left by a redo that stopped sooner): training must not read them."""
+        for i in range(len(shards), manifest["started"]):
+            path = shard_path(out_dir, prefix, i, fmt)
+            if os.path.exists(path):
+                os.remove(path)
+        manifest["started"] = len(shards)
+        save_manifest(manifest_path, manifest)
 
     documents = open_documents(docs_done)  # before the bar: a dataset that cannot be opened is just an error
     t0, pos0 = time.time(), pos
@@ -480,14 +636,22 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
             if pos >= limit:
                 break
         else:  # the input is exhausted: write the last, partial shard
+            if not shards and pos == pos0 + batch_first_doc - docs_done:  # nothing, or only the EOTs of empty texts
+                if not had_manifest and os.path.exists(manifest_path):
+                    os.remove(manifest_path)  # ours, from this run: nothing is left behind
+                n = batch_first_doc - docs_done
+                raise UserError(
+                    (f"the input's {n:,} documents are all empty" if n else "no documents in the input")
+                    + ": nothing to tokenize, no shard written"
+                )
             if fill:
                 finish_shard(batch_first_doc, 0)
             manifest["complete"] = True
-            save_manifest(manifest_path, manifest)
+        drop_stale_shards()
     except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
         raise UserError(
             f"cannot write to {out_dir} ({e.strerror or e}): the shards finished before are kept; "
-            f"make room and rerun the same command to resume"
+            f"free space (or fix the folder's permissions) and rerun the same command to resume"
         ) from None
     finally:
         stream.close()  # stops the worker pool, also on an early stop or an error
@@ -513,22 +677,36 @@ def _summary(summary, shards, **extra):
 
 def _positive_int(s):
     try:
-        value = int(float(s)) if "e" in s.lower() else int(s)  # 100_000_000 and 1e8 both work
-    except ValueError:
+        value = float(s) if "e" in s.lower() else int(s)  # 100_000_000 and 1e8 both work
+        if value != int(value):
+            raise ValueError
+        value = int(value)
+    except (ValueError, OverflowError):  # 1.5, abc, 1e999 (inf), nan
         raise argparse.ArgumentTypeError(f"{s!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{s!r} must be at least 1")
     return value
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is a UserError: one `error:` line and exit 1, like every other mistake."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see python fineweb.py --help)")
+
+
+HUB_DEFAULTS = dict(dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("input (default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub)")
-    src.add_argument("--dataset", default="HuggingFaceFW/fineweb-edu", help="Hub dataset (default %(default)s)")
+    # the Hub flags default to None here, so that one given together with --input can be refused
+    src.add_argument("--dataset", default=None, help=f"Hub dataset (default {HUB_DEFAULTS['dataset']})")
     src.add_argument(
-        "--name", default="sample-10BT", help="its subset, e.g. sample-100BT; '' for none (default %(default)s)"
+        "--name", default=None, help=f"its subset, e.g. sample-100BT; '' for none (default {HUB_DEFAULTS['name']})"
     )
-    src.add_argument("--split", default="train", help="the dataset's split to read (default %(default)s)")
+    src.add_argument("--split", default=None, help=f"the dataset's split to read (default {HUB_DEFAULTS['split']})")
     src.add_argument(
         "--input",
         nargs="+",
@@ -555,8 +733,58 @@ def parse_args(argv=None):
         "--max-tokens", type=_positive_int, help="stop after this many tokens in all (the last shard may be partial)"
     )
     out.add_argument("--max-shards", type=_positive_int, help="stop after this many shards")
-    p.add_argument("--workers", type=_positive_int, default=None, help="tokenizer processes (default: the CPU cores)")
-    return p.parse_args(argv)
+    p.add_argument("--workers", type=_positive_int, default=None, help="tokenizer threads (default: the CPU cores)")
+    args = p.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def memory_bytes():
+    """Physical memory of this machine, or None where it cannot be asked."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_args(args):
+    """Every flag, alone and against the others, before any work (rule: nonsense is one line, at once)."""
+    given = [f"--{k}" for k in HUB_DEFAULTS if getattr(args, k) is not None]
+    if args.input and given:
+        raise UserError(f"{given[0]} chooses a Hub dataset, but --input reads local files instead: pass one of them")
+    for k, v in HUB_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if not args.input and not args.dataset:
+        raise UserError("--dataset is empty: name a Hub dataset (default HuggingFaceFW/fineweb-edu), or pass --input")
+    if not args.input and not args.split:
+        raise UserError("--split is empty: name the dataset's split, e.g. train")
+    if not args.text_field:
+        raise UserError("--text-field is empty: name the column or field that holds the text (default text)")
+    if not args.out_dir:
+        raise UserError("--out-dir is empty: name a folder (default edu_fineweb10B)")
+    prefix = args.prefix
+    if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or "\0" in prefix:
+        raise UserError(
+            f"--prefix {prefix!r}: a shard name prefix is a plain name (not empty, no '/', no leading '.'), "
+            f"e.g. edufineweb; the folder is --out-dir"
+        )
+    # the shard is built in memory (2 bytes a token) before it is written: 1e13 would ask for 18 TiB
+    memory = memory_bytes()
+    if memory and 2 * args.shard_size > memory // 2:
+        raise UserError(
+            f"--shard-size {args.shard_size:,} needs {2 * args.shard_size / 2**30:,.1f} GiB of memory for one shard, "
+            f"more than half of this machine's {memory / 2**30:,.1f} GiB: use at most {memory // 4:,} "
+            f"(the default, 100,000,000, is 0.2 GB)"
+        )
+    if args.format == "bin" and args.shard_size > 2**31 - 1:  # llm.c's header holds the count as an int32
+        raise UserError(f"--shard-size {args.shard_size:,}: a .bin shard holds at most {2**31 - 1:,} tokens")
+    cores = default_workers()
+    if args.workers is not None and args.workers > max(64, 4 * cores):
+        raise UserError(
+            f"--workers {args.workers:,}: this machine has {cores} usable cores, and tokenizer threads beyond "
+            f"the cores only add overhead; use at most {max(64, 4 * cores)} (default: {cores})"
+        )
 
 
 def main(argv=None):
@@ -575,6 +803,7 @@ def main(argv=None):
         source = {"dataset": args.dataset, "name": name, "split": args.split}
 
         def open_documents(skip):
+            check_online(args.dataset)  # here, not sooner: a finished folder needs no network
             return hub_documents(args.dataset, name, args.split, args.text_field, skip)
 
     config = dict(
@@ -594,6 +823,13 @@ def main(argv=None):
         state = "done" if s["complete"] else "stopped early"
         print(
             f"{state}: {where}; this run wrote {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate:,.0f} tokens/s)"
+        )
+    if s["complete"] and s["shards"] == 1:  # shard 0 is val: train_gpt2.py would find no train shard
+        print(
+            f"note: there is no train shard: the whole input ({s['tokens']:,} tokens) is smaller than one "
+            f"--shard-size ({args.shard_size:,}), so it is all in the val shard {s['files'][0]}; for training, "
+            f"write smaller shards into another --out-dir, e.g. --shard-size {max(1, s['tokens'] // 10)}",
+            file=sys.stderr,
         )
     return s
 

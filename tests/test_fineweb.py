@@ -3,17 +3,17 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
 import fineweb
-from train_gpt2 import EOT, UserError
+from fineweb import EOT, UserError
 
 ROOT = __import__("conftest").ROOT
 SHARD = 100_000  # small shards: the 1.6M-token sample gives 16 full ones and a partial one
@@ -47,14 +47,41 @@ def file_bytes(out_dir):
     return {name: open(os.path.join(out_dir, name), "rb").read() for name in sorted(os.listdir(out_dir))}
 
 
+def snapshot(folder):
+    """Every folder and file under folder, with the files' bytes: what must survive a refusal."""
+    found = {}
+    for root, dirs, files in os.walk(folder):
+        for d in dirs:
+            found[os.path.relpath(os.path.join(root, d), folder) + "/"] = None
+        for f in files:
+            found[os.path.relpath(os.path.join(root, f), folder)] = open(os.path.join(root, f), "rb").read()
+    return found
+
+
+def run_cli(args, cwd, timeout=120):
+    """fineweb.py as a user runs it: (exit code, stdout, stderr)."""
+    r = subprocess.run([sys.executable, str(ROOT / "fineweb.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return r.returncode, r.stdout, r.stderr
+
+
+def assert_one_line_error(code, stderr, message):
+    """Exit 1, no traceback, one `error:` line, the last (a progress bar's lines may come before it)."""
+    assert code == 1 and "Traceback" not in stderr, stderr
+    lines = stderr.splitlines()  # \r too: the bar redraws itself with it
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], stderr
+    assert re.search(message, lines[-1]), stderr
+
+
 @pytest.fixture(scope="session")
 def parquet_files(shared_data):
+    pytest.importorskip("pyarrow")  # optional: a bare GPU image may lack it
     return sorted(str(p) for p in (shared_data / "fineweb_sample").glob("*.parquet"))
 
 
 @pytest.fixture(scope="session")
 def parquet_tokens(parquet_files, enc):
     """The reference: texts read with pyarrow directly, encoded by tiktoken's own batch API."""
+    pq = pytest.importorskip("pyarrow.parquet")
     texts = [t for f in parquet_files for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()]
     parts = []
     for ids in enc.encode_ordinary_batch(texts, num_threads=2):
@@ -229,7 +256,7 @@ def test_max_shards(tmp_path, parquet_files, parquet_run):
 
 
 def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, parquet_files, parquet_run):
-    import datasets
+    datasets = pytest.importorskip("datasets")
 
     real_load_dataset = datasets.load_dataset
     calls = []
@@ -240,6 +267,7 @@ def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, parquet_files,
         return real_load_dataset("parquet", data_files=parquet_files, split="train", streaming=True)
 
     monkeypatch.setattr(datasets, "load_dataset", local_hub)
+    online(monkeypatch)
     args = ["--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--workers", "2"]
     fineweb.main([*args, "--max-tokens", "333333"])  # and resume through the stream's skip
     summary = fineweb.main(args)
@@ -272,7 +300,7 @@ def test_pool_reads_only_a_bounded_amount_ahead(enc):
     stream.close()
     n = len(enc.encode_ordinary("word " * 100)) + 1
     assert lengths.tolist() == [n] * 10 and len(tokens) == 10 * n
-    assert pulled <= (2 * 2 + 1) * 10
+    assert pulled <= (4 * 2 + 1) * 10  # 4 * workers batches in flight, and the one being read
 
 
 def _bad_parquet(tmp_path):
@@ -362,10 +390,61 @@ def test_missing_shard_is_redone(tmp_path, shared_data):
     assert file_bytes(tmp_path) == before
 
 
-def test_hub_dataset_that_cannot_be_opened(tmp_path):
-    # the real datasets.load_dataset, offline (conftest): refused with the library's reason
-    with pytest.raises(UserError, match="cannot open no-such-user/no-such-dataset"):
-        fineweb.main(["--dataset", "no-such-user/no-such-dataset", "--out-dir", str(tmp_path)])
+def online(monkeypatch):
+    """Pretend to be online without touching the network: no offline flags, and every TCP connection
+    opens (only check_online makes one; the Hub itself is monkeypatched by the tests that use it)."""
+    for var in fineweb.HUB_OFFLINE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(fineweb.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})())
+
+
+def test_hub_dataset_that_cannot_be_opened(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def not_found(path, **kwargs):  # what datasets raises for a name the Hub does not have
+        raise FileNotFoundError(f"Dataset '{path}' doesn't exist on the Hub or cannot be accessed.")
+
+    monkeypatch.setattr(datasets, "load_dataset", not_found)
+    online(monkeypatch)
+    with pytest.raises(UserError, match="cannot open no-such-user/no-such-dataset .*doesn't exist on the Hub"):
+        fineweb.main(["--dataset", "no-such-user/no-such-dataset", "--out-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def unreachable(*args, **kwargs):
+    raise OSError(101, "Network is unreachable")
+
+
+@pytest.mark.parametrize(
+    "env, connect, message",
+    [
+        ({"HF_HUB_OFFLINE": "1"}, None, "HF_HUB_OFFLINE is set"),
+        ({"HF_DATASETS_OFFLINE": "true"}, None, "HF_DATASETS_OFFLINE is set"),
+        ({}, unreachable, "cannot reach huggingface.co .*Network is unreachable.*offline"),
+        ({"HF_ENDPOINT": "https://hf-mirror.example:8443"}, unreachable, "cannot reach hf-mirror.example"),
+    ],
+    ids=["hub-offline", "datasets-offline", "no-network", "mirror-unreachable"],
+)
+def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, connect, message):
+    # rule 8: the library would retry for ~27 s and then say nothing about offline use
+    datasets = pytest.importorskip("datasets")
+    for var in (*fineweb.HUB_OFFLINE_VARS, "HF_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the Hub was asked"))
+    tried = []
+    monkeypatch.setattr(fineweb.socket, "create_connection", lambda *a, **k: tried.append(a) or connect(*a, **k))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("the user's")
+    before = snapshot(tmp_path)
+    t0 = time.time()
+    with pytest.raises(UserError, match=message) as e:
+        fineweb.main(["--out-dir", str(tmp_path / "out"), "--max-tokens", "1000"])
+    assert time.time() - t0 < 5
+    assert "\n" not in str(e.value) and "--input" in str(e.value)  # says what to pass instead
+    assert bool(tried) == (connect is not None)  # the flag alone decides, without a connection attempt
+    assert snapshot(tmp_path) == before
 
 
 def test_cli_prints_one_line_and_exits_1(tmp_path):
@@ -378,3 +457,256 @@ def test_cli_prints_one_line_and_exits_1(tmp_path):
     assert r.returncode == 1
     assert r.stderr == "error: --input missing.txt does not exist\n"
     assert not (tmp_path / "edu_fineweb10B").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 11's rules for fineweb.py: every flag checked before any work (3), the out-dir belongs to
+# one run (6), Ctrl-C is prompt and clean (7). A refusal is one `error:` line, exit 1, and leaves
+# the folder exactly as it was.
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--shard-size", "1e13"], r"--shard-size 10,000,000,000,000 needs 18,626.5 GiB of memory"),
+        (["--shard-size", "1.5"], r"argument --shard-size: '1.5' is not a whole number"),
+        (["--shard-size", "1e999"], r"'1e999' is not a whole number"),
+        (["--shard-size", "0"], r"'0' must be at least 1"),
+        (["--format", "bin", "--shard-size", "3e9", "--workers", "1"], r"a .bin shard holds at most 2,147,483,647"),
+        (["--max-tokens", "nan"], r"'nan' is not a whole number"),
+        (["--max-tokens", "-5"], r"'-5' must be at least 1"),
+        (["--max-shards", "2.5"], r"'2.5' is not a whole number"),
+        (["--workers", "100000"], r"--workers 100,000: this machine has \d+ usable cores"),
+        (["--workers", "0"], r"'0' must be at least 1"),
+        (["--prefix", ""], r"--prefix '': a shard name prefix is a plain name"),
+        (["--prefix", "../elsewhere"], r"--prefix '../elsewhere'"),
+        (["--prefix", ".hidden"], r"--prefix '.hidden'"),
+        (["--text-field", ""], r"--text-field is empty"),
+        (["--dataset", "HuggingFaceFW/fineweb"], r"--dataset chooses a Hub dataset, but --input reads local files"),
+        (["--split", "validation"], r"--split chooses a Hub dataset"),
+        (["--sharding", "7"], r"unrecognized arguments: --sharding 7"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_every_flag_is_checked_before_any_work(tmp_path, monkeypatch, flags, message):
+    monkeypatch.setattr(fineweb, "memory_bytes", lambda: 64 * 2**30)  # the same answer on every machine
+    (tmp_path / "doc.txt").write_text("hello world")
+    before = snapshot(tmp_path)
+    with pytest.raises(UserError, match=message) as e:
+        fineweb.main(["--input", str(tmp_path / "doc.txt"), "--out-dir", str(tmp_path / "out"), *flags])
+    assert "\n" not in str(e.value)
+    assert snapshot(tmp_path) == before  # not even the out-dir was made
+
+
+def test_empty_flags_and_hub_flags(tmp_path):
+    before = snapshot(tmp_path)
+    for flags, message in [
+        (["--out-dir", ""], "--out-dir is empty"),
+        (["--dataset", ""], "--dataset is empty"),
+        (["--split", ""], "--split is empty"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            fineweb.main(flags)
+    assert snapshot(tmp_path) == before
+
+
+def test_bad_flags_through_the_cli_are_one_line(tmp_path):
+    code, out, err = run_cli(["--input", "doc.txt", "--shard-size", "1e13"], tmp_path)
+    assert_one_line_error(code, err, r"--shard-size 10,000,000,000,000 needs .* GiB of memory")
+    code, out, err = run_cli(["--workers", "many"], tmp_path)
+    assert_one_line_error(code, err, r"--workers: 'many' is not a whole number")
+    assert os.listdir(tmp_path) == []
+
+
+def test_input_smaller_than_one_shard_says_so(tmp_path, shared_data):
+    # the default 100M-token shard: all of tiny shakespeare lands in the val shard
+    code, out, err = run_cli(["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path)
+    assert code == 0, err
+    assert out.startswith("done: 338,026 tokens from 1 documents in 1 shards")
+    assert "no train shard" in err and "--shard-size 33802" in err and "another --out-dir" in err
+    assert sorted(os.listdir(tmp_path / "out")) == ["edufineweb_manifest.json", "edufineweb_val_000000.npy"]
+    code, out, err = run_cli(["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path)
+    assert out.startswith("nothing to do") and "no train shard" in err  # and again on a rerun
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({"docs.jsonl": b""}, "no documents in the input"),
+        ({"docs.jsonl": b"\n\n  \n"}, "no documents in the input"),
+        ({"a.txt": b"", "b.jsonl": b'{"text": ""}\n'}, "the input's 2 documents are all empty"),
+    ],
+    ids=["empty-file", "blank-lines", "empty-texts"],
+)
+def test_empty_input_says_no_documents(tmp_path, files, message):
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    before = snapshot(tmp_path)
+    code, out, err = run_cli(["--input", *files, "--out-dir", "out", "--workers", "1"], tmp_path)
+    assert_one_line_error(code, err, message)
+    assert "done" not in out
+    assert snapshot(tmp_path) == before  # no manifest, no empty out-dir
+
+
+def test_empty_parquet_says_no_documents(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), tmp_path / "none.parquet")
+    (tmp_path / "out").mkdir()
+    before = snapshot(tmp_path)
+    with pytest.raises(UserError, match="no documents in the input"):
+        fineweb.main(["--input", str(tmp_path / "none.parquet"), "--out-dir", str(tmp_path / "out")])
+    assert snapshot(tmp_path) == before  # the user's empty folder stays
+
+
+def tiny_shards(tmp_path, shared_data, out="out", extra=()):
+    """tiny shakespeare in 4 shards of 100,000 tokens (the last one partial)."""
+    args = ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", str(tmp_path / out)]
+    return fineweb.main([*args, "--shard-size", "100000", "--workers", "1", *extra]), args
+
+
+@pytest.mark.parametrize(
+    "plant, message",
+    [
+        # the manifest deleted (as an old refusal suggested), then the run again
+        (lambda out: os.remove(out / "edufineweb_manifest.json"), r"holds 3 shard file\(s\) .*edufineweb_train_000001.npy"),
+        # another prefix's shards: training reads every *_train_* file of the folder
+        (lambda out: (out / "other_train_000001.npy").write_bytes(b"x"), r"holds 1 shard .*other_train_000001.npy"),
+        # the user's own file with a shard's name, past the end of ours
+        (lambda out: (out / "edufineweb_train_000009.npy").write_bytes(b"x"), r"holds 1 .*edufineweb_train_000009.npy"),
+        # our prefix in the other format
+        (lambda out: (out / "edufineweb_train_000001.bin").write_bytes(b"x"), r"edufineweb_train_000001.bin"),
+    ],
+    ids=["manifest-deleted", "other-prefix", "beyond-ours", "other-format"],
+)
+def test_foreign_shards_in_out_dir_are_refused_never_deleted(tmp_path, shared_data, plant, message):
+    _, args = tiny_shards(tmp_path, shared_data, extra=["--max-tokens", "250000"])  # to be continued
+    plant(tmp_path / "out")
+    before = snapshot(tmp_path)
+    code, out, err = run_cli([*args, "--shard-size", "100000"], tmp_path)
+    assert_one_line_error(code, err, message + r".*train_gpt2.py would read")
+    assert snapshot(tmp_path) == before
+
+
+def test_redo_that_stops_sooner_leaves_no_stale_shard(tmp_path, shared_data):
+    # shard 1 goes missing; the redo stops (--max-tokens) inside it: shards 2 and 3 of the first run
+    # are past the manifest's end, and training must not read them beside it
+    fresh, _ = tiny_shards(tmp_path, shared_data, "fresh")
+    tiny_shards(tmp_path, shared_data)
+    os.remove(tmp_path / "out" / "edufineweb_train_000001.npy")
+    summary, args = tiny_shards(tmp_path, shared_data, extra=["--max-tokens", "150000"])
+    assert summary["files"] == ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy"]
+    assert sorted(os.listdir(tmp_path / "out")) == sorted([*summary["files"], "edufineweb_manifest.json"])
+    tiny_shards(tmp_path, shared_data)  # the rest follows
+    assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "fresh")
+
+
+def test_kill_between_shard_and_manifest_resumes(tmp_path, shared_data, monkeypatch):
+    # a shard renamed into place, then the process dies before the manifest names it: that file is
+    # this run's own (the manifest claimed its name first), so the rerun redoes it, not refuses it
+    tiny_shards(tmp_path, shared_data, "fresh")
+    real_write_shard, written = fineweb.write_shard, []
+
+    def write_then_die(path, tokens, fmt="npy"):
+        real_write_shard(path, tokens, fmt)
+        written.append(path)
+        if len(written) == 2:
+            raise KeyboardInterrupt  # as SIGKILL would land, after the rename
+
+    monkeypatch.setattr(fineweb, "write_shard", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        tiny_shards(tmp_path, shared_data)
+    monkeypatch.undo()
+    manifest = json.loads((tmp_path / "out" / "edufineweb_manifest.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] == ["edufineweb_val_000000.npy"]
+    assert (tmp_path / "out" / "edufineweb_train_000001.npy").exists()
+    tiny_shards(tmp_path, shared_data)
+    assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "fresh")
+
+
+def test_second_run_into_the_same_folder_is_refused(tmp_path, shared_data):
+    tiny_shards(tmp_path, shared_data, "fresh")
+    (tmp_path / "out").mkdir()
+    lock = fineweb.lock_folder(str(tmp_path / "out"))  # a first run holds the folder (flock: per open file)
+    try:
+        before = snapshot(tmp_path)
+        code, out, err = run_cli(["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path)
+        assert_one_line_error(code, err, r"another fineweb.py is writing to out: wait for it to finish, or use another")
+        assert snapshot(tmp_path) == before
+    finally:
+        os.close(lock)
+    tiny_shards(tmp_path, shared_data)  # released: the folder is free again
+    assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "fresh")
+
+
+def test_two_real_runs_at_once(tmp_path, parquet_files):
+    args = ["--input", *parquet_files * 3, "--out-dir", "out", "--shard-size", "50000", "--workers", "1"]
+    first = subprocess.Popen([sys.executable, str(ROOT / "fineweb.py"), *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        manifest = tmp_path / "out" / "edufineweb_manifest.json"
+        deadline = time.time() + 60
+        while not manifest.exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        code, out, err = run_cli(args, tmp_path)
+        assert first.poll() is None, "the first run ended before the second started"
+        assert_one_line_error(code, err, "another fineweb.py is writing to out")
+        assert first.wait(timeout=120) == 0
+    finally:
+        first.kill()
+        first.communicate()
+    assert json.loads(manifest.read_text())["complete"]
+
+
+@pytest.fixture(scope="module")
+def sample_x2(tmp_path_factory, parquet_files):
+    """The parquet sample twice over (3.2M tokens) in 50K-token shards: the run Ctrl-C interrupts."""
+    args = ["--input", *parquet_files * 2, "--shard-size", "50000", "--workers", "1"]
+    fresh = tmp_path_factory.mktemp("sample_x2") / "fresh"
+    fineweb.main([*args, "--out-dir", str(fresh)])
+    return args, file_bytes(fresh)
+
+
+@pytest.mark.parametrize("when", ["start-up", "first-shard", "mid-run"])
+def test_ctrl_c_is_prompt_and_clean_then_resumes(tmp_path, sample_x2, when):
+    # rule 7: SIGINT ends the run within seconds with one line and no traceback, leaves no .tmp
+    # file, keeps the finished shards, and the same command then continues to the same bytes
+    args, fresh = sample_x2
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "fineweb.py"), *args, "--out-dir", "out"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    manifest = tmp_path / "out" / "edufineweb_manifest.json"
+    shards = {"start-up": None, "first-shard": 0, "mid-run": 8}[when]
+    deadline = time.time() + 60
+    try:
+        if shards is None:
+            time.sleep(0.3)
+        else:
+            while time.time() < deadline and proc.poll() is None:
+                try:
+                    if len(json.loads(manifest.read_text())["shards"]) > shards:
+                        break
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.002)
+        assert proc.poll() is None, "the run ended before the interrupt"
+        t0 = time.time()
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole process group
+        out, err = proc.communicate(timeout=10)
+        elapsed = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert elapsed < 3, f"took {elapsed:.1f} s to stop"
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("interrupted"), err
+    if (tmp_path / "out").exists():
+        names = os.listdir(tmp_path / "out")
+        assert not [n for n in names if n.endswith(".tmp")], names
+        if manifest.exists():
+            listed = [s["file"] for s in json.loads(manifest.read_text())["shards"]]
+            assert all(file_bytes(tmp_path / "out")[n] == fresh[n] for n in listed)  # finished shards kept, whole
+    code, out, err = run_cli([*args, "--out-dir", "out"], tmp_path)
+    assert code == 0, err
+    assert file_bytes(tmp_path / "out") == fresh
