@@ -17,16 +17,27 @@ Usage:
     python train_gpt2.py --export-hf log/ckpt_019073.pt gpt2_ours  # our checkpoint -> transformers dir
 """
 
+import os
+import signal
+import sys
+
+
+def _interrupted_while_loading(signum, frame):
+    print("interrupted", file=sys.stderr)
+    os._exit(130)
+
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not a traceback from inside an import
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
+
 import argparse
+import errno
 import json
 import math
-import os
 import platform
 import random
 import re
 import shutil
-import signal
-import sys
 import tempfile
 import time
 import zipfile
@@ -62,24 +73,50 @@ class GPTConfig:
 
 
 class KVCache:
-    """Keys and values of every layer for the positions seen so far, preallocated up to
-    max_len, so that sampling one more token costs one position, not the whole prefix."""
+    """Keys and values of every layer, preallocated for max_len positions, so that one more token
+    costs one position, not the whole prefix, and no tensor grows while sampling.
+
+    pos is where the next positions go. As a Python int (a prompt, or HellaSwag's endings after
+    their context) GPT.forward advances it by T. As a 1-element tensor (GPT.decode_step: one token
+    per row) every shape stays the same from token to token, so the step can be compiled and
+    captured as a CUDA graph; the caller advances it in place (pos += 1)."""
 
     def __init__(self, n_layer, max_len):
         self.k = [None] * n_layer
         self.v = [None] * n_layer
         self.max_len = max_len
-        self.pos = 0  # number of positions already stored
+        self.pos = 0
 
     def update(self, layer, k, v):
-        # k, v: (B, nh, T, hs) for positions pos .. pos+T-1; returns all positions 0 .. pos+T-1
+        """Store k, v (B, nh, T, hs) at pos; -> (keys, values, attn_mask, is_causal) to attend over."""
         B, nh, T, hs = k.shape
-        if self.k[layer] is None:  # allocate lazily: the dtype is whatever autocast produced
-            self.k[layer] = k.new_empty(B, nh, self.max_len, hs)
-            self.v[layer] = v.new_empty(B, nh, self.max_len, hs)
-        self.k[layer][:, :, self.pos : self.pos + T] = k
-        self.v[layer][:, :, self.pos : self.pos + T] = v
-        return self.k[layer][:, :, : self.pos + T], self.v[layer][:, :, : self.pos + T]
+        if self.k[layer] is None:  # allocated on first use: the dtype is whatever autocast produced
+            # zeros, not empty: a decode step reads every slot (masked), and 0 * NaN would be NaN
+            self.k[layer] = k.new_zeros(B, nh, self.max_len, hs)
+            self.v[layer] = v.new_zeros(B, nh, self.max_len, hs)
+        if torch.is_tensor(self.pos):  # one position at a tensor index; attend over the whole buffer
+            self.k[layer].index_copy_(2, self.pos, k)
+            self.v[layer].index_copy_(2, self.pos, v)
+            mask = (torch.arange(self.max_len, device=k.device) <= self.pos).view(1, -1)  # slots written so far
+            return self.k[layer], self.v[layer], mask, False
+        pos = self.pos
+        self.k[layer][:, :, pos : pos + T] = k
+        self.v[layer][:, :, pos : pos + T] = v
+        k, v = self.k[layer][:, :, : pos + T], self.v[layer][:, :, : pos + T]
+        if pos == 0:
+            return k, v, None, T > 1  # a plain causal prefix
+        # query i sits at absolute position pos+i and sees keys 0 .. pos+i
+        mask = None if T == 1 else torch.ones(T, pos + T, dtype=torch.bool, device=k.device).tril(pos)
+        return k, v, mask, False
+
+    def repeat_interleave(self, n):
+        """A cache whose rows are each row of this one n times (row b -> rows b*n .. b*n+n-1):
+        n continuations of one prefix (HellaSwag's 4 endings of one context)."""
+        other = KVCache(len(self.k), self.max_len)
+        other.k = [t.repeat_interleave(n, dim=0) for t in self.k]
+        other.v = [t.repeat_interleave(n, dim=0) for t in self.v]
+        other.pos = self.pos
+        return other
 
 
 class CausalSelfAttention(nn.Module):
@@ -101,11 +138,8 @@ class CausalSelfAttention(nn.Module):
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention on GPUs
         else:
-            pos = cache.pos
-            k, v = cache.update(layer, k, v)  # (B, nh, pos+T, hs)
-            # query i sits at absolute position pos+i and sees keys 0 .. pos+i
-            mask = None if T == 1 else torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(pos)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            k, v, mask, is_causal = cache.update(layer, k, v)  # every position stored so far
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.c_proj(y)
 
@@ -137,6 +171,20 @@ class Block(nn.Module):
         return x
 
 
+def _next_token(logits, temperature, top_k, generator):
+    """One token per row from the last position's logits (B, vocab): greedy at temperature 0,
+    else a draw from the top_k most likely; padding ids (>= 50257) are cut off first."""
+    logits = logits[:, :GPT2_VOCAB].float()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
+
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -166,49 +214,91 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None, cache=None):
-        B, T = idx.size()
-        pos0 = 0 if cache is None else cache.pos
-        if pos0 + T > self.config.block_size:
-            raise ValueError(f"sequence of length {pos0 + T} is longer than block_size {self.config.block_size}")
-        pos = torch.arange(pos0, pos0 + T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, cache, i)
-        if cache is not None:
-            cache.pos += T
-        x = self.transformer.ln_f(x)
+        x = self.hidden_states(idx, cache)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
         return logits, loss
 
+    def hidden_states(self, idx, cache=None):
+        """The final LayerNorm's output (B, T, n_embd): what lm_head reads. Callers that need the
+        logits at a few positions only (sampling, HellaSwag) apply lm_head to just those."""
+        B, T = idx.size()
+        if cache is not None and torch.is_tensor(cache.pos):
+            pos = cache.pos  # (1,): a decode step, one token per row; shapes stay static
+        else:
+            pos0 = 0 if cache is None else cache.pos
+            if pos0 + T > self.config.block_size:
+                raise ValueError(f"sequence of length {pos0 + T} is longer than block_size {self.config.block_size}")
+            pos = torch.arange(pos0, pos0 + T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, cache, i)
+        if cache is not None and not torch.is_tensor(cache.pos):
+            cache.pos += T
+        return self.transformer.ln_f(x)
+
+    def kv_cache(self, max_len):
+        """An empty KVCache for up to max_len positions of this model."""
+        return KVCache(self.config.n_layer, max_len)
+
+    def decode_step(self, idx, cache):
+        """Logits (B, vocab_size) of the token after idx (B, 1), which sits at position cache.pos
+        (a 1-element tensor). Static shapes: torch.compile can capture it as one CUDA graph."""
+        return self.lm_head(self.hidden_states(idx, cache)[:, -1])
+
+    def _compiled_decode(self, B, max_len, device):
+        """A compiled decode_step and the KV cache it writes, both kept for the next call with the
+        same shapes: CUDA graphs need their buffers at fixed addresses (and so does a fast
+        second sample)."""
+        key = (B, max_len, str(device), torch.is_autocast_enabled(torch.device(device).type))
+        store = self.__dict__.setdefault("_decode_cache", {})
+        if key not in store:
+            mode = "reduce-overhead" if torch.device(device).type == "cuda" else None  # CUDA graphs
+            store.clear()  # one cache at a time: a changed prompt or length replaces it
+            store[key] = (torch.compile(self.decode_step, mode=mode, fullgraph=True), self.kv_cache(max_len))
+        step, cache = store[key]
+        cache.pos = 0
+        return step, cache
+
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True, compile=False):
         """Append up to max_new_tokens sampled tokens to idx (B, T); stops at block_size.
-        temperature 0 is greedy. Padding ids (>= 50257) are never produced."""
-        cache = KVCache(self.config.n_layer, self.config.block_size) if use_cache else None
-        for _ in range(max_new_tokens):
-            if idx.size(1) >= self.config.block_size:
-                break
-            if cache is None:
-                x = idx  # recompute the whole prefix
-            else:
-                x = idx[:, cache.pos :]  # only the positions the cache has not seen yet
-            logits, _ = self(x, cache=cache)
-            logits = logits[:, -1, :].float()  # (B, vocab_size)
-            logits[:, GPT2_VOCAB:] = float("-inf")
-            if temperature == 0:
-                idx_next = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, GPT2_VOCAB), dim=-1).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
-                idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
-            idx = torch.cat((idx, idx_next), dim=1)
-        return idx
+        temperature 0 is greedy. Padding ids (>= 50257) are never produced.
+
+        use_cache: keep every position's keys and values (a KVCache sized for the whole output)
+        and feed one token per step; False recomputes the whole prefix for every token (the
+        plain way, kept as the reference). compile: torch.compile the one-token step (CUDA
+        graphs on a GPU, where eager decoding waits on Python's kernel launches); the first call
+        compiles, later calls with the same shapes reuse it."""
+        B, T0 = idx.shape
+        n_new = max(0, min(max_new_tokens, self.config.block_size - T0))
+        out = idx.new_empty(B, T0 + n_new)  # preallocated: no torch.cat per token
+        out[:, :T0] = idx
+        if n_new == 0:
+            return out
+        if not use_cache:
+            for t in range(T0, T0 + n_new):
+                logits, _ = self(out[:, :t])
+                out[:, t] = _next_token(logits[:, -1], temperature, top_k, generator)
+            return out
+        if compile:
+            step, cache = self._compiled_decode(B, T0 + n_new, idx.device)
+        else:
+            step, cache = self.decode_step, self.kv_cache(T0 + n_new)
+        x = self.hidden_states(idx, cache)  # the prompt in one pass; its cache fills positions 0 .. T0-1
+        out[:, T0] = _next_token(self.lm_head(x[:, -1]), temperature, top_k, generator)
+        if compile:
+            for k, v in zip(cache.k, cache.v):  # tell the CUDA graph these buffers never move
+                torch._dynamo.mark_static_address(k)
+                torch._dynamo.mark_static_address(v)
+        cache.pos = torch.tensor([T0], device=idx.device)
+        for t in range(T0 + 1, T0 + n_new):
+            logits = step(out[:, t - 1 : t], cache)
+            out[:, t] = _next_token(logits, temperature, top_k, generator)
+            cache.pos += 1
+        return out
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, betas=(0.9, 0.95), eps=1e-8, verbose=True):
         """AdamW that decays only the tensors with dim >= 2 (embeddings and matmul weights):
@@ -241,12 +331,20 @@ class GPT(nn.Module):
     def from_pretrained(cls, name_or_dir):
         """OpenAI GPT-2 (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local transformers
         GPT-2 directory (save_pretrained output). Every key and shape is checked."""
-        from transformers import GPT2LMHeadModel
-
         if name_or_dir not in HF_NAMES and not os.path.isdir(name_or_dir):
             raise UserError(f"{name_or_dir!r} is neither one of {', '.join(HF_NAMES)} nor a directory")
+        # a Hub name: decide here whether it can load, since transformers retries an unreachable
+        # Hub for half a minute and then names neither the cache nor offline use
+        local_only = not os.path.isdir(name_or_dir) and hub_name_is_cached(name_or_dir)
+        if not os.path.isdir(name_or_dir) and not local_only:
+            check_hub_reachable(name_or_dir)
+        # imported after the checks, which then answer in a second instead of several
+        from transformers import GPT2LMHeadModel
+
         try:
-            hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True)
+            hf, info = GPT2LMHeadModel.from_pretrained(
+                name_or_dir, output_loading_info=True, local_files_only=local_only
+            )
         except (OSError, ValueError) as e:
             raise UserError(f"cannot load transformers GPT-2 from {name_or_dir!r}: {first_line(e)}") from None
         if info["missing_keys"]:  # transformers fills these with random numbers and only warns
@@ -281,16 +379,19 @@ class GPT(nn.Module):
 
     def export_hf(self, out_dir):
         """Write this model as a transformers GPT2LMHeadModel directory (vocab trimmed to 50257,
-        tied embeddings), atomically: a temporary directory renamed into place."""
-        from transformers import GPT2Config, GPT2LMHeadModel
-
+        tied embeddings). out_dir must be new, empty or an earlier export (check_export_target):
+        nothing else is ever replaced. The files go to a hidden folder beside it that is renamed
+        into place, and removed again on any failure."""
         c = self.config
         if c.vocab_size < GPT2_VOCAB:
             raise UserError(f"vocab_size {c.vocab_size} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")
+        given, out_dir = out_dir, check_export_target(out_dir)  # refuse before the slow part
+        from transformers import GPT2Config, GPT2LMHeadModel
+
         hc = GPT2Config(
             vocab_size=GPT2_VOCAB, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
             activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, exported_by=EXPORT_MARK,
         )  # fmt: skip
         hf = GPT2LMHeadModel(hc)
         sd_hf = hf.state_dict()
@@ -302,14 +403,180 @@ class GPT(nn.Module):
                 if k in ("transformer.wte.weight", "lm_head.weight"):
                     w = w[:GPT2_VOCAB]  # drop the padding rows
                 sd_hf[k].copy_(w)
-        out_dir = os.path.abspath(out_dir)
-        parent = os.path.dirname(out_dir)
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # its bar on stderr would bury a one-line error
+        try:
+            # checked again just before the swap: a file put there meanwhile is not ours to delete
+            write_dir_atomic(out_dir, hf.save_pretrained, given, recheck=lambda: check_export_target(given))
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
+
+
+# ----------------------------------------------------------------------------------------------
+# Hub names and export folders: what from_pretrained may fetch and what export_hf may replace
+
+EXPORT_MARK = "train_gpt2.py --export-hf"  # config.json's "exported_by": a folder export_hf may replace
+# everything save_pretrained writes for a GPT2LMHeadModel (shards and their index for big models)
+EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
+
+
+def hf_offline():
+    """HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set, read now (huggingface_hub reads it at import)."""
+    from huggingface_hub import is_offline_mode
+
+    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return flag.upper() in ("1", "ON", "YES", "TRUE") or is_offline_mode()
+
+
+def hub_name_is_cached(name):
+    """The local Hugging Face cache holds the config and the weights of Hub model `name`."""
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(filename):
+        return isinstance(try_to_load_from_cache(name, filename), str)  # else None or "known missing"
+
+    return cached("config.json") and (cached("model.safetensors") or cached("pytorch_model.bin"))
+
+
+def check_hub_reachable(name, timeout=3.0):
+    """Refuse at once, in one line, to fetch `name` (not in the local cache) when offline use is
+    set or the Hub does not answer within `timeout` seconds."""
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    fix = "pass a local transformers GPT-2 directory instead (save_pretrained output, or --export-hf's)"
+    if hf_offline():
+        raise UserError(
+            f"{name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set: "
+            f"{fix}, or fill the cache once online"
+        )
+    url = f"{constants.ENDPOINT}/api/models/{name}"
+    try:
+        urllib.request.urlopen(url, timeout=timeout).close()  # a few KB of the model's card data
+    except (OSError, ValueError) as e:  # URLError, a timeout, a refused connection, a bad HF_ENDPOINT
+        if isinstance(e, urllib.error.HTTPError) and e.code == 429:
+            return  # the Hub is there but busy: transformers waits and retries
+        # any other answer (a proxy's or captive portal's 404 or 403) means a download of one
+        # of OpenAI's public models cannot work either
+        reason = f"HTTP {e.code}" if isinstance(e, urllib.error.HTTPError) else getattr(e, "reason", e)
+        reason = first_line(reason) if isinstance(reason, BaseException) else reason
+        raise UserError(
+            f"cannot reach the Hugging Face Hub ({constants.ENDPOINT}: {reason}) "
+            f"and {name!r} is not in the local cache: {fix}, or set HF_HUB_OFFLINE=1 with a cache that holds it"
+        ) from None
+
+
+def export_leftovers(out_dir):
+    """What in the non-empty folder out_dir export_hf did not write, in words; None when it is
+    an earlier export: nothing but save_pretrained's files, a config.json that parses, says
+    GPT-2 and carries EXPORT_MARK."""
+    names = sorted(os.listdir(out_dir))
+    def ours(name):  # a plain file (not a link to one) with a name save_pretrained writes
+        path = os.path.join(out_dir, name)
+        return EXPORT_FILES.fullmatch(name) and os.path.isfile(path) and not os.path.islink(path)
+
+    foreign = [n for n in names if not ours(n)]
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        return f"{foreign[0]}{more}"
+    try:
+        with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict) or config.get("model_type") != "gpt2" or config.get("exported_by") != EXPORT_MARK:
+        return "a transformers model (its config.json has no exported_by mark)"
+    return None
+
+
+def check_export_target(out_dir):
+    """The absolute folder export_hf may write: a new one, an empty one, or an earlier export,
+    which is replaced. Anything else is refused, since only what this program wrote may go."""
+    given = str(out_dir)
+    if os.path.islink(given) and not os.path.exists(given):
+        raise UserError(f"--export-hf target {given} is a symbolic link to nothing: name a new folder")
+    out_dir = os.path.realpath(given)  # a link to an earlier export: replace that folder, keep the link
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        example = os.path.splitext(given)[0] + "_hf"
+        raise UserError(f"--export-hf target {given} is a file, not a folder: name a new folder, e.g. {example}")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        leftovers = export_leftovers(out_dir)
+        if leftovers:
+            raise UserError(
+                f"--export-hf target {given} is not empty and not an earlier export (it holds {leftovers}): "
+                f"name a new or empty folder; nothing was changed"
+            )
+    return out_dir
+
+
+def write_dir_atomic(out_dir, write, given=None, recheck=None):
+    """write(tmp) fills a hidden folder beside out_dir, which then takes out_dir's place (an
+    earlier export there is renamed aside first and deleted last). On any failure, a full disk,
+    Ctrl-C and SIGTERM included, the hidden folders and the parents this made are removed and
+    out_dir is as it was. recheck(), if given, runs right before the swap and may refuse it."""
+    given = given or out_dir
+    parent = os.path.dirname(out_dir)
+    made = []  # parent folders this call creates, deepest first
+    d = parent
+    while not os.path.isdir(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    tmp = old = None
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt  # a kill mid-write cleans up as Ctrl-C does
+
+    try:
+        previous, restore = signal.signal(signal.SIGTERM, on_sigterm), True
+    except ValueError:  # not the main thread: signals stay as they are
+        previous, restore = None, False
+    try:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".export_", dir=parent)
-        hf.save_pretrained(tmp)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        # mkdtemp makes it private (0700): give it the mode of the folder it replaces, or else
+        # the one os.mkdir would give a new folder
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777 if os.path.isdir(out_dir) else 0o777 & ~umask)
+        write(tmp)
+        if recheck:
+            recheck()
+        if os.path.isdir(out_dir) and os.listdir(out_dir):
+            old = os.path.join(parent, f".export_old_{os.getpid()}_{os.path.basename(out_dir)}")
+            os.replace(out_dir, old)
+        try:
+            os.replace(tmp, out_dir)
+        except BaseException:
+            if old:
+                os.replace(old, out_dir)  # put the earlier export back
+                old = None
+            raise
+        tmp = None
+        if old:
+            shutil.rmtree(old)
+    except BaseException as e:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # not empty: someone else wrote there meanwhile
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # safetensors' failed write
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+            reason = re.sub(r".*I/O error: (.*) \(os error \d+\).*", r"\1", reason)  # safetensors' wording
+            full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in reason
+            fix = "make room or choose another folder" if full else "choose a folder you can write to"
+            raise UserError(f"cannot write the export to {given} ({reason}): nothing was changed; {fix}") from None
+        raise
+    finally:
+        if restore:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def flops_per_token(config, T):
@@ -362,7 +629,33 @@ def pick_device(requested=None):
         raise UserError(f"unknown device {device!r}: use cuda, cuda:N, mps or cpu")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but CUDA is not available: use --device cpu")
+    if device_type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise UserError("--device mps was asked for but MPS is not available: use --device cpu")
     return device, device_type
+
+
+def set_deterministic(device_type):
+    """Bitwise-reproducible training: the same seed, data and GPU count give the same losses and
+    weights, run after run and across a --resume. On a CPU the kernels already are; on CUDA
+    several default kernels add up partial sums in whatever order threads finish (atomics), so
+    the last bits of the gradients change from run to run. Call before any CUDA work."""
+    if device_type == "cuda":
+        # cuBLAS reads this when it creates its handle (first matmul): a fixed workspace per
+        # stream, without which its kernels may split a sum differently from call to call
+        if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False  # benchmarking may pick another algorithm each run
+        # SDPA: cuDNN attention's backward accumulates with atomics; flash and memory-efficient
+        # attention switch to their deterministic backward under use_deterministic_algorithms
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    # an op with no deterministic kernel now raises instead of running nondeterministically;
+    # embedding backward and index_put take their sorted (deterministic) paths
+    torch.use_deterministic_algorithms(True)
+    # torch.compile: Inductor picks no kernel config by timing it where that changes the numerics
+    import torch._inductor.config as inductor_config
+
+    inductor_config.deterministic = True
 
 
 def load_model(spec, device="cpu"):
@@ -408,18 +701,21 @@ def model_from_checkpoint(ckpt, path):
     return model
 
 
-def sample_text(model, enc, prompt, num_samples=4, max_new_tokens=32, temperature=1.0, top_k=50, seed=42):
-    """Decode num_samples continuations of prompt; the same seed gives the same text."""
+def sample_text(model, enc, prompt, num_samples=4, max_new_tokens=32, temperature=1.0, top_k=50, seed=42, compile=False):
+    """Decode num_samples continuations of prompt; the same seed gives the same text.
+    compile: a compiled (on CUDA, graph-captured) decode step, kept on the model for the next call."""
     device = next(model.parameters()).device
-    tokens = torch.tensor(enc.encode(prompt), dtype=torch.long, device=device)
+    # a literal <|endoftext|> in the prompt is the token itself, as in the training data
+    tokens = torch.tensor(enc.encode(prompt, allowed_special={"<|endoftext|>"}), dtype=torch.long, device=device)
     idx = tokens.unsqueeze(0).repeat(num_samples, 1)
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator, compile=compile)
     return [enc.decode(row.tolist()) for row in out]
 
 
 # ----------------------------------------------------------------------------------------------
-# Data: token shards on disk, memory-mapped
+# Data: token shards on disk, memory-mapped (fineweb.py writes them and owns their format)
+
 
 def find_shards(data_dir, split):
     """The {prefix}_{split}_{index}.npy (or .bin) shards in data_dir, in name order."""
@@ -451,9 +747,10 @@ class DataLoaderLite:
     (seed, epoch), so a second epoch does not repeat the first one's sequence of data.
     The position (epoch, shard, pos) is all the state there is: state_dict() saves it."""
 
-    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, shuffle=True, seed=1337, vocab_size=None):
+    def __init__(self, data_dir, split, B, T, rank=0, world_size=1, shuffle=True, seed=1337, vocab_size=None,
+                 device="cpu"):  # fmt: skip
         self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
-        self.shuffle, self.seed = shuffle, seed
+        self.shuffle, self.seed, self.device = shuffle, seed, device
         self.chunk = B * T * world_size
         self.shards = find_shards(data_dir, split)
         if not self.shards:
@@ -494,6 +791,10 @@ class DataLoaderLite:
         start = self.pos + self.rank * B * T
         buf = torch.from_numpy(self.tokens[start : start + B * T + 1].astype(np.int64))  # copies B*T+1 only
         self.pos += self.chunk
+        if torch.device(self.device).type == "cuda":  # pinned: the copy overlaps the GPU's work
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        elif self.device != "cpu":
+            buf = buf.to(self.device)
         return buf[:-1].view(B, T), buf[1:].view(B, T)
 
     def state_dict(self):
@@ -544,7 +845,7 @@ def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints
+# Checkpoints, resume and the out-dir
 
 
 def checkpoint_paths(out_dir):
@@ -555,30 +856,38 @@ def checkpoint_paths(out_dir):
     return [os.path.join(out_dir, n) for _, n in sorted(found, reverse=True)]
 
 
-def save_checkpoint(ckpt, out_dir, keep):
-    """Write ckpt_<step>.pt under a temporary name, then rename: a crash mid-write never leaves
-    a half checkpoint under the real name. Then delete all but the newest `keep`."""
-    path = os.path.join(out_dir, f"ckpt_{ckpt['step']:06d}.pt")
-    tmp = path + ".tmp"
+def disk_error(e, what, then):
+    """One line for a failed write; 'make room' only when the disk is really full."""
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    fix = "make room on the disk" if full else "make --out-dir writable"
+    return UserError(f"cannot write {what} ({getattr(e, 'strerror', None) or e}): {fix}, then {then}")
+
+
+def run_id_of(path):
+    """The run a checkpoint belongs to; mmap reads only the small pickled part, not the tensors."""
     try:
-        with open(tmp, "wb") as f:
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it count
-        os.replace(tmp, path)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("run_id")
+    except Exception:
+        return None
+
+
+def save_checkpoint(ckpt, out_dir, keep):
+    """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
+    real name), then delete this run's checkpoints beyond the newest `keep`: another run's
+    files are never touched."""
+    path = os.path.join(out_dir, f"ckpt_{ckpt['step']:06d}.pt")
+    try:
+        write_atomic(path, lambda f: torch.save(ckpt, f))
     except (OSError, RuntimeError) as e:
         cause = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write
         if not isinstance(cause, OSError):
             raise  # not the disk: a bug, keep its traceback
-        if os.path.exists(tmp):
-            os.remove(tmp)  # a full disk: give back the space the partial file holds
-        raise UserError(
-            f"cannot write checkpoint {path} ({cause.strerror or cause}): the checkpoints before it are intact; "
-            f"make room or fix --out-dir, then continue with --resume"
-        ) from None
+        then = "continue with --resume (the checkpoints before it are intact)"
+        raise disk_error(cause, f"checkpoint {path}", then) from None
     if keep > 0:
         for old in checkpoint_paths(out_dir)[keep:]:
-            os.remove(old)
+            if run_id_of(old) == ckpt["run_id"]:
+                os.remove(old)
     return path
 
 
@@ -610,6 +919,60 @@ def find_resume_checkpoint(resume, out_dir):
         raise UserError(f"none of the {len(paths)} checkpoints in {out_dir} can be loaded: see the warnings above")
     print(f"no checkpoint in {out_dir} to resume from: starting a new run")
     return None, None
+
+
+def claim_out_dir(out_dir, resume):
+    """An out-dir belongs to one run: a new run next to another run's checkpoints would have them
+    pruned instead of its own and its log drawn as one curve with theirs, so it is refused."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create --out-dir {out_dir}: {e.strerror}") from None
+    names = os.listdir(out_dir)
+    theirs = sorted(n for n in names if re.fullmatch(r"ckpt_\d+\.pt|log\.jsonl", n))
+    if theirs and not resume:
+        raise UserError(
+            f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}): continue it with --resume, "
+            f"or pass a new --out-dir"
+        )
+    for name in names:  # a checkpoint write of this run cut short by a kill: never complete
+        if re.fullmatch(r"\.ckpt_\d+\.pt\.tmp", name):
+            print(f"removing the unfinished {name}")
+            os.remove(os.path.join(out_dir, name))
+
+
+# The recipe a checkpoint was trained with. On --resume a flag left out takes the checkpoint's
+# value, so `--resume` alone continues the run as it was; a flag given with another value is a
+# contradiction, refused, except for the changes below, which are allowed and reported.
+RECIPE_FLAGS = ("total_batch_size", "seq_len", "max_lr", "min_lr", "warmup_steps", "max_steps", "weight_decay",
+                "beta1", "beta2", "adam_eps", "grad_clip", "seed", "no_shuffle", "n_layer", "n_head", "n_embd",
+                "vocab_size", "block_size", "batch_size")  # fmt: skip
+ALLOWED_CHANGES = {
+    "max_steps": "the cosine schedule is re-stretched from here to the new last step",
+    "batch_size": "the same batch in other micro-batches: equal up to float rounding, not bitwise",
+}
+
+
+def reconcile_resume(args, explicit, ckpt, ckpt_path):
+    """Fill args from the checkpoint's recipe; refuse contradictions. Returns the allowed changes
+    as {flag: [checkpoint's value, new value]}."""
+    old, changes = ckpt.get("train_config", {}), {}
+    for name in RECIPE_FLAGS:
+        if name not in old or old[name] == getattr(args, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name not in explicit:
+            setattr(args, name, old[name])
+        elif name not in ALLOWED_CHANGES:
+            raise UserError(
+                f"{flag} {getattr(args, name)} contradicts the {old[name]} that {ckpt_path} was trained with: "
+                f"leave {flag} out to continue the run as it was, or start a new run in another --out-dir"
+            )
+        else:
+            changes[name] = [old[name], getattr(args, name)]
+    if args.max_steps < ckpt["step"]:
+        raise UserError(f"--max-steps {args.max_steps} is below the {ckpt['step']} steps {ckpt_path} has done")
+    return changes
 
 
 def get_rng_state(device_type):
@@ -645,53 +1008,67 @@ def autocast(device_type, dtype):
 
 
 @torch.no_grad()
-def evaluate_val_loss(model, val_tokens, B, T, device, autocast_dtype=None, rank=0, world_size=1):
+def evaluate_val_loss(model, val_tokens, B, T, device, autocast_dtype=None, rank=0, world_size=1, should_stop=None):
     """Mean next-token loss over the val set cut into sequences of T tokens. Rank r scores
     sequences r, r + world_size, ... in batches of B and the sums are reduced, so the result is
-    the same number whatever the GPU count or B."""
+    the same number whatever the GPU count or B. None when should_stop() interrupted it."""
     n_seq = (len(val_tokens) - 1) // T
     mine = list(range(rank, n_seq, world_size))
     device_type = torch.device(device).type
     model.eval()
-    loss_sum = torch.zeros((), device=device)
+    totals = torch.zeros(2, device=device)  # loss sum, ranks interrupted
     for i in range(0, len(mine), B):
+        if should_stop is not None and should_stop():
+            totals[1] = 1
+            break
         rows = np.stack([val_tokens[j * T : j * T + T + 1] for j in mine[i : i + B]]).astype(np.int64)
         buf = torch.from_numpy(rows).to(device)
         with autocast(device_type, autocast_dtype):
             _, loss = model(buf[:, :-1], buf[:, 1:])
-        loss_sum += loss.float() * buf[:, 1:].numel()
+        totals[0] += loss.float() * buf[:, 1:].numel()
     model.train()
-    if world_size > 1:
-        dist.all_reduce(loss_sum)
-    return loss_sum.item() / (n_seq * T)
+    if world_size > 1:  # every rank reaches this, interrupted or not: no rank waits for another
+        dist.all_reduce(totals)
+    loss_sum, interrupted = totals.tolist()
+    return None if interrupted else loss_sum / (n_seq * T)
 
 
-def load_hellaswag(args, master_process, ddp):
-    """hellaswag.py and its examples, or (None, None) after one warning when either is missing:
-    a training run must never die for want of its side evaluation."""
+@torch.no_grad()
+def evaluate_hellaswag(model, prepared, device, autocast_dtype, dist_info, should_stop):
+    """acc_norm, acc and n over every rank, or None when a rank was interrupted."""
+    counts = hellaswag.evaluate(
+        model, prepared, device, dist_info.rank, dist_info.world_size, autocast_dtype=autocast_dtype,
+        should_stop=should_stop, progress=dist_info.master_process,
+    )  # fmt: skip
+    model.train()
+    c = counts or {"n": 0, "correct": 0, "correct_norm": 0}
+    totals = torch.tensor([c["n"], c["correct"], c["correct_norm"], counts is None], device=device)
+    if dist_info.world_size > 1:
+        dist.all_reduce(totals)
+    n, correct, correct_norm, interrupted = totals.tolist()
+    return None if interrupted else {"hellaswag": correct_norm / n, "hellaswag_acc": correct / n, "hellaswag_n": n}
+
+
+def load_hellaswag(args, enc, master_process, ddp):
+    """The HellaSwag examples, tokenized once for every eval of the run, or None after one
+    warning when the data cannot be had: a run never dies for want of its side evaluation."""
     if args.hellaswag_every <= 0:
-        return None, None
-    examples, problem = None, None
-    try:
-        import hellaswag
-    except ImportError as e:
-        problem = f"cannot import hellaswag.py ({e})"
-    if problem is None:
+        return None
 
-        def load():
-            try:
-                return hellaswag.load_examples(args.hellaswag_data, limit=args.hellaswag_limit), None
-            except Exception as e:  # no network, a bad cache, a datasets error: all mean "no data"
-                return None, first_line(e)
+    def load():
+        try:
+            examples = hellaswag.load_examples(args.hellaswag_data, limit=args.hellaswag_limit)
+            return hellaswag.prepare(examples, enc), None
+        except Exception as e:  # no network, a bad cache, a datasets error: all mean "no data"
+            return None, first_line(e)
 
-        # rank 0 first: it may download and cache the data, which the others then just read
-        if master_process:
-            examples, problem = load()
-        if ddp:
-            dist.barrier()
+    # rank 0 first: it may download and cache the data, which the others then just read
+    prepared, problem = load() if master_process else (None, None)
+    if ddp:
+        dist.barrier()
         if not master_process:
-            examples, problem = load()
-    if ddp:  # every rank must agree, or the ones with data would wait forever for the others
+            prepared, problem = load()
+        # every rank must agree, or the ones with data would wait forever for the others
         ok = torch.tensor(int(problem is None), device="cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if not ok.item() and problem is None:
@@ -699,124 +1076,439 @@ def load_hellaswag(args, master_process, ddp):
     if problem is not None:
         if master_process:
             print(f"warning: HellaSwag evaluation is off for this run: {problem}", file=sys.stderr)
-        return None, None
-    return hellaswag, examples
+        return None
+    return prepared
+
+
+def encode_prompt(enc, prompt, block_size):
+    """The prompt's tokens; an empty prompt starts from <|endoftext|>, as a new document would."""
+    tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else [EOT]
+    if len(tokens) >= block_size:
+        raise UserError(f"--prompt is {len(tokens)} tokens, the model reads at most {block_size - 1} before a new one")
+    return tokens
 
 
 # ----------------------------------------------------------------------------------------------
-# The training run
+# The training run: its processes, its log, stop requests and the non-finite guard
 
 
-def accumulate_gradients(model, train_loader, grad_accum_steps, device, autocast_dtype=None):
-    """Forward and backward over grad_accum_steps micro-batches: leaves the gradient of one
-    batch's mean loss in .grad and returns that loss (this rank's, detached)."""
-    device_type = torch.device(device).type
-    loss_accum = torch.zeros((), device=device)
-    for micro_step in range(grad_accum_steps):
-        x, y = train_loader.next_batch()
-        if device_type == "cuda":
-            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-        else:
-            x, y = x.to(device), y.to(device)
-        # DDP all-reduces gradients during backward; only the last micro-step needs that, and
-        # DDP decides in forward whether to, so no_sync() must cover the forward pass too
-        last = micro_step == grad_accum_steps - 1
-        with (model.no_sync() if isinstance(model, DDP) and not last else nullcontext()):
-            with autocast(device_type, autocast_dtype):
-                _, loss = model(x, y)
-            # each micro-batch's loss is a mean over B*T tokens; the batch's is the mean of those
-            loss = loss / grad_accum_steps
-            loss_accum += loss.detach()
-            loss.backward()
-    return loss_accum
+@dataclass
+class DistInfo:
+    ddp: bool
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def master_process(self):  # the one process that prints, logs and writes checkpoints
+        return self.rank == 0
+
+
+def setup_distributed(args, explicit):
+    """(DistInfo, device, device_type); torchrun sets RANK, LOCAL_RANK and WORLD_SIZE."""
+    d = DistInfo("RANK" in os.environ, int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+                 int(os.environ.get("WORLD_SIZE", 1)))  # fmt: skip
+    device, device_type = pick_device(args.device)
+    if d.ddp and device_type == "cuda":
+        device = f"cuda:{d.local_rank}"
+        torch.cuda.set_device(device)
+    check_args(args, d.world_size, explicit)  # before any process starts waiting on another
+    if d.ddp:  # a rank that freezes (not dies: torchrun sees that) fails the others' collectives after this
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=args.ddp_timeout))
+    return d, device, device_type
+
+
+class StopRequest:
+    """SIGTERM (a spot instance reclaimed, a scheduler) or Ctrl-C: the run stops at the next step
+    boundary with a checkpoint, an eval in progress is cut short; a second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.signum = 0
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt  # the user does not want to wait: run_cli prints one line
+        self.signum = signum
+        print(f"caught {signal.Signals(signum).name}: stopping after this step with a checkpoint", flush=True)
+
+    def __call__(self):  # this rank's request, for the evals to poll
+        return self.signum != 0
+
+    def agreed(self, device, ddp):
+        """The signal every rank stops for (0: none), the same on every rank."""
+        signum = torch.tensor(self.signum, device=device)
+        if ddp:
+            dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+        return signum.item()
+
+
+def versions():
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "numpy": np.__version__}  # fmt: skip
+
+
+class RunLog:
+    """log.jsonl: one JSON record per line, appended, never wiped, so a resumed run continues
+    the same file (play.ipynb keeps the last record of each step)."""
+
+    def __init__(self, out_dir, enabled):
+        self.path, self.file = os.path.join(out_dir, "log.jsonl"), None
+        if not enabled:
+            return
+        try:
+            self.file = open(self.path, "a")
+            if self.file.tell() > 0:
+                with open(self.path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":  # a line cut short by a kill: start ours on a fresh line
+                        self.file.write("\n")
+        except OSError as e:
+            raise disk_error(e, self.path, "start again") from None
+
+    def __call__(self, record):
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
+            raise disk_error(e, self.path, "continue with --resume") from None
 
 
 MAX_BAD_STEPS = 3  # non-finite steps in a row: one is skipped as a bad batch, this many mean the run diverged
 
 
-def train(args):
-    # --- config: processes, device, precision, batch arithmetic --------------------------------
-    ddp = "RANK" in os.environ  # launched by torchrun
-    ddp_rank = int(os.environ.get("RANK", 0))
-    ddp_local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    ddp_world_size = int(os.environ.get("WORLD_SIZE", 1))
-    master_process = ddp_rank == 0  # the one process that prints, logs and writes checkpoints
-    device, device_type = pick_device(args.device)
-    if ddp and device_type == "cuda":
-        device = f"cuda:{ddp_local_rank}"
-        torch.cuda.set_device(device)
-    B, T = args.batch_size, args.seq_len
-    check_args(args, ddp_world_size)
-    grad_accum_steps = args.total_batch_size // (B * T * ddp_world_size)
-    if ddp:
-        # a rank that freezes (not dies: torchrun sees that) holds the others in a collective for this long
-        timeout = timedelta(seconds=args.ddp_timeout)
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+class NonFiniteGuard:
+    """One NaN or inf (an overflow, a bad batch) in an update would spread to every weight: such a
+    step is skipped. Every rank sees the same all-reduced loss and norm, so all skip it. Several
+    in a row mean the run diverged: it stops with a checkpoint of the last good state."""
+
+    def __init__(self, log, master_process, checkpoint, out_dir):
+        self.log, self.master_process, self.checkpoint, self.out_dir = log, master_process, checkpoint, out_dir
+        self.in_a_row = 0
+
+    def skip(self, step, loss, norm, lr):
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.in_a_row = 0
+            return False
+        self.in_a_row += 1
+        self.log({"step": step, "skipped": f"loss {loss}, grad norm {norm}", "lr": lr})
+        if self.master_process:
+            print(f"step {step:5d} | loss {loss} | norm {norm} | skipped ({self.in_a_row} in a row)")
+        if self.in_a_row == MAX_BAD_STEPS:  # the weights and optimizer state are still those of the last good step
+            self.checkpoint(step + 1)
+            raise UserError(
+                f"{MAX_BAD_STEPS} steps in a row (to {step}) had a non-finite loss or grad norm: stopped; "
+                f"ckpt_{step + 1:06d}.pt in {self.out_dir} holds the last good weights: lower --max-lr or "
+                f"check the data, then continue with --resume"
+            )
+        return True
+
+
+def save_training_state(step, run, args, ckpt_extra, dist_info, device_type):
+    """Every rank's RNG state is gathered; rank 0 writes the checkpoint of `step` steps done."""
+    rng = [get_rng_state(device_type)]
+    if dist_info.ddp:
+        rng = [None] * dist_info.world_size
+        dist.all_gather_object(rng, get_rng_state(device_type))
+    if dist_info.master_process:
+        ckpt = {"model": run.model.state_dict(), "model_config": asdict(run.model.config),
+                "optimizer": run.optimizer.state_dict(), "step": step, "train_config": vars(args),
+                "data": run.loader.state_dict(), "rng": rng, "world_size": dist_info.world_size,
+                **ckpt_extra}  # fmt: skip
+        print(f"wrote {save_checkpoint(ckpt, args.out_dir, args.keep_ckpts)}")
+
+
+def run_evals(step, run, args, dist_info, stop, log):
+    """Val loss, HellaSwag and samples when their cadence (or the last step) says so."""
+    last, d = step == args.max_steps, dist_info
+    due = lambda every: every > 0 and (step % every == 0 or last)  # noqa: E731
+    if run.val_tokens is not None and due(args.eval_every):
+        val_loss = evaluate_val_loss(run.model, run.val_tokens, args.batch_size, args.seq_len, run.device,
+                                     run.autocast_dtype, d.rank, d.world_size, stop)  # fmt: skip
+        if val_loss is not None:
+            run.val_loss = val_loss
+            log({"step": step, "val_loss": val_loss})
+            if d.master_process:
+                print(f"step {step:5d} | val loss {val_loss:.6f}")
+    if run.hellaswag is not None and due(args.hellaswag_every) and not stop():
+        result = evaluate_hellaswag(run.model, run.hellaswag, run.device, run.autocast_dtype, d, stop)
+        if result is not None:
+            log({"step": step, **result})
+            if d.master_process:
+                print(f"step {step:5d} | hellaswag acc_norm {result['hellaswag']:.4f} of {result['hellaswag_n']}")
+    if d.master_process and due(args.sample_every) and step > 0 and not stop():
+        texts = run.sample(args.max_new_tokens)
+        log({"step": step, "samples": texts})
+        for i, text in enumerate(texts):
+            print(f"step {step:5d} | sample {i}: {text!r}")
+
+
+@dataclass
+class Run:
+    """What the evaluations and checkpoints of a run share."""
+
+    model: nn.Module  # the raw module: evaluation, sampling and checkpoints never go through compile or DDP
+    optimizer: torch.optim.Optimizer
+    loader: DataLoaderLite
+    device: str
+    autocast_dtype: torch.dtype = None
+    val_tokens: np.ndarray = None
+    hellaswag: object = None  # hellaswag.prepare()'s tokenized examples
+    val_loss: float = None
+    sample: object = None  # sample(max_new_tokens) -> texts with the run's prompt and settings
+
+
+def resume_checkpoint(args, explicit, d):
+    """(path, checkpoint, allowed changes) for --resume, else (None, None, {}). Rank 0 picks the
+    checkpoint, so that every rank loads the same one (multi-node: the out-dir must be shared)."""
+    if not args.resume:
+        return None, None, {}
+    picked = [find_resume_checkpoint(args.resume, args.out_dir)[0] if d.master_process else None]
+    if d.ddp:
+        dist.broadcast_object_list(picked, src=0)
+    if picked[0] is None:
+        return None, None, {}
+    ckpt = load_training_checkpoint(picked[0])
+    return picked[0], ckpt, reconcile_resume(args, explicit, ckpt, picked[0])
+
+
+def set_precision_and_seeds(args, device_type):
+    """(dtype name, autocast dtype or None, compile?): bf16 autocast and compile by default on CUDA."""
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
-    autocast_dtype = torch.bfloat16 if dtype == "bfloat16" else None
-    use_compile = args.compile if args.compile is not None else device_type == "cuda"
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the matmuls autocast leaves in fp32
+    if args.deterministic:
+        set_deterministic(device_type)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
-    if master_process:
-        print(f"device {device} x {ddp_world_size} | dtype {dtype} | compile {use_compile}")
-        print(
-            f"total batch {args.total_batch_size:,} tokens = B {B} x T {T} x {ddp_world_size} ranks "
-            f"x {grad_accum_steps} accumulation steps"
-        )
-        try:
-            os.makedirs(args.out_dir, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"cannot create --out-dir {args.out_dir}: {e.strerror}") from None
-        for name in os.listdir(args.out_dir):
-            if re.fullmatch(r"ckpt_\d+\.pt\.tmp", name):  # a write cut short by a kill: never complete
-                print(f"removing the unfinished {name}")
-                os.remove(os.path.join(args.out_dir, name))
+    use_compile = args.compile if args.compile is not None else device_type == "cuda"
+    return dtype, (torch.bfloat16 if dtype == "bfloat16" else None), use_compile
 
-    # --- resume: rank 0 picks the checkpoint, so that every rank loads the same one -------------
-    ckpt_path, ckpt = None, None
-    if args.resume:
-        if master_process:
-            ckpt_path, ckpt = find_resume_checkpoint(args.resume, args.out_dir)
-        if ddp:
-            picked = [ckpt_path]
-            dist.broadcast_object_list(picked, src=0)
-            ckpt_path = picked[0]
-            if not master_process and ckpt_path is not None:
-                ckpt = load_training_checkpoint(ckpt_path)  # multi-node: out-dir must be shared
 
-    # --- model -------------------------------------------------------------------------------
-    config = GPTConfig(
-        block_size=args.block_size, vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
-        n_embd=args.n_embd,
-    )  # fmt: skip
+def build_model(args, ckpt, ckpt_path, device, master):
+    """The checkpoint's model on --resume, else a new one from the model flags or --init-from."""
     if ckpt is not None:
-        if args.init_from == "scratch" and ckpt["model_config"] != asdict(config):
-            raise UserError(
-                f"checkpoint {ckpt_path} is of another model ({ckpt['model_config']}) than this run's "
-                f"({asdict(config)}): pass the model flags it was trained with"
-            )
         model = model_from_checkpoint(ckpt, ckpt_path)
     elif args.init_from == "scratch":
-        model = GPT(config)
+        model = GPT(GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, n_layer=args.n_layer,
+                              n_head=args.n_head, n_embd=args.n_embd))  # fmt: skip
     else:
         model = load_model(args.init_from)
-    model.to(device)
-    config = model.config
-    if T > config.block_size:
-        raise UserError(f"--seq-len {T} is longer than the model's block_size {config.block_size}")
-    raw_model = model  # evaluation, sampling and checkpoints use this uncompiled module
-    if master_process:
-        print(f"model: {asdict(config)}, {sum(p.numel() for p in raw_model.parameters()):,} parameters")
+    if args.seq_len > model.config.block_size:
+        raise UserError(f"--seq-len {args.seq_len} is longer than the model's block_size {model.config.block_size}")
+    if master:
+        print(f"model: {asdict(model.config)}, {sum(p.numel() for p in model.parameters()):,} parameters")
+    return model.to(device)
+
+
+def restore_training_state(run, ckpt, ckpt_path, d, device_type):
+    """(start step, run id): the optimizer, data position and RNG of a checkpoint, or a new run's id."""
+    if ckpt is None:
+        return 0, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.loader.load_state_dict(ckpt["data"])
+    if d.rank < len(ckpt["rng"]):
+        set_rng_state(ckpt["rng"][d.rank], device_type)
+    run.val_loss = ckpt.get("val_loss")
+    if d.master_process:
+        print(f"resuming from {ckpt_path} at step {ckpt['step']}")
+    return ckpt["step"], ckpt.get("run_id", ckpt_path)
+
+
+def report_step(log, master, step, args, loss, lr, norm, dt, flops_per_peak, epoch, world_size):
+    """One training step's record in the log and its line on the console."""
+    tok_per_sec = args.total_batch_size / dt
+    mfu = flops_per_peak * tok_per_sec / world_size if flops_per_peak else None
+    log({"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec,
+         "mfu": mfu, "tokens": (step + 1) * args.total_batch_size, "epoch": epoch})  # fmt: skip
+    if master:
+        print(f"step {step:5d}/{args.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | dt {dt * 1000:.2f}ms "
+              f"| tok/s {tok_per_sec:,.0f} | mfu {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | epoch {epoch}", flush=True)
+
+
+def prepare_side_evals(run, args, config, master, ddp):
+    """Tokenize HellaSwag and the prompt, and draw one sample token, now: a bad prompt or
+    sampling setting fails at start, not at the first sample step hours in."""
+    enc = get_tokenizer() if args.hellaswag_every > 0 or args.sample_every > 0 else None
+    run.hellaswag = load_hellaswag(args, enc, master, ddp)
+    if args.sample_every <= 0:
+        return
+    prompt = enc.decode(encode_prompt(enc, args.prompt, config.block_size))
+    device_type = torch.device(run.device).type
+
+    def sample(max_new_tokens):  # a fixed seed: the same noise every time, so samples show what was learned
+        with autocast(device_type, run.autocast_dtype):
+            return sample_text(run.model, enc, prompt, args.num_samples, max_new_tokens, args.temperature,
+                               args.top_k or None)  # top-k 0: no filtering
+
+    run.sample = sample
+    if master:
+        sample(1)
+
+
+def train(args, explicit=frozenset()):
+    # --- config: processes, device, precision, batch arithmetic --------------------------------
+    d, device, device_type = setup_distributed(args, explicit)
+    master = d.master_process
+    if master:
+        claim_out_dir(args.out_dir, args.resume)
+    ckpt_path, ckpt, changes = resume_checkpoint(args, explicit, d)
+    check_args(args, d.world_size, explicit)  # again: the checkpoint's recipe with this run's changes
+    B, T = args.batch_size, args.seq_len
+    grad_accum_steps = args.total_batch_size // (B * T * d.world_size)
+    dtype, autocast_dtype, use_compile = set_precision_and_seeds(args, device_type)
+    if master:
+        print(f"device {device} x {d.world_size} | dtype {dtype} | compile {use_compile}")
+        print(f"total batch {args.total_batch_size:,} tokens = B {B} x T {T} x {d.world_size} ranks "
+              f"x {grad_accum_steps} accumulation steps")  # fmt: skip
+        for name, (old, new) in changes.items():
+            print(f"note: --{name.replace('_', '-')} {old} -> {new} on resume: {ALLOWED_CHANGES[name]}")
+
+    # --- model -------------------------------------------------------------------------------
+    raw_model = build_model(args, ckpt, ckpt_path, device, master)  # evals, samples and checkpoints use this
+    config = raw_model.config
 
     # --- data --------------------------------------------------------------------------------
-    train_loader = DataLoaderLite(
-        args.data_dir, "train", B, T, ddp_rank, ddp_world_size, not args.no_shuffle, args.seed, config.vocab_size
-    )
+    train_loader = DataLoaderLite(args.data_dir, "train", B, T, rank=d.rank, world_size=d.world_size,
+                                  shuffle=not args.no_shuffle, seed=args.seed, vocab_size=config.vocab_size,
+                                  device=device)  # fmt: skip
+    val_tokens = check_data(args, train_loader, config, master)
+
+    # --- optimizer and schedule ------------------------------------------------------------------
+    optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, device_type, (args.beta1, args.beta2),
+                                               args.adam_eps, verbose=master)  # fmt: skip
+    min_lr = args.min_lr if args.min_lr is not None else 0.1 * args.max_lr
+    run = Run(raw_model, optimizer, train_loader, device, autocast_dtype, val_tokens)
+    start_step, run_id = restore_training_state(run, ckpt, ckpt_path, d, device_type)
+    del ckpt  # the weights and optimizer state now live in the model and optimizer
+    model = torch.compile(raw_model) if use_compile else raw_model
+    if d.ddp:
+        model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None)
+
+    # --- what runs mid-training is exercised now, not first at hour three -----------------------
+    prepare_side_evals(run, args, config, master, d.ddp)
+    log = RunLog(args.out_dir, master)
+    flops = flops_per_token(config, T)
+    device_name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or device_type
+    peak = args.peak_flops or (peak_flops(device_name) if device_type == "cuda" else None)
+    log({"event": "header", "run_id": run_id, "device": device_name, "resumed_from": start_step if ckpt_path else None,
+         "changed_on_resume": changes or None, "versions": versions(),
+         "config": {**vars(args), "grad_accum_steps": grad_accum_steps, "world_size": d.world_size, "dtype": dtype,
+                    "compile": use_compile, "model_config": asdict(config), "min_lr": min_lr, "flops_per_token": flops}})
+
+    def checkpoint(step):
+        save_training_state(step, run, args, {"run_id": run_id, "val_loss": run.val_loss}, d, device_type)
+
+    stop, guard = StopRequest(), NonFiniteGuard(log, master, checkpoint, args.out_dir)
+
+    # --- the loop ------------------------------------------------------------------------------
+    # Iteration `step` first evaluates the model after `step` updates (not timed), checkpoints,
+    # then makes update number step+1. The last iteration only evaluates and checkpoints.
+    for step in range(start_step, args.max_steps + 1):
+        last_step = step == args.max_steps
+        if step > start_step or start_step == 0:  # a resumed step's evals are in its checkpoint already
+            run_evals(step, run, args, d, stop, log)
+        signum = stop.agreed(device, d.ddp)  # all ranks stop at the same step, whichever got the signal
+        if signum or (step > start_step and ((args.ckpt_every > 0 and step % args.ckpt_every == 0) or last_step)):
+            checkpoint(step)
+        if signum:
+            return 128 + signum  # the shell's code for "ended by this signal"
+        if last_step:
+            break
+
+        # --- TRAINING STEP BEGIN -----------------------------------------------------------------
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_accum = torch.zeros((), device=device)
+        for micro_step in range(grad_accum_steps):
+            x, y = train_loader.next_batch()
+            # DDP all-reduces gradients in backward; only the last micro-step needs it, and DDP
+            # decides in forward whether to, so no_sync() covers forward and backward
+            last_micro = micro_step == grad_accum_steps - 1
+            with model.no_sync() if d.ddp and not last_micro else nullcontext():
+                with autocast(device_type, autocast_dtype):
+                    _, loss = model(x, y)
+                # each micro-batch's loss is a mean over B*T tokens; the batch's is the mean of those
+                loss = loss / grad_accum_steps
+                loss_accum += loss.detach()
+                loss.backward()
+        if d.ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
+            dist.all_reduce(loss_accum)
+            loss_accum /= d.world_size
+        # clip_grad_norm_ returns the norm before clipping; with inf it only measures it
+        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or math.inf)
+        lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss, norm = loss_accum.item(), norm.item()
+        if guard.skip(step, loss, norm, lr):  # a NaN / inf step is not applied
+            continue
+        optimizer.step()
+        if device_type == "cuda":
+            torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
+        dt = time.perf_counter() - t0
+        # --- TRAINING STEP END -------------------------------------------------------------------
+
+        report_step(log, master, step, args, loss, lr, norm, dt, flops / peak if peak else None, train_loader.epoch,
+                    d.world_size)  # fmt: skip
+    if master and run.val_loss is not None:
+        print(f"done: {args.max_steps} steps, val loss {run.val_loss:.6f}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line: every flag is checked here, alone and against the others, before step 0
+
+
+def check_args(args, world_size, explicit=frozenset()):
+    """Bad numbers as one-line errors, before any process starts waiting on another."""
+    def need(ok, message):
+        if not ok:
+            raise UserError(message)
+
+    for name, value in vars(args).items():  # nan passes every comparison below: refuse it first
+        need(not isinstance(value, float) or math.isfinite(value), f"--{name.replace('_', '-')} must be a finite number, not {value}")
+    positive = ("batch_size", "seq_len", "total_batch_size", "max_steps", "n_layer", "n_head", "n_embd", "block_size",
+                "val_tokens", "num_samples", "max_new_tokens")  # fmt: skip
+    for name in positive:
+        need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "hellaswag_every", "sample_every",
+                 "ckpt_every", "keep_ckpts", "temperature", "top_k"):  # fmt: skip
+        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be 0 or more, not {getattr(args, name)}")
+    need(args.max_lr > 0, f"--max-lr must be above 0, not {args.max_lr}")
+    need(args.min_lr is None or 0 <= args.min_lr <= args.max_lr, f"--min-lr {args.min_lr} must be between 0 and --max-lr {args.max_lr}")
+    for name in ("beta1", "beta2"):
+        need(0 <= getattr(args, name) < 1, f"--{name} must be in [0, 1), not {getattr(args, name)}")
+    need(args.adam_eps > 0, f"--adam-eps must be above 0, not {args.adam_eps}")
+    need(args.ddp_timeout > 0, f"--ddp-timeout must be a positive number of seconds, not {args.ddp_timeout}")
+    need(args.peak_flops is None or args.peak_flops > 0, f"--peak-flops must be above 0, not {args.peak_flops}")
+    need(args.hellaswag_limit is None or args.hellaswag_limit >= 1,
+         f"--hellaswag-limit {args.hellaswag_limit}: give a positive number of examples")
+    need(args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
+    need(args.vocab_size >= GPT2_VOCAB, f"--vocab-size {args.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens")
+    need(not (args.resume and args.init_from != "scratch"),
+         f"--init-from {args.init_from} starts a new run, --resume continues one: pass one of them")
+    if not args.resume and "warmup_steps" not in explicit:  # on resume the checkpoint's value counts
+        need(args.warmup_steps < args.max_steps,
+             f"--max-steps {args.max_steps} ends inside the default {args.warmup_steps}-step warm-up (lr would "
+             f"never pass {get_lr(args.max_steps - 1, args.max_lr, 0, args.warmup_steps, args.max_steps):.1e}): "
+             f"pass --warmup-steps below --max-steps")
+    micro = args.batch_size * args.seq_len * world_size
+    need(args.total_batch_size % micro == 0,
+         f"--total-batch-size {args.total_batch_size:,} is not a multiple of B*T*world_size = "
+         f"{args.batch_size}*{args.seq_len}*{world_size} = {micro:,}: change --batch-size, --seq-len or --total-batch-size")
+
+
+def check_data(args, train_loader, config, master):
+    """The val tokens (None without --eval-every); too little data is refused before step 0."""
+    T = args.seq_len
     if train_loader.tokens_per_epoch < args.total_batch_size:  # one step would see the same tokens twice
         raise UserError(
             f"the train shards in {args.data_dir} hold {train_loader.tokens_per_epoch:,} usable tokens, fewer than "
@@ -830,307 +1522,97 @@ def train(args):
                 f"no val shard (*_val_NNNNNN.npy or .bin) with {T + 1} tokens in {args.data_dir}: fineweb.py "
                 f"writes one (its shard 0), or pass --eval-every 0 to train without val loss"
             )
-        if master_process and len(val_tokens) < args.val_tokens + 1:
+        if master and len(val_tokens) < args.val_tokens + 1:
             print(f"note: the val shards hold only {len(val_tokens) - 1:,} of the --val-tokens {args.val_tokens:,}")
     run_tokens = args.max_steps * args.total_batch_size
-    if master_process and run_tokens > train_loader.tokens_per_epoch:
-        print(
-            f"warning: this run trains on {run_tokens:,} tokens but the train shards hold "
-            f"{train_loader.tokens_per_epoch:,} usable ones: the data repeats "
-            f"({run_tokens / train_loader.tokens_per_epoch:.2f} epochs)",
-            file=sys.stderr,
-        )
-
-    # --- optimizer and schedule ------------------------------------------------------------------
-    optimizer = raw_model.configure_optimizers(
-        args.weight_decay, args.max_lr, device_type, (args.beta1, args.beta2), args.adam_eps, verbose=master_process
-    )
-    min_lr = args.min_lr if args.min_lr is not None else 0.1 * args.max_lr
-
-    start_step, val_loss = 0, None
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        train_loader.load_state_dict(ckpt["data"])
-        if ddp_rank < len(ckpt["rng"]):
-            set_rng_state(ckpt["rng"][ddp_rank], device_type)
-        start_step, val_loss = ckpt["step"], ckpt.get("val_loss")
-        if master_process:
-            print(f"resuming from {ckpt_path} at step {start_step}")
-        del ckpt  # the weights and optimizer state now live in the model and optimizer
-
-    model = raw_model
-    if use_compile:
-        model = torch.compile(model)
-    if ddp:
-        model = DDP(model, device_ids=[ddp_local_rank] if device_type == "cuda" else None)
-    hellaswag, hellaswag_examples = load_hellaswag(args, master_process, ddp)
-    enc = get_tokenizer() if hellaswag is not None or args.sample_every > 0 else None
-
-    # --- log: appended, never wiped, so a resumed run continues the same file ------------------
-    log_file = None
-    if master_process:
-        log_path = os.path.join(args.out_dir, "log.jsonl")
-        try:
-            log_file = open(log_path, "a")
-        except OSError as e:
-            raise UserError(f"cannot write {log_path}: {e.strerror}") from None
-        if log_file.tell() > 0:
-            with open(log_path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":  # a line cut short by a kill: start ours on a fresh line
-                    log_file.write("\n")
-    flops = flops_per_token(config, T)
-    device_name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or device_type
-    peak = args.peak_flops or (peak_flops(device_name) if device_type == "cuda" else None)
-
-    def log(record):
-        if log_file is not None:
-            try:
-                log_file.write(json.dumps(record) + "\n")
-                log_file.flush()
-            except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
-                msg = f"cannot write {log_path} ({e.strerror}): make room, then continue with --resume"
-                raise UserError(msg) from None
-
-    log({
-        "event": "header",
-        "config": {**vars(args), "grad_accum_steps": grad_accum_steps, "world_size": ddp_world_size, "dtype": dtype,
-                   "compile": use_compile, "model_config": asdict(config), "min_lr": min_lr, "flops_per_token": flops},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "numpy": np.__version__},
-        "device": device_name,
-        "resumed_from": start_step if ckpt_path else None,
-    })  # fmt: skip
-
-    def checkpoint(step):
-        rng = [get_rng_state(device_type)]
-        if ddp:
-            rng = [None] * ddp_world_size
-            dist.all_gather_object(rng, get_rng_state(device_type))
-        if master_process:
-            ckpt = {
-                "model": raw_model.state_dict(),
-                "model_config": asdict(config),
-                "optimizer": optimizer.state_dict(),
-                "step": step,  # steps done: the run continues with this step
-                "train_config": vars(args),
-                "data": train_loader.state_dict(),
-                "rng": rng,
-                "val_loss": val_loss,
-                "world_size": ddp_world_size,
-            }
-            path = save_checkpoint(ckpt, args.out_dir, args.keep_ckpts)
-            print(f"wrote {path}")
-
-    # SIGTERM (spot instance reclaimed, scheduler) or Ctrl-C: finish the step, checkpoint, exit
-    stop = {"signum": 0}
-
-    def on_signal(signum, frame):
-        if stop["signum"]:  # a second Ctrl-C: the user does not want to wait
-            raise KeyboardInterrupt
-        stop["signum"] = signum
-        print(f"caught {signal.Signals(signum).name}: stopping after this step with a checkpoint", flush=True)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-    # --- the loop ------------------------------------------------------------------------------
-    # Iteration `step` first evaluates the model after `step` updates (not timed), checkpoints,
-    # then makes update number step+1. The last iteration only evaluates and checkpoints.
-    bad_steps = 0  # non-finite steps in a row
-    inject = dict(args.inject_nonfinite)  # the test hook in parse_args: {step: factor}
-    for step in range(start_step, args.max_steps + 1):
-        last_step = step == args.max_steps
-        signum = torch.tensor(stop["signum"], device=device)
-        if ddp:  # every rank stops at the same step, whichever received the signal
-            dist.all_reduce(signum, op=dist.ReduceOp.MAX)
-        if signum.item():
-            checkpoint(step)
-            return 128 + signum.item()  # the shell's code for "ended by this signal"
-        resumed_here = step == start_step and start_step > 0  # the checkpoint already has these
-
-        if val_tokens is not None and (step % args.eval_every == 0 or last_step) and not resumed_here:
-            val_loss = evaluate_val_loss(raw_model, val_tokens, B, T, device, autocast_dtype, ddp_rank, ddp_world_size)
-            if master_process:
-                print(f"step {step:5d} | val loss {val_loss:.6f}")
-            log({"step": step, "val_loss": val_loss})
-        if hellaswag is not None and (step % args.hellaswag_every == 0 or last_step) and not resumed_here:
-            raw_model.eval()
-            counts = hellaswag.evaluate(
-                raw_model, enc, hellaswag_examples, device, ddp_rank, ddp_world_size, autocast_dtype=autocast_dtype
-            )
-            raw_model.train()
-            totals = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=device)
-            if ddp:
-                dist.all_reduce(totals)
-            n, correct, correct_norm = totals.tolist()
-            if master_process:
-                print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f}")
-            log({"step": step, "hellaswag": correct_norm / n, "hellaswag_acc": correct / n, "hellaswag_n": n})
-        sample_now = args.sample_every > 0 and ((step > 0 and step % args.sample_every == 0) or last_step)
-        if sample_now and master_process and not resumed_here:
-            raw_model.eval()
-            with autocast(device_type, autocast_dtype):
-                texts = sample_text(
-                    raw_model, enc, args.prompt, args.num_samples, args.max_new_tokens, args.temperature, args.top_k
-                )  # a fixed seed: the same noise at every step, so the samples show what the model learned
-            raw_model.train()
-            for i, text in enumerate(texts):
-                print(f"step {step:5d} | sample {i}: {text!r}")
-            log({"step": step, "samples": texts})
-        if step > start_step and ((args.ckpt_every > 0 and step % args.ckpt_every == 0) or last_step):
-            checkpoint(step)
-        if last_step:
-            break
-
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = accumulate_gradients(model, train_loader, grad_accum_steps, device, autocast_dtype)
-        if step in inject:
-            loss *= inject[step]
-            for p in raw_model.parameters():
-                p.grad *= inject[step]
-        if ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
-            dist.all_reduce(loss)
-            loss /= ddp_world_size
-        # clip_grad_norm_ returns the norm before clipping; with inf it only measures it
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or math.inf)
-        lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # one NaN or inf (an overflow, a bad batch) in an update would spread to every weight: skip
-        # such a step; every rank sees the same all-reduced loss and gradients, so all skip it
-        loss, norm = loss.item(), norm.item()
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            bad_steps += 1
-            log({"step": step, "skipped": f"loss {loss}, grad norm {norm}", "lr": lr})
-            if master_process:
-                print(f"step {step:5d}/{args.max_steps} | loss {loss} | norm {norm} | skipped ({bad_steps} in a row)")
-            if bad_steps == MAX_BAD_STEPS:
-                checkpoint(step + 1)  # the weights and optimizer state of the last good step
-                raise UserError(
-                    f"{bad_steps} steps in a row ({step - bad_steps + 1}-{step}) had a non-finite loss or grad norm: "
-                    f"stopped; ckpt_{step + 1:06d}.pt in {args.out_dir} holds the last good weights: lower --max-lr "
-                    f"or check the data, then continue with --resume"
-                )
-            continue
-        bad_steps = 0
-        optimizer.step()
-        if device_type == "cuda":
-            torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
-        dt = time.perf_counter() - t0
-        tok_per_sec = args.total_batch_size / dt
-        mfu = flops * tok_per_sec / ddp_world_size / peak if peak else None
-        record = {"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000,
-                  "tok_per_sec": tok_per_sec, "mfu": mfu, "tokens": (step + 1) * args.total_batch_size,
-                  "epoch": train_loader.epoch}  # fmt: skip
-        log(record)
-        if master_process:
-            mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
-            print(
-                f"step {step:5d}/{args.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
-                f"dt {dt * 1000:.2f}ms | tok/s {tok_per_sec:,.0f} | mfu {mfu_text} | epoch {train_loader.epoch}",
-                flush=True,
-            )
-    if master_process and val_loss is not None:
-        print(f"done: {args.max_steps} steps, val loss {val_loss:.6f}")
-    return 0
+    if master and run_tokens > train_loader.tokens_per_epoch:
+        print(f"warning: this run trains on {run_tokens:,} tokens but the train shards hold "
+              f"{train_loader.tokens_per_epoch:,} usable ones: the data repeats "
+              f"({run_tokens / train_loader.tokens_per_epoch:.2f} epochs)", file=sys.stderr)  # fmt: skip
+    if master and args.sample_every > 0 and args.max_new_tokens >= config.block_size:
+        print(f"note: samples stop at the model's {config.block_size}-token window, before --max-new-tokens "
+              f"{args.max_new_tokens}")  # fmt: skip
+    return val_tokens
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The usage examples as written, and every flag's default in --help."""
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """(args, the flags given explicitly): on --resume, the flags left out take the checkpoint's values."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
     p.add_argument("--seed", type=int, default=1337, help="model init, shard order")
     p.add_argument("--ddp-timeout", type=float, default=1800, help="seconds a rank waits for the others before failing")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic CUDA kernels: reruns and resumes bitwise equal on GPUs too, at some speed")
     g = p.add_argument_group("data and output")
     g.add_argument("--data-dir", default="edu_fineweb10B", help="folder of *_train_*/*_val_* .npy or .bin shards")
     g.add_argument("--no-shuffle", action="store_true", help="read the shards in name order every epoch")
-    g.add_argument("--out-dir", default="log", help="log.jsonl and checkpoints go here")
-    g = p.add_argument_group("model (ignored with --init-from other than scratch, or --resume)")
+    g.add_argument("--out-dir", default="log", help="log.jsonl and checkpoints of one run go here")
+    g = p.add_argument_group("model (taken from the checkpoint with --resume)")
     g.add_argument("--init-from", default="scratch", help="scratch, gpt2*, a transformers dir or our checkpoint")
     g.add_argument("--n-layer", type=int, default=12)
     g.add_argument("--n-head", type=int, default=12)
     g.add_argument("--n-embd", type=int, default=768)
     g.add_argument("--vocab-size", type=int, default=50304, help="50257 padded to a multiple of 128: faster matmuls")
     g.add_argument("--block-size", type=int, default=1024, help="the model's context length")
-    g = p.add_argument_group("batch, optimizer and schedule")
+    g = p.add_argument_group("batch, optimizer and schedule (taken from the checkpoint with --resume)")
     g.add_argument("--batch-size", "-B", type=int, default=64, help="micro-batch rows per GPU (B)")
     g.add_argument("--seq-len", "-T", type=int, default=1024, help="tokens per row (T)")
     g.add_argument("--total-batch-size", type=int, default=524288, help="tokens per optimizer step (2**19)")
     g.add_argument("--max-steps", type=int, default=19073, help="10B tokens / 524,288")
-    g.add_argument("--warmup-steps", type=int, default=715)
-    g.add_argument("--max-lr", type=float, default=6e-4)
-    g.add_argument("--min-lr", type=float, default=None, help="default: 0.1 * max-lr")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--beta1", type=float, default=0.9)
-    g.add_argument("--beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--warmup-steps", type=int, default=715, help="linear warm-up steps")
+    g.add_argument("--max-lr", type=float, default=6e-4, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=None, help="the lr the cosine ends at (None: 0.1 * max-lr)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on matrices and embeddings only")
+    g.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
+    g.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 turns clipping off")
     g = p.add_argument_group("precision and speed")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="auto: bfloat16 on CUDA")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default: on for CUDA)")
-    g.add_argument("--peak-flops", type=float, help="the device's peak FLOP/s, for MFU (default: a table of GPUs)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (None: on for CUDA)")
+    g.add_argument("--peak-flops", type=float, help="the device's peak FLOP/s, for MFU (None: a table of GPUs)")
     g = p.add_argument_group("evaluation, sampling, checkpoints")
     g.add_argument("--eval-every", type=int, default=250, help="val loss every N steps (0: never)")
     g.add_argument("--val-tokens", type=int, default=10_485_760, help="val loss over this many tokens (any GPU count)")
     g.add_argument("--hellaswag-every", type=int, default=250, help="HellaSwag every N steps (0: never)")
     g.add_argument("--hellaswag-limit", type=int, default=None, help="only the first N HellaSwag examples")
-    g.add_argument("--hellaswag-data", help="a local HellaSwag jsonl (default: hellaswag.py's cache or download)")
+    g.add_argument("--hellaswag-data", help="a local HellaSwag jsonl (None: hellaswag.py's cache or download)")
     g.add_argument("--sample-every", type=int, default=250, help="print samples every N steps (0: never)")
     g.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps, and at the end")
-    g.add_argument("--keep-ckpts", type=int, default=3, help="keep the newest N checkpoints (0: all)")
+    g.add_argument("--keep-ckpts", type=int, default=3, help="keep this run's newest N checkpoints (0: all)")
     g.add_argument("--resume", nargs="?", const="latest", metavar="CKPT", help="continue: newest in --out-dir, or CKPT")
-    g = p.add_argument_group("sampling and export (instead of training)")
+    g = p.add_argument_group("sampling (in training, and with --sample-from) and export")
     g.add_argument("--sample-from", metavar="MODEL", help="gpt2*, a transformers dir or our checkpoint: sample and exit")
-    g.add_argument("--prompt", default="Hello, I'm a language model,")
+    g.add_argument("--prompt", default="Hello, I'm a language model,", help="'' starts from <|endoftext|>")
     g.add_argument("--num-samples", type=int, default=4)
     g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
     g.add_argument("--export-hf", nargs=2, metavar=("CKPT", "DIR"), help="write our checkpoint as a transformers dir")
-    # a test hook for tests/test_faults.py, hidden from --help: STEP=FACTOR multiplies that step's
-    # loss and gradients by FACTOR (nan, inf), which is how a diverging step looks
-    step_factor = lambda s: (int(s.split("=")[0]), float(s.split("=")[1]))  # noqa: E731
-    p.add_argument("--inject-nonfinite", nargs="+", default=[], type=step_factor, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
-
-
-def check_args(args, world_size):
-    """Bad numbers as one-line errors, before any process starts waiting on another."""
-    positive = ("batch_size", "seq_len", "total_batch_size", "max_steps", "n_layer", "n_head", "n_embd", "block_size")
-    for name in (*positive, "val_tokens"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
-    if args.warmup_steps < 0 or args.max_lr <= 0:
-        raise UserError("--warmup-steps must be >= 0 and --max-lr > 0")
-    if args.hellaswag_limit is not None and args.hellaswag_limit < 1:
-        raise UserError(f"--hellaswag-limit {args.hellaswag_limit}: give a positive number of examples")
-    if args.n_embd % args.n_head != 0:
-        raise UserError(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
-    if args.vocab_size < GPT2_VOCAB:
-        raise UserError(f"--vocab-size {args.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens")
-    micro = args.batch_size * args.seq_len * world_size
-    if args.total_batch_size % micro != 0:
-        raise UserError(
-            f"--total-batch-size {args.total_batch_size:,} is not a multiple of B*T*world_size = "
-            f"{args.batch_size}*{args.seq_len}*{world_size} = {micro:,}: change --batch-size, --seq-len or "
-            f"--total-batch-size"
-        )
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    args = p.parse_args(argv)
+    given = {a.dest for a in p._actions for s in a.option_strings for tok in argv
+             if tok == s or tok.startswith(s + "=") or (len(s) == 2 and tok.startswith(s) and not tok.startswith("--"))}  # fmt: skip
+    return args, frozenset(given)
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args, explicit = parse_args(argv)
+    if args.sample_from and args.export_hf:
+        raise UserError("--sample-from and --export-hf are two different jobs: pass one")
+    if args.sample_from or args.export_hf:
+        check_args(args, 1, explicit | {"warmup_steps"})  # the sampling settings; training's do not matter here
     if args.sample_from:
         device, _ = pick_device(args.device)
         model = load_model(args.sample_from, device)
         enc = get_tokenizer()
-        texts = sample_text(
-            model, enc, args.prompt, args.num_samples, args.max_new_tokens, args.temperature, args.top_k, args.seed
-        )
+        prompt = enc.decode(encode_prompt(enc, args.prompt, model.config.block_size))
+        texts = sample_text(model, enc, prompt, args.num_samples, args.max_new_tokens, args.temperature,
+                            args.top_k or None, args.seed)  # top-k 0: no filtering
         for i, text in enumerate(texts):
             print(f"sample {i}: {text}")
         return 0
@@ -1141,7 +1623,7 @@ def main(argv=None):
         return 0
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # train() replaces them
     try:
-        return train(args)
+        return train(args, explicit)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -1150,4 +1632,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, interrupted="interrupted (a training run continues from its newest checkpoint with --resume)")

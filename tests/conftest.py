@@ -1,9 +1,13 @@
-"""Shared fixtures: the offline data in ../shared/data, the tokenizer cache, tiny models."""
+"""Shared fixtures and helpers: the offline data in ../shared/data, the tokenizer cache, tiny
+models and tiny training runs, the one log reader and the one-line-error checks."""
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,3 +70,115 @@ def tiny_config():
     from train_gpt2 import GPTConfig
 
     return GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny training runs
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_per_process():
+    """Other test runs share these cores: with 2 threads a step often waits for a descheduled
+    sibling thread, and runs 3-5x slower than with one. Subprocesses inherit OMP_NUM_THREADS."""
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    torch.set_num_threads(threads)
+    if env is None:
+        del os.environ["OMP_NUM_THREADS"]
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
+
+
+def write_shard(path, tokens):
+    """A shard written by the test itself, independently of fineweb.py: np.save of uint16 (.npy),
+    or the llm.c layout (.bin): 256 little-endian int32 (magic 20240520, version 1, token count,
+    zeros), then uint16 tokens."""
+    tokens = np.asarray(tokens, dtype=np.uint16)
+    if str(path).endswith(".bin"):
+        header = np.zeros(256, dtype="<i4")
+        header[0], header[1], header[2] = 20240520, 1, len(tokens)
+        with open(path, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.astype("<u2").tobytes())
+    else:
+        np.save(path, tokens)
+
+
+def random_shards(folder, train_lengths=(600, 600), val_length=600, seed=0):
+    """Shards of random GPT-2 token ids: train shards and one val shard."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    write_shard(folder / "rand_val_000000.npy", rng.integers(0, 50257, val_length))
+    for i, n in enumerate(train_lengths, start=1):
+        write_shard(folder / f"rand_train_{i:06d}.npy", rng.integers(0, 50257, n))
+    return folder
+
+
+def tiny_args(data_dir, out_dir, *extra):
+    """A 2-layer, 32-wide model on the CPU; later flags override earlier ones."""
+    return [
+        "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--device", "cpu",
+        "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64",
+        "-B", "2", "-T", "16", "--total-batch-size", "64", "--max-steps", "6", "--warmup-steps", "3",
+        "--max-lr", "3e-3", "--eval-every", "4", "--val-tokens", "256", "--hellaswag-every", "0",
+        "--sample-every", "0", "--ckpt-every", "0", *map(str, extra),
+    ]  # fmt: skip
+
+
+def read_log(out_dir):
+    """(all records, {step: the last record of that step}) of out_dir/log.jsonl. A resumed run
+    repeats steps: the last one counts. A line cut short by a kill is skipped. A step record is
+    a trained step (train_loss) or a skipped one (skipped)."""
+    records = []
+    for line in open(os.path.join(out_dir, "log.jsonl")):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    steps = {r["step"]: r for r in records if "train_loss" in r or "skipped" in r}
+    return records, steps
+
+
+def cli(*args, script="train_gpt2.py", timeout=300, **kwargs):
+    """Run one of the scripts as a user would; returns the CompletedProcess."""
+    return subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, **kwargs)  # fmt: skip
+
+
+def user_error(args):
+    """train_gpt2.main(args) must stop with a one-line UserError; returns its message."""
+    import train_gpt2
+
+    with pytest.raises(train_gpt2.UserError) as e:
+        train_gpt2.main([str(a) for a in args])
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def assert_one_line_error(proc, *words):
+    """A refused input as the user sees it: exit 1, one `error:` line naming the problem, no traceback."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def snapshot(folder):
+    """{relative path: bytes} of every file under folder: nothing that existed may go or change."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def short_run(tmp_path_factory):
+    """Two steps with a checkpoint after each: checkpoints to break (copy them before changing)."""
+    import train_gpt2
+
+    tmp = tmp_path_factory.mktemp("short")
+    data = random_shards(tmp / "data")
+    assert train_gpt2.main(tiny_args(data, tmp / "out", "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)) == 0
+    return data, tmp / "out"

@@ -7,6 +7,7 @@ test_hellaswag.py) are not repeated here; the Reliability table in README.md nam
 
 import errno
 import json
+import math
 import os
 import random
 import shutil
@@ -14,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import zipfile
 
 import numpy as np
 import pytest
@@ -23,12 +23,8 @@ import torch
 import fineweb
 import hellaswag
 import train_gpt2
-from test_train import one_thread_per_process, random_shards, short_run, tiny_args  # noqa: F401
-from test_train_data import write_shard
+from conftest import ROOT, random_shards, read_log, tiny_args, user_error, write_shard
 from train_gpt2 import EOT, UserError, load_checkpoint, load_training_checkpoint
-
-ROOT = __import__("conftest").ROOT
-
 
 class FullDisk:
     """A writable file that takes `room` bytes, then fails like a full disk (ENOSPC)."""
@@ -122,27 +118,6 @@ def test_hellaswag_label_out_of_range_is_named(tmp_path, shared_data, label):
 # train_gpt2.py: helpers
 
 
-def read_steps(out_dir):
-    """{step: the last record of that step} from log.jsonl; a line cut short by a kill is skipped."""
-    steps = {}
-    for line in open(os.path.join(out_dir, "log.jsonl")):
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "train_loss" in r or "skipped" in r:
-            steps[r["step"]] = r
-    return steps
-
-
-def user_error(args):
-    """train_gpt2.main(args) must stop with a one-line UserError; returns its message."""
-    with pytest.raises(UserError) as e:
-        train_gpt2.main([str(a) for a in args])
-    assert "\n" not in str(e.value)
-    return str(e.value)
-
-
 def same_weights(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -200,7 +175,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
     final = subprocess.run([*cmd(out), "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr
     assert not list(out.glob("*.tmp"))
-    ref_steps, steps = read_steps(tmp_path / "ref"), read_steps(out)
+    ref_steps, steps = read_log(tmp_path / "ref")[1], read_log(out)[1]
     assert sorted(steps) == list(range(12))
     for s in range(12):  # bitwise: JSON floats round-trip exactly
         for key in ("train_loss", "grad_norm", "lr", "tokens", "epoch"):
@@ -263,7 +238,7 @@ def read_only_on_nth_open(monkeypatch, n):
                 raise OSError(errno.EROFS, "Read-only file system", str(path))
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(train_gpt2, "open", open_, raising=False)
+    monkeypatch.setattr(fineweb, "open", open_, raising=False)  # fineweb.write_atomic writes the checkpoints
     return opened
 
 
@@ -273,13 +248,13 @@ def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_p
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)
     if fault == "disk-full":
-        fail_nth_write(monkeypatch, train_gpt2, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
+        fail_nth_write(monkeypatch, fineweb, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
     else:
         read_only_on_nth_open(monkeypatch, 3)
     msg = user_error(args)
     assert reason in msg and "ckpt_000003.pt" in msg
     assert sorted(os.listdir(out)) == ["ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"]  # no partial file left
-    assert max(read_steps(out)) == 2  # stopped at the failed write, not after more steps
+    assert max(read_log(out)[1]) == 2  # stopped at the failed write, not after more steps
     previous = load_training_checkpoint(str(out / "ckpt_000002.pt"))
     monkeypatch.undo()  # the disk has room again: the run continues from the previous checkpoint
     assert train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0, "--resume")) == 0
@@ -295,7 +270,7 @@ def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
     fail_nth_write(monkeypatch, train_gpt2, "log.jsonl", 1, room=3000)  # room for the header and a few steps
     msg = user_error(tiny_args(data, out, "--max-steps", 50, "--ckpt-every", 1, "--eval-every", 0))
     assert "log.jsonl" in msg and "No space left on device" in msg and "--resume" in msg
-    last = max(read_steps(out))  # the record cut short is skipped
+    last = max(read_log(out)[1])  # the record cut short is skipped
     assert 0 < last < 49
     # stopped at once: the checkpoints on disk are those of the steps before the failed record
     assert sorted(os.listdir(out))[-2:] == [f"ckpt_{last + 1:06d}.pt", "log.jsonl"]
@@ -306,12 +281,28 @@ def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
 # train_gpt2.py: NaN and inf
 
 
-def test_nonfinite_steps_are_not_applied(tmp_path):
+def nonfinite_at(monkeypatch, factors, grad_accum_steps=2):
+    """Scale the training loss of the given steps by nan / inf (its gradients follow), which is
+    how a diverging step or a bad batch looks. The model's forward is wrapped from outside:
+    training forwards are counted, grad_accum_steps of them per step (tiny_args has 2)."""
+    forward, calls = train_gpt2.GPT.forward, [0]
+
+    def scaled(self, idx, targets=None, **kwargs):
+        logits, loss = forward(self, idx, targets, **kwargs)
+        if self.training and targets is not None:
+            step = calls[0] // grad_accum_steps
+            calls[0] += 1
+            loss = loss * factors.get(step, 1.0)
+        return logits, loss
+
+    monkeypatch.setattr(train_gpt2.GPT, "forward", scaled)
+
+
+def test_nonfinite_steps_are_not_applied(tmp_path, monkeypatch):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
-    # --inject-nonfinite is a hidden test hook: it scales that step's loss and gradients by nan / inf
-    args = tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 1, "--keep-ckpts", 0, "--eval-every", 0,
-                     "--inject-nonfinite", "2=nan", "4=inf")  # fmt: skip
+    nonfinite_at(monkeypatch, {2: math.nan, 4: math.inf})
+    args = tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 1, "--keep-ckpts", 0, "--eval-every", 0)
     assert train_gpt2.main(args) == 0
     ckpt = {s: load_checkpoint(str(out / f"ckpt_{s:06d}.pt")) for s in range(1, 7)}
     for bad in (2, 4):  # the update after a bad step's checkpoint never happened ...
@@ -319,20 +310,20 @@ def test_nonfinite_steps_are_not_applied(tmp_path):
         assert ckpt[bad]["optimizer"]["state"][0]["step"] == ckpt[bad + 1]["optimizer"]["state"][0]["step"]
     for good in (1, 3, 5):  # ... while every good one changed the weights
         assert not torch.equal(ckpt[good]["model"]["lm_head.weight"], ckpt[good + 1]["model"]["lm_head.weight"])
-    steps = read_steps(out)
+    steps = read_log(out)[1]
     assert sorted(steps) == list(range(6))
     assert [s for s in steps if "skipped" in steps[s]] == [2, 4] and "train_loss" not in steps[2]
     assert all(np.isfinite(steps[s]["train_loss"]) for s in (0, 1, 3, 5))
 
 
-def test_nonfinite_steps_in_a_row_stop_with_a_checkpoint_of_the_last_good_state(tmp_path):
+def test_nonfinite_steps_in_a_row_stop_with_a_checkpoint_of_the_last_good_state(tmp_path, monkeypatch):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 20, "--ckpt-every", 2, "--keep-ckpts", 0, "--eval-every", 0,
-                     "--inject-nonfinite", "2=nan", "3=inf", "4=nan")  # fmt: skip
+    nonfinite_at(monkeypatch, {2: math.nan, 3: math.inf, 4: math.nan})
+    args = tiny_args(data, out, "--max-steps", 20, "--ckpt-every", 2, "--keep-ckpts", 0, "--eval-every", 0)
     msg = user_error(args)
     assert "3 steps in a row" in msg and "ckpt_000005.pt" in msg
-    steps = read_steps(out)
+    steps = read_log(out)[1]
     assert sorted(steps) == [0, 1, 2, 3, 4]  # stopped right away, no step after the third bad one
     last_good = load_checkpoint(str(out / "ckpt_000002.pt"))  # written before step 2, the first bad one
     stop = load_training_checkpoint(str(out / "ckpt_000005.pt"))

@@ -4,15 +4,12 @@ reports the numbers the log holds; the committed notebook is clean."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
-import nbformat
 import numpy as np
 import pytest
-from matplotlib.image import imread
-from nbclient import NotebookClient
-from nbformat.v4 import new_code_cell
 
 ROOT = __import__("conftest").ROOT
 NOTEBOOK = ROOT / "play.ipynb"
@@ -22,7 +19,10 @@ PNGS = ("loss.png", "hellaswag.png", "throughput.png")
 @pytest.fixture(scope="module")
 def kernel_env(tmp_path_factory):
     """A python3 kernelspec that runs this interpreter, first on JUPYTER_PATH: a kernelspec in the
-    user's own Jupyter folders must not decide which Python the notebook runs in."""
+    user's own Jupyter folders must not decide which Python the notebook runs in. nbformat,
+    nbclient and ipykernel are optional: without them the notebook tests are skipped."""
+    for module in ("nbformat", "nbclient", "ipykernel", "matplotlib"):
+        pytest.importorskip(module)
     base = tmp_path_factory.mktemp("jupyter")
     spec = base / "kernels" / "python3"
     spec.mkdir(parents=True)
@@ -40,6 +40,10 @@ def kernel_env(tmp_path_factory):
 def run_notebook(log_path, cwd, **params):
     """Execute play.ipynb with papermill-style injected parameters; returns (executed nb, what the
     notebook's `summary` and `BASELINES` hold at the end)."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell
+
     nb = nbformat.read(NOTEBOOK, as_version=4)
     i = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
     values = {"log_path": str(log_path), **params}
@@ -51,6 +55,8 @@ def run_notebook(log_path, cwd, **params):
 
 
 def assert_pngs(folder):
+    from matplotlib.image import imread
+
     for name in PNGS:
         path = folder / name
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
@@ -103,6 +109,7 @@ def clean_records():
 
 
 def test_committed_notebook_is_clean():
+    nbformat = pytest.importorskip("nbformat")
     text = NOTEBOOK.read_text()
     nb = nbformat.reads(text, as_version=4)
     nbformat.validate(nb)
@@ -272,3 +279,36 @@ def test_real_resumed_log(real_run, tmp_path, kernel_env):
     assert (s["last_step"], s["redone_steps"], s["skipped_lines"], s["partial_last_line"]) == (11, 6, 0, False)
     assert_pngs(run_dir)
     assert stderr_of(nb) == ""
+
+
+def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env, shared_data):
+    """`jupyter execute play.ipynb` shows no cell output: the summary table must still reach the
+    terminal, with the numbers the log holds (computed here from the log, not by the notebook)."""
+    _, run_dir = real_run
+    log = tmp_path / "run" / "log.jsonl"
+    log.parent.mkdir()
+    shutil.copy(run_dir / "log.jsonl", log)
+    env = {**os.environ, "PLAY_LOG": str(log.parent)}
+    r = subprocess.run(
+        [sys.executable, "-m", "jupyter", "execute", str(NOTEBOOK)], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = {line[:18].strip(): line[18:] for line in r.stdout.splitlines() if len(line) > 18}
+    want = expected_summary(log)
+    ref = json.loads((shared_data / "reference" / "reference_numbers.json").read_text())["build_nanogpt_plot_baselines"]
+    gpt2_loss = ref["openai_gpt2_val_loss_on_fineweb_edu_val_shard"]["124M"]
+    assert f"summary of {log}" in r.stdout
+    assert rows["last step"] == f"{want['last_step']} of 12"
+    assert rows["tokens seen"].startswith(f"{want['tokens']:,} ")
+    assert rows["last train loss"] == f"{want['last_train_loss']:.4f}"
+    for key, name in (("last_val_loss", "last val loss"), ("best_val_loss", "best val loss")):
+        step, value = want[key]
+        assert rows[name] == f"{value:.4f} at step {step}   (OpenAI GPT-2 124M: {gpt2_loss})"
+    step, acc = want["best_hellaswag"]
+    assert rows["best HellaSwag"] == (
+        f"{acc:.4f} at step {step}   (OpenAI GPT-2 124M: {ref['hellaswag_gpt2']['124M']}, "
+        f"GPT-3: {ref['hellaswag_gpt3']['124M']})"
+    )
+    assert rows["wall time"].endswith(f"({want['step_time_s']:,.0f} s of training steps)")
+    assert_pngs(log.parent)

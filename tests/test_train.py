@@ -1,9 +1,7 @@
 """The training run: schedule, optimizer groups, FLOPs, gradient accumulation, a tiny overfit run
 with its evaluations and log, exact resume after SIGKILL, SIGTERM, and bad input."""
 
-import json
 import math
-import os
 import pathlib
 import shutil
 import signal
@@ -16,71 +14,17 @@ import pytest
 import torch
 
 import train_gpt2
-from test_train_data import write_shard
+from conftest import ROOT, cli, random_shards, read_log, tiny_args, user_error, write_shard
 from train_gpt2 import (
     GPT,
     DataLoaderLite,
     GPTConfig,
-    UserError,
-    accumulate_gradients,
     flops_per_token,
     get_lr,
     load_checkpoint,
     load_model,
     sample_text,
 )
-
-ROOT = __import__("conftest").ROOT
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_per_process():
-    """Other test runs share these cores: with 2 threads a step often waits for a descheduled
-    sibling thread, and runs 3-5x slower than with one. Subprocesses inherit OMP_NUM_THREADS."""
-    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
-    torch.set_num_threads(threads)
-    if env is None:
-        del os.environ["OMP_NUM_THREADS"]
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
-
-
-def random_shards(folder, train_lengths=(600, 600), val_length=600, seed=0):
-    """Shards of random GPT-2 token ids: train shards and one val shard."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    write_shard(folder / "rand_val_000000.npy", rng.integers(0, 50257, val_length))
-    for i, n in enumerate(train_lengths, start=1):
-        write_shard(folder / f"rand_train_{i:06d}.npy", rng.integers(0, 50257, n))
-    return folder
-
-
-def tiny_args(data_dir, out_dir, *extra):
-    """A 2-layer, 32-wide model on the CPU; later flags override earlier ones."""
-    return [
-        "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--device", "cpu",
-        "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64",
-        "-B", "2", "-T", "16", "--total-batch-size", "64", "--max-steps", "6", "--warmup-steps", "3",
-        "--max-lr", "3e-3", "--eval-every", "4", "--val-tokens", "256", "--hellaswag-every", "0",
-        "--sample-every", "0", "--ckpt-every", "0", *map(str, extra),
-    ]  # fmt: skip
-
-
-def read_log(out_dir):
-    """(all records, {step: last step record}): a resumed run repeats steps, the last one counts."""
-    records = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl")) if line.strip()]
-    steps = {r["step"]: r for r in records if "train_loss" in r}
-    return records, steps
-
-
-def cli(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "train_gpt2.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
-
 
 # ----------------------------------------------------------------------------------------------
 # schedule, optimizer, FLOPs
@@ -126,21 +70,20 @@ def test_flops_per_token_gpt2_124m():
 
 
 def test_grad_accumulation_equals_one_big_batch(tmp_path):
-    random_shards(tmp_path, train_lengths=(2000,))
-    T = 16
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))
-    loader = DataLoaderLite(str(tmp_path), "train", 2, T, shuffle=False)
-    loss = accumulate_gradients(model, loader, 4, "cpu")  # 4 micro-batches of 2 rows
-    accumulated = [p.grad.clone() for p in model.parameters()]
-    # the reference: one forward/backward over the same 8 rows, read straight from the shard
-    model.zero_grad(set_to_none=True)
-    tokens = torch.from_numpy(np.load(tmp_path / "rand_train_000001.npy")[: 8 * T + 1].astype(np.int64))
-    _, big_loss = model(tokens[:-1].view(8, T), tokens[1:].view(8, T))
-    big_loss.backward()
-    assert loss.item() == pytest.approx(big_loss.item(), rel=1e-6)
-    for g, p in zip(accumulated, model.parameters()):
-        assert (g - p.grad).norm() <= 1e-6 * p.grad.norm()
+    """The training loop's micro-steps (4 of B 2) give the loss and gradient norm of one
+    forward/backward over the same 8 rows (B 8, no accumulation)."""
+    random_shards(tmp_path / "data", train_lengths=(2000,))
+    first = {}
+    for B in (2, 8):
+        out = tmp_path / f"B{B}"
+        args = tiny_args(tmp_path / "data", out, "-B", B, "--total-batch-size", 128, "--max-steps", 1,
+                         "--warmup-steps", 1, "--eval-every", 0, "--no-shuffle")  # fmt: skip
+        assert train_gpt2.main(args) == 0
+        first[B] = read_log(out)[1][0]
+    header = read_log(tmp_path / "B2")[0][0]
+    assert header["config"]["grad_accum_steps"] == 4
+    assert first[2]["train_loss"] == pytest.approx(first[8]["train_loss"], rel=1e-6)
+    assert first[2]["grad_norm"] == pytest.approx(first[8]["grad_norm"], rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,7 +150,7 @@ def test_logged_hellaswag_and_samples_are_the_final_models(overfit_run, shared_d
     hs = [r for r in records if "hellaswag" in r]
     assert [r["step"] for r in hs] == [0, OVERFIT_STEPS] and hs[-1]["hellaswag_n"] == 8
     examples = hellaswag.load_examples(str(shared_data / "hellaswag" / "hellaswag_val.jsonl"), limit=8)
-    counts = hellaswag.evaluate(model, enc, examples, "cpu")
+    counts = hellaswag.evaluate(model, hellaswag.prepare(examples, enc), "cpu")
     assert hs[-1]["hellaswag"] == counts["correct_norm"] / 8 and hs[-1]["hellaswag_acc"] == counts["correct"] / 8
     samples = [r["samples"] for r in records if "samples" in r]
     assert samples == [sample_text(model, enc, "Hello, I'm a language model,", 2, 12, seed=42)]
@@ -311,11 +254,11 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert (tmp_path / "b" / "ckpt_000004.pt").exists() and not (tmp_path / "b" / "ckpt_000008.pt").exists()
-    (tmp_path / "b" / "ckpt_000008.pt.tmp").write_bytes(b"half a checkpoint")  # as if killed mid-write
+    (tmp_path / "b" / ".ckpt_000008.pt.tmp").write_bytes(b"half a checkpoint")  # as if killed mid-write
     resumed = cli(*run(tmp_path / "b", "--resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout and "ckpt_000004.pt" in resumed.stdout
-    assert "removing the unfinished ckpt_000008.pt.tmp" in resumed.stdout
+    assert "removing the unfinished .ckpt_000008.pt.tmp" in resumed.stdout
     assert not list((tmp_path / "b").glob("*.tmp"))
     ref_records, ref_steps = read_log(tmp_path / "ref")
     records, steps = read_log(tmp_path / "b")
@@ -364,22 +307,6 @@ def test_sigterm_writes_a_usable_checkpoint(tmp_path):
 # bad input: one line, non-zero exit, no traceback
 
 
-@pytest.fixture(scope="module")
-def short_run(tmp_path_factory):
-    """Two steps with a checkpoint after each: checkpoints to break."""
-    tmp = tmp_path_factory.mktemp("short")
-    data = random_shards(tmp / "data")
-    assert train_gpt2.main(tiny_args(data, tmp / "out", "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)) == 0
-    return data, tmp / "out"
-
-
-def _user_error(args):
-    with pytest.raises(UserError) as e:
-        train_gpt2.main(args)
-    assert "\n" not in str(e.value)
-    return str(e.value)
-
-
 def test_missing_data_folder_cli(tmp_path):
     r = cli(*tiny_args(tmp_path / "nope", tmp_path / "out"))
     assert r.returncode == 1 and "Traceback" not in r.stderr
@@ -389,12 +316,12 @@ def test_missing_data_folder_cli(tmp_path):
 
 def test_empty_data_folder(tmp_path):
     (tmp_path / "empty").mkdir()
-    assert "no train shards" in _user_error(tiny_args(tmp_path / "empty", tmp_path / "out"))
+    assert "no train shards" in user_error(tiny_args(tmp_path / "empty", tmp_path / "out"))
 
 
 def test_batch_sizes_that_do_not_divide(tmp_path):
     data = random_shards(tmp_path / "data")
-    msg = _user_error(tiny_args(data, tmp_path / "out", "--total-batch-size", 200))
+    msg = user_error(tiny_args(data, tmp_path / "out", "--total-batch-size", 200))
     assert "not a multiple" in msg and "2*16*1 = 32" in msg
 
 
@@ -405,24 +332,24 @@ def test_bin_shard_with_bad_header(tmp_path):
     raw = bytearray((data / "x_train_000001.bin").read_bytes())
     raw[0:4] = (12345).to_bytes(4, "little")
     (data / "x_train_000001.bin").write_bytes(raw)
-    assert "20240520" in _user_error(tiny_args(data, tmp_path / "out"))
+    assert "20240520" in user_error(tiny_args(data, tmp_path / "out"))
     write_shard(data / "x_train_000001.bin", np.arange(1000))
     with open(data / "x_train_000001.bin", "r+b") as f:
         f.truncate(1024 + 900)  # the header still says 1,000 tokens
-    assert "truncated" in _user_error(tiny_args(data, tmp_path / "out"))
+    assert "truncated" in user_error(tiny_args(data, tmp_path / "out"))
 
 
 def test_checkpoint_from_another_config(short_run, tmp_path):
     data, out = short_run
-    msg = _user_error(tiny_args(data, tmp_path / "out", "--n-embd", 64, "--resume", out / "ckpt_000002.pt"))
-    assert "another model" in msg
+    msg = user_error(tiny_args(data, tmp_path / "out", "--n-embd", 64, "--resume", out / "ckpt_000002.pt"))
+    assert "--n-embd 64 contradicts the 32" in msg and "leave --n-embd out" in msg
 
 
 def test_truncated_checkpoint(short_run, tmp_path):
     data, out = short_run
     raw = (out / "ckpt_000002.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(raw[: len(raw) // 2])
-    msg = _user_error(tiny_args(data, tmp_path / "out", "--resume", tmp_path / "cut.pt"))
+    msg = user_error(tiny_args(data, tmp_path / "out", "--resume", tmp_path / "cut.pt"))
     assert "cut.pt" in msg and "cannot be loaded" in msg
 
 
@@ -446,7 +373,7 @@ def test_pickle_carrying_code_is_refused(short_run, tmp_path):
             return (pathlib.Path.touch, (marker,))
 
     torch.save({"model": Evil(), "model_config": {}}, tmp_path / "evil.pt")
-    msg = _user_error(tiny_args(data, tmp_path / "out", "--resume", tmp_path / "evil.pt"))
+    msg = user_error(tiny_args(data, tmp_path / "out", "--resume", tmp_path / "evil.pt"))
     assert "evil.pt" in msg and not marker.exists()
     torch.load(tmp_path / "evil.pt", weights_only=False)  # the file really does carry code:
     assert marker.exists()  # loaded unsafely, it runs

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import train_gpt2
-from test_train import one_thread_per_process, random_shards, read_log, tiny_args  # noqa: F401
+from conftest import random_shards, read_log, tiny_args
 
 
 def test_compiled_run_matches_eager_and_evaluates(tmp_path, shared_data):

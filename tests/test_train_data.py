@@ -7,21 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import write_shard
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig, UserError, evaluate_val_loss, load_shard
-
-
-def write_shard(path, tokens):
-    """A shard as fineweb.py writes it: np.save of uint16 (.npy), or the llm.c layout (.bin):
-    256 little-endian int32 (magic 20240520, version 1, token count, zeros), then uint16 tokens."""
-    tokens = np.asarray(tokens, dtype=np.uint16)
-    if str(path).endswith(".bin"):
-        header = np.zeros(256, dtype="<i4")
-        header[0], header[1], header[2] = 20240520, 1, len(tokens)
-        with open(path, "wb") as f:
-            f.write(header.tobytes())
-            f.write(tokens.astype("<u2").tobytes())
-    else:
-        np.save(path, tokens)
 
 
 def write_known_shards(folder, lengths, ext="npy", val_length=0):

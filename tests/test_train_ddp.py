@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from test_train import ROOT, one_thread_per_process, random_shards, read_log, tiny_args  # noqa: F401
+from conftest import ROOT, random_shards, read_log, tiny_args
 
 
 def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, shared_data):

@@ -1,0 +1,434 @@
+"""--export-hf never deletes or overwrites what it did not write (README rule 1), and --sample-from
+a Hub name fails at once, in one line, where the Hub cannot be used (rule 8).
+
+Each refusal is a real subprocess of train_gpt2.py: exit 1, one `error:` line, no traceback, and
+a snapshot of the folder taken before equals the one taken after. Faults inside the write (a full
+disk, Ctrl-C, SIGTERM, a failed rename) are injected with monkeypatch."""
+
+import errno
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+
+import pytest
+import torch
+from conftest import ROOT, assert_one_line_error, user_error
+
+import train_gpt2
+from train_gpt2 import GPT2_VOCAB, UserError, load_model
+
+
+def snapshot(folder):
+    """Every entry under folder, hidden ones too: a file's bytes hash and mode, a folder's mode, a
+    link's target. Stricter than conftest.snapshot (files only): an empty temporary folder left
+    behind, a parent folder made and not removed, or a replaced link all show here."""
+    state = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, folder)
+            if os.path.islink(path):
+                state[rel] = ("link", os.readlink(path))
+            elif os.path.isdir(path):
+                state[rel] = ("dir", os.stat(path).st_mode)
+            else:
+                with open(path, "rb") as f:
+                    state[rel] = ("file", os.stat(path).st_mode, hashlib.sha256(f.read()).hexdigest())
+    return state
+
+
+def export_cli(ckpt, target, cwd, env=None):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train_gpt2.py"), "--export-hf", str(ckpt), str(target)],
+        cwd=cwd, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+
+
+def export_error(ckpt, target):
+    """The one-line UserError of --export-hf ckpt target, in this process (the subprocess tests
+    show that run_cli prints such an error as one line)."""
+    return user_error(["--export-hf", ckpt, target])
+
+
+@pytest.fixture
+def run_copy(short_run, tmp_path):
+    """A private copy of a tiny run's folder (ckpt_000001.pt, ckpt_000002.pt, log.jsonl) as tmp_path/log."""
+    shutil.copytree(short_run[1], tmp_path / "log")
+    assert {"ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"} <= set(os.listdir(tmp_path / "log"))
+    return tmp_path / "log"
+
+
+def logits_match(hf_dir, ckpt):
+    """The transformers model in hf_dir computes our checkpoint's logits."""
+    from transformers import GPT2LMHeadModel
+
+    ours = load_model(str(ckpt)).eval()
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    idx = torch.randint(0, GPT2_VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, _ = ours(idx)
+        b = hf(idx).logits
+    return (a[..., :GPT2_VOCAB] - b).abs().max().item() < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# Refusals, through the command line
+
+
+def test_the_checkpoints_own_folder_is_refused(run_copy, tmp_path, monkeypatch):
+    # the issue's case: this deleted every checkpoint and the log, then printed "wrote ..."
+    before = snapshot(tmp_path)
+    r = export_cli(run_copy / "ckpt_000002.pt", run_copy, tmp_path)
+    assert_one_line_error(r, "ckpt_000001.pt", "not an earlier export")
+    assert snapshot(tmp_path) == before
+    # relative paths and a trailing slash name the same folder
+    monkeypatch.chdir(tmp_path)
+    assert "not an earlier export" in export_error("log/ckpt_000002.pt", "log/")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_folder_with_a_file_of_the_users_is_refused_cli(run_copy, tmp_path):
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    r = export_cli(run_copy / "ckpt_000002.pt", tmp_path / "victim", tmp_path)
+    assert_one_line_error(r, "victim", "notes.txt", "new or empty folder")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind", ["subfolder", "foreign_hf_model", "export_plus_notes", "empty_config", "linked_file"])
+def test_a_folder_export_hf_did_not_write_is_refused(run_copy, tmp_path, hf_tiny_dir, kind):
+    target = tmp_path / "victim"
+    if kind == "subfolder":
+        (target / "sub").mkdir(parents=True)
+        (target / "sub" / "a.txt").write_text("mine")
+    elif kind == "foreign_hf_model":  # a user's own save_pretrained output: same file names, not ours
+        shutil.copytree(hf_tiny_dir, target)
+    elif kind == "export_plus_notes":  # an earlier export that the user has since added to
+        train_gpt2.load_model(str(run_copy / "ckpt_000001.pt")).export_hf(target)
+        (target / "README.md").write_text("my notes")
+    elif kind == "empty_config":  # the right names, but config.json is not ours (or anyone's)
+        target.mkdir()
+        (target / "config.json").write_text("")
+    elif kind == "linked_file":  # an earlier export whose weights are a link to a file of the user's
+        train_gpt2.load_model(str(run_copy / "ckpt_000001.pt")).export_hf(target)
+        (target / "model.safetensors").unlink()
+        (target / "model.safetensors").symlink_to(run_copy / "ckpt_000001.pt")
+    before = snapshot(tmp_path)
+    message = export_error(run_copy / "ckpt_000002.pt", target)
+    assert "victim" in message and "new or empty folder" in message
+    assert snapshot(tmp_path) == before
+
+
+def test_the_checkpoint_itself_as_target_cli(run_copy, tmp_path):
+    before = snapshot(tmp_path)
+    r = export_cli(run_copy / "ckpt_000002.pt", run_copy / "ckpt_000002.pt", tmp_path)
+    assert_one_line_error(r, "is a file, not a folder")
+    assert snapshot(tmp_path) == before  # no .export_* folder left behind either
+
+
+@pytest.mark.parametrize("kind", ["the_other_checkpoint", "other_file", "dangling_link", "link_to_file"])
+def test_a_target_that_is_not_a_folder_is_refused(run_copy, tmp_path, kind):
+    target = {"the_other_checkpoint": run_copy / "ckpt_000001.pt"}.get(kind, tmp_path / "target")
+    if kind == "other_file":
+        target.write_text("a file of mine")
+    elif kind == "dangling_link":
+        target.symlink_to(tmp_path / "nowhere")
+    elif kind == "link_to_file":
+        (tmp_path / "file.txt").write_text("mine")
+        target.symlink_to(tmp_path / "file.txt")
+    before = snapshot(tmp_path)
+    assert str(target) in export_error(run_copy / "ckpt_000002.pt", target)
+    assert snapshot(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# What it may write: a new folder, an empty one, an earlier export (replaced), through a link
+
+
+def test_new_empty_and_earlier_export_folders(run_copy, tmp_path):
+    before = snapshot(tmp_path)
+    nested = tmp_path / "exports" / "a" / "b"
+    r = export_cli(run_copy / "ckpt_000001.pt", nested, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"wrote a transformers GPT-2 directory to {nested}"
+    assert logits_match(nested, run_copy / "ckpt_000001.pt")
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k in before} == before  # nothing that was there changed
+    assert all(k.startswith("exports") for k in set(after) - set(before))
+    assert sorted(os.listdir(nested)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert oct(os.stat(nested).st_mode & 0o777) == oct(os.stat(nested.parent).st_mode & 0o777)  # not mkdtemp's 0700
+
+    # the same folder again, from the other checkpoint: an earlier export is replaced
+    r = export_cli(run_copy / "ckpt_000002.pt", nested, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert logits_match(nested, run_copy / "ckpt_000002.pt")
+    assert set(snapshot(tmp_path)) == set(after)  # no hidden folder left beside it
+
+    # through a symbolic link: the folder it points to is replaced, the link stays
+    (tmp_path / "link").symlink_to(nested)
+    assert train_gpt2.main(["--export-hf", str(run_copy / "ckpt_000001.pt"), str(tmp_path / "link")]) == 0
+    assert os.readlink(tmp_path / "link") == str(nested)
+    assert logits_match(nested, run_copy / "ckpt_000001.pt")
+
+    # an empty folder is used as it is; a folder inside the run folder is fine too
+    (tmp_path / "empty").mkdir()
+    for target in (tmp_path / "empty", run_copy / "hf"):
+        assert train_gpt2.main(["--export-hf", str(run_copy / "ckpt_000002.pt"), str(target)]) == 0
+        assert logits_match(target, run_copy / "ckpt_000002.pt")
+    assert {"ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"} <= set(os.listdir(run_copy))
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults during the write: nothing that was there is gone, nothing of ours is left
+
+
+@pytest.fixture
+def tiny_model(short_run):
+    return load_model(str(short_run[1] / "ckpt_000002.pt"))
+
+
+def fail_save(monkeypatch, exc, after_bytes=1000):
+    """save_pretrained writes config.json and part of the weights, then raises exc."""
+    from transformers import GPT2LMHeadModel
+
+    def save_pretrained(self, folder, *args, **kwargs):
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            f.write("{}")
+        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+            f.write(b"\0" * after_bytes)
+        raise exc
+
+    monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", save_pretrained)
+
+
+def earlier_export(model, tmp_path):
+    model.export_hf(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["new", "over_earlier_export"])
+@pytest.mark.parametrize(
+    "fault",
+    ["disk_full", "safetensors_disk_full", "ctrl_c"],
+)
+def test_fault_mid_write_leaves_everything_as_it_was(tiny_model, tmp_path, monkeypatch, fault, earlier):
+    from safetensors import SafetensorError
+
+    target = earlier_export(tiny_model, tmp_path) if earlier else tmp_path / "new" / "hf"
+    before = snapshot(tmp_path)
+    exc = {
+        "disk_full": OSError(errno.ENOSPC, "No space left on device"),
+        "safetensors_disk_full": SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"  # its real wording
+        ),
+        "ctrl_c": KeyboardInterrupt(),
+    }[fault]  # fmt: skip
+    fail_save(monkeypatch, exc)
+    if fault == "ctrl_c":
+        with pytest.raises(KeyboardInterrupt):
+            tiny_model.export_hf(target)
+    else:
+        with pytest.raises(UserError, match=r"No space left on device\): nothing was changed") as e:
+            tiny_model.export_hf(target)
+        assert "\n" not in str(e.value)
+    assert snapshot(tmp_path) == before  # the parent it made is gone too
+
+
+def test_sigterm_mid_write_cleans_up_like_ctrl_c(tiny_model, tmp_path, monkeypatch):
+    from transformers import GPT2LMHeadModel
+
+    def save_pretrained(self, folder, *args, **kwargs):
+        (open(os.path.join(folder, "model.safetensors"), "wb")).close()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler interrupts this at once
+        raise AssertionError("SIGTERM did not interrupt the export")
+
+    monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", save_pretrained)
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        tiny_model.export_hf(tmp_path / "hf")
+    assert os.listdir(tmp_path) == []
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back as it was
+
+
+def test_a_file_added_during_the_write_is_not_deleted(tiny_model, tmp_path, monkeypatch):
+    from transformers import GPT2LMHeadModel
+
+    target = earlier_export(tiny_model, tmp_path)
+    real_save = GPT2LMHeadModel.save_pretrained
+
+    def save_pretrained(self, folder, *args, **kwargs):
+        real_save(self, folder, *args, **kwargs)
+        (target / "notes.txt").write_text("written while the export ran")
+
+    monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", save_pretrained)
+    before = snapshot(tmp_path)
+    with pytest.raises(UserError, match="notes.txt"):
+        tiny_model.export_hf(target)
+    after = snapshot(tmp_path)
+    assert after.pop(os.path.join("hf", "notes.txt"))[0] == "file"
+    assert after == before
+
+
+def test_failed_rename_puts_the_earlier_export_back(tiny_model, tmp_path, monkeypatch):
+    target = earlier_export(tiny_model, tmp_path)
+    before = snapshot(tmp_path)
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if os.path.basename(src).startswith(".export_") and not os.path.basename(src).startswith(".export_old"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(train_gpt2.os, "replace", replace)
+    with pytest.raises(UserError, match="Invalid cross-device link"):
+        tiny_model.export_hf(target)
+    assert snapshot(tmp_path) == before
+
+
+def test_unwritable_parent_is_one_line(tiny_model, tmp_path, monkeypatch):
+    def mkdtemp(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(train_gpt2.tempfile, "mkdtemp", mkdtemp)
+    with pytest.raises(UserError, match="Permission denied"):
+        tiny_model.export_hf(tmp_path / "a" / "b" / "hf")
+    assert os.listdir(tmp_path) == []  # the parents it made are removed again
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_parent_cli(short_run, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        r = export_cli(short_run[1] / "ckpt_000002.pt", ro / "hf", tmp_path)
+        assert_one_line_error(r, "Permission denied")
+        assert os.listdir(ro) == []
+    finally:
+        ro.chmod(0o755)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 64 KiB tmpfs, where the weights cannot fit; skipped where mounting is not allowed."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_real_full_disk_cli(short_run, small_disk, tmp_path):
+    (small_disk / "keep.txt").write_text("mine")
+    before = snapshot(small_disk)
+    r = export_cli(short_run[1] / "ckpt_000002.pt", small_disk / "new" / "hf", tmp_path)
+    assert_one_line_error(r, "No space left on device", "nothing was changed")
+    assert snapshot(small_disk) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# --sample-from a Hub name without the Hub: one line at once, and a cached model still loads
+
+
+def sample_cli(spec, env, cwd):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train_gpt2.py"), "--sample-from", spec, "--device", "cpu",
+         "--num-samples", "2", "--max-new-tokens", "4"],
+        cwd=cwd, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+
+
+def hub_env(tmp_path, **extra):
+    """No offline flags, an empty HF cache, and a Hub endpoint that refuses connections."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HUB_CACHE=str(tmp_path / "hf_cache"), HF_ENDPOINT="http://127.0.0.1:9", **extra)
+    return env
+
+
+def test_offline_hub_name_not_cached_is_one_line(tmp_path):
+    r = sample_cli("gpt2", hub_env(tmp_path, HF_HUB_OFFLINE="1"), tmp_path)
+    words = ("'gpt2' is not in the local Hugging Face cache", "HF_HUB_OFFLINE", "local transformers GPT-2 directory")
+    assert_one_line_error(r, *words)
+
+
+def test_transformers_offline_alone_counts_as_offline(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "yes")
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)  # it read the flags at import
+    monkeypatch.setattr(train_gpt2, "hub_name_is_cached", lambda name: False)
+    monkeypatch.setattr("urllib.request.urlopen", lambda *a, **k: pytest.fail("offline, yet it went to the network"))
+    with pytest.raises(UserError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE"):
+        train_gpt2.GPT.from_pretrained("gpt2-xl")
+
+
+def test_unreachable_hub_is_one_line(tmp_path):
+    r = sample_cli("gpt2-medium", hub_env(tmp_path), tmp_path)
+    assert_one_line_error(r, "cannot reach the Hugging Face Hub", "Connection refused", "HF_HUB_OFFLINE=1")
+
+
+def test_unreachable_hub_fails_before_transformers_tries(tmp_path, monkeypatch):
+    """The probe has a short timeout and its failure stops there: transformers, which retries
+    for half a minute, is never asked."""
+    import huggingface_hub
+    from transformers import GPT2LMHeadModel
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE")
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
+    monkeypatch.setattr(train_gpt2, "hub_name_is_cached", lambda name: False)
+    timeouts = []
+
+    def urlopen(url, timeout=None):
+        timeouts.append(timeout)
+        raise urllib.error.URLError(TimeoutError("timed out"))
+
+    def never(*args, **kwargs):
+        raise AssertionError("transformers was asked to download")
+
+    monkeypatch.setattr("urllib.request.urlopen", urlopen)
+    monkeypatch.setattr(GPT2LMHeadModel, "from_pretrained", never)
+    with pytest.raises(UserError, match="cannot reach the Hugging Face Hub .*timed out") as e:
+        train_gpt2.GPT.from_pretrained("gpt2")
+    assert "\n" not in str(e.value)
+    assert len(timeouts) == 1 and 0 < timeouts[0] <= 5
+
+    # a proxy's or captive portal's answer means the download cannot work either
+    def proxy_404(url, timeout=None):
+        raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
+
+    monkeypatch.setattr("urllib.request.urlopen", proxy_404)
+    with pytest.raises(UserError, match="HTTP 404"):
+        train_gpt2.GPT.from_pretrained("gpt2-large")
+
+
+def fake_hub_cache(cache, name, hf_dir):
+    """The layout huggingface_hub downloads into: models--<name>/snapshots/<rev>/ and refs/main."""
+    rev = "0" * 40
+    snap = cache / f"models--{name}" / "snapshots" / rev
+    snap.mkdir(parents=True)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(hf_dir / f, snap / f)
+    (cache / f"models--{name}" / "refs").mkdir()
+    (cache / f"models--{name}" / "refs" / "main").write_text(rev)
+
+
+def test_cached_hub_name_loads_without_the_network(tmp_path, hf_tiny_dir):
+    # a tiny model stands in for OpenAI's under the name gpt2: what matters is where it loads
+    # from. No offline flag and an unreachable Hub: the cache is used without asking the Hub
+    fake_hub_cache(tmp_path / "hf_cache", "gpt2", hf_tiny_dir)
+    r = sample_cli("gpt2", hub_env(tmp_path), tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert len([line for line in r.stdout.splitlines() if line.startswith("sample ")]) == 2

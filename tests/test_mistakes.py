@@ -1,0 +1,324 @@
+"""Ordinary user mistakes thrown at train_gpt2.py (issue 11's rules 2-5, 7 and 8): each is refused
+in one line before any training step, or works as the user meant; nothing that existed in the
+folders is gone or changed. Rule 1 (--export-hf) lives in test_export.py, rule 6 in test_fineweb.py."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train_gpt2
+from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, user_error
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return random_shards(tmp_path_factory.mktemp("data"))
+
+
+def refused_before_step_0(args, out, *words):
+    """In-process: one UserError line, no step record in the log, the folder unchanged."""
+    before = snapshot(out) if out.exists() else {}
+    msg = user_error(args)
+    for word in words:
+        assert word in msg, msg
+    after = snapshot(out) if out.exists() else {}
+    assert {k: v for k, v in after.items() if k in before} == before  # nothing that existed is gone or changed
+    if (out / "log.jsonl").exists() and "log.jsonl" not in before:
+        assert not read_log(out)[1]
+    return msg
+
+
+# ----------------------------------------------------------------------------------------------
+# Rule 2: an out-dir belongs to one run
+
+
+@pytest.mark.parametrize("existing", ["ckpt_000004.pt", "log.jsonl"])
+def test_a_new_run_in_another_runs_out_dir_is_refused(data, tmp_path, existing):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / existing).write_bytes(b"another run's file")
+    (out / "notes.txt").write_text("the user's notes")
+    refused_before_step_0(tiny_args(data, out), out, "--out-dir", "holds another run", "--resume")
+
+
+def test_a_folder_holding_only_the_users_files_is_fine_and_kept(data, tmp_path):
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("the user's notes")
+    (out / "sub" / "ckpt_000001.pt").write_bytes(b"not in the out-dir itself")
+    before = snapshot(out)
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)) == 0
+    after = snapshot(out)
+    assert {k: after[k] for k in before} == before and "ckpt_000002.pt" in after
+
+
+def test_pruning_removes_only_this_runs_checkpoints(data, tmp_path):
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)) == 0
+    # another run's checkpoint lands in the folder (copied there by hand); this run then resumes
+    other = tmp_path / "other"
+    assert train_gpt2.main(tiny_args(data, other, "--max-steps", 1, "--seed", 7, "--eval-every", 0)) == 0
+    shutil.copy(other / "ckpt_000001.pt", out / "ckpt_000000.pt")
+    foreign = (out / "ckpt_000000.pt").read_bytes()
+    args = tiny_args(data, out, "--max-steps", 5, "--ckpt-every", 1, "--keep-ckpts", 2, "--eval-every", 0, "--resume")
+    assert train_gpt2.main(args) == 0
+    names = sorted(p.name for p in out.glob("ckpt_*.pt"))
+    assert names == ["ckpt_000000.pt", "ckpt_000004.pt", "ckpt_000005.pt"]  # this run's newest 2, and theirs
+    assert (out / "ckpt_000000.pt").read_bytes() == foreign
+
+
+# ----------------------------------------------------------------------------------------------
+# Rule 3: every flag checked before step 0, alone and against the others
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--min-lr", -1e-3], ["--min-lr"]),
+        (["--min-lr", 1e-2], ["--min-lr", "--max-lr"]),  # above max-lr: the cosine would climb
+        (["--grad-clip", -1], ["--grad-clip"]),
+        (["--weight-decay", -0.1], ["--weight-decay"]),
+        (["--keep-ckpts", -1], ["--keep-ckpts"]),
+        (["--num-samples", 0], ["--num-samples"]),
+        (["--max-new-tokens", 0], ["--max-new-tokens"]),
+        (["--beta1", 1.0], ["--beta1"]),
+        (["--beta2", -0.5], ["--beta2"]),
+        (["--adam-eps", 0], ["--adam-eps"]),
+        (["--ddp-timeout", 0], ["--ddp-timeout"]),
+        (["--max-lr", "nan"], ["--max-lr", "finite"]),
+        (["--max-lr", "inf"], ["--max-lr", "finite"]),
+        (["--peak-flops", 0], ["--peak-flops"]),
+        (["--temperature", -1], ["--temperature"]),
+        (["--top-k", -5], ["--top-k"]),
+        (["--eval-every", -1], ["--eval-every"]),
+        (["--device", "tpu"], ["unknown device"]),
+        (["--init-from", "gpt2", "--resume"], ["--init-from", "--resume"]),
+        (["--max-steps", 20, "--warmup-steps", 715], None),  # explicit: allowed (the user asked for it)
+    ],
+)
+def test_bad_flags_are_refused_before_step_0(data, tmp_path, flags, words):
+    out = tmp_path / "out"
+    if words is None:
+        args = tiny_args(data, out, *flags, "--eval-every", 0, "--max-steps", 1)
+        assert train_gpt2.main(args) == 0
+        return
+    refused_before_step_0(tiny_args(data, out, *flags), out, *words)
+    assert not (out / "log.jsonl").exists()
+
+
+def test_a_forgotten_warmup_on_a_short_run_is_refused(data, tmp_path):
+    args = [a for a in tiny_args(data, tmp_path / "out", "--max-steps", 20)]
+    i = args.index("--warmup-steps")
+    del args[i : i + 2]  # the default 715 steps of warm-up stay
+    msg = refused_before_step_0(args, tmp_path / "out", "--max-steps 20", "715", "--warmup-steps")
+    assert "e-" in msg  # the peak lr it would reach
+
+
+def test_cuda_or_mps_that_is_not_there_is_one_line(data, tmp_path):
+    device = "mps" if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()) else None
+    if torch.cuda.is_available() and device is None:
+        pytest.skip("this machine has both CUDA and MPS")
+    r = cli(*tiny_args(data, tmp_path / "out", "--device", device or "cuda"))
+    assert_one_line_error(r, "not available")
+    assert not (tmp_path / "out").exists()
+
+
+def test_sample_from_and_export_together_are_refused(tmp_path):
+    r = cli("--sample-from", "gpt2", "--export-hf", "a.pt", tmp_path / "x")
+    assert_one_line_error(r, "--sample-from", "--export-hf")
+
+
+def test_a_typo_in_a_flag_is_refused_not_guessed(data, tmp_path):
+    r = cli(*tiny_args(data, tmp_path / "out"), "--max-st", "3")  # an abbreviation argparse would accept
+    assert r.returncode == 2 and "unrecognized arguments: --max-st" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Rule 4: what runs mid-training is exercised before step 0
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--top-k", 0],  # no top-k filtering
+        ["--prompt", ""],  # unconditional: starts from <|endoftext|>
+        ["--prompt", "<|endoftext|>Once upon a time"],  # the special token typed literally
+        ["--temperature", 0],  # greedy
+        ["--max-new-tokens", 500],  # beyond the 64-token window: stops there, with a note
+    ],
+)
+def test_legitimate_sampling_settings_work(data, tmp_path, flags, capsys):
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 2, "--sample-every", 1, "--num-samples", 2, "--max-new-tokens", 4,
+                     "--eval-every", 0, *flags)  # fmt: skip
+    assert train_gpt2.main(args) == 0
+    samples = [r["samples"] for r in read_log(out)[0] if "samples" in r]
+    assert [len(s) for s in samples] == [2, 2]  # steps 1 and 2
+    if "--max-new-tokens" in flags and 500 in flags:
+        assert "note: samples stop at the model's 64-token window" in capsys.readouterr().out
+
+
+def test_a_prompt_longer_than_the_window_is_refused_at_start(data, tmp_path):
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--sample-every", 100, "--prompt", "word " * 200)
+    refused_before_step_0(args, out, "--prompt", "tokens")
+
+
+def test_sampling_is_exercised_before_step_0(data, tmp_path, monkeypatch):
+    """A sampling failure (here: the sampler raising) happens before the first step, not at step N."""
+    def broken(*args, **kwargs):
+        raise train_gpt2.UserError("sampling failed")
+
+    monkeypatch.setattr(train_gpt2, "sample_text", broken)
+    out = tmp_path / "out"
+    refused_before_step_0(tiny_args(data, out, "--sample-every", 1000, "--max-steps", 3000), out, "sampling failed")
+
+
+def test_a_broken_hellaswag_file_warns_at_start_and_training_goes_on(data, tmp_path, capsys):
+    bad = tmp_path / "hs.jsonl"
+    bad.write_text('{"ctx": "no endings here"}\n')
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 2, "--hellaswag-every", 1, "--hellaswag-data", bad, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    assert "HellaSwag evaluation is off" in capsys.readouterr().err
+    assert sorted(read_log(out)[1]) == [0, 1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rule 5: --resume compares the checkpoint's recipe with the flags
+
+
+@pytest.fixture
+def run4(data, tmp_path):
+    """4 of 8 steps done, warm-up 5, checkpoint every 2 steps."""
+    out = tmp_path / "run"
+    args = tiny_args(data, out, "--max-steps", 4, "--warmup-steps", 5, "--ckpt-every", 2, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    return out
+
+
+@pytest.mark.parametrize("flag, value", [("--total-batch-size", 128), ("-T", 8), ("--max-lr", 1e-3),
+                                         ("--warmup-steps", 2), ("--seed", 3)])  # fmt: skip
+def test_a_contradicting_recipe_flag_on_resume_is_refused(data, run4, flag, value):
+    before = snapshot(run4)
+    msg = user_error(tiny_args(data, run4, "--max-steps", 8, "--warmup-steps", 5, "--resume", flag, value))
+    assert {"-T": "--seq-len"}.get(flag, flag) in msg
+    assert "contradicts" in msg and "leave" in msg
+    assert snapshot(run4) == before
+
+
+def test_flags_left_out_on_resume_take_the_checkpoints_values(data, run4, tmp_path):
+    # the user forgets --warmup-steps (default 715) and -B: the run continues as it was
+    args = [a for a in tiny_args(data, run4, "--max-steps", 4, "--resume", "--eval-every", 0)]
+    i = args.index("--warmup-steps")
+    del args[i : i + 2]
+    assert train_gpt2.main(args) == 0  # nothing to do: 4 of 4 steps
+    ref = tmp_path / "ref"
+    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 4, "--warmup-steps", 5, "--eval-every", 0)) == 0
+    assert [r["lr"] for r in read_log(run4)[1].values()] == [r["lr"] for r in read_log(ref)[1].values()]
+
+
+def test_a_longer_max_steps_is_allowed_and_said(data, run4, capsys):
+    args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--resume", "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    assert "note: --max-steps 4 -> 6 on resume" in capsys.readouterr().out
+    records, steps = read_log(run4)
+    assert sorted(steps) == list(range(6))
+    assert records[-1]["step"] == 5
+    header = [r for r in records if r.get("event") == "header"][-1]
+    assert header["changed_on_resume"] == {"max_steps": [4, 6]} and header["resumed_from"] == 4
+
+
+def test_max_steps_below_the_checkpoint_is_refused(data, run4):
+    msg = user_error(tiny_args(data, run4, "--max-steps", 3, "--warmup-steps", 5, "--resume"))
+    assert "--max-steps 3" in msg and "4 steps" in msg
+
+
+def test_tokens_count_stays_right_after_resume_with_another_B(data, run4, capsys):
+    args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--resume", "-B", 4, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    assert "note: --batch-size 2 -> 4 on resume" in capsys.readouterr().out
+    steps = read_log(run4)[1]
+    assert [steps[s]["tokens"] for s in range(6)] == [64 * (s + 1) for s in range(6)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rule 7: Ctrl-C is prompt and clean
+
+
+def start(args):
+    return subprocess.Popen([sys.executable, "train_gpt2.py", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])
+def test_ctrl_c_during_start_up_is_one_line(data, tmp_path, delay):
+    proc = start(tiny_args(data, tmp_path / "out", "--max-steps", 100000, "--warmup-steps", 1))
+    time.sleep(delay)  # importing torch, building the model, reading the data, or the first steps
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 1, err
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(data, tmp_path):
+    proc = start(tiny_args(data, tmp_path / "out", "--max-steps", 100000, "--warmup-steps", 1, "--eval-every", 1,
+                           "--val-tokens", 512))  # fmt: skip
+    for line in proc.stdout:
+        if line.startswith("step     2/"):
+            break
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 1, err
+
+
+def test_ctrl_c_during_a_long_val_eval_stops_promptly_with_a_checkpoint(tmp_path):
+    data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=3_000_000)  # an eval of minutes
+    out = tmp_path / "out"
+    proc = start(tiny_args(data, out, "--max-steps", 100, "--warmup-steps", 1, "--eval-every", 1, "--val-tokens",
+                           2_900_000, "-B", 64, "--total-batch-size", 1024))  # fmt: skip
+    deadline = time.time() + 120
+    while not (out / "log.jsonl").exists() and time.time() < deadline:  # step 0's eval starts right after
+        time.sleep(0.1)
+    time.sleep(2)
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    waited = time.time() - t0
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert waited < 60, f"the stop request waited {waited:.0f} s for the eval"  # the whole eval takes minutes
+    assert (out / "ckpt_000000.pt").exists() and "val_loss" not in (out / "log.jsonl").read_text()
+
+
+# ----------------------------------------------------------------------------------------------
+# Rule 8: friction
+
+
+def test_help_shows_defaults_and_the_usage_examples_intact():
+    r = cli("--help", env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0
+    assert "python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe" in r.stdout
+    flat = " ".join(r.stdout.split())
+    for text in ("(default: 64)", "(default: 524288)", "(default: 0.0006)", "(default: 715)", "(default: log)"):
+        assert text in flat, text
+
+
+def test_a_write_error_that_is_not_a_full_disk_does_not_say_make_room(data, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "log.jsonl").mkdir()  # the log cannot be opened: not a question of space
+    r = cli(*tiny_args(data, out, "--resume"))
+    line = assert_one_line_error(r, "log.jsonl")
+    assert "make room" not in line
+    json.dumps(line)
