@@ -10,9 +10,10 @@ min-max; a ratio is the ratio of the medians, with the min-max of the per-round 
              nn.Linear call MKL for fp32, which on AMD CPUs reaches about half of oneDNN's speed)
   train      one training step (forward, backward, clip, AdamW step) of train_gpt2.GPT with
              GPT.configure_optimizers, against transformers' GPT2LMHeadModel (sdpa attention, plain
-             torch AdamW) with the same config, batch, precision and data (train_gpt2's loader and
-             accumulate_gradients feed both). Configs small (6 layers, 384 wide, T 256, B 8) and
-             gpt2 (124M, T 1024, B 1 on CPU, 16 on GPU); fp32 and bf16 autocast; eager and
+             torch AdamW) with the same config, batch, precision and data (train_gpt2's loader feeds
+             both the same micro-batches). Configs small (6 layers, 384 wide, T 256, B 8) and
+             gpt2 (124M, T 1024, B 1 on CPU; on a GPU the recipe's 64 where memory allows, else
+             32, 16, ... per precision); fp32 and bf16 autocast; eager and
              torch.compile (compile time: cold, from an empty inductor cache). MFU: against the
              matmul ceiling measured in the same rounds on a CPU, against the datasheet peak
              (train_gpt2.PEAK_FLOPS, --peak-flops) on a GPU
@@ -20,14 +21,18 @@ min-max; a ratio is the ratio of the medians, with the min-max of the per-round 
              microseconds per batch, at the shard switches, and the memory it adds
   fineweb    fineweb.py's tokenizer pool against tiktoken's encode_ordinary_batch, same documents
              and the same number of workers
-  hellaswag  hellaswag.evaluate batched against one example per forward (batch_size=1), same model
-  sample     GPT.generate with the KV cache against recomputing the whole prefix, 256 new tokens
+  hellaswag  hellaswag.evaluate (what training calls) and the whole `python hellaswag.py` process
+             against a plain in-process loop of one (context + ending) row per forward, on the first
+             N examples with a random 6-layer, 384-wide model in fp32 (the same counts asserted);
+             on CUDA also the full set with a random 124M model in bf16 (in-loop and process)
+  sample     GPT.generate with the KV cache against recomputing the whole prefix, 256 new tokens;
+             on CUDA also the compiled (CUDA-graph) decode step
 
 Usage:
     python bench.py                  # everything: ~13 min on 2 idle CPU cores; table on stdout, JSON to bench.json
     python bench.py --quick          # small models, eager only, fewer rounds: < 5 min on 2 CPU cores
     python bench.py --only train --configs gpt2 --out gpt2.json     # one section, one config
-    python bench.py --device cuda    # on a GPU (B 16 at the gpt2 config)
+    python bench.py --device cuda    # on a GPU (the recipe's B 64 at the gpt2 config where memory allows)
     python bench.py --tiny           # seconds: every section on toy sizes (the smoke test runs this)
 FineWeb documents and HellaSwag data come from --docs / --hellaswag-data, else from shared/data
 beside the repository when it is there; a section without data is skipped with a note.
@@ -39,9 +44,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +65,7 @@ SECTIONS = ("ceiling", "loader", "fineweb", "train", "hellaswag", "sample")
 # the model configs of the training benchmark; B is per device type where it differs
 TRAIN_CONFIGS = {
     "small": dict(n_layer=6, n_head=6, n_embd=384, T=256, B=8),
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, T=1024, B=1, B_cuda=16),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, T=1024, B=1, B_cuda=64),  # B 64: the recipe's
     "tiny": dict(n_layer=2, n_head=2, n_embd=64, T=32, B=2),
 }
 VOCAB = 50304  # the padded vocabulary training uses, for both implementations
@@ -78,7 +85,10 @@ TARGETS = {
     "loader_switch_ms": 1.0,  # below
     "loader_rss_mb": 50.0,  # below
     "fineweb_vs_tiktoken": 0.8,
-    "hellaswag_batched": 3.0,
+    "hellaswag_process": 4.0,  # the whole hellaswag.py process vs an in-process one-row-per-forward loop
+    "hellaswag_full_s": 3.0,  # CUDA: the full set inside training, 124M bf16, below
+    "hellaswag_process_full_s": 8.0,  # CUDA: hellaswag.py on the full set, 124M bf16, wall, below
+    "decode_tok_s_cuda": 2000.0,  # CUDA: batch-1 decode of the 124M model
     "kv_cache": 5.0,
 }
 
@@ -98,7 +108,10 @@ RUNS = {
         docs_repeat=2,
         tok_rounds=(1, 3),  # all the documents, twice: ~3M tokens
         eval_model="gpt2",
-        hs_examples=32,
+        hs_model="small",  # 6 layers, 384 wide
+        hs_examples=300,  # the first 300 of the file on a CPU
+        hs_examples_cuda=2000,
+        hs_full_gpt2=True,  # CUDA only: the full set with a 124M model, bf16
         hs_rounds=3,
         new_tokens=256,
         sample_rounds=2,
@@ -115,7 +128,9 @@ RUNS = {
         docs_repeat=1,
         tok_rounds=(1, 3),
         eval_model="small",
-        hs_examples=16,
+        hs_model="small",
+        hs_examples=100,
+        hs_examples_cuda=1000,
         hs_rounds=2,
         new_tokens=256,
         sample_rounds=2,
@@ -132,6 +147,7 @@ RUNS = {
         docs_repeat=1,
         tok_rounds=(0, 2),
         eval_model="tiny",
+        hs_model="tiny",
         hs_examples=8,
         hs_rounds=2,
         new_tokens=16,
@@ -331,7 +347,7 @@ def bench_ceiling(s, device, device_type):
 
 class HFCausalLM(nn.Module):
     """transformers' GPT2LMHeadModel behind our model's call, (idx, targets) -> (logits, loss),
-    so that the same accumulate_gradients drives both. It computes its loss the way its users
+    so that the same training step drives both. It computes its loss the way its users
     do, labels=input_ids (it shifts them itself): the same batch and the same next tokens as
     ours, less the last position of each row, whose target only ours is given."""
 
@@ -363,24 +379,47 @@ def make_hf_model(config):
     return hf
 
 
-def train_step_fn(model, optimizer, loader, device, autocast_dtype):
+def train_step_fn(model, optimizer, loader, autocast_dtype):
     """train_gpt2's step: zero grads, forward + backward (one micro-batch), clip to 1.0, AdamW."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    device_type = torch.device(loader.device).type
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        train_gpt2.accumulate_gradients(model, loader, 1, device, autocast_dtype)
+        x, y = loader.next_batch()
+        with train_gpt2.autocast(device_type, autocast_dtype):
+            _, loss = model(x, y)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
 
     return step
 
 
+def fits_in_memory(models, B, T, autocast_dtype, device):
+    """Whether one eager forward + backward at micro-batch B runs on this GPU for every model."""
+    ok = True
+    for model in models:
+        x = torch.randint(0, 50257, (B, T), device=device)
+        try:
+            with train_gpt2.autocast("cuda", autocast_dtype):
+                _, loss = model(x, x)
+            loss.backward()
+        except torch.cuda.OutOfMemoryError:
+            ok = False
+        model.zero_grad(set_to_none=True)
+        del x
+        gc.collect()
+        torch.cuda.empty_cache()
+        if not ok:
+            return False
+    return True
+
+
 def bench_train_config(name, s, device, device_type, peak, data_dir):
     from train_gpt2 import DataLoaderLite
 
     c = TRAIN_CONFIGS[name]
-    B = c.get(f"B_{device_type}", c["B"])
     T = c["T"]
     config = GPTConfig(block_size=T, vocab_size=VOCAB, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
     torch.manual_seed(1337)
@@ -389,8 +428,21 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
     hf = HFCausalLM(make_hf_model(config)).to(device).train()
     # transformers' users pass all the parameters to torch's AdamW, which runs its per-tensor loop on a CPU
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    # B per precision: on a GPU the recipe's micro-batch (B 64 at the gpt2 config) where both
+    # implementations fit in memory at that precision, else half of it, and so on
+    B = {}
+    for precision, autocast_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        B[precision] = c.get(f"B_{device_type}", c["B"])
+        if device_type == "cuda":
+            while B[precision] > 1 and not fits_in_memory((ours, hf), B[precision], T, autocast_dtype, device):
+                log(f"  train {name} {precision}: B {B[precision]} does not fit in GPU memory, trying half")
+                B[precision] //= 2
     # the same batches for both: two loaders over the same shard, in the same order
-    loaders = {impl: DataLoaderLite(data_dir, "train", B, T, shuffle=False) for impl in ("ours", "hf")}
+    loaders = {
+        (impl, precision): DataLoaderLite(data_dir, "train", B[precision], T, shuffle=False, device=device)
+        for impl in ("ours", "hf")
+        for precision in B
+    }
 
     contenders = {}
     for compiled in s["compile"]:
@@ -399,15 +451,17 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
             for impl, model, opt in (("ours", ours, ours_opt), ("hf", hf, hf_opt)):
                 # the compiled module shares the eager one's parameters, so one optimizer serves both
                 m = torch.compile(model) if compiled else model
-                contenders[f"{impl} {precision} {mode}"] = train_step_fn(m, opt, loaders[impl], device, autocast_dtype)
+                step = train_step_fn(m, opt, loaders[impl, precision], autocast_dtype)
+                contenders[f"{impl} {precision} {mode}"] = step
     if device_type != "cuda":  # the CPU's own ceiling, measured in the same rounds
         for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             contenders[f"mm {precision}"] = matmul_fn(s["mm_n"], dtype, device)
 
     warmup, rounds = s["train_rounds"][name]
-    times, first = interleave(contenders, warmup, rounds, device_type, f"train {name} B{B} T{T}")
+    B_text = f"B{B['fp32']}" if B["fp32"] == B["bf16"] else f"B{B['fp32']} fp32, B{B['bf16']} bf16,"
+    times, first = interleave(contenders, warmup, rounds, device_type, f"train {name} {B_text} T{T}")
     fpt = flops_per_token(config, T)
-    tok = {k: rates(B * T, v) for k, v in times.items() if not k.startswith("mm ")}
+    tok = {k: rates(B[k.split()[1]] * T, v) for k, v in times.items() if not k.startswith("mm ")}
     mfu = {}
     for k, r in tok.items():
         precision = k.split()[1]
@@ -417,7 +471,7 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
             ceiling = rates(2 * s["mm_n"] ** 3, times[f"mm {precision}"])
             mfu[k] = [fpt * x / cl for x, cl in zip(r, ceiling)]
     result = {
-        "config": {**c, "B": B, "vocab_size": VOCAB, "n_params": sum(p.numel() for p in ours.parameters())},
+        "config": {**c, "B": B["fp32"] if B["fp32"] == B["bf16"] else B, "vocab_size": VOCAB, "n_params": sum(p.numel() for p in ours.parameters())},
         "flops_per_token": fpt,
         "step_s": {k: stats(v) for k, v in times.items()},
         "tok_per_sec": {k: stats(v) for k, v in tok.items()},
@@ -440,7 +494,7 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
     for k in tok:
         if k.startswith("ours"):
             hf_k = k.replace("ours", "hf")
-            note = f"MFU ours {median_mfu(k)}, transformers {median_mfu(hf_k)}"
+            note = f"B {B[k.split()[1]]}, MFU ours {median_mfu(k)}, transformers {median_mfu(hf_k)}"
             rows.append(comparison(f"train {name} {k[5:]}: ours vs transformers", tok[k], tok[hf_k], "tok/s", TARGETS["vs_transformers"], note=note))  # fmt: skip
     for mode in ("eager", "compiled"):
         if f"ours fp32 {mode}" not in tok:
@@ -516,7 +570,7 @@ def bench_loader(s, device_type, tmp):
     log(f"  loader: wrote {s['shards']} shards of {s['shard_tokens']:,} tokens in {time.perf_counter() - t0:.1f}s")
     gc.collect()
     anon0, file0 = rss_mib()
-    loader = DataLoaderLite(data_dir, "train", B, T, shuffle=False)
+    loader = DataLoaderLite(data_dir, "train", B, T, shuffle=False)  # on the CPU: the loader's own cost
     calls = loader.batches_per_epoch + 2  # through every shard and on into the next epoch
     times, switch_times = np.empty(calls), []
     anon_peak, file_peak = anon0, file0
@@ -580,14 +634,16 @@ def bench_fineweb(s, args):
             return {"skipped": "no documents: pass --docs 'files/*.parquet'"}, []
         pattern = str(shared / "fineweb_sample" / "*.parquet")
     docs = list(fineweb.local_documents(fineweb.expand_inputs([pattern]), args.text_field))[: s["docs"]]
-    docs = docs * s["docs_repeat"]  # long enough that the pool's start is a small part of it
     workers = fineweb.default_workers()
+    # the same work per worker at any core count (a 10B-token run is all steady state): on 16 cores
+    # the 2-core amount is a tenth of a second, which measures little beyond starting the pool
+    docs = docs * (s["docs_repeat"] * max(1, workers // 2))
     enc = get_tokenizer()
     n_tokens = sum(len(ids) for ids in enc.encode_ordinary_batch(docs, num_threads=workers))
     chars = sum(len(d) for d in docs)
     log(f"  fineweb: {len(docs)} documents, {chars:,} characters, {n_tokens:,} tokens, {workers} workers")
 
-    def ours():  # the CLI's own path: the worker pool, EOT-prefixed uint16 tokens
+    def ours():  # the CLI's own path: its pool of tokenizer threads, EOT-prefixed uint16 tokens
         out = fineweb.tokenize_docs(docs, workers)
         assert len(out) == n_tokens + len(docs)  # the same work: every token, plus one EOT per document
 
@@ -595,7 +651,7 @@ def bench_fineweb(s, args):
         enc.encode_ordinary_batch(docs, num_threads=workers)
 
     times, _ = interleave({"fineweb": ours, "tiktoken": theirs}, *s["tok_rounds"], "cpu", "fineweb tokenize")
-    start = [timed(lambda: fineweb.tokenize_docs([], workers), "cpu") for _ in range(3)]  # the pool alone
+    start = [timed(lambda: fineweb.tokenize_docs([""] * workers, workers), "cpu") for _ in range(3)]  # the pool alone
     tok = {k: rates(n_tokens, v) for k, v in times.items()}
     result = {
         "documents": len(docs),
@@ -612,7 +668,7 @@ def bench_fineweb(s, args):
             tok["tiktoken"],
             "tok/s",
             TARGETS["fineweb_vs_tiktoken"],
-            note=f"{workers} workers, {n_tokens:,} tokens; pool start {statistics.median(start):.2f} s included",
+            note=f"{workers} threads each, {n_tokens:,} tokens; pool start {statistics.median(start) * 1e3:.1f} ms included",
         )
     ]
     return result, rows
@@ -622,17 +678,65 @@ def bench_fineweb(s, args):
 # HellaSwag and sampling: one eval-mode model
 
 
-def eval_model(name, device):
+def eval_model(name, device, vocab_size=50257):
     c = TRAIN_CONFIGS[name]
     block_size = 1024 if name != "tiny" else 256
     config = GPTConfig(
-        block_size=block_size, vocab_size=50257, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"]
+        block_size=block_size, vocab_size=vocab_size, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"]
     )
     torch.manual_seed(0)
     return GPT(config).to(device).eval()  # random weights: the speed does not depend on them
 
 
-def bench_hellaswag(s, args, device, device_type):
+def plain_hellaswag_preds(model, prepared, device):
+    """The plain way, for reference: one (context + ending) row per forward pass, logits and
+    log-softmax everywhere, the ending's tokens summed. -> (acc predictions, acc_norm predictions)."""
+    preds, preds_norm = [], []
+    with torch.no_grad():
+        for ctx, ends in zip(prepared.ctx, prepared.endings):
+            sums = []
+            for end in ends:
+                row = torch.tensor([ctx + end], device=device)
+                logits, _ = model(row[:, :-1])
+                logp = F.log_softmax(logits[0].float(), dim=-1)[len(ctx) - 1 :]  # the ending's predictions
+                sums.append(-logp.gather(1, row[0, len(ctx) :, None]).sum().item())
+            preds.append(min(range(4), key=sums.__getitem__))
+            preds_norm.append(min(range(4), key=lambda j: sums[j] / len(ends[j])))
+    return preds, preds_norm
+
+
+def counts_of(prepared, preds, preds_norm):
+    return {
+        "n": len(preds),
+        "correct": sum(p == y for p, y in zip(preds, prepared.labels)),
+        "correct_norm": sum(p == y for p, y in zip(preds_norm, prepared.labels)),
+    }
+
+
+def run_hellaswag_cli(ckpt, path, n, device, dtype):
+    """The whole `python hellaswag.py` process (start-up, data, tokenizing, model load, eval):
+    -> (seconds, {n, correct, correct_norm} parsed from its output)."""
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "hellaswag.py"), "-m", ckpt, "--data", path,
+           "--limit", str(n), "-d", str(device), "--dtype", dtype]  # fmt: skip
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"hellaswag.py failed: {r.stderr.strip()[-500:]}")
+    counts = {}
+    for key, name in (("acc ", "correct"), ("acc_norm ", "correct_norm")):
+        line = next(line for line in r.stdout.splitlines() if line.startswith(key))
+        counts[name], counts["n"] = map(int, line.split("(")[1].rstrip(")").split("/"))
+    return seconds, counts
+
+
+def save_checkpoint(model, tmp):
+    path = os.path.join(tmp, f"hellaswag_model_{model.config.n_layer}.pt")
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config)}, path)
+    return path
+
+
+def bench_hellaswag(s, args, device, device_type, tmp):
     try:
         import hellaswag
     except ImportError as e:
@@ -641,52 +745,77 @@ def bench_hellaswag(s, args, device, device_type):
     if path is None:
         shared = find_shared_data()
         candidate = shared / "hellaswag" / "hellaswag_val.jsonl" if shared else None
-        path = str(candidate) if candidate and candidate.is_file() else None  # None: hellaswag.py's cache
-    rounds, n = s["hs_rounds"], s["hs_examples"]
+        path = str(candidate) if candidate and candidate.is_file() else None
+    if path is None:  # hellaswag.py's cache, if an earlier run downloaded it (never a download here)
+        candidate = Path(hellaswag.DEFAULT_CACHE_DIR) / hellaswag.CACHE_NAME
+        path = str(candidate) if candidate.is_file() else None
+    if path is None:
+        return {"skipped": "no HellaSwag data: pass --hellaswag-data path/to/hellaswag_val.jsonl"}, []
     try:
         examples = hellaswag.load_examples(path)
     except hellaswag.HellaSwagDataError as e:
         return {"skipped": str(e)}, []
     enc = get_tokenizer()
-    # A full pass sorts all the examples by length, so that a batch holds examples of about one
-    # length; a random handful would pad each batch to its longest example and misstate the
-    # batched speed. So each round takes n examples that are neighbours in length order, from
-    # evenly spaced places in it (round r of R around quantile (r + 0.5) / R).
-    longest = [max(len(c) + len(e) for e in ends) for c, ends in (hellaswag.render_example(ex, enc) for ex in examples)]
-    order = sorted(range(len(examples)), key=longest.__getitem__)
-    starts = [max(0, min(len(order) - n, int((r + 0.5) * len(order) / rounds) - n // 2)) for r in range(rounds)]
-    chunks = iter([examples[i] for i in order[start : start + n]] for start in starts)
-    model = eval_model(s["eval_model"], device)
-    for batch_size in (16, 1):  # warm-up
-        hellaswag.evaluate(model, enc, examples[:4], device, batch_size=batch_size)
+    n = s["hs_examples"] if device_type == "cpu" else s.get("hs_examples_cuda", s["hs_examples"])
+    # the first n examples of the file: what `hellaswag.py --limit n` evaluates
+    t0 = time.perf_counter()
+    prepared = hellaswag.prepare(examples[:n], enc)
+    prepare_s = time.perf_counter() - t0
+    model = eval_model(s["hs_model"], device, vocab_size=VOCAB)  # the padded vocabulary training uses
+    ckpt = save_checkpoint(model, tmp)
+    hellaswag.evaluate(model, hellaswag.prepare(examples[:4], enc), device)  # warm-up
     state = {}
 
-    def batched():  # a new chunk of examples each round; the per-example call then scores the same ones
-        state["chunk"] = next(chunks)
-        state["batched"] = hellaswag.evaluate(model, enc, state["chunk"], device, batch_size=16)  # training's default
+    def in_loop():  # what training calls (the batches are built at the first call and kept)
+        state["in_loop"] = hellaswag.evaluate(model, prepared, device)
 
-    def per_example():
-        state["per_example"] = hellaswag.evaluate(model, enc, state["chunk"], device, batch_size=1)
+    def plain():
+        state["plain"] = counts_of(prepared, *plain_hellaswag_preds(model, prepared, device))
 
-    times, _ = interleave({"batched": batched, "per_example": per_example}, 0, rounds, device_type, "hellaswag")
+    def process():  # fp32 too: the same predictions are asserted
+        seconds, state["process"] = run_hellaswag_cli(ckpt, path, n, device, "float32")
+        state["process_s"] = state.get("process_s", []) + [seconds]
+
+    times, first = interleave({"in_loop": in_loop, "plain": plain, "process": process}, 0, s["hs_rounds"],
+                              device_type, f"hellaswag {n} examples")  # fmt: skip
+    ours = {k: state["in_loop"][k] for k in ("n", "correct", "correct_norm")}
+    if not ours == state["plain"] == state["process"]:
+        raise RuntimeError(f"hellaswag: different answers: in-loop {ours}, plain {state['plain']}, process {state['process']}")  # fmt: skip
     ex = {k: rates(n, v) for k, v in times.items()}
+    note = f"{s['hs_model']} model, first {n:,} examples, fp32, same predictions"
     result = {
-        "model": s["eval_model"],
+        "model": s["hs_model"],
         "examples_per_round": n,
         "examples_per_sec": {k: stats(v) for k, v in ex.items()},
-        "same_counts_last_round": state["batched"] == state["per_example"],
+        "first_in_loop_s": first["in_loop"],
+        "prepare_s": prepare_s,
+        "counts": ours,
+        "same_counts": True,
     }
     rows = [
-        comparison(
-            "hellaswag: batched vs one example per forward",
-            ex["batched"],
-            ex["per_example"],
-            "ex/s",
-            TARGETS["hellaswag_batched"],
-            note=f"{s['eval_model']} model, {n} examples a round",
-        )
-    ]
+        comparison("hellaswag in-loop evaluate vs plain one-row-per-forward loop", ex["in_loop"], ex["plain"], "ex/s",
+                   note=note),
+        comparison("hellaswag.py whole process vs plain one-row-per-forward loop in-process", ex["process"],
+                   ex["plain"], "ex/s", TARGETS["hellaswag_process"], note=f"{note}; start-up included"),
+    ]  # fmt: skip
     del model
+    if device_type == "cuda" and s.get("hs_full_gpt2"):
+        # the issue's CUDA targets: the full set with a 124M model in bf16, in training and as a process
+        prepared = hellaswag.prepare(examples, enc)
+        model = eval_model("gpt2", device, vocab_size=VOCAB)
+        ckpt = save_checkpoint(model, tmp)
+        evaluate = lambda: hellaswag.evaluate(model, prepared, device, autocast_dtype=torch.bfloat16)  # noqa: E731
+        first_s = timed(evaluate, device_type)  # builds and uploads the batches
+        in_loop = [timed(evaluate, device_type) for _ in range(3)]
+        process = [run_hellaswag_cli(ckpt, path, len(examples), device, "bfloat16")[0] for _ in range(2)]
+        result["full_gpt2_bf16"] = {"in_loop_s": stats(in_loop), "first_in_loop_s": first_s, "process_s": stats(process)}
+        rows += [
+            comparison("hellaswag in training: full 10,042, gpt2 124M, bf16", in_loop, None, "s", TARGETS["hellaswag_full_s"],
+                       higher_is_better=False, note=f"first call {first_s:.1f} s builds the batches"),
+            comparison("hellaswag.py -m <124M> full set, bf16, whole process", process, None, "s",
+                       TARGETS["hellaswag_process_full_s"], higher_is_better=False),
+        ]  # fmt: skip
+        del model
     return result, rows
 
 
@@ -696,16 +825,20 @@ def bench_sample(s, device, device_type):
     prompt = torch.tensor([enc.encode("Hello, I'm a language model,")], dtype=torch.long, device=device)
     new = min(s["new_tokens"], model.config.block_size - prompt.size(1))
 
-    def generate(use_cache, n_tokens):
+    def generate(use_cache, n_tokens, compile=False):
         def run():  # the same seed every call: the same tokens drawn, the same work
             g = torch.Generator(device=device).manual_seed(42)
-            model.generate(prompt, n_tokens, generator=g, use_cache=use_cache)
+            model.generate(prompt, n_tokens, generator=g, use_cache=use_cache, compile=compile)
 
         return run
 
     for use_cache in (True, False):  # warm-up: a few tokens are enough, recomputing 256 is long
         generate(use_cache, 8)()
     contenders = {"kv_cache": generate(True, new), "recompute": generate(False, new)}
+    compile_s = None
+    if device_type == "cuda":  # the compiled, CUDA-graph decode step; its first call compiles
+        compile_s = timed(generate(True, new, compile=True), device_type)
+        contenders = {"kv_cache_compiled": generate(True, new, compile=True), **contenders}
     times, _ = interleave(contenders, 0, s["sample_rounds"], device_type, f"sample {new} tokens")
     tok = {k: rates(new, v) for k, v in times.items()}
     result = {
@@ -714,17 +847,18 @@ def bench_sample(s, device, device_type):
         "prompt_tokens": prompt.size(1),
         "batch": 1,
         "tok_per_sec": {k: stats(v) for k, v in tok.items()},
+        "compile_s": compile_s,
     }
-    rows = [
-        comparison(
-            f"sample {new} new tokens: KV cache vs recompute",
-            tok["kv_cache"],
-            tok["recompute"],
-            "tok/s",
-            TARGETS["kv_cache"],
-            note=f"{s['eval_model']} model, batch 1",
-        )
-    ]
+    note = f"{s['eval_model']} model, batch 1"
+    rows = [comparison(f"sample {new} new tokens: KV cache vs recompute", tok["kv_cache"], tok["recompute"], "tok/s",
+                       TARGETS["kv_cache"], note=note)]  # fmt: skip
+    if "kv_cache_compiled" in tok:
+        rows += [
+            comparison(f"sample {new} new tokens: compiled decode step (CUDA graphs) vs eager KV cache",
+                       tok["kv_cache_compiled"], tok["kv_cache"], "tok/s", note=f"{note}, compile {compile_s:.0f} s"),
+            comparison(f"sample {new} new tokens: compiled decode step, batch 1", tok["kv_cache_compiled"], None,
+                       "tok/s", TARGETS["decode_tok_s_cuda"], note=note),
+        ]  # fmt: skip
     del model
     return result, rows
 
@@ -841,7 +975,7 @@ def main(argv=None):
             elif section == "train":
                 result, rows = bench_train(s, device, device_type, peak, tmp)
             elif section == "hellaswag":
-                result, rows = bench_hellaswag(s, args, device, device_type)
+                result, rows = bench_hellaswag(s, args, device, device_type, tmp)
             else:
                 result, rows = bench_sample(s, device, device_type)
             result["seconds"] = time.time() - t0

@@ -7,9 +7,10 @@ enc.encode(" " + ending). acc picks the ending with the lowest summed loss, acc_
 with the lowest mean loss per ending token. OpenAI GPT-2 124M scores acc 0.2859, acc_norm 0.2955
 this way (the EleutherAI harness scores it differently: 0.2892 / 0.3114).
 
-Many examples go through the model in one forward pass (4 rows per example, right-padded; the
-padding comes after every real token, so causal attention keeps it out of the real positions).
-evaluate(..., batch_size=1) is the original one-example-per-forward approach.
+In a program: prepared = prepare(examples, enc) once (tokenizes), then evaluate(model, prepared,
+device, rank, world_size, ...) as often as needed. Each context goes through the model once and
+its 4 endings continue from its KV cache; the LM head runs only where an ending token is
+predicted (see "Scoring" below). On CUDA the CLI uses bf16 autocast, as training does.
 
 Rows longer than the model's window: the model reads a row's tokens up to the second to last
 (the last is only predicted), so a row of block_size + 1 tokens fits. A longer row keeps its
@@ -18,7 +19,8 @@ also loses its first tokens, which are then not scored. (GPT-2's 1024 positions 
 validation row: the longest is 166 tokens.)
 
 Data: --data a local jsonl, else the cache (~/.cache/gpt2-repro/hellaswag/hellaswag_val.jsonl),
-else a download: the Hugging Face Hub dataset Rowan/hellaswag (through `datasets`), then the
+else a download (refused at once when offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, or no
+answer from the Hub or GitHub within 3 s): the Hugging Face Hub dataset Rowan/hellaswag (through `datasets`), then the
 original GitHub file if it still answers. The download is checked (HTTP status, every row, the
 10,042 count) and cached atomically in the original jsonl format. A cache that does not parse
 or is short is refused, never trusted.
@@ -26,14 +28,17 @@ or is short is refused, never trusted.
 Usage:
     python hellaswag.py -m gpt2                    # OpenAI GPT-2 124M (gpt2-medium, ... too)
     python hellaswag.py -m log/ckpt_019073.pt      # one of our checkpoints, or a transformers dir
-    python hellaswag.py -m gpt2 --limit 500 -d cuda --batch-size 64 --dtype bfloat16
+    python hellaswag.py -m gpt2 --limit 500 -d cuda --dtype float32   # fp32 instead of bf16 on CUDA
     python hellaswag.py -m gpt2 --data path/to/hellaswag_val.jsonl
 """
 
 import argparse
 import json
 import os
+import socket
 import sys
+import time
+import urllib.parse
 import urllib.request
 
 import torch
@@ -127,8 +132,33 @@ def _fetch_from_url():
         return resp.read().decode("utf-8")
 
 
+def _reachable(url, timeout=3.0):
+    """Whether a TCP connection to url's host (or to the https proxy, if one is set) opens."""
+    proxy = urllib.request.getproxies().get("https")
+    parts = urllib.parse.urlsplit(proxy or url)
+    try:
+        socket.create_connection((parts.hostname, parts.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def offline_reason():
+    """Why a download cannot work, found in a few seconds, or None: without this, datasets and
+    urllib retry for ~27 s before failing."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{var} is set"
+    if not any(_reachable(url) for url in ("https://huggingface.co", DATA_URL)):
+        return "no network: neither huggingface.co nor raw.githubusercontent.com answers"
+    return None
+
+
 def download(cache_path):
     """Fetch the validation split (Hub, then the original URL), check it, write cache_path atomically."""
+    reason = offline_reason()
+    if reason:
+        raise HellaSwagDataError(f"cannot download HellaSwag ({reason}); pass --data path/to/hellaswag_val.jsonl")
     print(f"downloading the HellaSwag validation split to {cache_path}", file=sys.stderr)
     errors = []
     for where, fetch in ((HUB_DATASET, _fetch_from_hub), (DATA_URL, _fetch_from_url)):
@@ -176,6 +206,20 @@ def load_examples(path=None, cache_dir=None, limit=None):
 
 # ----------------------------------------------------------------------------------------------
 # Scoring
+#
+# Only the work the score needs. An ending's score is the log-probability of its tokens after the
+# context, so:
+# - the context goes through the model once and the 4 endings continue from its keys and values
+#   (our GPT's KVCache): 1.74M positions for the 10,042 examples instead of 3.29M when each
+#   ending re-reads its context;
+# - the LM head and log-softmax run only at the 1.27M positions that predict an ending token (the
+#   50,304-wide head is a third of a 124M model's FLOPs per position, most of a small model's);
+# - a batch holds contexts of one length (the context pass needs no padding) and endings of
+#   similar length; the batches are built once per (window, device, share of the examples) and
+#   kept on the device, and the scores stay there until the end: no host sync per batch.
+# Examples whose longest row does not fit the window, and models without a KVCache (transformers'
+# GPT2LMHeadModel), are scored one row per ending (context + ending), still with the head only at
+# the scored positions.
 
 
 def render_example(example, enc):
@@ -185,88 +229,214 @@ def render_example(example, enc):
     return ctx_tokens, ending_tokens
 
 
-def _block_size(model):
-    # our GPT has config.block_size, transformers' GPT-2 config.n_positions; DDP wraps the
-    # model in .module and torch.compile in ._orig_mod, so look through those for the config
+class Prepared:
+    """The examples tokenized once (see prepare), and the batches last built from them."""
+
+    def __init__(self, ctx, endings, labels, split_types):
+        self.ctx = ctx  # context tokens, per example
+        self.endings = endings  # the 4 endings' tokens, per example
+        self.labels = labels
+        self.split_types = split_types
+        self.batches = {}  # (window, device, share, ...) -> batches on that device
+
+    def __len__(self):
+        return len(self.labels)
+
+
+def prepare(examples, enc):
+    """Tokenize every example once, for every later evaluate(). An example that cannot be rendered
+    (a missing field, text the tokenizer refuses) is a HellaSwagDataError that names it."""
+    ctx, endings, labels, split_types = [], [], [], []
+    for i, ex in enumerate(examples):
+        try:
+            c, ends = render_example(ex, enc)
+            label, split_type = ex["label"], ex["split_type"]
+            if len(ends) != 4 or type(label) is not int or not 0 <= label <= 3 or not isinstance(split_type, str):
+                raise ValueError("it needs 4 endings, a label from 0 to 3 and a split_type string")
+        except Exception as e:  # KeyError, TypeError, "<|endoftext|>" in the text (ValueError), ...
+            name = f"example {i}" + (f" (ind {ex['ind']})" if isinstance(ex, dict) and "ind" in ex else "")
+            raise HellaSwagDataError(f"HellaSwag {name} cannot be tokenized: {first_line(e)}") from None
+        ctx.append(c)
+        endings.append(ends)
+        labels.append(label)
+        split_types.append(split_type)
+    return Prepared(ctx, endings, labels, split_types)
+
+
+def _unwrap(model):
+    # DDP wraps the model in .module and torch.compile in ._orig_mod: look through both
     while not hasattr(model, "config"):
         inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
         if inner is None:
-            raise ValueError(f"cannot find the block size of {type(model).__name__}: it has no config")
+            raise ValueError(f"cannot find the config of {type(model).__name__}")
         model = inner
-    return getattr(model.config, "block_size", None) or model.config.n_positions
+    return model
+
+
+def _trunk(model):
+    """-> (hidden(idx, cache): the final LayerNorm's output, the LM head, a KV-cache maker or None)."""
+    model = _unwrap(model)
+    if hasattr(model, "hidden_states") and hasattr(model, "kv_cache"):  # our GPT
+        return model.hidden_states, model.lm_head, model.kv_cache
+    # transformers' GPT2LMHeadModel: .transformer ends with ln_f, .lm_head is the head
+    return (lambda idx, cache=None: model.transformer(input_ids=idx, use_cache=False).last_hidden_state), model.lm_head, None
 
 
 def _row(ctx_tokens, end_tokens, block_size):
-    """Model input, targets and a mask of the targets that are ending tokens, for one ending."""
-    tokens = ctx_tokens + end_tokens
-    is_end = [False] * len(ctx_tokens) + [True] * len(end_tokens)
-    # the last token is only a target, so block_size + 1 tokens fit in the window; cut the left
-    tokens, is_end = tokens[-(block_size + 1) :], is_end[-(block_size + 1) :]
-    return tokens[:-1], tokens[1:], is_end[1:]
+    """One ending as one row: (input, targets, n scored targets at the end). The last token is
+    only a target, so block_size + 1 tokens fit the window; a longer row is cut on the left."""
+    tokens = (ctx_tokens + end_tokens)[-(block_size + 1) :]
+    return tokens[:-1], tokens[1:], min(len(end_tokens), len(tokens) - 1)
+
+
+def _padded(rows, width):
+    t = torch.zeros(len(rows), width, dtype=torch.long)  # padding: a real id, never scored
+    for r, row in enumerate(rows):
+        t[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return t
+
+
+def _chunks(items, cost, budget):
+    """Consecutive runs of items within budget; cost(n, last) is that of a run of n items ending
+    with last (items are sorted so that the last one is the longest)."""
+    start = 0
+    while start < len(items):
+        stop = start + 1
+        while stop < len(items) and cost(stop + 1 - start, items[stop]) <= budget:
+            stop += 1
+        yield items[start:stop]
+        start = stop
+
+
+def _shared_batches(p, exs, slot_of, batch_tokens):
+    """Examples with one context length L per batch: contexts (B, L), then their 4B endings (all
+    but the last token, right-padded to Te) continuing from the cached context. Scored: the
+    context's last position (each ending's first token), then ending position t (token t+1)."""
+    exs = sorted(exs, key=lambda i: (len(p.ctx[i]), max(map(len, p.endings[i]))))
+    groups = {}
+    for i in exs:
+        groups.setdefault(len(p.ctx[i]), []).append(i)
+    batches = []
+    for L, group in groups.items():
+        cost = lambda n, last: n * (L + 4 * (max(map(len, p.endings[last])) - 1))  # noqa: E731
+        for b in _chunks(group, cost, batch_tokens):
+            ends = [e for i in b for e in p.endings[i]]
+            slots = [slot_of[i] + j for i in b for j in range(4)]
+            Te = max(map(len, ends)) - 1
+            gather, targets, rows = [], [e[0] for e in ends], list(slots)
+            for r, e in enumerate(ends):
+                gather += range(r * Te, r * Te + len(e) - 1)
+                targets += e[1:]
+                rows += [slots[r]] * (len(e) - 1)
+            batches.append(dict(ctx=_padded([p.ctx[i] for i in b], L), ends=_padded([e[:-1] for e in ends], Te),
+                                gather=torch.tensor(gather, dtype=torch.long), targets=torch.tensor(targets),
+                                slots=torch.tensor(rows)))  # fmt: skip
+    return batches
+
+
+def _row_batches(p, exs, slot_of, block_size, batch_tokens):
+    """(context + ending) rows sorted by length; scored: each row's last n_end positions."""
+    rows = sorted(((slot_of[i] + j, *_row(p.ctx[i], p.endings[i][j], block_size)) for i in exs for j in range(4)),
+                  key=lambda r: len(r[1]))  # fmt: skip
+    batches = []
+    for b in _chunks(rows, lambda n, last: n * len(last[1]), batch_tokens):
+        T = len(b[-1][1])
+        gather, targets, slots = [], [], []
+        for r, (slot, x, y, n_end) in enumerate(b):
+            gather += range(r * T + len(x) - n_end, r * T + len(x))
+            targets += y[len(y) - n_end :]
+            slots += [slot] * n_end
+        batches.append(dict(idx=_padded([r[1] for r in b], T), gather=torch.tensor(gather, dtype=torch.long),
+                            targets=torch.tensor(targets), slots=torch.tensor(slots)))  # fmt: skip
+    return batches
+
+
+def _batches(p, share, block_size, shared, batch_tokens, device):
+    """This share's batches on the device, built once; slot 4 k + j is ending j of share[k]."""
+    key = (block_size, shared, batch_tokens, str(device), tuple(share))
+    if key not in p.batches:
+        slot_of = {i: 4 * k for k, i in enumerate(share)}
+        # the shared path needs a context to continue from, and every row inside the window
+        fits = [i for i in share if shared and p.ctx[i] and len(p.ctx[i]) + max(map(len, p.endings[i])) <= block_size + 1]
+        fit = set(fits)
+        rest = [i for i in share if i not in fit]
+        batches = _shared_batches(p, fits, slot_of, batch_tokens) + _row_batches(p, rest, slot_of, block_size, batch_tokens)
+        pin = torch.device(device).type == "cuda"  # pinned: the copies need not wait for the GPU
+        for b in batches:
+            for k, v in b.items():
+                b[k] = (v.pin_memory() if pin else v).to(device, non_blocking=True)
+        p.batches.clear()  # keep one set: a training run asks for the same one every time
+        p.batches[key] = batches
+    return p.batches[key]
 
 
 @torch.no_grad()
-def ending_losses(model, enc, examples, device, batch_size=16, autocast_dtype=None, progress=False):
-    """Summed loss and number of scored tokens of every ending: two (len(examples), 4) tensors
-    on the CPU, in the order of examples. batch_size examples (4 rows each) per forward pass.
-    The model is used as it is (our GPT has no dropout; a transformers model must be in eval())."""
-    block_size = _block_size(model)
+def ending_losses(model, prepared, device, share=None, autocast_dtype=None, should_stop=None, progress=False,
+                  batch_tokens=None):  # fmt: skip
+    """Summed loss and number of scored tokens of every ending of the examples share (indices
+    into prepared, default all): two (len(share), 4) tensors on the CPU, or None if should_stop()
+    became true (it is asked between batches). batch_tokens: the most positions in one forward
+    pass (default 65,536 on CUDA, 4,096 elsewhere). The model is used as it is (our GPT has no
+    dropout; a transformers model must be in eval())."""
+    share = list(range(len(prepared))) if share is None else list(share)
     device_type = torch.device(device).type
-    rows = []  # 4 per example: (input, targets, mask)
-    for ex in examples:
-        ctx_tokens, ending_tokens = render_example(ex, enc)
-        rows.extend(_row(ctx_tokens, end, block_size) for end in ending_tokens)
-    n = len(examples)
-    sum_loss = torch.zeros(n, 4)
-    n_tokens = torch.zeros(n, 4, dtype=torch.long)
-    # longest examples first: similar lengths share a batch (little padding), and an
-    # out-of-memory shows up in the first batch, not the last
-    order = sorted(range(n), key=lambda i: -max(len(rows[4 * i + j][0]) for j in range(4)))
-    batches = [order[i : i + batch_size] for i in range(0, n, batch_size)]
-    if progress:
-        from tqdm import tqdm
-
-        batches = tqdm(batches, desc="hellaswag", unit="batch")
-    for batch in batches:
-        batch_rows = [rows[4 * i + j] for i in batch for j in range(4)]
-        T = max(len(r[0]) for r in batch_rows)
-        idx = torch.full((len(batch_rows), T), enc.eot_token, dtype=torch.long)  # padding: any real id
-        targets = torch.zeros_like(idx)
-        mask = torch.zeros_like(idx, dtype=torch.bool)
-        for r, (x, y, m) in enumerate(batch_rows):
-            idx[r, : len(x)] = torch.tensor(x)
-            targets[r, : len(y)] = torch.tensor(y)
-            mask[r, : len(m)] = torch.tensor(m)
-        idx, targets, mask = idx.to(device), targets.to(device), mask.to(device)
-        with torch.autocast(device_type=device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out = model(idx)
-        logits = out.logits if hasattr(out, "logits") else out[0]  # transformers output or our tuple
-        # the loss only at positions that predict an ending token: context and padding cost nothing
-        losses = F.cross_entropy(logits[mask].float(), targets[mask], reduction="none")
-        row_of = torch.arange(len(batch_rows), device=device).unsqueeze(1).expand_as(mask)[mask]
-        row_loss = torch.zeros(len(batch_rows), device=device).index_add_(0, row_of, losses)
-        sum_loss[batch] = row_loss.view(-1, 4).cpu()
-        n_tokens[batch] = mask.sum(1).view(-1, 4).cpu()
-    return sum_loss, n_tokens
+    batch_tokens = batch_tokens or (65536 if device_type == "cuda" else 4096)
+    config = _unwrap(model).config
+    block_size = getattr(config, "block_size", None) or config.n_positions
+    hidden, lm_head, kv_cache = _trunk(model)
+    batches = _batches(prepared, share, block_size, kv_cache is not None, batch_tokens, device)
+    n_tokens = torch.tensor([[_row(prepared.ctx[i], e, block_size)[2] for e in prepared.endings[i]] for i in share])
+    sum_loss = torch.zeros(4 * len(share), device=device)
+    head_chunk = 16384 if device_type == "cuda" else 2048  # (chunk x vocab) fp32 log-probabilities at a time
+    t0 = t_print = time.time()
+    for n_done, b in enumerate(batches):
+        if should_stop is not None and should_stop():
+            return None
+        with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            if "ctx" in b:  # the context once, then its 4 endings from the cache
+                B, L = b["ctx"].shape
+                Te = b["ends"].size(1)
+                cache = kv_cache(L + Te)
+                h = hidden(b["ctx"], cache)[:, -1].repeat_interleave(4, dim=0)  # (4B, C): first ending tokens
+                if Te > 0:
+                    h_ends = hidden(b["ends"], cache.repeat_interleave(4))
+                    h = torch.cat([h, h_ends.flatten(0, 1)[b["gather"]]])
+            else:
+                h = hidden(b["idx"]).flatten(0, 1)[b["gather"]]
+            for s in range(0, h.size(0), head_chunk):
+                logits = lm_head(h[s : s + head_chunk])
+                loss = F.cross_entropy(logits.float(), b["targets"][s : s + head_chunk], reduction="none")
+                sum_loss.index_add_(0, b["slots"][s : s + head_chunk], loss)
+        if progress and time.time() - t_print > 10:
+            t_print = time.time()
+            print(f"hellaswag: batch {n_done + 1}/{len(batches)}, {t_print - t0:.0f} s", file=sys.stderr, flush=True)
+    return sum_loss.view(-1, 4).cpu(), n_tokens
 
 
-def evaluate(model, enc, examples, device, rank=0, world_size=1, batch_size=16, autocast_dtype=None, progress=False):
-    """Score this rank's share of examples (every world_size-th, from rank): a dict of counts
-    that the ranks sum: n, correct (acc), correct_norm (acc_norm), and the same three per
-    split_type as n_<type>, correct_<type>, correct_norm_<type>. The keys depend only on
-    examples, so every rank returns the same keys. batch_size=1 is one example per forward."""
-    split_types = sorted(set(SPLIT_TYPES) | {ex["split_type"] for ex in examples})
-    share = examples[rank::world_size]
+def evaluate(model, prepared, device, rank=0, world_size=1, autocast_dtype=None, should_stop=None, progress=False,
+             batch_tokens=None):  # fmt: skip
+    """Score this rank's share of the prepared examples (every world_size-th, from rank): a dict
+    of counts that the ranks sum: n, correct (acc), correct_norm (acc_norm), and the same three
+    per split_type as n_<type>, correct_<type>, correct_norm_<type>. The keys depend only on the
+    examples, so every rank returns the same keys. None if should_stop() became true."""
+    split_types = sorted(set(SPLIT_TYPES) | set(prepared.split_types))
+    share = list(range(rank, len(prepared), world_size))
     counts = {f"{k}{t}": 0 for t in ("", *(f"_{s}" for s in split_types)) for k in ("n", "correct", "correct_norm")}
+    if should_stop is not None and should_stop():
+        return None
     if share:
-        sum_loss, n_tokens = ending_losses(model, enc, share, device, batch_size, autocast_dtype, progress)
+        result = ending_losses(model, prepared, device, share, autocast_dtype, should_stop, progress, batch_tokens)
+        if result is None:
+            return None
+        sum_loss, n_tokens = result
         pred = sum_loss.argmin(1).tolist()
         pred_norm = (sum_loss / n_tokens).argmin(1).tolist()
-        for ex, p, pn in zip(share, pred, pred_norm):
-            for t in ("", f"_{ex['split_type']}"):
+        for i, p, pn in zip(share, pred, pred_norm):
+            label = prepared.labels[i]
+            for t in ("", f"_{prepared.split_types[i]}"):
                 counts[f"n{t}"] += 1
-                counts[f"correct{t}"] += int(p == ex["label"])
-                counts[f"correct_norm{t}"] += int(pn == ex["label"])
+                counts[f"correct{t}"] += int(p == label)
+                counts[f"correct_norm{t}"] += int(pn == label)
     return counts
 
 
@@ -279,28 +449,29 @@ def main(argv=None):
     p.add_argument("-m", "--model", default="gpt2", help="gpt2*, a transformers dir or our checkpoint (default gpt2)")
     p.add_argument("-d", "--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
-    p.add_argument("--batch-size", type=int, default=16, help="examples per forward pass (4 rows each)")
+    p.add_argument("--batch-tokens", type=int, default=None,
+                   help="most positions in one forward pass (default 65536 on CUDA, 4096 elsewhere)")  # fmt: skip
     p.add_argument("--data", default=None, help="a local HellaSwag jsonl instead of the cache / download")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="where the downloaded jsonl is kept")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="autocast dtype")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="autocast dtype (default auto: bfloat16 on CUDA, as training uses; float32 elsewhere)")  # fmt: skip
     args = p.parse_args(argv)
 
     from train_gpt2 import get_tokenizer, load_model, pick_device  # train_gpt2 imports us: not at the top
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: give a positive number of examples")
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size {args.batch_size}: give a positive number of examples")
+    if args.batch_tokens is not None and args.batch_tokens < 1:
+        raise UserError(f"--batch-tokens {args.batch_tokens}: give a positive number of positions")
     examples = load_examples(args.data, args.cache_dir, args.limit)  # bad data fails before the model loads
-    device, _ = pick_device(args.device)
-    enc = get_tokenizer()
+    device, device_type = pick_device(args.device)
+    prepared = prepare(examples, get_tokenizer())
     model = load_model(args.model, device).eval()
-    autocast_dtype = None if args.dtype == "float32" else getattr(torch, args.dtype)
-    counts = evaluate(
-        model, enc, examples, device, batch_size=args.batch_size, autocast_dtype=autocast_dtype, progress=True
-    )
+    dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device_type == "cuda" else "float32"
+    autocast_dtype = None if dtype == "float32" else getattr(torch, dtype)
+    counts = evaluate(model, prepared, device, autocast_dtype=autocast_dtype, progress=True, batch_tokens=args.batch_tokens)
     n = counts["n"]
-    print(f"HellaSwag {args.model}: {n} examples")
+    print(f"HellaSwag {args.model}: {n} examples, {dtype}")
     print(f"acc      {counts['correct'] / n:.4f}  ({counts['correct']}/{n})")
     print(f"acc_norm {counts['correct_norm'] / n:.4f}  ({counts['correct_norm']}/{n})")
     for t in sorted(k[2:] for k in counts if k.startswith("n_")):

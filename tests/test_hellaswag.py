@@ -1,5 +1,6 @@
-"""hellaswag.py: tokens, batched scores against a plain per-example loop, sharding, the data
-sources (Hub, then URL; network calls replaced by local data) and refusing bad data."""
+"""hellaswag.py: tokens, the fast scorer (shared contexts, head at the scored positions only)
+against a plain one-row-per-forward loop, sharding, stopping, the data sources (Hub, then URL;
+network calls replaced by local data), offline detection and refusing bad data."""
 
 import io
 import json
@@ -10,11 +11,9 @@ import urllib.error
 import urllib.request
 from collections import Counter
 
-import datasets
 import pytest
 import torch
 from torch.nn import functional as F
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import hellaswag
 from hellaswag import HellaSwagDataError
@@ -39,20 +38,16 @@ def reference(shared_data):
 
 
 def plain_losses(logits_of, enc, example, block_size):
-    """The scoring written out directly, the original way: one example per forward pass (its 4
-    rows right-padded). Returns the summed loss and the mean loss per scored token of each ending."""
+    """The scoring written out directly, the plain way: one row (context + ending) per forward
+    pass, logits everywhere. Returns the summed loss and the mean loss per scored token of each ending."""
     ctx = enc.encode(example["ctx"])
-    rows, n_ends = [], []
+    sums, means = [], []
     for ending in example["endings"]:
         end = enc.encode(" " + ending)
-        rows.append((ctx + end)[-(block_size + 1) :])  # the documented cut: keep the last block_size+1
-        n_ends.append(min(len(end), len(rows[-1]) - 1))  # ending tokens that have a token before them
-    T = max(len(r) for r in rows)
-    tokens = torch.tensor([r + [0] * (T - len(r)) for r in rows])
-    logits = logits_of(tokens[:, :-1])  # position t predicts token t + 1
-    sums, means = [], []
-    for i, (row, n_end) in enumerate(zip(rows, n_ends)):
-        logp = F.log_softmax(logits[i, len(row) - 1 - n_end : len(row) - 1].float(), dim=-1)
+        row = (ctx + end)[-(block_size + 1) :]  # the documented cut: keep the last block_size+1
+        n_end = min(len(end), len(row) - 1)  # ending tokens that have a token before them
+        logits = logits_of(torch.tensor([row[:-1]]))[0]  # position t predicts token t + 1
+        logp = F.log_softmax(logits[len(row) - 1 - n_end :].float(), dim=-1)
         sums.append(-logp[torch.arange(n_end), torch.tensor(row[-n_end:])].sum().item())
         means.append(sums[-1] / n_end)
     return sums, means
@@ -150,7 +145,18 @@ def no_network(*args, **kwargs):
     raise ConnectionError("offline in this test")
 
 
-def test_hub_download_writes_the_original_file(tmp_path, monkeypatch, val_path):
+@pytest.fixture
+def datasets(monkeypatch):
+    """datasets, with the network looking reachable (conftest sets the offline variables, and
+    every network call of these tests is replaced by local data)."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(hellaswag, "_reachable", lambda url, timeout=3.0: True)
+    return datasets
+
+
+def test_hub_download_writes_the_original_file(tmp_path, monkeypatch, val_path, datasets):
     hub = datasets.Dataset.from_list(hub_rows(val_path))
     calls = []
 
@@ -170,7 +176,7 @@ def test_hub_download_writes_the_original_file(tmp_path, monkeypatch, val_path):
     assert len(hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))) == 10042
 
 
-def test_url_fallback_when_the_hub_fails(tmp_path, monkeypatch, val_path):
+def test_url_fallback_when_the_hub_fails(tmp_path, monkeypatch, val_path, datasets):
     urls = []
 
     def urlopen(url, timeout=None):
@@ -193,7 +199,7 @@ def test_url_fallback_when_the_hub_fails(tmp_path, monkeypatch, val_path):
     ],
     ids=["html", "status", "short"],
 )
-def test_bad_download_is_not_cached(tmp_path, monkeypatch, val_path, response, message):
+def test_bad_download_is_not_cached(tmp_path, monkeypatch, val_path, response, message, datasets):
     monkeypatch.setattr(datasets, "load_dataset", no_network)
     monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: response(val_path))
     with pytest.raises(HellaSwagDataError, match=f"Rowan/hellaswag: offline in this test; .*{message}.*--data"):
@@ -201,7 +207,7 @@ def test_bad_download_is_not_cached(tmp_path, monkeypatch, val_path, response, m
     assert os.listdir(tmp_path) == []
 
 
-def test_http_error_names_both_sources(tmp_path, monkeypatch):
+def test_http_error_names_both_sources(tmp_path, monkeypatch, datasets):
     def urlopen(url, timeout=None):
         raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
 
@@ -212,6 +218,48 @@ def test_http_error_names_both_sources(tmp_path, monkeypatch):
     assert not (tmp_path / "c" / hellaswag.CACHE_NAME).exists()
 
 
+def never(*args, **kwargs):
+    raise AssertionError("no download may be tried offline")
+
+
+@pytest.mark.parametrize("var", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
+def test_offline_variable_fails_at_once(tmp_path, monkeypatch, var):
+    for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv(var, "1")
+    monkeypatch.setattr(urllib.request, "urlopen", never)
+    monkeypatch.setattr(hellaswag.socket, "create_connection", never)
+    monkeypatch.setattr(hellaswag, "_fetch_from_hub", never)
+    with pytest.raises(HellaSwagDataError, match=f"{var} is set.*pass --data path/to/hellaswag_val.jsonl"):
+        hellaswag.load_examples(cache_dir=str(tmp_path / "c"))
+    assert not (tmp_path / "c").exists()
+
+
+def test_no_network_fails_after_one_quick_probe(tmp_path, monkeypatch):
+    for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(v, raising=False)
+    for v in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(v, raising=False)
+    probes = []
+
+    def create_connection(address, timeout=None):
+        probes.append((address, timeout))
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(hellaswag.socket, "create_connection", create_connection)
+    monkeypatch.setattr(urllib.request, "urlopen", never)
+    monkeypatch.setattr(hellaswag, "_fetch_from_hub", never)
+    with pytest.raises(HellaSwagDataError, match="no network.*pass --data path/to/hellaswag_val.jsonl"):
+        hellaswag.load_examples(cache_dir=str(tmp_path))
+    assert probes == [(("huggingface.co", 443), 3.0), (("raw.githubusercontent.com", 443), 3.0)]
+    # behind a proxy the proxy is what must answer
+    probes.clear()
+    monkeypatch.setenv("https_proxy", "http://proxy.example:3128")
+    with pytest.raises(HellaSwagDataError, match="no network"):
+        hellaswag.load_examples(cache_dir=str(tmp_path))
+    assert probes == [(("proxy.example", 3128), 3.0)] * 2
+
+
 # ----------------------------------------------------------------------------------------------
 # Scoring
 
@@ -219,9 +267,10 @@ def test_http_error_names_both_sources(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A random transformers GPT-2 saved locally; n_embd 32 keeps the 50257-way output layer cheap."""
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = GPT2LMHeadModel(config)
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
     with torch.no_grad():  # move the LayerNorms and biases off their 1 / 0 init so that they matter
         for name, p in model.named_parameters():
             if "ln" in name or name.endswith("bias"):
@@ -231,26 +280,60 @@ def hf_dir(tmp_path_factory):
     return path
 
 
+N_PLAIN = 1000
+
+
 @pytest.fixture(scope="module")
 def parity(hf_dir, examples, enc):
-    """The transformers model and ours with the same weights (block size 128), and the plain
-    losses of the transformers model on the first 200 examples: the reference for both."""
-    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
-    exs = examples[:200]
+    """Our model and the transformers one with the same weights (block size 128: the longest
+    rows do not fit, so both scoring paths run), the first 1,000 examples prepared, and the plain
+    one-row-per-forward losses of our model on them: the reference. The first 500 ActivityNet
+    examples of the file, then 500 WikiHow ones, whose longest rows do not fit 128 positions."""
+    from transformers import GPT2LMHeadModel
+
+    ours = GPT.from_pretrained(str(hf_dir)).eval()
+    exs = examples[: N_PLAIN // 2] + [ex for ex in examples if ex["source_id"].startswith("wikihow")][: N_PLAIN // 2]
     with torch.no_grad():
-        plain = [plain_losses(lambda x: hf(x).logits, enc, ex, 128) for ex in exs]
-    return {"hf": hf, "ours": GPT.from_pretrained(str(hf_dir)), "examples": exs, "plain": plain}
+        plain = [plain_losses(lambda x: ours(x)[0], enc, ex, 128) for ex in exs]
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    return {"hf": hf, "ours": ours, "examples": exs, "prepared": hellaswag.prepare(exs, enc), "plain": plain}
 
 
-@pytest.mark.parametrize("kind", ["ours", "hf"])
-def test_batched_equals_plain_per_example_loop(kind, parity, enc):
-    exs, plain = parity["examples"], parity["plain"]
-    sum_loss, n_tokens = hellaswag.ending_losses(parity[kind], enc, exs, "cpu", batch_size=7)  # 7: a ragged last batch
+@pytest.fixture(scope="module")
+def small(hf_dir, examples, enc):
+    """Our model of hf_dir and the plain losses of the first 40 examples of the file."""
+    ours = GPT.from_pretrained(str(hf_dir)).eval()
+    exs = examples[:40]
+    with torch.no_grad():
+        plain = [plain_losses(lambda x: ours(x)[0], enc, ex, 128) for ex in exs]
+    return {"ours": ours, "examples": exs, "plain": plain}
+
+
+def test_fast_scorer_equals_plain_loop_on_1000_examples(parity):
+    exs, plain, prepared = parity["examples"], parity["plain"], parity["prepared"]
+    block_size = 128
+    # both paths are exercised: shared contexts, and rows too long for the window
+    too_long = [i for i in range(len(prepared)) if len(prepared.ctx[i]) + max(map(len, prepared.endings[i])) > block_size + 1]  # fmt: skip
+    assert 0 < len(too_long) < len(exs) // 2
+    sum_loss, n_tokens = hellaswag.ending_losses(parity["ours"], prepared, "cpu", batch_tokens=3000)
     assert torch.allclose(sum_loss, torch.tensor([s for s, _ in plain]), rtol=1e-4, atol=1e-4)
     preds, preds_norm = [argmin(s) for s, _ in plain], [argmin(m) for _, m in plain]
     assert preds != preds_norm  # the two scores pick differently here, so both are really checked
     assert sum_loss.argmin(1).tolist() == preds
     assert (sum_loss / n_tokens).argmin(1).tolist() == preds_norm
+    # the counts, overall and per split_type, are those of the plain predictions
+    by_hand = counts_by_hand(exs, preds, preds_norm)
+    counts = hellaswag.evaluate(parity["ours"], prepared, "cpu", batch_tokens=3000)
+    assert counts == {k: by_hand[k] for k in counts} and counts["n"] == N_PLAIN and counts["n_zeroshot"] > 0
+
+
+def test_transformers_model_is_scored_the_same(parity, enc):
+    sub = hellaswag.prepare(parity["examples"][:150], enc)
+    plain = parity["plain"][:150]
+    sum_loss, n_tokens = hellaswag.ending_losses(parity["hf"], sub, "cpu", batch_tokens=777)  # a ragged last batch
+    assert torch.allclose(sum_loss, torch.tensor([s for s, _ in plain]), rtol=1e-4, atol=1e-4)
+    assert sum_loss.argmin(1).tolist() == [argmin(s) for s, _ in plain]
+    assert (sum_loss / n_tokens).argmin(1).tolist() == [argmin(m) for _, m in plain]
 
 
 def test_rows_longer_than_block_size_keep_their_end(tiny_config, examples, enc):
@@ -263,25 +346,49 @@ def test_rows_longer_than_block_size_keep_their_end(tiny_config, examples, enc):
     assert sum(n > block_size + 1 for n in lengths) >= 40 and sum(n <= block_size + 1 for n in lengths) >= 40
     with torch.no_grad():
         plain = [plain_losses(lambda x: model(x)[0], enc, ex, block_size) for ex in exs]
-    sum_loss, _ = hellaswag.ending_losses(model, enc, exs, "cpu", batch_size=8)
+    sum_loss, _ = hellaswag.ending_losses(model, hellaswag.prepare(exs, enc), "cpu", batch_tokens=500)
     assert torch.allclose(sum_loss, torch.tensor([s for s, _ in plain]), rtol=1e-4, atol=1e-4)
     # an ending longer than the window: every target in the window is an ending token
     long = dict(exs[0], endings=["word " * 100, "a", "b c", "d e f"])
-    _, n_tokens = hellaswag.ending_losses(model, enc, [long], "cpu")
+    _, n_tokens = hellaswag.ending_losses(model, hellaswag.prepare([long], enc), "cpu")
     assert n_tokens.tolist() == [[block_size, 1, 2, 3]]
 
 
-def test_evaluate_counts_and_shards_sum_to_the_whole(parity, enc):
-    model, exs, plain = parity["ours"], parity["examples"][:40], parity["plain"][:40]
+def test_evaluate_counts_and_shards_sum_to_the_whole(small, enc):
+    model, exs, plain = small["ours"], small["examples"], small["plain"]
+    prepared = hellaswag.prepare(exs, enc)
     by_hand = counts_by_hand(exs, [argmin(s) for s, _ in plain], [argmin(m) for _, m in plain])
-    whole = hellaswag.evaluate(model, enc, exs, "cpu", batch_size=16)
+    whole = hellaswag.evaluate(model, prepared, "cpu")
     assert set(whole) == {f"{k}{t}" for k in ("n", "correct", "correct_norm") for t in ("", "_indomain", "_zeroshot")}
     assert whole == {k: by_hand[k] for k in whole} and whole["n"] == 40
-    parts = [hellaswag.evaluate(model, enc, exs, "cpu", rank, 3, batch_size=16) for rank in range(3)]
+    parts = [hellaswag.evaluate(model, prepared, "cpu", rank, 3, batch_tokens=700) for rank in range(3)]
     assert [p["n"] for p in parts] == [14, 13, 13]
     assert {k: sum(p[k] for p in parts) for k in whole} == whole
     # a rank with no examples still returns every key, as zeros, so the ranks can be summed
-    assert hellaswag.evaluate(model, enc, exs[:3], "cpu", rank=5, world_size=8) == dict.fromkeys(whole, 0)
+    assert hellaswag.evaluate(model, hellaswag.prepare(exs[:3], enc), "cpu", rank=5, world_size=8) == dict.fromkeys(whole, 0)
+
+
+def test_should_stop_ends_the_eval_between_batches(small, examples, enc):
+    asked = []
+
+    def should_stop():
+        asked.append(1)
+        return len(asked) > 3
+
+    prepared = hellaswag.prepare(examples[:300], enc)
+    assert hellaswag.evaluate(small["ours"], prepared, "cpu", should_stop=should_stop, batch_tokens=2000) is None
+    assert len(asked) == 4  # asked before the eval and before each batch; stopped before the third of many
+    assert hellaswag.evaluate(small["ours"], prepared, "cpu", should_stop=lambda: True) is None
+
+
+def test_prepare_names_an_example_that_cannot_be_tokenized(examples, enc):
+    bad = dict(examples[1], ctx="a <|endoftext|> in the text")
+    with pytest.raises(HellaSwagDataError, match=r"example 1 \(ind \d+\) cannot be tokenized: .*endoftext"):
+        hellaswag.prepare([examples[0], bad], enc)
+    with pytest.raises(HellaSwagDataError, match=r"example 0 .*cannot be tokenized: 'ctx'"):
+        hellaswag.prepare([{k: v for k, v in examples[0].items() if k != "ctx"}], enc)
+    with pytest.raises(HellaSwagDataError, match=r"example 0 .*4 endings"):
+        hellaswag.prepare([dict(examples[0], endings=["a", "b"])], enc)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,11 +399,11 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "hellaswag.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
 
 
-def test_cli_prints_accuracy(hf_dir, parity, val_path):
-    r = run_cli("-m", hf_dir, "-d", "cpu", "--data", val_path, "--limit", 20, "--batch-size", 4)
+def test_cli_prints_accuracy(hf_dir, small, val_path):
+    r = run_cli("-m", hf_dir, "-d", "cpu", "--data", val_path, "--limit", 20, "--batch-tokens", 300)
     assert r.returncode == 0, r.stderr
-    plain = parity["plain"][:20]
-    c = counts_by_hand(parity["examples"][:20], [argmin(s) for s, _ in plain], [argmin(m) for _, m in plain])
+    plain = small["plain"][:20]
+    c = counts_by_hand(small["examples"][:20], [argmin(s) for s, _ in plain], [argmin(m) for _, m in plain])
     assert f"acc      {c['correct'] / 20:.4f}  ({c['correct']}/20)" in r.stdout
     assert f"acc_norm {c['correct_norm'] / 20:.4f}  ({c['correct_norm']}/20)" in r.stdout
     assert f"indomain  n={c['n_indomain']:<5} acc {c['correct_indomain'] / c['n_indomain']:.4f}" in r.stdout
@@ -309,6 +416,15 @@ def test_cli_bad_data_is_one_line(tmp_path):
         r = run_cli("-m", "gpt2", "--data", data)
         assert r.returncode == 1
         assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_cli_offline_without_data_is_one_quick_line(tmp_path):
+    # conftest sets HF_HUB_OFFLINE for the tests, and this subprocess inherits it
+    r = run_cli("-m", "gpt2", "--cache-dir", tmp_path / "cache")
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: cannot download HellaSwag (HF_HUB_OFFLINE is set)") and r.stderr.count("\n") == 1
+    assert "pass --data path/to/hellaswag_val.jsonl" in r.stderr
+    assert not (tmp_path / "cache").exists()
 
 
 def test_import_needs_neither_transformers_nor_the_trainer():

@@ -1,0 +1,245 @@
+"""The CUDA tier: what only a GPU can show. The 124M model compiled in bf16 learns; torchrun runs it
+over NCCL; --resume is bitwise with --deterministic and close without it; HellaSwag and greedy
+sampling in fp32 give the CPU's answers. Skipped, with the reason, on a machine without CUDA.
+
+    python -m pytest -q tests/test_cuda.py        # ~3 min on one H100, most of it compiling
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import read_log
+
+import hellaswag
+import train_gpt2
+from fineweb import write_shard
+from train_gpt2 import GPT, GPTConfig
+
+ROOT = __import__("conftest").ROOT
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
+
+# GPT-2 124M as trained (12 layers, 768 wide, block 1024) at a small batch: B 4 x T 1024 x 2 micro-steps
+SMALL_BATCH = ("-B", 4, "-T", 1024, "--total-batch-size", 8192)
+
+
+def gpu_args(data_dir, out_dir, *extra):
+    """train_gpt2.py's defaults (cuda, bf16, compile) at a small batch; later flags win."""
+    return [
+        "--data-dir", data_dir, "--out-dir", out_dir, *SMALL_BATCH, "--max-steps", 8, "--warmup-steps", 4,
+        "--max-lr", 1e-3, "--eval-every", 0, "--hellaswag-every", 0, "--sample-every", 0, "--ckpt-every", 0,
+        *extra,
+    ]  # fmt: skip
+
+
+def run(*command, env=None, timeout=600):
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = [str(c) for c in command]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def train(*args, env=None):
+    r = run(sys.executable, "train_gpt2.py", *args, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def shakespeare(tmp_path_factory, shared_data, enc):
+    """Tiny Shakespeare as shards: real text, so that a loss can fall. ~300k train tokens."""
+    data = tmp_path_factory.mktemp("shakespeare_gpu")
+    tokens = [enc.eot_token] + enc.encode_ordinary((shared_data / "tinyshakespeare" / "input.txt").read_text())
+    tokens = np.array(tokens, dtype=np.uint16)
+    write_shard(str(data / "ts_val_000000.npy"), tokens[:32_768])
+    write_shard(str(data / "ts_train_000001.npy"), tokens[32_768:])
+    return data
+
+
+@pytest.fixture(scope="module")
+def run_124m(shakespeare, tmp_path_factory):
+    """20 steps of the 124M model as a GPU run makes them: bf16 autocast, torch.compile, fused AdamW."""
+    out = tmp_path_factory.mktemp("run_124m")
+    train(*gpu_args(shakespeare, out, "--max-steps", 20, "--eval-every", 20, "--val-tokens", 16384))
+    return out
+
+
+def test_compiled_bf16_124m_loss_falls(run_124m):
+    records, steps = read_log(run_124m)
+    header = records[0]
+    assert header["config"]["dtype"] == "bfloat16" and header["config"]["compile"] is True
+    assert header["config"]["model_config"]["n_layer"] == 12 and header["config"]["model_config"]["n_embd"] == 768
+    assert header["device"] == torch.cuda.get_device_name(0)
+    assert sorted(steps) == list(range(20))
+    losses = [steps[s]["train_loss"] for s in range(20)]
+    assert 10.5 < losses[0] < 11.5  # ln(50304) = 10.83: a fresh model guesses uniformly
+    assert max(losses[-3:]) < losses[0] - 3.0, losses  # Shakespeare's unigrams alone take it to ~7
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(val) == 2 and val[1] < val[0] - 3.0
+    assert all(0 < steps[s]["mfu"] < 1 for s in range(1, 20) if steps[s]["mfu"] is not None)
+
+
+def test_torchrun_one_rank_over_nccl(shakespeare, run_124m, tmp_path, shared_data):
+    """DDP with one rank (NCCL, compile, bf16) trains as the plain run and evaluates too."""
+    out = tmp_path / "ddp"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    args = gpu_args(
+        shakespeare, out, "--max-steps", 20, "--eval-every", 20, "--val-tokens", 16384, "--hellaswag-every", 20,
+        "--hellaswag-limit", 40, "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl",
+        "--sample-every", 20, "--num-samples", 2, "--max-new-tokens", 8,
+    )  # fmt: skip
+    r = run(*torchrun, "train_gpt2.py", *args, env={"NCCL_DEBUG": "VERSION"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "NCCL version" in r.stdout + r.stderr  # the process group really is NCCL's
+    records, steps = read_log(out)
+    _, plain = read_log(run_124m)
+    assert records[0]["config"]["world_size"] == 1 and records[0]["config"]["compile"] is True
+    assert sorted(steps) == list(range(20))
+    # the same model, data and schedule; DDP splits the compiled graph at its gradient buckets,
+    # so bf16 rounds a little differently: close, not bitwise
+    for s in range(20):
+        assert steps[s]["train_loss"] == pytest.approx(plain[s]["train_loss"], rel=1e-2), s
+    assert [r["hellaswag_n"] for r in records if "hellaswag_n" in r] == [40, 40]
+    assert [r["step"] for r in records if "samples" in r] == [20]
+    assert "step    20 | sample 1:" in r.stdout
+
+
+def _resume_pair(shakespeare, tmp_path, *flags):
+    """A reference run of 8 steps, and a second process that resumes from its step-4 checkpoint."""
+    args = lambda out: gpu_args(shakespeare, out, "--ckpt-every", 4, *flags)
+    train(*args(tmp_path / "ref"))
+    (tmp_path / "resumed").mkdir()
+    shutil.copy(tmp_path / "ref" / "ckpt_000004.pt", tmp_path / "resumed")
+    r = train(*args(tmp_path / "resumed"), "--resume")
+    assert "resuming from" in r.stdout and "at step 4" in r.stdout
+    ref, resumed = read_log(tmp_path / "ref")[1], read_log(tmp_path / "resumed")[1]
+    assert sorted(resumed) == [4, 5, 6, 7]
+    a, b = (train_gpt2.load_checkpoint(str(tmp_path / d / "ckpt_000008.pt")) for d in ("ref", "resumed"))
+    return ref, resumed, a, b
+
+
+def test_resume_with_deterministic_is_bitwise(shakespeare, tmp_path):
+    ref, resumed, a, b = _resume_pair(shakespeare, tmp_path, "--deterministic")
+    for s in (4, 5, 6, 7):
+        assert resumed[s]["train_loss"] == ref[s]["train_loss"], s
+        assert resumed[s]["grad_norm"] == ref[s]["grad_norm"], s
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    moments = lambda c: [t for s in c["optimizer"]["state"].values() for t in (s["exp_avg"], s["exp_avg_sq"])]
+    assert all(torch.equal(x, y) for x, y in zip(moments(a), moments(b)))
+
+
+# Without --deterministic the backward's atomics reorder sums from run to run; over 4 steps of
+# the 124M model that moved the loss in the 5th-6th digit on an H100 (issue 13). Stated tolerance:
+RESUME_RTOL_LOSS, RESUME_RTOL_NORM = 1e-4, 1e-3
+
+
+def test_resume_without_deterministic_is_close(shakespeare, tmp_path):
+    ref, resumed, a, b = _resume_pair(shakespeare, tmp_path)
+    for s in (4, 5, 6, 7):
+        assert resumed[s]["train_loss"] == pytest.approx(ref[s]["train_loss"], rel=RESUME_RTOL_LOSS), s
+        assert resumed[s]["grad_norm"] == pytest.approx(ref[s]["grad_norm"], rel=RESUME_RTOL_NORM), s
+    differs = max((a["model"][k].float() - b["model"][k].float()).abs().max().item() for k in a["model"])
+    assert differs < 1e-3  # AdamW moves a weight by at most ~lr = 1e-3 a step
+
+
+@pytest.fixture(scope="module")
+def eval_model():
+    """A random 4-layer, 256-wide GPT (seeded): the CPU and the GPU get the same weights."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=256, vocab_size=50304, n_layer=4, n_head=4, n_embd=256)).eval()
+
+
+@pytest.fixture
+def fp32_exact():
+    """fp32 on the GPU without TF32 (11-bit mantissa matmuls): the CPU's arithmetic, up to the order of sums."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _hellaswag_scores(model, enc, examples, device):
+    """(4 summed ending losses, 4 token counts) per example, on the CPU."""
+    sum_loss, n_tokens = hellaswag.ending_losses(model, hellaswag.prepare(examples, enc), device)
+    return sum_loss.cpu(), n_tokens.cpu()
+
+
+def test_hellaswag_cuda_fp32_predicts_as_the_cpu(eval_model, enc, shared_data, fp32_exact):
+    examples = hellaswag.load_examples(str(shared_data / "hellaswag" / "hellaswag_val.jsonl"), limit=200)
+    cpu_loss, cpu_n = _hellaswag_scores(eval_model, enc, examples, "cpu")
+    gpu_loss, gpu_n = _hellaswag_scores(eval_model.to("cuda"), enc, examples, "cuda")
+    eval_model.to("cpu")
+    assert torch.equal(cpu_n, gpu_n)
+    assert torch.allclose(gpu_loss, cpu_loss, rtol=1e-5, atol=1e-4)
+    # the predictions: where two endings score within 1e-3 of each other, the order of the GPU's
+    # sums may legitimately pick the other one; everywhere else the pick must be the CPU's
+    undecided = 0
+    for scores_cpu, scores_gpu in ((cpu_loss, gpu_loss), (cpu_loss / cpu_n, gpu_loss / gpu_n)):
+        top2 = scores_cpu.topk(2, dim=1, largest=False).values
+        decided = (top2[:, 1] - top2[:, 0]) > 1e-3
+        undecided += int((~decided).sum())
+        assert torch.equal(scores_cpu.argmin(1)[decided], scores_gpu.argmin(1)[decided])
+    assert undecided <= 10  # near-ties are rare: the comparison covers nearly every example
+    # and the counts training logs, through the whole evaluate path on the GPU, against the CPU's
+    # scores counted here by hand
+    gpu_counts = hellaswag.evaluate(eval_model.to("cuda"), hellaswag.prepare(examples, enc), "cuda")
+    eval_model.to("cpu")
+    labels = torch.tensor([ex["label"] for ex in examples])
+    cpu_correct = int((cpu_loss.argmin(1) == labels).sum())
+    cpu_correct_norm = int(((cpu_loss / cpu_n).argmin(1) == labels).sum())
+    assert gpu_counts["n"] == 200
+    assert abs(gpu_counts["correct"] - cpu_correct) <= undecided
+    assert abs(gpu_counts["correct_norm"] - cpu_correct_norm) <= undecided
+
+
+def test_greedy_samples_cuda_fp32_equal_the_cpu(eval_model, enc, fp32_exact):
+    prompt = torch.tensor([enc.encode("Hello, I'm a language model,")] * 2)
+    n_prompt, n_new = prompt.size(1), 32
+    with torch.no_grad():
+        cpu = eval_model.generate(prompt, n_new, temperature=0)
+        gpu = eval_model.to("cuda").generate(prompt.to("cuda"), n_new, temperature=0).cpu()
+        eval_model.to("cpu")
+        # the CPU's margin between its best and second-best token at each step: only a near-tie may flip
+        logits, _ = eval_model(cpu[:1, :-1])
+    assert torch.equal(cpu[0], cpu[1]) and torch.equal(gpu[0], gpu[1])  # greedy: both rows the same
+    top2 = logits[0, n_prompt - 1 :, : train_gpt2.GPT2_VOCAB].topk(2, dim=-1).values
+    gaps = (top2[:, 0] - top2[:, 1]).tolist()
+    first_tie = next((i for i, g in enumerate(gaps) if g < 1e-3), n_new)
+    assert torch.equal(gpu[:, : n_prompt + first_tie], cpu[:, : n_prompt + first_tie])
+    assert first_tie >= 24, gaps  # the whole sample, or all but a last few tokens after a near-tie
+    # and the text path training prints, on the GPU
+    text = train_gpt2.sample_text(eval_model.to("cuda"), enc, "Hello, I'm a language model,", 1, n_new, temperature=0)
+    eval_model.to("cpu")
+    if first_tie == n_new:
+        assert text == [enc.decode(cpu[0].tolist())]
+
+
+def test_bench_tiny_on_cuda(tmp_path, shared_data):
+    out = tmp_path / "bench.json"
+    r = run(
+        sys.executable, ROOT / "bench.py", "--tiny", "--device", "cuda", "--out", out,
+        "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl",
+        "--only", "ceiling,loader,train,hellaswag,sample",  # fineweb tokenizes on the CPU: test_bench's
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["machine"]["device"] == torch.cuda.get_device_name(0)
+    assert sorted(report["sections"]) == ["ceiling", "hellaswag", "loader", "sample", "train"]
+    assert not [name for name, s in report["sections"].items() if "skipped" in s]
+    names = " | ".join(row["name"] for row in report["rows"])
+    for wanted in ("matmul ceiling", "loader", "ours vs transformers", "bf16 vs fp32", "hellaswag", "KV cache"):
+        assert wanted in names
+    train = report["sections"]["train"]["tiny"]
+    for variant in ("ours fp32 eager", "ours bf16 eager", "hf fp32 eager", "hf bf16 eager"):
+        assert 0 < train["mfu"][variant]["median"] < 1  # against the GPU's datasheet peak
+    loader = report["sections"]["loader"]
+    per_shard = (200_000 - 1) // (loader["B"] * loader["T"])
+    assert loader["batches"] == 2 * per_shard + 2 and loader["switches"] == 2

@@ -1,0 +1,94 @@
+"""Sampling with the preallocated KV cache: the one-token decode step against recomputing the
+whole prefix (greedy and seeded top-k), no growing tensors, no padding ids, and the compiled
+decode step giving the same tokens as the eager one."""
+
+import pytest
+import torch
+
+from train_gpt2 import GPT, GPT2_VOCAB, GPTConfig, KVCache
+
+
+@pytest.fixture
+def model(tiny_config):
+    torch.manual_seed(5)
+    model = GPT(tiny_config).eval()  # block size 64
+    with torch.no_grad():  # move LayerNorms and biases off 1 / 0 so every weight matters
+        for name, p in model.named_parameters():
+            if ("ln" in name or name.endswith("bias")) and "ln_f" not in name:  # ln_f's bias would pick one token
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def test_greedy_kv_cache_equals_recompute_up_to_block_size(model):
+    idx = torch.randint(0, GPT2_VOCAB, (3, 7))
+    cached = model.generate(idx, 100, temperature=0, use_cache=True)  # runs into the 64-position window
+    full = model.generate(idx, 100, temperature=0, use_cache=False)
+    assert cached.shape == (3, 64) and torch.equal(cached[:, :7], idx)
+    assert torch.equal(cached, full)
+
+
+def test_seeded_top_k_is_reproducible_and_equal_to_recompute(model):
+    idx = torch.randint(0, GPT2_VOCAB, (2, 4))
+    a = model.generate(idx, 30, top_k=20, generator=torch.Generator().manual_seed(7))
+    b = model.generate(idx, 30, top_k=20, generator=torch.Generator().manual_seed(7))
+    c = model.generate(idx, 30, top_k=20, generator=torch.Generator().manual_seed(7), use_cache=False)
+    d = model.generate(idx, 30, top_k=20, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and torch.equal(a, c) and not torch.equal(a, d)
+    assert len(set(a[:, 4:].flatten().tolist())) > 20  # the draws vary: the comparison is not empty
+    # top_k=1 is greedy
+    assert torch.equal(model.generate(idx, 30, top_k=1), model.generate(idx, 30, temperature=0))
+
+
+def test_decode_step_logits_equal_the_full_forward(model):
+    """The static-shape step (position as a tensor, attention over the whole buffer with a mask)
+    gives the logits the plain forward gives at that position."""
+    tokens = torch.randint(0, GPT2_VOCAB, (2, 12))
+    full, _ = model(tokens)
+    cache = KVCache(model.config.n_layer, 20)  # longer than used: the unused slots must stay masked
+    with torch.no_grad():
+        model.hidden_states(tokens[:, :5], cache)
+        assert cache.pos == 5
+        cache.pos = torch.tensor([5])
+        for t in range(5, 12):
+            logits = model.decode_step(tokens[:, t : t + 1], cache)
+            assert torch.allclose(logits, full[:, t], atol=1e-5, rtol=1e-4)
+            cache.pos += 1
+    assert cache.k[0].shape == (2, model.config.n_head, 20, model.config.n_embd // model.config.n_head)
+
+
+def test_no_tensor_grows_per_token(model, monkeypatch):
+    def no_cat(*args, **kwargs):
+        raise AssertionError("torch.cat while sampling")
+
+    idx = torch.randint(0, GPT2_VOCAB, (2, 3))
+    expected = model.generate(idx, 20, temperature=0)
+    monkeypatch.setattr(torch, "cat", no_cat)
+    assert torch.equal(model.generate(idx, 20, temperature=0), expected)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_padding_ids_are_never_produced(model, temperature):
+    with torch.no_grad():  # make the padding ids overwhelmingly likely: they must still never come out
+        model.lm_head.weight[GPT2_VOCAB:] = 5.0
+        model.transformer.ln_f.bias.fill_(1.0)
+    idx = torch.zeros(2, 1, dtype=torch.long)
+    out = model.generate(idx, 40, temperature=temperature, top_k=None, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 41) and out.max().item() < GPT2_VOCAB
+
+
+def test_nothing_to_generate_returns_the_prompt(model):
+    idx = torch.randint(0, GPT2_VOCAB, (1, 64))
+    assert torch.equal(model.generate(idx, 10), idx)
+    assert torch.equal(model.generate(idx[:, :5], 0), idx[:, :5])
+
+
+def test_compiled_decode_step_gives_the_same_tokens(model):
+    """compile=True: torch.compile'd decode step (CUDA graphs on a GPU); here inductor on the CPU.
+    The second call reuses the compiled step and its cache."""
+    idx = torch.randint(0, GPT2_VOCAB, (2, 5))
+    eager = model.generate(idx, 20, temperature=0)
+    assert torch.equal(model.generate(idx, 20, temperature=0, compile=True), eager)
+    sampled = model.generate(idx, 20, top_k=50, generator=torch.Generator().manual_seed(3))
+    again = model.generate(idx, 20, top_k=50, generator=torch.Generator().manual_seed(3), compile=True)
+    assert torch.equal(again, sampled)
+    assert len(model._decode_cache) == 1
