@@ -318,7 +318,9 @@ def _shared_batches(p, exs, slot_of, batch_tokens):
         groups.setdefault(len(p.ctx[i]), []).append(i)
     batches = []
     for L, group in groups.items():
-        cost = lambda n, last: n * (L + 4 * (max(map(len, p.endings[last])) - 1))  # noqa: E731
+        def cost(n, last, L=L):
+            return n * (L + 4 * (max(map(len, p.endings[last])) - 1))
+
         for b in _chunks(group, cost, batch_tokens):
             ends = [e for i in b for e in p.endings[i]]
             slots = [slot_of[i] + j for i in b for j in range(4)]
@@ -394,7 +396,7 @@ def ending_losses(model, prepared, device, share=None, autocast_dtype=None, shou
             return None
         with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
             if "ctx" in b:  # the context once, then its 4 endings from the cache
-                B, L = b["ctx"].shape
+                L = b["ctx"].size(1)
                 Te = b["ends"].size(1)
                 cache = kv_cache(L + Te)
                 h = hidden(b["ctx"], cache)[:, -1].repeat_interleave(4, dim=0)  # (4B, C): first ending tokens

@@ -1311,7 +1311,7 @@ def build_model(args, ckpt, ckpt_path, device, master):
 def restore_training_state(run, ckpt, ckpt_path, d, device_type):
     """(start step, run id): the optimizer, data position and RNG of a checkpoint, or a new run's id."""
     if ckpt is None:
-        return 0, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        return 0, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"  # unique, seeds untouched
     run.optimizer.load_state_dict(ckpt["optimizer"])
     run.loader.load_state_dict(ckpt["data"])
     if d.rank < len(ckpt["rng"]):

@@ -5,7 +5,7 @@ decode step giving the same tokens as the eager one."""
 import pytest
 import torch
 
-from train_gpt2 import GPT, GPT2_VOCAB, GPTConfig, KVCache
+from train_gpt2 import GPT, GPT2_VOCAB, KVCache
 
 
 @pytest.fixture
