@@ -19,17 +19,21 @@ Usage:
 import argparse
 import collections
 import concurrent.futures
+import errno
 import glob
 import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
+import urllib.request
 
 try:
     import numpy as np
@@ -75,6 +79,97 @@ def write_atomic(path, write, mode="wb"):
         if os.path.exists(tmp):  # a full disk: give back the space the partial file holds
             os.remove(tmp)
         raise
+
+
+def write_dir_atomic(out_dir, write, what, recheck=None):
+    """write(tmp) fills a hidden folder beside out_dir, which then takes out_dir's place (a folder
+    already there is renamed aside first and deleted last: the caller checked it may go). On any
+    failure, a full disk, Ctrl-C and SIGTERM included, the hidden folders and the parents this
+    made are removed and out_dir is as it was. recheck(), if given, runs right before the swap."""
+    parent = os.path.dirname(out_dir)
+    made = []  # parent folders this call creates, deepest first
+    d = parent
+    while not os.path.isdir(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    tmp = old = None
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt  # a kill mid-write cleans up as Ctrl-C does
+
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp_", dir=parent)
+        # mkdtemp makes it private (0700): give it the mode of the folder it replaces, or else
+        # the one os.mkdir would give a new folder
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777 if os.path.isdir(out_dir) else 0o777 & ~umask)
+        write(tmp)
+        if recheck:
+            recheck()
+        if os.path.isdir(out_dir) and os.listdir(out_dir):
+            old = os.path.join(parent, f".old_{os.getpid()}_{os.path.basename(out_dir)}")
+            os.replace(out_dir, old)
+        try:
+            os.replace(tmp, out_dir)
+        except BaseException:
+            if old:
+                os.replace(old, out_dir)  # put the earlier folder back
+                old = None
+            raise
+        tmp = None
+        if old:
+            shutil.rmtree(old)
+    except BaseException as e:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # not empty: someone else wrote there meanwhile
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # safetensors' failed write
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+            reason = re.sub(r".*I/O error: (.*) \(os error \d+\).*", r"\1", reason)  # safetensors' wording
+            full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in reason
+            fix = "make room or choose another folder" if full else "choose a folder you can write to"
+            raise UserError(f"cannot write {what} to {out_dir} ({reason}): nothing was changed; {fix}") from None
+        raise
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def offline_var(names=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")):
+    """The first of these variables set to a true value, as huggingface_hub reads them, or None."""
+    return next((v for v in names if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")), None)
+
+
+def unreachable(url, timeout=3.0):
+    """Why no TCP connection to url's host opens within timeout seconds, in words, or None. Offline,
+    the Hub and HTTP clients retry for half a minute and then say nothing about offline use; this
+    says it at once. With an https proxy set, the proxy is what must answer."""
+    proxy = urllib.request.getproxies().get("https")
+    parts = urllib.parse.urlsplit(proxy or url)
+    host, port = parts.hostname or "", parts.port or (80 if parts.scheme == "http" else 443)
+    outcome = []
+
+    def probe():  # in a thread: a resolver that never answers must not hold the program either
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        return f"no answer in {timeout:.0f} s"
+    return None if outcome[0] is None else first_line(outcome[0])
 
 
 def run_cli(main, interrupted="interrupted"):
@@ -316,28 +411,15 @@ def check_online(dataset, timeout=5.0):
     """Offline, the Hub client retries for half a minute and then says nothing about offline use:
     find out at once, and say what to pass instead."""
     hint = "pass local files with --input instead, e.g. --input 'corpus/*.parquet' (.txt, .jsonl or .parquet)"
-    for var in HUB_OFFLINE_VARS:
-        if os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE"):  # as huggingface_hub reads it
-            raise UserError(f"{var} is set, so {dataset} cannot be streamed from the Hugging Face Hub: {hint}")
-    if os.path.exists(dataset) or any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY")):
-        return  # a local dataset folder, or a proxy, which a direct connection says nothing about
-    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
-    outcome = []
-
-    def probe():  # in a thread: a resolver that never answers must not hold the run either
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            outcome.append(None)
-        except OSError as e:
-            outcome.append(e)
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not outcome or outcome[0] is not None:
-        reason = first_line(outcome[0]) if outcome else f"no answer in {timeout:.0f} s"
-        raise UserError(f"cannot reach {host} to stream {dataset} ({reason}); offline? {hint}")
+    var = offline_var(HUB_OFFLINE_VARS)
+    if var:
+        raise UserError(f"{var} is set, so {dataset} cannot be streamed from the Hugging Face Hub: {hint}")
+    if os.path.exists(dataset):
+        return  # a local dataset folder
+    url = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    reason = unreachable(url, timeout)
+    if reason:
+        raise UserError(f"cannot reach {urllib.parse.urlsplit(url).hostname} to stream {dataset} ({reason}); offline? {hint}")
 
 
 # ----------------------------------------------------------------------------------------------

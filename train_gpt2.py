@@ -37,8 +37,6 @@ import math
 import platform
 import random
 import re
-import shutil
-import tempfile
 import time
 import zipfile
 from contextlib import nullcontext
@@ -53,7 +51,8 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
-from fineweb import EOT, UserError, first_line, get_tokenizer, load_shard, run_cli, write_atomic  # noqa: F401
+from fineweb import (EOT, UserError, first_line, get_tokenizer, load_shard, offline_var, run_cli,  # noqa: F401
+                     write_atomic, write_dir_atomic)
 
 GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding and are never sampled
 HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -73,13 +72,10 @@ class GPTConfig:
 
 
 class KVCache:
-    """Keys and values of every layer, preallocated for max_len positions, so that one more token
-    costs one position, not the whole prefix, and no tensor grows while sampling.
-
-    pos is where the next positions go. As a Python int (a prompt, or HellaSwag's endings after
-    their context) GPT.forward advances it by T. As a 1-element tensor (GPT.decode_step: one token
-    per row) every shape stays the same from token to token, so the step can be compiled and
-    captured as a CUDA graph; the caller advances it in place (pos += 1)."""
+    """Keys and values of every layer, preallocated for max_len positions: one more token costs one
+    position, not the whole prefix. pos is where the next positions go: a Python int (a prompt,
+    HellaSwag's endings) that forward advances by T, or, for GPT.decode_step, a 1-element tensor
+    the caller advances in place, so that every shape is static and the step can be compiled."""
 
     def __init__(self, n_layer, max_len):
         self.k = [None] * n_layer
@@ -139,7 +135,13 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention on GPUs
         else:
             k, v, mask, is_causal = cache.update(layer, k, v)  # every position stored so far
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+            if T == 1 and mask is not None:  # a decode step: one query against the whole buffer
+                # plain arithmetic, which torch.compile fuses: SDPA's masked kernel took 31 us a
+                # layer for this on an H100 in fp32, a third of the step
+                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, 1, max_len)
+                y = att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.c_proj(y)
 
@@ -310,14 +312,9 @@ class GPT(nn.Module):
         if verbose:
             print(f"decayed tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
             print(f"non-decayed tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
-        # the fused kernel updates every tensor in one launch instead of a chain of small ones; AdamW
-        # raises if asked for it on a device without one, so ask torch which devices have it
-        try:
-            from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-            fused = device_type in _get_fused_kernels_supported_devices()
-        except ImportError:  # a private helper: if it ever moves, CUDA is the safe bet
-            fused = device_type == "cuda"
+        # the fused kernel updates every tensor in one launch instead of a chain of small ones
+        # (torch has it for cuda, mps and cpu, every device pick_device allows)
+        fused = device_type in ("cuda", "mps", "cpu")
         if verbose:
             print(f"using fused AdamW: {fused}")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
@@ -329,87 +326,68 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir):
-        """OpenAI GPT-2 (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local transformers
-        GPT-2 directory (save_pretrained output). Every key and shape is checked."""
-        if name_or_dir not in HF_NAMES and not os.path.isdir(name_or_dir):
+        """OpenAI GPT-2 (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local transformers GPT-2
+        directory (save_pretrained output). Every key and shape is checked."""
+        is_dir = os.path.isdir(name_or_dir)
+        if name_or_dir not in HF_NAMES and not is_dir:
             raise UserError(f"{name_or_dir!r} is neither one of {', '.join(HF_NAMES)} nor a directory")
-        # a Hub name: decide here whether it can load, since transformers retries an unreachable
-        # Hub for half a minute and then names neither the cache nor offline use
-        local_only = not os.path.isdir(name_or_dir) and hub_name_is_cached(name_or_dir)
-        if not os.path.isdir(name_or_dir) and not local_only:
+        local_only = not is_dir and hub_name_is_cached(name_or_dir)
+        if not is_dir and not local_only:
             check_hub_reachable(name_or_dir)
-        # imported after the checks, which then answer in a second instead of several
-        from transformers import GPT2LMHeadModel
+        from transformers import GPT2LMHeadModel  # after the checks, which then answer in a second
 
         try:
-            hf, info = GPT2LMHeadModel.from_pretrained(
-                name_or_dir, output_loading_info=True, local_files_only=local_only
-            )
+            hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True, local_files_only=local_only)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot load transformers GPT-2 from {name_or_dir!r}: {first_line(e)}") from None
-        if info["missing_keys"]:  # transformers fills these with random numbers and only warns
-            missing = sorted(info["missing_keys"])
-            raise UserError(
-                f"{name_or_dir}: key {missing[0]} is missing from the transformers checkpoint ({len(missing)} missing)"
-            )
         hc = hf.config
         if hc.activation_function not in ("gelu_new", "gelu_pytorch_tanh") or hc.layer_norm_epsilon != 1e-5:
-            raise UserError(
-                f"{name_or_dir}: activation {hc.activation_function!r} / layer_norm_epsilon "
-                f"{hc.layer_norm_epsilon} differ from GPT-2's (gelu_new, 1e-5)"
-            )
-        config = GPTConfig(
-            block_size=hc.n_positions, vocab_size=hc.vocab_size, n_layer=hc.n_layer, n_head=hc.n_head, n_embd=hc.n_embd
-        )
-        model = cls(config)
-        sd_hf = {k: v for k, v in hf.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+            raise UserError(f"{name_or_dir}: activation {hc.activation_function!r} / layer_norm_epsilon "
+                            f"{hc.layer_norm_epsilon} differ from GPT-2's (gelu_new, 1e-5)")  # fmt: skip
+        model = cls(GPTConfig(block_size=hc.n_positions, vocab_size=hc.vocab_size, n_layer=hc.n_layer,
+                              n_head=hc.n_head, n_embd=hc.n_embd))  # fmt: skip
+        # transformers fills missing keys with random numbers and only warns: refuse them
+        sd_hf = {k: v for k, v in hf.state_dict().items() if k not in info["missing_keys"]
+                 and not k.endswith((".attn.bias", ".attn.masked_bias"))}  # fmt: skip
         sd = model.state_dict()
-        for k in sd:
-            if k not in sd_hf:
-                raise UserError(f"{name_or_dir}: key {k} is missing from the transformers checkpoint")
-            w = sd_hf[k].t() if k.endswith(cls.HF_TRANSPOSED) else sd_hf[k]
-            if w.shape != sd[k].shape:
-                raise UserError(f"{name_or_dir}: {k} has shape {tuple(w.shape)}, expected {tuple(sd[k].shape)}")
-            with torch.no_grad():
+        missing, extra = sorted(set(sd) - set(sd_hf)), sorted(set(sd_hf) - set(sd))
+        if missing or extra:
+            what = f"key {missing[0]} is missing from" if missing else f"unexpected key {extra[0]} in"
+            raise UserError(f"{name_or_dir}: {what} the transformers checkpoint")
+        with torch.no_grad():
+            for k in sd:
+                w = sd_hf[k].t() if k.endswith(cls.HF_TRANSPOSED) else sd_hf[k]
+                if w.shape != sd[k].shape:
+                    raise UserError(f"{name_or_dir}: {k} has shape {tuple(w.shape)}, expected {tuple(sd[k].shape)}")
                 sd[k].copy_(w)
-        extra = sorted(set(sd_hf) - set(sd))
-        if extra:
-            raise UserError(f"{name_or_dir}: unexpected key {extra[0]} in the transformers checkpoint")
         return model
 
     def export_hf(self, out_dir):
         """Write this model as a transformers GPT2LMHeadModel directory (vocab trimmed to 50257,
-        tied embeddings). out_dir must be new, empty or an earlier export (check_export_target):
-        nothing else is ever replaced. The files go to a hidden folder beside it that is renamed
-        into place, and removed again on any failure."""
+        tied embeddings). out_dir must be new, empty or an earlier export (check_export_target)."""
         c = self.config
         if c.vocab_size < GPT2_VOCAB:
             raise UserError(f"vocab_size {c.vocab_size} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")
         given, out_dir = out_dir, check_export_target(out_dir)  # refuse before the slow part
         from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers.utils import logging as hf_logging
 
-        hc = GPT2Config(
+        hf = GPT2LMHeadModel(GPT2Config(
             vocab_size=GPT2_VOCAB, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
             activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, exported_by=EXPORT_MARK,
-        )  # fmt: skip
-        hf = GPT2LMHeadModel(hc)
+        ))  # fmt: skip
         sd_hf = hf.state_dict()
         with torch.no_grad():
             for k, w in self.state_dict().items():
                 w = w.detach().float().cpu()
-                if k.endswith(self.HF_TRANSPOSED):
-                    w = w.t()
-                if k in ("transformer.wte.weight", "lm_head.weight"):
-                    w = w[:GPT2_VOCAB]  # drop the padding rows
-                sd_hf[k].copy_(w)
-        from transformers.utils import logging as hf_logging
-
+                w = w.t() if k.endswith(self.HF_TRANSPOSED) else w
+                sd_hf[k].copy_(w[:GPT2_VOCAB] if k in ("transformer.wte.weight", "lm_head.weight") else w)  # no padding rows
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # its bar on stderr would bury a one-line error
         try:
             # checked again just before the swap: a file put there meanwhile is not ours to delete
-            write_dir_atomic(out_dir, hf.save_pretrained, given, recheck=lambda: check_export_target(given))
+            write_dir_atomic(out_dir, hf.save_pretrained, "the export", recheck=lambda: check_export_target(given))
         finally:
             if bar:
                 hf_logging.enable_progress_bar()
@@ -421,14 +399,6 @@ class GPT(nn.Module):
 EXPORT_MARK = "train_gpt2.py --export-hf"  # config.json's "exported_by": a folder export_hf may replace
 # everything save_pretrained writes for a GPT2LMHeadModel (shards and their index for big models)
 EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
-
-
-def hf_offline():
-    """HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set, read now (huggingface_hub reads it at import)."""
-    from huggingface_hub import is_offline_mode
-
-    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return flag.upper() in ("1", "ON", "YES", "TRUE") or is_offline_mode()
 
 
 def hub_name_is_cached(name):
@@ -443,60 +413,28 @@ def hub_name_is_cached(name):
 
 def check_hub_reachable(name, timeout=3.0):
     """Refuse at once, in one line, to fetch `name` (not in the local cache) when offline use is
-    set or the Hub does not answer within `timeout` seconds."""
+    set or the Hub does not answer: transformers would retry for half a minute, then not say why."""
     import urllib.error
     import urllib.request
 
-    from huggingface_hub import constants
-
     fix = "pass a local transformers GPT-2 directory instead (save_pretrained output, or --export-hf's)"
-    if hf_offline():
-        raise UserError(
-            f"{name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set: "
-            f"{fix}, or fill the cache once online"
-        )
-    url = f"{constants.ENDPOINT}/api/models/{name}"
+    var = offline_var(("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if var:
+        raise UserError(f"{name!r} is not in the local Hugging Face cache and {var} is set: {fix}, or fill the cache once online")
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     try:
-        urllib.request.urlopen(url, timeout=timeout).close()  # a few KB of the model's card data
-    except (OSError, ValueError) as e:  # URLError, a timeout, a refused connection, a bad HF_ENDPOINT
+        urllib.request.urlopen(f"{endpoint}/api/models/{name}", timeout=timeout).close()  # a few KB of metadata
+    except (OSError, ValueError) as e:  # no network, a timeout, a bad HF_ENDPOINT, a proxy's or captive portal's 404
         if isinstance(e, urllib.error.HTTPError) and e.code == 429:
             return  # the Hub is there but busy: transformers waits and retries
-        # any other answer (a proxy's or captive portal's 404 or 403) means a download of one
-        # of OpenAI's public models cannot work either
         reason = f"HTTP {e.code}" if isinstance(e, urllib.error.HTTPError) else getattr(e, "reason", e)
-        reason = first_line(reason) if isinstance(reason, BaseException) else reason
-        raise UserError(
-            f"cannot reach the Hugging Face Hub ({constants.ENDPOINT}: {reason}) "
-            f"and {name!r} is not in the local cache: {fix}, or set HF_HUB_OFFLINE=1 with a cache that holds it"
-        ) from None
-
-
-def export_leftovers(out_dir):
-    """What in the non-empty folder out_dir export_hf did not write, in words; None when it is
-    an earlier export: nothing but save_pretrained's files, a config.json that parses, says
-    GPT-2 and carries EXPORT_MARK."""
-    names = sorted(os.listdir(out_dir))
-    def ours(name):  # a plain file (not a link to one) with a name save_pretrained writes
-        path = os.path.join(out_dir, name)
-        return EXPORT_FILES.fullmatch(name) and os.path.isfile(path) and not os.path.islink(path)
-
-    foreign = [n for n in names if not ours(n)]
-    if foreign:
-        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        return f"{foreign[0]}{more}"
-    try:
-        with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        config = None
-    if not isinstance(config, dict) or config.get("model_type") != "gpt2" or config.get("exported_by") != EXPORT_MARK:
-        return "a transformers model (its config.json has no exported_by mark)"
-    return None
+        raise UserError(f"cannot reach the Hugging Face Hub ({endpoint}: {first_line(reason)}) and {name!r} is not "
+                        f"in the local cache: {fix}, or set HF_HUB_OFFLINE=1 with a cache that holds it") from None  # fmt: skip
 
 
 def check_export_target(out_dir):
-    """The absolute folder export_hf may write: a new one, an empty one, or an earlier export,
-    which is replaced. Anything else is refused, since only what this program wrote may go."""
+    """The absolute folder export_hf may write: a new one, an empty one, or an earlier export (only
+    save_pretrained's plain files, config.json marked EXPORT_MARK), which is replaced."""
     given = str(out_dir)
     if os.path.islink(given) and not os.path.exists(given):
         raise UserError(f"--export-hf target {given} is a symbolic link to nothing: name a new folder")
@@ -504,79 +442,25 @@ def check_export_target(out_dir):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         example = os.path.splitext(given)[0] + "_hf"
         raise UserError(f"--export-hf target {given} is a file, not a folder: name a new folder, e.g. {example}")
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        leftovers = export_leftovers(out_dir)
-        if leftovers:
-            raise UserError(
-                f"--export-hf target {given} is not empty and not an earlier export (it holds {leftovers}): "
-                f"name a new or empty folder; nothing was changed"
-            )
-    return out_dir
-
-
-def write_dir_atomic(out_dir, write, given=None, recheck=None):
-    """write(tmp) fills a hidden folder beside out_dir, which then takes out_dir's place (an
-    earlier export there is renamed aside first and deleted last). On any failure, a full disk,
-    Ctrl-C and SIGTERM included, the hidden folders and the parents this made are removed and
-    out_dir is as it was. recheck(), if given, runs right before the swap and may refuse it."""
-    given = given or out_dir
-    parent = os.path.dirname(out_dir)
-    made = []  # parent folders this call creates, deepest first
-    d = parent
-    while not os.path.isdir(d):
-        made.append(d)
-        d = os.path.dirname(d)
-    tmp = old = None
-
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt  # a kill mid-write cleans up as Ctrl-C does
-
-    try:
-        previous, restore = signal.signal(signal.SIGTERM, on_sigterm), True
-    except ValueError:  # not the main thread: signals stay as they are
-        previous, restore = None, False
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".export_", dir=parent)
-        # mkdtemp makes it private (0700): give it the mode of the folder it replaces, or else
-        # the one os.mkdir would give a new folder
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777 if os.path.isdir(out_dir) else 0o777 & ~umask)
-        write(tmp)
-        if recheck:
-            recheck()
-        if os.path.isdir(out_dir) and os.listdir(out_dir):
-            old = os.path.join(parent, f".export_old_{os.getpid()}_{os.path.basename(out_dir)}")
-            os.replace(out_dir, old)
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    foreign = [n for n in names if not (EXPORT_FILES.fullmatch(n) and os.path.isfile(p := os.path.join(out_dir, n))
+                                        and not os.path.islink(p))]  # fmt: skip
+    held = None
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        held = f"{foreign[0]}{more}"
+    elif names:
         try:
-            os.replace(tmp, out_dir)
-        except BaseException:
-            if old:
-                os.replace(old, out_dir)  # put the earlier export back
-                old = None
-            raise
-        tmp = None
-        if old:
-            shutil.rmtree(old)
-    except BaseException as e:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for d in made:
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass  # not empty: someone else wrote there meanwhile
-        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # safetensors' failed write
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
-            reason = re.sub(r".*I/O error: (.*) \(os error \d+\).*", r"\1", reason)  # safetensors' wording
-            full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in reason
-            fix = "make room or choose another folder" if full else "choose a folder you can write to"
-            raise UserError(f"cannot write the export to {given} ({reason}): nothing was changed; {fix}") from None
-        raise
-    finally:
-        if restore:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            config = None
+        ours = isinstance(config, dict) and config.get("model_type") == "gpt2" and config.get("exported_by") == EXPORT_MARK
+        held = None if ours else "a transformers model (its config.json has no exported_by mark)"
+    if held:
+        raise UserError(f"--export-hf target {given} is not empty and not an earlier export (it holds {held}): "
+                        f"name a new or empty folder; nothing was changed")  # fmt: skip
+    return out_dir
 
 
 def flops_per_token(config, T):
@@ -1008,7 +892,8 @@ def autocast(device_type, dtype):
 
 
 @torch.no_grad()
-def evaluate_val_loss(model, val_tokens, B, T, device, autocast_dtype=None, rank=0, world_size=1, should_stop=None):
+def evaluate_val_loss(model, val_tokens, B, T, device, autocast_dtype=None, rank=0, world_size=1, should_stop=None,
+                      progress=False):
     """Mean next-token loss over the val set cut into sequences of T tokens. Rank r scores
     sequences r, r + world_size, ... in batches of B and the sums are reduced, so the result is
     the same number whatever the GPU count or B. None when should_stop() interrupted it."""
@@ -1017,10 +902,14 @@ def evaluate_val_loss(model, val_tokens, B, T, device, autocast_dtype=None, rank
     device_type = torch.device(device).type
     model.eval()
     totals = torch.zeros(2, device=device)  # loss sum, ranks interrupted
+    t0 = t_print = time.time()
     for i in range(0, len(mine), B):
         if should_stop is not None and should_stop():
             totals[1] = 1
             break
+        if progress and time.time() - t_print > 10:  # a long eval says where it is, as HellaSwag's does
+            t_print = time.time()
+            print(f"val loss: batch {i // B + 1}/{-(-len(mine) // B)}, {t_print - t0:.0f} s", file=sys.stderr, flush=True)
         rows = np.stack([val_tokens[j * T : j * T + T + 1] for j in mine[i : i + B]]).astype(np.int64)
         buf = torch.from_numpy(rows).to(device)
         with autocast(device_type, autocast_dtype):
@@ -1228,7 +1117,7 @@ def run_evals(step, run, args, dist_info, stop, log):
     due = lambda every: every > 0 and (step % every == 0 or last)  # noqa: E731
     if run.val_tokens is not None and due(args.eval_every):
         val_loss = evaluate_val_loss(run.model, run.val_tokens, args.batch_size, args.seq_len, run.device,
-                                     run.autocast_dtype, d.rank, d.world_size, stop)  # fmt: skip
+                                     run.autocast_dtype, d.rank, d.world_size, stop, progress=d.master_process)  # fmt: skip
         if val_loss is not None:
             run.val_loss = val_loss
             log({"step": step, "val_loss": val_loss})

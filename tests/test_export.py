@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import ROOT, assert_one_line_error, user_error
 
+import fineweb
 import train_gpt2
 from train_gpt2 import GPT2_VOCAB, UserError, load_model
 
@@ -282,11 +283,11 @@ def test_failed_rename_puts_the_earlier_export_back(tiny_model, tmp_path, monkey
     real_replace = os.replace
 
     def replace(src, dst):
-        if os.path.basename(src).startswith(".export_") and not os.path.basename(src).startswith(".export_old"):
+        if os.path.basename(src).startswith(".tmp_"):  # the new export, not the earlier one set aside
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(train_gpt2.os, "replace", replace)
+    monkeypatch.setattr(fineweb.os, "replace", replace)
     with pytest.raises(UserError, match="Invalid cross-device link"):
         tiny_model.export_hf(target)
     assert snapshot(tmp_path) == before
@@ -296,7 +297,7 @@ def test_unwritable_parent_is_one_line(tiny_model, tmp_path, monkeypatch):
     def mkdtemp(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(train_gpt2.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(fineweb.tempfile, "mkdtemp", mkdtemp)
     with pytest.raises(UserError, match="Permission denied"):
         tiny_model.export_hf(tmp_path / "a" / "b" / "hf")
     assert os.listdir(tmp_path) == []  # the parents it made are removed again
@@ -370,7 +371,7 @@ def test_transformers_offline_alone_counts_as_offline(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)  # it read the flags at import
     monkeypatch.setattr(train_gpt2, "hub_name_is_cached", lambda name: False)
     monkeypatch.setattr("urllib.request.urlopen", lambda *a, **k: pytest.fail("offline, yet it went to the network"))
-    with pytest.raises(UserError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE"):
+    with pytest.raises(UserError, match="not in the local Hugging Face cache and TRANSFORMERS_OFFLINE is set"):
         train_gpt2.GPT.from_pretrained("gpt2-xl")
 
 

@@ -292,7 +292,7 @@ def test_ctrl_c_during_a_long_val_eval_stops_promptly_with_a_checkpoint(tmp_path
     deadline = time.time() + 120
     while not (out / "log.jsonl").exists() and time.time() < deadline:  # step 0's eval starts right after
         time.sleep(0.1)
-    time.sleep(2)
+    time.sleep(11)  # past the first progress line (every 10 s)
     t0 = time.time()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
@@ -301,6 +301,28 @@ def test_ctrl_c_during_a_long_val_eval_stops_promptly_with_a_checkpoint(tmp_path
     assert "Traceback" not in err
     assert waited < 60, f"the stop request waited {waited:.0f} s for the eval"  # the whole eval takes minutes
     assert (out / "ckpt_000000.pt").exists() and "val_loss" not in (out / "log.jsonl").read_text()
+    assert "val loss: batch " in err  # the long eval said where it was
+
+
+def test_ctrl_c_during_an_in_training_hellaswag_eval_stops_promptly_with_a_checkpoint(tmp_path, shared_data):
+    # the full HellaSwag set with the padded 50,304-wide head: an eval of about a minute on 2 cores
+    data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=2000)
+    out = tmp_path / "out"
+    proc = start(tiny_args(data, out, "--max-steps", 100, "--warmup-steps", 1, "--eval-every", 0, "--hellaswag-every",
+                           1, "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl"))  # fmt: skip
+    deadline = time.time() + 120
+    while not (out / "log.jsonl").exists() and time.time() < deadline:  # step 0's HellaSwag starts right after
+        time.sleep(0.1)
+    time.sleep(3)
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    waited = time.time() - t0
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert waited < 20, f"the stop request waited {waited:.0f} s for the HellaSwag eval"
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert (out / "ckpt_000000.pt").exists() and not any("hellaswag" in r for r in records)
 
 
 # ----------------------------------------------------------------------------------------------
