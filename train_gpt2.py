@@ -1116,8 +1116,9 @@ def run_evals(step, run, args, dist_info, stop, log):
     last, d = step == args.max_steps, dist_info
     due = lambda every: every > 0 and (step % every == 0 or last)  # noqa: E731
     if run.val_tokens is not None and due(args.eval_every):
-        val_loss = evaluate_val_loss(run.model, run.val_tokens, args.batch_size, args.seq_len, run.device,
-                                     run.autocast_dtype, d.rank, d.world_size, stop, progress=d.master_process)  # fmt: skip
+        val_loss = evaluate_val_loss(run.model, run.val_tokens, B=args.batch_size, T=args.seq_len, device=run.device,
+                                     autocast_dtype=run.autocast_dtype, rank=d.rank, world_size=d.world_size,
+                                     should_stop=stop, progress=d.master_process)  # fmt: skip
         if val_loss is not None:
             run.val_loss = val_loss
             log({"step": step, "val_loss": val_loss})
@@ -1211,17 +1212,6 @@ def restore_training_state(run, ckpt, ckpt_path, d, device_type):
     return ckpt["step"], ckpt.get("run_id", ckpt_path)
 
 
-def report_step(log, master, step, args, loss, lr, norm, dt, flops_per_peak, epoch, world_size):
-    """One training step's record in the log and its line on the console."""
-    tok_per_sec = args.total_batch_size / dt
-    mfu = flops_per_peak * tok_per_sec / world_size if flops_per_peak else None
-    log({"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec,
-         "mfu": mfu, "tokens": (step + 1) * args.total_batch_size, "epoch": epoch})  # fmt: skip
-    if master:
-        print(f"step {step:5d}/{args.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | dt {dt * 1000:.2f}ms "
-              f"| tok/s {tok_per_sec:,.0f} | mfu {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | epoch {epoch}", flush=True)
-
-
 def prepare_side_evals(run, args, config, master, ddp):
     """Tokenize HellaSwag and the prompt, and draw one sample token, now: a bad prompt or
     sampling setting fails at start, not at the first sample step hours in."""
@@ -1234,8 +1224,8 @@ def prepare_side_evals(run, args, config, master, ddp):
 
     def sample(max_new_tokens):  # a fixed seed: the same noise every time, so samples show what was learned
         with autocast(device_type, run.autocast_dtype):
-            return sample_text(run.model, enc, prompt, args.num_samples, max_new_tokens, args.temperature,
-                               args.top_k or None)  # top-k 0: no filtering
+            return sample_text(run.model, enc, prompt, num_samples=args.num_samples, max_new_tokens=max_new_tokens,
+                               temperature=args.temperature, top_k=args.top_k or None)  # top-k 0: no filtering
 
     run.sample = sample
     if master:
@@ -1274,7 +1264,8 @@ def train(args, explicit=frozenset()):
     optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, device_type, (args.beta1, args.beta2),
                                                args.adam_eps, verbose=master)  # fmt: skip
     min_lr = args.min_lr if args.min_lr is not None else 0.1 * args.max_lr
-    run = Run(raw_model, optimizer, train_loader, device, autocast_dtype, val_tokens)
+    run = Run(model=raw_model, optimizer=optimizer, loader=train_loader, device=device, autocast_dtype=autocast_dtype,
+              val_tokens=val_tokens)
     start_step, run_id = restore_training_state(run, ckpt, ckpt_path, d, device_type)
     del ckpt  # the weights and optimizer state now live in the model and optimizer
     model = torch.compile(raw_model) if use_compile else raw_model
@@ -1345,8 +1336,14 @@ def train(args, explicit=frozenset()):
         dt = time.perf_counter() - t0
         # --- TRAINING STEP END -------------------------------------------------------------------
 
-        report_step(log, master, step, args, loss, lr, norm, dt, flops / peak if peak else None, train_loader.epoch,
-                    d.world_size)  # fmt: skip
+        tok_per_sec = args.total_batch_size / dt
+        mfu = flops * tok_per_sec / d.world_size / peak if peak else None  # of one GPU's peak, per GPU
+        log({"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec,
+             "mfu": mfu, "tokens": (step + 1) * args.total_batch_size, "epoch": train_loader.epoch})  # fmt: skip
+        if master:
+            print(f"step {step:5d}/{args.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | dt {dt * 1000:.2f}ms"
+                  f" | tok/s {tok_per_sec:,.0f} | mfu {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | epoch {train_loader.epoch}",
+                  flush=True)  # fmt: skip
     if master and run.val_loss is not None:
         print(f"done: {args.max_steps} steps, val loss {run.val_loss:.6f}")
     return 0
@@ -1500,8 +1497,8 @@ def main(argv=None):
         model = load_model(args.sample_from, device)
         enc = get_tokenizer()
         prompt = enc.decode(encode_prompt(enc, args.prompt, model.config.block_size))
-        texts = sample_text(model, enc, prompt, args.num_samples, args.max_new_tokens, args.temperature,
-                            args.top_k or None, args.seed)  # top-k 0: no filtering
+        texts = sample_text(model, enc, prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, top_k=args.top_k or None, seed=args.seed)  # top-k 0: all
         for i, text in enumerate(texts):
             print(f"sample {i}: {text}")
         return 0
