@@ -173,9 +173,20 @@ class Block(nn.Module):
         return x
 
 
-def _next_token(logits, temperature, top_k, generator):
+def _noise(B, temperature, generator, device):
+    """What _next_token draws with: (B, 50257) Exp(1) samples, None when greedy (temperature 0)."""
+    if temperature == 0:
+        return None
+    noise = torch.empty(B, GPT2_VOCAB, device=device).exponential_(generator=generator)
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # never 0: p / 0 would win for any p
+
+
+def _next_token(logits, temperature, top_k, noise):
     """One token per row from the last position's logits (B, vocab): greedy at temperature 0,
-    else a draw from the top_k most likely; padding ids (>= 50257) are cut off first."""
+    else a draw from the top_k most likely; padding ids (>= 50257) are cut off first.
+    The draw is the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability
+    p_i (torch.multinomial does the same on CUDA). With the noise drawn beforehand this is plain
+    arithmetic, so a compiled decode step samples inside its graph."""
     logits = logits[:, :GPT2_VOCAB].float()
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -183,8 +194,7 @@ def _next_token(logits, temperature, top_k, generator):
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
+    return (F.softmax(logits, dim=-1) / noise).argmax(dim=-1)  # (B,)
 
 
 class GPT(nn.Module):
@@ -245,10 +255,10 @@ class GPT(nn.Module):
         """An empty KVCache for up to max_len positions of this model."""
         return KVCache(self.config.n_layer, max_len)
 
-    def decode_step(self, idx, cache):
-        """Logits (B, vocab_size) of the token after idx (B, 1), which sits at position cache.pos
-        (a 1-element tensor). Static shapes: torch.compile can capture it as one CUDA graph."""
-        return self.lm_head(self.hidden_states(idx, cache)[:, -1])
+    def decode_step(self, idx, cache, temperature, top_k, noise):
+        """The token (B,) after idx (B, 1), which sits at position cache.pos (a 1-element tensor),
+        drawn as _next_token does. Static shapes: torch.compile can capture it as one CUDA graph."""
+        return _next_token(self.lm_head(self.hidden_states(idx, cache)[:, -1]), temperature, top_k, noise)
 
     def _compiled_decode(self, B, max_len, device):
         """A compiled decode_step and the KV cache it writes, both kept for the next call with the
@@ -283,22 +293,21 @@ class GPT(nn.Module):
         if not use_cache:
             for t in range(T0, T0 + n_new):
                 logits, _ = self(out[:, :t])
-                out[:, t] = _next_token(logits[:, -1], temperature, top_k, generator)
+                out[:, t] = _next_token(logits[:, -1], temperature, top_k, _noise(B, temperature, generator, idx.device))
             return out
         if compile:
             step, cache = self._compiled_decode(B, T0 + n_new, idx.device)
         else:
             step, cache = self.decode_step, self.kv_cache(T0 + n_new)
         x = self.hidden_states(idx, cache)  # the prompt in one pass; its cache fills positions 0 .. T0-1
-        out[:, T0] = _next_token(self.lm_head(x[:, -1]), temperature, top_k, generator)
+        out[:, T0] = _next_token(self.lm_head(x[:, -1]), temperature, top_k, _noise(B, temperature, generator, idx.device))
         if compile:
             for k, v in zip(cache.k, cache.v):  # tell the CUDA graph these buffers never move
                 torch._dynamo.mark_static_address(k)
                 torch._dynamo.mark_static_address(v)
         cache.pos = torch.tensor([T0], device=idx.device)
         for t in range(T0 + 1, T0 + n_new):
-            logits = step(out[:, t - 1 : t], cache)
-            out[:, t] = _next_token(logits, temperature, top_k, generator)
+            out[:, t] = step(out[:, t - 1 : t], cache, temperature, top_k, _noise(B, temperature, generator, idx.device))
             cache.pos += 1
         return out
 

@@ -50,8 +50,11 @@ def test_decode_step_logits_equal_the_full_forward(model):
         assert cache.pos == 5
         cache.pos = torch.tensor([5])
         for t in range(5, 12):
-            logits = model.decode_step(tokens[:, t : t + 1], cache)
+            logits = model.lm_head(model.hidden_states(tokens[:, t : t + 1], cache)[:, -1])  # decode_step's logits
             assert torch.allclose(logits, full[:, t], atol=1e-5, rtol=1e-4)
+            # the same position again (a tensor pos is advanced by the caller), through decode_step
+            greedy = model.decode_step(tokens[:, t : t + 1], cache, temperature=0, top_k=None, noise=None)
+            assert torch.equal(greedy, full[:, t, :GPT2_VOCAB].argmax(-1))
             cache.pos += 1
     assert cache.k[0].shape == (2, model.config.n_head, 20, model.config.n_embd // model.config.n_head)
 
@@ -92,3 +95,20 @@ def test_compiled_decode_step_gives_the_same_tokens(model):
     again = model.generate(idx, 20, top_k=50, generator=torch.Generator().manual_seed(3), compile=True)
     assert torch.equal(again, sampled)
     assert len(model._decode_cache) == 1
+
+
+def test_the_exponential_race_draws_from_the_softmax():
+    """_next_token's draw, argmax(p / E) with E ~ Exp(1), against the probabilities computed by
+    hand: frequencies over 40,000 rows within 4 standard errors, the top-k cut-off respected."""
+    from train_gpt2 import _next_token
+
+    n = 40_000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).expand(n, 5)  # a 5-token vocabulary, one row per draw
+    g = torch.Generator().manual_seed(0)
+    for top_k, temperature in ((None, 1.0), (3, 1.0), (None, 0.7)):
+        p = torch.softmax(logits[0, : top_k or 5].double() / temperature, 0)
+        noise = torch.empty(n, 5).exponential_(generator=g)
+        counts = torch.bincount(_next_token(logits, temperature, top_k, noise), minlength=5).double()
+        assert counts[len(p) :].sum() == 0
+        se = (p * (1 - p) / n).sqrt()
+        assert ((counts[: len(p)] / n - p).abs() < 4 * se).all(), (counts / n, p)
