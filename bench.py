@@ -88,6 +88,7 @@ TARGETS = {
     "hellaswag_process": 4.0,  # the whole hellaswag.py process vs an in-process one-row-per-forward loop
     "hellaswag_full_s": 3.0,  # CUDA: the full set inside training, 124M bf16, below
     "hellaswag_process_full_s": 8.0,  # CUDA: hellaswag.py on the full set, 124M bf16, wall, below
+    "samples_in_training_s": 0.5,  # 4 x 32 tokens at a --sample-every step (the issue's figure is for CUDA)
     "decode_tok_s_cuda": 2000.0,  # CUDA: batch-1 decode of the 124M model
     "kv_cache": 5.0,
 }
@@ -325,7 +326,8 @@ def bench_ceiling(s, device, device_type):
     gflops = {k: rates(2 * n**3 / 1e9, v) for k, v in times.items()}
     result = {"n": n, "gflops": {k: stats(v) for k, v in gflops.items()}}
     rows = [
-        comparison(f"matmul ceiling fp32 ({n}x{n} torch.mm)", gflops["fp32"], None, "GFLOP/s"),
+        comparison(f"matmul ceiling fp32 ({n}x{n} torch.mm{', TF32 as training sets it' if device_type == 'cuda' else ''})",
+                   gflops["fp32"], None, "GFLOP/s"),
         comparison(f"matmul ceiling bf16 ({n}x{n} torch.mm)", gflops["bf16"], None, "GFLOP/s"),
     ]
     if "fp32 oneDNN" in gflops:
@@ -802,9 +804,23 @@ def bench_hellaswag(s, args, device, device_type, tmp):
                    ex["plain"], "ex/s", TARGETS["hellaswag_process"], note=f"{note}; start-up included"),
     ]  # fmt: skip
     del model
+    # the one-time host work of a full-set eval, with no model: tokenizing the set (prepare) and
+    # building the batches for a 1024-token window and copying them to the device (the first
+    # evaluate() call does this; _batches is that step alone)
+    host = {"prepare": [], "batches": []}
+    batch_tokens = 65536 if device_type == "cuda" else 4096  # evaluate()'s defaults
+    for _ in range(2):
+        t0 = time.perf_counter()
+        full = hellaswag.prepare(examples, enc)
+        host["prepare"].append(time.perf_counter() - t0)
+        host["batches"].append(timed(lambda p=full: hellaswag._batches(p, range(len(p)), 1024, True, batch_tokens, device), device_type))  # fmt: skip
+    result["full_set_host_s"] = {k: stats(v) for k, v in host.items()}
+    rows.append(comparison(f"hellaswag one-time host work, full {len(examples):,} examples: prepare + build the batches",
+                           [a + b for a, b in zip(host["prepare"], host["batches"])], None, "s", higher_is_better=False,
+                           note=f"prepare {stats(host['prepare'])['median']:.2f} s, batches {stats(host['batches'])['median']:.2f} s; window 1024"))  # fmt: skip
     if device_type == "cuda" and s.get("hs_full_gpt2"):
         # the issue's CUDA targets: the full set with a 124M model in bf16, in training and as a process
-        prepared = hellaswag.prepare(examples, enc)
+        prepared = hellaswag.prepare(examples, enc)  # fresh: its first evaluate() builds the batches
         model = eval_model("gpt2", device, vocab_size=VOCAB)
         ckpt = save_checkpoint(model, tmp)
         evaluate = lambda: hellaswag.evaluate(model, prepared, device, autocast_dtype=torch.bfloat16)  # noqa: E731
@@ -842,7 +858,17 @@ def bench_sample(s, device, device_type):
     if device_type == "cuda":  # the compiled, CUDA-graph decode step; its first call compiles
         compile_s = timed(generate(True, new, compile=True), device_type)
         contenders = {"kv_cache_compiled": generate(True, new, compile=True), **contenders}
+    # what a run does at each --sample-every with the defaults: 4 samples of 32 tokens from the
+    # eager KV cache under the run's autocast (bf16 on CUDA); timed as one call, seconds
+    autocast_dtype = torch.bfloat16 if device_type == "cuda" else None
+
+    def in_training():
+        with train_gpt2.autocast(device_type, autocast_dtype):
+            train_gpt2.sample_text(model, enc, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32)
+
+    contenders["in_training"] = in_training
     times, _ = interleave(contenders, 0, s["sample_rounds"], device_type, f"sample {new} tokens")
+    in_training_s = times.pop("in_training")
     tok = {k: rates(new, v) for k, v in times.items()}
     result = {
         "model": s["eval_model"],
@@ -851,10 +877,14 @@ def bench_sample(s, device, device_type):
         "batch": 1,
         "tok_per_sec": {k: stats(v) for k, v in tok.items()},
         "compile_s": compile_s,
+        "in_training_s": stats(in_training_s),
     }
     note = f"{s['eval_model']} model, batch 1"
     rows = [comparison(f"sample {new} new tokens: KV cache vs recompute", tok["kv_cache"], tok["recompute"], "tok/s",
                        TARGETS["kv_cache"], note=note)]  # fmt: skip
+    rows.append(comparison("samples in training: 4 x 32 tokens, eager KV cache" + (", bf16" if autocast_dtype else ""),
+                           in_training_s, None, "s", TARGETS["samples_in_training_s"], higher_is_better=False,
+                           note=note.replace("batch 1", "batch 4")))  # fmt: skip
     if "kv_cache_compiled" in tok:
         rows += [
             comparison(f"sample {new} new tokens: compiled decode step (CUDA graphs) vs eager KV cache",

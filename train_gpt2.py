@@ -586,8 +586,10 @@ def load_checkpoint(path):
 def model_from_checkpoint(ckpt, path):
     """The GPT a checkpoint holds; weights that do not fit its own config are a UserError."""
     try:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
+        with torch.device("meta"):  # no random init that the weights then overwrite (seconds at 124M)
+            model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"], assign=True)  # the loaded tensors become the parameters
+        model.transformer.wte.weight = model.lm_head.weight  # assigned one key at a time: tie them again
     except (TypeError, RuntimeError) as e:
         first = first_line(e)
         raise UserError(f"checkpoint {path}: its weights do not match its model_config ({first})") from None

@@ -327,6 +327,54 @@ def test_fast_scorer_equals_plain_loop_on_1000_examples(parity):
     assert counts == {k: by_hand[k] for k in counts} and counts["n"] == N_PLAIN and counts["n_zeroshot"] > 0
 
 
+def scored_from_batches(batches):
+    """Read the batches back, the slow way: for each slot, what the model sees before each scored
+    token (the tokens at positions 0 .. t of its row) and the token it must predict."""
+    seen = {}
+    for b in batches:
+        b = {k: v.tolist() for k, v in b.items()}
+        targets = iter(zip(b["targets"], b["slots"]))
+        if "ctx" in b:  # the context pass scores each ending's first token, 4 endings per context
+            rows = [b["ctx"][r // 4] + end for r, end in enumerate(b["ends"])]
+            for r in range(len(rows)):
+                target, slot = next(targets)
+                seen.setdefault(slot, []).append((tuple(b["ctx"][r // 4]), target))
+            width, offset = len(b["ends"][0]) if b["ends"] else 0, len(b["ctx"][0])
+        else:
+            rows, width, offset = b["idx"], len(b["idx"][0]), 0
+        for g in b["gather"]:  # flat position r * width + t of the ending / row grid
+            r, t = divmod(g, width)
+            target, slot = next(targets)
+            seen.setdefault(slot, []).append((tuple(rows[r][: offset + t + 1]), target))
+        assert next(targets, None) is None
+    return seen
+
+
+@pytest.mark.parametrize("block_size, shared", [(128, True), (64, True), (128, False)])
+def test_batches_hold_exactly_the_plain_rows(examples, enc, block_size, shared):
+    """The batch builder (array operations) against the definition, written out per token: every
+    scored token of every ending, with what the model sees before it, and nothing else."""
+    wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
+    exs = examples[:150] + wikihow[:150]  # short rows that share their context, long ones that may not fit
+    prepared = hellaswag.prepare(exs, enc)
+    for share in (list(range(len(exs))), list(range(1, len(exs), 3))):
+        batches, n_tokens = hellaswag._batches(prepared, share, block_size, shared, 700, "cpu")
+        if shared:
+            assert any("ctx" in b for b in batches) and any("idx" in b for b in batches)
+        seen = scored_from_batches(batches)
+        expected, expected_n = {}, []
+        for k, i in enumerate(share):
+            ctx, ends = enc.encode(exs[i]["ctx"]), [enc.encode(" " + e) for e in exs[i]["endings"]]
+            expected_n.append([])
+            for j, end in enumerate(ends):
+                row = (ctx + end)[-(block_size + 1) :]  # the documented cut
+                n_end = min(len(end), len(row) - 1)
+                expected[4 * k + j] = [(tuple(row[:t]), row[t]) for t in range(len(row) - n_end, len(row))]
+                expected_n[-1].append(n_end)
+        assert seen == expected
+        assert n_tokens.tolist() == expected_n
+
+
 def test_transformers_model_is_scored_the_same(parity, enc):
     sub = hellaswag.prepare(parity["examples"][:150], enc)
     plain = parity["plain"][:150]

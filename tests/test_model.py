@@ -22,6 +22,28 @@ def test_parameter_count_and_tying():
     assert m.lm_head.weight is m.transformer.wte.weight
 
 
+def test_a_loaded_checkpoint_keeps_the_tie_and_trains_it_as_one_parameter(tmp_path, tiny_config):
+    """model_from_checkpoint builds on the meta device and assigns the loaded tensors: the tied
+    embedding / lm_head must still be one Parameter, updated once per step."""
+    from dataclasses import asdict
+
+    from train_gpt2 import load_checkpoint, model_from_checkpoint
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config)
+    torch.save({"model": model.state_dict(), "model_config": asdict(tiny_config)}, tmp_path / "ckpt.pt")
+    loaded = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt"), "ckpt.pt")
+    assert loaded.transformer.wte.weight is loaded.lm_head.weight
+    assert [n for n, _ in loaded.named_parameters()] == [n for n, _ in model.named_parameters()]
+    for m in (model, loaded):  # one identical AdamW step on each: the same weights after it
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        _, loss = m(torch.arange(8).view(1, 8), torch.arange(1, 9).view(1, 8))
+        loss.backward()
+        opt.step()
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_init_std_and_initial_loss():
     torch.manual_seed(0)
     config = GPTConfig(block_size=128, vocab_size=50257, n_layer=4, n_head=4, n_embd=256)
