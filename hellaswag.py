@@ -45,6 +45,7 @@ import urllib.request
 import numpy as np
 import torch
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fineweb import UserError, first_line, run_cli, write_atomic
 
@@ -445,7 +446,10 @@ def ending_losses(model, prepared, device, share=None, autocast_dtype=None, shou
     for n_done, b in enumerate(batches):
         if should_stop is not None and should_stop():
             return None
-        with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        # not cuDNN attention (an H100's default): it builds a plan for every new shape, and the
+        # ~550 batches have hundreds of shapes: 19 s of a first eval on an H100, 3 s evals after
+        with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None), \
+                sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             if "ctx" in b:  # the context once, then its 4 endings from the cache
                 L = b["ctx"].size(1)
                 Te = b["ends"].size(1)
