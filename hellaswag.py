@@ -36,7 +36,6 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import sys
 import time
 import urllib.parse
@@ -47,7 +46,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fineweb import UserError, first_line, run_cli, write_atomic
+from fineweb import UserError, first_line, offline_var, run_cli, unreachable, write_atomic
 
 NUM_VAL = 10042
 HUB_DATASET = "Rowan/hellaswag"  # split "validation": the same rows, with label as a string
@@ -135,24 +134,13 @@ def _fetch_from_url():
         return resp.read().decode("utf-8")
 
 
-def _reachable(url, timeout=3.0):
-    """Whether a TCP connection to url's host (or to the https proxy, if one is set) opens."""
-    proxy = urllib.request.getproxies().get("https")
-    parts = urllib.parse.urlsplit(proxy or url)
-    try:
-        socket.create_connection((parts.hostname, parts.port or 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def offline_reason():
     """Why a download cannot work, found in a few seconds, or None: without this, datasets and
     urllib retry for ~27 s before failing."""
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
-            return f"{var} is set"
-    if not any(_reachable(url) for url in ("https://huggingface.co", DATA_URL)):
+    var = offline_var(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    if var:
+        return f"{var} is set"
+    if all(unreachable(url) for url in ("https://huggingface.co", DATA_URL)):
         return "no network: neither huggingface.co nor raw.githubusercontent.com answers"
     return None
 

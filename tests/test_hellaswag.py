@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+import fineweb
 import hellaswag
 from hellaswag import HellaSwagDataError
 from train_gpt2 import GPT
@@ -152,7 +153,7 @@ def datasets(monkeypatch):
     datasets = pytest.importorskip("datasets")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(hellaswag, "_reachable", lambda url, timeout=3.0: True)
+    monkeypatch.setattr(hellaswag, "unreachable", lambda url, timeout=3.0: None)
     return datasets
 
 
@@ -228,7 +229,7 @@ def test_offline_variable_fails_at_once(tmp_path, monkeypatch, var):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv(var, "1")
     monkeypatch.setattr(urllib.request, "urlopen", never)
-    monkeypatch.setattr(hellaswag.socket, "create_connection", never)
+    monkeypatch.setattr(fineweb.socket, "create_connection", never)
     monkeypatch.setattr(hellaswag, "_fetch_from_hub", never)
     with pytest.raises(HellaSwagDataError, match=f"{var} is set.*pass --data path/to/hellaswag_val.jsonl"):
         hellaswag.load_examples(cache_dir=str(tmp_path / "c"))
@@ -246,7 +247,7 @@ def test_no_network_fails_after_one_quick_probe(tmp_path, monkeypatch):
         probes.append((address, timeout))
         raise OSError("Network is unreachable")
 
-    monkeypatch.setattr(hellaswag.socket, "create_connection", create_connection)
+    monkeypatch.setattr(fineweb.socket, "create_connection", create_connection)
     monkeypatch.setattr(urllib.request, "urlopen", never)
     monkeypatch.setattr(hellaswag, "_fetch_from_hub", never)
     with pytest.raises(HellaSwagDataError, match="no network.*pass --data path/to/hellaswag_val.jsonl"):
