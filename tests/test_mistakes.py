@@ -284,21 +284,27 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(data, tmp_path):
     assert "Traceback" not in err and len(said) <= 1, err
 
 
+def ctrl_c_during_step_0_eval(proc, out, delay):
+    """Ctrl-C `delay` s into step 0's evaluation (it starts right after log.jsonl appears), then a
+    clean exit 130 with no traceback. -> (stderr, seconds the stop took)."""
+    deadline = time.time() + 120
+    while not (out / "log.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(delay)
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    return err, time.time() - t0
+
+
 def test_ctrl_c_during_a_long_val_eval_stops_promptly_with_a_checkpoint(tmp_path):
     data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=3_000_000)  # an eval of minutes
     out = tmp_path / "out"
     proc = start(tiny_args(data, out, "--max-steps", 100, "--warmup-steps", 1, "--eval-every", 1, "--val-tokens",
                            2_900_000, "-B", 64, "--total-batch-size", 1024))  # fmt: skip
-    deadline = time.time() + 120
-    while not (out / "log.jsonl").exists() and time.time() < deadline:  # step 0's eval starts right after
-        time.sleep(0.1)
-    time.sleep(11)  # past the first progress line (every 10 s)
-    t0 = time.time()
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    waited = time.time() - t0
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err
+    err, waited = ctrl_c_during_step_0_eval(proc, out, delay=11)  # past the first progress line (every 10 s)
     assert waited < 60, f"the stop request waited {waited:.0f} s for the eval"  # the whole eval takes minutes
     assert (out / "ckpt_000000.pt").exists() and "val_loss" not in (out / "log.jsonl").read_text()
     assert "val loss: batch " in err  # the long eval said where it was
@@ -310,16 +316,7 @@ def test_ctrl_c_during_an_in_training_hellaswag_eval_stops_promptly_with_a_check
     out = tmp_path / "out"
     proc = start(tiny_args(data, out, "--max-steps", 100, "--warmup-steps", 1, "--eval-every", 0, "--hellaswag-every",
                            1, "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl"))  # fmt: skip
-    deadline = time.time() + 120
-    while not (out / "log.jsonl").exists() and time.time() < deadline:  # step 0's HellaSwag starts right after
-        time.sleep(0.1)
-    time.sleep(3)
-    t0 = time.time()
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    waited = time.time() - t0
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err
+    err, waited = ctrl_c_during_step_0_eval(proc, out, delay=3)
     assert waited < 20, f"the stop request waited {waited:.0f} s for the HellaSwag eval"
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert (out / "ckpt_000000.pt").exists() and not any("hellaswag" in r for r in records)
