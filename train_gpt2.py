@@ -353,8 +353,11 @@ class GPT(nn.Module):
         if hc.activation_function not in ("gelu_new", "gelu_pytorch_tanh") or hc.layer_norm_epsilon != 1e-5:
             raise UserError(f"{name_or_dir}: activation {hc.activation_function!r} / layer_norm_epsilon "
                             f"{hc.layer_norm_epsilon} differ from GPT-2's (gelu_new, 1e-5)")  # fmt: skip
-        model = cls(GPTConfig(block_size=hc.n_positions, vocab_size=hc.vocab_size, n_layer=hc.n_layer,
-                              n_head=hc.n_head, n_embd=hc.n_embd))  # fmt: skip
+        with torch.device("meta"):  # every weight is copied below: no random init to throw away
+            model = cls(GPTConfig(block_size=hc.n_positions, vocab_size=hc.vocab_size, n_layer=hc.n_layer,
+                                  n_head=hc.n_head, n_embd=hc.n_embd))  # fmt: skip
+        model.to_empty(device="cpu")
+        model.transformer.wte.weight = model.lm_head.weight  # to_empty makes new Parameters: tie them again
         # transformers fills missing keys with random numbers and only warns: refuse them
         sd_hf = {k: v for k, v in hf.state_dict().items() if k not in info["missing_keys"]
                  and not k.endswith((".attn.bias", ".attn.masked_bias"))}  # fmt: skip

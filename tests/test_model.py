@@ -88,6 +88,9 @@ def test_from_pretrained_local_dir_matches_hf(hf_tiny_dir):
         _, loss = ours(idx[:, :-1], idx[:, 1:])
     assert (logits - ref.logits).abs().max().item() < 1e-5
     assert abs(loss.item() - ref.loss.item()) < 1e-5
+    # built on the meta device and filled: on the CPU, tied, and trainable as GPT(config) is
+    assert ours.transformer.wte.weight is ours.lm_head.weight
+    assert all(p.device.type == "cpu" and p.requires_grad for p in ours.parameters())
 
 
 def test_from_pretrained_reports_first_mismatch(tmp_path, hf_tiny_dir):
