@@ -197,21 +197,30 @@ def _next_token(logits, temperature, top_k, noise):
     return (F.softmax(logits, dim=-1) / noise).argmax(dim=-1)  # (B,)
 
 
+def _embedding(n, dim, fill):
+    # fill=False leaves the weight empty: on the meta device, nn.Embedding's own N(0, 1) fill
+    # imports torch._dynamo (1.4 s of a hellaswag.py or --sample-from start-up on a CPU)
+    return nn.Embedding(n, dim) if fill else nn.Embedding(n, dim, _weight=torch.empty(n, dim))
+
+
 class GPT(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, init=True):
+        """init=False: the tensors are left unfilled, for weights about to be loaded (the loaders
+        build on the meta device: no random init to throw away, seconds at 124M)."""
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
+                wte=_embedding(config.vocab_size, config.n_embd, init),
+                wpe=_embedding(config.block_size, config.n_embd, init),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=nn.LayerNorm(config.n_embd),
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying: one Parameter, two uses
-        self.apply(self._init_weights)
+        if init:
+            self.apply(self._init_weights)
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -355,7 +364,7 @@ class GPT(nn.Module):
                             f"{hc.layer_norm_epsilon} differ from GPT-2's (gelu_new, 1e-5)")  # fmt: skip
         with torch.device("meta"):  # every weight is copied below: no random init to throw away
             model = cls(GPTConfig(block_size=hc.n_positions, vocab_size=hc.vocab_size, n_layer=hc.n_layer,
-                                  n_head=hc.n_head, n_embd=hc.n_embd))  # fmt: skip
+                                  n_head=hc.n_head, n_embd=hc.n_embd), init=False)  # fmt: skip
         model.to_empty(device="cpu")
         model.transformer.wte.weight = model.lm_head.weight  # to_empty makes new Parameters: tie them again
         # transformers fills missing keys with random numbers and only warns: refuse them
@@ -589,8 +598,8 @@ def load_checkpoint(path):
 def model_from_checkpoint(ckpt, path):
     """The GPT a checkpoint holds; weights that do not fit its own config are a UserError."""
     try:
-        with torch.device("meta"):  # no random init that the weights then overwrite (seconds at 124M)
-            model = GPT(GPTConfig(**ckpt["model_config"]))
+        with torch.device("meta"):  # no random init that the weights then overwrite
+            model = GPT(GPTConfig(**ckpt["model_config"]), init=False)
         model.load_state_dict(ckpt["model"], assign=True)  # the loaded tensors become the parameters
         model.transformer.wte.weight = model.lm_head.weight  # assigned one key at a time: tie them again
     except (TypeError, RuntimeError) as e:

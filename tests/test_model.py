@@ -44,6 +44,19 @@ def test_a_loaded_checkpoint_keeps_the_tie_and_trains_it_as_one_parameter(tmp_pa
         assert torch.equal(a, b), name
 
 
+def test_loading_a_checkpoint_does_not_import_torch_dynamo(tmp_path, tiny_config):
+    """The loaders build on the meta device; a fill there (nn.Embedding's own N(0, 1)) imports
+    torch._dynamo, 1.4 s of every hellaswag.py / --sample-from start-up on a CPU. A fresh
+    interpreter, as a user's would be."""
+    from dataclasses import asdict
+
+    torch.save({"model": GPT(tiny_config).state_dict(), "model_config": asdict(tiny_config)}, tmp_path / "ckpt.pt")
+    code = "import sys, train_gpt2; train_gpt2.load_model(sys.argv[1]); print('torch._dynamo' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt.pt")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
 def test_init_std_and_initial_loss():
     torch.manual_seed(0)
     config = GPTConfig(block_size=128, vocab_size=50257, n_layer=4, n_head=4, n_embd=256)
