@@ -8,9 +8,9 @@ with the lowest mean loss per ending token. OpenAI GPT-2 124M scores acc 0.2859,
 this way (the EleutherAI harness scores it differently: 0.2892 / 0.3114).
 
 In a program: prepared = prepare(examples, enc) once (tokenizes), then evaluate(model, prepared,
-device, rank, world_size, ...) as often as needed. Each context goes through the model once and
-its 4 endings continue from its KV cache; the LM head runs only where an ending token is
-predicted (see "Scoring" below). On CUDA the CLI uses bf16 autocast, as training does.
+device, rank, world_size, ...) as often as needed. Each context goes through the model once, in
+one row with its 4 endings, which see it but not each other; the LM head runs only where an
+ending token is predicted (see "Scoring" below). On CUDA the CLI uses bf16 autocast, as training does.
 
 Rows longer than the model's window: the model reads a row's tokens up to the second to last
 (the last is only predicted), so a row of block_size + 1 tokens fits. A longer row keeps its
@@ -200,18 +200,22 @@ def load_examples(path=None, cache_dir=None, limit=None):
 #
 # Only the work the score needs. An ending's score is the log-probability of its tokens after the
 # context, so:
-# - the context goes through the model once and the 4 endings continue from its keys and values
-#   (our GPT's KVCache): 1.74M positions for the 10,042 examples instead of 3.29M when each
-#   ending re-reads its context;
+# - an example is one packed row: its context, then its 4 endings (each but its last token, which
+#   is only predicted). An attention mask lets each ending see the context and its own earlier
+#   tokens, and each ending's positions start where the context ends, so every ending is scored
+#   exactly as if it followed the context alone: 1.74M positions for the 10,042 examples instead
+#   of 3.29M when each ending re-reads its context, in one forward pass per batch. (Continuing
+#   the 4 endings from the context's KV cache does the same arithmetic, but copies the cache 4
+#   times: 0.7 s of the 3.2 s of a full eval on an H100, and more padding.)
 # - the LM head and log-softmax run only at the 1.27M positions that predict an ending token (the
 #   50,304-wide head is a third of a 124M model's FLOPs per position, most of a small model's);
-# - a batch holds contexts of one length (the context pass needs no padding) and endings of
-#   similar length; the batches are built once per (window, device, share of the examples), by
-#   array operations (0.1 s for the full set on a CPU), copied to the device in one piece and
-#   kept there, and the scores stay there until the end: no host sync per batch.
-# Examples whose longest row does not fit the window, and models without a KVCache (transformers'
-# GPT2LMHeadModel), are scored one row per ending (context + ending), still with the head only at
-# the scored positions.
+# - a batch holds rows of similar length; the batches are built once per (window, device, share
+#   of the examples), by array operations (0.1 s for the full set on a CPU), copied to the
+#   device in one piece and kept there, and the scores stay there until the end: no host sync
+#   per batch.
+# Examples whose longest (context + ending) does not fit the window, and models that take no
+# positions and mask (transformers' GPT2LMHeadModel), are scored one row per ending, still with
+# the head only at the scored positions.
 
 
 def render_example(example, enc):
@@ -279,12 +283,13 @@ def _unwrap(model):
 
 
 def _trunk(model):
-    """-> (hidden(idx, cache): the final LayerNorm's output, the LM head, a KV-cache maker or None)."""
+    """-> (hidden(idx, pos=None, mask=None): the final LayerNorm's output, the LM head, whether
+    hidden takes positions and a mask, as our GPT does, for packed rows)."""
     model = _unwrap(model)
-    if hasattr(model, "hidden_states") and hasattr(model, "kv_cache"):  # our GPT
-        return model.hidden_states, model.lm_head, model.kv_cache
+    if hasattr(model, "hidden_states"):  # our GPT
+        return model.hidden_states, model.lm_head, True
     # transformers' GPT2LMHeadModel: .transformer ends with ln_f, .lm_head is the head
-    return (lambda idx, cache=None: model.transformer(input_ids=idx, use_cache=False).last_hidden_state), model.lm_head, None
+    return (lambda idx: model.transformer(input_ids=idx, use_cache=False).last_hidden_state), model.lm_head, False
 
 
 # The batches are cut from Prepared.tokens with index arrays. A batch's rows are laid out along
@@ -307,33 +312,42 @@ def _chunks(widths, budget):
         start = stop
 
 
-def _shared_batches(p, exs, slot, batch_tokens):
-    """Examples (an index array) with one context length L per batch: contexts (B, L), then their
-    4B endings (all but the last token, right-padded to Te) continuing from the cached context.
-    Scored: the context's last position (each ending's first token), then ending position t
-    (token t+1). slot[i]: where example i's first ending's score goes."""
-    exs = exs[np.lexsort((p.end_len[exs].max(1), p.ctx_len[exs]))]  # by context length, then longest ending
-    ctx_len, longest = p.ctx_len[exs], p.end_len[exs].max(1)
+def _packed_batches(p, exs, slot, batch_tokens):
+    """Examples (an index array) packed one to a row: the context, then each ending but its last
+    token, back to back, rows of similar length together. pos: each token's position in its own
+    (context + ending) sequence; seg: 0 for the context, 1 + j for ending j, 5 for padding (the
+    attention mask is built from it: see ending_losses). Scored: the context's last position once
+    per ending (each ending's first token), then every ending position (its next token).
+    slot[i]: where example i's first ending's score goes."""
+    lens = np.concatenate([p.ctx_len[:, None], p.end_len - 1], axis=1)  # (n, 5): each segment's cells in a row
+    src = np.concatenate([p.ctx_start[:, None], p.end_start], axis=1)  # (n, 5): where each segment is in p.tokens
+    exs = exs[np.argsort(lens[exs].sum(1), kind="stable")]  # by row length: little padding
+    row_len = lens[exs].sum(1)
     batches = []
-    for L in np.unique(ctx_len).tolist():
-        group = np.flatnonzero(ctx_len == L)  # consecutive: exs is sorted by context length
-        widths = (L + 4 * (longest[group] - 1)).tolist()  # positions an example costs in a batch ending with it
-        for start, stop in _chunks(widths, batch_tokens):
-            b = exs[group[start:stop]]
-            begin, length = p.end_start[b].ravel(), p.end_len[b].ravel()  # the 4B endings, 4 per example
-            slots = (slot[b][:, None] + np.arange(4)).ravel()
-            cols = np.arange(length.max() - 1)
-            real = cols < (length - 1)[:, None]  # (4B, Te): each ending but its last token
-            at = (begin[:, None] + cols)[real]  # where those tokens are in p.tokens
-            ends = np.zeros(real.shape, dtype=np.int64)
-            ends[real] = p.tokens[at]
-            batches.append({
-                "ctx": p.tokens[p.ctx_start[b][:, None] + np.arange(L)],
-                "ends": ends,
-                "gather": np.flatnonzero(real),
-                "targets": np.concatenate([p.tokens[begin], p.tokens[at + 1]]),  # first tokens, then the rest
-                "slots": np.concatenate([slots, np.repeat(slots, length - 1)]),
-            })  # fmt: skip
+    for start, stop in _chunks(row_len.tolist(), batch_tokens):
+        b = exs[start:stop]
+        n = lens[b].ravel()  # segment lengths, row by row
+        cell_seg = np.repeat(np.arange(n.size), n)  # every real cell's segment, 5 r + s, row by row
+        offset = np.arange(n.sum()) - (np.cumsum(n) - n)[cell_seg]  # the cell's place in its segment
+        row, seg = np.divmod(cell_seg, 5)
+        row_first = np.cumsum(row_len[start:stop]) - row_len[start:stop]  # each row's first cell
+        col = np.arange(n.sum()) - row_first[row]  # the cell's place in its row
+        at = src[b].ravel()[cell_seg] + offset  # the cell's token in p.tokens
+        ctx_len = p.ctx_len[b]
+        shape = (len(b), row_len[stop - 1])
+        idx, pos, segs = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64), np.full(shape, 5)
+        idx[row, col], segs[row, col] = p.tokens[at], seg
+        pos[row, col] = np.where(seg == 0, offset, ctx_len[row] + offset)
+        ends = seg > 0
+        last = np.arange(len(b)) * shape[1] + ctx_len - 1  # each context's last cell, flat
+        batches.append({
+            "idx": idx,
+            "pos": pos,
+            "seg": segs,
+            "gather": np.concatenate([np.repeat(last, 4), (row * shape[1] + col)[ends]]),
+            "targets": np.concatenate([p.tokens[p.end_start[b]].ravel(), p.tokens[at[ends] + 1]]),
+            "slots": np.concatenate([(slot[b][:, None] + np.arange(4)).ravel(), slot[b][row[ends]] + seg[ends] - 1]),
+        })  # fmt: skip
     return batches
 
 
@@ -385,19 +399,19 @@ def _upload(batches, device):
     return out
 
 
-def _batches(p, share, block_size, shared, batch_tokens, device):
+def _batches(p, share, block_size, packed, batch_tokens, device):
     """This share's batches on the device and the number of scored tokens of each of its endings
     (len(share), 4), built once; slot 4 k + j is ending j of share[k]."""
-    key = (block_size, shared, batch_tokens, str(device), tuple(share))
+    key = (block_size, packed, batch_tokens, str(device), tuple(share))
     if key not in p.batches:
         share = np.asarray(share, dtype=np.int64)
         slot = np.zeros(len(p), dtype=np.int64)
         slot[share] = 4 * np.arange(len(share))
         ctx_len, end_len = p.ctx_len[share], p.end_len[share]
         row_len = ctx_len[:, None] + end_len
-        # the shared path needs a context to continue from, and every row inside the window
-        fits = (ctx_len > 0) & (row_len.max(1) <= block_size + 1) if shared else np.zeros(len(share), dtype=bool)
-        batches = _shared_batches(p, share[fits], slot, batch_tokens)
+        # a packed row needs a context to continue from, and every (context + ending) in the window
+        fits = (ctx_len > 0) & (row_len.max(1) <= block_size + 1) if packed else np.zeros(len(share), dtype=bool)
+        batches = _packed_batches(p, share[fits], slot, batch_tokens)
         batches += _row_batches(p, share[~fits], slot, block_size, batch_tokens)
         n_tokens = np.minimum(end_len, np.minimum(row_len, block_size + 1) - 1)  # a cut row scores fewer
         p.batches.clear()  # keep one set: a training run asks for the same one every time
@@ -426,8 +440,8 @@ def ending_losses(model, prepared, device, share=None, autocast_dtype=None, shou
     batch_tokens = batch_tokens or (65536 if device_type == "cuda" else 4096)
     config = _unwrap(model).config
     block_size = getattr(config, "block_size", None) or config.n_positions
-    hidden, lm_head, kv_cache = _trunk(model)
-    batches, n_tokens = _batches(prepared, share, block_size, kv_cache is not None, batch_tokens, device)
+    hidden, lm_head, packs = _trunk(model)
+    batches, n_tokens = _batches(prepared, share, block_size, packs, batch_tokens, device)
     sum_loss = torch.zeros(4 * len(share), device=device)
     head_chunk = HEAD_CHUNK.get(device_type, 2048)
     t0 = t_print = time.time()
@@ -438,16 +452,14 @@ def ending_losses(model, prepared, device, share=None, autocast_dtype=None, shou
         # ~550 batches have hundreds of shapes: 19 s of a first eval on an H100, 3 s evals after
         with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None), \
                 sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            if "ctx" in b:  # the context once, then its 4 endings from the cache
-                L = b["ctx"].size(1)
-                Te = b["ends"].size(1)
-                cache = kv_cache(L + Te)
-                h = hidden(b["ctx"], cache)[:, -1].repeat_interleave(4, dim=0)  # (4B, C): first ending tokens
-                if Te > 0:
-                    h_ends = hidden(b["ends"], cache.repeat_interleave(4))
-                    h = torch.cat([h, h_ends.flatten(0, 1)[b["gather"]]])
+            if "seg" in b:  # packed: a token sees the context and its own ending, causally
+                seg, W = b["seg"], b["seg"].size(1)
+                mask = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == 0)  # (B, W, W): query, key
+                mask &= torch.ones(W, W, dtype=torch.bool, device=seg.device).tril()
+                h = hidden(b["idx"], pos=b["pos"], mask=mask[:, None])
             else:
-                h = hidden(b["idx"]).flatten(0, 1)[b["gather"]]
+                h = hidden(b["idx"])
+            h = h.flatten(0, 1)[b["gather"]]
             for s in range(0, h.size(0), head_chunk):
                 logits = lm_head(h[s : s + head_chunk])
                 loss = F.cross_entropy(logits.float(), b["targets"][s : s + head_chunk], reduction="none")

@@ -73,9 +73,9 @@ class GPTConfig:
 
 class KVCache:
     """Keys and values of every layer, preallocated for max_len positions: one more token costs one
-    position, not the whole prefix. pos is where the next positions go: a Python int (a prompt,
-    HellaSwag's endings) that forward advances by T, or, for GPT.decode_step, a 1-element tensor
-    the caller advances in place, so that every shape is static and the step can be compiled."""
+    position, not the whole prefix. pos is where the next positions go: a Python int (a prompt)
+    that forward advances by T, or, for GPT.decode_step, a 1-element tensor the caller advances
+    in place, so that every shape is static and the step can be compiled."""
 
     def __init__(self, n_layer, max_len):
         self.k = [None] * n_layer
@@ -105,15 +105,6 @@ class KVCache:
         mask = None if T == 1 else torch.ones(T, pos + T, dtype=torch.bool, device=k.device).tril(pos)
         return k, v, mask, False
 
-    def repeat_interleave(self, n):
-        """A cache whose rows are each row of this one n times (row b -> rows b*n .. b*n+n-1):
-        n continuations of one prefix (HellaSwag's 4 endings of one context)."""
-        other = KVCache(len(self.k), self.max_len)
-        other.k = [t.repeat_interleave(n, dim=0) for t in self.k]
-        other.v = [t.repeat_interleave(n, dim=0) for t in self.v]
-        other.pos = self.pos
-        return other
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
@@ -125,14 +116,14 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
-    def forward(self, x, cache=None, layer=0):
+    def forward(self, x, cache=None, layer=0, mask=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention on GPUs
+        if cache is None:  # flash attention on GPUs when causal; mask: see GPT.hidden_states
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         else:
             k, v, mask, is_causal = cache.update(layer, k, v)  # every position stored so far
             if T == 1 and mask is not None:  # a decode step: one query against the whole buffer
@@ -166,9 +157,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache=None, layer=0):
+    def forward(self, x, cache=None, layer=0, mask=None):
         # pre-LayerNorm: the residual stream itself is never normalised, only what branches off it
-        x = x + self.attn(self.ln_1(x), cache, layer)
+        x = x + self.attn(self.ln_1(x), cache, layer, mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -242,20 +233,23 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
         return logits, loss
 
-    def hidden_states(self, idx, cache=None):
+    def hidden_states(self, idx, cache=None, pos=None, mask=None):
         """The final LayerNorm's output (B, T, n_embd): what lm_head reads. Callers that need the
-        logits at a few positions only (sampling, HellaSwag) apply lm_head to just those."""
+        logits at a few positions only (sampling, HellaSwag) apply lm_head to just those.
+        pos (B, T) and mask (B, 1, T, T), True where token t may see token s, lay out a row other
+        than as one causal sequence (HellaSwag packs a context and its 4 endings in one row);
+        default: positions 0 .. T-1 after the cache, causal."""
         B, T = idx.size()
         if cache is not None and torch.is_tensor(cache.pos):
             pos = cache.pos  # (1,): a decode step, one token per row; shapes stay static
-        else:
+        elif pos is None:
             pos0 = 0 if cache is None else cache.pos
             if pos0 + T > self.config.block_size:
                 raise ValueError(f"sequence of length {pos0 + T} is longer than block_size {self.config.block_size}")
             pos = torch.arange(pos0, pos0 + T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, cache, i)
+            x = block(x, cache, i, mask)
         if cache is not None and not torch.is_tensor(cache.pos):
             cache.pos += T
         return self.transformer.ln_f(x)

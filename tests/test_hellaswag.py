@@ -330,38 +330,35 @@ def test_fast_scorer_equals_plain_loop_on_1000_examples(parity):
 
 def scored_from_batches(batches):
     """Read the batches back, the slow way: for each slot, what the model sees before each scored
-    token (the tokens at positions 0 .. t of its row) and the token it must predict."""
+    token and the token it must predict. A row (context + ending) sees its positions 0 .. t; a
+    packed row's token sees the context and its own segment up to itself, at positions 0, 1, ..."""
     seen = {}
     for b in batches:
         b = {k: v.tolist() for k, v in b.items()}
-        targets = iter(zip(b["targets"], b["slots"]))
-        if "ctx" in b:  # the context pass scores each ending's first token, 4 endings per context
-            rows = [b["ctx"][r // 4] + end for r, end in enumerate(b["ends"])]
-            for r in range(len(rows)):
-                target, slot = next(targets)
-                seen.setdefault(slot, []).append((tuple(b["ctx"][r // 4]), target))
-            width, offset = len(b["ends"][0]) if b["ends"] else 0, len(b["ctx"][0])
-        else:
-            rows, width, offset = b["idx"], len(b["idx"][0]), 0
-        for g in b["gather"]:  # flat position r * width + t of the ending / row grid
-            r, t = divmod(g, width)
-            target, slot = next(targets)
-            seen.setdefault(slot, []).append((tuple(rows[r][: offset + t + 1]), target))
-        assert next(targets, None) is None
+        width = len(b["idx"][0])
+        for g, target, slot in zip(b["gather"], b["targets"], b["slots"], strict=True):
+            r, t = divmod(g, width)  # flat position r * width + t of the grid
+            if "seg" in b:
+                segs, pos = b["seg"][r], b["pos"][r]
+                visible = [c for c in range(t + 1) if segs[c] in (0, segs[t])]
+                assert [pos[c] for c in visible] == list(range(len(visible)))
+                seen.setdefault(slot, []).append((tuple(b["idx"][r][c] for c in visible), target))
+            else:
+                seen.setdefault(slot, []).append((tuple(b["idx"][r][: t + 1]), target))
     return seen
 
 
-@pytest.mark.parametrize("block_size, shared", [(128, True), (64, True), (128, False)])
-def test_batches_hold_exactly_the_plain_rows(examples, enc, block_size, shared):
+@pytest.mark.parametrize("block_size, packed", [(128, True), (64, True), (128, False)])
+def test_batches_hold_exactly_the_plain_rows(examples, enc, block_size, packed):
     """The batch builder (array operations) against the definition, written out per token: every
     scored token of every ending, with what the model sees before it, and nothing else."""
     wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
     exs = examples[:150] + wikihow[:150]  # short rows that share their context, long ones that may not fit
     prepared = hellaswag.prepare(exs, enc)
     for share in (list(range(len(exs))), list(range(1, len(exs), 3))):
-        batches, n_tokens = hellaswag._batches(prepared, share, block_size, shared, 700, "cpu")
-        if shared:
-            assert any("ctx" in b for b in batches) and any("idx" in b for b in batches)
+        batches, n_tokens = hellaswag._batches(prepared, share, block_size, packed, 700, "cpu")
+        if packed:
+            assert any("seg" in b for b in batches) and any("seg" not in b for b in batches)
         seen = scored_from_batches(batches)
         expected, expected_n = {}, []
         for k, i in enumerate(share):

@@ -39,6 +39,18 @@ def test_seeded_top_k_is_reproducible_and_equal_to_recompute(model):
     assert torch.equal(model.generate(idx, 30, top_k=1), model.generate(idx, 30, temperature=0))
 
 
+def test_a_prompt_fed_to_the_cache_in_pieces_equals_one_pass(model):
+    """The cache continues from a Python-int position with several tokens at once (each sees the
+    cached prefix and its own earlier tokens): the same hidden states as the whole row at once."""
+    tokens = torch.randint(0, GPT2_VOCAB, (2, 12))
+    with torch.no_grad():
+        whole = model.hidden_states(tokens)
+        cache = model.kv_cache(12)
+        pieces = [model.hidden_states(tokens[:, a:b], cache) for a, b in ((0, 5), (5, 6), (6, 12))]
+    assert cache.pos == 12
+    assert torch.allclose(torch.cat(pieces, dim=1), whole, atol=1e-5, rtol=1e-4)
+
+
 def test_decode_step_logits_equal_the_full_forward(model):
     """The static-shape step (position as a tensor, attention over the whole buffer with a mask)
     gives the logits the plain forward gives at that position."""
