@@ -172,11 +172,43 @@ def unreachable(url, timeout=3.0):
     return None if outcome[0] is None else first_line(outcome[0])
 
 
+class OutlivesItsReader:
+    """sys.stdout / sys.stderr that survive their reader going away (`| head`, or a `| tee` that
+    died with the ssh session that started it): the first write that finds the pipe closed points
+    the stream at /dev/null and the program carries on, where print would raise BrokenPipeError
+    and end it. A training run's record is log.jsonl and its checkpoints, not its console."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())  # the same file descriptor, now writing nowhere
+        os.close(devnull)
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ... of the real stream
+        return getattr(self.stream, name)
+
+
 def run_cli(main, interrupted="interrupted"):
     """Run a script's main(): a UserError is one `error:` line and exit 1, Ctrl-C the one line
     `interrupted` and exit 130 (the shell's code for SIGINT); anything else is a bug and keeps
-    its traceback."""
+    its traceback. Output to a pipe that closes is dropped (OutlivesItsReader), not fatal."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt from here on
+    sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
     try:
         code = main()
     except UserError as e:

@@ -298,6 +298,25 @@ def nonfinite_at(monkeypatch, factors, grad_accum_steps=2):
     monkeypatch.setattr(train_gpt2.GPT, "forward", scaled)
 
 
+def test_training_outlives_its_closed_stdout(tmp_path):
+    """`python train_gpt2.py ... | tee train.log`, and tee dies with the ssh session: the prints
+    meet a closed pipe. The run must go on to its last step (its record is log.jsonl and the
+    checkpoints), not end with a BrokenPipeError."""
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 400, "--eval-every", 100, "--ckpt-every", 200)
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc.stdout.readline()  # the run is printing
+    proc.stdout.close()  # and its reader goes away
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+    _, steps = read_log(out)
+    assert sorted(steps) == list(range(400))
+    assert (out / "ckpt_000400.pt").exists()  # named by the steps done
+
+
 def test_nonfinite_steps_are_not_applied(tmp_path, monkeypatch):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
