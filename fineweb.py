@@ -173,10 +173,10 @@ def unreachable(url, timeout=3.0):
 
 
 class OutlivesItsReader:
-    """sys.stdout / sys.stderr that survive their reader going away (`| head`, or a `| tee` that
-    died with the ssh session that started it): the first write that finds the pipe closed points
-    the stream at /dev/null and the program carries on, where print would raise BrokenPipeError
-    and end it. A training run's record is log.jsonl and its checkpoints, not its console."""
+    """sys.stdout / sys.stderr that survive their reader going away (`| head`, a `| tee` that died
+    with the ssh session that started it, a terminal that hung up): the first write that fails
+    (BrokenPipeError, EIO) points the stream at /dev/null and the program carries on, where print
+    would raise and end it. A training run's record is log.jsonl and its checkpoints."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -184,14 +184,14 @@ class OutlivesItsReader:
     def write(self, text):
         try:
             return self.stream.write(text)
-        except BrokenPipeError:
+        except OSError:
             self._to_devnull()
             return len(text)
 
     def flush(self):
         try:
             self.stream.flush()
-        except BrokenPipeError:
+        except OSError:
             self._to_devnull()
 
     def _to_devnull(self):

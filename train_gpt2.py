@@ -1026,13 +1026,16 @@ def setup_distributed(args, explicit):
 
 
 class StopRequest:
-    """SIGTERM (a spot instance reclaimed, a scheduler) or Ctrl-C: the run stops at the next step
-    boundary with a checkpoint, an eval in progress is cut short; a second Ctrl-C stops at once."""
+    """SIGTERM (a spot instance reclaimed, a scheduler), SIGHUP (the terminal or ssh session that
+    started the run went away) or Ctrl-C: the run stops at the next step boundary with a
+    checkpoint, an eval in progress is cut short; a second Ctrl-C stops at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
     def __init__(self):
         self.signum = 0
-        signal.signal(signal.SIGTERM, self.on_signal)
-        signal.signal(signal.SIGINT, self.on_signal)
+        for s in self.SIGNALS:
+            signal.signal(s, self.on_signal)
 
     def on_signal(self, signum, frame):
         if self.signum:
@@ -1524,7 +1527,7 @@ def main(argv=None):
         load_model(ckpt_path).export_hf(out_dir)
         print(f"wrote a transformers GPT-2 directory to {out_dir}")
         return 0
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # train() replaces them
+    previous = {s: signal.getsignal(s) for s in StopRequest.SIGNALS}  # train() replaces them
     try:
         return train(args, explicit)
     finally:

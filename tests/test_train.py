@@ -274,7 +274,8 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
-def test_sigterm_writes_a_usable_checkpoint(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # a scheduler; a closed terminal
+def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
     proc = subprocess.Popen(
@@ -283,12 +284,12 @@ def test_sigterm_writes_a_usable_checkpoint(tmp_path):
     )  # fmt: skip
     try:
         _wait_for_step(proc, out, 2)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, stderr
-    assert "caught SIGTERM" in stdout and "Traceback" not in stderr
+    assert proc.returncode == 128 + signum, stderr
+    assert f"caught {signum.name}" in stdout and "Traceback" not in stderr
     _, steps = read_log(out)
     last = max(steps)
     path = out / f"ckpt_{last + 1:06d}.pt"
