@@ -104,6 +104,8 @@ def _read_jsonl(path):
             return parse_rows(f, path)
     except UnicodeDecodeError as e:
         raise HellaSwagDataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:  # no read permission, an I/O error
+        raise HellaSwagDataError(f"{path} cannot be read: {e.strerror or first_line(e)}") from None
 
 
 def _fetch_from_hub():
@@ -176,6 +178,8 @@ def load_examples(path=None, cache_dir=None, limit=None):
     cache_dir (default ~/.cache/gpt2-repro/hellaswag) is read, downloading it first if absent;
     the cache must hold exactly 10,042 valid rows. limit keeps the first limit examples."""
     if path is not None:
+        if os.path.isdir(path):
+            raise HellaSwagDataError(f"{path} is a folder: pass the path of a HellaSwag jsonl file in it")
         if not os.path.isfile(path):
             raise HellaSwagDataError(f"{path} does not exist: pass the path of a HellaSwag jsonl file")
         examples = _read_jsonl(path)

@@ -2,6 +2,7 @@
 against a plain one-row-per-forward loop, sharding, stopping, the data sources (Hub, then URL;
 network calls replaced by local data), offline detection and refusing bad data."""
 
+import errno
 import io
 import json
 import os
@@ -86,6 +87,15 @@ def test_render_example_zero(examples, enc, reference):
     assert ctx_tokens == ref["ctx_tokens"] == [32, 582, 318, 5586, 319, 257, 9753, 13, 339]
     assert [len(e) for e in ending_tokens] == ref["ending_token_lengths_with_leading_space"] == [11, 6, 8, 9]
     assert ending_tokens[3] == enc.encode(" starts pulling up roofing on a roof.")
+
+
+def test_a_file_that_cannot_be_read_is_one_line(monkeypatch, val_path):
+    def failing_open(*args, **kwargs):  # as a disk error or missing read permission would
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(hellaswag, "open", failing_open, raising=False)
+    with pytest.raises(HellaSwagDataError, match="hellaswag_val.jsonl cannot be read: Input/output error"):
+        hellaswag.load_examples(str(val_path))
 
 
 def test_malformed_line_is_named(tmp_path, val_path):
@@ -458,7 +468,8 @@ def test_cli_prints_accuracy(hf_dir, small, val_path):
 def test_cli_bad_data_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0, "split_type": "indomain"}\nnot json\n')
-    for data, message in ((bad, "bad.jsonl, line 2: not JSON"), (tmp_path / "none.jsonl", "does not exist")):
+    for data, message in ((bad, "bad.jsonl, line 2: not JSON"), (tmp_path / "none.jsonl", "does not exist"),
+                          (tmp_path, "is a folder: pass the path of a HellaSwag jsonl file in it")):  # fmt: skip
         r = run_cli("-m", "gpt2", "--data", data)
         assert r.returncode == 1
         assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1
