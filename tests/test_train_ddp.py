@@ -1,9 +1,12 @@
 """DDP: torchrun with 2 CPU ranks (gloo) trains exactly like one process with twice the
-gradient accumulation over the same data, and evaluates the same."""
+gradient accumulation over the same data, and evaluates the same; a signal to torchrun stops
+every rank with a checkpoint."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -52,3 +55,37 @@ def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, share
     ckpt = __import__("train_gpt2").load_checkpoint(str(tmp_path / "ddp" / "ckpt_000005.pt"))
     assert ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2  # every rank's random state
     json.dumps(ckpt["train_config"])  # plain values only
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])  # Ctrl-C; the ssh session dropped
+def test_a_signal_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path, signum):
+    """Ctrl-C on `torchrun ... train_gpt2.py` reaches torchrun alone (its workers run in their
+    own sessions); torchrun passes the signal on and SIGKILLs after 30 s. Every rank must stop at
+    the same step and rank 0 write a checkpoint that --resume continues from."""
+    data = random_shards(tmp_path / "data", train_lengths=(2000,), val_length=257)
+    out = tmp_path / "out"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen([*torchrun, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 100000)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        while not any('"step": 3, "train_loss"' in line for line in _lines(out / "log.jsonl")):
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.01)
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert f"caught {signum.name}: stopping after this step with a checkpoint" in stdout, stderr[-3000:]
+    _, steps = read_log(out)
+    last = max(steps)
+    ckpt = __import__("train_gpt2").load_checkpoint(str(out / f"ckpt_{last + 1:06d}.pt"))
+    assert ckpt["step"] == last + 1 and ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2
+    resumed = subprocess.run([sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", last + 3, "--resume")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert max(read_log(out)[1]) == last + 2
+
+
+def _lines(path):
+    return path.read_text().splitlines() if path.exists() else []
