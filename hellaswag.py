@@ -297,11 +297,11 @@ def _trunk(model):
 
 
 # The batches are cut from Prepared.tokens with index arrays. A batch's rows are laid out along
-# columns 0 .. width-1 of a (rows, width) grid, and a boolean mask of the same shape says which
-# cells hold a token (the rest is padding: token 0, a real id that is never scored). Two numpy
-# facts do the bookkeeping: grid[mask] lists the cells row by row, left to right, and
-# np.flatnonzero(mask) gives those cells' positions r * width + t in the flattened grid, which is
-# what picks the scored positions out of h.flatten(0, 1).
+# columns 0 .. width-1 of a (rows, width) grid; the cells past a row's end are padding (token 0, a
+# real id that is never scored). A cell's flat position r * width + t is what picks the scored
+# positions out of h.flatten(0, 1). Packed rows place their cells by (row, column) index arrays;
+# rows of one ending use a boolean mask of the grid's shape, with two numpy facts: grid[mask] lists
+# the cells row by row, left to right, and np.flatnonzero(mask) gives their flat positions.
 
 
 def _chunks(widths, budget):
@@ -452,8 +452,8 @@ def ending_losses(model, prepared, device, share=None, autocast_dtype=None, shou
     for n_done, b in enumerate(batches):
         if should_stop is not None and should_stop():
             return None
-        # not cuDNN attention (an H100's default): it builds a plan for every new shape, and the
-        # ~550 batches have hundreds of shapes: 19 s of a first eval on an H100, 3 s evals after
+        # not cuDNN attention (an H100's default): it builds a plan for every new shape, and each
+        # batch has its own (19 s of a first eval on an H100 when there were ~550 batches)
         with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None), \
                 sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             if "seg" in b:  # packed: a token sees the context and its own ending, causally
