@@ -1035,6 +1035,8 @@ class StopRequest:
     def __init__(self):
         self.signum = 0
         for s in self.SIGNALS:
+            if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
+                continue  # started under nohup: hangups are to be ignored, and are
             signal.signal(s, self.on_signal)
 
     def on_signal(self, signum, frame):

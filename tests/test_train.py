@@ -274,6 +274,25 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
+def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 300, "--eval-every", 0)], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does before exec
+    )  # fmt: skip
+    try:
+        _wait_for_step(proc, out, 2)
+        proc.send_signal(signal.SIGHUP)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "caught" not in stdout
+    assert sorted(read_log(out)[1]) == list(range(300))
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # a scheduler; a closed terminal
 def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
     data = random_shards(tmp_path / "data")
