@@ -410,6 +410,24 @@ def test_rows_longer_than_block_size_keep_their_end(tiny_config, examples, enc):
     assert n_tokens.tolist() == [[block_size, 1, 2, 3]]
 
 
+def test_packed_rows_with_one_token_endings_and_a_one_token_context(tiny_config, examples, enc):
+    """Segments of no cells (an ending of one token is scored from the context alone) and a row of
+    a single cell (a one-token context whose endings are one token each) in one batch."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config)
+    exs = [dict(examples[0], endings=["a", "b c", "d e f", "."]), dict(examples[1], ctx="x", endings=["y", "z", "w", "v"]),
+           examples[2]]  # fmt: skip
+    prepared = hellaswag.prepare(exs, enc)
+    assert prepared.ctx_len[1] == 1 and (prepared.end_len[1] == 1).all() and (prepared.end_len[0] == [1, 2, 3, 1]).all()
+    batches, _ = hellaswag._batches(prepared, range(3), tiny_config.block_size, True, 4096, "cpu")
+    assert len(batches) == 1 and "seg" in batches[0]  # all three packed together
+    with torch.no_grad():
+        plain = [plain_losses(lambda x: model(x)[0], enc, ex, tiny_config.block_size) for ex in exs]
+    sum_loss, n_tokens = hellaswag.ending_losses(model, prepared, "cpu")
+    assert torch.allclose(sum_loss, torch.tensor([s for s, _ in plain]), rtol=1e-4, atol=1e-4)
+    assert n_tokens.tolist()[:2] == [[1, 2, 3, 1], [1, 1, 1, 1]]
+
+
 def test_evaluate_counts_and_shards_sum_to_the_whole(small, enc):
     model, exs, plain = small["ours"], small["examples"], small["plain"]
     prepared = hellaswag.prepare(exs, enc)
