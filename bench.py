@@ -11,12 +11,13 @@ min-max; a ratio is the ratio of the medians, with the min-max of the per-round 
   train      one training step (forward, backward, clip, AdamW step) of train_gpt2.GPT with
              GPT.configure_optimizers, against transformers' GPT2LMHeadModel (sdpa attention, plain
              torch AdamW) with the same config, batch, precision and data (train_gpt2's loader feeds
-             both the same micro-batches). Configs small (6 layers, 384 wide, T 256, B 8) and
-             gpt2 (124M, T 1024, B 1 on CPU; on a GPU the recipe's 64 where memory allows, else
-             32, 16, ... per precision); fp32 and bf16 autocast; eager and
-             torch.compile (compile time: cold, from an empty inductor cache). MFU: against the
-             matmul ceiling measured in the same rounds on a CPU, against the datasheet peak
-             (train_gpt2.PEAK_FLOPS, --peak-flops) on a GPU
+             both the same micro-batches); on a CPU with glibc's malloc keeping freed memory, as
+             train_gpt2.py runs there (keep_freed_memory), after rows that measure that setting.
+             Configs small (6 layers, 384 wide, T 256, B 8) and gpt2 (124M, T 1024, B 1 on CPU;
+             on a GPU the recipe's 64 where memory allows, else 32, 16, ... per precision); fp32
+             and bf16 autocast; eager and torch.compile (compile time: cold, from an empty
+             inductor cache). MFU: against the matmul ceiling measured in the same rounds on a
+             CPU, against the datasheet peak (train_gpt2.PEAK_FLOPS, --peak-flops) on a GPU
   loader     DataLoaderLite.next_batch through 100M-token shards (written to a temporary folder):
              microseconds per batch, at the shard switches, and the memory it adds
   fineweb    fineweb.py's tokenizer pool against tiktoken's encode_ordinary_batch, same documents
@@ -39,6 +40,7 @@ beside the repository when it is there; a section without data is skipped with a
 """
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -101,6 +103,9 @@ RUNS = {
         configs=["small", "gpt2"],
         compile=[False, True],
         train_rounds=dict(tiny=(2, 6), small=(2, 6), gpt2=(1, 4)),
+        # keep_freed_memory: the README's tiny run and the small config
+        heap=[dict(n_layer=4, n_head=4, n_embd=64, T=64, B=16), dict(n_layer=6, n_head=6, n_embd=384, T=256, B=8)],
+        heap_rounds=(1, 5),
         mm_n=4096,
         mm_rounds=(1, 5),
         shards=3,
@@ -121,6 +126,8 @@ RUNS = {
         configs=["small"],
         compile=[False],
         train_rounds=dict(tiny=(1, 3), small=(1, 3), gpt2=(1, 2)),
+        heap=[dict(n_layer=4, n_head=4, n_embd=64, T=64, B=16)],
+        heap_rounds=(1, 3),
         mm_n=4096,
         mm_rounds=(1, 3),
         shards=2,
@@ -140,6 +147,8 @@ RUNS = {
         configs=["tiny"],
         compile=[False],
         train_rounds=dict(tiny=(1, 2), small=(0, 1), gpt2=(0, 1)),
+        heap=[dict(n_layer=2, n_head=2, n_embd=64, T=32, B=2)],
+        heap_rounds=(0, 1),
         mm_n=256,
         mm_rounds=(1, 3),
         shards=2,
@@ -522,6 +531,51 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
     return result, rows
 
 
+def bench_keep_freed_memory(s, data_dir):
+    """train_gpt2.keep_freed_memory, which a CPU run turns on: training steps (fp32, eager) with
+    glibc keeping freed memory in the heap against glibc's default (big blocks mapped and
+    unmapped, the heap trimmed), for the README's tiny run and the small config. Each round sets
+    one, then the other; after each switch one untimed step lets the heap settle. Leaves the
+    freed memory kept, as training has it."""
+    from train_gpt2 import DataLoaderLite
+
+    libc = ctypes.CDLL("libc.so.6")
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+
+    def glibc_default():
+        libc.mallopt(M_MMAP_MAX, 65536)
+        libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
+        libc.malloc_trim(0)  # give back what the kept heap holds
+
+    results, rows = [], []
+    for c in s["heap"]:
+        config = GPTConfig(block_size=c["T"], vocab_size=VOCAB, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])  # fmt: skip
+        torch.manual_seed(1337)
+        model = GPT(config)
+        opt = model.configure_optimizers(0.1, 6e-4, "cpu", verbose=False)
+        step = train_step_fn(model, opt, DataLoaderLite(data_dir, "train", c["B"], c["T"], shuffle=False), None)
+        shape = f"{c['n_layer']} layers, {c['n_embd']} wide, B {c['B']}, T {c['T']}"
+        modes = {"kept": train_gpt2.keep_freed_memory, "glibc default": glibc_default}
+        times = {name: [] for name in modes}
+        warmup, rounds = s["heap_rounds"]
+        for r in range(warmup + rounds):
+            this_round = {}
+            for name, switch in modes.items():
+                switch()
+                step()  # untimed: the first step after a switch grows or trims the heap
+                this_round[name] = timed(step, "cpu")
+                if r >= warmup:
+                    times[name].append(this_round[name])
+            log(f"  keep_freed_memory {shape}: round {r + 1}/{warmup + rounds}: " + ", ".join(f"{n} {t:.3f}s" for n, t in this_round.items()))  # fmt: skip
+        train_gpt2.keep_freed_memory()
+        tok = {k: rates(c["B"] * c["T"], v) for k, v in times.items()}
+        results.append({"config": c, "tok_per_sec": {k: stats(v) for k, v in tok.items()}})
+        rows.append(comparison(f"train on a CPU: freed memory kept (keep_freed_memory) vs glibc's default ({shape}, fp32 eager)",
+                               tok["kept"], tok["glibc default"], "tok/s"))  # fmt: skip
+        del model, opt, step
+    return results, rows
+
+
 def bench_train(s, device, device_type, peak, tmp):
     # a shard of random token ids; every config reads it through train_gpt2's loader
     import fineweb
@@ -531,6 +585,8 @@ def bench_train(s, device, device_type, peak, tmp):
     tokens = np.random.default_rng(0).integers(0, 50257, 2_000_000, dtype=np.uint16)
     fineweb.write_shard(fineweb.shard_path(data_dir, "bench", 1), tokens)
     results, rows = {}, []
+    if device_type == "cpu" and train_gpt2.keep_freed_memory():  # as a training run on a CPU does
+        results["keep_freed_memory"], rows = bench_keep_freed_memory(s, data_dir)
     for name in s["configs"]:
         results[name], r = bench_train_config(name, s, device, device_type, peak, data_dir)
         rows += r

@@ -31,6 +31,7 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not 
     signal.signal(signal.SIGINT, _interrupted_while_loading)
 
 import argparse
+import ctypes
 import errno
 import json
 import math
@@ -531,6 +532,24 @@ def pick_device(requested=None):
     if device_type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise UserError("--device mps was asked for but MPS is not available: use --device cpu")
     return device, device_type
+
+
+def keep_freed_memory():
+    """Make glibc's malloc keep the memory a CPU run frees, for the next step to reuse.
+
+    On a CPU the activations and the (B, T, vocab) logits live in the C heap. glibc gives every
+    block of more than 32 MB its own mmap and unmaps it when freed (and trims the heap's top
+    likewise), so each step the kernel maps and zeroes those pages afresh: in the README's tiny
+    run that page faulting took as long as the compute (`sys` time = `user` time), half of every
+    step. Kept, the memory is reused (bench.py: 2.1x the steps per second there). The cost: the
+    heap holds its high-water mark, and the step's and the evals' layouts side by side (peak RSS
+    2.4-2.6 GB instead of 1.3 GB for that run). A no-op where libc is not glibc."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # macOS, musl: another allocator, nothing to set
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
 
 
 def set_deterministic(device_type):
@@ -1257,6 +1276,8 @@ def prepare_side_evals(run, args, config, master, ddp):
 def train(args, explicit=frozenset()):
     # --- config: processes, device, precision, batch arithmetic --------------------------------
     d, device, device_type = setup_distributed(args, explicit)
+    if device_type == "cpu":
+        keep_freed_memory()  # about 2x faster steps for small models: see its docstring
     master = d.master_process
     if master:
         claim_out_dir(args.out_dir, args.resume)
