@@ -27,7 +27,8 @@ or is short is refused, never trusted.
 
 Usage:
     python hellaswag.py -m gpt2                    # OpenAI GPT-2 124M (gpt2-medium, ... too)
-    python hellaswag.py -m log/ckpt_019073.pt      # one of our checkpoints, or a transformers dir
+    python hellaswag.py -m log/ckpt_019073.pt      # one of our checkpoints, a run's folder (its newest
+                                                   # checkpoint) or a transformers dir
     python hellaswag.py -m gpt2 --limit 500 -d cuda --dtype float32   # fp32 instead of bf16 on CUDA
     python hellaswag.py -m gpt2 --data path/to/hellaswag_val.jsonl
 """
@@ -507,7 +508,7 @@ def evaluate(model, prepared, device, rank=0, world_size=1, autocast_dtype=None,
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", default="gpt2", help="gpt2*, a transformers dir or our checkpoint (default gpt2)")
+    p.add_argument("-m", "--model", default="gpt2", help="gpt2*, a transformers dir, our checkpoint or a run's folder (its newest) (default gpt2)")
     p.add_argument("-d", "--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
     p.add_argument("--batch-tokens", type=int, default=None,

@@ -1,4 +1,4 @@
-"""
+r"""
 Reproduce GPT-2 (124M) pretraining on FineWeb-Edu, in one readable file.
 
 Top to bottom, in the order of the recipe: the model, the tokenizer and device, the data
@@ -13,6 +13,7 @@ Usage:
         --total-batch-size 4096 --max-steps 200 --warmup-steps 20 --max-lr 1e-3 --eval-every 50 \
         --hellaswag-every 0 --sample-every 100 --val-tokens 16384         # a tiny run on a laptop
     python train_gpt2.py --sample-from gpt2                      # sample from OpenAI GPT-2
+    python train_gpt2.py --sample-from log                       # from a run's newest checkpoint
     python train_gpt2.py --sample-from path/to/hf_dir --prompt "Hello, I'm a language model,"
     python train_gpt2.py --export-hf log/ckpt_019073.pt gpt2_ours  # our checkpoint -> transformers dir
 """
@@ -577,7 +578,14 @@ def set_deterministic(device_type):
 
 
 def load_model(spec, device="cpu"):
-    """A model from a name (gpt2, gpt2-medium, ...), a transformers directory or our checkpoint."""
+    """A model from a name (gpt2, gpt2-medium, ...), a transformers directory, our checkpoint, or
+    a training run's --out-dir (its newest checkpoint)."""
+    if spec not in HF_NAMES and os.path.isdir(spec) and not os.path.exists(os.path.join(spec, "config.json")):
+        found = checkpoint_paths(spec)
+        if not found:
+            raise UserError(f"{spec} holds neither a transformers model (config.json) nor our checkpoints (ckpt_*.pt)")
+        print(f"{spec} is a training run's folder: using its newest checkpoint, {found[0]}")
+        spec = found[0]
     if spec in HF_NAMES or os.path.isdir(spec):
         model = GPT.from_pretrained(spec)
     elif os.path.isfile(spec):
@@ -1515,7 +1523,8 @@ def parse_args(argv=None):
     g.add_argument("--keep-ckpts", type=int, default=3, help="keep this run's newest N checkpoints (0: all)")
     g.add_argument("--resume", nargs="?", const="latest", metavar="CKPT", help="continue: newest in --out-dir, or CKPT")
     g = p.add_argument_group("sampling (in training, and with --sample-from) and export")
-    g.add_argument("--sample-from", metavar="MODEL", help="gpt2*, a transformers dir or our checkpoint: sample and exit")
+    g.add_argument("--sample-from", metavar="MODEL",
+                   help="gpt2*, a transformers dir, our checkpoint or a run's folder (its newest): sample and exit")
     g.add_argument("--prompt", default="Hello, I'm a language model,", help="'' starts from <|endoftext|>")
     g.add_argument("--num-samples", type=int, default=4)
     g.add_argument("--max-new-tokens", type=int, default=32)

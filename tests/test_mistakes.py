@@ -135,6 +135,25 @@ def test_sample_from_and_export_together_are_refused(tmp_path):
     assert_one_line_error(r, "--sample-from", "--export-hf")
 
 
+def test_a_run_folder_as_the_model_means_its_newest_checkpoint(short_run, capsys):
+    out = short_run[1]  # ckpt_000001.pt and ckpt_000002.pt
+    args = ["--prompt", "Hi", "--num-samples", "1", "--max-new-tokens", "4", "--device", "cpu"]
+    assert train_gpt2.main(["--sample-from", str(out), *args]) == 0
+    note, *from_folder = capsys.readouterr().out.splitlines()
+    assert note.endswith(f"using its newest checkpoint, {out / 'ckpt_000002.pt'}")
+    assert train_gpt2.main(["--sample-from", str(out / "ckpt_000002.pt"), *args]) == 0
+    assert from_folder == capsys.readouterr().out.splitlines()
+    weights = lambda spec: train_gpt2.load_model(str(spec)).state_dict()["lm_head.weight"]  # noqa: E731
+    assert torch.equal(weights(out), weights(out / "ckpt_000002.pt"))
+    assert not torch.equal(weights(out), weights(out / "ckpt_000001.pt"))  # the newest, not any
+
+
+def test_a_folder_with_no_model_in_it_is_one_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    msg = user_error(["--sample-from", tmp_path])
+    assert "neither a transformers model" in msg and "ckpt_*.pt" in msg
+
+
 def test_a_typo_in_a_flag_is_refused_not_guessed(data, tmp_path):
     r = cli(*tiny_args(data, tmp_path / "out"), "--max-st", "3")  # an abbreviation argparse would accept
     assert r.returncode == 2 and "unrecognized arguments: --max-st" in r.stderr
@@ -330,6 +349,7 @@ def test_help_shows_defaults_and_the_usage_examples_intact():
     r = cli("--help", env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0
     assert "python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe" in r.stdout
+    assert "-T 64 \\\n        --total-batch-size 4096" in r.stdout  # a continued line stays one to copy
     flat = " ".join(r.stdout.split())
     for text in ("(default: 64)", "(default: 524288)", "(default: 0.0006)", "(default: 715)", "(default: log)"):
         assert text in flat, text
