@@ -1521,7 +1521,8 @@ def parse_args(argv=None):
     g.add_argument("--sample-every", type=int, default=250, help="print samples every N steps (0: never)")
     g.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps, and at the end")
     g.add_argument("--keep-ckpts", type=int, default=3, help="keep this run's newest N checkpoints (0: all)")
-    g.add_argument("--resume", nargs="?", const="latest", metavar="CKPT", help="continue: newest in --out-dir, or CKPT")
+    g.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
+                   help="continue: the newest in --out-dir, or CKPT, or a run's folder (its newest, writing there)")
     g = p.add_argument_group("sampling (in training, and with --sample-from) and export")
     g.add_argument("--sample-from", metavar="MODEL",
                    help="gpt2*, a transformers dir, our checkpoint or a run's folder (its newest): sample and exit")
@@ -1535,6 +1536,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     given = {a.dest for a in p._actions for s in a.option_strings for tok in argv
              if tok == s or tok.startswith(s + "=") or (len(s) == 2 and tok.startswith(s) and not tok.startswith("--"))}  # fmt: skip
+    if args.resume not in (None, "latest") and os.path.isdir(args.resume):  # --resume <a run's folder>
+        if "out_dir" in given and os.path.realpath(args.out_dir) != os.path.realpath(args.resume):
+            raise UserError(f"--resume {args.resume} is a run's folder, --out-dir {args.out_dir} another: continue that "
+                            f"run with --resume --out-dir {args.resume}, or name the checkpoint to start from")  # fmt: skip
+        args.out_dir, args.resume = args.resume, "latest"  # continue it where it is
+        given.add("out_dir")
     return args, frozenset(given)
 
 

@@ -256,6 +256,27 @@ def test_a_longer_max_steps_is_allowed_and_said(data, run4, capsys):
     assert header["changed_on_resume"] == {"max_steps": [4, 6]} and header["resumed_from"] == 4
 
 
+def test_resume_with_a_run_folder_continues_that_run_in_it(data, run4, tmp_path):
+    # `--resume run` with no --out-dir: the user means that run, not a new one in ./log
+    args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--eval-every", 0)
+    i = args.index("--out-dir")
+    del args[i : i + 2]
+    r = subprocess.run([sys.executable, str(ROOT / "train_gpt2.py"), *args, "--resume", str(run4)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "log").exists()
+    records, steps = read_log(run4)
+    assert sorted(steps) == list(range(6))
+    assert [r for r in records if r.get("event") == "header"][-1]["resumed_from"] == 4
+
+
+def test_resume_with_a_run_folder_and_another_out_dir_is_refused(data, run4, tmp_path):
+    before = snapshot(run4)
+    msg = user_error(tiny_args(data, tmp_path / "other", "--max-steps", 6, "--warmup-steps", 5, "--resume", run4))
+    assert "is a run's folder" in msg and f"--resume --out-dir {run4}" in msg
+    assert snapshot(run4) == before and not (tmp_path / "other").exists()
+
+
 def test_max_steps_below_the_checkpoint_is_refused(data, run4):
     msg = user_error(tiny_args(data, run4, "--max-steps", 3, "--warmup-steps", 5, "--resume"))
     assert "--max-steps 3" in msg and "4 steps" in msg
