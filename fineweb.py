@@ -2,8 +2,9 @@
 FineWeb-Edu (or your own text) -> GPT-2 token shards for train_gpt2.py.
 
 Documents are streamed (nothing is downloaded up front), tokenized with tiktoken's gpt2 encoding
-in a pool of worker processes, each prefixed by <|endoftext|> (50256), and written as shards of
---shard-size uint16 tokens: {prefix}_val_000000.npy first, then {prefix}_train_000001.npy, ...
+by a pool of threads (tiktoken releases the GIL), each prefixed by <|endoftext|> (50256), and
+written as shards of --shard-size uint16 tokens: {prefix}_val_000000.npy first, then
+{prefix}_train_000001.npy, ...
 A manifest beside the shards ({prefix}_manifest.json) records what each finished shard consumed,
 so rerunning the same command after a crash or a kill continues after the last finished shard.
 
