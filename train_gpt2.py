@@ -1489,7 +1489,8 @@ def parse_args(argv=None):
     g.add_argument("--no-shuffle", action="store_true", help="read the shards in name order every epoch")
     g.add_argument("--out-dir", default="log", help="log.jsonl and checkpoints of one run go here")
     g = p.add_argument_group("model (taken from the checkpoint with --resume)")
-    g.add_argument("--init-from", default="scratch", help="scratch, gpt2*, a transformers dir or our checkpoint")
+    g.add_argument("--init-from", default="scratch",
+                   help="scratch, gpt2*, a transformers dir, our checkpoint or a run's folder (its newest)")
     g.add_argument("--n-layer", type=int, default=12)
     g.add_argument("--n-head", type=int, default=12)
     g.add_argument("--n-embd", type=int, default=768)

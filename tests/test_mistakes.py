@@ -148,6 +148,15 @@ def test_a_run_folder_as_the_model_means_its_newest_checkpoint(short_run, capsys
     assert not torch.equal(weights(out), weights(out / "ckpt_000001.pt"))  # the newest, not any
 
 
+def test_init_from_a_run_folder_starts_from_its_newest_checkpoint(short_run, tmp_path):
+    data, out = short_run
+    loss = {}
+    for name, spec in (("folder", out), ("newest", out / "ckpt_000002.pt"), ("older", out / "ckpt_000001.pt")):
+        assert train_gpt2.main(tiny_args(data, tmp_path / name, "--max-steps", 1, "--eval-every", 0, "--init-from", spec)) == 0
+        loss[name] = read_log(tmp_path / name)[1][0]["train_loss"]
+    assert loss["folder"] == loss["newest"] != loss["older"]
+
+
 def test_a_folder_with_no_model_in_it_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     msg = user_error(["--sample-from", tmp_path])
