@@ -12,7 +12,8 @@ min-max; a ratio is the ratio of the medians, with the min-max of the per-round 
              GPT.configure_optimizers, against transformers' GPT2LMHeadModel (sdpa attention, plain
              torch AdamW) with the same config, batch, precision and data (train_gpt2's loader feeds
              both the same micro-batches); on a CPU with glibc's malloc keeping freed memory, as
-             train_gpt2.py runs there (keep_freed_memory), after rows that measure that setting.
+             train_gpt2.py runs there (keep_freed_memory), after rows that measure that setting
+             (the sections after it get glibc's default back, as hellaswag.py runs with).
              Configs small (6 layers, 384 wide, T 256, B 8) and gpt2 (124M, T 1024, B 1 on CPU;
              on a GPU the recipe's 64 where memory allows, else 32, 16, ... per precision); fp32
              and bf16 autocast; eager and torch.compile (compile time: cold, from an empty
@@ -531,6 +532,15 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
     return result, rows
 
 
+def glibc_default_malloc():
+    """Undo train_gpt2.keep_freed_memory: glibc's own settings, and the kept heap given back."""
+    libc = ctypes.CDLL("libc.so.6")
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    libc.mallopt(M_MMAP_MAX, 65536)
+    libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
+    libc.malloc_trim(0)
+
+
 def bench_keep_freed_memory(s, data_dir):
     """train_gpt2.keep_freed_memory, which a CPU run turns on: training steps (fp32, eager) with
     glibc keeping freed memory in the heap against glibc's default (big blocks mapped and
@@ -538,14 +548,6 @@ def bench_keep_freed_memory(s, data_dir):
     one, then the other; after each switch one untimed step lets the heap settle. Leaves the
     freed memory kept, as training has it."""
     from train_gpt2 import DataLoaderLite
-
-    libc = ctypes.CDLL("libc.so.6")
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-
-    def glibc_default():
-        libc.mallopt(M_MMAP_MAX, 65536)
-        libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
-        libc.malloc_trim(0)  # give back what the kept heap holds
 
     results, rows = [], []
     for c in s["heap"]:
@@ -555,7 +557,7 @@ def bench_keep_freed_memory(s, data_dir):
         opt = model.configure_optimizers(0.1, 6e-4, "cpu", verbose=False)
         step = train_step_fn(model, opt, DataLoaderLite(data_dir, "train", c["B"], c["T"], shuffle=False), None)
         shape = f"{c['n_layer']} layers, {c['n_embd']} wide, B {c['B']}, T {c['T']}"
-        modes = {"kept": train_gpt2.keep_freed_memory, "glibc default": glibc_default}
+        modes = {"kept": train_gpt2.keep_freed_memory, "glibc default": glibc_default_malloc}
         times = {name: [] for name in modes}
         warmup, rounds = s["heap_rounds"]
         for r in range(warmup + rounds):
@@ -585,11 +587,14 @@ def bench_train(s, device, device_type, peak, tmp):
     tokens = np.random.default_rng(0).integers(0, 50257, 2_000_000, dtype=np.uint16)
     fineweb.write_shard(fineweb.shard_path(data_dir, "bench", 1), tokens)
     results, rows = {}, []
-    if device_type == "cpu" and train_gpt2.keep_freed_memory():  # as a training run on a CPU does
+    kept = device_type == "cpu" and train_gpt2.keep_freed_memory()  # as a training run on a CPU does
+    if kept:
         results["keep_freed_memory"], rows = bench_keep_freed_memory(s, data_dir)
     for name in s["configs"]:
         results[name], r = bench_train_config(name, s, device, device_type, peak, data_dir)
         rows += r
+    if kept:  # the later sections measure what hellaswag.py and sampling run with
+        glibc_default_malloc()
     return results, rows
 
 
