@@ -4,6 +4,9 @@ Every speed claim of this project, measured side by side in one run on one machi
 Shared machines drift: absolute times move, ratios taken back to back hold. So each benchmark
 runs its contenders interleaved (A B A B ...), drops the warm-up rounds, and reports medians with
 min-max; a ratio is the ratio of the medians, with the min-max of the per-round (paired) ratios.
+On a CPU, from the train section on, glibc's malloc keeps freed memory, as training and
+hellaswag.py run there (train_gpt2.keep_freed_memory); the sections before it (sample among them,
+as `--sample-from` runs) have glibc's default.
 
   ceiling    fp32 and bf16 GFLOP/s of a large square torch.mm: what this device can do with the
              kernels torch uses (on a CPU also fp32 through oneDNN, for reference: torch.mm and
@@ -11,9 +14,8 @@ min-max; a ratio is the ratio of the medians, with the min-max of the per-round 
   train      one training step (forward, backward, clip, AdamW step) of train_gpt2.GPT with
              GPT.configure_optimizers, against transformers' GPT2LMHeadModel (sdpa attention, plain
              torch AdamW) with the same config, batch, precision and data (train_gpt2's loader feeds
-             both the same micro-batches); on a CPU with glibc's malloc keeping freed memory, as
-             train_gpt2.py runs there (keep_freed_memory), after rows that measure that setting
-             (the sections after it get glibc's default back, as hellaswag.py runs with).
+             both the same micro-batches); on a CPU first that setting itself: glibc's malloc
+             keeping freed memory (train_gpt2.keep_freed_memory) against its default.
              Configs small (6 layers, 384 wide, T 256, B 8) and gpt2 (124M, T 1024, B 1 on CPU;
              on a GPU the recipe's 64 where memory allows, else 32, 16, ... per precision); fp32
              and bf16 autocast; eager and torch.compile (compile time: cold, from an empty
@@ -41,7 +43,6 @@ beside the repository when it is there; a section without data is skipped with a
 """
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -63,7 +64,8 @@ import train_gpt2
 from fineweb import UserError, get_tokenizer, run_cli, write_atomic
 from train_gpt2 import GPT, GPTConfig, flops_per_token, pick_device
 
-SECTIONS = ("ceiling", "loader", "fineweb", "train", "hellaswag", "sample")
+# sample comes before train: from train on, glibc's malloc keeps freed memory (see the docstring)
+SECTIONS = ("ceiling", "loader", "fineweb", "sample", "train", "hellaswag")
 
 # the model configs of the training benchmark; B is per device type where it differs
 TRAIN_CONFIGS = {
@@ -532,49 +534,47 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
     return result, rows
 
 
-def glibc_default_malloc():
-    """Undo train_gpt2.keep_freed_memory: glibc's own settings, and the kept heap given back."""
-    libc = ctypes.CDLL("libc.so.6")
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
-    libc.mallopt(M_MMAP_MAX, 65536)
-    libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
-    libc.malloc_trim(0)
+def heap_probe(config, data_dir, keep, steps):
+    """In a fresh interpreter (glibc's default malloc unless keep): the seconds of `steps` training
+    steps of config (fp32, eager) after one warm-up step, printed as JSON."""
+    from train_gpt2 import DataLoaderLite
+
+    if keep:
+        train_gpt2.keep_freed_memory()
+    c = config
+    torch.manual_seed(1337)
+    model = GPT(GPTConfig(block_size=c["T"], vocab_size=VOCAB, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"]))  # fmt: skip
+    opt = model.configure_optimizers(0.1, 6e-4, "cpu", verbose=False)
+    step = train_step_fn(model, opt, DataLoaderLite(data_dir, "train", c["B"], c["T"], shuffle=False), None)
+    step()
+    print(json.dumps([timed(step, "cpu") for _ in range(steps)]))
 
 
 def bench_keep_freed_memory(s, data_dir):
-    """train_gpt2.keep_freed_memory, which a CPU run turns on: training steps (fp32, eager) with
-    glibc keeping freed memory in the heap against glibc's default (big blocks mapped and
-    unmapped, the heap trimmed), for the README's tiny run and the small config. Each round sets
-    one, then the other; after each switch one untimed step lets the heap settle. Leaves the
-    freed memory kept, as training has it."""
-    from train_gpt2 import DataLoaderLite
-
+    """train_gpt2.keep_freed_memory, which a CPU training run turns on: training steps (fp32, eager)
+    with glibc keeping freed memory in the heap against glibc's default (big blocks mapped and
+    unmapped, the heap trimmed), for the README's tiny run and the small config. glibc's default
+    cannot be restored in a process once changed, so each round runs each setting in a fresh
+    interpreter (heap_probe); a round's time is the median of its steps."""
     results, rows = [], []
     for c in s["heap"]:
-        config = GPTConfig(block_size=c["T"], vocab_size=VOCAB, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])  # fmt: skip
-        torch.manual_seed(1337)
-        model = GPT(config)
-        opt = model.configure_optimizers(0.1, 6e-4, "cpu", verbose=False)
-        step = train_step_fn(model, opt, DataLoaderLite(data_dir, "train", c["B"], c["T"], shuffle=False), None)
         shape = f"{c['n_layer']} layers, {c['n_embd']} wide, B {c['B']}, T {c['T']}"
-        modes = {"kept": train_gpt2.keep_freed_memory, "glibc default": glibc_default_malloc}
-        times = {name: [] for name in modes}
+        times = {"kept": [], "glibc default": []}
         warmup, rounds = s["heap_rounds"]
         for r in range(warmup + rounds):
             this_round = {}
-            for name, switch in modes.items():
-                switch()
-                step()  # untimed: the first step after a switch grows or trims the heap
-                this_round[name] = timed(step, "cpu")
+            for name in times:
+                code = f"import bench; bench.heap_probe({c!r}, {data_dir!r}, {name == 'kept'}, 3)"
+                out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
+                                     text=True, check=True).stdout  # fmt: skip
+                this_round[name] = statistics.median(json.loads(out.splitlines()[-1]))
                 if r >= warmup:
                     times[name].append(this_round[name])
             log(f"  keep_freed_memory {shape}: round {r + 1}/{warmup + rounds}: " + ", ".join(f"{n} {t:.3f}s" for n, t in this_round.items()))  # fmt: skip
-        train_gpt2.keep_freed_memory()
         tok = {k: rates(c["B"] * c["T"], v) for k, v in times.items()}
         results.append({"config": c, "tok_per_sec": {k: stats(v) for k, v in tok.items()}})
         rows.append(comparison(f"train on a CPU: freed memory kept (keep_freed_memory) vs glibc's default ({shape}, fp32 eager)",
-                               tok["kept"], tok["glibc default"], "tok/s"))  # fmt: skip
-        del model, opt, step
+                               tok["kept"], tok["glibc default"], "tok/s", note="each in a fresh process"))  # fmt: skip
     return results, rows
 
 
@@ -587,14 +587,12 @@ def bench_train(s, device, device_type, peak, tmp):
     tokens = np.random.default_rng(0).integers(0, 50257, 2_000_000, dtype=np.uint16)
     fineweb.write_shard(fineweb.shard_path(data_dir, "bench", 1), tokens)
     results, rows = {}, []
-    kept = device_type == "cpu" and train_gpt2.keep_freed_memory()  # as a training run on a CPU does
-    if kept:
+    # on a CPU, from here on (and for hellaswag after it), as training and hellaswag.py run there
+    if device_type == "cpu" and train_gpt2.keep_freed_memory():
         results["keep_freed_memory"], rows = bench_keep_freed_memory(s, data_dir)
     for name in s["configs"]:
         results[name], r = bench_train_config(name, s, device, device_type, peak, data_dir)
         rows += r
-    if kept:  # the later sections measure what hellaswag.py and sampling run with
-        glibc_default_malloc()
     return results, rows
 
 
@@ -1033,6 +1031,7 @@ def main(argv=None):
     device, device_type = pick_device(args.device)
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # as train_gpt2 does: TF32 for fp32 matmuls
+
     peak = args.peak_flops or (
         train_gpt2.peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None
     )
@@ -1069,6 +1068,8 @@ def main(argv=None):
             elif section == "train":
                 result, rows = bench_train(s, device, device_type, peak, tmp)
             elif section == "hellaswag":
+                if device_type == "cpu":  # as hellaswag.py and training evaluate there (also with --only)
+                    train_gpt2.keep_freed_memory()
                 result, rows = bench_hellaswag(s, args, device, device_type, tmp)
             else:
                 result, rows = bench_sample(s, device, device_type)

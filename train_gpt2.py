@@ -542,7 +542,7 @@ def keep_freed_memory():
     block of more than 32 MB its own mmap and unmaps it when freed (and trims the heap's top
     likewise), so each step the kernel maps and zeroes those pages afresh: in the README's tiny
     run that page faulting took as long as the compute (`sys` time = `user` time), half of every
-    step. Kept, the memory is reused (bench.py: 2.1x the steps per second there). The cost: the
+    step. Kept, the memory is reused (bench.py: 1.8x the steps per second there). The cost: the
     heap holds its high-water mark, and the step's and the evals' layouts side by side (peak RSS
     2.4-2.6 GB instead of 1.3 GB for that run). A no-op where libc is not glibc."""
     try:
@@ -1285,7 +1285,7 @@ def train(args, explicit=frozenset()):
     # --- config: processes, device, precision, batch arithmetic --------------------------------
     d, device, device_type = setup_distributed(args, explicit)
     if device_type == "cpu":
-        keep_freed_memory()  # about 2x faster steps for small models: see its docstring
+        keep_freed_memory()  # 1.2-1.8x faster steps for small models: see its docstring
     master = d.master_process
     if master:
         claim_out_dir(args.out_dir, args.resume)

@@ -78,5 +78,5 @@ def test_unknown_section_is_a_one_line_error(tmp_path):
     r = run_bench("--only", "speed", cwd=tmp_path)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
-        "error: --only speed: unknown section, choose from ceiling, loader, fineweb, train, hellaswag, sample"
+        "error: --only speed: unknown section, choose from ceiling, loader, fineweb, sample, train, hellaswag"
     ]

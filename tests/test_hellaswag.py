@@ -338,6 +338,17 @@ def test_fast_scorer_equals_plain_loop_on_1000_examples(parity):
     assert counts == {k: by_hand[k] for k in counts} and counts["n"] == N_PLAIN and counts["n_zeroshot"] > 0
 
 
+def test_head_chunks_cut_anywhere_score_the_same(parity, monkeypatch):
+    # the head runs HEAD_CHUNK scored rows at a time; one chunk of everything is the reference
+    model, prepared = parity["ours"], parity["prepared"]
+    monkeypatch.setitem(hellaswag.HEAD_CHUNK, "cpu", 10**9)
+    whole, n_tokens = hellaswag.ending_losses(model, prepared, "cpu", batch_tokens=3000)
+    monkeypatch.setitem(hellaswag.HEAD_CHUNK, "cpu", 37)  # cuts endings and examples mid-way
+    chunked, n_chunked = hellaswag.ending_losses(model, prepared, "cpu", batch_tokens=3000)
+    assert torch.allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+    assert torch.equal(chunked.argmin(1), whole.argmin(1)) and torch.equal(n_chunked, n_tokens)
+
+
 def scored_from_batches(batches):
     """Read the batches back, the slow way: for each slot, what the model sees before each scored
     token and the token it must predict. A row (context + ending) sees its positions 0 .. t; a
