@@ -1031,7 +1031,6 @@ def main(argv=None):
     device, device_type = pick_device(args.device)
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # as train_gpt2 does: TF32 for fp32 matmuls
-
     peak = args.peak_flops or (
         train_gpt2.peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None
     )
