@@ -201,11 +201,14 @@ def test_hellaswag_cuda_fp32_predicts_as_the_cpu(eval_model, enc, shared_data, f
 
 
 def test_greedy_samples_cuda_fp32_equal_the_cpu(eval_model, enc, fp32_exact):
+    """Eager and compiled (GPT.generate(compile=True)) decoding on the GPU, against the CPU's."""
     prompt = torch.tensor([enc.encode("Hello, I'm a language model,")] * 2)
     n_prompt, n_new = prompt.size(1), 32
     with torch.no_grad():
         cpu = eval_model.generate(prompt, n_new, temperature=0)
         gpu = eval_model.to("cuda").generate(prompt.to("cuda"), n_new, temperature=0).cpu()
+        # the compiled decode step, captured as a CUDA graph
+        compiled = eval_model.generate(prompt.to("cuda"), n_new, temperature=0, compile=True).cpu()
         eval_model.to("cpu")
         # the CPU's margin between its best and second-best token at each step: only a near-tie may flip
         logits, _ = eval_model(cpu[:1, :-1])
@@ -214,6 +217,7 @@ def test_greedy_samples_cuda_fp32_equal_the_cpu(eval_model, enc, fp32_exact):
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
     first_tie = next((i for i, g in enumerate(gaps) if g < 1e-3), n_new)
     assert torch.equal(gpu[:, : n_prompt + first_tie], cpu[:, : n_prompt + first_tie])
+    assert torch.equal(compiled[:, : n_prompt + first_tie], cpu[:, : n_prompt + first_tie])
     assert first_tie >= 24, gaps  # the whole sample, or all but a last few tokens after a near-tie
     # and the text path training prints, on the GPU
     text = train_gpt2.sample_text(eval_model.to("cuda"), enc, "Hello, I'm a language model,", 1, n_new, temperature=0)
