@@ -647,6 +647,10 @@ def sample_text(model, enc, prompt, num_samples=4, max_new_tokens=32, temperatur
 
 def find_shards(data_dir, split):
     """The {prefix}_{split}_{index}.npy (or .bin) shards in data_dir, in name order."""
+    if os.path.isfile(data_dir):  # a text file or one shard where the folder of shards goes
+        raise UserError(f"--data-dir {data_dir} is a file, not a folder of shards: pass the folder that holds the "
+                        f"shards, or tokenize a text file with `python fineweb.py --input {data_dir} --out-dir DIR` "
+                        f"and pass --data-dir DIR")  # fmt: skip
     if not os.path.isdir(data_dir):
         raise UserError(f"data folder {data_dir} does not exist: write shards with fineweb.py or pass --data-dir")
     names = sorted(n for n in os.listdir(data_dir) if re.fullmatch(rf".+_{split}_\d+\.(npy|bin)", n))
@@ -847,6 +851,15 @@ def find_resume_checkpoint(resume, out_dir):
         raise UserError(f"none of the {len(paths)} checkpoints in {out_dir} can be loaded: see the warnings above")
     print(f"no checkpoint in {out_dir} to resume from: starting a new run")
     return None, None
+
+
+def missing_folders(path):
+    """The folders of path that do not exist yet, deepest first: those os.makedirs would create."""
+    path, missing = os.path.abspath(path), []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def claim_out_dir(out_dir, resume):
@@ -1568,11 +1581,17 @@ def main(argv=None):
         print(f"wrote a transformers GPT-2 directory to {out_dir}")
         return 0
     previous = {s: signal.getsignal(s) for s in StopRequest.SIGNALS}  # train() replaces them
+    made = missing_folders(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else []  # rank 0 makes it
     try:
         return train(args, explicit)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        for folder in made:  # a run refused at start leaves no empty --out-dir behind
+            try:
+                os.rmdir(folder)  # only ever an empty folder: one the run wrote to stays
+            except OSError:
+                break
         if dist.is_initialized():
             dist.destroy_process_group()
 

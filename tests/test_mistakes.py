@@ -74,6 +74,26 @@ def test_pruning_removes_only_this_runs_checkpoints(data, tmp_path):
     assert (out / "ckpt_000000.pt").read_bytes() == foreign
 
 
+def test_a_run_refused_at_start_leaves_no_empty_out_dir(tmp_path):
+    # the folders the run would have made go again; a folder the user made (empty) stays
+    missing = tmp_path / "new" / "out"
+    user_error(tiny_args(tmp_path / "no_such_data", missing))
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    user_error(tiny_args(tmp_path / "no_such_data", mine))
+    assert mine.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_a_text_file_as_data_dir_points_to_fineweb(tmp_path):
+    text = tmp_path / "input.txt"
+    text.write_text("First Citizen: Before we proceed any further, hear me speak.\n")
+    msg = user_error(tiny_args(text, tmp_path / "out"))
+    assert "is a file, not a folder of shards" in msg and f"fineweb.py --input {text}" in msg
+    assert text.read_text().startswith("First Citizen") and not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------------------------
 # Rule 3: every flag checked before step 0, alone and against the others
 
