@@ -590,8 +590,11 @@ def load_model(spec, device="cpu"):
         model = GPT.from_pretrained(spec)
     elif os.path.isfile(spec):
         model = model_from_checkpoint(load_checkpoint(spec), spec)
-    else:
-        raise UserError(f"{spec!r} is not a GPT-2 name ({', '.join(HF_NAMES)}), a directory or a checkpoint file")
+    else:  # most often a checkpoint's step mistyped: say which ones its folder holds
+        folder = os.path.dirname(spec) or "."
+        found = [os.path.basename(p) for p in checkpoint_paths(folder)]
+        there = f"; {folder} holds {', '.join(found[:3])}" + (" ..." if len(found) > 3 else "") if found else ""
+        raise UserError(f"{spec!r} does not exist, and is not a GPT-2 name ({', '.join(HF_NAMES)}){there}")
     return model.to(device)
 
 

@@ -183,6 +183,14 @@ def test_a_folder_with_no_model_in_it_is_one_line(tmp_path):
     assert "neither a transformers model" in msg and "ckpt_*.pt" in msg
 
 
+def test_a_mistyped_checkpoint_names_the_ones_its_folder_holds(short_run, tmp_path):
+    out = short_run[1]
+    msg = user_error(["--sample-from", out / "ckpt_000009.pt"])
+    assert "ckpt_000009.pt' does not exist" in msg and msg.endswith(f"{out} holds ckpt_000002.pt, ckpt_000001.pt")
+    msg = user_error(["--sample-from", tmp_path / "gtp2"])  # nothing beside it to suggest
+    assert "does not exist, and is not a GPT-2 name (gpt2, " in msg and "holds" not in msg
+
+
 def test_a_typo_in_a_flag_is_refused_not_guessed(data, tmp_path):
     r = cli(*tiny_args(data, tmp_path / "out"), "--max-st", "3")  # an abbreviation argparse would accept
     assert r.returncode == 2 and "unrecognized arguments: --max-st" in r.stderr
