@@ -895,12 +895,24 @@ ALLOWED_CHANGES = {
     "max_steps": "the cosine schedule is re-stretched from here to the new last step",
     "batch_size": "the same batch in other micro-batches: equal up to float rounding, not bitwise",
 }
+# The run's other settings: left out on --resume they are the checkpoint's too (`--resume log_tiny`
+# reads the same data and evaluates as before, rather than the defaults' edu_fineweb10B and
+# HellaSwag every 250 steps); given, they change from here on. The device, dtype and compile are
+# the machine's: a run may continue on another one.
+RUN_SETTINGS = ("data_dir", "eval_every", "val_tokens", "hellaswag_every", "hellaswag_limit", "hellaswag_data",
+                "sample_every", "ckpt_every", "keep_ckpts", "prompt", "num_samples", "max_new_tokens", "temperature",
+                "top_k")  # fmt: skip
 
 
 def reconcile_resume(args, explicit, ckpt, ckpt_path):
-    """Fill args from the checkpoint's recipe; refuse contradictions. Returns the allowed changes
-    as {flag: [checkpoint's value, new value]}."""
+    """Fill args from the checkpoint's recipe and settings; refuse contradictions. Returns the
+    allowed changes as {flag: [checkpoint's value, new value]} and the settings taken from the
+    checkpoint as {flag: value}."""
     old, changes = ckpt.get("train_config", {}), {}
+    taken = {name: old[name] for name in RUN_SETTINGS if name in old and name not in explicit}
+    taken = {name: value for name, value in taken.items() if value != getattr(args, name)}  # the ones that differ
+    for name, value in taken.items():
+        setattr(args, name, value)
     for name in RECIPE_FLAGS:
         if name not in old or old[name] == getattr(args, name):
             continue
@@ -916,7 +928,7 @@ def reconcile_resume(args, explicit, ckpt, ckpt_path):
             changes[name] = [old[name], getattr(args, name)]
     if args.max_steps < ckpt["step"]:
         raise UserError(f"--max-steps {args.max_steps} is below the {ckpt['step']} steps {ckpt_path} has done")
-    return changes
+    return changes, taken
 
 
 def get_rng_state(device_type):
@@ -1218,17 +1230,18 @@ class Run:
 
 
 def resume_checkpoint(args, explicit, d):
-    """(path, checkpoint, allowed changes) for --resume, else (None, None, {}). Rank 0 picks the
-    checkpoint, so that every rank loads the same one (multi-node: the out-dir must be shared)."""
+    """(path, checkpoint, allowed changes, settings taken from it) for --resume, else (None, None,
+    {}, {}). Rank 0 picks the checkpoint, so that every rank loads the same one (multi-node: the
+    out-dir must be shared)."""
     if not args.resume:
-        return None, None, {}
+        return None, None, {}, {}
     picked = [find_resume_checkpoint(args.resume, args.out_dir)[0] if d.master_process else None]
     if d.ddp:
         dist.broadcast_object_list(picked, src=0)
     if picked[0] is None:
-        return None, None, {}
+        return None, None, {}, {}
     ckpt = load_training_checkpoint(picked[0])
-    return picked[0], ckpt, reconcile_resume(args, explicit, ckpt, picked[0])
+    return picked[0], ckpt, *reconcile_resume(args, explicit, ckpt, picked[0])
 
 
 def set_precision_and_seeds(args, device_type):
@@ -1305,7 +1318,7 @@ def train(args, explicit=frozenset()):
     master = d.master_process
     if master:
         claim_out_dir(args.out_dir, args.resume)
-    ckpt_path, ckpt, changes = resume_checkpoint(args, explicit, d)
+    ckpt_path, ckpt, changes, taken = resume_checkpoint(args, explicit, d)
     check_args(args, d.world_size, explicit)  # again: the checkpoint's recipe with this run's changes
     B, T = args.batch_size, args.seq_len
     grad_accum_steps = args.total_batch_size // (B * T * d.world_size)
@@ -1316,6 +1329,9 @@ def train(args, explicit=frozenset()):
               f"x {grad_accum_steps} accumulation steps")  # fmt: skip
         for name, (old, new) in changes.items():
             print(f"note: --{name.replace('_', '-')} {old} -> {new} on resume: {ALLOWED_CHANGES[name]}")
+        if taken:
+            flags = ", ".join(f"--{name.replace('_', '-')} {value!r}" for name, value in taken.items())
+            print(f"note: continuing with the run's {flags} (flags left out on --resume are the checkpoint's)")
 
     # --- model -------------------------------------------------------------------------------
     raw_model = build_model(args, ckpt, ckpt_path, device, master)  # evals, samples and checkpoints use this
@@ -1500,7 +1516,7 @@ def parse_args(argv=None):
     p.add_argument("--ddp-timeout", type=float, default=1800, help="seconds a rank waits for the others before failing")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic CUDA kernels: reruns and resumes bitwise equal on GPUs too, at some speed")
-    g = p.add_argument_group("data and output")
+    g = p.add_argument_group("data and output (--data-dir with --resume: the checkpoint's unless given)")
     g.add_argument("--data-dir", default="edu_fineweb10B", help="folder of *_train_*/*_val_* .npy or .bin shards")
     g.add_argument("--no-shuffle", action="store_true", help="read the shards in name order every epoch")
     g.add_argument("--out-dir", default="log", help="log.jsonl and checkpoints of one run go here")
@@ -1529,7 +1545,7 @@ def parse_args(argv=None):
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="auto: bfloat16 on CUDA")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (None: on for CUDA)")
     g.add_argument("--peak-flops", type=float, help="the device's peak FLOP/s, for MFU (None: a table of GPUs)")
-    g = p.add_argument_group("evaluation, sampling, checkpoints")
+    g = p.add_argument_group("evaluation, sampling, checkpoints (with --resume: the checkpoint's unless given)")
     g.add_argument("--eval-every", type=int, default=250, help="val loss every N steps (0: never)")
     g.add_argument("--val-tokens", type=int, default=10_485_760, help="val loss over this many tokens (any GPU count)")
     g.add_argument("--hellaswag-every", type=int, default=250, help="HellaSwag every N steps (0: never)")
@@ -1539,7 +1555,8 @@ def parse_args(argv=None):
     g.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps, and at the end")
     g.add_argument("--keep-ckpts", type=int, default=3, help="keep this run's newest N checkpoints (0: all)")
     g.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
-                   help="continue: the newest in --out-dir, or CKPT, or a run's folder (its newest, writing there)")
+                   help="continue: the newest in --out-dir, or CKPT, or a run's folder (its newest, writing there); "
+                        "flags left out are the run's, the sampling ones too, except the device, dtype and compile")  # fmt: skip
     g = p.add_argument_group("sampling (in training, and with --sample-from) and export")
     g.add_argument("--sample-from", metavar="MODEL",
                    help="gpt2*, a transformers dir, our checkpoint or a run's folder (its newest): sample and exit")

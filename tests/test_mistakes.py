@@ -282,6 +282,19 @@ def test_flags_left_out_on_resume_take_the_checkpoints_values(data, run4, tmp_pa
     assert [r["lr"] for r in read_log(run4)[1].values()] == [r["lr"] for r in read_log(ref)[1].values()]
 
 
+def test_resume_takes_the_runs_data_and_eval_settings(data, run4, capsys):
+    # `--resume run` alone: the run's data folder and evals, not the defaults' edu_fineweb10B (which
+    # is not there) and HellaSwag every 250 steps; a setting given on resume wins from there on
+    assert train_gpt2.main(["--resume", str(run4), "--max-steps", "6", "--device", "cpu", "--sample-every", "5"]) == 0
+    assert "note: continuing with the run's --data-dir" in capsys.readouterr().out
+    records, steps = read_log(run4)
+    header = [r for r in records if r.get("event") == "header"][-1]["config"]
+    assert header["data_dir"] == str(data) and header["ckpt_every"] == 2 and header["val_tokens"] == 256
+    assert header["eval_every"] == 0 and header["hellaswag_every"] == 0 and header["sample_every"] == 5
+    assert sorted(steps) == list(range(6)) and not any("val_loss" in r for r in records)
+    assert sorted(p.name for p in run4.glob("ckpt_*.pt"))[-1] == "ckpt_000006.pt"
+
+
 def test_a_longer_max_steps_is_allowed_and_said(data, run4, capsys):
     args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--resume", "--eval-every", 0)
     assert train_gpt2.main(args) == 0
