@@ -192,8 +192,12 @@ def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel_env):
 def test_missing_log_is_a_clear_error(tmp_path, kernel_env):
     from nbclient.exceptions import CellExecutionError
 
-    with pytest.raises(CellExecutionError, match="no training log at .*set log_path"):
+    with pytest.raises(CellExecutionError, match="no training log at .*set log_path") as e:
         run_notebook(tmp_path / "nowhere", tmp_path)
+    assert f"this notebook's folder, {tmp_path})" not in str(e.value)  # an absolute path: no such note
+    # a relative path starts from the notebook's folder (where Jupyter runs it), not the shell's: said
+    with pytest.raises(CellExecutionError, match=f"relative path starts from this notebook's folder, {tmp_path}"):
+        run_notebook("log_tiny", tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------
