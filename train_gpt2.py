@@ -700,9 +700,10 @@ class DataLoaderLite:
             sizes.append(len(tokens))
         self.batches_per_epoch = sum(max(0, (n - 1) // self.chunk) for n in sizes)
         if self.batches_per_epoch == 0:
-            raise UserError(
-                f"the {split} shards in {data_dir} hold {sum(sizes):,} tokens, none of them the "
-                f"{self.chunk + 1:,} that one batch of B*T*world_size needs: lower --batch-size or --seq-len"
+            raise UserError(  # a batch is cut from one shard, never across two
+                f"the largest {split} shard in {data_dir} holds {max(sizes):,} tokens, fewer than the "
+                f"{self.chunk + 1:,} that one batch (B*T*world_size + 1) needs: lower --batch-size or --seq-len, "
+                f"or write bigger shards (fineweb.py --shard-size)"
             )
         self.tokens_per_epoch = self.batches_per_epoch * self.chunk
         self.set_position(0, 0, 0)
