@@ -147,6 +147,36 @@ def cli(*args, script="train_gpt2.py", timeout=300, **kwargs):
                           timeout=timeout, **kwargs)  # fmt: skip
 
 
+# After a script's main() on the CPU, in the same interpreter: how many MiB of a live 64 MiB tensor
+# glibc mapped on its own (mmap) and how many MiB the heap still holds once it is freed. "off"
+# stands in glibc's defaults for train_gpt2.keep_freed_memory, as the reference a check must tell
+# apart from "on" (the script as it is).
+MALLOC_PROBE = """
+import ctypes, importlib, sys, torch
+import train_gpt2
+if sys.argv[1] == "off":
+    train_gpt2.keep_freed_memory = lambda: False
+assert importlib.import_module(sys.argv[2]).main(sys.argv[3:]) in (0, None)
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+x = torch.ones(16 * 2**20)
+mapped = libc.mallinfo2().hblkhd >> 20
+del x
+print(mapped, libc.mallinfo2().arena >> 20)
+"""
+
+
+def heap_after(script, mode, args):
+    """(MiB mapped on its own, MiB the heap keeps) after `script`.main(args), "on" or "off"; see MALLOC_PROBE."""
+    proc = subprocess.run([sys.executable, "-c", MALLOC_PROBE, mode, script, *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return [int(v) for v in proc.stdout.split()[-2:]]
+
+
 def user_error(args):
     """train_gpt2.main(args) must stop with a one-line UserError; returns its message."""
     import train_gpt2

@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import os
+import platform
 import subprocess
 import sys
 import urllib.error
@@ -18,6 +19,7 @@ from torch.nn import functional as F
 
 import fineweb
 import hellaswag
+from conftest import heap_after
 from hellaswag import HellaSwagDataError
 from train_gpt2 import GPT
 
@@ -478,6 +480,16 @@ def test_prepare_names_an_example_that_cannot_be_tokenized(examples, enc):
 
 # ----------------------------------------------------------------------------------------------
 # Command line
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_on_a_cpu_hellaswag_py_keeps_freed_memory_as_training_does(short_run, val_path):
+    # as a CPU training run evaluates: the big head chunks are not faulted in afresh each batch
+    args = ["-m", short_run[1], "--data", val_path, "--limit", 4, "-d", "cpu"]
+    got = {mode: heap_after("hellaswag", mode, args) for mode in ("on", "off")}
+    assert got["off"][0] >= 64  # the reference: glibc mapped the 64 MiB on its own
+    mapped, heap_after_free = got["on"]
+    assert mapped < 64 and heap_after_free >= 64, got
 
 
 def run_cli(*args):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import ROOT, cli, random_shards, read_log, tiny_args, user_error, write_shard
+from conftest import ROOT, cli, heap_after, random_shards, read_log, tiny_args, user_error, write_shard
 from train_gpt2 import (
     GPT,
     DataLoaderLite,
@@ -87,39 +87,13 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
     assert first[2]["grad_norm"] == pytest.approx(first[8]["grad_norm"], rel=1e-5)
 
 
-# After the run, in the same interpreter: how many MiB of a live 64 MiB tensor glibc mapped on its
-# own (mmap) and how many MiB the heap still holds once the tensor is freed. argv[1] "off" stands
-# in glibc's defaults for keep_freed_memory, as the reference the check must tell apart.
-MALLOC_PROBE = """
-import ctypes, sys, torch
-import train_gpt2
-if sys.argv[1] == "off":
-    train_gpt2.keep_freed_memory = lambda: False
-assert train_gpt2.main(sys.argv[2:]) == 0
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
-x = torch.ones(16 * 2**20)
-mapped = libc.mallinfo2().hblkhd >> 20
-del x
-print(mapped, libc.mallinfo2().arena >> 20)
-"""
-
-
 @pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_a_cpu_run_keeps_freed_memory_in_the_heap(tmp_path):
     # glibc's default maps each big block on its own and unmaps it when freed: every step of a CPU
     # run would fault its activations in again (half the step time of a small model)
     data = random_shards(tmp_path / "data")
-    got = {}
-    for mode in ("on", "off"):
-        args = tiny_args(data, tmp_path / mode, "--max-steps", 1, "--eval-every", 0)
-        proc = subprocess.run([sys.executable, "-c", MALLOC_PROBE, mode, *args], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr
-        got[mode] = [int(v) for v in proc.stdout.split()[-2:]]
+    got = {mode: heap_after("train_gpt2", mode, tiny_args(data, tmp_path / mode, "--max-steps", 1, "--eval-every", 0))
+           for mode in ("on", "off")}  # fmt: skip
     assert got["off"][0] >= 64  # the reference: glibc mapped the 64 MiB on its own
     mapped, heap_after_free = got["on"]
     assert mapped < 64 and heap_after_free >= 64, got  # from the heap, and kept there once freed
