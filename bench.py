@@ -42,14 +42,19 @@ FineWeb documents and HellaSwag data come from --docs / --hellaswag-data, else f
 beside the repository when it is there; a section without data is skipped with a note.
 """
 
+import os
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not a traceback from inside an import
+    signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
+
 import argparse
 import gc
 import json
-import os
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict

@@ -36,14 +36,11 @@ import time
 import urllib.parse
 import urllib.request
 
-try:
-    import numpy as np
-    from tqdm import tqdm
-except KeyboardInterrupt:  # Ctrl-C in the first tenth of a second: one line, as at any other moment
-    if __name__ != "__main__":
-        raise
-    print("interrupted", file=sys.stderr)
-    sys.exit(130)
+if __name__ == "__main__":  # Ctrl-C while numpy loads: one line, not a traceback from inside an import
+    signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
+
+import numpy as np
+from tqdm import tqdm
 
 EOT = 50256  # <|endoftext|>: every document starts with it
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work

@@ -33,11 +33,16 @@ Usage:
     python hellaswag.py -m gpt2 --data path/to/hellaswag_val.jsonl
 """
 
+import os
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not a traceback from inside an import
+    signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
+
 import argparse
 import itertools
 import json
-import os
-import sys
 import time
 import urllib.parse
 import urllib.request

@@ -22,14 +22,8 @@ import os
 import signal
 import sys
 
-
-def _interrupted_while_loading(signum, frame):
-    print("interrupted", file=sys.stderr)
-    os._exit(130)
-
-
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not a traceback from inside an import
-    signal.signal(signal.SIGINT, _interrupted_while_loading)
+    signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
 
 import argparse
 import ctypes

@@ -4,8 +4,10 @@ numbers hold up against arithmetic done here by hand. No speed is asserted: CI m
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import tiktoken
@@ -80,3 +82,12 @@ def test_unknown_section_is_a_one_line_error(tmp_path):
     assert r.stderr.strip().splitlines() == [
         "error: --only speed: unknown section, choose from ceiling, loader, fineweb, sample, train, hellaswag"
     ]
+
+
+def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
+    proc = subprocess.Popen([sys.executable, "bench.py", "--tiny", "--out", str(tmp_path / "b.json")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(0.3)  # inside `import torch` (about 1 s here)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == "interrupted", err

@@ -7,8 +7,10 @@ import io
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -490,6 +492,17 @@ def test_on_a_cpu_hellaswag_py_keeps_freed_memory_as_training_does(short_run, va
     assert got["off"][0] >= 64  # the reference: glibc mapped the 64 MiB on its own
     mapped, heap_after_free = got["on"]
     assert mapped < 64 and heap_after_free >= 64, got
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.5])
+def test_ctrl_c_while_it_starts_is_one_line(short_run, val_path, delay):
+    # importing torch, tokenizing or loading the model: one line, exit 130, never a traceback
+    proc = subprocess.Popen([sys.executable, "hellaswag.py", "-m", str(short_run[1]), "--data", str(val_path), "-d",
+                             "cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == "interrupted", err
 
 
 def run_cli(*args):
