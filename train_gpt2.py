@@ -892,11 +892,11 @@ ALLOWED_CHANGES = {
 }
 # The run's other settings: left out on --resume they are the checkpoint's too (`--resume log_tiny`
 # reads the same data and evaluates as before, rather than the defaults' edu_fineweb10B and
-# HellaSwag every 250 steps); given, they change from here on. The device, dtype and compile are
-# the machine's: a run may continue on another one.
+# HellaSwag every 250 steps); given, they change from here on. The device, dtype, compile,
+# --peak-flops and --ddp-timeout are the machine's: a run may continue on another one.
 RUN_SETTINGS = ("data_dir", "eval_every", "val_tokens", "hellaswag_every", "hellaswag_limit", "hellaswag_data",
                 "sample_every", "ckpt_every", "keep_ckpts", "prompt", "num_samples", "max_new_tokens", "temperature",
-                "top_k")  # fmt: skip
+                "top_k", "deterministic")  # fmt: skip
 
 
 def reconcile_resume(args, explicit, ckpt, ckpt_path):
@@ -1551,7 +1551,7 @@ def parse_args(argv=None):
     g.add_argument("--keep-ckpts", type=int, default=3, help="keep this run's newest N checkpoints (0: all)")
     g.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
                    help="continue: the newest in --out-dir, or CKPT, or a run's folder (its newest, writing there); "
-                        "flags left out are the run's, the sampling ones too, except the device, dtype and compile")  # fmt: skip
+                        "flags left out are the run's, except the machine's: device, dtype, compile, peak-flops, ddp-timeout")  # fmt: skip
     g = p.add_argument_group("sampling (in training, and with --sample-from) and export")
     g.add_argument("--sample-from", metavar="MODEL",
                    help="gpt2*, a transformers dir, our checkpoint or a run's folder (its newest): sample and exit")
