@@ -1044,6 +1044,14 @@ def encode_prompt(enc, prompt, block_size):
     return tokens
 
 
+def note_if_samples_stop_early(n_prompt, max_new_tokens, block_size):
+    """generate stops at the model's window: say so when the prompt and --max-new-tokens overrun it."""
+    room = block_size - n_prompt
+    if max_new_tokens > room:
+        print(f"note: samples stop at the model's {block_size}-token window: {room} new tokens after the "
+              f"{n_prompt}-token prompt, not --max-new-tokens {max_new_tokens}")  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------
 # The training run: its processes, its log, stop requests and the non-finite guard
 
@@ -1292,7 +1300,10 @@ def prepare_side_evals(run, args, config, master, ddp):
     run.hellaswag = load_hellaswag(args, enc, master, ddp)
     if args.sample_every <= 0:
         return
-    prompt = enc.decode(encode_prompt(enc, args.prompt, config.block_size))
+    tokens = encode_prompt(enc, args.prompt, config.block_size)
+    prompt = enc.decode(tokens)
+    if master:
+        note_if_samples_stop_early(len(tokens), args.max_new_tokens, config.block_size)
     device_type = torch.device(run.device).type
 
     def sample(max_new_tokens):  # a fixed seed: the same noise every time, so samples show what was learned
@@ -1493,9 +1504,6 @@ def check_data(args, train_loader, config, master):
         print(f"warning: this run trains on {run_tokens:,} tokens but the train shards hold "
               f"{train_loader.tokens_per_epoch:,} usable ones: the data repeats "
               f"({run_tokens / train_loader.tokens_per_epoch:.2f} epochs)", file=sys.stderr)  # fmt: skip
-    if master and args.sample_every > 0 and args.max_new_tokens >= config.block_size:
-        print(f"note: samples stop at the model's {config.block_size}-token window, before --max-new-tokens "
-              f"{args.max_new_tokens}")  # fmt: skip
     return val_tokens
 
 
@@ -1584,7 +1592,9 @@ def main(argv=None):
         device, _ = pick_device(args.device)
         model = load_model(args.sample_from, device)
         enc = get_tokenizer()
-        prompt = enc.decode(encode_prompt(enc, args.prompt, model.config.block_size))
+        tokens = encode_prompt(enc, args.prompt, model.config.block_size)
+        note_if_samples_stop_early(len(tokens), args.max_new_tokens, model.config.block_size)
+        prompt = enc.decode(tokens)
         texts = sample_text(model, enc, prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_k=args.top_k or None, seed=args.seed)  # top-k 0: all
         for i, text in enumerate(texts):

@@ -230,6 +230,17 @@ def test_legitimate_sampling_settings_work(data, tmp_path, flags, capsys):
         assert "note: samples stop at the model's 64-token window" in capsys.readouterr().out
 
 
+def test_sample_from_says_where_samples_stop_at_the_window(short_run, enc, capsys):
+    out = short_run[1]  # a 64-token window
+    n_prompt = len(enc.encode("word " * 39 + "word"))
+    args = ["--sample-from", out, "--prompt", "word " * 39 + "word", "--num-samples", 1, "--device", "cpu"]
+    assert train_gpt2.main([str(a) for a in [*args, "--max-new-tokens", 50]]) == 0
+    said = capsys.readouterr().out
+    assert f"{64 - n_prompt} new tokens after the {n_prompt}-token prompt, not --max-new-tokens 50" in said
+    assert train_gpt2.main([str(a) for a in [*args, "--max-new-tokens", 64 - n_prompt]]) == 0
+    assert "window" not in capsys.readouterr().out  # it fits: nothing to say
+
+
 def test_a_prompt_longer_than_the_window_is_refused_at_start(data, tmp_path):
     out = tmp_path / "out"
     args = tiny_args(data, out, "--sample-every", 100, "--prompt", "word " * 200)
