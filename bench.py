@@ -933,7 +933,7 @@ def bench_sample(s, device, device_type):
         with train_gpt2.autocast(device_type, autocast_dtype):
             train_gpt2.sample_text(model, enc, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32)
 
-    first_in_training_s = timed(in_training, device_type)  # the first call picks kernels, as a run's first cadence does
+    first_in_training_s = timed(in_training, device_type)  # picks kernels, as a run's first sample step does
     contenders["in_training"] = in_training
     rounds = s["sample_rounds"] if device_type == "cpu" else s["sample_rounds_cuda"]  # cheap there: more repeats
     times, _ = interleave(contenders, 0, rounds, device_type, f"sample {new} tokens")
@@ -955,7 +955,7 @@ def bench_sample(s, device, device_type):
     rows.append(comparison("samples in training: 4 x 32 tokens, eager KV cache" + (", bf16" if autocast_dtype else ""),
                            in_training_s, None, "s", TARGETS["samples_in_training_s"] if device_type == "cuda" else None,
                            higher_is_better=False,
-                           note=note.replace("batch 1", "batch 4") + f"; the first call {first_in_training_s:.2f} s"))  # fmt: skip
+                           note=f"{note.replace('batch 1', 'batch 4')}; the first call {first_in_training_s:.2f} s"))  # fmt: skip
     if "kv_cache_compiled" in tok:
         rows += [
             comparison(f"sample {new} new tokens: compiled decode step (CUDA graphs) vs eager KV cache",

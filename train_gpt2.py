@@ -904,8 +904,7 @@ def reconcile_resume(args, explicit, ckpt, ckpt_path):
     allowed changes as {flag: [checkpoint's value, new value]} and the settings taken from the
     checkpoint as {flag: value}."""
     old, changes = ckpt.get("train_config", {}), {}
-    taken = {name: old[name] for name in RUN_SETTINGS if name in old and name not in explicit}
-    taken = {name: value for name, value in taken.items() if value != getattr(args, name)}  # the ones that differ
+    taken = {n: old[n] for n in RUN_SETTINGS if n in old and n not in explicit and old[n] != getattr(args, n)}
     for name, value in taken.items():
         setattr(args, name, value)
     for name in RECIPE_FLAGS:
@@ -1558,8 +1557,9 @@ def parse_args(argv=None):
     g.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps, and at the end")
     g.add_argument("--keep-ckpts", type=int, default=3, help="keep this run's newest N checkpoints (0: all)")
     g.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
-                   help="continue: the newest in --out-dir, or CKPT, or a run's folder (its newest, writing there); "
-                        "flags left out are the run's, except the machine's: device, dtype, compile, peak-flops, ddp-timeout")  # fmt: skip
+                   help="continue: the newest in --out-dir, or CKPT, or a run's folder (its newest, writing "
+                        "there); flags left out are the run's, except the machine's: device, dtype, compile, "
+                        "peak-flops, ddp-timeout")  # fmt: skip
     g = p.add_argument_group("sampling (in training, and with --sample-from) and export")
     g.add_argument("--sample-from", metavar="MODEL",
                    help="gpt2*, a transformers dir, our checkpoint or a run's folder (its newest): sample and exit")
