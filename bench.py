@@ -5,7 +5,7 @@ Shared machines drift: absolute times move, ratios taken back to back hold. So e
 runs its contenders interleaved (A B A B ...), drops the warm-up rounds, and reports medians with
 min-max; a ratio is the ratio of the medians, with the min-max of the per-round (paired) ratios.
 On a CPU, from the train section on, glibc's malloc keeps freed memory, as training and
-hellaswag.py run there (train_gpt2.keep_freed_memory); the sections before it (sample among them,
+hellaswag.py run there (train_support.keep_freed_memory); the sections before it (sample among them,
 as `--sample-from` runs) have glibc's default.
 
   ceiling    fp32 and bf16 GFLOP/s of a large square torch.mm: what this device can do with the
@@ -15,12 +15,12 @@ as `--sample-from` runs) have glibc's default.
              GPT.configure_optimizers, against transformers' GPT2LMHeadModel (sdpa attention, plain
              torch AdamW) with the same config, batch, precision and data (train_gpt2's loader feeds
              both the same micro-batches); on a CPU first that setting itself: glibc's malloc
-             keeping freed memory (train_gpt2.keep_freed_memory) against its default.
+             keeping freed memory (train_support.keep_freed_memory) against its default.
              Configs small (6 layers, 384 wide, T 256, B 8) and gpt2 (124M, T 1024, B 1 on CPU;
              on a GPU the recipe's 64 where memory allows, else 32, 16, ... per precision); fp32
              and bf16 autocast; eager and torch.compile (compile time: cold, from an empty
              inductor cache). MFU: against the matmul ceiling measured in the same rounds on a
-             CPU, against the datasheet peak (train_gpt2.PEAK_FLOPS, --peak-flops) on a GPU
+             CPU, against the datasheet peak (train_support.PEAK_FLOPS, --peak-flops) on a GPU
   loader     DataLoaderLite.next_batch through 100M-token shards (written to a temporary folder):
              microseconds per batch, at the shard switches, and the memory it adds
   fineweb    fineweb.py's tokenizer pool against tiktoken's encode_ordinary_batch, same documents
@@ -66,7 +66,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import train_gpt2
-from fineweb import UserError, get_tokenizer, run_cli, write_atomic
+import train_support
+from fineweb import get_tokenizer
+from train_support import UserError, run_cli, write_atomic
 from train_gpt2 import GPT, GPTConfig, flops_per_token, pick_device
 
 # sample comes before train: from train on, glibc's malloc keeps freed memory (see the docstring)
@@ -548,7 +550,7 @@ def heap_probe(config, data_dir, keep, steps):
     from train_gpt2 import DataLoaderLite
 
     if keep:
-        train_gpt2.keep_freed_memory()
+        train_support.keep_freed_memory()
     c = config
     torch.manual_seed(1337)
     model = GPT(GPTConfig(block_size=c["T"], vocab_size=VOCAB, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"]))  # fmt: skip
@@ -559,7 +561,7 @@ def heap_probe(config, data_dir, keep, steps):
 
 
 def bench_keep_freed_memory(s, data_dir):
-    """train_gpt2.keep_freed_memory, which a CPU training run turns on: training steps (fp32, eager)
+    """train_support.keep_freed_memory, which a CPU training run turns on: training steps (fp32, eager)
     with glibc keeping freed memory in the heap against glibc's default (big blocks mapped and
     unmapped, the heap trimmed), for the README's tiny run and the small config. glibc's default
     cannot be restored in a process once changed, so each round runs each setting in a fresh
@@ -596,7 +598,7 @@ def bench_train(s, device, device_type, peak, tmp):
     fineweb.write_shard(fineweb.shard_path(data_dir, "bench", 1), tokens)
     results, rows = {}, []
     # on a CPU, from here on (and for hellaswag after it), as training and hellaswag.py run there
-    if device_type == "cpu" and train_gpt2.keep_freed_memory():
+    if device_type == "cpu" and train_support.keep_freed_memory():
         results["keep_freed_memory"], rows = bench_keep_freed_memory(s, data_dir)
     for name in s["configs"]:
         results[name], r = bench_train_config(name, s, device, device_type, peak, data_dir)
@@ -931,7 +933,7 @@ def bench_sample(s, device, device_type):
 
     def in_training():
         with train_gpt2.autocast(device_type, autocast_dtype):
-            train_gpt2.sample_text(model, enc, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32)
+            train_support.sample_text(model, enc, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32)
 
     first_in_training_s = timed(in_training, device_type)  # picks kernels, as a run's first sample step does
     contenders["in_training"] = in_training
@@ -1043,7 +1045,7 @@ def main(argv=None):
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # as train_gpt2 does: TF32 for fp32 matmuls
     peak = args.peak_flops or (
-        train_gpt2.peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None
+        train_support.peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None
     )
     if device_type == "cuda" and peak is None:
         raise UserError(f"no peak FLOP/s known for {torch.cuda.get_device_name(device)}: pass --peak-flops")
@@ -1079,7 +1081,7 @@ def main(argv=None):
                 result, rows = bench_train(s, device, device_type, peak, tmp)
             elif section == "hellaswag":
                 if device_type == "cpu":  # as hellaswag.py and training evaluate there (also with --only)
-                    train_gpt2.keep_freed_memory()
+                    train_support.keep_freed_memory()
                 result, rows = bench_hellaswag(s, args, device, device_type, tmp)
             else:
                 result, rows = bench_sample(s, device, device_type)

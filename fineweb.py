@@ -20,17 +20,13 @@ Usage:
 import argparse
 import collections
 import concurrent.futures
-import errno
 import glob
 import json
 import os
 import queue
 import re
-import shutil
 import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -42,180 +38,11 @@ if __name__ == "__main__":  # Ctrl-C while numpy loads: one line, not a tracebac
 import numpy as np
 from tqdm import tqdm
 
+from train_support import UserError, first_line, offline_var, run_cli, unreachable, write_atomic
+
 EOT = 50256  # <|endoftext|>: every document starts with it
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
 INPUT_TYPES = (".txt", ".jsonl", ".parquet")
-
-
-# ----------------------------------------------------------------------------------------------
-# What every script of the project shares. fineweb.py is the bottom of the stack (it imports no
-# torch and none of the other scripts), so these live here, once, and hellaswag.py, train_gpt2.py
-# and bench.py import them.
-
-
-class UserError(Exception):
-    """A mistake in the user's input: reported as one line, exit code 1, no traceback."""
-
-
-def first_line(e):
-    """The first line of an exception's message (or its type's name): enough for a one-line error."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
-def write_atomic(path, write, mode="wb"):
-    """write(f) into a hidden temporary file beside path, fsync it, then rename it over path:
-    readers and a resumed run see the whole old file or the whole new one, never half of one.
-    The temporary file is removed on any failure, a full disk and Ctrl-C included."""
-    tmp = os.path.join(os.path.dirname(path) or ".", "." + os.path.basename(path) + ".tmp")
-    try:
-        with open(tmp, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it count
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):  # a full disk: give back the space the partial file holds
-            os.remove(tmp)
-        raise
-
-
-def write_dir_atomic(out_dir, write, what, recheck=None):
-    """write(tmp) fills a hidden folder beside out_dir, which then takes out_dir's place (a folder
-    already there is renamed aside first and deleted last: the caller checked it may go). On any
-    failure, a full disk, Ctrl-C and SIGTERM included, the hidden folders and the parents this
-    made are removed and out_dir is as it was. recheck(), if given, runs right before the swap."""
-    parent = os.path.dirname(out_dir)
-    made = []  # parent folders this call creates, deepest first
-    d = parent
-    while not os.path.isdir(d):
-        made.append(d)
-        d = os.path.dirname(d)
-    tmp = old = None
-
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt  # a kill mid-write cleans up as Ctrl-C does
-
-    main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp_", dir=parent)
-        # mkdtemp makes it private (0700): give it the mode of the folder it replaces, or else
-        # the one os.mkdir would give a new folder
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777 if os.path.isdir(out_dir) else 0o777 & ~umask)
-        write(tmp)
-        if recheck:
-            recheck()
-        if os.path.isdir(out_dir) and os.listdir(out_dir):
-            old = os.path.join(parent, f".old_{os.getpid()}_{os.path.basename(out_dir)}")
-            os.replace(out_dir, old)
-        try:
-            os.replace(tmp, out_dir)
-        except BaseException:
-            if old:
-                os.replace(old, out_dir)  # put the earlier folder back
-                old = None
-            raise
-        tmp = None
-        if old:
-            shutil.rmtree(old)
-    except BaseException as e:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for d in made:
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass  # not empty: someone else wrote there meanwhile
-        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # safetensors' failed write
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
-            reason = re.sub(r".*I/O error: (.*) \(os error \d+\).*", r"\1", reason)  # safetensors' wording
-            full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in reason
-            fix = "make room or choose another folder" if full else "choose a folder you can write to"
-            raise UserError(f"cannot write {what} to {out_dir} ({reason}): nothing was changed; {fix}") from None
-        raise
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-
-def offline_var(names=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")):
-    """The first of these variables set to a true value, as huggingface_hub reads them, or None."""
-    return next((v for v in names if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")), None)
-
-
-def unreachable(url, timeout=3.0):
-    """Why no TCP connection to url's host opens within timeout seconds, in words, or None. Offline,
-    the Hub and HTTP clients retry for half a minute and then say nothing about offline use; this
-    says it at once. With an https proxy set, the proxy is what must answer."""
-    proxy = urllib.request.getproxies().get("https")
-    parts = urllib.parse.urlsplit(proxy or url)
-    host, port = parts.hostname or "", parts.port or (80 if parts.scheme == "http" else 443)
-    outcome = []
-
-    def probe():  # in a thread: a resolver that never answers must not hold the program either
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            outcome.append(None)
-        except OSError as e:
-            outcome.append(e)
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not outcome:
-        return f"no answer in {timeout:.0f} s"
-    return None if outcome[0] is None else first_line(outcome[0])
-
-
-class OutlivesItsReader:
-    """sys.stdout / sys.stderr that survive their reader going away (`| head`, a `| tee` that died
-    with the ssh session that started it, a terminal that hung up): the first write that fails
-    (BrokenPipeError, EIO) points the stream at /dev/null and the program carries on, where print
-    would raise and end it. A training run's record is log.jsonl and its checkpoints."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        try:
-            return self.stream.write(text)
-        except OSError:
-            self._to_devnull()
-            return len(text)
-
-    def flush(self):
-        try:
-            self.stream.flush()
-        except OSError:
-            self._to_devnull()
-
-    def _to_devnull(self):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self.stream.fileno())  # the same file descriptor, now writing nowhere
-        os.close(devnull)
-
-    def __getattr__(self, name):  # fileno, isatty, encoding, ... of the real stream
-        return getattr(self.stream, name)
-
-
-def run_cli(main, interrupted="interrupted"):
-    """Run a script's main(): a UserError is one `error:` line and exit 1, Ctrl-C the one line
-    `interrupted` and exit 130 (the shell's code for SIGINT); anything else is a bug and keeps
-    its traceback. Output to a pipe that closes is dropped (OutlivesItsReader), not fatal."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt from here on
-    sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
-    try:
-        code = main()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 1
-    except KeyboardInterrupt:
-        print(interrupted, file=sys.stderr)
-        code = 130
-    sys.exit(code if isinstance(code, int) else 0)
 
 
 def get_tokenizer():
@@ -449,7 +276,9 @@ def check_online(dataset, timeout=5.0):
     url = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     reason = unreachable(url, timeout)
     if reason:
-        raise UserError(f"cannot reach {urllib.parse.urlsplit(url).hostname} to stream {dataset} ({reason}); offline? {hint}")
+        raise UserError(
+            f"cannot reach {urllib.parse.urlsplit(url).hostname} to stream {dataset} ({reason}); offline? {hint}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -607,7 +436,7 @@ def save_manifest(path, manifest):
     write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 
-SHARD_NAME = re.compile(r".+_(train|val)_\d+\.(npy|bin)")  # what train_gpt2.find_shards reads
+SHARD_NAME = re.compile(r".+_(train|val)_\d+\.(npy|bin)")  # what train_support.find_shards reads
 
 
 def foreign_shards(out_dir, prefix, fmt, started):

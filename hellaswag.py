@@ -49,10 +49,12 @@ import urllib.request
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fineweb import UserError, first_line, offline_var, run_cli, unreachable, write_atomic
+from fineweb import get_tokenizer
+from train_support import UserError, first_line, keep_freed_memory, offline_var, run_cli, unreachable, write_atomic
 
 NUM_VAL = 10042
 HUB_DATASET = "Rowan/hellaswag"  # split "validation": the same rows, with label as a string
@@ -216,11 +218,11 @@ def load_examples(path=None, cache_dir=None, limit=None):
 #   exactly as if it followed the context alone: 1.74M positions for the 10,042 examples instead
 #   of 3.29M when each ending re-reads its context, in one forward pass per batch. (Continuing
 #   the 4 endings from the context's KV cache does the same arithmetic, but copies the cache 4
-#   times: 0.7 s of the 3.2 s of a full eval on an H100, and more padding.)
+#   times, and pads more.)
 # - the LM head and log-softmax run only at the 1.27M positions that predict an ending token (the
 #   50,304-wide head is a third of a 124M model's FLOPs per position, most of a small model's);
 # - a batch holds rows of similar length; the batches are built once per (window, device, share
-#   of the examples), by array operations (0.1 s for the full set on a CPU), copied to the
+#   of the examples), by array operations (no Python step per token), copied to the
 #   device in one piece and kept there, and the scores stay there until the end: no host sync
 #   per batch.
 # Examples whose longest (context + ending) does not fit the window, and models that take no
@@ -241,7 +243,7 @@ class Prepared:
     The tokens are kept twice: as lists (ctx[i], endings[i][j]), which read plainly, and as one
     flat array with each example's offsets and lengths, from which the batches are cut by array
     operations: a Python step per batch rather than per token (the full set has 2.4M tokens and
-    1.27M scored positions; a loop over them took 1.3-1.7 s on a CPU)."""
+    1.27M scored positions)."""
 
     def __init__(self, ctx, endings, labels, split_types):
         self.ctx = ctx  # context tokens, per example
@@ -350,14 +352,18 @@ def _packed_batches(p, exs, slot, batch_tokens):
         pos[row, col] = np.where(seg == 0, offset, ctx_len[row] + offset)
         ends = seg > 0
         last = np.arange(len(b)) * shape[1] + ctx_len - 1  # each context's last cell, flat
-        batches.append({
-            "idx": idx,
-            "pos": pos,
-            "seg": segs,
-            "gather": np.concatenate([np.repeat(last, 4), (row * shape[1] + col)[ends]]),
-            "targets": np.concatenate([p.tokens[p.end_start[b]].ravel(), p.tokens[at[ends] + 1]]),
-            "slots": np.concatenate([(slot[b][:, None] + np.arange(4)).ravel(), slot[b][row[ends]] + seg[ends] - 1]),
-        })  # fmt: skip
+        batches.append(
+            {
+                "idx": idx,
+                "pos": pos,
+                "seg": segs,
+                "gather": np.concatenate([np.repeat(last, 4), (row * shape[1] + col)[ends]]),
+                "targets": np.concatenate([p.tokens[p.end_start[b]].ravel(), p.tokens[at[ends] + 1]]),
+                "slots": np.concatenate(
+                    [(slot[b][:, None] + np.arange(4)).ravel(), slot[b][row[ends]] + seg[ends] - 1]
+                ),
+            }
+        )
     return batches
 
 
@@ -383,12 +389,14 @@ def _row_batches(p, exs, slot, block_size, batch_tokens):
         at = np.where(seq < ctx_len[r], p.ctx_start[i[r]] + seq, in_end)
         idx = np.zeros(real.shape, dtype=np.int64)
         idx[real] = p.tokens[at[real]]
-        batches.append({
-            "idx": idx,
-            "gather": np.flatnonzero(scored),
-            "targets": p.tokens[in_end[scored] + 1],  # a scored cell predicts the next token: an ending's
-            "slots": np.repeat(slot[i[rows]] + j[rows], n_scored[rows]),
-        })  # fmt: skip
+        batches.append(
+            {
+                "idx": idx,
+                "gather": np.flatnonzero(scored),
+                "targets": p.tokens[in_end[scored] + 1],  # a scored cell predicts the next token: an ending's
+                "slots": np.repeat(slot[i[rows]] + j[rows], n_scored[rows]),
+            }
+        )
     return batches
 
 
@@ -431,17 +439,15 @@ def _batches(p, share, block_size, packed, batch_tokens, device):
 
 # Rows of logits (chunk x vocab, fp32) computed at a time. On a CPU, 128 rows are 26 MB of logits,
 # under glibc's largest mmap threshold (32 MB), so malloc hands the same memory back chunk after
-# chunk; 2,048 rows (412 MB, and as much again for the log-probabilities) came fresh from the
-# kernel every chunk, zeroed and page-faulted in: ~0.9 s of system time per 100-example eval of the
-# 6-layer model (in-loop evaluate 3.85 -> 3.40 s, the same losses bit for bit). With freed memory
-# kept (train_gpt2.keep_freed_memory) 2,048 rows were 5-7% faster than 128 at 300 examples, within
-# the noise of the machine, for 800 MB more memory: not taken.
+# chunk; much larger chunks come fresh from the kernel every chunk, zeroed and page-faulted in.
+# (docs/performance.md has the measurements behind both numbers.)
 HEAD_CHUNK = {"cuda": 16384, "cpu": 128}
 
 
 @torch.no_grad()
-def ending_losses(model, prepared, device, share=None, autocast_dtype=None, should_stop=None, progress=False,
-                  batch_tokens=None):  # fmt: skip
+def ending_losses(
+    model, prepared, device, share=None, autocast_dtype=None, should_stop=None, progress=False, batch_tokens=None
+):
     """Summed loss and number of scored tokens of every ending of the examples share (indices
     into prepared, default all): two (len(share), 4) tensors on the CPU, or None if should_stop()
     became true (it is asked between batches). batch_tokens: the most positions in one forward
@@ -461,9 +467,11 @@ def ending_losses(model, prepared, device, share=None, autocast_dtype=None, shou
         if should_stop is not None and should_stop():
             return None
         # not cuDNN attention (an H100's default): it builds a plan for every new shape, and each
-        # batch has its own (19 s of a first eval on an H100 when there were ~550 batches)
-        with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None), \
-                sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        # batch has its own: seconds of a first eval
+        with (
+            torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None),
+            sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
+        ):
             if "seg" in b:  # packed: a token sees the context and its own ending, causally
                 seg, W = b["seg"], b["seg"].size(1)
                 mask = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == 0)  # (B, W, W): query, key
@@ -482,8 +490,17 @@ def ending_losses(model, prepared, device, share=None, autocast_dtype=None, shou
     return sum_loss.view(-1, 4).cpu(), n_tokens
 
 
-def evaluate(model, prepared, device, rank=0, world_size=1, autocast_dtype=None, should_stop=None, progress=False,
-             batch_tokens=None):  # fmt: skip
+def evaluate(
+    model,
+    prepared,
+    device,
+    rank=0,
+    world_size=1,
+    autocast_dtype=None,
+    should_stop=None,
+    progress=False,
+    batch_tokens=None,
+):
     """Score this rank's share of the prepared examples (every world_size-th, from rank): a dict
     of counts that the ranks sum: n, correct (acc), correct_norm (acc_norm), and the same three
     per split_type as n_<type>, correct_<type>, correct_norm_<type>. The keys depend only on the
@@ -510,24 +527,91 @@ def evaluate(model, prepared, device, rank=0, world_size=1, autocast_dtype=None,
 
 
 # ----------------------------------------------------------------------------------------------
+# Inside a training run: every rank loads the examples once, and the counts are summed over ranks
+
+
+def load_for_run(path, limit, enc, master_process, ddp):
+    """The examples tokenized once for every eval of a training run, or None after one warning
+    when the data cannot be had: a run never dies for want of its side evaluation."""
+
+    def load():
+        try:
+            return prepare(load_examples(path, limit=limit), enc), None
+        except Exception as e:  # no network, a bad cache, a datasets error: all mean "no data"
+            return None, first_line(e)
+
+    # rank 0 first: it may download and cache the data, which the others then just read
+    prepared, problem = load() if master_process else (None, None)
+    if ddp:
+        dist.barrier()
+        if not master_process:
+            prepared, problem = load()
+        # every rank must agree, or the ones with data would wait forever for the others
+        ok = torch.tensor(int(problem is None), device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if not ok.item() and problem is None:
+            problem = "another rank could not load the HellaSwag data"
+    if problem is not None:
+        if master_process:
+            print(f"warning: HellaSwag evaluation is off for this run: {problem}", file=sys.stderr)
+        return None
+    return prepared
+
+
+@torch.no_grad()
+def evaluate_all_ranks(model, prepared, device, autocast_dtype, rank, world_size, should_stop):
+    """acc_norm, acc and n summed over every rank (each scores its share), or None when a rank was
+    interrupted. The model is left in training mode."""
+    counts = evaluate(
+        model,
+        prepared,
+        device,
+        rank,
+        world_size,
+        autocast_dtype=autocast_dtype,
+        should_stop=should_stop,
+        progress=rank == 0,
+    )
+    model.train()
+    c = counts or {"n": 0, "correct": 0, "correct_norm": 0}
+    totals = torch.tensor([c["n"], c["correct"], c["correct_norm"], counts is None], device=device)
+    if world_size > 1:
+        dist.all_reduce(totals)
+    n, correct, correct_norm, interrupted = totals.tolist()
+    return None if interrupted else {"hellaswag": correct_norm / n, "hellaswag_acc": correct / n, "hellaswag_n": n}
+
+
+# ----------------------------------------------------------------------------------------------
 # Command line
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", default="gpt2",
-                   help="gpt2*, a transformers dir, our checkpoint or a run's folder (its newest) (default gpt2)")
+    p.add_argument(
+        "-m",
+        "--model",
+        default="gpt2",
+        help="gpt2*, a transformers dir, our checkpoint or a run's folder (its newest) (default gpt2)",
+    )
     p.add_argument("-d", "--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
-    p.add_argument("--batch-tokens", type=int, default=None,
-                   help="most positions in one forward pass (default 65536 on CUDA, 4096 elsewhere)")  # fmt: skip
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=None,
+        help="most positions in one forward pass (default 65536 on CUDA, 4096 elsewhere)",
+    )
     p.add_argument("--data", default=None, help="a local HellaSwag jsonl instead of the cache / download")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="where the downloaded jsonl is kept")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="autocast dtype (default auto: bfloat16 on CUDA, as training uses; float32 elsewhere)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="autocast dtype (default auto: bfloat16 on CUDA, as training uses; float32 elsewhere)",
+    )
     args = p.parse_args(argv)
 
-    from train_gpt2 import get_tokenizer, keep_freed_memory, load_model, pick_device  # train_gpt2 imports us
+    from train_gpt2 import load_model, pick_device  # here: importing this file alone never loads the training script
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: give a positive number of examples")
@@ -541,7 +625,9 @@ def main(argv=None):
     model = load_model(args.model, device).eval()
     dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device_type == "cuda" else "float32"
     autocast_dtype = None if dtype == "float32" else getattr(torch, dtype)
-    counts = evaluate(model, prepared, device, autocast_dtype=autocast_dtype, progress=True, batch_tokens=args.batch_tokens)
+    counts = evaluate(
+        model, prepared, device, autocast_dtype=autocast_dtype, progress=True, batch_tokens=args.batch_tokens
+    )
     n = counts["n"]
     print(f"HellaSwag {args.model}: {n} examples, {dtype}")
     print(f"acc      {counts['correct'] / n:.4f}  ({counts['correct']}/{n})")

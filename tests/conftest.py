@@ -42,7 +42,7 @@ def shared_data():
 
 @pytest.fixture(scope="session")
 def enc():
-    from train_gpt2 import get_tokenizer
+    from fineweb import get_tokenizer
 
     return get_tokenizer()
 
@@ -149,14 +149,14 @@ def cli(*args, script="train_gpt2.py", timeout=300, **kwargs):
 
 # After a script's main() on the CPU, in the same interpreter: how many MiB of a live 64 MiB tensor
 # glibc mapped on its own (mmap) and how many MiB the heap still holds once it is freed. "off"
-# stands in glibc's defaults for train_gpt2.keep_freed_memory, as the reference a check must tell
-# apart from "on" (the script as it is).
+# stands in glibc's defaults for the script's keep_freed_memory (train_support's), as the reference
+# a check must tell apart from "on" (the script as it is).
 MALLOC_PROBE = """
 import ctypes, importlib, sys, torch
-import train_gpt2
+script = importlib.import_module(sys.argv[2])
 if sys.argv[1] == "off":
-    train_gpt2.keep_freed_memory = lambda: False
-assert importlib.import_module(sys.argv[2]).main(sys.argv[3:]) in (0, None)
+    script.keep_freed_memory = lambda: False
+assert script.main(sys.argv[3:]) in (0, None)
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -180,8 +180,9 @@ def heap_after(script, mode, args):
 def user_error(args):
     """train_gpt2.main(args) must stop with a one-line UserError; returns its message."""
     import train_gpt2
+    from train_support import UserError
 
-    with pytest.raises(train_gpt2.UserError) as e:
+    with pytest.raises(UserError) as e:
         train_gpt2.main([str(a) for a in args])
     assert "\n" not in str(e.value)
     return str(e.value)

@@ -18,6 +18,7 @@ from conftest import read_log
 
 import hellaswag
 import train_gpt2
+import train_support
 from fineweb import write_shard
 from train_gpt2 import GPT, GPTConfig
 
@@ -121,7 +122,7 @@ def _resume_pair(shakespeare, tmp_path, *flags):
     assert "resuming from" in r.stdout and "at step 4" in r.stdout
     ref, resumed = read_log(tmp_path / "ref")[1], read_log(tmp_path / "resumed")[1]
     assert sorted(resumed) == [4, 5, 6, 7]
-    a, b = (train_gpt2.load_checkpoint(str(tmp_path / d / "ckpt_000008.pt")) for d in ("ref", "resumed"))
+    a, b = (train_support.load_checkpoint(str(tmp_path / d / "ckpt_000008.pt")) for d in ("ref", "resumed"))
     return ref, resumed, a, b
 
 
@@ -213,14 +214,14 @@ def test_greedy_samples_cuda_fp32_equal_the_cpu(eval_model, enc, fp32_exact):
         # the CPU's margin between its best and second-best token at each step: only a near-tie may flip
         logits, _ = eval_model(cpu[:1, :-1])
     assert torch.equal(cpu[0], cpu[1]) and torch.equal(gpu[0], gpu[1])  # greedy: both rows the same
-    top2 = logits[0, n_prompt - 1 :, : train_gpt2.GPT2_VOCAB].topk(2, dim=-1).values
+    top2 = logits[0, n_prompt - 1 :, : train_support.GPT2_VOCAB].topk(2, dim=-1).values
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
     first_tie = next((i for i, g in enumerate(gaps) if g < 1e-3), n_new)
     assert torch.equal(gpu[:, : n_prompt + first_tie], cpu[:, : n_prompt + first_tie])
     assert torch.equal(compiled[:, : n_prompt + first_tie], cpu[:, : n_prompt + first_tie])
     assert first_tie >= 24, gaps  # the whole sample, or all but a last few tokens after a near-tie
     # and the text path training prints, on the GPU
-    text = train_gpt2.sample_text(eval_model.to("cuda"), enc, "Hello, I'm a language model,", 1, n_new, temperature=0)
+    text = train_support.sample_text(eval_model.to("cuda"), enc, "Hello, I'm a language model,", 1, n_new, temperature=0)
     eval_model.to("cpu")
     if first_tie == n_new:
         assert text == [enc.decode(cpu[0].tolist())]

@@ -19,9 +19,10 @@ import pytest
 import torch
 from conftest import ROOT, assert_one_line_error, user_error
 
-import fineweb
 import train_gpt2
-from train_gpt2 import GPT2_VOCAB, UserError, load_model
+import train_support
+from train_gpt2 import load_model
+from train_support import GPT2_VOCAB, UserError
 
 
 def snapshot(folder):
@@ -287,7 +288,7 @@ def test_failed_rename_puts_the_earlier_export_back(tiny_model, tmp_path, monkey
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(fineweb.os, "replace", replace)
+    monkeypatch.setattr(train_support.os, "replace", replace)
     with pytest.raises(UserError, match="Invalid cross-device link"):
         tiny_model.export_hf(target)
     assert snapshot(tmp_path) == before
@@ -297,7 +298,7 @@ def test_unwritable_parent_is_one_line(tiny_model, tmp_path, monkeypatch):
     def mkdtemp(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(fineweb.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(train_support.tempfile, "mkdtemp", mkdtemp)
     with pytest.raises(UserError, match="Permission denied"):
         tiny_model.export_hf(tmp_path / "a" / "b" / "hf")
     assert os.listdir(tmp_path) == []  # the parents it made are removed again
@@ -369,7 +370,7 @@ def test_transformers_offline_alone_counts_as_offline(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "yes")
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)  # it read the flags at import
-    monkeypatch.setattr(train_gpt2, "hub_name_is_cached", lambda name: False)
+    monkeypatch.setattr(train_support, "hub_name_is_cached", lambda name: False)
     monkeypatch.setattr("urllib.request.urlopen", lambda *a, **k: pytest.fail("offline, yet it went to the network"))
     with pytest.raises(UserError, match="not in the local Hugging Face cache and TRANSFORMERS_OFFLINE is set"):
         train_gpt2.GPT.from_pretrained("gpt2-xl")
@@ -389,7 +390,7 @@ def test_unreachable_hub_fails_before_transformers_tries(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("TRANSFORMERS_OFFLINE")
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
-    monkeypatch.setattr(train_gpt2, "hub_name_is_cached", lambda name: False)
+    monkeypatch.setattr(train_support, "hub_name_is_cached", lambda name: False)
     timeouts = []
 
     def urlopen(url, timeout=None):

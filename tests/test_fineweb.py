@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import fineweb
-from fineweb import EOT, UserError
+from fineweb import EOT
+import train_support
+from train_support import UserError
 
 ROOT = __import__("conftest").ROOT
 SHARD = 100_000  # small shards: the 1.6M-token sample gives 16 full ones and a partial one
@@ -395,7 +397,7 @@ def online(monkeypatch):
     opens (only check_online makes one; the Hub itself is monkeypatched by the tests that use it)."""
     for var in fineweb.HUB_OFFLINE_VARS:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(fineweb.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})())
+    monkeypatch.setattr(train_support.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})())
 
 
 def test_hub_dataset_that_cannot_be_opened(tmp_path, monkeypatch):
@@ -434,7 +436,7 @@ def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, 
         monkeypatch.setenv(var, value)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the Hub was asked"))
     tried = []
-    monkeypatch.setattr(fineweb.socket, "create_connection", lambda *a, **k: tried.append(a) or connect(*a, **k))
+    monkeypatch.setattr(train_support.socket, "create_connection", lambda *a, **k: tried.append(a) or connect(*a, **k))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("the user's")
     before = snapshot(tmp_path)

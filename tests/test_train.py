@@ -22,10 +22,9 @@ from train_gpt2 import (
     GPTConfig,
     flops_per_token,
     get_lr,
-    load_checkpoint,
     load_model,
-    sample_text,
 )
+from train_support import load_checkpoint, sample_text
 
 # ----------------------------------------------------------------------------------------------
 # schedule, optimizer, FLOPs

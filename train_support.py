@@ -1,0 +1,1140 @@
+"""
+Everything a training run needs that is not the recipe, moved out of train_gpt2.py so that the
+recipe reads top to bottom in one file: nothing here changes what the recipe computes.
+
+It holds the checks that refuse bad flags and data before step 0, the run's folder and who owns
+it, checkpoint files (save, prune, find, load) and what --resume takes from them, random-number
+state, stop signals, the run log, the non-finite guard, conversion to and from transformers'
+GPT-2 layout (state dicts in, state dicts out), and machine settings (glibc's allocator,
+--deterministic, the peak-FLOPs table). It also holds what every script shares: the error type
+and the command-line wrapper that prints it as one line, atomic writes, the offline probe.
+
+It never imports train_gpt2: it works on plain values (state dicts, config dicts, paths, parsed
+args). torch is imported inside the functions that use it, because fineweb.py shares this
+module's error type and atomic writes and must start without loading torch.
+"""
+
+import ctypes
+import errno
+import json
+import math
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+import zipfile
+from dataclasses import asdict
+
+import numpy as np
+
+GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding and are never sampled
+HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+# ----------------------------------------------------------------------------------------------
+# What every script shares: one-line errors, atomic writes, the offline probe
+
+
+class UserError(Exception):
+    """A mistake in the user's input: reported as one line, exit code 1, no traceback."""
+
+
+def first_line(e):
+    """The first line of an exception's message (or its type's name): enough for a one-line error."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def write_atomic(path, write, mode="wb"):
+    """write(f) into a hidden temporary file beside path, fsync it, then rename it over path:
+    readers and a resumed run see the whole old file or the whole new one, never half of one.
+    The temporary file is removed on any failure, a full disk and Ctrl-C included."""
+    tmp = os.path.join(os.path.dirname(path) or ".", "." + os.path.basename(path) + ".tmp")
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it count
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):  # a full disk: give back the space the partial file holds
+            os.remove(tmp)
+        raise
+
+
+def write_dir_atomic(out_dir, write, what, recheck=None):
+    """write(tmp) fills a hidden folder beside out_dir, which then takes out_dir's place (a folder
+    already there is renamed aside first and deleted last: the caller checked it may go). On any
+    failure, a full disk, Ctrl-C and SIGTERM included, the hidden folders and the parents this
+    made are removed and out_dir is as it was. recheck(), if given, runs right before the swap."""
+    parent = os.path.dirname(out_dir)
+    made = []  # parent folders this call creates, deepest first
+    d = parent
+    while not os.path.isdir(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    tmp = old = None
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt  # a kill mid-write cleans up as Ctrl-C does
+
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp_", dir=parent)
+        # mkdtemp makes it private (0700): give it the mode of the folder it replaces, or else
+        # the one os.mkdir would give a new folder
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777 if os.path.isdir(out_dir) else 0o777 & ~umask)
+        write(tmp)
+        if recheck:
+            recheck()
+        if os.path.isdir(out_dir) and os.listdir(out_dir):
+            old = os.path.join(parent, f".old_{os.getpid()}_{os.path.basename(out_dir)}")
+            os.replace(out_dir, old)
+        try:
+            os.replace(tmp, out_dir)
+        except BaseException:
+            if old:
+                os.replace(old, out_dir)  # put the earlier folder back
+                old = None
+            raise
+        tmp = None
+        if old:
+            shutil.rmtree(old)
+    except BaseException as e:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # not empty: someone else wrote there meanwhile
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # safetensors' failed write
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+            reason = re.sub(r".*I/O error: (.*) \(os error \d+\).*", r"\1", reason)  # safetensors' wording
+            full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in reason
+            fix = "make room or choose another folder" if full else "choose a folder you can write to"
+            raise UserError(f"cannot write {what} to {out_dir} ({reason}): nothing was changed; {fix}") from None
+        raise
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def offline_var(names=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")):
+    """The first of these variables set to a true value, as huggingface_hub reads them, or None."""
+    return next((v for v in names if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")), None)
+
+
+def unreachable(url, timeout=3.0):
+    """Why no TCP connection to url's host opens within timeout seconds, in words, or None. Offline,
+    the Hub and HTTP clients retry for half a minute and then say nothing about offline use; this
+    says it at once. With an https proxy set, the proxy is what must answer."""
+    proxy = urllib.request.getproxies().get("https")
+    parts = urllib.parse.urlsplit(proxy or url)
+    host, port = parts.hostname or "", parts.port or (80 if parts.scheme == "http" else 443)
+    outcome = []
+
+    def probe():  # in a thread: a resolver that never answers must not hold the program either
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        return f"no answer in {timeout:.0f} s"
+    return None if outcome[0] is None else first_line(outcome[0])
+
+
+class OutlivesItsReader:
+    """sys.stdout / sys.stderr that survive their reader going away (`| head`, a `| tee` that died
+    with the ssh session that started it, a terminal that hung up): the first write that fails
+    (BrokenPipeError, EIO) points the stream at /dev/null and the program carries on, where print
+    would raise and end it. A training run's record is log.jsonl and its checkpoints."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            self._to_devnull()
+
+    def _to_devnull(self):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())  # the same file descriptor, now writing nowhere
+        os.close(devnull)
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ... of the real stream
+        return getattr(self.stream, name)
+
+
+def run_cli(main, interrupted="interrupted"):
+    """Run a script's main(): a UserError is one `error:` line and exit 1, Ctrl-C the one line
+    `interrupted` and exit 130 (the shell's code for SIGINT); anything else is a bug and keeps
+    its traceback. Output to a pipe that closes is dropped (OutlivesItsReader), not fatal."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt from here on
+    sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
+    try:
+        code = main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Flags, data and prompts: refused before step 0, not hours in
+
+
+def check_args(args, world_size, given=frozenset()):
+    """Bad numbers as one-line errors, before any process starts waiting on another. given: the
+    flags on the command line (a default the user never chose is judged more kindly)."""
+
+    def need(ok, message):
+        if not ok:
+            raise UserError(message)
+
+    for name, value in vars(args).items():  # nan passes every comparison below: refuse it first
+        need(
+            not isinstance(value, float) or math.isfinite(value),
+            f"--{name.replace('_', '-')} must be a finite number, not {value}",
+        )
+    positive = (
+        "batch_size",
+        "seq_len",
+        "total_batch_size",
+        "max_steps",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "block_size",
+        "val_tokens",
+        "num_samples",
+        "max_new_tokens",
+    )
+    for name in positive:
+        need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    for name in (
+        "warmup_steps",
+        "weight_decay",
+        "grad_clip",
+        "eval_every",
+        "hellaswag_every",
+        "sample_every",
+        "ckpt_every",
+        "keep_ckpts",
+        "temperature",
+        "top_k",
+    ):
+        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be 0 or more, not {getattr(args, name)}")
+    need(args.max_lr > 0, f"--max-lr must be above 0, not {args.max_lr}")
+    need(
+        args.min_lr is None or 0 <= args.min_lr <= args.max_lr,
+        f"--min-lr {args.min_lr} must be between 0 and --max-lr {args.max_lr}",
+    )
+    for name in ("beta1", "beta2"):
+        need(0 <= getattr(args, name) < 1, f"--{name} must be in [0, 1), not {getattr(args, name)}")
+    need(args.adam_eps > 0, f"--adam-eps must be above 0, not {args.adam_eps}")
+    need(args.ddp_timeout > 0, f"--ddp-timeout must be a positive number of seconds, not {args.ddp_timeout}")
+    need(args.peak_flops is None or args.peak_flops > 0, f"--peak-flops must be above 0, not {args.peak_flops}")
+    need(
+        args.hellaswag_limit is None or args.hellaswag_limit >= 1,
+        f"--hellaswag-limit {args.hellaswag_limit}: give a positive number of examples",
+    )
+    need(args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
+    need(args.vocab_size >= GPT2_VOCAB, f"--vocab-size {args.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens")
+    need(
+        not (args.resume and args.init_from != "scratch"),
+        f"--init-from {args.init_from} starts a new run, --resume continues one: pass one of them",
+    )
+    if not args.resume and "warmup_steps" not in given:  # on resume the checkpoint's value counts
+        last_lr = args.max_lr * args.max_steps / args.warmup_steps if args.warmup_steps else args.max_lr
+        need(
+            args.warmup_steps < args.max_steps,
+            f"--max-steps {args.max_steps} ends inside the default {args.warmup_steps}-step warm-up (lr would "
+            f"never pass {last_lr:.1e}): pass --warmup-steps below --max-steps",
+        )
+    micro = args.batch_size * args.seq_len * world_size
+    need(
+        args.total_batch_size % micro == 0,
+        f"--total-batch-size {args.total_batch_size:,} is not a multiple of B*T*world_size = "
+        f"{args.batch_size}*{args.seq_len}*{world_size} = {micro:,}: change --batch-size, --seq-len or "
+        f"--total-batch-size",
+    )
+
+
+def check_device(device, has_cuda, has_mps):
+    """--device names a device this machine has."""
+    device_type = device.split(":")[0]
+    if device_type not in ("cuda", "mps", "cpu"):
+        raise UserError(f"unknown device {device!r}: use cuda, cuda:N, mps or cpu")
+    if device_type == "cuda" and not has_cuda:
+        raise UserError("--device cuda was asked for but CUDA is not available: use --device cpu")
+    if device_type == "mps" and not has_mps:
+        raise UserError("--device mps was asked for but MPS is not available: use --device cpu")
+
+
+def check_data(args, tokens_per_epoch, val_tokens, master_process):
+    """Too little data for the flags is refused before step 0; a short val set or repeated data is said."""
+    T = args.seq_len
+    if tokens_per_epoch < args.total_batch_size:  # one step would see the same tokens twice
+        raise UserError(
+            f"the train shards in {args.data_dir} hold {tokens_per_epoch:,} usable tokens, fewer than "
+            f"one step's --total-batch-size {args.total_batch_size:,}: write more data or lower --total-batch-size"
+        )
+    if args.eval_every > 0:
+        if val_tokens is None or len(val_tokens) < T + 1:
+            raise UserError(
+                f"no val shard (*_val_NNNNNN.npy or .bin) with {T + 1} tokens in {args.data_dir}: fineweb.py "
+                f"writes one (its shard 0), or pass --eval-every 0 to train without val loss"
+            )
+        if master_process and len(val_tokens) < args.val_tokens + 1:
+            print(f"note: the val shards hold only {len(val_tokens) - 1:,} of the --val-tokens {args.val_tokens:,}")
+    run_tokens = args.max_steps * args.total_batch_size
+    if master_process and run_tokens > tokens_per_epoch:
+        print(
+            f"warning: this run trains on {run_tokens:,} tokens but the train shards hold {tokens_per_epoch:,} "
+            f"usable ones: the data repeats ({run_tokens / tokens_per_epoch:.2f} epochs)",
+            file=sys.stderr,
+        )
+
+
+def find_shards(data_dir, split, required=False):
+    """The {prefix}_{split}_{index}.npy (or .bin) shards in data_dir, in name order."""
+    if os.path.isfile(data_dir):  # a text file or one shard where the folder of shards goes
+        raise UserError(
+            f"--data-dir {data_dir} is a file, not a folder of shards: pass the folder that holds the "
+            f"shards, or tokenize a text file with `python fineweb.py --input {data_dir} --out-dir DIR` "
+            f"and pass --data-dir DIR"
+        )
+    if not os.path.isdir(data_dir):
+        raise UserError(f"data folder {data_dir} does not exist: write shards with fineweb.py or pass --data-dir")
+    names = sorted(n for n in os.listdir(data_dir) if re.fullmatch(rf".+_{split}_\d+\.(npy|bin)", n))
+    if len({os.path.splitext(n)[1] for n in names}) > 1:
+        raise UserError(f"{data_dir} holds both .npy and .bin {split} shards: keep one format")
+    if required and not names:
+        raise UserError(
+            f"no {split} shards (*_{split}_NNNNNN.npy or .bin) in {data_dir}: write them with "
+            f"`python fineweb.py` or pass --data-dir"
+        )
+    return [os.path.join(data_dir, n) for n in names]
+
+
+def check_batch_fits(batches_per_epoch, sizes, chunk, data_dir, split):
+    """A batch is cut from one shard, never across two: at least one shard must hold one."""
+    if batches_per_epoch == 0:
+        raise UserError(
+            f"the largest {split} shard in {data_dir} holds {max(sizes):,} tokens, fewer than the "
+            f"{chunk + 1:,} that one batch (B*T*world_size + 1) needs: lower --batch-size or --seq-len, "
+            f"or write bigger shards (fineweb.py --shard-size)"
+        )
+
+
+def check_same_shards(saved, names):
+    """A checkpoint's data position means something only in the shards it was saved with."""
+    if saved != names:
+        raise UserError(
+            f"the checkpoint's data position refers to {len(saved)} shards ({saved[0]}, ...), but the data "
+            f"folder holds {len(names)} others: resume with the same shards, or start a new run from its "
+            f"weights with --init-from"
+        )
+
+
+def check_token_ids(tokens, vocab_size, path):
+    """An id the model has no embedding row for crashes the step whose batch holds it (a device
+    assert on CUDA), possibly hours in: a shard of another tokenizer is refused up front."""
+    if vocab_size is not None and len(tokens) and (top := int(tokens.max())) >= vocab_size:
+        raise UserError(
+            f"{path}: token id {top} is not below the model's vocab_size {vocab_size}: "
+            f"written with another tokenizer? rewrite it with fineweb.py"
+        )
+
+
+def encode_prompt(enc, prompt, block_size):
+    """The prompt's tokens; an empty prompt starts from <|endoftext|>, as a new document would."""
+    tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else [enc.eot_token]
+    if len(tokens) >= block_size:
+        raise UserError(f"--prompt is {len(tokens)} tokens, the model reads at most {block_size - 1} before a new one")
+    return tokens
+
+
+def sample_text(
+    model, enc, prompt, num_samples=4, max_new_tokens=32, temperature=1.0, top_k=50, seed=42, compile=False
+):
+    """Decode num_samples continuations of prompt; the same seed gives the same text.
+    compile: a compiled (on CUDA, graph-captured) decode step, kept on the model for the next call."""
+    import torch
+
+    device = next(model.parameters()).device
+    # a literal <|endoftext|> in the prompt is the token itself, as in the training data
+    tokens = torch.tensor(enc.encode(prompt, allowed_special={"<|endoftext|>"}), dtype=torch.long, device=device)
+    idx = tokens.unsqueeze(0).repeat(num_samples, 1)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(idx, max_new_tokens, temperature, top_k, generator, compile=compile)
+    return [enc.decode(row.tolist()) for row in out]
+
+
+def print_samples(model, enc, args):
+    """--sample-from: samples of --prompt with the sampling flags, printed one per line."""
+    block_size = model.config.block_size
+    tokens = encode_prompt(enc, args.prompt, block_size)
+    note_if_samples_stop_early(len(tokens), args.max_new_tokens, block_size)
+    top_k = args.top_k or None  # 0: all
+    texts = sample_text(
+        model, enc, enc.decode(tokens), args.num_samples, args.max_new_tokens, args.temperature, top_k, args.seed
+    )
+    for i, text in enumerate(texts):
+        print(f"sample {i}: {text}")
+
+
+def note_if_samples_stop_early(n_prompt, max_new_tokens, block_size):
+    """generate stops at the model's window: say so when the prompt and --max-new-tokens overrun it."""
+    room = block_size - n_prompt
+    if max_new_tokens > room:
+        print(
+            f"note: samples stop at the model's {block_size}-token window: {room} new tokens after the "
+            f"{n_prompt}-token prompt, not --max-new-tokens {max_new_tokens}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# The machine: its peak FLOP/s, its allocator, deterministic kernels
+
+# peak dense bf16 tensor-core FLOP/s from NVIDIA's datasheets, matched in this order against
+# torch.cuda.get_device_name(); anything else needs --peak-flops for an MFU figure
+PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+)
+
+
+def peak_flops(device_name):
+    for name, flops in PEAK_FLOPS:
+        if name in device_name:
+            return flops
+    return None
+
+
+def keep_freed_memory():
+    """Make glibc's malloc keep the memory a CPU run frees, for the next step to reuse.
+
+    On a CPU the activations and the (B, T, vocab) logits live in the C heap. glibc gives every
+    block above its mmap threshold its own mmap and unmaps it when freed (and trims the heap's
+    top likewise), so each step the kernel maps and zeroes those pages afresh: for small models
+    that page faulting costs as much as the compute. Kept, the memory is reused (bench.py
+    measures the gain). The cost: the heap holds its high-water mark, the step's and the evals'
+    layouts side by side (about twice the peak RSS). A no-op where libc is not glibc."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # macOS, musl: another allocator, nothing to set
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+
+
+def set_deterministic(device_type):
+    """Bitwise-reproducible training: the same seed, data and GPU count give the same losses and
+    weights, run after run and across a --resume. On a CPU the kernels already are; on CUDA
+    several default kernels add up partial sums in whatever order threads finish (atomics), so
+    the last bits of the gradients change from run to run. Call before any CUDA work."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    if device_type == "cuda":
+        # cuBLAS reads this when it creates its handle (first matmul): a fixed workspace per
+        # stream, without which its kernels may split a sum differently from call to call
+        if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False  # benchmarking may pick another algorithm each run
+        # SDPA: cuDNN attention's backward accumulates with atomics; flash and memory-efficient
+        # attention switch to their deterministic backward under use_deterministic_algorithms
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    # an op with no deterministic kernel now raises instead of running nondeterministically;
+    # embedding backward and index_put take their sorted (deterministic) paths
+    torch.use_deterministic_algorithms(True)
+    # torch.compile: Inductor picks no kernel config by timing it where that changes the numerics
+    inductor_config.deterministic = True
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints, resume and the out-dir
+
+
+def checkpoint_paths(out_dir):
+    """The ckpt_NNNNNN.pt files in out_dir, newest (most steps) first."""
+    if not os.path.isdir(out_dir):
+        return []
+    found = [(int(m.group(1)), n) for n in os.listdir(out_dir) if (m := re.fullmatch(r"ckpt_(\d+)\.pt", n))]
+    return [os.path.join(out_dir, n) for _, n in sorted(found, reverse=True)]
+
+
+def find_model(spec):
+    """("transformers", name or folder) or ("checkpoint", file) for a model given on the command
+    line; a training run's folder means its newest checkpoint, said in a note."""
+    if spec not in HF_NAMES and os.path.isdir(spec) and not os.path.exists(os.path.join(spec, "config.json")):
+        found = checkpoint_paths(spec)
+        if not found:
+            raise UserError(f"{spec} holds neither a transformers model (config.json) nor our checkpoints (ckpt_*.pt)")
+        print(f"{spec} is a training run's folder: using its newest checkpoint, {found[0]}")
+        spec = found[0]
+    if spec in HF_NAMES or os.path.isdir(spec):
+        return "transformers", spec
+    if os.path.isfile(spec):
+        return "checkpoint", spec
+    # most often a checkpoint's step mistyped: say which ones its folder holds
+    folder = os.path.dirname(spec) or "."
+    found = [os.path.basename(p) for p in checkpoint_paths(folder)]
+    there = f"; {folder} holds {', '.join(found[:3])}" + (" ..." if len(found) > 3 else "") if found else ""
+    raise UserError(f"{spec!r} does not exist, and is not a GPT-2 name ({', '.join(HF_NAMES)}){there}")
+
+
+def disk_error(e, what, then):
+    """One line for a failed write; 'make room' only when the disk is really full."""
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    fix = "make room on the disk" if full else "make --out-dir writable"
+    return UserError(f"cannot write {what} ({getattr(e, 'strerror', None) or e}): {fix}, then {then}")
+
+
+def run_id_of(path):
+    """The run a checkpoint belongs to; mmap reads only the small pickled part, not the tensors."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("run_id")
+    except Exception:
+        return None
+
+
+def save_checkpoint(ckpt, out_dir, keep):
+    """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
+    real name), then delete this run's checkpoints beyond the newest `keep`: another run's
+    files are never touched."""
+    import torch
+
+    path = os.path.join(out_dir, f"ckpt_{ckpt['step']:06d}.pt")
+    try:
+        write_atomic(path, lambda f: torch.save(ckpt, f))
+    except (OSError, RuntimeError) as e:
+        cause = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write
+        if not isinstance(cause, OSError):
+            raise  # not the disk: a bug, keep its traceback
+        then = "continue with --resume (the checkpoints before it are intact)"
+        raise disk_error(cause, f"checkpoint {path}", then) from None
+    if keep > 0:
+        for old in checkpoint_paths(out_dir)[keep:]:
+            if run_id_of(old) == ckpt["run_id"]:
+                os.remove(old)
+    return path
+
+
+def save_training_state(step, run):
+    """Rank 0 writes the checkpoint of `step` steps done: the weights and model config, and all
+    that continues the run as if it never stopped: the optimizer, the data position, every rank's
+    RNG state, the flags (train_config), the run's id and its last val loss. `run` is the training
+    script's Run (model, optimizer, loader, args, dist_info, device, run_id, val_loss)."""
+    dist_info, args = run.dist_info, run.args
+    rng = all_rng_states(run.device.split(":")[0], dist_info.ddp, dist_info.ddp_world_size)
+    if dist_info.master_process:
+        ckpt = {"model": run.model.state_dict(), "model_config": asdict(run.model.config), "step": step}
+        ckpt.update(optimizer=run.optimizer.state_dict(), data=run.loader.state_dict(), rng=rng)
+        ckpt.update(train_config=vars(args), world_size=dist_info.ddp_world_size)
+        ckpt.update(run_id=run.run_id, val_loss=run.val_loss)
+        print(f"wrote {save_checkpoint(ckpt, args.out_dir, args.keep_ckpts)}")
+
+
+def load_checkpoint(path):
+    """Our checkpoint as a dict of tensors and plain values. weights_only=True: a checkpoint
+    carrying pickled code is refused instead of run."""
+    import torch
+
+    try:
+        # torch.save writes a zip with a CRC per tensor, which torch.load never checks: without
+        # this, a flipped bit on disk loads as silently wrong weights
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()
+        ckpt = torch.load(path, map_location="cpu", weights_only=True) if bad is None else None
+    except FileNotFoundError:
+        raise UserError(f"checkpoint {path} does not exist") from None
+    except Exception as e:
+        first = first_line(e)
+        raise UserError(
+            f"checkpoint {path} cannot be loaded safely (truncated, corrupt or not ours): {first}"
+        ) from None
+    if bad is not None:
+        raise UserError(f"checkpoint {path} is corrupt: its {bad} fails the zip CRC check")
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+        raise UserError(f"checkpoint {path} is not a train_gpt2.py checkpoint (no model / model_config)")
+    return ckpt
+
+
+def load_training_checkpoint(path):
+    """A checkpoint that holds a run's training state, not just weights."""
+    ckpt = load_checkpoint(path)
+    missing = [k for k in ("optimizer", "step", "data", "rng") if k not in ckpt]
+    if missing:
+        raise UserError(
+            f"checkpoint {path} has no training state ({', '.join(missing)}): "
+            f"start a new run from its weights with --init-from {path}"
+        )
+    return ckpt
+
+
+def find_resume_checkpoint(resume, out_dir):
+    """(path, checkpoint) for --resume: the given file, or for 'latest' the newest checkpoint in
+    out_dir that loads; one that does not (cut short, corrupt) is reported and the previous one
+    tried. (None, None) when out_dir has no checkpoint at all: the run starts from step 0."""
+    if resume != "latest":
+        return resume, load_training_checkpoint(resume)
+    paths = checkpoint_paths(out_dir)
+    for path in paths:
+        try:
+            return path, load_training_checkpoint(path)
+        except UserError as e:
+            print(f"warning: skipping {path}: {e}", file=sys.stderr)
+    if paths:
+        raise UserError(f"none of the {len(paths)} checkpoints in {out_dir} can be loaded: see the warnings above")
+    print(f"no checkpoint in {out_dir} to resume from: starting a new run")
+    return None, None
+
+
+def missing_folders(path):
+    """The folders of path that do not exist yet, deepest first: those os.makedirs would create."""
+    path, missing = os.path.abspath(path), []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def claim_out_dir(out_dir, resume):
+    """An out-dir belongs to one run: a new run next to another run's checkpoints would have them
+    pruned instead of its own and its log drawn as one curve with theirs, so it is refused."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create --out-dir {out_dir}: {e.strerror}") from None
+    names = os.listdir(out_dir)
+    theirs = sorted(n for n in names if re.fullmatch(r"ckpt_\d+\.pt|log\.jsonl", n))
+    if theirs and not resume:
+        raise UserError(
+            f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}): continue it with --resume, "
+            f"or pass a new --out-dir"
+        )
+    for name in names:  # a checkpoint write of this run cut short by a kill: never complete
+        if re.fullmatch(r"\.ckpt_\d+\.pt\.tmp", name):
+            print(f"removing the unfinished {name}")
+            os.remove(os.path.join(out_dir, name))
+
+
+def remove_made_folders(made):
+    """Remove the folders a refused start created (missing_folders' list), while still empty: a
+    typo'd flag leaves no empty --out-dir behind, and a folder the run wrote to stays."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            break
+
+
+# The recipe a checkpoint was trained with. On --resume a flag left out takes the checkpoint's
+# value, so `--resume` alone continues the run as it was; a flag given with another value is a
+# contradiction, refused, except for the changes below, which are allowed and reported.
+RECIPE_FLAGS = (
+    "total_batch_size",
+    "seq_len",
+    "max_lr",
+    "min_lr",
+    "warmup_steps",
+    "max_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "adam_eps",
+    "grad_clip",
+    "seed",
+    "no_shuffle",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "vocab_size",
+    "block_size",
+    "batch_size",
+)
+ALLOWED_CHANGES = {
+    "max_steps": "the cosine schedule is re-stretched from here to the new last step",
+    "batch_size": "the same batch in other micro-batches: equal up to float rounding, not bitwise",
+}
+# The run's other settings: left out on --resume they are the checkpoint's too (`--resume log_tiny`
+# reads the same data and evaluates as before, rather than the defaults' edu_fineweb10B and
+# HellaSwag every 250 steps); given, they change from here on. The device, dtype, compile,
+# --peak-flops and --ddp-timeout are the machine's: a run may continue on another one.
+RUN_SETTINGS = (
+    "data_dir",
+    "eval_every",
+    "val_tokens",
+    "hellaswag_every",
+    "hellaswag_limit",
+    "hellaswag_data",
+    "sample_every",
+    "ckpt_every",
+    "keep_ckpts",
+    "prompt",
+    "num_samples",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "deterministic",
+)
+
+
+def reconcile_resume(args, given, ckpt, ckpt_path):
+    """Fill args from the checkpoint's recipe and settings; refuse contradictions. Returns the
+    allowed changes as {flag: [checkpoint's value, new value]} and the settings taken from the
+    checkpoint as {flag: value}."""
+    old, changes = ckpt.get("train_config", {}), {}
+    taken = {n: old[n] for n in RUN_SETTINGS if n in old and n not in given and old[n] != getattr(args, n)}
+    for name, value in taken.items():
+        setattr(args, name, value)
+    for name in RECIPE_FLAGS:
+        if name not in old or old[name] == getattr(args, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name not in given:
+            setattr(args, name, old[name])
+        elif name not in ALLOWED_CHANGES:
+            raise UserError(
+                f"{flag} {getattr(args, name)} contradicts the {old[name]} that {ckpt_path} was trained with: "
+                f"leave {flag} out to continue the run as it was, or start a new run in another --out-dir"
+            )
+        else:
+            changes[name] = [old[name], getattr(args, name)]
+    if args.max_steps < ckpt["step"]:
+        raise UserError(f"--max-steps {args.max_steps} is below the {ckpt['step']} steps {ckpt_path} has done")
+    return changes, taken
+
+
+def resume_checkpoint(args, given, ddp, master_process):
+    """(path, checkpoint, allowed changes, settings taken from it) for --resume, else (None, None,
+    {}, {}). Rank 0 picks the checkpoint, so that every rank loads the same one (multi-node: the
+    out-dir must be shared)."""
+    if not args.resume:
+        return None, None, {}, {}
+    picked = [find_resume_checkpoint(args.resume, args.out_dir)[0] if master_process else None]
+    if ddp:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(picked, src=0)
+    if picked[0] is None:
+        return None, None, {}, {}
+    ckpt = load_training_checkpoint(picked[0])
+    return picked[0], ckpt, *reconcile_resume(args, given, ckpt, picked[0])
+
+
+def restore_training_state(ckpt, ckpt_path, optimizer, loader, ddp_rank, device_type):
+    """The optimizer, data position and this rank's RNG as a checkpoint left them; returns the
+    step to start at, the run's id (a new, unique one for a new run: the seeds are untouched) and
+    the last val loss."""
+    if ckpt is None:
+        return 0, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}", None
+    optimizer.load_state_dict(ckpt["optimizer"])
+    loader.load_state_dict(ckpt["data"])
+    if ddp_rank < len(ckpt["rng"]):
+        set_rng_state(ckpt["rng"][ddp_rank], device_type)
+    if ddp_rank == 0:
+        print(f"resuming from {ckpt_path} at step {ckpt['step']}")
+    return ckpt["step"], ckpt.get("run_id", ckpt_path), ckpt.get("val_loss")
+
+
+def report_resume(changes, taken):
+    """Say what a resumed run changed (allowed) and what it took from the checkpoint."""
+    for name, (old, new) in changes.items():
+        print(f"note: --{name.replace('_', '-')} {old} -> {new} on resume: {ALLOWED_CHANGES[name]}")
+    if taken:
+        flags = ", ".join(f"--{name.replace('_', '-')} {value!r}" for name, value in taken.items())
+        print(f"note: continuing with the run's {flags} (flags left out on --resume are the checkpoint's)")
+
+
+def get_rng_state(device_type):
+    """Every random generator's state, as tensors and plain values (weights_only-loadable)."""
+    import torch
+
+    # numpy's state holds a numpy array, which weights_only loading refuses: keep it as a tensor
+    _, key, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos)}
+    numpy_state.update(has_gauss=int(has_gauss), gauss=float(gauss))
+    return {
+        "python": random.getstate(),
+        "numpy": numpy_state,
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None,
+    }
+
+
+def set_rng_state(state, device_type):
+    import torch
+
+    random.setstate(state["python"])
+    s = state["numpy"]
+    np.random.set_state(("MT19937", s["key"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if device_type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The run: stop signals, its log, the non-finite guard
+
+
+class StopRequest:
+    """SIGTERM (a spot instance reclaimed, a scheduler), SIGHUP (the terminal or ssh session that
+    started the run went away) or Ctrl-C: the run stops at the next step boundary with a
+    checkpoint, an eval in progress is cut short; a second Ctrl-C stops at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+    def __init__(self):
+        self.signum = 0
+        for s in self.SIGNALS:
+            if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
+                continue  # started under nohup: hangups are to be ignored, and are
+            signal.signal(s, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt  # the user does not want to wait: run_cli prints one line
+        self.signum = signum
+        print(f"caught {signal.Signals(signum).name}: stopping after this step with a checkpoint", flush=True)
+
+    def __call__(self):  # this rank's request, for the evals to poll
+        return self.signum != 0
+
+    def agreed(self, device, ddp):
+        """The signal every rank stops for (0: none), the same on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        signum = torch.tensor(self.signum, device=device)
+        if ddp:
+            dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+        return signum.item()
+
+
+def versions():
+    """The versions that decide a run's numerics, for the log's header."""
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "numpy": np.__version__,
+    }
+
+
+class RunLog:
+    """log.jsonl: one JSON record per line, appended, never wiped, so a resumed run continues
+    the same file (play.ipynb keeps the last record of each step). Each record is also printed
+    as its console line: one record, built once, for the file and the screen. Only rank 0's is
+    enabled; the others' calls do nothing."""
+
+    def __init__(self, out_dir, enabled, max_steps):
+        self.path, self.file, self.max_steps = os.path.join(out_dir, "log.jsonl"), None, max_steps
+        if not enabled:
+            return
+        try:
+            self.file = open(self.path, "a")
+            if self.file.tell() > 0:
+                with open(self.path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":  # a line cut short by a kill: start ours on a fresh line
+                        self.file.write("\n")
+        except OSError as e:
+            raise disk_error(e, self.path, "start again") from None
+
+    def header(self, run_id, device_name, resumed_from, changes, config):
+        """The run's first record (and a resumed run's first in its turn): what ran, where, with what."""
+        record = {"event": "header", "run_id": run_id, "device": device_name, "resumed_from": resumed_from}
+        self({**record, "changed_on_resume": changes or None, "versions": versions(), "config": config})
+
+    def __call__(self, record):
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
+            raise disk_error(e, self.path, "continue with --resume") from None
+        self.print(record)
+
+    def print(self, record):
+        step = record.get("step")
+        if "train_loss" in record:
+            mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] else "n/a"
+            print(
+                f"step {step:5d}/{self.max_steps} | loss {record['train_loss']:.6f} | lr {record['lr']:.4e} | "
+                f"norm {record['grad_norm']:.4f} | dt {record['dt_ms']:.2f}ms | tok/s {record['tok_per_sec']:,.0f} | "
+                f"mfu {mfu} | epoch {record['epoch']}",
+                flush=True,
+            )
+        elif "val_loss" in record:
+            print(f"step {step:5d} | val loss {record['val_loss']:.6f}")
+        elif "hellaswag" in record:
+            print(f"step {step:5d} | hellaswag acc_norm {record['hellaswag']:.4f} of {record['hellaswag_n']}")
+        for i, text in enumerate(record.get("samples", ())):
+            print(f"step {step:5d} | sample {i}: {text!r}")
+
+
+MAX_BAD_STEPS = 3  # non-finite steps in a row: one is skipped as a bad batch, this many mean the run diverged
+
+
+class NonFiniteGuard:
+    """One NaN or inf (an overflow, a bad batch) in an update would spread to every weight: such a
+    step is skipped. Every rank sees the same all-reduced loss and norm, so all skip it. Several
+    in a row mean the run diverged: it stops with a checkpoint of the last good state."""
+
+    def __init__(self, log, master_process, checkpoint, out_dir):
+        self.log, self.master_process, self.checkpoint, self.out_dir = log, master_process, checkpoint, out_dir
+        self.in_a_row = 0
+
+    def skip(self, step, loss, norm, lr):
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.in_a_row = 0
+            return False
+        self.in_a_row += 1
+        self.log({"step": step, "skipped": f"loss {loss}, grad norm {norm}", "lr": lr})
+        if self.master_process:
+            print(f"step {step:5d} | loss {loss} | norm {norm} | skipped ({self.in_a_row} in a row)")
+        if self.in_a_row == MAX_BAD_STEPS:  # the weights and optimizer state are still those of the last good step
+            self.checkpoint(step + 1)
+            raise UserError(
+                f"{MAX_BAD_STEPS} steps in a row (to {step}) had a non-finite loss or grad norm: stopped; "
+                f"ckpt_{step + 1:06d}.pt in {self.out_dir} holds the last good weights: lower --max-lr or "
+                f"check the data, then continue with --resume"
+            )
+        return True
+
+
+def all_rng_states(device_type, ddp, ddp_world_size):
+    """Every rank's RNG state, gathered on every rank: a checkpoint resumes each rank's draws."""
+    if not ddp:
+        return [get_rng_state(device_type)]
+    import torch.distributed as dist
+
+    states = [None] * ddp_world_size
+    dist.all_gather_object(states, get_rng_state(device_type))
+    return states
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers' GPT-2: names it may fetch, folders an export may replace, and its weight layout
+
+EXPORT_MARK = "train_gpt2.py --export-hf"  # config.json's "exported_by": a folder export_hf may replace
+# everything save_pretrained writes for a GPT2LMHeadModel (shards and their index for big models)
+EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
+# transformers' GPT-2 stores these as Conv1D weights, i.e. transposed relative to nn.Linear
+HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+TIED = ("transformer.wte.weight", "lm_head.weight")  # one tensor; its padding rows are not exported
+
+
+def hub_name_is_cached(name):
+    """The local Hugging Face cache holds the config and the weights of Hub model `name`."""
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(filename):
+        return isinstance(try_to_load_from_cache(name, filename), str)  # else None or "known missing"
+
+    return cached("config.json") and (cached("model.safetensors") or cached("pytorch_model.bin"))
+
+
+def check_hub_reachable(name, timeout=3.0):
+    """Refuse at once, in one line, to fetch `name` (not in the local cache) when offline use is
+    set or the Hub does not answer: transformers would retry for half a minute, then not say why."""
+    import urllib.error
+    import urllib.request
+
+    fix = "pass a local transformers GPT-2 directory instead (save_pretrained output, or --export-hf's)"
+    var = offline_var(("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if var:
+        raise UserError(
+            f"{name!r} is not in the local Hugging Face cache and {var} is set: {fix}, or fill the cache once online"
+        )
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    try:
+        urllib.request.urlopen(f"{endpoint}/api/models/{name}", timeout=timeout).close()  # a few KB of metadata
+    except (OSError, ValueError) as e:  # no network, a timeout, a bad HF_ENDPOINT, a proxy's or captive portal's 404
+        if isinstance(e, urllib.error.HTTPError) and e.code == 429:
+            return  # the Hub is there but busy: transformers waits and retries
+        reason = f"HTTP {e.code}" if isinstance(e, urllib.error.HTTPError) else getattr(e, "reason", e)
+        raise UserError(
+            f"cannot reach the Hugging Face Hub ({endpoint}: {first_line(reason)}) and {name!r} is not "
+            f"in the local cache: {fix}, or set HF_HUB_OFFLINE=1 with a cache that holds it"
+        ) from None
+
+
+def check_export_target(out_dir):
+    """The absolute folder export_hf may write: a new one, an empty one, or an earlier export (only
+    save_pretrained's plain files, config.json marked EXPORT_MARK), which is replaced."""
+    given = str(out_dir)
+    if os.path.islink(given) and not os.path.exists(given):
+        raise UserError(f"--export-hf target {given} is a symbolic link to nothing: name a new folder")
+    out_dir = os.path.realpath(given)  # a link to an earlier export: replace that folder, keep the link
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        example = os.path.splitext(given)[0] + "_hf"
+        raise UserError(f"--export-hf target {given} is a file, not a folder: name a new folder, e.g. {example}")
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    foreign = [
+        n
+        for n in names
+        if not (EXPORT_FILES.fullmatch(n) and os.path.isfile(p := os.path.join(out_dir, n)) and not os.path.islink(p))
+    ]
+    held = None
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        held = f"{foreign[0]}{more}"
+    elif names:
+        try:
+            with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            config = None
+        ours = (
+            isinstance(config, dict) and config.get("model_type") == "gpt2" and config.get("exported_by") == EXPORT_MARK
+        )
+        held = None if ours else "a transformers model (its config.json has no exported_by mark)"
+    if held:
+        raise UserError(
+            f"--export-hf target {given} is not empty and not an earlier export (it holds {held}): "
+            f"name a new or empty folder; nothing was changed"
+        )
+    return out_dir
+
+
+def check_state_dict(shapes, state_dict, source):
+    """state_dict holds exactly the keys of shapes ({key: shape}), each with its shape: weights
+    that do not fit a model are refused in one line naming the first key that differs."""
+    missing, extra = sorted(set(shapes) - set(state_dict)), sorted(set(state_dict) - set(shapes))
+    if missing or extra:
+        what = f"key {missing[0]} is missing" if missing else f"unexpected key {extra[0]}"
+        more = len(missing) + len(extra) - 1
+        raise UserError(f"{source}: {what}" + (f" ({more} more keys differ)" if more else "") + ": not a GPT-2 of ours")
+    for key, shape in shapes.items():
+        if tuple(state_dict[key].shape) != tuple(shape):
+            raise UserError(f"{source}: {key} has shape {tuple(state_dict[key].shape)}, expected {tuple(shape)}")
+
+
+def state_dict_from_hf(sd_hf):
+    """transformers' GPT-2 state dict in our layout: Conv1D weights transposed, the causal-mask
+    buffers (not weights) dropped. Key names are the same in both."""
+    skip = (".attn.bias", ".attn.masked_bias")
+    return {k: v.t().contiguous() if k.endswith(HF_TRANSPOSED) else v for k, v in sd_hf.items() if not k.endswith(skip)}
+
+
+def state_dict_to_hf(sd):
+    """Our state dict in transformers' layout: Conv1D weights transposed, the vocab cut to GPT-2's
+    50,257 rows (the padding rows were never a token)."""
+    out = {}
+    for k, v in sd.items():
+        v = v.detach().float().cpu()
+        v = v.t() if k.endswith(HF_TRANSPOSED) else v
+        out[k] = v[:GPT2_VOCAB] if k in TIED else v
+    return out
+
+
+def load_hf_gpt2(name_or_dir):
+    """(config dict, state dict in our layout) of OpenAI GPT-2 (gpt2, gpt2-medium, gpt2-large,
+    gpt2-xl) or a local transformers GPT-2 directory (save_pretrained output)."""
+    is_dir = os.path.isdir(name_or_dir)
+    if name_or_dir not in HF_NAMES and not is_dir:
+        raise UserError(f"{name_or_dir!r} is neither one of {', '.join(HF_NAMES)} nor a directory")
+    local_only = not is_dir and hub_name_is_cached(name_or_dir)
+    if not is_dir and not local_only:
+        check_hub_reachable(name_or_dir)
+    from transformers import GPT2LMHeadModel  # after the checks, which then answer in a second
+
+    try:
+        hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True, local_files_only=local_only)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load transformers GPT-2 from {name_or_dir!r}: {first_line(e)}") from None
+    hc = hf.config
+    if hc.activation_function not in ("gelu_new", "gelu_pytorch_tanh") or hc.layer_norm_epsilon != 1e-5:
+        raise UserError(
+            f"{name_or_dir}: activation {hc.activation_function!r} / layer_norm_epsilon "
+            f"{hc.layer_norm_epsilon} differ from GPT-2's (gelu_new, 1e-5)"
+        )
+    config = dict(
+        block_size=hc.n_positions, vocab_size=hc.vocab_size, n_layer=hc.n_layer, n_head=hc.n_head, n_embd=hc.n_embd
+    )
+    # transformers fills missing keys with random numbers and only warns: leave them out, to be refused
+    sd_hf = {k: v for k, v in hf.state_dict().items() if k not in info["missing_keys"]}
+    return config, state_dict_from_hf(sd_hf)
+
+
+def save_hf_gpt2(config, sd, out_dir):
+    """Write a model (config dict, our state dict) as a transformers GPT2LMHeadModel directory
+    (vocab trimmed to 50257, tied embeddings). out_dir must be new, empty or an earlier export
+    (check_export_target)."""
+    if config["vocab_size"] < GPT2_VOCAB:
+        raise UserError(f"vocab_size {config['vocab_size']} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")
+    given, out_dir = out_dir, check_export_target(out_dir)  # refuse before the slow part
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=GPT2_VOCAB,
+            n_positions=config["block_size"],
+            n_embd=config["n_embd"],
+            n_layer=config["n_layer"],
+            n_head=config["n_head"],
+            activation_function="gelu_new",
+            layer_norm_epsilon=1e-5,
+            tie_word_embeddings=True,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            exported_by=EXPORT_MARK,
+        )
+    )
+    sd_hf = hf.state_dict()
+    for k, v in state_dict_to_hf(sd).items():
+        sd_hf[k].copy_(v)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its bar on stderr would bury a one-line error
+    try:
+        # checked again just before the swap: a file put there meanwhile is not ours to delete
+        write_dir_atomic(out_dir, hf.save_pretrained, "the export", recheck=lambda: check_export_target(given))
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
