@@ -32,9 +32,10 @@ def test_tiny_bench_writes_table_and_json(tmp_path, shared_data):
     report = json.loads(out.read_text())
     assert report["table"] in r.stdout  # the printed table is the one saved
     assert report["table"].startswith("| benchmark | ours | baseline |")
-    assert sorted(report["sections"]) == sorted(["ceiling", "loader", "fineweb", "train", "hellaswag", "sample"])
+    assert set(report["sections"]) == {"ceiling", "loader", "fineweb", "train", "ladder", "hellaswag", "sample"}
     assert not [name for name, s in report["sections"].items() if "skipped" in s]
-    assert sorted(os.listdir(tmp_path)) == ["bench.json"]  # the shards went to a temporary folder, now gone
+    # the shards went to a temporary folder, now gone; the ladder's picture lies beside the JSON
+    assert sorted(os.listdir(tmp_path)) == ["bench.json", "ladder.png"]
 
     rows = report["rows"]
     assert len(report["table"].splitlines()) == len(rows) + 2
@@ -80,7 +81,7 @@ def test_unknown_section_is_a_one_line_error(tmp_path):
     r = run_bench("--only", "speed", cwd=tmp_path)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
-        "error: --only speed: unknown section, choose from ceiling, loader, fineweb, sample, train, hellaswag"
+        "error: --only speed: unknown section, choose from ceiling, loader, fineweb, sample, train, ladder, hellaswag"
     ]
 
 

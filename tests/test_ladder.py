@@ -1,0 +1,217 @@
+"""bench.py's speed-up ladder: each rung trains the same model on the same batches, so the rungs'
+losses agree within what their precision allows; a rung that computes something else is caught;
+`bench.py --tiny --only ladder` prints the table and writes the JSON and the picture; rung 8 runs
+train_gpt2.py under torchrun. No speed is asserted: CI machines vary."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import bench
+import fineweb
+from conftest import ROOT
+from train_gpt2 import GPT, GPTConfig
+
+TINY = {"n_layer": 2, "n_head": 2, "n_embd": 64, "T": 32, "B": 2}
+
+
+@pytest.fixture
+def shard_dir(tmp_path):
+    """One shard of random GPT-2 token ids, as bench.py writes for the ladder."""
+    tokens = np.random.default_rng(1).integers(0, 50257, 20_000, dtype=np.uint16)
+    fineweb.write_shard(fineweb.shard_path(str(tmp_path), "bench", 1), tokens)
+    return str(tmp_path)
+
+
+def run_rungs(rungs, shard_dir, steps=4):
+    """{rung: losses of `steps` training steps} from the same base weights and batches."""
+    base = bench.ladder_base_state(TINY)
+    losses = {}
+    for rung, changes in rungs.items():
+        step, losses[rung] = bench.ladder_step(changes, base, TINY, TINY["B"], shard_dir, "cpu", "cpu")
+        for _ in range(steps):
+            step()
+    return losses
+
+
+def test_masked_softmax_attention_is_causal_attention():
+    """The written-out attention of rungs 1-4 takes the block's own weights and computes what the
+    model's SDPA attention computes, and what a loop over positions computes by hand."""
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=4, n_embd=32)
+    attn = GPT(config).transformer.h[0].attn
+    masked = bench.MaskedSoftmaxAttention(attn, 16)
+    assert masked.c_attn.weight is attn.c_attn.weight and masked.c_proj.weight is attn.c_proj.weight
+    x = torch.randn(2, 16, 32)
+    with torch.no_grad():
+        out = masked(x)
+        # by hand: at position t, head h weighs the values of positions 0..t by softmax(q_t . k_s / sqrt(8))
+        q, k, v = attn.c_attn(x).split(32, dim=2)
+        y = torch.zeros(2, 16, 32)
+        for h in range(4):
+            hs = slice(8 * h, 8 * h + 8)
+            for t in range(16):
+                w = torch.softmax(torch.einsum("bd,bsd->bs", q[:, t, hs], k[:, : t + 1, hs]) / 8**0.5, dim=-1)
+                y[:, t, hs] = torch.einsum("bs,bsd->bd", w, v[:, : t + 1, hs])
+        torch.testing.assert_close(out, attn.c_proj(y), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out, attn(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(masked(x[:, :5]), out[:, :5], rtol=1e-5, atol=1e-6)  # a shorter T: the mask's corner
+
+
+def test_rung_one_computes_the_models_own_loss(shard_dir):
+    """Step 0 of rung 1 (masked softmax, vocab 50,257) is the plain model's loss on the first batch."""
+    from train_gpt2 import DataLoaderLite
+
+    losses = run_rungs({1: set()}, shard_dir, steps=1)
+    config = GPTConfig(block_size=32, vocab_size=50257, n_layer=2, n_head=2, n_embd=64)
+    model = GPT(config)
+    model.load_state_dict(bench.ladder_base_state(TINY))
+    x, y = DataLoaderLite(shard_dir, "train", 2, 32, shuffle=False).next_batch()
+    with torch.no_grad():
+        _, loss = model(x, y)
+    assert losses[1][0] == pytest.approx(loss.item(), abs=1e-5)
+    assert losses[1][0] == pytest.approx(np.log(50257), abs=0.2)  # random init: about uniform
+
+
+def test_rungs_compute_the_same_loss_within_their_precision(shard_dir):
+    # every rung's set of changes that runs without compile, in fp32 and (from rung 3) bf16
+    rungs = {
+        1: set(),
+        3: {"bf16"},
+        5: {"bf16", "sdpa"},
+        6: {"bf16", "sdpa", "padded_vocab"},
+        7: {"bf16", "sdpa", "padded_vocab", "fused_adamw"},
+        "5 fp32": {"sdpa"},
+        "6 fp32": {"sdpa", "padded_vocab"},
+        "7 fp32": {"sdpa", "padded_vocab", "fused_adamw"},
+    }
+    losses = run_rungs(rungs, shard_dir)
+    checks = bench.loss_check(losses, rungs)
+    assert all(agree for _, _, agree in checks.values()), checks
+    # how close: flash attention is the same fp32 arithmetic in another order
+    assert max(abs(a - b) for a, b in zip(losses["5 fp32"], losses[1])) < 1e-5
+    # the padded rows start at zero: at init every logit is near 0, so the loss rises by about
+    # log(1 + 47 / 50257) = 9.35e-4 at each step, whatever the optimizer
+    for rung in ("6 fp32", "7 fp32"):
+        shift = [a - b for a, b in zip(losses[rung], losses["5 fp32"])]
+        assert shift == pytest.approx([np.log1p(47 / 50257)] * 4, abs=1e-4), shift
+    # bf16 moves the loss more than fp32's reordering, and within its tolerance
+    bf16 = max(abs(a - b) for a, b in zip(losses[3], losses[1]))
+    assert 1e-6 < bf16 < bench.LADDER_LOSS_TOL["bf16"]
+    # the steps learn: the optimizer ran (losses are not all one number)
+    assert len(set(losses[1])) == 4
+
+
+def test_the_loss_check_catches_a_rung_that_computes_something_else(shard_dir, monkeypatch):
+    """Attention that sees the future (no causal mask) is a different model: in fp32 its losses
+    leave the tolerance at once."""
+    good = run_rungs({1: set()}, shard_dir)
+    init = bench.MaskedSoftmaxAttention.__init__
+
+    def no_mask(self, attn, block_size):
+        init(self, attn, block_size)
+        self.causal.fill_(True)
+
+    monkeypatch.setattr(bench.MaskedSoftmaxAttention, "__init__", no_mask)
+    bad = run_rungs({"broken": set()}, shard_dir)
+    diff, tol, agree = bench.loss_check({1: good[1], "broken": bad["broken"]}, {1: set(), "broken": set()})["broken"]
+    assert not agree and diff > 10 * tol
+
+
+def test_compiled_rung_matches_eager(shard_dir):
+    """torch.compile (rung 4's change, static shapes) trains to the same fp32 losses as eager."""
+    torch._dynamo.reset()
+    try:
+        losses = run_rungs({1: {"sdpa"}, 4: {"sdpa", "compile"}}, shard_dir, steps=3)
+    finally:
+        torch._dynamo.reset()
+    assert losses[4] == pytest.approx(losses[1], abs=bench.LADDER_LOSS_TOL["fp32"])
+
+
+def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "bench.py"), "--tiny", "--only", "ladder", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert list(report["sections"]) == ["ladder"] and report["rows"] == []
+    ladder = report["sections"]["ladder"]
+    assert ladder["table"] in r.stdout
+    assert "tiny config: 2 layers, 2 heads, 64 wide, B 2, T 32" in r.stdout
+    assert sorted(os.listdir(tmp_path)) == ["bench.json", "ladder.png"]
+    png = (tmp_path / "ladder.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+    rungs = {row["rung"]: row for row in ladder["rungs"]}
+    assert list(rungs) == [1, 2, 3, 4, 5, 6, 7, "7+", 8]
+    assert len(ladder["table"].splitlines()) == 2 + len(rungs)
+    # the reference's A100 figures, tok/s and ms per step
+    reference = [
+        (16_300, 1000),
+        (49_000, 333),
+        (54_700, 300),
+        (126_000, 129.5),
+        (170_000, 97),
+        (176_000, 93),
+        (182_000, 90),
+    ]
+    assert [(rungs[k]["reference_tok_per_sec"], rungs[k]["reference_ms"]) for k in range(1, 8)] == reference
+    assert rungs[8]["reference_tok_per_sec"] == 1_500_000
+
+    # what does not run here says why: TF32 only where it changes an fp32 matmul (asked of torch
+    # directly), compile off in --tiny, B 64 and DDP on CUDA only
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    plain = a @ b
+    torch.set_float32_matmul_precision("high")
+    try:
+        tf32_changes_mm = not torch.equal(a @ b, plain)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    if not tf32_changes_mm:
+        assert not rungs[2]["measured"] and "no effect" in rungs[2]["note"]
+    assert not rungs[4]["measured"] and "compile is off" in rungs[4]["note"]
+    assert not rungs["7+"]["measured"] and not rungs[8]["measured"] and "no GPUs" in rungs[8]["note"]
+    for k, row in rungs.items():
+        if not row["measured"]:
+            assert f"| {k} | {row['change']} | not measured: {row['note']} |" in ladder["table"]
+
+    measured = [k for k in range(1, 8) if rungs[k]["measured"]]
+    assert {1, 3, 5, 6, 7} <= set(measured)
+    median1 = rungs[1]["tok_per_sec"]["median"]
+    for prev, k in zip([None] + measured, measured):
+        row = rungs[k]
+        # 1 warm-up + 3 measured steps of B 2 x T 32 = 64 tokens
+        assert row["step_ms"]["n"] == row["tok_per_sec"]["n"] == 3 and len(row["losses"]) == 4
+        assert row["tok_per_sec"]["max"] == pytest.approx(64 / (row["step_ms"]["min"] / 1000))
+        assert row["tok_per_sec"]["median"] == pytest.approx(64 / (row["step_ms"]["median"] / 1000))  # 3 rounds: odd
+        assert row["vs_rung1"] == pytest.approx(row["tok_per_sec"]["median"] / median1)
+        assert row["previous"] == prev
+        if prev is not None:
+            ratio = row["tok_per_sec"]["median"] / rungs[prev]["tok_per_sec"]["median"]
+            assert row["vs_previous"] == pytest.approx(ratio)
+            assert f"{row['vs_previous']:.2f}x" in ladder["table"]
+        assert row["losses_agree"] and row["loss_max_abs_diff"] <= row["loss_tol"]
+        assert statistics.fmean(row["losses"]) == pytest.approx(np.log(50257), abs=0.2)
+    assert rungs[3]["loss_precision"] == "bf16" and rungs[1]["loss_max_abs_diff"] == 0
+    assert ladder["losses_agree"]
+
+
+def test_ddp_rung_runs_train_gpt2_under_torchrun(tmp_path, shard_dir):
+    """Rung 8's command, on 2 CPU processes (gloo): the job's tok/s is its batch over each step's time."""
+    r8 = bench.ladder_ddp(2, TINY, 2, 6, shard_dir, str(tmp_path / "ddp"), "cpu")
+    assert r8["processes"] == 2 and r8["steps"] == 6 and r8["steps_dropped"] == 2
+    records = [json.loads(line) for line in open(tmp_path / "ddp" / "log.jsonl")]
+    header = next(rec for rec in records if rec.get("event") == "header")
+    assert header["config"]["world_size"] == 2 and header["config"]["grad_accum_steps"] == 1
+    steps = [rec for rec in records if "train_loss" in rec]
+    tok = [2 * 2 * 32 / (rec["dt_ms"] / 1000) for rec in steps[2:]]  # 2 processes x B 2 x T 32 per step
+    assert r8["tok_per_sec"]["median"] == pytest.approx(statistics.median(tok), rel=1e-6)
+    assert r8["tok_per_sec_per_process"]["median"] == pytest.approx(statistics.median(tok) / 2, rel=1e-6)
+    assert all(abs(loss - np.log(50257)) < 0.5 for loss in r8["losses"])
