@@ -873,6 +873,8 @@ def parse_args(argv=None):
     g.add_argument(
         "--resume", nargs="?", const="latest", metavar="CKPT", help="the newest in --out-dir, CKPT, a run's folder"
     )
+    g.add_argument("--wandb-project", metavar="NAME", help="log to this wandb project too (pip install wandb)")
+    g.add_argument("--wandb-run-name", metavar="NAME", help="the wandb run's name (None: the --out-dir folder's)")
     g = p.add_argument_group("sampling (in training, and with --sample-from) and export")
     g.add_argument("--sample-from", metavar="MODEL", help="gpt2*, a transformers dir, a checkpoint, a run's folder")
     g.add_argument("--prompt", default="Hello, I'm a language model,", help="'' starts from <|endoftext|>")
@@ -924,6 +926,7 @@ def main(argv=None):
         remove_made_folders(made)  # a run refused at start leaves no empty --out-dir behind
         if dist.is_initialized():
             dist.destroy_process_group()
+        RunLog.finish_wandb()  # last (the ranks leave together): what is queued is logged, the wandb run finished
 
 
 if __name__ == "__main__":

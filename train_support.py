@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import queue
 import random
 import re
 import shutil
@@ -288,6 +289,11 @@ def check_args(args, world_size, given=frozenset()):
         f"{args.batch_size}*{args.seq_len}*{world_size} = {micro:,}: change --batch-size, --seq-len or "
         f"--total-batch-size",
     )
+    if getattr(args, "wandb_project", None):  # optional: the package is checked only when asked for
+        problem = wandb_problem(args.wandb_project)
+        need(problem is None, problem)
+    elif getattr(args, "wandb_run_name", None) and not args.resume:  # on --resume the run's project counts
+        need(False, f"--wandb-run-name {args.wandb_run_name} names a wandb run: pass --wandb-project too")
 
 
 def check_device(device, has_cuda, has_mps):
@@ -698,8 +704,9 @@ ALLOWED_CHANGES = {
 }
 # The run's other settings: left out on --resume they are the checkpoint's too (`--resume log_tiny`
 # reads the same data and evaluates as before, rather than the defaults' edu_fineweb10B and
-# HellaSwag every 250 steps); given, they change from here on. The device, dtype, compile,
-# --peak-flops and --ddp-timeout are the machine's: a run may continue on another one.
+# HellaSwag every 250 steps, and logs to the same wandb project); given, they change from here on
+# (--wandb-project '' stops the logging to wandb). The device, dtype, compile, --peak-flops and
+# --ddp-timeout are the machine's: a run may continue on another one.
 RUN_SETTINGS = (
     "data_dir",
     "eval_every",
@@ -716,6 +723,8 @@ RUN_SETTINGS = (
     "temperature",
     "top_k",
     "deterministic",
+    "wandb_project",
+    "wandb_run_name",
 )
 
 
@@ -863,14 +872,107 @@ def versions():
     }
 
 
+WANDB_FINISH_TIMEOUT = 120  # seconds the end of a run waits for wandb to finish uploading
+
+
+def wandb_problem(project):
+    """Why --wandb-project cannot work, checked before step 0 (a failure after start is only a
+    warning): the package missing (it is optional), or a name wandb refuses. None if fine."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        return (
+            "--wandb-project needs the wandb package, which is not installed: pip install wandb, or leave "
+            "--wandb-project out (on --resume, which takes the run's: --wandb-project '')"
+        )
+    if len(project) > 128 or set(project) & set("/\\#?%:"):
+        return f"--wandb-project {project!r}: wandb takes up to 128 characters and none of / \\ # ? % :"
+    return None
+
+
+class WandbMirror:
+    """The run log's records mirrored to a Weights & Biases run: the header's config as the run's
+    config, every other record as a history row under the same names, plotted against its `step`.
+    The wandb run's id is the run's id, so a resumed run continues the same wandb run and a new
+    run starts a new one. wandb lives in a thread of its own (import, start, logging, finish): a
+    step only puts its record on a queue and never waits for wandb or the network. Any failure
+    stops the mirror; `error` then says why, and the run goes on with log.jsonl alone."""
+
+    def __init__(self, project, name, run_id, folder):
+        self.records, self.error, self.exit_code = queue.SimpleQueue(), None, 0
+        start = (project, name, re.sub(r"[^A-Za-z0-9_-]", "-", run_id)[-64:], folder)
+        self.thread = threading.Thread(target=self.work, args=start, name="wandb", daemon=True)
+        self.thread.start()
+
+    def __call__(self, record):
+        self.records.put(record)
+
+    def work(self, project, name, wandb_id, folder):
+        run = None
+        try:
+            import wandb
+
+            os.makedirs(folder, exist_ok=True)
+            # the console stays ours (every record is mirrored); create_new: a run of its own even
+            # where the process has another one open (a notebook, tests calling main())
+            settings = wandb.Settings(console="off", reinit="create_new")
+            run = wandb.init(project=project, name=name, id=wandb_id, resume="allow", dir=folder, settings=settings)
+            run.define_metric("step")
+            run.define_metric("*", step_metric="step")
+            while (record := self.records.get()) is not None:
+                if isinstance(record, threading.Event):  # flush()
+                    record.set()
+                elif record.get("event") == "header":  # a resumed run's may change --max-steps
+                    header = {key: value for key, value in record.items() if key not in ("event", "config")}
+                    run.config.update({**record["config"], "header": header}, allow_val_change=True)
+                else:
+                    run.log(self.row(wandb, record))
+            run.finish(exit_code=self.exit_code)
+        except Exception as e:  # whatever wandb raises: training goes on without it
+            self.error = f"{type(e).__name__}: {first_line(e)}"
+            if run is not None:
+                try:
+                    run.finish(exit_code=1)  # what reached wandb is kept, the run marked failed
+                except Exception:
+                    pass
+
+    @staticmethod
+    def row(wandb, record):
+        """A record as a history row: samples as a table of text, missing values (mfu on a CPU) left out."""
+        row = {key: value for key, value in record.items() if value is not None}
+        if "samples" in row:
+            row["samples"] = wandb.Table(columns=["sample"], data=[[text] for text in row["samples"]])
+        return row
+
+    def flush(self, timeout=60):
+        """Wait until the records queued so far are logged; False if wandb failed or timeout passed."""
+        done, deadline = threading.Event(), time.monotonic() + timeout
+        self.records.put(done)
+        while not done.wait(0.01):
+            if self.error is not None or time.monotonic() > deadline:
+                return False
+        return True
+
+    def finish(self, exit_code, timeout):
+        """Log what is queued and finish the wandb run; True if it did within timeout seconds."""
+        self.exit_code = exit_code
+        self.records.put(None)
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+
 class RunLog:
     """log.jsonl: one JSON record per line, appended, never wiped, so a resumed run continues
     the same file (play.ipynb keeps the last record of each step). Each record is also printed
-    as its console line: one record, built once, for the file and the screen. Only rank 0's is
-    enabled; the others' calls do nothing."""
+    as its console line: one record, built once, for the file and the screen, and with
+    --wandb-project for a Weights & Biases run too (WandbMirror). Only rank 0's is enabled; the
+    others' calls do nothing."""
+
+    mirrored = []  # the logs with a wandb run to finish when the run ends (finish_wandb)
 
     def __init__(self, out_dir, enabled, max_steps):
         self.path, self.file, self.max_steps = os.path.join(out_dir, "log.jsonl"), None, max_steps
+        self.out_dir, self.wandb = out_dir, None
         if not enabled:
             return
         try:
@@ -886,6 +988,11 @@ class RunLog:
     def header(self, run_id, device_name, resumed_from, changes, config):
         """The run's first record (and a resumed run's first in its turn): what ran, where, with what."""
         record = {"event": "header", "run_id": run_id, "device": device_name, "resumed_from": resumed_from}
+        if self.file is not None and config.get("wandb_project"):
+            name = config.get("wandb_run_name") or os.path.basename(os.path.abspath(self.out_dir))
+            folder = os.environ.get("WANDB_DIR") or self.out_dir  # wandb's files beside the run's, unless set
+            self.wandb = WandbMirror(config["wandb_project"], name, run_id, folder)
+            RunLog.mirrored.append(self)
         self({**record, "changed_on_resume": changes or None, "versions": versions(), "config": config})
 
     def __call__(self, record):
@@ -897,6 +1004,37 @@ class RunLog:
         except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
             raise disk_error(e, self.path, "continue with --resume") from None
         self.print(record)
+        if self.wandb is not None and self.wandb.error is None:
+            self.wandb(record)
+        elif self.wandb is not None:  # wandb failed: said once, and the run goes on without it
+            error, self.wandb = self.wandb.error, None
+            self.warn(f"wandb stopped ({error}): the run goes on; log.jsonl holds every record")
+
+    def warn(self, message):
+        """A warning on the console and in the log, as a record of its own."""
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+        try:
+            self({"event": "warning", "warning": message})
+        except UserError:
+            pass  # the disk is full: the console has it
+
+    @classmethod
+    def finish_wandb(cls):
+        """At the end of a run, done or not: the queued records logged and the wandb runs finished
+        (failed if an exception is on its way out), waiting WANDB_FINISH_TIMEOUT seconds at most."""
+        exit_code = 1 if sys.exc_info()[0] is not None else 0
+        while cls.mirrored:
+            log = cls.mirrored.pop()
+            mirror, log.wandb = log.wandb, None
+            if mirror is None:
+                continue  # it failed, and said so
+            if not mirror.finish(exit_code, WANDB_FINISH_TIMEOUT):
+                log.warn(
+                    f"wandb has not finished uploading after {WANDB_FINISH_TIMEOUT} s: left to it as the "
+                    f"process exits; `wandb sync` on the run's folder under wandb/ uploads what did not go"
+                )
+            elif mirror.error is not None:
+                log.warn(f"wandb stopped ({mirror.error}): log.jsonl holds every record")
 
     def print(self, record):
         step = record.get("step")
