@@ -54,7 +54,16 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fineweb import get_tokenizer
-from train_support import UserError, first_line, keep_freed_memory, offline_var, run_cli, unreachable, write_atomic
+from train_support import (
+    UserError,
+    fence,
+    first_line,
+    keep_freed_memory,
+    offline_var,
+    run_cli,
+    unreachable,
+    write_atomic,
+)
 
 NUM_VAL = 10042
 HUB_DATASET = "Rowan/hellaswag"  # split "validation": the same rows, with label as a string
@@ -538,12 +547,12 @@ def load_for_run(path, limit, enc, master_process, ddp):
         try:
             return prepare(load_examples(path, limit=limit), enc), None
         except Exception as e:  # no network, a bad cache, a datasets error: all mean "no data"
-            return None, first_line(e)
+            return None, first_line(e).replace("pass --data ", "pass --hellaswag-data ")  # training's flag
 
     # rank 0 first: it may download and cache the data, which the others then just read
     prepared, problem = load() if master_process else (None, None)
     if ddp:
-        dist.barrier()
+        fence(ddp)  # the others wait for rank 0's download here, for longer than --ddp-timeout
         if not master_process:
             prepared, problem = load()
         # every rank must agree, or the ones with data would wait forever for the others

@@ -52,6 +52,7 @@ from train_support import (
     check_batch_fits,
     check_data,
     check_device,
+    check_init_shape,
     check_same_shards,
     check_state_dict,
     check_token_ids,
@@ -199,7 +200,9 @@ def _next_token(logits, temperature, top_k, noise):
     logits = logits[:, :GPT2_VOCAB].float()
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # shifted so the largest is 0: a temperature so low that the scaled logits overflow gives -inf
+    # to all but the largest (greedy), never inf - inf = NaN; below 1e-30 float32 has no divisor
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, 1e-30)
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -496,9 +499,9 @@ class DataLoaderLite:
 
 def load_val_tokens(data_dir, n_tokens, vocab_size=None):
     """The fixed validation set: the first n_tokens (+1 target) of the val shards, in name order.
-    None when there is no val shard."""
+    None when there is no val shard, or n_tokens is 0 (no val loss)."""
     parts, have = [], 0
-    for path in find_shards(data_dir, "val"):
+    for path in find_shards(data_dir, "val") if n_tokens > 0 else []:
         tokens = load_shard(path)[: n_tokens + 1 - have]
         check_token_ids(tokens, vocab_size, path)
         parts.append(tokens)
@@ -661,8 +664,7 @@ def prepare_side_evals(run, enc):
             return sample_text(run.model, enc, prompt, args.num_samples, max_new_tokens, args.temperature, top_k)
 
     run.sample = sample
-    if master_process:
-        sample(1)
+    sample(1)  # every rank samples, here and in run_evals: none waits alone in a collective meanwhile
 
 
 def run_evals(step, run, stop, log):
@@ -681,7 +683,7 @@ def run_evals(step, run, stop, log):
         result = run.hellaswag(stop)
         if result is not None:
             log({"step": step, **result})
-    if master_process and due(args.sample_every) and step > 0 and not stop():
+    if due(args.sample_every) and step > 0 and not stop():  # rank 0 logs them
         log({"step": step, "samples": run.sample(args.max_new_tokens)})
 
 
@@ -691,9 +693,8 @@ def start_run(args, given):
     dist_info, device, device_type = setup_distributed(args, given)
     if device_type == "cpu":
         keep_freed_memory()  # faster steps for small models: see its docstring
-    if dist_info.master_process:
-        claim_out_dir(args.out_dir, args.resume)
-    ckpt_path, ckpt, changes, taken = resume_checkpoint(args, given, dist_info.ddp, dist_info.master_process)
+    claim = lambda: claim_out_dir(args.out_dir, args.resume)  # noqa: E731  (rank 0's, in resume_checkpoint)
+    ckpt_path, ckpt, changes, taken = resume_checkpoint(args, given, dist_info.ddp, dist_info.master_process, claim)
     check_args(args, dist_info.ddp_world_size, given)  # again: the checkpoint's recipe with this run's changes
     B, T, ddp_world_size = args.batch_size, args.seq_len, dist_info.ddp_world_size
     grad_accum_steps = args.total_batch_size // (B * T * ddp_world_size)
@@ -722,6 +723,7 @@ def train(args, given=frozenset()):
     # --- model -------------------------------------------------------------------------------
     run.model = raw_model = build_model(args, ckpt, ckpt_path, device, master_process)
     config = raw_model.config
+    check_init_shape(args, given, asdict(config), master_process)  # model flags with --init-from: a note
 
     # --- data --------------------------------------------------------------------------------
     shuffle, vocab_size = not args.no_shuffle, config.vocab_size
@@ -746,6 +748,8 @@ def train(args, given=frozenset()):
 
     # --- what runs mid-training is exercised now, not first at hour three -----------------------
     prepare_side_evals(run, get_tokenizer() if args.hellaswag_every > 0 or args.sample_every > 0 else None)
+    if args.dry_run:  # every start-up check passed; nothing is trained or written
+        return print("dry run: the flags, the data, --out-dir and the sampling check are fine") or 0
     flops = flops_per_token(config, T)
     device_name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or device_type
     peak = args.peak_flops or (peak_flops(device_name) if device_type == "cuda" else None)
@@ -830,6 +834,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337, help="model init, shard order")
     p.add_argument("--ddp-timeout", type=float, default=1800, help="seconds a rank waits for the others before failing")
     p.add_argument("--deterministic", action="store_true", help="CUDA kernels that rerun and resume bitwise equal")
+    p.add_argument("--dry-run", action="store_true", help="run the start-up checks (flags, data, out-dir), then exit")
     g = p.add_argument_group("data and output (--data-dir with --resume: the checkpoint's unless given)")
     g.add_argument("--data-dir", default="edu_fineweb10B", help="folder of *_train_*/*_val_* .npy or .bin shards")
     g.add_argument("--no-shuffle", action="store_true", help="read the shards in name order every epoch")

@@ -38,6 +38,7 @@ from dataclasses import asdict
 import numpy as np
 
 GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding and are never sampled
+MAX_DDP_TIMEOUT = 1e9  # seconds: torch turns --ddp-timeout into int64 nanoseconds (larger ones overflow)
 HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
@@ -46,7 +47,17 @@ HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
 class UserError(Exception):
-    """A mistake in the user's input: reported as one line, exit code 1, no traceback."""
+    """A mistake in the user's input: reported as one line, exit code 1, no traceback.
+    every_rank: every process of a torchrun job raises the same one (a flag, the recipe), so
+    only rank 0 says it."""
+
+    every_rank = False
+
+
+def same_on_every_rank(error):
+    """error, marked as one that every rank of a torchrun job raises alike (UserError.every_rank)."""
+    error.every_rank = True
+    return error
 
 
 def first_line(e):
@@ -193,21 +204,134 @@ class OutlivesItsReader:
         return getattr(self.stream, name)
 
 
-def run_cli(main, interrupted="interrupted"):
+def run_cli(main, interrupted="interrupted", out_of_memory=None):
     """Run a script's main(): a UserError is one `error:` line and exit 1, Ctrl-C the one line
     `interrupted` and exit 130 (the shell's code for SIGINT); anything else is a bug and keeps
-    its traceback. Output to a pipe that closes is dropped (OutlivesItsReader), not fatal."""
+    its traceback. Output to a pipe that closes is dropped (OutlivesItsReader), not fatal.
+    Running out of memory is one `error:` line too: out_of_memory(frames) says during what and
+    which flag to lower (see out_of_memory_line). Under torchrun a mistake every rank makes
+    alike (UserError.every_rank) is said by rank 0 alone."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt from here on
     sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
     try:
         code = main()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not (e.every_rank and os.environ.get("RANK", "0") != "0"):
+            print(f"error: {e}", file=sys.stderr)
+        code = 1
+    except Exception as e:
+        memory = memory_kind(e)
+        if memory is None:
+            raise  # a bug: its traceback
+        print(f"error: {out_of_memory_line(e, memory, out_of_memory)}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
         code = 130
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def memory_kind(e):
+    """'GPU memory' or 'host memory' when e (or what caused it) is an allocation that failed, else
+    None. torch raises OutOfMemoryError on CUDA, a RuntimeError from its CPU allocator, and
+    MemoryError comes from numpy and Python; torch.compile wraps what it meets in its own types."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if isinstance(e, MemoryError) or re.search(r"can't allocate memory|Cannot allocate memory", text):
+            return "host memory"
+        if type(e).__name__ == "OutOfMemoryError" or re.search(r"(CUDA|MPS backend|HIP) out of memory", text):
+            return "GPU memory"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def traceback_frames(e):
+    """[(function name, its locals, its file's name)] of the frames e passed through, outermost first."""
+    frames, tb = [], e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        frames.append((code.co_name, tb.tb_frame.f_locals, os.path.basename(code.co_filename)))
+        tb = tb.tb_next
+    return frames
+
+
+def out_of_memory_line(e, memory, advice=None):
+    """'out of host memory ...' and during what and what to lower, from advice(frames) (default:
+    the advice of the script whose main() it is); else the allocator's own words, cut short."""
+    said = re.sub(r"\[enforce fail at [^]]*\] *(err == 0\. *)?", "", first_line(e))
+    said = re.sub(r"(Tried to allocate [\d.]+ [KMGT]iB)\..*", r"\1", said)  # CUDA's: the size, not its stats
+    frames = traceback_frames(e)
+    if advice is None:
+        script = next((file for name, _, file in frames if name == "main"), None)
+        advice = {"train_gpt2.py": training_out_of_memory, "hellaswag.py": hellaswag_out_of_memory}.get(script)
+    where = advice([(name, local) for name, local, _ in frames]) if advice else None
+    return f"out of {memory} {where}" if where else f"out of {memory} ({said})"
+
+
+def hellaswag_out_of_memory(frames):
+    """For out_of_memory_line: hellaswag.py's flag to lower."""
+    if not any(name == "ending_losses" for name, _ in frames):
+        return None
+    n = next((f.get("batch_tokens") for name, f in frames if name == "ending_losses"), None)  # the one it used
+    example = f" (e.g. --batch-tokens {n // 2})" if n and n > 1 else ""
+    return f"while scoring HellaSwag: lower --batch-tokens{example}, or use a smaller --model"
+
+
+def training_out_of_memory(frames):
+    """For out_of_memory_line, from the frames of a train_gpt2.py run that ran out of memory: during
+    what (the first step, an eval, sampling, ...), the flag to lower, and what is on disk to go on
+    from; None where the frames hold no parsed flags."""
+    names = {name for name, _ in frames}
+    train = {k: v for name, f in frames if name in ("main", "train", "run_evals") for k, v in f.items()}
+    args = train.get("args")
+    if args is None or not hasattr(args, "batch_size"):
+        return None
+    B, step, start = args.batch_size, train.get("step"), train.get("start_step") or 0
+    smaller = max(d for d in range(1, B) if B % d == 0) if B > 1 else None
+    lower_B = (
+        f"-B {smaller}" if smaller else None,
+        f"lower -B (e.g. -B {smaller}: the total batch stays {args.total_batch_size:,} tokens, accumulated "
+        f"over more micro-steps)"
+        if smaller
+        else "use a smaller model (--n-layer, --n-embd) or a shorter -T",
+    )
+    n = args.num_samples
+    fewer = (f"--num-samples {n // 2}" if n > 1 else None, f"lower --num-samples {n}" + (f" (e.g. {n // 2})" * (n > 1)))
+    if names & {"sample_text", "generate", "print_samples"}:
+        if "run_evals" in names:
+            what, (flag, fix) = f"while sampling at step {step}", fewer
+            fix += f" or --max-new-tokens {args.max_new_tokens}"
+        elif "prepare_side_evals" in names:
+            what, (flag, fix) = "in the start-up sampling check", fewer
+        else:
+            return f"while sampling: {fewer[1]} or --max-new-tokens {args.max_new_tokens}"
+    elif "evaluate_val_loss" in names:
+        what, (flag, fix) = f"in the val-loss eval at step {step} (it reads -B {B} rows at a time)", lower_B
+    elif "evaluate_all_ranks" in names:
+        what, flag = f"in the HellaSwag eval at step {step}", "--hellaswag-every 0"
+        fix = "turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores a checkpoint in less)"
+    elif names & {"save_training_state", "save_checkpoint"}:
+        what, flag, fix = f"while writing the checkpoint of step {step}", None, "free host memory for it"
+    elif names & {"build_model", "load_model", "model_from_checkpoint", "from_pretrained"}:
+        fix = "pick a smaller --init-from model" if args.init_from != "scratch" else "lower --n-layer or --n-embd"
+        return f"while building the model: {fix if not args.resume else 'this run needs more memory than is free'}"
+    elif names & {"resume_checkpoint", "load_training_checkpoint", "load_checkpoint"}:
+        return "while loading the checkpoint: free memory for it"
+    elif names & {"load_val_tokens", "load_shard"}:
+        return f"while reading the data: lower --val-tokens {args.val_tokens:,} or free memory"
+    elif step is not None:
+        what = "in the first training step" if step == start else f"in training step {step}"
+        what, (flag, fix) = f"{what} (-B {B} rows of -T {args.seq_len})", lower_B
+    else:
+        return f"while starting: {lower_B[1]}, or use a smaller model"
+    if step is None:  # before the log's first record: the same command with the lower setting
+        return f"{what}: {fix}"
+    newest = checkpoint_paths(args.out_dir)
+    if not newest:
+        return f"{what}: {fix}; no checkpoint was written yet: --resume {flag or ''} starts the run again".rstrip()
+    return f"{what}: {fix}; {newest[0]} stands: continue from it with --resume" + (f" {flag}" if flag else "")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,7 +344,7 @@ def check_args(args, world_size, given=frozenset()):
 
     def need(ok, message):
         if not ok:
-            raise UserError(message)
+            raise same_on_every_rank(UserError(message))
 
     for name, value in vars(args).items():  # nan passes every comparison below: refuse it first
         need(
@@ -236,7 +360,6 @@ def check_args(args, world_size, given=frozenset()):
         "n_head",
         "n_embd",
         "block_size",
-        "val_tokens",
         "num_samples",
         "max_new_tokens",
     )
@@ -247,6 +370,7 @@ def check_args(args, world_size, given=frozenset()):
         "weight_decay",
         "grad_clip",
         "eval_every",
+        "val_tokens",
         "hellaswag_every",
         "sample_every",
         "ckpt_every",
@@ -263,7 +387,14 @@ def check_args(args, world_size, given=frozenset()):
     for name in ("beta1", "beta2"):
         need(0 <= getattr(args, name) < 1, f"--{name} must be in [0, 1), not {getattr(args, name)}")
     need(args.adam_eps > 0, f"--adam-eps must be above 0, not {args.adam_eps}")
-    need(args.ddp_timeout > 0, f"--ddp-timeout must be a positive number of seconds, not {args.ddp_timeout}")
+    need(
+        0 < args.ddp_timeout <= MAX_DDP_TIMEOUT,
+        f"--ddp-timeout must be a number of seconds above 0 and at most {MAX_DDP_TIMEOUT:.0e} (about 31 years: "
+        f"torch counts it in nanoseconds), not {args.ddp_timeout}",
+    )
+    # numpy's generators (the shard order) take 0 .. 2**32 - 1; torch's (sampling) -2**63 .. 2**64 - 1
+    low, high = (-(2**63), 2**64 - 1) if getattr(args, "sample_from", None) else (0, 2**32 - 1)
+    need(low <= args.seed <= high, f"--seed must be between {low} and {high:,}, not {args.seed}")
     need(args.peak_flops is None or args.peak_flops > 0, f"--peak-flops must be above 0, not {args.peak_flops}")
     need(
         args.hellaswag_limit is None or args.hellaswag_limit >= 1,
@@ -296,6 +427,17 @@ def check_args(args, world_size, given=frozenset()):
         need(False, f"--wandb-run-name {args.wandb_run_name} names a wandb run: pass --wandb-project too")
 
 
+def check_init_shape(args, given, config, master_process=True):
+    """A model flag given with --init-from that differs from the model it loads (config, a dict) is
+    not used: said in a note, not dropped without a word."""
+    for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
+        if args.init_from != "scratch" and name in given and getattr(args, name) != config[name] and master_process:
+            print(
+                f"note: --{name.replace('_', '-')} {getattr(args, name)} is not used: --init-from {args.init_from} "
+                f"brings its own shape ({name} {config[name]})"
+            )
+
+
 def check_device(device, has_cuda, has_mps):
     """--device names a device this machine has."""
     device_type = device.split(":")[0]
@@ -315,7 +457,12 @@ def check_data(args, tokens_per_epoch, val_tokens, master_process):
             f"the train shards in {args.data_dir} hold {tokens_per_epoch:,} usable tokens, fewer than "
             f"one step's --total-batch-size {args.total_batch_size:,}: write more data or lower --total-batch-size"
         )
-    if args.eval_every > 0:
+    if args.eval_every > 0 and args.val_tokens > 0:  # --val-tokens 0: no val loss, as --eval-every 0
+        if args.val_tokens < T:
+            raise UserError(
+                f"--val-tokens {args.val_tokens} is less than one sequence of -T {T} tokens: pass at least {T}, "
+                f"or --val-tokens 0 to train without val loss"
+            )
         if val_tokens is None or len(val_tokens) < T + 1:
             raise UserError(
                 f"no val shard (*_val_NNNNNN.npy or .bin) with {T + 1} tokens in {args.data_dir}: fineweb.py "
@@ -533,6 +680,17 @@ def disk_error(e, what, then):
     return UserError(f"cannot write {what} ({getattr(e, 'strerror', None) or e}): {fix}, then {then}")
 
 
+def train_config_of(path):
+    """The flags a checkpoint was saved with ({} if it cannot be read); mmap reads only the small
+    pickled part, not the tensors."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("train_config") or {}
+    except Exception:
+        return {}
+
+
 def run_id_of(path):
     """The run a checkpoint belongs to; mmap reads only the small pickled part, not the tensors."""
     import torch
@@ -556,11 +714,21 @@ def save_checkpoint(ckpt, out_dir, keep):
         cause = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write
         if not isinstance(cause, OSError):
             raise  # not the disk: a bug, keep its traceback
-        then = "continue with --resume (the checkpoints before it are intact)"
+        earlier = [p for p in checkpoint_paths(out_dir) if p != path]
+        then = (
+            f"continue with --resume (from {earlier[0]}, intact)"
+            if earlier
+            else "start again with --resume (no checkpoint was written before this one)"
+        )
         raise disk_error(cause, f"checkpoint {path}", then) from None
-    if keep > 0:
-        for old in checkpoint_paths(out_dir)[keep:]:
-            if run_id_of(old) == ckpt["run_id"]:
+    if keep > 0 and len(found := checkpoint_paths(out_dir)) > keep:
+        # the newest known good one stays too while none of the newest `keep` is known good yet (one
+        # more file, until a newer one has trained): after a divergence, diverged_advice sends the
+        # user to it
+        health = checkpoint_health(out_dir)
+        kept = [path for path, good in health[:keep] if good] or [path for path, good in health if good][:1]
+        for old in found[keep:]:
+            if old not in kept and run_id_of(old) == ckpt["run_id"]:
                 os.remove(old)
     return path
 
@@ -571,13 +739,93 @@ def save_training_state(step, run):
     RNG state, the flags (train_config), the run's id and its last val loss. `run` is the training
     script's Run (model, optimizer, loader, args, dist_info, device, run_id, val_loss)."""
     dist_info, args = run.dist_info, run.args
+    check_finite_state(step, run)
     rng = all_rng_states(run.device.split(":")[0], dist_info.ddp, dist_info.ddp_world_size)
     if dist_info.master_process:
         ckpt = {"model": run.model.state_dict(), "model_config": asdict(run.model.config), "step": step}
         ckpt.update(optimizer=run.optimizer.state_dict(), data=run.loader.state_dict(), rng=rng)
-        ckpt.update(train_config=vars(args), world_size=dist_info.ddp_world_size)
-        ckpt.update(run_id=run.run_id, val_loss=run.val_loss)
-        print(f"wrote {save_checkpoint(ckpt, args.out_dir, args.keep_ckpts)}")
+        # an absolute --data-dir: `--resume` from another working directory reads the same data
+        ckpt.update(train_config={**vars(args), "data_dir": os.path.abspath(args.data_dir)})
+        ckpt.update(world_size=dist_info.ddp_world_size, run_id=run.run_id, val_loss=run.val_loss)
+        path = save_checkpoint(ckpt, args.out_dir, args.keep_ckpts)
+        print(f"wrote {path}")
+    fence(dist_info.ddp)  # the other ranks wait for the write here, not in a collective that times out
+    return path if dist_info.master_process else None
+
+
+def check_finite_state(step, run):
+    """Weights or a val loss that are not finite are never saved as a checkpoint, and a run that
+    has them is not done: it stops, saying which checkpoint to go on from. The same decision on
+    every rank (the weights are the same, the val loss all-reduced)."""
+    import torch
+
+    bad = [name for name, p in run.model.named_parameters() if not torch.isfinite(p).all()]
+    val_loss = run.val_loss
+    if not bad and (val_loss is None or math.isfinite(val_loss)):
+        return
+    what = f"the weights after {step} steps are not finite ({bad[0]})" if bad else f"the val loss is {val_loss}"
+    advice = diverged_advice(run.args.out_dir, run.args.max_lr)
+    raise same_on_every_rank(UserError(f"{what}: the run diverged and stopped, writing no checkpoint of it; {advice}"))
+
+
+def checkpoint_health(out_dir):
+    """[(path, known good)] of out_dir's checkpoints, newest first, from its log. Checkpoint N holds
+    the weights step N trains from: known good when the log's last record of step N (a resumed run
+    redoes steps) is a trained step, not a skipped one (a NaN or inf) nor missing (not trained yet)."""
+    trained = {}
+    try:
+        with open(os.path.join(out_dir, "log.jsonl"), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a kill
+                if isinstance(record, dict) and ("train_loss" in record or "skipped" in record):
+                    trained[record.get("step")] = "train_loss" in record
+    except OSError:
+        pass
+    health = []
+    for path in checkpoint_paths(out_dir):
+        step = int(re.findall(r"\d+", os.path.basename(path))[-1])
+        health.append((path, trained.get(step, False)))
+    return health
+
+
+def diverged_advice(out_dir, max_lr):
+    """What to do after a divergence: go on from the newest checkpoint whose weights are known good
+    (checkpoint_health) with a lower --max-lr, an allowed change on --resume; with none, start anew."""
+    good = [path for path, known_good in checkpoint_health(out_dir) if known_good]
+    if good:
+        return (
+            f"continue from {good[0]}, the newest checkpoint whose weights trained without a NaN or inf, with "
+            f"a lower learning rate: --resume {good[0]} --max-lr LR, LR below {max_lr:g}"
+        )
+    return (
+        f"no checkpoint in {out_dir} holds weights that trained without a NaN or inf: start a new run with "
+        f"a lower --max-lr (below {max_lr:g}) in a new --out-dir"
+    )
+
+
+FENCE_TIMEOUT = 3600  # seconds the other ranks wait for what rank 0 does alone (a checkpoint write)
+_fence_group = []
+
+
+def fence(ddp, timeout=None):
+    """Under torchrun, every rank waits here until all arrive, for up to FENCE_TIMEOUT seconds (or
+    --ddp-timeout if longer): after work that rank 0 does alone, so that the other ranks do not
+    wait for it in a collective that --ddp-timeout ends. The first call, made by every rank at
+    start, creates the gloo group the fence waits in; timeout: the run's --ddp-timeout."""
+    if not ddp:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    if not _fence_group:
+        seconds = max(FENCE_TIMEOUT, timeout or 0)
+        _fence_group.append(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds)))
+    dist.barrier(group=_fence_group[0])
+    return _fence_group[0]
 
 
 def load_checkpoint(path):
@@ -661,7 +909,10 @@ def claim_out_dir(out_dir, resume):
     for name in names:  # a checkpoint write of this run cut short by a kill: never complete
         if re.fullmatch(r"\.ckpt_\d+\.pt\.tmp", name):
             print(f"removing the unfinished {name}")
-            os.remove(os.path.join(out_dir, name))
+            try:
+                os.remove(os.path.join(out_dir, name))
+            except OSError as e:  # a read-only folder: the run could write nothing there either
+                raise disk_error(e, f"to --out-dir {out_dir} (removing {name})", "continue with --resume") from None
 
 
 def remove_made_folders(made):
@@ -701,6 +952,8 @@ RECIPE_FLAGS = (
 ALLOWED_CHANGES = {
     "max_steps": "the cosine schedule is re-stretched from here to the new last step",
     "batch_size": "the same batch in other micro-batches: equal up to float rounding, not bitwise",
+    "max_lr": "the schedule goes on from here with the new peak (after a divergence: from an earlier checkpoint)",
+    "min_lr": "the cosine ends at the new floor",
 }
 # The run's other settings: left out on --resume they are the checkpoint's too (`--resume log_tiny`
 # reads the same data and evaluates as before, rather than the defaults' edu_fineweb10B and
@@ -743,10 +996,11 @@ def reconcile_resume(args, given, ckpt, ckpt_path):
         if name not in given:
             setattr(args, name, old[name])
         elif name not in ALLOWED_CHANGES:
-            raise UserError(
+            message = (
                 f"{flag} {getattr(args, name)} contradicts the {old[name]} that {ckpt_path} was trained with: "
                 f"leave {flag} out to continue the run as it was, or start a new run in another --out-dir"
             )
+            raise same_on_every_rank(UserError(message))
         else:
             changes[name] = [old[name], getattr(args, name)]
     if args.max_steps < ckpt["step"]:
@@ -754,17 +1008,26 @@ def reconcile_resume(args, given, ckpt, ckpt_path):
     return changes, taken
 
 
-def resume_checkpoint(args, given, ddp, master_process):
+def resume_checkpoint(args, given, ddp, master_process, claim=None):
     """(path, checkpoint, allowed changes, settings taken from it) for --resume, else (None, None,
-    {}, {}). Rank 0 picks the checkpoint, so that every rank loads the same one (multi-node: the
-    out-dir must be shared)."""
-    if not args.resume:
-        return None, None, {}, {}
-    picked = [find_resume_checkpoint(args.resume, args.out_dir)[0] if master_process else None]
+    {}, {}). Rank 0 claims the out-dir first (claim(), if given) and picks the checkpoint, so that
+    every rank loads the same one (multi-node: the out-dir must be shared); a mistake it finds
+    there ends every rank alike, said once. The other ranks wait in the fence (see fence)."""
+    picked = [None, None]  # the checkpoint's path, rank 0's error
+    if master_process:
+        try:
+            if claim is not None:
+                claim()
+            if args.resume:
+                picked[0] = find_resume_checkpoint(args.resume, args.out_dir)[0]
+        except UserError as e:
+            picked[1] = str(e)
     if ddp:
         import torch.distributed as dist
 
-        dist.broadcast_object_list(picked, src=0)
+        dist.broadcast_object_list(picked, src=0, group=fence(ddp, args.ddp_timeout))
+    if picked[1] is not None:
+        raise same_on_every_rank(UserError(picked[1]))
     if picked[0] is None:
         return None, None, {}, {}
     ckpt = load_training_checkpoint(picked[0])
@@ -961,6 +1224,19 @@ class WandbMirror:
         return not self.thread.is_alive()
 
 
+def strict_json(value):
+    """value with every non-finite float spelled as a string, "NaN", "Infinity" or "-Infinity": JSON
+    has no such numbers (Python's NaN token breaks jq and other languages' readers), and
+    float() reads these strings back."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {key: strict_json(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 class RunLog:
     """log.jsonl: one JSON record per line, appended, never wiped, so a resumed run continues
     the same file (play.ipynb keeps the last record of each step). Each record is also printed
@@ -999,7 +1275,7 @@ class RunLog:
         if self.file is None:
             return
         try:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
             self.file.flush()
         except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
             raise disk_error(e, self.path, "continue with --resume") from None
@@ -1064,7 +1340,7 @@ class NonFiniteGuard:
 
     def __init__(self, log, master_process, checkpoint, out_dir):
         self.log, self.master_process, self.checkpoint, self.out_dir = log, master_process, checkpoint, out_dir
-        self.in_a_row = 0
+        self.in_a_row, self.max_lr = 0, None
 
     def skip(self, step, loss, norm, lr):
         if math.isfinite(loss) and math.isfinite(norm):
@@ -1075,11 +1351,17 @@ class NonFiniteGuard:
         if self.master_process:
             print(f"step {step:5d} | loss {loss} | norm {norm} | skipped ({self.in_a_row} in a row)")
         if self.in_a_row == MAX_BAD_STEPS:  # the weights and optimizer state are still those of the last good step
-            self.checkpoint(step + 1)
-            raise UserError(
-                f"{MAX_BAD_STEPS} steps in a row (to {step}) had a non-finite loss or grad norm: stopped; "
-                f"ckpt_{step + 1:06d}.pt in {self.out_dir} holds the last good weights: lower --max-lr or "
-                f"check the data, then continue with --resume"
+            path = self.checkpoint(step + 1) or os.path.join(self.out_dir, f"ckpt_{step + 1:06d}.pt")
+            first = step + 1 - MAX_BAD_STEPS
+            max_lr = self.max_lr or train_config_of(path).get("max_lr", math.nan)
+            # the same weights failed on every batch: the weights (a learning rate too high), not the data
+            raise same_on_every_rank(
+                UserError(
+                    f"{MAX_BAD_STEPS} steps in a row ({first} to {step}) had a non-finite loss or grad norm: "
+                    f"stopped; {path} holds the weights they failed on (none of their updates was applied). "
+                    f"If the data is at fault, --resume continues from it past these batches; else "
+                    + diverged_advice(self.out_dir, max_lr)
+                )
             )
         return True
 

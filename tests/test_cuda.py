@@ -248,3 +248,39 @@ def test_bench_tiny_on_cuda(tmp_path, shared_data):
     loader = report["sections"]["loader"]
     per_shard = (200_000 - 1) // (loader["B"] * loader["T"])
     assert loader["batches"] == 2 * per_shard + 2 and loader["switches"] == 2
+
+
+def test_out_of_gpu_memory_is_one_line_and_lowering_B_as_advised_trains(shakespeare, tmp_path):
+    """A micro-batch whose fp32 logits alone take twice the GPU's memory: one `error:` line naming GPU
+    memory, the first step and -B; following the advice's -B (the same total batch, accumulated)
+    until the run fits ends in a run that trains."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    B = 2 ** int(np.ceil(np.log2(2 * total / (1024 * 50304 * 4))))
+    out = tmp_path / "out"
+    args = gpu_args(shakespeare, out, "-B", B, "--total-batch-size", B * 1024, "--max-steps", 1, "--no-compile")
+    for _ in range(12):
+        r = run(sys.executable, "train_gpt2.py", *args)
+        if r.returncode == 0:
+            break
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
+        assert lines[0].startswith("error: out of GPU memory in the first training step"), lines[0]
+        smaller = int(lines[0].rsplit("-B ", 1)[1].split()[0].rstrip(":);"))
+        assert smaller < args[args.index("-B") + 1]
+        args[args.index("-B") + 1] = smaller
+        if "--resume" in lines[0] and "--resume" not in args:
+            args.append("--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    header = [r for r in records if r.get("event") == "header"][-1]
+    assert header["config"]["total_batch_size"] == B * 1024 and header["config"]["batch_size"] < B
+
+
+def test_out_of_gpu_memory_in_the_start_up_sampling_check_names_num_samples(shakespeare, tmp_path):
+    total = torch.cuda.get_device_properties(0).total_memory
+    n = int(2 * total / (50304 * 4)) + 1  # the noise and logits of one token alone take twice the GPU
+    r = run(sys.executable, "train_gpt2.py", *gpu_args(shakespeare, tmp_path / "out", "--sample-every", 4,
+                                                       "--num-samples", n, "--no-compile"))  # fmt: skip
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("error: out of GPU memory in the start-up sampling check: lower --num-samples")

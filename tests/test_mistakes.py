@@ -281,7 +281,7 @@ def run4(data, tmp_path):
     return out
 
 
-@pytest.mark.parametrize("flag, value", [("--total-batch-size", 128), ("-T", 8), ("--max-lr", 1e-3),
+@pytest.mark.parametrize("flag, value", [("--total-batch-size", 128), ("-T", 8), ("--weight-decay", 0.05),
                                          ("--warmup-steps", 2), ("--seed", 3)])  # fmt: skip
 def test_a_contradicting_recipe_flag_on_resume_is_refused(data, run4, flag, value):
     before = snapshot(run4)

@@ -1,0 +1,485 @@
+"""When a run cannot go on, it says what to do, and the advice works: running out of memory (for
+real, under a memory limit), a divergence, numbers at the edge of what the code can do with them
+(seeds, timeouts, temperatures), torchrun, read-only folders, and messages that must name the
+right flag and tell the truth about what is on disk. Each message's advice is followed here."""
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_notebook import clean_records, kernel_env, run_notebook, write_log  # noqa: F401  (kernel_env: a fixture)
+
+import train_gpt2
+import train_support
+from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, tiny_args, user_error
+from train_support import UserError, load_checkpoint, out_of_memory_line
+
+# Runs train_gpt2.py as `python train_gpt2.py ...` does, in a process whose address space is capped
+# at what the imports map plus argv[1] MiB: an allocation past that fails as on a machine that is
+# out of memory (RLIMIT_AS; the heavy imports come first, so that they are not what fails).
+LIMITED = """
+import resource, runpy, sys
+sys.path.insert(0, ".")
+import numpy, torch, fineweb, train_gpt2
+headroom = int(sys.argv[1]) * 2**20
+vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, vm + headroom))
+sys.argv = ["train_gpt2.py", *sys.argv[2:]]
+runpy.run_path("train_gpt2.py", run_name="__main__")
+"""
+
+
+def limited(headroom_mib, *args):
+    return subprocess.run([sys.executable, "-c", LIMITED, str(headroom_mib), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def strict_records(out):
+    """log.jsonl read by a strict JSON reader (NaN and Infinity are not JSON): a bad line fails."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def follow(message, args, flag):
+    """args with the advice's `flag VALUE` (its last one: `e.g. flag VALUE`, `--resume flag VALUE`) and
+    --resume when the advice says it."""
+    value = re.findall(rf"{flag} (\d+)", message)[-1]
+    i = args.index(flag) if flag in args else None
+    args = args[:i] + args[i + 2 :] if i is not None else list(args)
+    return args + [flag, value] + (["--resume"] if "--resume" in message and "--resume" not in args else [])
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return random_shards(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def big_data(tmp_path_factory):
+    return random_shards(tmp_path_factory.mktemp("big"), train_lengths=(20000,), val_length=5000)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rule 1: out of memory is one line that says what ran out, during what, and the flag to lower
+
+
+def test_out_of_memory_in_the_first_step_names_B_and_lowering_it_trains(big_data, tmp_path):
+    """A 64 x 64 micro-batch (800 MB of logits) under a 400 MiB cap: one line naming -B; each -B the
+    advice names keeps the total batch, and following it ends in a run that trains."""
+    out = tmp_path / "out"
+    args = tiny_args(big_data, out, "-B", 64, "-T", 64, "--total-batch-size", 4096, "--max-steps", 2, "--eval-every", 0)
+    r = limited(400, *args)
+    line = assert_one_line_error(r, "out of host memory in the first training step", "-B 64", "lower -B (e.g. -B 32")
+    assert "4,096 tokens" in line and "Traceback" not in r.stderr
+    for _ in range(6):  # -B 32, 16, ... until it fits
+        args = follow(line, args, "-B")
+        r = limited(400, *args)
+        if r.returncode == 0:
+            break
+        line = assert_one_line_error(r, "out of host memory")
+    assert r.returncode == 0, r.stderr
+    header = [x for x in strict_records(out) if x.get("event") == "header"][-1]
+    B = header["config"]["batch_size"]
+    assert B < 64 and header["config"]["grad_accum_steps"] == 4096 // (B * 64)  # the same total batch, accumulated
+    assert sorted(read_log(out)[1]) == [0, 1]
+
+
+def test_out_of_memory_while_sampling_mid_run_keeps_the_checkpoint_and_resume_continues(big_data, tmp_path):
+    """Samples of 1,000 tokens at step 2 need a KV cache the start-up check (one token) never
+    allocates: out of memory there names --num-samples and the checkpoint that stands; --resume with
+    the advice's --num-samples continues from it to the end."""
+    out = tmp_path / "out"
+    args = tiny_args(big_data, out, "--n-layer", 4, "--n-head", 4, "--n-embd", 256, "--block-size", 1024, "-B", 1,
+                     "-T", 16, "--total-batch-size", 16, "--max-steps", 4, "--warmup-steps", 1, "--eval-every", 0,
+                     "--sample-every", 2, "--max-new-tokens", 1000, "--num-samples", 64, "--ckpt-every", 1)  # fmt: skip
+    r = limited(600, *args)
+    line = assert_one_line_error(r, "out of host memory while sampling at step 2", "--num-samples 64")
+    assert f"{out / 'ckpt_000001.pt'} stands: continue from it with --resume --num-samples 32" in line
+    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000001.pt"]
+    for _ in range(6):
+        args = follow(line, args, "--num-samples")
+        r = limited(600, *args)
+        if r.returncode == 0:
+            break
+        line = assert_one_line_error(r, "out of host memory while sampling at step 2", "--resume --num-samples")
+    assert r.returncode == 0, r.stderr
+    records, steps = read_log(out)
+    assert sorted(steps) == [0, 1, 2, 3]
+    assert [x["resumed_from"] for x in records if x.get("event") == "header"][-1] == 1
+    samples = [x["samples"] for x in records if "samples" in x]
+    assert samples and len(samples[-1]) == int(args[args.index("--num-samples") + 1]) < 64
+
+
+def test_out_of_memory_in_the_start_up_sampling_check_leaves_nothing(data, tmp_path):
+    out = tmp_path / "out"
+    r = limited(400, *tiny_args(data, out, "--sample-every", 2, "--num-samples", 3000))
+    assert_one_line_error(
+        r, "out of host memory in the start-up sampling check", "lower --num-samples 3000 (e.g. 1500)"
+    )
+    assert not out.exists()
+
+
+def test_out_of_memory_building_a_too_wide_model_names_the_model_flags(data, tmp_path):
+    r = limited(400, *tiny_args(data, tmp_path / "out", "--n-embd", 8192, "--n-head", 1))
+    assert_one_line_error(r, "out of host memory while building the model", "--n-layer or --n-embd")
+
+
+def test_gpu_out_of_memory_reads_as_gpu_memory_with_the_allocators_size():
+    """The CUDA allocator's error (raised here by hand, as torch raises it) is GPU memory, its
+    multi-line statistics cut to the size that did not fit; a frame-less one keeps the words."""
+    e = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 12.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.2 GiB "
+        "is free. Of the allocated memory 70 GiB is allocated by PyTorch\nmore lines"
+    )
+    assert train_support.memory_kind(e) == "GPU memory"
+    assert out_of_memory_line(e, "GPU memory") == "out of GPU memory (CUDA out of memory. Tried to allocate 12.00 GiB)"
+    assert train_support.memory_kind(ValueError("shapes differ")) is None
+    wrapped = RuntimeError("compile failed")
+    wrapped.__cause__ = MemoryError()
+    assert train_support.memory_kind(wrapped) == "host memory"
+
+
+# ----------------------------------------------------------------------------------------------
+# Rule 2: after a divergence the advice works; a run never ends "done" on NaN
+
+
+@pytest.fixture
+def run4(data, tmp_path):
+    """4 steps done with checkpoints after 2 and 4, val loss every 2 steps."""
+    out = tmp_path / "run"
+    args = tiny_args(data, out, "--max-steps", 4, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 2)
+    assert train_gpt2.main(args) == 0
+    return out
+
+
+def test_a_lower_max_lr_on_resume_is_allowed_and_said_in_output_and_header(data, run4, capsys):
+    args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 2)
+    assert train_gpt2.main(args + ["--resume", "--max-lr", 1e-3]) == 0
+    assert "note: --max-lr 0.003 -> 0.001 on resume" in capsys.readouterr().out
+    header = [x for x in strict_records(run4) if x.get("event") == "header"][-1]
+    assert header["changed_on_resume"] == {"max_lr": [3e-3, 1e-3], "max_steps": [4, 6]}
+    steps = read_log(run4)[1]
+    assert steps[5]["lr"] == pytest.approx(train_gpt2.get_lr(5, 1e-3, 1e-4, 2, 6))  # the new peak's schedule
+
+
+def test_divergence_names_the_last_good_checkpoint_and_resuming_it_with_a_lower_lr_finishes(data, run4, capsys):
+    """--max-lr 1e30 from step 4: the val loss turns NaN and the run stops without "done" or a NaN
+    checkpoint; the advice (--resume ckpt_4 --max-lr below) finishes with finite weights and loss."""
+    args = tiny_args(data, run4, "--max-steps", 8, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 2)
+    msg = user_error(args + ["--resume", "--max-lr", 1e30])
+    good = run4 / "ckpt_000004.pt"
+    assert "the val loss is nan" in msg and f"--resume {good} --max-lr LR, LR below 1e+30" in msg
+    assert "done" not in capsys.readouterr().out
+    assert sorted(p.name for p in run4.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000004.pt"]
+    val = [x["val_loss"] for x in strict_records(run4) if "val_loss" in x]
+    assert val[-1] == "NaN"  # strict JSON: a string any reader takes, which float() reads back
+    assert train_gpt2.main(args + ["--resume", str(good), "--max-lr", 3e-3]) == 0
+    assert "done: 8 steps, val loss" in capsys.readouterr().out
+    final = load_checkpoint(str(run4 / "ckpt_000008.pt"))
+    assert math.isfinite(final["val_loss"]) and all(torch.isfinite(t).all() for t in final["model"].values())
+
+
+def test_divergence_at_the_start_says_start_anew_and_plain_resume_is_not_done(data, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 8, "--ckpt-every", 1, "--eval-every", 0)
+    msg = user_error(args + ["--max-lr", 1e30])
+    assert "3 steps in a row (1 to 3)" in msg and f"{out / 'ckpt_000004.pt'} holds the weights they failed on" in msg
+    assert "start a new run with a lower --max-lr (below 1e+30) in a new --out-dir" in msg
+    # resuming the weights that failed, as they are, fails again: never "done"
+    msg = user_error(args + ["--max-lr", 1e30, "--resume"])
+    assert "3 steps in a row (4 to 6)" in msg and "done" not in capsys.readouterr().out
+    # the advice: a new --out-dir, a lower --max-lr
+    assert train_gpt2.main(tiny_args(data, tmp_path / "new", "--max-steps", 8, "--max-lr", 1e-3)) == 0
+    assert all(math.isfinite(s["train_loss"]) for s in read_log(tmp_path / "new")[1].values())
+
+
+def test_keep_ckpts_keeps_the_last_good_checkpoint_through_a_divergence(data, tmp_path):
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--ckpt-every", 1, "--keep-ckpts", 1, "--eval-every", 0)
+    assert train_gpt2.main(args + ["--max-steps", 4]) == 0
+    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000004.pt"]  # 4: not trained yet
+    msg = user_error(args + ["--max-steps", 10, "--max-lr", 1e30, "--resume"])
+    assert f"--resume {out / 'ckpt_000004.pt'} --max-lr LR" in msg
+    assert (out / "ckpt_000004.pt").exists()
+    assert train_gpt2.main(args + ["--max-steps", 10, "--max-lr", 1e-3, "--resume", out / "ckpt_000004.pt"]) == 0
+
+
+def test_bad_batches_in_a_row_then_resume_continues_past_them(data, tmp_path, monkeypatch):
+    """Three batches whose loss is NaN (the data at fault, injected into the loss): the guard's
+    checkpoint holds the good weights, and --resume, as the message says, continues past them."""
+    forward, calls = train_gpt2.GPT.forward, [0]
+
+    def nan_at_steps_2_to_4(self, idx, targets=None, **kwargs):
+        logits, loss = forward(self, idx, targets, **kwargs)
+        if self.training and targets is not None:
+            calls[0] += 1
+            loss = loss * (math.nan if 2 <= (calls[0] - 1) // 2 <= 4 else 1.0)
+        return logits, loss
+
+    monkeypatch.setattr(train_gpt2.GPT, "forward", nan_at_steps_2_to_4)
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 8, "--ckpt-every", 0, "--eval-every", 0)
+    msg = user_error(args)
+    assert "If the data is at fault, --resume continues from it past these batches" in msg
+    monkeypatch.undo()
+    assert train_gpt2.main(args + ["--resume"]) == 0
+    steps = read_log(out)[1]
+    assert sorted(steps) == list(range(8)) and all("train_loss" in steps[s] for s in (0, 1, 5, 6, 7))
+
+
+def test_weights_that_are_not_finite_are_never_saved(data, tmp_path, short_run):
+    """A checkpoint of non-finite weights is refused by save_training_state itself, in one line."""
+    model = train_gpt2.load_model(str(short_run[1] / "ckpt_000002.pt"))
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = math.inf
+    out = tmp_path / "out"
+    out.mkdir()
+    args, _ = train_gpt2.parse_args(tiny_args(data, out))
+    run = train_gpt2.Run(args, train_gpt2.DistInfo(False, 0, 0, 1), "cpu", None, 1, False, model=model)
+    with pytest.raises(
+        UserError, match=r"the weights after 3 steps are not finite \(transformer.h.0.mlp.c_fc.weight\)"
+    ):
+        train_support.save_training_state(3, run)
+    assert os.listdir(out) == []
+
+
+def test_a_nan_val_loss_reads_back_in_play_ipynb(tmp_path, kernel_env):  # noqa: F811
+    records = clean_records()
+    records.append({"step": 50, "val_loss": "NaN"})  # as RunLog writes a non-finite val loss
+    log = write_log(tmp_path / "run", records)
+    _, out = run_notebook(log, tmp_path)
+    assert out["summary"]["best_val_loss"] == [40, 6.2]
+    assert out["summary"]["last_val_loss"][0] == 50 and math.isnan(out["summary"]["last_val_loss"][1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Rule 3: numbers checked for what the code can do with them
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-50, 1e-320])
+def test_a_temperature_so_low_that_logits_overflow_samples_greedily(temperature):
+    logits = torch.randn(4, 50304) * 30
+    noise = torch.empty(4, 50257).exponential_(generator=torch.Generator().manual_seed(0))
+    token = train_gpt2._next_token(logits, temperature, None, noise)
+    assert torch.equal(token, logits[:, :50257].argmax(-1))
+    assert torch.equal(train_gpt2._next_token(logits, temperature, 5, noise), token)
+
+
+def test_sample_from_at_a_tiny_temperature_equals_greedy(short_run, capsys):
+    out = short_run[1]
+    base = ["--sample-from", out, "--num-samples", 2, "--max-new-tokens", 8, "--device", "cpu"]
+    said = {}
+    for t in (0, 1e-40):
+        assert train_gpt2.main([str(a) for a in base + ["--temperature", t]]) == 0
+        said[t] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sample ")]
+    assert said[1e-40] == said[0] and not any(line.endswith("!!!!!!!!") for line in said[0])
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_outside_numpys_range_is_refused_in_training(data, tmp_path, seed):
+    msg = user_error(tiny_args(data, tmp_path / "out", "--seed", seed))
+    assert "--seed must be between 0 and 4,294,967,295" in msg and not (tmp_path / "out").exists()
+
+
+def test_the_largest_seeds_work(data, tmp_path, short_run):
+    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--seed", 2**32 - 1, "--max-steps", 1)) == 0
+    sample = ["--sample-from", short_run[1], "--num-samples", 1, "--max-new-tokens", 2, "--device", "cpu"]
+    assert train_gpt2.main([str(a) for a in sample + ["--seed", -1]]) == 0  # torch's generators take it
+
+
+@pytest.mark.parametrize("timeout, ok", [(1e30, False), (1e10, False), (1e9, True)])
+def test_ddp_timeout_must_fit_torchs_clock(data, tmp_path, timeout, ok):
+    args = tiny_args(data, tmp_path / "out", "--ddp-timeout", timeout, "--dry-run")
+    if ok:
+        assert train_gpt2.main(args) == 0
+    else:
+        assert "--ddp-timeout must be a number of seconds above 0 and at most 1e+09" in user_error(args)
+
+
+def torchrun(*args, wrap=None, timeout=300):
+    """Two CPU ranks (gloo) of train_gpt2.py, or of the python code `wrap` that runs it."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    script = ["--no-python", sys.executable, "-c", wrap] if wrap else ["train_gpt2.py"]
+    return subprocess.run([*launch, *script, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+# rank 0's disk takes 8 s per checkpoint: longer than the 3 s --ddp-timeout
+SLOW_DISK = """
+import os, sys, time
+sys.path.insert(0, ".")
+import train_gpt2, train_support
+write = train_support.write_atomic
+def slow(path, *args, **kwargs):
+    if path.endswith(".pt") and os.environ["RANK"] == "0":
+        time.sleep(8)
+    return write(path, *args, **kwargs)
+train_support.write_atomic = slow
+train_support.run_cli(lambda: train_gpt2.main(sys.argv[1:]))
+"""
+
+
+def test_a_short_ddp_timeout_survives_slow_checkpoints_and_long_samples(data, tmp_path):
+    """Rank 0 writes checkpoints alone (8 s each here) and samples take seconds: with --ddp-timeout 3
+    a healthy job finishes, because the other rank waits in the fence, and every rank samples."""
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 2, "--sample-every", 2,
+                     "--num-samples", 256, "--max-new-tokens", 48, "--ddp-timeout", 3)  # fmt: skip
+    t0 = time.time()
+    r = torchrun(*args, wrap=SLOW_DISK)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert time.time() - t0 > 16  # the slow writes happened: two checkpoints of 8 s
+    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000004.pt"]
+    assert [len(x["samples"]) for x in read_log(out)[0] if "samples" in x] == [256, 256]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rule 4: under torchrun a mistake is said once, and every rank exits the same way
+
+
+@pytest.mark.parametrize("mistake", ["flag", "out-dir"])
+def test_torchrun_says_a_mistake_once_and_every_rank_exits_1(data, tmp_path, mistake):
+    out = tmp_path / "out"
+    extra = ["--seed", -1] if mistake == "flag" else []
+    if mistake == "out-dir":  # found by rank 0 alone
+        out.mkdir()
+        (out / "log.jsonl").write_text("another run's\n")
+    r = torchrun(*tiny_args(data, out, "--max-steps", 2, *extra))
+    said = (r.stdout + r.stderr).count("error: ")
+    assert r.returncode != 0 and said == 1, r.stderr[-3000:]
+    assert len(re.findall(r"exitcode\s*: 1 ", r.stderr)) == 2  # torchrun's summary: both ranks, exit 1
+    assert 'train_gpt2.py", line' not in r.stderr  # no worker's traceback (torchrun's own follows)
+
+
+def test_dry_run_runs_the_start_up_checks_and_writes_nothing(data, tmp_path, capsys):
+    out = tmp_path / "new" / "out"
+    args = tiny_args(data, out, "--sample-every", 2, "--eval-every", 2)
+    assert train_gpt2.main(args + ["--dry-run"]) == 0
+    assert "dry run: the flags, the data, --out-dir and the sampling check are fine" in capsys.readouterr().out
+    assert not (tmp_path / "new").exists()
+    assert "--prompt" in user_error(args + ["--dry-run", "--prompt", "word " * 100])  # the sampling check ran
+    assert "does not exist" in user_error(tiny_args(tmp_path / "no_data", out, "--dry-run"))  # the data checks ran
+    assert not (tmp_path / "new").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Rule 5: read-only is an answer, not a crash
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """make(folder): folder, bind-mounted read-only onto itself (root writes through chmod);
+    skipped where mounting is not allowed."""
+    mounted = []
+
+    def make(folder):
+        if shutil.which("mount") is None or os.geteuid() != 0:
+            pytest.skip("a read-only bind mount needs root")
+        for cmd in (["mount", "--bind", folder, folder], ["mount", "-o", "remount,bind,ro", folder, folder]):
+            r = subprocess.run([*map(str, cmd)], capture_output=True, text=True)
+            if r.returncode != 0:
+                pytest.skip(f"cannot mount read-only here: {r.stderr.strip()}")
+            if cmd[1] == "--bind":
+                mounted.append(folder)
+        return folder
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_resume_in_a_read_only_folder_with_a_leftover_temporary_checkpoint_is_one_line(data, tmp_path, read_only):
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)) == 0
+    (out / ".ckpt_000004.pt.tmp").write_bytes(b"cut short")
+    read_only(out)
+    r = cli(*tiny_args(data, out, "--max-steps", 4, "--eval-every", 0, "--resume"))
+    assert_one_line_error(r, f"--out-dir {out}", "Read-only file system", "make --out-dir writable")
+
+
+def test_play_ipynb_on_a_read_only_run_folder_prints_its_summary(tmp_path, kernel_env, read_only):  # noqa: F811
+    log = write_log(tmp_path / "run", clean_records())
+    read_only(log.parent)
+    nb, out = run_notebook(log, tmp_path)
+    assert out["summary"]["last_step"] == 49 and out["summary"]["best_val_loss"] == [40, 6.2]
+    said = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    for name in ("loss.png", "hellaswag.png", "throughput.png"):
+        assert f"could not save {name} in {log.parent} (Read-only file system)" in said
+    assert os.listdir(log.parent) == ["log.jsonl"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rule 6: every message names the flag of its program and tells the truth about the disk
+
+
+def test_val_tokens_0_turns_the_val_loss_off(data, tmp_path):
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--val-tokens", 0, "--eval-every", 2, "--max-steps", 2)) == 0
+    records = strict_records(out)
+    assert not any("val_loss" in x for x in records) and sorted(read_log(out)[1]) == [0, 1]
+
+
+def test_val_tokens_below_one_sequence_says_so(data, tmp_path):
+    msg = user_error(tiny_args(data, tmp_path / "out", "--val-tokens", 10))
+    assert "--val-tokens 10 is less than one sequence of -T 16" in msg and "--val-tokens 0" in msg
+    assert "val shard" not in msg
+
+
+def test_hellaswag_warning_in_training_names_training_s_flag(data, tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path)}  # an empty HellaSwag cache; offline (conftest)
+    r = cli(*tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--eval-every", 0), env=env)
+    assert r.returncode == 0, r.stderr
+    warning = [line for line in r.stderr.splitlines() if "HellaSwag evaluation is off" in line]
+    assert len(warning) == 1 and "--hellaswag-data" in warning[0] and "pass --data " not in warning[0]
+
+
+def test_a_failed_first_checkpoint_write_does_not_claim_earlier_ones(data, tmp_path, monkeypatch):
+    def open_(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).endswith(".pt.tmp"):
+            raise OSError(28, "No space left on device", str(path))
+        return open(path, mode, *args, **kwargs)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(train_support, "open", open_, raising=False)
+    msg = user_error(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0))
+    assert "no checkpoint was written before this one" in msg and "intact" not in msg
+    monkeypatch.undo()  # room again: the advice, --resume, starts the run again and finishes it
+    assert (
+        train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0, "--resume")) == 0
+    )
+    assert (out / "ckpt_000004.pt").exists()
+
+
+def test_a_relative_data_dir_resumes_from_another_working_directory(data, tmp_path):
+    work = tmp_path / "work"
+    shutil.copytree(data, work / "shards")
+    args = tiny_args("shards", "run", "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
+    r = subprocess.run([sys.executable, str(ROOT / "train_gpt2.py"), *args], cwd=work, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    elsewhere = ["--resume", str(work / "run"), "--max-steps", 4, "--device", "cpu"]
+    r = subprocess.run([sys.executable, str(ROOT / "train_gpt2.py"), *map(str, elsewhere)], cwd=tmp_path,
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert sorted(read_log(work / "run")[1]) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("flag, value", [("--n-layer", 3), ("--n-embd", 64), ("--block-size", 128)])
+def test_model_flags_with_init_from_are_said_not_dropped_silently(short_run, data, tmp_path, capsys, flag, value):
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--init-from", short_run[1], "--max-steps", 1, "--eval-every", 0)
+    assert train_gpt2.main(args + [flag, value]) == 0
+    note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    name = flag[2:].replace("-", "_")
+    own = {"n_layer": 2, "n_embd": 32, "block_size": 64}[name]  # short_run's model
+    assert note == [f"note: {flag} {value} is not used: --init-from {short_run[1]} brings its own shape ({name} {own})"]
+    assert load_checkpoint(str(out / "ckpt_000001.pt"))["model_config"]["n_layer"] == 2  # the loaded model's shape
