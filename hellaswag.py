@@ -448,8 +448,9 @@ def _batches(p, share, block_size, packed, batch_tokens, device):
 
 # Rows of logits (chunk x vocab, fp32) computed at a time. On a CPU, 128 rows are 26 MB of logits,
 # under glibc's largest mmap threshold (32 MB), so malloc hands the same memory back chunk after
-# chunk; much larger chunks come fresh from the kernel every chunk, zeroed and page-faulted in.
-# (docs/performance.md has the measurements behind both numbers.)
+# chunk; much larger chunks come fresh from the kernel every chunk, zeroed and page-faulted in
+# (docs/performance.md has the measurement). On a GPU there is no such cost, and 16,384 rows
+# (3.3 GB of fp32 logits) keep the head's matmuls large.
 HEAD_CHUNK = {"cuda": 16384, "cpu": 128}
 
 
