@@ -42,6 +42,7 @@ def test_tiny_bench_writes_table_and_json(tmp_path, shared_data):
     names = " | ".join(row["name"] for row in rows)
     for wanted in ("matmul ceiling fp32", "loader", "fineweb.py", "ours vs transformers", "bf16 vs fp32", "hellaswag", "KV cache"):  # fmt: skip
         assert wanted in names
+    assert sum(row["baseline"] is not None for row in rows) >= 2  # ours vs transformers, bf16 vs fp32 at least
     for row in rows:
         s = row["ours"]
         assert 0 < s["min"] <= s["median"] <= s["max"] and math.isfinite(s["max"]), row["name"]

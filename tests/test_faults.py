@@ -207,6 +207,8 @@ def test_resume_skips_a_corrupt_newest_checkpoint_in_one_line(short_run, tmp_pat
     assert len(err) == 1 and "ckpt_000002.pt" in err[0] and "corrupt" in err[0], err
     headers = [json.loads(line) for line in open(run / "log.jsonl") if '"header"' in line]
     assert [h["resumed_from"] for h in headers] == [None, 1]
+    first, again = [r for r in read_log(run)[0] if r.get("step") == 1 and "train_loss" in r]  # step 1, then redone
+    assert (again["train_loss"], again["grad_norm"]) == (first["train_loss"], first["grad_norm"])
 
 
 def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
@@ -390,19 +392,34 @@ def hit_rank_1(tmp_path, sig, *extra):
     return proc.returncode, waited, output
 
 
+def assert_run_left_whole(out):
+    """What a run whose rank died leaves: a log of whole JSON lines whose steps run 0, 1, 2, ...
+    with none missing, and a newest checkpoint (every 2 steps) that loads with its training state,
+    of a step the log has done."""
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]  # a cut line fails
+    steps = [r["step"] for r in records if "train_loss" in r]
+    assert len(steps) >= 3 and steps == list(range(len(steps))), steps
+    newest = sorted(out.glob("ckpt_*.pt"))[-1]
+    ckpt = load_training_checkpoint(str(newest))
+    assert ckpt["step"] >= 2 and ckpt["step"] % 2 == 0 and ckpt["step"] <= len(steps), (newest, len(steps))
+    assert ckpt["world_size"] == 2 and set(ckpt["model"]) == set(train_gpt2.load_model(str(newest)).state_dict())
+
+
 def test_ddp_rank_killed_ends_torchrun_quickly(tmp_path):
     # the dead rank's sockets close: gloo fails the other rank's collective, torchrun stops the rest
-    returncode, waited, output = hit_rank_1(tmp_path, signal.SIGKILL)
+    returncode, waited, output = hit_rank_1(tmp_path, signal.SIGKILL, "--ckpt-every", 2)
     assert returncode != 0 and waited < 30, output[-2000:]
+    assert_run_left_whole(tmp_path / "out")
 
 
 def test_ddp_rank_frozen_times_out(tmp_path):
     # a frozen rank (SIGSTOP: a hung disk, a stuck driver) looks alive to torchrun; only the
     # collective timeout ends the other rank's wait, then torchrun kills the frozen one (after its
     # 30 s grace period for SIGTERM, which a stopped process cannot act on)
-    returncode, waited, output = hit_rank_1(tmp_path, signal.SIGSTOP, "--ddp-timeout", 5)
+    returncode, waited, output = hit_rank_1(tmp_path, signal.SIGSTOP, "--ddp-timeout", 5, "--ckpt-every", 2)
     assert returncode != 0 and waited < 75, output[-2000:]
     assert "Timed out" in output
+    assert_run_left_whole(tmp_path / "out")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -210,25 +210,51 @@ def test_a_typo_in_a_flag_is_refused_not_guessed(data, tmp_path):
 # Rule 4: what runs mid-training is exercised before step 0
 
 
+def greedy_tokens(model, tokens, n):
+    """tokens and the n most likely tokens after them, one at a time over the whole prefix (no
+    KV cache), at most up to the model's window."""
+    idx = torch.tensor([tokens])
+    with torch.no_grad():
+        while idx.size(1) < min(len(tokens) + n, model.config.block_size):
+            logits, _ = model(idx)
+            idx = torch.cat([idx, logits[:, -1, :50257].argmax(-1, keepdim=True)], dim=1)
+    return idx[0].tolist()
+
+
+HELLO = "Hello, I'm a language model,"  # the default --prompt
+
+
 @pytest.mark.parametrize(
-    "flags",
+    "flags, prompt, n_new",
     [
-        ["--top-k", 0],  # no top-k filtering
-        ["--prompt", ""],  # unconditional: starts from <|endoftext|>
-        ["--prompt", "<|endoftext|>Once upon a time"],  # the special token typed literally
-        ["--temperature", 0],  # greedy
-        ["--max-new-tokens", 500],  # beyond the 64-token window: stops there, with a note
+        (["--temperature", 0], HELLO, 4),  # greedy: 4 new tokens (--max-new-tokens 4)
+        (["--prompt", "", "--temperature", 0], "", 4),  # unconditional: starts from <|endoftext|>
+        (["--prompt", "<|endoftext|>Once upon a time", "--temperature", 0], "Once upon a time", 4),  # typed literally
+        (["--max-new-tokens", 500, "--temperature", 0], HELLO, 64 - 8),  # beyond the 64-token window: stops there
+        (["--top-k", 0], HELLO, 4),  # no top-k filtering
     ],
 )
-def test_legitimate_sampling_settings_work(data, tmp_path, flags, capsys):
+def test_legitimate_sampling_settings_work(data, tmp_path, enc, flags, prompt, n_new, capsys):
+    """Each setting has its effect: the logged samples of steps 1 and 2 are the ones computed here
+    from that step's checkpoint (greedy decoding by hand; <|endoftext|> is token 50256)."""
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 2, "--sample-every", 1, "--num-samples", 2, "--max-new-tokens", 4,
-                     "--eval-every", 0, *flags)  # fmt: skip
+                     "--eval-every", 0, "--ckpt-every", 1, *flags)  # fmt: skip
     assert train_gpt2.main(args) == 0
-    samples = [r["samples"] for r in read_log(out)[0] if "samples" in r]
-    assert [len(s) for s in samples] == [2, 2]  # steps 1 and 2
-    if "--max-new-tokens" in flags and 500 in flags:
-        assert "note: samples stop at the model's 64-token window" in capsys.readouterr().out
+    stops_early = "note: samples stop at the model's 64-token window" in capsys.readouterr().out
+    assert stops_early == (500 in flags)
+    samples = {r["step"]: r["samples"] for r in read_log(out)[0] if "samples" in r}
+    assert sorted(samples) == [1, 2]
+    tokens = ([] if prompt == HELLO else [50256]) + enc.encode_ordinary(prompt)
+    for step, texts in samples.items():
+        model = train_gpt2.load_model(str(out / f"ckpt_{step:06d}.pt")).eval()
+        if "--temperature" in flags:
+            assert texts == [enc.decode(greedy_tokens(model, tokens, n_new))] * 2, step
+        else:  # drawn among all 50257 tokens, with the run's fixed sampling seed (42)
+            draw = lambda top_k: model.generate(torch.tensor([tokens] * 2), n_new, top_k=top_k,  # noqa: E731
+                                                generator=torch.Generator().manual_seed(42))  # fmt: skip
+            assert texts == [enc.decode(row.tolist()) for row in draw(None)], step
+            assert texts != [enc.decode(row.tolist()) for row in draw(50)]  # the setting changes the draw
 
 
 def test_sample_from_says_where_samples_stop_at_the_window(short_run, enc, capsys):
@@ -292,14 +318,19 @@ def test_a_contradicting_recipe_flag_on_resume_is_refused(data, run4, flag, valu
 
 
 def test_flags_left_out_on_resume_take_the_checkpoints_values(data, run4, tmp_path):
-    # the user forgets --warmup-steps (default 715) and -B: the run continues as it was
-    args = [a for a in tiny_args(data, run4, "--max-steps", 4, "--resume", "--eval-every", 0)]
-    i = args.index("--warmup-steps")
-    del args[i : i + 2]
-    assert train_gpt2.main(args) == 0  # nothing to do: 4 of 4 steps
+    # the user forgets the recipe (--warmup-steps would be 715, -B 64, --max-lr 6e-4, ...) and
+    # takes the run on to 8 steps: steps 4-7 are the uninterrupted run's, bit for bit
+    args = tiny_args(data, run4, "--max-steps", 8, "--resume", "--eval-every", 0)
+    for flag in ("--warmup-steps", "-B", "-T", "--total-batch-size", "--max-lr"):
+        i = args.index(flag)
+        del args[i : i + 2]
+    assert train_gpt2.main(args) == 0
     ref = tmp_path / "ref"
-    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 4, "--warmup-steps", 5, "--eval-every", 0)) == 0
-    assert [r["lr"] for r in read_log(run4)[1].values()] == [r["lr"] for r in read_log(ref)[1].values()]
+    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 8, "--warmup-steps", 5, "--eval-every", 0)) == 0
+    resumed, uninterrupted = read_log(run4)[1], read_log(ref)[1]
+    assert sorted(resumed) == sorted(uninterrupted) == list(range(8))
+    for key in ("lr", "train_loss", "grad_norm"):
+        assert [resumed[s][key] for s in range(8)] == [uninterrupted[s][key] for s in range(8)], key
 
 
 def test_resume_takes_the_runs_data_and_eval_settings(data, run4, capsys):
@@ -352,12 +383,20 @@ def test_max_steps_below_the_checkpoint_is_refused(data, run4):
     assert "--max-steps 3" in msg and "4 steps" in msg
 
 
-def test_tokens_count_stays_right_after_resume_with_another_B(data, run4, capsys):
+def test_tokens_count_stays_right_after_resume_with_another_B(data, run4, tmp_path, capsys):
     args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--resume", "-B", 4, "--eval-every", 0)
     assert train_gpt2.main(args) == 0
     assert "note: --batch-size 2 -> 4 on resume" in capsys.readouterr().out
     steps = read_log(run4)[1]
     assert [steps[s]["tokens"] for s in range(6)] == [64 * (s + 1) for s in range(6)]
+    # one micro-batch of 4 rows instead of two of 2: the same 64 tokens a step, summed in another
+    # order, so the uninterrupted run's losses up to float rounding
+    ref = tmp_path / "ref"
+    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 6, "--warmup-steps", 5, "--eval-every", 0)) == 0
+    uninterrupted = read_log(ref)[1]
+    for s in (4, 5):
+        assert steps[s]["train_loss"] == pytest.approx(uninterrupted[s]["train_loss"], rel=1e-6, abs=0), s
+        assert steps[s]["grad_norm"] == pytest.approx(uninterrupted[s]["grad_norm"], rel=1e-5, abs=0), s
 
 
 # ----------------------------------------------------------------------------------------------

@@ -221,3 +221,78 @@ def test_sample_cli_bad_model_is_one_line_error(tmp_path):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error:")
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers parity at the scale of trained weights: at init scale (std 0.02) the MLP's inputs
+# are ~0.1, where tanh GELU and exact GELU agree to ~1e-7, and the attention scores are so small
+# that a wrong scale moves the logits by less than float noise. Trained weights are larger.
+
+# ours against transformers in fp32 on trained-scale weights: float noise is ~2e-6 on logits up to ~4
+TRAINED_SCALE_TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def hf_trained_scale_dir(tmp_path_factory):
+    """A small transformers GPT-2 with weights at a trained model's scale: embeddings of std 0.1
+    (GPT-2's own wte has ~0.14), matrices of std 1/sqrt(fan_in) so that every matmul's output is
+    O(1) (the MLP's GELU inputs and the attention scores included), LayerNorm gains 1 +- 0.2,
+    biases of std 0.1."""
+    from transformers import GPT2Config
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("wte.weight", "wpe.weight")):
+                p.normal_(0, 0.1)
+            elif ".ln_" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            else:  # transformers' Conv1D weight is (fan_in, fan_out)
+                p.normal_(0, p.shape[0] ** -0.5)
+    path = tmp_path_factory.mktemp("hf_trained_scale")
+    model.save_pretrained(path)
+    return path
+
+
+def _trained_scale_logits(hf_dir, **config_changes):
+    """transformers' logits (2, 64, 50257) for fixed random tokens; config_changes alter its numerics."""
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir, **config_changes).eval()
+    idx = torch.randint(0, GPT2_VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return idx, hf(idx).logits
+
+
+def test_trained_scale_logits_match_transformers(hf_trained_scale_dir):
+    """tanh GELU, 1/sqrt(head_dim) attention and LayerNorm eps 1e-5 exactly as GPT-2: exercised,
+    with the nonlinearities well away from 0."""
+    idx, ref = _trained_scale_logits(hf_trained_scale_dir)
+    ours = GPT.from_pretrained(str(hf_trained_scale_dir)).eval()
+    fc_inputs = []
+    hook = ours.transformer.h[1].mlp.gelu.register_forward_hook(lambda m, inputs, out: fc_inputs.append(inputs[0]))
+    with torch.no_grad():
+        logits, _ = ours(idx)
+    hook.remove()
+    assert fc_inputs[0].std().item() > 0.5  # GELU's inputs at trained scale, not init's ~0.1
+    assert ref.std().item() > 0.5
+    assert (logits - ref).abs().max().item() < TRAINED_SCALE_TOL
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        {"activation_function": "gelu"},  # exact GELU instead of GPT-2's tanh approximation
+        {"scale_attn_by_inverse_layer_idx": True},  # the second layer's attention scores at half scale
+        {"layer_norm_epsilon": 1e-6},  # LayerNorm eps 1e-6 instead of 1e-5
+    ],
+)
+def test_trained_scale_tolerance_tells_numerics_errors_from_float_noise(hf_trained_scale_dir, error):
+    """Each error, made in transformers' model itself, moves the logits by far more than the
+    parity tolerance: ours with that error would fail test_trained_scale_logits_match_transformers."""
+    _, right = _trained_scale_logits(hf_trained_scale_dir)
+    _, wrong = _trained_scale_logits(hf_trained_scale_dir, **error)
+    assert (wrong - right).abs().max().item() > 10 * TRAINED_SCALE_TOL

@@ -1,0 +1,152 @@
+"""The training step against a reference written in the test: train_gpt2.main runs a few steps of a
+tiny model with every part of the recipe active (2 micro-steps of accumulation, warm-up then
+cosine, gradients clipped, non-default weight decay, betas and eps), and the test repeats the same
+steps with plain torch: the seeded GPT init, the batches read from the shards in name order,
+AdamW decaying the matrices only, clip_grad_norm_, and the lr from a warm-up + cosine written
+here. The weights and AdamW's moments after every step are compared with the checkpoint of that
+step; the logged loss, gradient norm and lr with the reference's."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt2
+from conftest import random_shards, read_log, tiny_args
+from train_gpt2 import GPT, GPTConfig
+
+# the recipe of the run, every setting away from its default so that a setting lost on the way
+# to the optimizer (or the schedule, or the clip) shows
+SEED, STEPS, WARMUP = 7, 6, 2
+MAX_LR, MIN_LR = 3e-3, 4e-4
+WEIGHT_DECAY, BETAS, EPS = 0.3, (0.8, 0.99), 1e-6
+GRAD_CLIP = 0.3  # the gradient norm of this model is above it at every step: the clip bites
+B, T, TOTAL = 2, 16, 64  # 2 micro-steps of accumulation
+CONFIG = dict(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
+SHARDS = (300, 200)  # 9 and 6 chunks of B*T: step 4 reads the second shard, past the first's tail
+
+
+def lr_at(step):
+    """Linear warm-up over WARMUP steps (step 0 at MAX_LR / WARMUP), then a cosine from MAX_LR
+    down to MIN_LR at STEPS: GPT-2's schedule as build-nanogpt writes it."""
+    if step < WARMUP:
+        return MAX_LR * (step + 1) / WARMUP
+    progress = (step - WARMUP) / (STEPS - WARMUP)
+    return MIN_LR + 0.5 * (1 + math.cos(math.pi * progress)) * (MAX_LR - MIN_LR)
+
+
+def batches(data_dir):
+    """(x, y) micro-batches as the recipe reads them: the train shards in name order, B*T
+    consecutive tokens (+1 for the targets) at a time, a shard's tail too short for one skipped."""
+    for path in sorted(data_dir.glob("*_train_*.npy")):
+        tokens = torch.from_numpy(np.load(path).astype(np.int64))
+        for start in range(0, len(tokens) - B * T, B * T):
+            buf = tokens[start : start + B * T + 1]
+            yield buf[:-1].view(B, T), buf[1:].view(B, T)
+
+
+def reference_steps(data_dir):
+    """The recipe's STEPS steps, written plainly; yields (loss, grad norm, lr, model, optimizer)
+    after each step. AdamW is torch's fused kernel, as the recipe's is on every device: the plain
+    (single-tensor) AdamW rounds differently in the last bit, which would hide a bitwise check."""
+    torch.manual_seed(SEED)  # what train_gpt2 seeds before it builds the model
+    model = GPT(GPTConfig(**CONFIG))
+    params = list(model.parameters())  # the tied wte / lm_head weight once
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    optimizer = torch.optim.AdamW(groups, lr=MAX_LR, betas=BETAS, eps=EPS, fused=True)
+    data = batches(data_dir)
+    accum = TOTAL // (B * T)
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for _ in range(accum):
+            x, y = next(data)
+            _, loss = model(x, y)
+            loss = loss / accum
+            loss_sum += loss.detach()
+            loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        optimizer.step()
+        yield loss_sum.item(), norm.item(), lr_at(step), model, optimizer
+
+
+@pytest.fixture(scope="module")
+def recipe_run(tmp_path_factory):
+    """The same STEPS steps by train_gpt2.main, a checkpoint after each (all kept)."""
+    tmp = tmp_path_factory.mktemp("recipe")
+    data = random_shards(tmp / "data", train_lengths=SHARDS)
+    args = tiny_args(
+        data, tmp / "out", "--seed", SEED, "--no-shuffle", "--max-steps", STEPS, "--warmup-steps", WARMUP,
+        "--max-lr", MAX_LR, "--min-lr", MIN_LR, "--weight-decay", WEIGHT_DECAY, "--beta1", BETAS[0],
+        "--beta2", BETAS[1], "--adam-eps", EPS, "--grad-clip", GRAD_CLIP, "-B", B, "-T", T, "--total-batch-size",
+        TOTAL, "--ckpt-every", 1, "--keep-ckpts", 0, "--eval-every", 0,
+        *[f"--{k.replace('_', '-')}={v}" for k, v in CONFIG.items()],
+    )  # fmt: skip
+    assert train_gpt2.main(args) == 0
+    return data, tmp / "out"
+
+
+def checkpoint(out, step):
+    return torch.load(out / f"ckpt_{step:06d}.pt", map_location="cpu", weights_only=True)
+
+
+def test_the_run_exercises_every_part_of_the_recipe(recipe_run):
+    """The comparisons below can only fail if the run visits what they check: 2 micro-steps,
+    warm-up and cosine, a gradient norm above the clip at every step, a second shard."""
+    _, out = recipe_run
+    records, steps = read_log(out)
+    assert records[0]["config"]["grad_accum_steps"] == 2
+    assert sorted(steps) == list(range(STEPS))
+    assert all(steps[s]["grad_norm"] > 2 * GRAD_CLIP for s in steps), [steps[s]["grad_norm"] for s in steps]
+    lrs = [lr_at(s) for s in range(STEPS)]
+    assert lrs[0] < lrs[1] == MAX_LR == lrs[2] > lrs[3] > lrs[4] > lrs[5] > MIN_LR  # warm-up, top, cosine
+    assert checkpoint(out, STEPS)["data"]["shard"] == 1
+
+
+def test_every_step_equals_the_reference_bitwise(recipe_run):
+    """After every step: the logged loss, gradient norm (before clipping) and lr, the weights, and
+    AdamW's hyperparameters and moments are the reference's, bit for bit (CPU, one thread)."""
+    data, out = recipe_run
+    _, logged = read_log(out)
+    for step, (loss, norm, lr, model, optimizer) in enumerate(reference_steps(data)):
+        assert (logged[step]["train_loss"], logged[step]["grad_norm"], logged[step]["lr"]) == (loss, norm, lr), step
+        ckpt = checkpoint(out, step + 1)
+        assert ckpt["step"] == step + 1
+        ours = ckpt["model"]
+        for name, p in model.state_dict().items():
+            assert torch.equal(ours[name], p), (step, name, (ours[name] - p).abs().max().item())
+        # AdamW's moments, parameter by parameter in the optimizer's order (decayed group first)
+        ref_state = optimizer.state_dict()
+        assert len(ckpt["optimizer"]["param_groups"]) == len(ref_state["param_groups"]) == 2
+        for group, ref_group in zip(ckpt["optimizer"]["param_groups"], ref_state["param_groups"]):
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                assert group[key] == ref_group[key], (step, key)
+            assert group["params"] == ref_group["params"]
+        n_params = len(list(model.parameters()))  # every parameter has moments, the tied one once
+        assert sorted(ckpt["optimizer"]["state"]) == sorted(ref_state["state"]) == list(range(n_params))
+        for i, ref in ref_state["state"].items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(ckpt["optimizer"]["state"][i][key], ref[key]), (step, i, key)
+
+
+def test_a_resume_with_every_flag_left_out_continues_the_recipe_bitwise(recipe_run, tmp_path):
+    """`--resume <folder>` holding the step-3 checkpoint alone takes the whole recipe from it
+    (schedule, clip, batch, seed, data order): steps 3-5 give the uninterrupted run's weights and
+    moments, bit for bit."""
+    _, out = recipe_run
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ckpt_000003.pt").write_bytes((out / "ckpt_000003.pt").read_bytes())
+    assert train_gpt2.main(["--resume", str(run), "--device", "cpu"]) == 0
+    assert sorted(read_log(run)[1]) == [3, 4, 5]
+    for step in (4, 5, 6):
+        a, b = checkpoint(out, step), checkpoint(run, step)
+        for name, p in a["model"].items():
+            assert torch.equal(b["model"][name], p), (step, name)
+        for i, state in a["optimizer"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(b["optimizer"]["state"][i][key], state[key]), (step, i, key)
