@@ -75,8 +75,8 @@ from torch.nn import functional as F
 import train_gpt2
 import train_support
 from fineweb import get_tokenizer
-from train_support import UserError, run_cli, write_atomic
 from train_gpt2 import GPT, GPTConfig, flops_per_token, pick_device
+from train_support import UserError, run_cli, write_atomic
 
 # sample comes before train: from train on, glibc's malloc keeps freed memory (see the docstring)
 SECTIONS = ("ceiling", "loader", "fineweb", "sample", "train", "ladder", "hellaswag")
@@ -368,8 +368,12 @@ def bench_ceiling(s, device, device_type):
     gflops = {k: rates(2 * n**3 / 1e9, v) for k, v in times.items()}
     result = {"n": n, "gflops": {k: stats(v) for k, v in gflops.items()}}
     rows = [
-        comparison(f"matmul ceiling fp32 ({n}x{n} torch.mm{', TF32 as training sets it' if device_type == 'cuda' else ''})",
-                   gflops["fp32"], None, "GFLOP/s"),
+        comparison(
+            f"matmul ceiling fp32 ({n}x{n} torch.mm{', TF32 as training sets it' if device_type == 'cuda' else ''})",
+            gflops["fp32"],
+            None,
+            "GFLOP/s",
+        ),
         comparison(f"matmul ceiling bf16 ({n}x{n} torch.mm)", gflops["bf16"], None, "GFLOP/s"),
     ]
     if "fp32 oneDNN" in gflops:
@@ -517,7 +521,12 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
             ceiling = rates(2 * s["mm_n"] ** 3, times[f"mm {precision}"])
             mfu[k] = [fpt * x / cl for x, cl in zip(r, ceiling)]
     result = {
-        "config": {**c, "B": B["fp32"] if B["fp32"] == B["bf16"] else B, "vocab_size": VOCAB, "n_params": sum(p.numel() for p in ours.parameters())},
+        "config": {
+            **c,
+            "B": B["fp32"] if B["fp32"] == B["bf16"] else B,
+            "vocab_size": VOCAB,
+            "n_params": sum(p.numel() for p in ours.parameters()),
+        },
         "flops_per_token": fpt,
         "step_s": {k: stats(v) for k, v in times.items()},
         "tok_per_sec": {k: stats(v) for k, v in tok.items()},
@@ -541,7 +550,16 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
         if k.startswith("ours"):
             hf_k = k.replace("ours", "hf")
             note = f"B {B[k.split()[1]]}, MFU ours {median_mfu(k)}, transformers {median_mfu(hf_k)}"
-            rows.append(comparison(f"train {name} {k[5:]}: ours vs transformers", tok[k], tok[hf_k], "tok/s", TARGETS["vs_transformers"], note=note))  # fmt: skip
+            rows.append(
+                comparison(
+                    f"train {name} {k[5:]}: ours vs transformers",
+                    tok[k],
+                    tok[hf_k],
+                    "tok/s",
+                    TARGETS["vs_transformers"],
+                    note=note,
+                )
+            )
     for mode in ("eager", "compiled"):
         if f"ours fp32 {mode}" not in tok:
             continue
@@ -551,15 +569,44 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
         if name == "gpt2" and device_type == "cpu":  # the quoted reference's own config and precision
             mfu32 = mfu[f"ours fp32 {mode}"]
             rows += [
-                comparison(f"train gpt2 fp32 {mode}: ours vs build-nanogpt", fp32, ORIGINAL_TOK_PER_SEC, "tok/s", TARGETS["vs_original"], note="its quoted 164 tok/s"),  # fmt: skip
-                comparison(f"train gpt2 fp32 {mode}: MFU ours vs build-nanogpt", mfu32, ORIGINAL_MFU, "%", TARGETS["vs_original"], note="its quoted 79% of the fp32 ceiling"),  # fmt: skip
-                comparison(f"train gpt2 fp32 {mode}: MFU (of the fp32 torch.mm ceiling)", mfu32, None, "%", TARGETS["mfu_gpt2_fp32"]),  # fmt: skip
+                comparison(
+                    f"train gpt2 fp32 {mode}: ours vs build-nanogpt",
+                    fp32,
+                    ORIGINAL_TOK_PER_SEC,
+                    "tok/s",
+                    TARGETS["vs_original"],
+                    note="its quoted 164 tok/s",
+                ),
+                comparison(
+                    f"train gpt2 fp32 {mode}: MFU ours vs build-nanogpt",
+                    mfu32,
+                    ORIGINAL_MFU,
+                    "%",
+                    TARGETS["vs_original"],
+                    note="its quoted 79% of the fp32 ceiling",
+                ),
+                comparison(
+                    f"train gpt2 fp32 {mode}: MFU (of the fp32 torch.mm ceiling)",
+                    mfu32,
+                    None,
+                    "%",
+                    TARGETS["mfu_gpt2_fp32"],
+                ),
             ]
     for precision in ("fp32", "bf16"):
         k = f"ours {precision} compiled"
         if k in tok:
             note = f"compile {compile_s[k]:.0f} s, transformers {compile_s[k.replace('ours', 'hf')]:.0f} s"
-            rows.append(comparison(f"train {name} {precision}: compiled vs eager (ours)", tok[k], tok[f"ours {precision} eager"], "tok/s", TARGETS["compile_vs_eager"], note=note))  # fmt: skip
+            rows.append(
+                comparison(
+                    f"train {name} {precision}: compiled vs eager (ours)",
+                    tok[k],
+                    tok[f"ours {precision} eager"],
+                    "tok/s",
+                    TARGETS["compile_vs_eager"],
+                    note=note,
+                )
+            )
     del contenders, ours, ours_opt, hf, hf_opt
     torch._dynamo.reset()
     gc.collect()
@@ -575,7 +622,9 @@ def heap_probe(config, data_dir, keep, steps):
         train_support.keep_freed_memory()
     c = config
     torch.manual_seed(1337)
-    model = GPT(GPTConfig(block_size=c["T"], vocab_size=VOCAB, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"]))  # fmt: skip
+    model = GPT(
+        GPTConfig(block_size=c["T"], vocab_size=VOCAB, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
+    )
     opt = model.configure_optimizers(0.1, 6e-4, "cpu", verbose=False)
     step = train_step_fn(model, opt, DataLoaderLite(data_dir, "train", c["B"], c["T"], shuffle=False), None)
     step()
@@ -597,16 +646,27 @@ def bench_keep_freed_memory(s, data_dir):
             this_round = {}
             for name in times:
                 code = f"import bench; bench.heap_probe({c!r}, {data_dir!r}, {name == 'kept'}, 3)"
-                out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
-                                     text=True, check=True).stdout  # fmt: skip
+                out = subprocess.run(
+                    [sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True, check=True
+                ).stdout
                 this_round[name] = statistics.median(json.loads(out.splitlines()[-1]))
                 if r >= warmup:
                     times[name].append(this_round[name])
-            log(f"  keep_freed_memory {shape}: round {r + 1}/{warmup + rounds}: " + ", ".join(f"{n} {t:.3f}s" for n, t in this_round.items()))  # fmt: skip
+            log(
+                f"  keep_freed_memory {shape}: round {r + 1}/{warmup + rounds}: "
+                + ", ".join(f"{n} {t:.3f}s" for n, t in this_round.items())
+            )
         tok = {k: rates(c["B"] * c["T"], v) for k, v in times.items()}
         results.append({"config": c, "tok_per_sec": {k: stats(v) for k, v in tok.items()}})
-        rows.append(comparison(f"train on a CPU: freed memory kept (keep_freed_memory) vs glibc's default ({shape}, fp32 eager)",
-                               tok["kept"], tok["glibc default"], "tok/s", note="each in a fresh process"))  # fmt: skip
+        rows.append(
+            comparison(
+                f"train on a CPU: freed memory kept (keep_freed_memory) vs glibc's default ({shape}, fp32 eager)",
+                tok["kept"],
+                tok["glibc default"],
+                "tok/s",
+                note="each in a fresh process",
+            )
+        )
     return results, rows
 
 
@@ -657,8 +717,17 @@ def bench_wandb_logging(s, tmp, train_result):
         def records():
             for _ in range(n):
                 i = next(step)
-                yield {"step": i, "train_loss": 3.0 + 1 / (i + 1), "lr": 6e-4, "grad_norm": 0.3, "dt_ms": 100.0,
-                       "tok_per_sec": 5e6, "mfu": 0.4, "tokens": i * 524288, "epoch": 0}  # fmt: skip
+                yield {
+                    "step": i,
+                    "train_loss": 3.0 + 1 / (i + 1),
+                    "lr": 6e-4,
+                    "grad_norm": 0.3,
+                    "dt_ms": 100.0,
+                    "tok_per_sec": 5e6,
+                    "mfu": 0.4,
+                    "tokens": i * 524288,
+                    "epoch": 0,
+                }
 
         times = {"plain": [], "on_step": [], "drained": []}
         for r in range(rounds + 1):  # the first round warms up
@@ -693,13 +762,31 @@ def bench_wandb_logging(s, tmp, train_result):
     result["share_of_step"] = stats(share)
     note = f"wandb offline, {n} step records a round; the step: {step_s * 1e3:.1f} ms"
     rows = [
-        comparison("wandb logging per step record, on the step: with wandb vs log.jsonl alone", ms["on_step"],
-                   ms["plain"], "ms", higher_is_better=False, note=note),
-        comparison("wandb logging per step record, drained: with wandb vs log.jsonl alone", ms["drained"],
-                   ms["plain"], "ms", higher_is_better=False, note=note),
-        comparison("wandb logging per step record, drained, as a share of a step", share, None, "%",
-                   higher_is_better=False, note=note),
-    ]  # fmt: skip
+        comparison(
+            "wandb logging per step record, on the step: with wandb vs log.jsonl alone",
+            ms["on_step"],
+            ms["plain"],
+            "ms",
+            higher_is_better=False,
+            note=note,
+        ),
+        comparison(
+            "wandb logging per step record, drained: with wandb vs log.jsonl alone",
+            ms["drained"],
+            ms["plain"],
+            "ms",
+            higher_is_better=False,
+            note=note,
+        ),
+        comparison(
+            "wandb logging per step record, drained, as a share of a step",
+            share,
+            None,
+            "%",
+            higher_is_better=False,
+            note=note,
+        ),
+    ]
     return result, rows
 
 
@@ -893,12 +980,51 @@ def ladder_ddp(n_proc, c, B, steps, data_dir, out_dir, device_type):
     first quarter, and at least 2, which compile and warm up), compile s}. On a CPU (gloo, fp32,
     eager) it runs the same command, for the tests."""
     T = c["T"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n_proc}",
-           str(Path(__file__).resolve().parent / "train_gpt2.py"), "--data-dir", data_dir, "--out-dir", out_dir,
-           "--n-layer", c["n_layer"], "--n-head", c["n_head"], "--n-embd", c["n_embd"], "--block-size", T,
-           "--vocab-size", 50304, "-B", B, "-T", T, "--total-batch-size", B * T * n_proc, "--max-steps", steps,
-           "--warmup-steps", 1, "--max-lr", LADDER_LR, "--no-shuffle", "--eval-every", 0, "--hellaswag-every", 0,
-           "--sample-every", 0, "--ckpt-every", 0, "--keep-ckpts", 1]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={n_proc}",
+        str(Path(__file__).resolve().parent / "train_gpt2.py"),
+        "--data-dir",
+        data_dir,
+        "--out-dir",
+        out_dir,
+        "--n-layer",
+        c["n_layer"],
+        "--n-head",
+        c["n_head"],
+        "--n-embd",
+        c["n_embd"],
+        "--block-size",
+        T,
+        "--vocab-size",
+        50304,
+        "-B",
+        B,
+        "-T",
+        T,
+        "--total-batch-size",
+        B * T * n_proc,
+        "--max-steps",
+        steps,
+        "--warmup-steps",
+        1,
+        "--max-lr",
+        LADDER_LR,
+        "--no-shuffle",
+        "--eval-every",
+        0,
+        "--hellaswag-every",
+        0,
+        "--sample-every",
+        0,
+        "--ckpt-every",
+        0,
+        "--keep-ckpts",
+        1,
+    ]
     if device_type == "cuda":
         cmd += ["--dtype", "bfloat16", "--compile"]
     else:
@@ -1239,9 +1365,16 @@ def bench_loader(s, device_type, tmp):
     rows = [
         comparison("loader: ms per next_batch, all batches", ms, None, "ms", note=note, **below_1ms),
         comparison("loader: ms per next_batch at a shard switch", switch_ms, None, "ms", **below_1ms),
-        comparison("loader: RSS added (anonymous, peak)", [anon_peak - anon0], None, "MiB", TARGETS["loader_rss_mb"],
-                   higher_is_better=False, note=f"and up to {file_peak - file0:,.0f} MiB of page cache: the mapped shard"),
-    ]  # fmt: skip
+        comparison(
+            "loader: RSS added (anonymous, peak)",
+            [anon_peak - anon0],
+            None,
+            "MiB",
+            TARGETS["loader_rss_mb"],
+            higher_is_better=False,
+            note=f"and up to {file_peak - file0:,.0f} MiB of page cache: the mapped shard",
+        ),
+    ]
     return result, rows
 
 
@@ -1301,7 +1434,8 @@ def bench_fineweb(s, args):
             tok["tiktoken"],
             "tok/s",
             TARGETS["fineweb_vs_tiktoken"],
-            note=f"{workers} threads each, {n_tokens:,} tokens; pool start {statistics.median(start) * 1e3:.1f} ms included",
+            note=f"{workers} threads each, {n_tokens:,} tokens; "
+            f"pool start {statistics.median(start) * 1e3:.1f} ms included",
         )
     ]
     return result, rows
@@ -1349,8 +1483,20 @@ def counts_of(prepared, preds, preds_norm):
 def run_hellaswag_cli(ckpt, path, n, device, dtype):
     """The whole `python hellaswag.py` process (start-up, data, tokenizing, model load, eval):
     -> (seconds, {n, correct, correct_norm} parsed from its output)."""
-    cmd = [sys.executable, str(Path(__file__).resolve().parent / "hellaswag.py"), "-m", ckpt, "--data", path,
-           "--limit", str(n), "-d", str(device), "--dtype", dtype]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve().parent / "hellaswag.py"),
+        "-m",
+        ckpt,
+        "--data",
+        path,
+        "--limit",
+        str(n),
+        "-d",
+        str(device),
+        "--dtype",
+        dtype,
+    ]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
@@ -1409,14 +1555,23 @@ def bench_hellaswag(s, args, device, device_type, tmp):
         seconds, state["process"] = run_hellaswag_cli(ckpt, path, n, device, "float32")
         state["process_s"] = state.get("process_s", []) + [seconds]
 
-    times, first = interleave({"in_loop": in_loop, "plain": plain, "process": process}, 0, s["hs_rounds"],
-                              device_type, f"hellaswag {n} examples")  # fmt: skip
+    times, first = interleave(
+        {"in_loop": in_loop, "plain": plain, "process": process},
+        0,
+        s["hs_rounds"],
+        device_type,
+        f"hellaswag {n} examples",
+    )
     ours = {k: state["in_loop"][k] for k in ("n", "correct", "correct_norm")}
     # on CUDA (TF32 matmuls, other kernels) a near-tie between two endings may fall the other way:
     # allow a few such flips there, and none on the CPU
-    flips = max(abs(ours[k] - other[k]) for other in (state["plain"], state["process"]) for k in ("correct", "correct_norm"))
+    flips = max(
+        abs(ours[k] - other[k]) for other in (state["plain"], state["process"]) for k in ("correct", "correct_norm")
+    )
     if flips > (0 if device_type == "cpu" else max(2, n // 500)):
-        raise RuntimeError(f"hellaswag: different answers: in-loop {ours}, plain {state['plain']}, process {state['process']}")  # fmt: skip
+        raise RuntimeError(
+            f"hellaswag: different answers: in-loop {ours}, plain {state['plain']}, process {state['process']}"
+        )
     ex = {k: rates(n, v) for k, v in times.items()}
     note = f"{s['hs_model']} model, first {n:,} examples, fp32, same predictions"
     result = {
@@ -1429,11 +1584,22 @@ def bench_hellaswag(s, args, device, device_type, tmp):
         "same_counts": True,
     }
     rows = [
-        comparison("hellaswag in-loop evaluate vs plain one-row-per-forward loop", ex["in_loop"], ex["plain"], "ex/s",
-                   note=note),
-        comparison("hellaswag.py whole process vs plain one-row-per-forward loop in-process", ex["process"],
-                   ex["plain"], "ex/s", TARGETS["hellaswag_process"], note=f"{note}; start-up included"),
-    ]  # fmt: skip
+        comparison(
+            "hellaswag in-loop evaluate vs plain one-row-per-forward loop",
+            ex["in_loop"],
+            ex["plain"],
+            "ex/s",
+            note=note,
+        ),
+        comparison(
+            "hellaswag.py whole process vs plain one-row-per-forward loop in-process",
+            ex["process"],
+            ex["plain"],
+            "ex/s",
+            TARGETS["hellaswag_process"],
+            note=f"{note}; start-up included",
+        ),
+    ]
     del model
     # the one-time host work of a full-set eval, with no model: tokenizing the set (prepare) and
     # building the batches for a 1024-token window and copying them to the device (the first
@@ -1444,11 +1610,21 @@ def bench_hellaswag(s, args, device, device_type, tmp):
         t0 = time.perf_counter()
         full = hellaswag.prepare(examples, enc)
         host["prepare"].append(time.perf_counter() - t0)
-        host["batches"].append(timed(lambda p=full: hellaswag._batches(p, range(len(p)), 1024, True, batch_tokens, device), device_type))  # fmt: skip
+        host["batches"].append(
+            timed(lambda p=full: hellaswag._batches(p, range(len(p)), 1024, True, batch_tokens, device), device_type)
+        )
     result["full_set_host_s"] = {k: stats(v) for k, v in host.items()}
-    rows.append(comparison(f"hellaswag one-time host work, full {len(examples):,} examples: prepare + build the batches",
-                           [a + b for a, b in zip(host["prepare"], host["batches"])], None, "s", higher_is_better=False,
-                           note=f"prepare {stats(host['prepare'])['median']:.2f} s, batches {stats(host['batches'])['median']:.2f} s; window 1024"))  # fmt: skip
+    rows.append(
+        comparison(
+            f"hellaswag one-time host work, full {len(examples):,} examples: prepare + build the batches",
+            [a + b for a, b in zip(host["prepare"], host["batches"])],
+            None,
+            "s",
+            higher_is_better=False,
+            note=f"prepare {stats(host['prepare'])['median']:.2f} s, "
+            f"batches {stats(host['batches'])['median']:.2f} s; window 1024",
+        )
+    )
     if device_type == "cuda" and s.get("hs_full_gpt2"):
         # the issue's CUDA targets: the full set with a 124M model in bf16, in training and as a process
         prepared = hellaswag.prepare(examples, enc)  # fresh: its first evaluate() builds the batches
@@ -1458,13 +1634,30 @@ def bench_hellaswag(s, args, device, device_type, tmp):
         first_s = timed(evaluate, device_type)  # builds and uploads the batches
         in_loop = [timed(evaluate, device_type) for _ in range(3)]
         process = [run_hellaswag_cli(ckpt, path, len(examples), device, "bfloat16")[0] for _ in range(2)]
-        result["full_gpt2_bf16"] = {"in_loop_s": stats(in_loop), "first_in_loop_s": first_s, "process_s": stats(process)}
+        result["full_gpt2_bf16"] = {
+            "in_loop_s": stats(in_loop),
+            "first_in_loop_s": first_s,
+            "process_s": stats(process),
+        }
         rows += [
-            comparison("hellaswag in training: full 10,042, gpt2 124M, bf16", in_loop, None, "s", TARGETS["hellaswag_full_s"],
-                       higher_is_better=False, note=f"first call {first_s:.1f} s builds the batches"),
-            comparison("hellaswag.py -m <124M> full set, bf16, whole process", process, None, "s",
-                       TARGETS["hellaswag_process_full_s"], higher_is_better=False),
-        ]  # fmt: skip
+            comparison(
+                "hellaswag in training: full 10,042, gpt2 124M, bf16",
+                in_loop,
+                None,
+                "s",
+                TARGETS["hellaswag_full_s"],
+                higher_is_better=False,
+                note=f"first call {first_s:.1f} s builds the batches",
+            ),
+            comparison(
+                "hellaswag.py -m <124M> full set, bf16, whole process",
+                process,
+                None,
+                "s",
+                TARGETS["hellaswag_process_full_s"],
+                higher_is_better=False,
+            ),
+        ]
         del model
     return result, rows
 
@@ -1514,19 +1707,45 @@ def bench_sample(s, device, device_type):
         "first_in_training_s": first_in_training_s,
     }
     note = f"{s['eval_model']} model, batch 1"
-    rows = [comparison(f"sample {new} new tokens: KV cache vs recompute", tok["kv_cache"], tok["recompute"], "tok/s",
-                       TARGETS["kv_cache"] if device_type == "cpu" else None, note=note)]  # the target is the CPU's; fmt: skip
-    rows.append(comparison("samples in training: 4 x 32 tokens, eager KV cache" + (", bf16" if autocast_dtype else ""),
-                           in_training_s, None, "s", TARGETS["samples_in_training_s"] if device_type == "cuda" else None,
-                           higher_is_better=False,
-                           note=f"{note.replace('batch 1', 'batch 4')}; the first call {first_in_training_s:.2f} s"))  # fmt: skip
+    rows = [
+        comparison(
+            f"sample {new} new tokens: KV cache vs recompute",
+            tok["kv_cache"],
+            tok["recompute"],
+            "tok/s",
+            TARGETS["kv_cache"] if device_type == "cpu" else None,
+            note=note,
+        )
+    ]  # the target is the CPU's
+    rows.append(
+        comparison(
+            "samples in training: 4 x 32 tokens, eager KV cache" + (", bf16" if autocast_dtype else ""),
+            in_training_s,
+            None,
+            "s",
+            TARGETS["samples_in_training_s"] if device_type == "cuda" else None,
+            higher_is_better=False,
+            note=f"{note.replace('batch 1', 'batch 4')}; the first call {first_in_training_s:.2f} s",
+        )
+    )
     if "kv_cache_compiled" in tok:
         rows += [
-            comparison(f"sample {new} new tokens: compiled decode step (CUDA graphs) vs eager KV cache",
-                       tok["kv_cache_compiled"], tok["kv_cache"], "tok/s", note=f"{note}, compile {compile_s:.0f} s"),
-            comparison(f"sample {new} new tokens: compiled decode step, batch 1", tok["kv_cache_compiled"], None,
-                       "tok/s", TARGETS["decode_tok_s_cuda"], note=note),
-        ]  # fmt: skip
+            comparison(
+                f"sample {new} new tokens: compiled decode step (CUDA graphs) vs eager KV cache",
+                tok["kv_cache_compiled"],
+                tok["kv_cache"],
+                "tok/s",
+                note=f"{note}, compile {compile_s:.0f} s",
+            ),
+            comparison(
+                f"sample {new} new tokens: compiled decode step, batch 1",
+                tok["kv_cache_compiled"],
+                None,
+                "tok/s",
+                TARGETS["decode_tok_s_cuda"],
+                note=note,
+            ),
+        ]
     return result, rows
 
 

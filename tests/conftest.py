@@ -53,7 +53,9 @@ def hf_tiny_dir(tmp_path_factory):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        n_layer=2, n_head=4, n_embd=64, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     model = GPT2LMHeadModel(config)
     # random init leaves LayerNorms at 1/0 and biases at 0; perturb them so the test sees every weight
     with torch.no_grad():
@@ -119,12 +121,44 @@ def random_shards(folder, train_lengths=(600, 600), val_length=600, seed=0):
 def tiny_args(data_dir, out_dir, *extra):
     """A 2-layer, 32-wide model on the CPU; later flags override earlier ones."""
     return [
-        "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--device", "cpu",
-        "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64",
-        "-B", "2", "-T", "16", "--total-batch-size", "64", "--max-steps", "6", "--warmup-steps", "3",
-        "--max-lr", "3e-3", "--eval-every", "4", "--val-tokens", "256", "--hellaswag-every", "0",
-        "--sample-every", "0", "--ckpt-every", "0", *map(str, extra),
-    ]  # fmt: skip
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out_dir),
+        "--device",
+        "cpu",
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "64",
+        "-B",
+        "2",
+        "-T",
+        "16",
+        "--total-batch-size",
+        "64",
+        "--max-steps",
+        "6",
+        "--warmup-steps",
+        "3",
+        "--max-lr",
+        "3e-3",
+        "--eval-every",
+        "4",
+        "--val-tokens",
+        "256",
+        "--hellaswag-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--ckpt-every",
+        "0",
+        *map(str, extra),
+    ]
 
 
 def read_log(out_dir):
@@ -143,8 +177,9 @@ def read_log(out_dir):
 
 def cli(*args, script="train_gpt2.py", timeout=300, **kwargs):
     """Run one of the scripts as a user would; returns the CompletedProcess."""
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, **kwargs)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs
+    )
 
 
 # After a script's main() on the CPU, in the same interpreter: how many MiB of a live 64 MiB tensor
@@ -159,7 +194,8 @@ if sys.argv[1] == "off":
 assert script.main(sys.argv[3:]) in (0, None)
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
 x = torch.ones(16 * 2**20)
@@ -171,8 +207,13 @@ print(mapped, libc.mallinfo2().arena >> 20)
 
 def heap_after(script, mode, args):
     """(MiB mapped on its own, MiB the heap keeps) after `script`.main(args), "on" or "off"; see MALLOC_PROBE."""
-    proc = subprocess.run([sys.executable, "-c", MALLOC_PROBE, mode, script, *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", MALLOC_PROBE, mode, script, *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return [int(v) for v in proc.stdout.split()[-2:]]
 

@@ -40,7 +40,15 @@ def test_tiny_bench_writes_table_and_json(tmp_path, shared_data):
     rows = report["rows"]
     assert len(report["table"].splitlines()) == len(rows) + 2
     names = " | ".join(row["name"] for row in rows)
-    for wanted in ("matmul ceiling fp32", "loader", "fineweb.py", "ours vs transformers", "bf16 vs fp32", "hellaswag", "KV cache"):  # fmt: skip
+    for wanted in (
+        "matmul ceiling fp32",
+        "loader",
+        "fineweb.py",
+        "ours vs transformers",
+        "bf16 vs fp32",
+        "hellaswag",
+        "KV cache",
+    ):
         assert wanted in names
     assert sum(row["baseline"] is not None for row in rows) >= 2  # ours vs transformers, bf16 vs fp32 at least
     for row in rows:
@@ -87,8 +95,13 @@ def test_unknown_section_is_a_one_line_error(tmp_path):
 
 
 def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
-    proc = subprocess.Popen([sys.executable, "bench.py", "--tiny", "--out", str(tmp_path / "b.json")], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "bench.py", "--tiny", "--out", str(tmp_path / "b.json")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(0.3)  # inside `import torch` (about 1 s here)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

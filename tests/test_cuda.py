@@ -14,11 +14,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import read_log
 
 import hellaswag
-import train_gpt2
 import train_support
+from conftest import read_log
 from fineweb import write_shard
 from train_gpt2 import GPT, GPTConfig
 
@@ -35,10 +34,27 @@ SMALL_BATCH = ("-B", 4, "-T", 1024, "--total-batch-size", 8192)
 def gpu_args(data_dir, out_dir, *extra):
     """train_gpt2.py's defaults (cuda, bf16, compile) at a small batch; later flags win."""
     return [
-        "--data-dir", data_dir, "--out-dir", out_dir, *SMALL_BATCH, "--max-steps", 8, "--warmup-steps", 4,
-        "--max-lr", 1e-3, "--eval-every", 0, "--hellaswag-every", 0, "--sample-every", 0, "--ckpt-every", 0,
+        "--data-dir",
+        data_dir,
+        "--out-dir",
+        out_dir,
+        *SMALL_BATCH,
+        "--max-steps",
+        8,
+        "--warmup-steps",
+        4,
+        "--max-lr",
+        1e-3,
+        "--eval-every",
+        0,
+        "--hellaswag-every",
+        0,
+        "--sample-every",
+        0,
+        "--ckpt-every",
+        0,
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def run(*command, env=None, timeout=600):
@@ -94,10 +110,27 @@ def test_torchrun_one_rank_over_nccl(shakespeare, run_124m, tmp_path, shared_dat
     out = tmp_path / "ddp"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
     args = gpu_args(
-        shakespeare, out, "--max-steps", 20, "--eval-every", 20, "--val-tokens", 16384, "--hellaswag-every", 20,
-        "--hellaswag-limit", 40, "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl",
-        "--sample-every", 20, "--num-samples", 2, "--max-new-tokens", 8,
-    )  # fmt: skip
+        shakespeare,
+        out,
+        "--max-steps",
+        20,
+        "--eval-every",
+        20,
+        "--val-tokens",
+        16384,
+        "--hellaswag-every",
+        20,
+        "--hellaswag-limit",
+        40,
+        "--hellaswag-data",
+        shared_data / "hellaswag" / "hellaswag_val.jsonl",
+        "--sample-every",
+        20,
+        "--num-samples",
+        2,
+        "--max-new-tokens",
+        8,
+    )
     r = run(*torchrun, "train_gpt2.py", *args, env={"NCCL_DEBUG": "VERSION"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "NCCL version" in r.stdout + r.stderr  # the process group really is NCCL's
@@ -116,7 +149,7 @@ def test_torchrun_one_rank_over_nccl(shakespeare, run_124m, tmp_path, shared_dat
 
 def _resume_pair(shakespeare, tmp_path, *flags):
     """A reference run of 8 steps, and a second process that resumes from its step-4 checkpoint."""
-    args = lambda out: gpu_args(shakespeare, out, "--ckpt-every", 4, *flags)
+    args = lambda out: gpu_args(shakespeare, out, "--ckpt-every", 4, *flags)  # noqa: E731
     train(*args(tmp_path / "ref"))
     (tmp_path / "resumed").mkdir()
     shutil.copy(tmp_path / "ref" / "ckpt_000004.pt", tmp_path / "resumed")
@@ -135,7 +168,7 @@ def test_resume_with_deterministic_is_bitwise(shakespeare, tmp_path):
         assert resumed[s]["grad_norm"] == ref[s]["grad_norm"], s
     assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    moments = lambda c: [t for s in c["optimizer"]["state"].values() for t in (s["exp_avg"], s["exp_avg_sq"])]
+    moments = lambda c: [t for s in c["optimizer"]["state"].values() for t in (s["exp_avg"], s["exp_avg_sq"])]  # noqa: E731
     assert all(torch.equal(x, y) for x, y in zip(moments(a), moments(b)))
 
 
@@ -164,8 +197,23 @@ BF16_LOSS_ATOL, BF16_NORM_RTOL = 0.01, 0.05
 def test_bf16_autocast_steps_stay_close_to_fp32(shakespeare, tmp_path):
     """A 4-layer, 256-wide model, eager, 8 steps in bf16 autocast and the same 8 in fp32: the
     logged loss and gradient norm agree within the bounds above at every step."""
-    small = ("--n-layer", 4, "--n-head", 4, "--n-embd", 256, "--block-size", 256, "-B", 4, "-T", 256,
-             "--total-batch-size", 2048, "--no-compile")  # fmt: skip
+    small = (
+        "--n-layer",
+        4,
+        "--n-head",
+        4,
+        "--n-embd",
+        256,
+        "--block-size",
+        256,
+        "-B",
+        4,
+        "-T",
+        256,
+        "--total-batch-size",
+        2048,
+        "--no-compile",
+    )
     logs = {}
     for dtype in ("bfloat16", "float32"):
         train(*gpu_args(shakespeare, tmp_path / dtype, "--dtype", dtype, *small))
@@ -250,7 +298,9 @@ def test_greedy_samples_cuda_fp32_equal_the_cpu(eval_model, enc, fp32_exact):
     assert first_tie >= 24, gaps  # the whole sample, or all but a last few tokens after a near-tie
     # and the text path training prints, on the GPU
     # (2 rows: the shapes, and so the kernels, of the eager GPU decode above)
-    text = train_support.sample_text(eval_model.to("cuda"), enc, "Hello, I'm a language model,", 2, n_new, temperature=0)
+    text = train_support.sample_text(
+        eval_model.to("cuda"), enc, "Hello, I'm a language model,", 2, n_new, temperature=0
+    )
     eval_model.to("cpu")
     assert text == [enc.decode(gpu[0].tolist())] * 2
 
@@ -258,10 +308,18 @@ def test_greedy_samples_cuda_fp32_equal_the_cpu(eval_model, enc, fp32_exact):
 def test_bench_tiny_on_cuda(tmp_path, shared_data):
     out = tmp_path / "bench.json"
     r = run(
-        sys.executable, ROOT / "bench.py", "--tiny", "--device", "cuda", "--out", out,
-        "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl",
-        "--only", "ceiling,loader,train,hellaswag,sample",  # fineweb tokenizes on the CPU: test_bench's
-    )  # fmt: skip
+        sys.executable,
+        ROOT / "bench.py",
+        "--tiny",
+        "--device",
+        "cuda",
+        "--out",
+        out,
+        "--hellaswag-data",
+        shared_data / "hellaswag" / "hellaswag_val.jsonl",
+        "--only",
+        "ceiling,loader,train,hellaswag,sample",  # fineweb tokenizes on the CPU: test_bench's
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["machine"]["device"] == torch.cuda.get_device_name(0)
@@ -307,8 +365,11 @@ def test_out_of_gpu_memory_is_one_line_and_lowering_B_as_advised_trains(shakespe
 def test_out_of_gpu_memory_in_the_start_up_sampling_check_names_num_samples(shakespeare, tmp_path):
     total = torch.cuda.get_device_properties(0).total_memory
     n = int(2 * total / (50304 * 4)) + 1  # the noise and logits of one token alone take twice the GPU
-    r = run(sys.executable, "train_gpt2.py", *gpu_args(shakespeare, tmp_path / "out", "--sample-every", 4,
-                                                       "--num-samples", n, "--no-compile"))  # fmt: skip
+    r = run(
+        sys.executable,
+        "train_gpt2.py",
+        *gpu_args(shakespeare, tmp_path / "out", "--sample-every", 4, "--num-samples", n, "--no-compile"),
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
     assert lines[0].startswith("error: out of GPU memory in the start-up sampling check: lower --num-samples")

@@ -1,4 +1,4 @@
-"""--export-hf never deletes or overwrites what it did not write (README rule 1), and --sample-from
+"""--export-hf never deletes or overwrites what it did not write (docs/reliability.md, rules 3 and 4), and --sample-from
 a Hub name fails at once, in one line, where the Hub cannot be used (rule 8).
 
 Each refusal is a real subprocess of train_gpt2.py: exit 1, one `error:` line, no traceback, and
@@ -17,10 +17,10 @@ import urllib.error
 
 import pytest
 import torch
-from conftest import ROOT, assert_one_line_error, user_error
 
 import train_gpt2
 import train_support
+from conftest import ROOT, assert_one_line_error, user_error
 from train_gpt2 import load_model
 from train_support import GPT2_VOCAB, UserError
 
@@ -47,8 +47,12 @@ def snapshot(folder):
 def export_cli(ckpt, target, cwd, env=None):
     return subprocess.run(
         [sys.executable, str(ROOT / "train_gpt2.py"), "--export-hf", str(ckpt), str(target)],
-        cwd=cwd, capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def export_error(ckpt, target):
@@ -215,10 +219,7 @@ def earlier_export(model, tmp_path):
 
 
 @pytest.mark.parametrize("earlier", [False, True], ids=["new", "over_earlier_export"])
-@pytest.mark.parametrize(
-    "fault",
-    ["disk_full", "safetensors_disk_full", "ctrl_c"],
-)
+@pytest.mark.parametrize("fault", ["disk_full", "safetensors_disk_full", "ctrl_c"])
 def test_fault_mid_write_leaves_everything_as_it_was(tiny_model, tmp_path, monkeypatch, fault, earlier):
     from safetensors import SafetensorError
 
@@ -230,7 +231,7 @@ def test_fault_mid_write_leaves_everything_as_it_was(tiny_model, tmp_path, monke
             "Error while serializing: I/O error: No space left on device (os error 28)"  # its real wording
         ),
         "ctrl_c": KeyboardInterrupt(),
-    }[fault]  # fmt: skip
+    }[fault]
     fail_save(monkeypatch, exc)
     if fault == "ctrl_c":
         with pytest.raises(KeyboardInterrupt):
@@ -345,10 +346,24 @@ def test_real_full_disk_cli(short_run, small_disk, tmp_path):
 
 def sample_cli(spec, env, cwd):
     return subprocess.run(
-        [sys.executable, str(ROOT / "train_gpt2.py"), "--sample-from", spec, "--device", "cpu",
-         "--num-samples", "2", "--max-new-tokens", "4"],
-        cwd=cwd, capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "train_gpt2.py"),
+            "--sample-from",
+            spec,
+            "--device",
+            "cpu",
+            "--num-samples",
+            "2",
+            "--max-new-tokens",
+            "4",
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def hub_env(tmp_path, **extra):

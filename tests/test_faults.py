@@ -3,7 +3,7 @@ failing writes, non-finite steps, a dying DDP rank, and malformed data. Each one
 either an exact continuation or a one-line error; nothing finished is ever lost.
 
 Faults whose test lives with its script's other tests (test_train.py, test_fineweb.py,
-test_hellaswag.py) are not repeated here; the Reliability table in README.md names them all."""
+test_hellaswag.py) are not repeated here; the table in docs/reliability.md names them all."""
 
 import errno
 import json
@@ -27,6 +27,7 @@ import train_support
 from conftest import ROOT, random_shards, read_log, tiny_args, user_error, write_shard
 from fineweb import EOT
 from train_support import UserError, load_checkpoint, load_training_checkpoint
+
 
 class FullDisk:
     """A writable file that takes `room` bytes, then fails like a full disk (ENOSPC)."""
@@ -89,7 +90,9 @@ def test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes(tmp_path, m
     # the two finished shards and their manifest are untouched; the half-written one is gone
     manifest = json.loads((out / "edufineweb_manifest.json").read_text())
     assert [s["file"] for s in manifest["shards"]] == ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy"]
-    assert sorted(p.name for p in out.iterdir()) == sorted([*(s["file"] for s in manifest["shards"]), "edufineweb_manifest.json"])  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [*(s["file"] for s in manifest["shards"]), "edufineweb_manifest.json"]
+    )
     np.testing.assert_array_equal(np.load(out / "edufineweb_train_000001.npy"), expected[100_000:200_000])
 
     monkeypatch.undo()  # space freed: the same command continues after the finished shards
@@ -151,7 +154,9 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
     hit = []
     for when in plan:
         expected = newest_checkpoint(out)  # what --resume must pick: the newest complete checkpoint
-        proc = subprocess.Popen([*cmd(out), "--resume"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [*cmd(out), "--resume"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         try:
             deadline, records = time.time() + 120, step_records(out)
             if when == "start-up":
@@ -172,7 +177,9 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
         assert proc.returncode == -signal.SIGKILL, f"{when}: the run ended before the kill\n{stderr}"
         if "resuming from" in stdout or expected is not None:
             assert f"resuming from {expected} " in stdout, (when, expected, stdout[-2000:])
-        hit.append(when if when != "checkpoint write" or list(out.glob("*.pt.tmp")) else "just after a checkpoint write")
+        hit.append(
+            when if when != "checkpoint write" or list(out.glob("*.pt.tmp")) else "just after a checkpoint write"
+        )
     assert hit.count("checkpoint write") >= 1, hit  # at least one kill really cut a checkpoint in half
     final = subprocess.run([*cmd(out), "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr
@@ -222,7 +229,12 @@ def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
     with pytest.raises(UserError, match=r"transformer\.h\.1\.mlp\.c_fc\.weight is missing") as e:
         train_gpt2.load_model(str(hf_dir))
     assert "\n" not in str(e.value)
-    r = subprocess.run([sys.executable, "train_gpt2.py", "--sample-from", str(hf_dir), "--device", "cpu"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "train_gpt2.py", "--sample-from", str(hf_dir), "--device", "cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "c_fc.weight is missing" in r.stderr
 
@@ -242,11 +254,15 @@ def read_only_on_nth_open(monkeypatch, n):
                 raise OSError(errno.EROFS, "Read-only file system", str(path))
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(train_support, "open", open_, raising=False)  # train_support.write_atomic writes the checkpoints
+    monkeypatch.setattr(
+        train_support, "open", open_, raising=False
+    )  # train_support.write_atomic writes the checkpoints
     return opened
 
 
-@pytest.mark.parametrize("fault, reason", [("disk-full", "No space left on device"), ("read-only", "Read-only file system")])  # fmt: skip
+@pytest.mark.parametrize(
+    "fault, reason", [("disk-full", "No space left on device"), ("read-only", "Read-only file system")]
+)
 def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_path, monkeypatch, fault, reason):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
@@ -261,11 +277,15 @@ def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_p
     assert max(read_log(out)[1]) == 2  # stopped at the failed write, not after more steps
     previous = load_training_checkpoint(str(out / "ckpt_000002.pt"))
     monkeypatch.undo()  # the disk has room again: the run continues from the previous checkpoint
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0, "--resume")) == 0
+    assert (
+        train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0, "--resume")) == 0
+    )
     ref = tmp_path / "ref"
     assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)) == 0
     assert same_weights(previous["model"], load_checkpoint(str(ref / "ckpt_000002.pt"))["model"])
-    assert same_weights(load_checkpoint(str(out / "ckpt_000004.pt"))["model"], load_checkpoint(str(ref / "ckpt_000004.pt"))["model"])  # fmt: skip
+    assert same_weights(
+        load_checkpoint(str(out / "ckpt_000004.pt"))["model"], load_checkpoint(str(ref / "ckpt_000004.pt"))["model"]
+    )
 
 
 def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
@@ -309,8 +329,9 @@ def test_training_outlives_its_closed_stdout(tmp_path):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 400, "--eval-every", 100, "--ckpt-every", 200)
-    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     proc.stdout.readline()  # the run is printing
     proc.stdout.close()  # and its reader goes away
     err = proc.stderr.read()
@@ -367,14 +388,18 @@ def hit_rank_1(tmp_path, sig, *extra):
     out = tmp_path / "out"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
     args = tiny_args(data, out, "--max-steps", 100000, "--eval-every", 0, *extra)
-    proc = subprocess.Popen([*torchrun, *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [*torchrun, *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     workers = []
     try:
         deadline = time.time() + 120
         while not (out / "log.jsonl").exists() or '"step": 2,' not in (out / "log.jsonl").read_text():
             assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
             time.sleep(0.05)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train_gpt2.py" in " ".join(p.cmdline())]  # fmt: skip
+        workers = [
+            p for p in psutil.Process(proc.pid).children(recursive=True) if "train_gpt2.py" in " ".join(p.cmdline())
+        ]
         rank1 = [p for p in workers if p.environ().get("RANK") == "1"]
         assert len(workers) == 2 and len(rank1) == 1
         t0 = time.time()

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import fineweb
-from fineweb import EOT
 import train_support
+from fineweb import EOT
 from train_support import UserError
 
 ROOT = __import__("conftest").ROOT
@@ -62,7 +62,9 @@ def snapshot(folder):
 
 def run_cli(args, cwd, timeout=120):
     """fineweb.py as a user runs it: (exit code, stdout, stderr)."""
-    r = subprocess.run([sys.executable, str(ROOT / "fineweb.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "fineweb.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
     return r.returncode, r.stdout, r.stderr
 
 
@@ -397,7 +399,9 @@ def online(monkeypatch):
     opens (only check_online makes one; the Hub itself is monkeypatched by the tests that use it)."""
     for var in fineweb.HUB_OFFLINE_VARS:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(train_support.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})())
+    monkeypatch.setattr(
+        train_support.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})()
+    )
 
 
 def test_hub_dataset_that_cannot_be_opened(tmp_path, monkeypatch):
@@ -522,12 +526,16 @@ def test_bad_flags_through_the_cli_are_one_line(tmp_path):
 
 def test_input_smaller_than_one_shard_says_so(tmp_path, shared_data):
     # the default 100M-token shard: all of tiny shakespeare lands in the val shard
-    code, out, err = run_cli(["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path)
+    code, out, err = run_cli(
+        ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path
+    )
     assert code == 0, err
     assert out.startswith("done: 338,026 tokens from 1 documents in 1 shards")
     assert "no train shard" in err and "--shard-size 33802" in err and "another --out-dir" in err
     assert sorted(os.listdir(tmp_path / "out")) == ["edufineweb_manifest.json", "edufineweb_val_000000.npy"]
-    code, out, err = run_cli(["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path)
+    code, out, err = run_cli(
+        ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path
+    )
     assert out.startswith("nothing to do") and "no train shard" in err  # and again on a rerun
 
 
@@ -571,7 +579,10 @@ def tiny_shards(tmp_path, shared_data, out="out", extra=()):
     "plant, message",
     [
         # the manifest deleted (as an old refusal suggested), then the run again
-        (lambda out: os.remove(out / "edufineweb_manifest.json"), r"holds 3 shard file\(s\) .*edufineweb_train_000001.npy"),
+        (
+            lambda out: os.remove(out / "edufineweb_manifest.json"),
+            r"holds 3 shard file\(s\) .*edufineweb_train_000001.npy",
+        ),
         # another prefix's shards: training reads every *_train_* file of the folder
         (lambda out: (out / "other_train_000001.npy").write_bytes(b"x"), r"holds 1 shard .*other_train_000001.npy"),
         # the user's own file with a shard's name, past the end of ours
@@ -632,7 +643,9 @@ def test_second_run_into_the_same_folder_is_refused(tmp_path, shared_data):
     lock = fineweb.lock_folder(str(tmp_path / "out"))  # a first run holds the folder (flock: per open file)
     try:
         before = snapshot(tmp_path)
-        code, out, err = run_cli(["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path)
+        code, out, err = run_cli(
+            ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path
+        )
         assert_one_line_error(code, err, r"another fineweb.py is writing to out: wait for it to finish, or use another")
         assert snapshot(tmp_path) == before
     finally:
@@ -643,7 +656,13 @@ def test_second_run_into_the_same_folder_is_refused(tmp_path, shared_data):
 
 def test_two_real_runs_at_once(tmp_path, parquet_files):
     args = ["--input", *parquet_files * 3, "--out-dir", "out", "--shard-size", "50000", "--workers", "1"]
-    first = subprocess.Popen([sys.executable, str(ROOT / "fineweb.py"), *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "fineweb.py"), *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         manifest = tmp_path / "out" / "edufineweb_manifest.json"
         deadline = time.time() + 60
@@ -675,8 +694,12 @@ def test_ctrl_c_is_prompt_and_clean_then_resumes(tmp_path, sample_x2, when):
     args, fresh = sample_x2
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "fineweb.py"), *args, "--out-dir", "out"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     manifest = tmp_path / "out" / "edufineweb_manifest.json"
     shards = {"start-up": None, "first-shard": 0, "mid-run": 8}[when]
     deadline = time.time() + 60

@@ -20,10 +20,10 @@ import torch
 from torch.nn import functional as F
 
 import hellaswag
+import train_support
 from conftest import heap_after
 from hellaswag import HellaSwagDataError
 from train_gpt2 import GPT
-import train_support
 
 ROOT = __import__("conftest").ROOT
 
@@ -284,7 +284,9 @@ def hf_dir(tmp_path_factory):
     """A random transformers GPT-2 saved locally; n_embd 32 keeps the 50257-way output layer cheap."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=4, n_embd=32, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     model = transformers.GPT2LMHeadModel(config)
     with torch.no_grad():  # move the LayerNorms and biases off their 1 / 0 init so that they matter
         for name, p in model.named_parameters():
@@ -328,7 +330,9 @@ def test_fast_scorer_equals_plain_loop_on_1000_examples(parity):
     exs, plain, prepared = parity["examples"], parity["plain"], parity["prepared"]
     block_size = 128
     # both paths are exercised: shared contexts, and rows too long for the window
-    too_long = [i for i in range(len(prepared)) if len(prepared.ctx[i]) + max(map(len, prepared.endings[i])) > block_size + 1]  # fmt: skip
+    too_long = [
+        i for i in range(len(prepared)) if len(prepared.ctx[i]) + max(map(len, prepared.endings[i])) > block_size + 1
+    ]
     assert 0 < len(too_long) < len(exs) // 2
     sum_loss, n_tokens = hellaswag.ending_losses(parity["ours"], prepared, "cpu", batch_tokens=3000)
     assert torch.allclose(sum_loss, torch.tensor([s for s, _ in plain]), rtol=1e-4, atol=1e-4)
@@ -430,8 +434,11 @@ def test_packed_rows_with_one_token_endings_and_a_one_token_context(tiny_config,
     a single cell (a one-token context whose endings are one token each) in one batch."""
     torch.manual_seed(0)
     model = GPT(tiny_config)
-    exs = [dict(examples[0], endings=["a", "b c", "d e f", "."]), dict(examples[1], ctx="x", endings=["y", "z", "w", "v"]),
-           examples[2]]  # fmt: skip
+    exs = [
+        dict(examples[0], endings=["a", "b c", "d e f", "."]),
+        dict(examples[1], ctx="x", endings=["y", "z", "w", "v"]),
+        examples[2],
+    ]
     prepared = hellaswag.prepare(exs, enc)
     assert prepared.ctx_len[1] == 1 and (prepared.end_len[1] == 1).all() and (prepared.end_len[0] == [1, 2, 3, 1]).all()
     batches, _ = hellaswag._batches(prepared, range(3), tiny_config.block_size, True, 4096, "cpu")
@@ -454,7 +461,9 @@ def test_evaluate_counts_and_shards_sum_to_the_whole(small, enc):
     assert [p["n"] for p in parts] == [14, 13, 13]
     assert {k: sum(p[k] for p in parts) for k in whole} == whole
     # a rank with no examples still returns every key, as zeros, so the ranks can be summed
-    assert hellaswag.evaluate(model, hellaswag.prepare(exs[:3], enc), "cpu", rank=5, world_size=8) == dict.fromkeys(whole, 0)
+    assert hellaswag.evaluate(model, hellaswag.prepare(exs[:3], enc), "cpu", rank=5, world_size=8) == dict.fromkeys(
+        whole, 0
+    )
 
 
 def test_should_stop_ends_the_eval_between_batches(small, examples, enc):
@@ -497,8 +506,13 @@ def test_on_a_cpu_hellaswag_py_keeps_freed_memory_as_training_does(short_run, va
 @pytest.mark.parametrize("delay", [0.3, 1.5])
 def test_ctrl_c_while_it_starts_is_one_line(short_run, val_path, delay):
     # importing torch, tokenizing or loading the model: one line, exit 130, never a traceback
-    proc = subprocess.Popen([sys.executable, "hellaswag.py", "-m", str(short_run[1]), "--data", str(val_path), "-d",
-                             "cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "hellaswag.py", "-m", str(short_run[1]), "--data", str(val_path), "-d", "cpu"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -522,8 +536,11 @@ def test_cli_prints_accuracy(hf_dir, small, val_path):
 def test_cli_bad_data_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0, "split_type": "indomain"}\nnot json\n')
-    for data, message in ((bad, "bad.jsonl, line 2: not JSON"), (tmp_path / "none.jsonl", "does not exist"),
-                          (tmp_path, "is a folder: pass the path of a HellaSwag jsonl file in it")):  # fmt: skip
+    for data, message in (
+        (bad, "bad.jsonl, line 2: not JSON"),
+        (tmp_path / "none.jsonl", "does not exist"),
+        (tmp_path, "is a folder: pass the path of a HellaSwag jsonl file in it"),
+    ):
         r = run_cli("-m", "gpt2", "--data", data)
         assert r.returncode == 1
         assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1

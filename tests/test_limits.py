@@ -37,8 +37,13 @@ runpy.run_path("train_gpt2.py", run_name="__main__")
 
 
 def limited(headroom_mib, *args):
-    return subprocess.run([sys.executable, "-c", LIMITED, str(headroom_mib), *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", LIMITED, str(headroom_mib), *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def strict_records(out):
@@ -99,9 +104,38 @@ def test_out_of_memory_while_sampling_mid_run_keeps_the_checkpoint_and_resume_co
     allocates: out of memory there names --num-samples and the checkpoint that stands; --resume with
     the advice's --num-samples continues from it to the end."""
     out = tmp_path / "out"
-    args = tiny_args(big_data, out, "--n-layer", 4, "--n-head", 4, "--n-embd", 256, "--block-size", 1024, "-B", 1,
-                     "-T", 16, "--total-batch-size", 16, "--max-steps", 4, "--warmup-steps", 1, "--eval-every", 0,
-                     "--sample-every", 2, "--max-new-tokens", 1000, "--num-samples", 64, "--ckpt-every", 1)  # fmt: skip
+    args = tiny_args(
+        big_data,
+        out,
+        "--n-layer",
+        4,
+        "--n-head",
+        4,
+        "--n-embd",
+        256,
+        "--block-size",
+        1024,
+        "-B",
+        1,
+        "-T",
+        16,
+        "--total-batch-size",
+        16,
+        "--max-steps",
+        4,
+        "--warmup-steps",
+        1,
+        "--eval-every",
+        0,
+        "--sample-every",
+        2,
+        "--max-new-tokens",
+        1000,
+        "--num-samples",
+        64,
+        "--ckpt-every",
+        1,
+    )
     r = limited(600, *args)
     line = assert_one_line_error(r, "out of host memory while sampling at step 2", "--num-samples 64")
     assert f"{out / 'ckpt_000001.pt'} stands: continue from it with --resume --num-samples 32" in line
@@ -310,8 +344,9 @@ def torchrun(*args, wrap=None, timeout=300):
     """Two CPU ranks (gloo) of train_gpt2.py, or of the python code `wrap` that runs it."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     script = ["--no-python", sys.executable, "-c", wrap] if wrap else ["train_gpt2.py"]
-    return subprocess.run([*launch, *script, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [*launch, *script, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # rank 0's disk takes 8 s per checkpoint: longer than the 3 s --ddp-timeout
@@ -333,8 +368,24 @@ def test_a_short_ddp_timeout_survives_slow_checkpoints_and_long_samples(data, tm
     """Rank 0 writes checkpoints alone (8 s each here) and samples take seconds: with --ddp-timeout 3
     a healthy job finishes, because the other rank waits in the fence, and every rank samples."""
     out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 2, "--sample-every", 2,
-                     "--num-samples", 256, "--max-new-tokens", 48, "--ddp-timeout", 3)  # fmt: skip
+    args = tiny_args(
+        data,
+        out,
+        "--max-steps",
+        4,
+        "--ckpt-every",
+        2,
+        "--eval-every",
+        2,
+        "--sample-every",
+        2,
+        "--num-samples",
+        256,
+        "--max-new-tokens",
+        48,
+        "--ddp-timeout",
+        3,
+    )
     t0 = time.time()
     r = torchrun(*args, wrap=SLOW_DISK)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -467,8 +518,12 @@ def test_a_relative_data_dir_resumes_from_another_working_directory(data, tmp_pa
     r = subprocess.run([sys.executable, str(ROOT / "train_gpt2.py"), *args], cwd=work, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     elsewhere = ["--resume", str(work / "run"), "--max-steps", 4, "--device", "cpu"]
-    r = subprocess.run([sys.executable, str(ROOT / "train_gpt2.py"), *map(str, elsewhere)], cwd=tmp_path,
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "train_gpt2.py"), *map(str, elsewhere)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert sorted(read_log(work / "run")[1]) == [0, 1, 2, 3]
 

@@ -181,7 +181,10 @@ def test_init_from_a_run_folder_starts_from_its_newest_checkpoint(short_run, tmp
     data, out = short_run
     loss = {}
     for name, spec in (("folder", out), ("newest", out / "ckpt_000002.pt"), ("older", out / "ckpt_000001.pt")):
-        assert train_gpt2.main(tiny_args(data, tmp_path / name, "--max-steps", 1, "--eval-every", 0, "--init-from", spec)) == 0
+        assert (
+            train_gpt2.main(tiny_args(data, tmp_path / name, "--max-steps", 1, "--eval-every", 0, "--init-from", spec))
+            == 0
+        )
         loss[name] = read_log(tmp_path / name)[1][0]["train_loss"]
     assert loss["folder"] == loss["newest"] != loss["older"]
 
@@ -238,8 +241,23 @@ def test_legitimate_sampling_settings_work(data, tmp_path, enc, flags, prompt, n
     """Each setting has its effect: the logged samples of steps 1 and 2 are the ones computed here
     from that step's checkpoint (greedy decoding by hand; <|endoftext|> is token 50256)."""
     out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 2, "--sample-every", 1, "--num-samples", 2, "--max-new-tokens", 4,
-                     "--eval-every", 0, "--ckpt-every", 1, *flags)  # fmt: skip
+    args = tiny_args(
+        data,
+        out,
+        "--max-steps",
+        2,
+        "--sample-every",
+        1,
+        "--num-samples",
+        2,
+        "--max-new-tokens",
+        4,
+        "--eval-every",
+        0,
+        "--ckpt-every",
+        1,
+        *flags,
+    )
     assert train_gpt2.main(args) == 0
     stops_early = "note: samples stop at the model's 64-token window" in capsys.readouterr().out
     assert stops_early == (500 in flags)
@@ -251,8 +269,12 @@ def test_legitimate_sampling_settings_work(data, tmp_path, enc, flags, prompt, n
         if "--temperature" in flags:
             assert texts == [enc.decode(greedy_tokens(model, tokens, n_new))] * 2, step
         else:  # drawn among all 50257 tokens, with the run's fixed sampling seed (42)
-            draw = lambda top_k: model.generate(torch.tensor([tokens] * 2), n_new, top_k=top_k,  # noqa: E731
-                                                generator=torch.Generator().manual_seed(42))  # fmt: skip
+            draw = lambda top_k: model.generate(  # noqa: E731
+                torch.tensor([tokens] * 2),
+                n_new,
+                top_k=top_k,  # noqa: E731
+                generator=torch.Generator().manual_seed(42),
+            )
             assert texts == [enc.decode(row.tolist()) for row in draw(None)], step
             assert texts != [enc.decode(row.tolist()) for row in draw(50)]  # the setting changes the draw
 
@@ -276,6 +298,7 @@ def test_a_prompt_longer_than_the_window_is_refused_at_start(data, tmp_path):
 
 def test_sampling_is_exercised_before_step_0(data, tmp_path, monkeypatch):
     """A sampling failure (here: the sampler raising) happens before the first step, not at step N."""
+
     def broken(*args, **kwargs):
         raise train_support.UserError("sampling failed")
 
@@ -307,8 +330,10 @@ def run4(data, tmp_path):
     return out
 
 
-@pytest.mark.parametrize("flag, value", [("--total-batch-size", 128), ("-T", 8), ("--weight-decay", 0.05),
-                                         ("--warmup-steps", 2), ("--seed", 3)])  # fmt: skip
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--total-batch-size", 128), ("-T", 8), ("--weight-decay", 0.05), ("--warmup-steps", 2), ("--seed", 3)],
+)
 def test_a_contradicting_recipe_flag_on_resume_is_refused(data, run4, flag, value):
     before = snapshot(run4)
     msg = user_error(tiny_args(data, run4, "--max-steps", 8, "--warmup-steps", 5, "--resume", flag, value))
@@ -362,8 +387,13 @@ def test_resume_with_a_run_folder_continues_that_run_in_it(data, run4, tmp_path)
     args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--eval-every", 0)
     i = args.index("--out-dir")
     del args[i : i + 2]
-    r = subprocess.run([sys.executable, str(ROOT / "train_gpt2.py"), *args, "--resume", str(run4)], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "train_gpt2.py"), *args, "--resume", str(run4)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert not (tmp_path / "log").exists()
     records, steps = read_log(run4)
@@ -404,8 +434,13 @@ def test_tokens_count_stays_right_after_resume_with_another_B(data, run4, tmp_pa
 
 
 def start(args):
-    return subprocess.Popen([sys.executable, "train_gpt2.py", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *map(str, args)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])
@@ -420,8 +455,11 @@ def test_ctrl_c_during_start_up_is_one_line(data, tmp_path, delay):
 
 
 def test_a_second_ctrl_c_stops_at_once_in_one_line(data, tmp_path):
-    proc = start(tiny_args(data, tmp_path / "out", "--max-steps", 100000, "--warmup-steps", 1, "--eval-every", 1,
-                           "--val-tokens", 512))  # fmt: skip
+    proc = start(
+        tiny_args(
+            data, tmp_path / "out", "--max-steps", 100000, "--warmup-steps", 1, "--eval-every", 1, "--val-tokens", 512
+        )
+    )
     for line in proc.stdout:
         if line.startswith("step     2/"):
             break
@@ -451,8 +489,24 @@ def ctrl_c_during_step_0_eval(proc, out, delay):
 def test_ctrl_c_during_a_long_val_eval_stops_promptly_with_a_checkpoint(tmp_path):
     data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=3_000_000)  # an eval of minutes
     out = tmp_path / "out"
-    proc = start(tiny_args(data, out, "--max-steps", 100, "--warmup-steps", 1, "--eval-every", 1, "--val-tokens",
-                           2_900_000, "-B", 64, "--total-batch-size", 1024))  # fmt: skip
+    proc = start(
+        tiny_args(
+            data,
+            out,
+            "--max-steps",
+            100,
+            "--warmup-steps",
+            1,
+            "--eval-every",
+            1,
+            "--val-tokens",
+            2_900_000,
+            "-B",
+            64,
+            "--total-batch-size",
+            1024,
+        )
+    )
     err, waited = ctrl_c_during_step_0_eval(proc, out, delay=11)  # past the first progress line (every 10 s)
     assert waited < 60, f"the stop request waited {waited:.0f} s for the eval"  # the whole eval takes minutes
     assert (out / "ckpt_000000.pt").exists() and "val_loss" not in (out / "log.jsonl").read_text()
@@ -463,8 +517,22 @@ def test_ctrl_c_during_an_in_training_hellaswag_eval_stops_promptly_with_a_check
     # the full HellaSwag set with the padded 50,304-wide head: an eval of about a minute on 2 cores
     data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=2000)
     out = tmp_path / "out"
-    proc = start(tiny_args(data, out, "--max-steps", 100, "--warmup-steps", 1, "--eval-every", 0, "--hellaswag-every",
-                           1, "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl"))  # fmt: skip
+    proc = start(
+        tiny_args(
+            data,
+            out,
+            "--max-steps",
+            100,
+            "--warmup-steps",
+            1,
+            "--eval-every",
+            0,
+            "--hellaswag-every",
+            1,
+            "--hellaswag-data",
+            shared_data / "hellaswag" / "hellaswag_val.jsonl",
+        )
+    )
     err, waited = ctrl_c_during_step_0_eval(proc, out, delay=3)
     assert waited < 20, f"the stop request waited {waited:.0f} s for the HellaSwag eval"
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]

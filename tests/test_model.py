@@ -54,7 +54,9 @@ def test_loading_a_checkpoint_does_not_import_torch_dynamo(tmp_path, tiny_config
 
     torch.save({"model": GPT(tiny_config).state_dict(), "model_config": asdict(tiny_config)}, tmp_path / "ckpt.pt")
     code = "import sys, train_gpt2; train_gpt2.load_model(sys.argv[1]); print('torch._dynamo' in sys.modules)"
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt.pt")], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "ckpt.pt")], cwd=ROOT, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
 
@@ -193,7 +195,10 @@ def test_tokenizer(enc):
 
 
 def test_tokenizer_missing_cache_is_one_line_error(tmp_path):
-    code = "import fineweb, train_support, sys\ntry:\n    fineweb.get_tokenizer()\nexcept train_support.UserError as e:\n    print(e); sys.exit(3)"
+    code = (
+        "import fineweb, train_support, sys\ntry:\n    fineweb.get_tokenizer()\n"
+        "except train_support.UserError as e:\n    print(e); sys.exit(3)"
+    )
     env = {"PATH": "/usr/bin:/bin", "TIKTOKEN_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path)}
     # an empty cache dir and no network (unroutable proxy) make the load fail fast
     env["HTTPS_PROXY"] = env["HTTP_PROXY"] = "http://127.0.0.1:9"
@@ -205,19 +210,25 @@ def test_tokenizer_missing_cache_is_one_line_error(tmp_path):
 def test_sample_cli_from_local_hf_dir(hf_tiny_dir):
     r = subprocess.run(
         [sys.executable, "train_gpt2.py", "--sample-from", str(hf_tiny_dir), "--device", "cpu"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
-    lines = [l for l in r.stdout.splitlines() if l.startswith("sample ")]
+    lines = [line for line in r.stdout.splitlines() if line.startswith("sample ")]
     assert len(lines) == 4
-    assert all("Hello, I'm a language model," in l for l in lines)
+    assert all("Hello, I'm a language model," in line for line in lines)
 
 
 def test_sample_cli_bad_model_is_one_line_error(tmp_path):
     r = subprocess.run(
         [sys.executable, "train_gpt2.py", "--sample-from", str(tmp_path / "missing.pt"), "--device", "cpu"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error:")
@@ -241,8 +252,9 @@ def hf_trained_scale_dir(tmp_path_factory):
     from transformers import GPT2Config
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0)  # fmt: skip
+    config = GPT2Config(
+        n_layer=2, n_head=4, n_embd=64, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     model = GPT2LMHeadModel(config)
     with torch.no_grad():
         for name, p in model.named_parameters():

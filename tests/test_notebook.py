@@ -82,8 +82,15 @@ def header(resumed_from=None):
 
 def step_record(step, loss, dt_ms=100.0):
     return {
-        "step": step, "train_loss": loss, "lr": 6e-4 * min(1, (step + 1) / 10), "grad_norm": 1.0 + 0.01 * step,
-        "dt_ms": dt_ms, "tok_per_sec": 1024 / (dt_ms / 1000), "mfu": None, "tokens": (step + 1) * 1024, "epoch": 0,
+        "step": step,
+        "train_loss": loss,
+        "lr": 6e-4 * min(1, (step + 1) / 10),
+        "grad_norm": 1.0 + 0.01 * step,
+        "dt_ms": dt_ms,
+        "tok_per_sec": 1024 / (dt_ms / 1000),
+        "mfu": None,
+        "tokens": (step + 1) * 1024,
+        "epoch": 0,
     }
 
 
@@ -241,13 +248,51 @@ def real_run(tmp_path_factory, shared_data, enc):
     np.save(data / "edufineweb_train_000001.npy", tokens[2048:])
     out = tmp_path_factory.mktemp("run")
     args = [
-        sys.executable, "train_gpt2.py", "--data-dir", data, "--out-dir", out, "--device", "cpu",
-        "--n-layer", 2, "--n-head", 2, "--n-embd", 32, "--block-size", 64, "-B", 4, "-T", 32,
-        "--total-batch-size", 128, "--max-steps", 12, "--warmup-steps", 2, "--max-lr", 3e-3,
-        "--eval-every", 4, "--val-tokens", 512, "--hellaswag-every", 6, "--hellaswag-limit", 8,
-        "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl", "--sample-every", 0,
-        "--ckpt-every", 6, "--keep-ckpts", 0,
-    ]  # fmt: skip
+        sys.executable,
+        "train_gpt2.py",
+        "--data-dir",
+        data,
+        "--out-dir",
+        out,
+        "--device",
+        "cpu",
+        "--n-layer",
+        2,
+        "--n-head",
+        2,
+        "--n-embd",
+        32,
+        "--block-size",
+        64,
+        "-B",
+        4,
+        "-T",
+        32,
+        "--total-batch-size",
+        128,
+        "--max-steps",
+        12,
+        "--warmup-steps",
+        2,
+        "--max-lr",
+        3e-3,
+        "--eval-every",
+        4,
+        "--val-tokens",
+        512,
+        "--hellaswag-every",
+        6,
+        "--hellaswag-limit",
+        8,
+        "--hellaswag-data",
+        shared_data / "hellaswag" / "hellaswag_val.jsonl",
+        "--sample-every",
+        0,
+        "--ckpt-every",
+        6,
+        "--keep-ckpts",
+        0,
+    ]
     args = list(map(str, args))
     subprocess.run(args, cwd=ROOT, check=True, capture_output=True, timeout=300)
     first = (out / "log.jsonl").read_text()
@@ -294,9 +339,13 @@ def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env
     shutil.copy(run_dir / "log.jsonl", log)
     env = {**os.environ, "PLAY_LOG": str(log.parent)}
     r = subprocess.run(
-        [sys.executable, "-m", "jupyter", "execute", str(NOTEBOOK)], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "-m", "jupyter", "execute", str(NOTEBOOK)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     rows = {line[:18].strip(): line[18:] for line in r.stdout.splitlines() if len(line) > 18}
     want = expected_summary(log)

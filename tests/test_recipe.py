@@ -53,8 +53,10 @@ def reference_steps(data_dir):
     torch.manual_seed(SEED)  # what train_gpt2 seeds before it builds the model
     model = GPT(GPTConfig(**CONFIG))
     params = list(model.parameters())  # the tied wte / lm_head weight once
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=MAX_LR, betas=BETAS, eps=EPS, fused=True)
     data = batches(data_dir)
     accum = TOTAL // (B * T)
@@ -80,12 +82,43 @@ def recipe_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("recipe")
     data = random_shards(tmp / "data", train_lengths=SHARDS)
     args = tiny_args(
-        data, tmp / "out", "--seed", SEED, "--no-shuffle", "--max-steps", STEPS, "--warmup-steps", WARMUP,
-        "--max-lr", MAX_LR, "--min-lr", MIN_LR, "--weight-decay", WEIGHT_DECAY, "--beta1", BETAS[0],
-        "--beta2", BETAS[1], "--adam-eps", EPS, "--grad-clip", GRAD_CLIP, "-B", B, "-T", T, "--total-batch-size",
-        TOTAL, "--ckpt-every", 1, "--keep-ckpts", 0, "--eval-every", 0,
+        data,
+        tmp / "out",
+        "--seed",
+        SEED,
+        "--no-shuffle",
+        "--max-steps",
+        STEPS,
+        "--warmup-steps",
+        WARMUP,
+        "--max-lr",
+        MAX_LR,
+        "--min-lr",
+        MIN_LR,
+        "--weight-decay",
+        WEIGHT_DECAY,
+        "--beta1",
+        BETAS[0],
+        "--beta2",
+        BETAS[1],
+        "--adam-eps",
+        EPS,
+        "--grad-clip",
+        GRAD_CLIP,
+        "-B",
+        B,
+        "-T",
+        T,
+        "--total-batch-size",
+        TOTAL,
+        "--ckpt-every",
+        1,
+        "--keep-ckpts",
+        0,
+        "--eval-every",
+        0,
         *[f"--{k.replace('_', '-')}={v}" for k, v in CONFIG.items()],
-    )  # fmt: skip
+    )
     assert train_gpt2.main(args) == 0
     return data, tmp / "out"
 

@@ -16,14 +16,7 @@ import torch
 
 import train_gpt2
 from conftest import ROOT, cli, heap_after, random_shards, read_log, tiny_args, user_error, write_shard
-from train_gpt2 import (
-    GPT,
-    DataLoaderLite,
-    GPTConfig,
-    flops_per_token,
-    get_lr,
-    load_model,
-)
+from train_gpt2 import GPT, DataLoaderLite, GPTConfig, flops_per_token, get_lr, load_model
 from train_support import load_checkpoint, sample_text
 
 # ----------------------------------------------------------------------------------------------
@@ -76,8 +69,21 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
     first = {}
     for B in (2, 8):
         out = tmp_path / f"B{B}"
-        args = tiny_args(tmp_path / "data", out, "-B", B, "--total-batch-size", 128, "--max-steps", 1,
-                         "--warmup-steps", 1, "--eval-every", 0, "--no-shuffle")  # fmt: skip
+        args = tiny_args(
+            tmp_path / "data",
+            out,
+            "-B",
+            B,
+            "--total-batch-size",
+            128,
+            "--max-steps",
+            1,
+            "--warmup-steps",
+            1,
+            "--eval-every",
+            0,
+            "--no-shuffle",
+        )
         assert train_gpt2.main(args) == 0
         first[B] = read_log(out)[1][0]
     header = read_log(tmp_path / "B2")[0][0]
@@ -91,8 +97,10 @@ def test_a_cpu_run_keeps_freed_memory_in_the_heap(tmp_path):
     # glibc's default maps each big block on its own and unmaps it when freed: every step of a CPU
     # run would fault its activations in again (half the step time of a small model)
     data = random_shards(tmp_path / "data")
-    got = {mode: heap_after("train_gpt2", mode, tiny_args(data, tmp_path / mode, "--max-steps", 1, "--eval-every", 0))
-           for mode in ("on", "off")}  # fmt: skip
+    got = {
+        mode: heap_after("train_gpt2", mode, tiny_args(data, tmp_path / mode, "--max-steps", 1, "--eval-every", 0))
+        for mode in ("on", "off")
+    }
     assert got["off"][0] >= 64  # the reference: glibc mapped the 64 MiB on its own
     mapped, heap_after_free = got["on"]
     assert mapped < 64 and heap_after_free >= 64, got  # from the heap, and kept there once freed
@@ -115,12 +123,39 @@ def overfit_run(tmp_path_factory, shared_data, enc):
     write_shard(data / "ts_train_000002.npy", train[len(train) // 2 :])
     out = tmp_path_factory.mktemp("overfit")
     args = tiny_args(
-        data, out, "--max-steps", OVERFIT_STEPS, "--warmup-steps", 10, "--max-lr", 1e-2, "-B", 4, "-T", 32,
-        "--total-batch-size", 128,
-        "--eval-every", 75, "--val-tokens", 1024, "--hellaswag-every", OVERFIT_STEPS, "--hellaswag-limit", 8,
-        "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl", "--sample-every", OVERFIT_STEPS,
-        "--num-samples", 2, "--max-new-tokens", 12, "--peak-flops", 1e12,
-    )  # fmt: skip
+        data,
+        out,
+        "--max-steps",
+        OVERFIT_STEPS,
+        "--warmup-steps",
+        10,
+        "--max-lr",
+        1e-2,
+        "-B",
+        4,
+        "-T",
+        32,
+        "--total-batch-size",
+        128,
+        "--eval-every",
+        75,
+        "--val-tokens",
+        1024,
+        "--hellaswag-every",
+        OVERFIT_STEPS,
+        "--hellaswag-limit",
+        8,
+        "--hellaswag-data",
+        shared_data / "hellaswag" / "hellaswag_val.jsonl",
+        "--sample-every",
+        OVERFIT_STEPS,
+        "--num-samples",
+        2,
+        "--max-new-tokens",
+        12,
+        "--peak-flops",
+        1e12,
+    )
     assert train_gpt2.main(args) == 0
     return data, out
 
@@ -257,8 +292,11 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ref").glob("ckpt_*")) == [f"ckpt_0000{s:02d}.pt" for s in (8, 12, 16)]
     proc = subprocess.Popen(
         [sys.executable, "train_gpt2.py", *map(str, run(tmp_path / "b"))],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for_step(proc, tmp_path / "b", 6)  # after the step-4 checkpoint, before the step-8 one
     finally:
@@ -290,10 +328,13 @@ def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 300, "--eval-every", 0)], cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 300, "--eval-every", 0)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does before exec
-    )  # fmt: skip
+    )
     try:
         _wait_for_step(proc, out, 2)
         proc.send_signal(signal.SIGHUP)
@@ -311,8 +352,11 @@ def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 100000)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for_step(proc, out, 2)
         proc.send_signal(signum)

@@ -12,10 +12,23 @@ from conftest import random_shards, read_log, tiny_args
 def test_compiled_run_matches_eager_and_evaluates(tmp_path, shared_data):
     data = random_shards(tmp_path / "data")
     common = (
-        "--max-steps", 3, "--eval-every", 3, "--hellaswag-every", 3, "--hellaswag-limit", 4,
-        "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl",
-        "--sample-every", 3, "--num-samples", 1, "--max-new-tokens", 6,
-    )  # fmt: skip
+        "--max-steps",
+        3,
+        "--eval-every",
+        3,
+        "--hellaswag-every",
+        3,
+        "--hellaswag-limit",
+        4,
+        "--hellaswag-data",
+        shared_data / "hellaswag" / "hellaswag_val.jsonl",
+        "--sample-every",
+        3,
+        "--num-samples",
+        1,
+        "--max-new-tokens",
+        6,
+    )
     assert train_gpt2.main(tiny_args(data, tmp_path / "eager", *common, "--no-compile")) == 0
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

@@ -39,7 +39,7 @@ def test_every_token_once_per_epoch_across_ranks(tmp_path):
     seen = []
     for _ in range(steps):
         batches = [loader.next_batch() for loader in loaders]
-        assert len({(l.epoch, l.shard) for l in loaders}) == 1  # the ranks move together
+        assert len({(loader.epoch, loader.shard) for loader in loaders}) == 1  # the ranks move together
         for x, y in batches:
             assert x.shape == (B, T) and x.dtype == torch.long
             assert torch.equal(y, x + 1)  # targets are the next tokens

@@ -21,10 +21,27 @@ def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, share
 
     def args(out):
         return tiny_args(
-            data, out, "--total-batch-size", 128, "--max-steps", 5, "--eval-every", 5, "--hellaswag-every", 5,
-            "--hellaswag-limit", 6, "--hellaswag-data", hellaswag, "--sample-every", 5, "--num-samples", 1,
-            "--max-new-tokens", 4,
-        )  # fmt: skip
+            data,
+            out,
+            "--total-batch-size",
+            128,
+            "--max-steps",
+            5,
+            "--eval-every",
+            5,
+            "--hellaswag-every",
+            5,
+            "--hellaswag-limit",
+            6,
+            "--hellaswag-data",
+            hellaswag,
+            "--sample-every",
+            5,
+            "--num-samples",
+            1,
+            "--max-new-tokens",
+            4,
+        )
 
     def run(*command):
         return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -65,8 +82,13 @@ def test_a_signal_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path, signu
     data = random_shards(tmp_path / "data", train_lengths=(2000,), val_length=257)
     out = tmp_path / "out"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.Popen([*torchrun, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 100000)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [*torchrun, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 100000)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 240
         while not any('"step": 3, "train_loss"' in line for line in _lines(out / "log.jsonl")):
@@ -81,8 +103,13 @@ def test_a_signal_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path, signu
     last = max(steps)
     ckpt = __import__("train_gpt2").load_checkpoint(str(out / f"ckpt_{last + 1:06d}.pt"))
     assert ckpt["step"] == last + 1 and ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2
-    resumed = subprocess.run([sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", last + 3, "--resume")],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    resumed = subprocess.run(
+        [sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", last + 3, "--resume")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert max(read_log(out)[1]) == last + 2
 

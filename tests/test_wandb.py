@@ -125,9 +125,26 @@ def offline(tmp_path, monkeypatch):
 def test_offline_run_holds_what_log_jsonl_records(tmp_path, offline, shared_data):
     data, out = random_shards(tmp_path / "data"), tmp_path / "tiny-run"
     hellaswag = shared_data / "hellaswag" / "hellaswag_val.jsonl"
-    args = tiny_args(data, out, "--wandb-project", "tiny", "--eval-every", 3, "--sample-every", 3, "--num-samples", 2,
-                     "--max-new-tokens", 4, "--hellaswag-every", 3, "--hellaswag-limit", 4,
-                     "--hellaswag-data", hellaswag)  # fmt: skip
+    args = tiny_args(
+        data,
+        out,
+        "--wandb-project",
+        "tiny",
+        "--eval-every",
+        3,
+        "--sample-every",
+        3,
+        "--num-samples",
+        2,
+        "--max-new-tokens",
+        4,
+        "--hellaswag-every",
+        3,
+        "--hellaswag-limit",
+        4,
+        "--hellaswag-data",
+        hellaswag,
+    )
     assert train_gpt2.main(args) == 0
     records, steps = read_log(out)
     (run,) = offline_runs(offline)
@@ -244,8 +261,14 @@ def test_under_torchrun_only_rank_0_logs(tmp_path, offline):
     args = tiny_args(
         data, out, "--total-batch-size", 128, "--max-steps", 3, "--eval-every", 3, "--wandb-project", "tiny"
     )
-    proc = subprocess.run([*torchrun, "train_gpt2.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=os.environ)  # fmt: skip
+    proc = subprocess.run(
+        [*torchrun, "train_gpt2.py", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = offline_runs(offline)  # one wandb run, rank 0's
     records, _ = read_log(out)
