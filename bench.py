@@ -90,11 +90,11 @@ TRAIN_CONFIGS = {
 VOCAB = 50304  # the padded vocabulary training uses, for both implementations
 
 # The original build-nanogpt training step, measured on these 2-core CPU machines (AMD Zen 5,
-# torch 2.13, fp32, 124M, B 1, T 1024; issue 7): its code is not run here, so it is quoted.
+# torch 2.13, fp32, 124M, B 1, T 1024): its code is not run here, so it is quoted.
 ORIGINAL_TOK_PER_SEC = 164.0
 ORIGINAL_MFU = 0.79  # of the 177 GFLOP/s fp32 matmul ceiling measured alongside it
 
-# the targets of issue 7, as ratios ours / baseline (MFU: a fraction of the ceiling)
+# the targets, as ratios ours / baseline (MFU: a fraction of the ceiling)
 TARGETS = {
     "vs_transformers": 1.15,
     "vs_original": 1.0,
@@ -1626,7 +1626,7 @@ def bench_hellaswag(s, args, device, device_type, tmp):
         )
     )
     if device_type == "cuda" and s.get("hs_full_gpt2"):
-        # the issue's CUDA targets: the full set with a 124M model in bf16, in training and as a process
+        # the CUDA targets: the full set with a 124M model in bf16, in training and as a process
         prepared = hellaswag.prepare(examples, enc)  # fresh: its first evaluate() builds the batches
         model = eval_model("gpt2", device, vocab_size=VOCAB)
         ckpt = save_checkpoint(model, tmp)

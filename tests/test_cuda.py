@@ -173,7 +173,7 @@ def test_resume_with_deterministic_is_bitwise(shakespeare, tmp_path):
 
 
 # Without --deterministic the backward's atomics reorder sums from run to run; over 4 steps of
-# the 124M model that moved the loss in the 5th-6th digit on an H100 (issue 13). Stated tolerance:
+# the 124M model that moved the loss in the 5th-6th digit on an H100. Stated tolerance:
 RESUME_RTOL_LOSS, RESUME_RTOL_NORM = 1e-4, 1e-3
 
 

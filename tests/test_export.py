@@ -87,7 +87,7 @@ def logits_match(hf_dir, ckpt):
 
 
 def test_the_checkpoints_own_folder_is_refused(run_copy, tmp_path, monkeypatch):
-    # the case: this deleted every checkpoint and the log, then printed "wrote ..."
+    # a run's folder as the target: it must never delete the checkpoints and the log
     before = snapshot(tmp_path)
     r = export_cli(run_copy / "ckpt_000002.pt", run_copy, tmp_path)
     assert_one_line_error(r, "ckpt_000001.pt", "not an earlier export")

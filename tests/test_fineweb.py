@@ -466,8 +466,8 @@ def test_cli_prints_one_line_and_exits_1(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 11's rules for fineweb.py: every flag checked before any work (3), the out-dir belongs to
-# one run (6), Ctrl-C is prompt and clean (7). A refusal is one `error:` line, exit 1, and leaves
+# The reliability rules for fineweb.py: every flag checked before any work, the out-dir belongs to
+# one run, Ctrl-C is prompt and clean. A refusal is one `error:` line, exit 1, and leaves
 # the folder exactly as it was.
 
 

@@ -1,4 +1,4 @@
-"""Ordinary user mistakes thrown at train_gpt2.py (issue 11's rules 2-5, 7 and 8): each is refused
+"""Ordinary user mistakes thrown at train_gpt2.py (the rules in docs/reliability.md): each is refused
 in one line before any training step, or works as the user meant; nothing that existed in the
 folders is gone or changed. Rule 1 (--export-hf) lives in test_export.py, rule 6 in test_fineweb.py."""
 
