@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -340,6 +341,12 @@ def test_ddp_timeout_must_fit_torchs_clock(data, tmp_path, timeout, ok):
         assert "--ddp-timeout must be a number of seconds above 0 and at most 1e+09" in user_error(args)
 
 
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def torchrun(*args, wrap=None, timeout=300):
     """Two CPU ranks (gloo) of train_gpt2.py, or of the python code `wrap` that runs it."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -405,11 +412,28 @@ def test_torchrun_says_a_mistake_once_and_every_rank_exits_1(data, tmp_path, mis
     if mistake == "out-dir":  # found by rank 0 alone
         out.mkdir()
         (out / "log.jsonl").write_text("another run's\n")
-    r = torchrun(*tiny_args(data, out, "--max-steps", 2, *extra))
+    args = [*map(str, tiny_args(data, out, "--max-steps", 2, *extra))]
+    r = torchrun(*args)
     said = (r.stdout + r.stderr).count("error: ")
     assert r.returncode != 0 and said == 1, r.stderr[-3000:]
-    assert len(re.findall(r"exitcode\s*: 1 ", r.stderr)) == 2  # torchrun's summary: both ranks, exit 1
     assert 'train_gpt2.py", line' not in r.stderr  # no worker's traceback (torchrun's own follows)
+    # each rank's own exit code: torchrun stops the others once one has failed, so the two ranks
+    # run here as torchrun would start them (its environment variables), without its agent
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "train_gpt2.py", *args],
+            cwd=ROOT,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [proc.communicate(timeout=300) for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [1, 1], outputs
+    assert [sum(o.count("error: ") for o in output) for output in outputs] == [1, 0], outputs
 
 
 def test_dry_run_runs_the_start_up_checks_and_writes_nothing(data, tmp_path, capsys):
