@@ -131,7 +131,80 @@ def expand_inputs(patterns):
             raise UserError(f"--input {path} does not exist")
         if not path.endswith(INPUT_TYPES):
             raise UserError(f"--input {path}: unknown file type, use {', '.join(INPUT_TYPES)}")
-    return paths
+    # one file named twice (a glob and its path, ./a and a, a link to it) is read once: its text
+    # twice would put the val shard's documents in train too
+    first, kept = {}, []
+    for path in paths:
+        st = os.stat(path)
+        seen = first.setdefault((st.st_dev, st.st_ino), path)
+        if seen is path:
+            kept.append(path)
+        else:
+            also = "" if path == seen else f" (also as {path})"
+            print(f"note: --input names {seen} twice{also}: it is read once", file=sys.stderr)
+    return kept
+
+
+TEXT_PROBE = 1 << 16  # bytes of a .txt / .jsonl file whose encoding is checked before any work
+
+
+def check_encoding(path, head):
+    """Refuse text that is not UTF-8, seen in its first bytes `head`: UTF-16 or UTF-32 (with a
+    byte-order mark, or without one: every other byte NUL), other NUL-holding (binary) files,
+    and invalid UTF-8. tiktoken would take UTF-16 text without a mark as text full of NULs."""
+    import codecs
+    import shlex
+
+    def convert(name):
+        root, ext = os.path.splitext(path)
+        command = f"iconv -f {name} -t UTF-8 {shlex.quote(path)} > {shlex.quote(root + '.utf8' + ext)}"
+        return f"convert it to UTF-8 (e.g. {command}) and pass that file"
+
+    boms = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"))
+    boms += ((codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+    for bom, name in boms:
+        if head.startswith(bom):
+            raise UserError(f"{path} is {name} text (its byte-order mark says so), not UTF-8: {convert(name)}")
+    if b"\0" in head:
+        even, odd = head[0::2], head[1::2]
+        if max(even.count(0) / max(len(even), 1), odd.count(0) / max(len(odd), 1)) > 0.3:
+            name = "UTF-16LE" if odd.count(0) > even.count(0) else "UTF-16BE"
+            raise UserError(
+                f"{path} holds a NUL byte beside every other character: {name} text without a byte-order mark, "
+                f"not UTF-8: {convert(name)}"
+            )
+        raise UserError(f"{path} holds NUL bytes: not a text file (fineweb.py reads UTF-8 text)")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start} is not UTF-8): convert it to UTF-8") from None
+
+
+def file_digest(path):
+    """sha256 of a file's bytes, in hex: what a resume compares an input by."""
+    import hashlib
+
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def describe_inputs(paths, workers=None):
+    """[{path, bytes, sha256}] for the inputs, hashed in threads (hashlib releases the GIL); a file
+    whose bytes equal an earlier one's is left out, said in a note: the same text twice would put
+    the val shard's documents in train too."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(paths), workers or default_workers())) as pool:
+        digests = list(pool.map(file_digest, paths))
+    described, seen = [], {}
+    for path, digest in zip(paths, digests):
+        if digest in seen:
+            print(f"note: --input {path} has the same bytes as {seen[digest]}: it is read once", file=sys.stderr)
+            continue
+        seen[digest] = path
+        described.append({"path": os.path.abspath(path), "bytes": os.path.getsize(path), "sha256": digest})
+    return described
 
 
 def _text(value, where):
@@ -143,12 +216,18 @@ def _text(value, where):
 def read_documents(path, text_field):
     """The documents of one file: a .txt is one document; .jsonl and .parquet have one per row."""
     try:
+        # utf-8-sig: a UTF-8 byte-order mark is not a character of the first document
         if path.endswith(".txt"):
-            with open(path, encoding="utf-8", newline="") as f:  # newline="": the text exactly as stored
-                yield f.read()
+            with open(path, encoding="utf-8-sig", newline="") as f:  # newline="": the text exactly as stored
+                text = f.read()
+            if "\0" in text:  # past the start check_encoding looked at
+                raise UserError(f"{path} holds NUL characters: not UTF-8 text (UTF-16? binary?)")
+            yield text
         elif path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:
                 for lineno, line in enumerate(f, 1):
+                    if "\0" in line:
+                        raise UserError(f"{path} line {lineno} holds NUL characters: not UTF-8 text (UTF-16? binary?)")
                     if not line.strip():
                         continue
                     try:
@@ -191,12 +270,13 @@ def _parquet_documents(path, text_field):
 def check_inputs(paths, text_field):
     """Fail before any work on an unreadable file or a missing text column, not hours into the run."""
     for path in paths:
-        if path.endswith(".txt"):
+        if path.endswith((".txt", ".jsonl")):
             try:
-                open(path, "rb").close()
+                with open(path, "rb") as f:
+                    check_encoding(path, f.read(TEXT_PROBE))
             except OSError as e:
                 raise UserError(f"cannot read {path}: {e.strerror or e}") from None
-        else:
+        if not path.endswith(".txt"):
             docs = read_documents(path, text_field)
             next(docs, None)  # opens the file and checks the first row
             docs.close()
@@ -388,15 +468,60 @@ def shard_path(out_dir, prefix, index, fmt="npy"):
     return os.path.join(out_dir, f"{prefix}_{split}_{index:06d}.{fmt}")
 
 
+def journal_path(path):
+    """The manifest's journal, beside it: one line appended per finished shard, so that a shard
+    costs the same short write however many came before it (the manifest itself, rewritten whole,
+    grows with every shard). The manifest is rewritten whole, and the journal removed, at the start
+    and the end of a run."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, "." + os.path.splitext(name)[0] + ".journal")
+
+
+def read_manifest(path):
+    """The manifest at path as written, with the shards its journal adds; None if there is none.
+    A journal line cut short by a kill, and lines already in the manifest, are passed over."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        manifest = json.load(f)
+    try:
+        with open(journal_path(path), "rb") as f:
+            lines = f.read().split(b"\n")[:-1]  # what follows the last newline is a line cut short
+    except FileNotFoundError:
+        lines = []
+    shards = manifest["shards"]
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            break
+        if entry["index"] > len(shards):
+            break
+        if entry["index"] == len(shards):
+            shards.append(entry["shard"])
+            manifest["started"] = max(int(manifest.get("started", 0)), int(entry["started"]))
+    return manifest
+
+
+def append_journal(path, entry):
+    """One finished shard, appended to the manifest's journal and on disk before it returns."""
+    with open(journal_path(path), "ab") as f:
+        f.write((json.dumps(entry) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def load_manifest(path, config):
     """The shards a previous run of this configuration finished, or a fresh manifest."""
     if not os.path.exists(path):
+        if os.path.exists(journal_path(path)):  # a journal whose manifest was deleted by hand: not ours to use
+            os.remove(journal_path(path))
         return {"config": config, "shards": [], "complete": False, "started": 0}
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        manifest = read_manifest(path)
         old, shards, complete = manifest["config"], manifest["shards"], manifest["complete"]
         started = int(manifest.get("started", len(shards)))
+        old = check_same_inputs(path, old, config)
         if old != config:
             diff = [k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
             shown = ", ".join(f"{k} {_short(old.get(k))} there, {_short(config.get(k))} now" for k in diff)
@@ -419,12 +544,55 @@ def load_manifest(path, config):
         ) from None
     # started: shards 0 .. started-1 are this configuration's names, finished or begun (a kill
     # between a shard's rename and the manifest's leaves one the list does not name yet)
-    return {
+    loaded = {
         "config": config,
         "shards": intact,
         "complete": complete and len(intact) == len(shards),
         "started": max(started, len(shards)),
     }
+    if manifest.get("limit") is not None and len(intact) == len(shards):
+        loaded["limit"] = manifest["limit"]  # it stopped where --max-tokens / --max-shards asked: finished as asked
+    return loaded
+
+
+def check_same_inputs(path, old, config):
+    """Inputs are known by their bytes (size and sha256), in order, not by their names: an input
+    edited in place, even at the same size, is refused, as the shards written so far hold its
+    old text and a resume would skip documents by count in the new one. The same bytes under
+    another path (the files moved) are the same input. Returns old with the source as now."""
+    source, now = old.get("source"), config.get("source")
+    if not (isinstance(source, dict) and isinstance(now, dict) and "input" in source and "input" in now):
+        return old
+    before, after, folder = source["input"], now["input"], os.path.dirname(path)
+    fix = (
+        "put the original back to resume, or tokenize the input as it is now into another --out-dir (or delete "
+        f"{folder}'s shards and manifest to start over)"
+    )
+    for i in range(max(len(before), len(after))):
+        was = before[i] if i < len(before) else None
+        new = after[i] if i < len(after) else None
+        if isinstance(was, list):  # [path, bytes]: a manifest that recorded no sha256 is compared as it can be
+            was = {"path": was[0], "bytes": was[1], "sha256": None}
+        if was is not None and new is not None:
+            if (was["bytes"], was["sha256"]) == (new["bytes"], new["sha256"]) or (
+                was["sha256"] is None and (was["path"], was["bytes"]) == (new["path"], new["bytes"])
+            ):
+                continue
+            if was["path"] == new["path"]:
+                raise UserError(
+                    f"--input {new['path']} changed since the shards in {folder} were written from it "
+                    f"({was['bytes']:,} bytes then, {new['bytes']:,} now, other content): refused, since those "
+                    f"shards hold its old text and a resume would skip documents by count in the new one; {fix}"
+                )
+        what = (
+            f"input {i + 1} is {new['path']}, it was {was['path']}"
+            if was is not None and new is not None
+            else f"{new['path']} is an input it did not have"
+            if was is None
+            else f"{was['path']} was an input and is not now"
+        )
+        raise UserError(f"the inputs differ from those the shards in {folder} were written from ({what}): {fix}")
+    return {**old, "source": now}
 
 
 def _short(value, width=60):
@@ -433,7 +601,10 @@ def _short(value, width=60):
 
 
 def save_manifest(path, manifest):
+    """The manifest written whole (atomically); its journal, now folded into it, is removed."""
     write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    if os.path.exists(journal_path(path)):
+        os.remove(journal_path(path))
 
 
 SHARD_NAME = re.compile(r".+_(train|val)_\d+\.(npy|bin)")  # what train_support.find_shards reads
@@ -513,9 +684,17 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
     pos = sum(s["tokens"] for s in shards)  # tokens written so far
     summary = dict(out_dir=out_dir, new_tokens=0, seconds=0.0)
     if manifest["complete"] or pos >= limit:
+        marked = manifest["complete"] or manifest.get("limit") is not None
+        if not marked:
+            manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
+        if not marked or os.path.exists(journal_path(manifest_path)):
+            save_manifest(manifest_path, manifest)
         return _summary(summary, shards, nothing_to_do=True, complete=manifest["complete"])
     if shards and shards[-1]["tokens"] < shard_size:
         pos -= shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone in full
+    manifest.pop("limit", None)  # unfinished until this run reaches the end or its own limit
+    if had_manifest:
+        save_manifest(manifest_path, manifest)  # the list as this run starts from it, its journal folded in
     if shards:
         print(f"resuming after {shards[-1]['file']}: {pos:,} tokens already in {len(shards)} shards", file=sys.stderr)
 
@@ -533,18 +712,18 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
             save_manifest(manifest_path, manifest)
         path = shard_path(out_dir, prefix, len(shards), fmt)
         write_shard(path, buf[:fill], fmt)
-        shards.append(
-            dict(
-                file=os.path.basename(path),
-                split="val" if len(shards) == 0 else "train",
-                tokens=fill,
-                bytes=os.path.getsize(path),
-                documents=end_doc - shard_start_doc,  # documents that end in this shard
-                carry=carry,  # tokens of the next document (split across shards) already in this one
-            )
+        shard = dict(
+            file=os.path.basename(path),
+            split="val" if len(shards) == 0 else "train",
+            tokens=fill,
+            bytes=os.path.getsize(path),
+            documents=end_doc - shard_start_doc,  # documents that end in this shard
+            carry=carry,  # tokens of the next document (split across shards) already in this one
         )
+        shards.append(shard)
         manifest["started"] = max(manifest["started"], len(shards) + 1)  # and claims the next name
-        save_manifest(manifest_path, manifest)  # after the rename: the manifest never names a file not there
+        # after the rename: the manifest never names a file not there
+        append_journal(manifest_path, {"index": len(shards) - 1, "shard": shard, "started": manifest["started"]})
         fill, shard_start_doc = 0, end_doc
 
     def drop_stale_shards():
@@ -588,6 +767,8 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
             if fill:
                 finish_shard(batch_first_doc, 0)
             manifest["complete"] = True
+        if not manifest["complete"]:
+            manifest["limit"] = int(limit)  # stopped where --max-tokens / --max-shards asked: training may use it
         drop_stale_shards()
     except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
         raise UserError(
@@ -597,6 +778,11 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
     finally:
         stream.close()  # stops the worker pool, also on an early stop or an error
         bar.close()
+        if os.path.exists(journal_path(manifest_path)):  # stopped by an error or Ctrl-C: the manifest made whole
+            try:
+                save_manifest(manifest_path, manifest)
+            except OSError:
+                pass  # the disk is full: the journal still holds every finished shard, for the rerun
     summary.update(new_tokens=pos - pos0, seconds=time.time() - t0)
     return _summary(summary, shards, nothing_to_do=False, complete=manifest["complete"])
 
@@ -733,8 +919,10 @@ def main(argv=None):
     if args.input:
         paths = expand_inputs(args.input)
         check_inputs(paths, args.text_field)
-        # the exact files (and sizes) go in the manifest: resuming over different input would skip the wrong documents
-        source = {"input": [[os.path.abspath(p), os.path.getsize(p)] for p in paths]}
+        # each file's size and sha256 go in the manifest: resuming over other input would skip the wrong
+        # documents; a file with the bytes of an earlier one is left out (read once)
+        source = {"input": describe_inputs(paths, args.workers)}
+        paths = [entry["path"] for entry in source["input"]]
 
         def open_documents(skip):
             return local_documents(paths, args.text_field, skip)

@@ -68,6 +68,7 @@ from train_support import (
     note_if_samples_stop_early,
     peak_flops,
     print_samples,
+    release_out_dir,
     remove_made_folders,
     report_resume,
     restore_training_state,
@@ -928,6 +929,7 @@ def main(argv=None):
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        release_out_dir()  # the lock; a start that failed leaves the folder as it found it
         remove_made_folders(made)  # a run refused at start leaves no empty --out-dir behind
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -489,6 +489,7 @@ def find_shards(data_dir, split, required=False):
         )
     if not os.path.isdir(data_dir):
         raise UserError(f"data folder {data_dir} does not exist: write shards with fineweb.py or pass --data-dir")
+    check_fineweb_finished(data_dir)
     names = sorted(n for n in os.listdir(data_dir) if re.fullmatch(rf".+_{split}_\d+\.(npy|bin)", n))
     if len({os.path.splitext(n)[1] for n in names}) > 1:
         raise UserError(f"{data_dir} holds both .npy and .bin {split} shards: keep one format")
@@ -498,6 +499,54 @@ def find_shards(data_dir, split, required=False):
             f"`python fineweb.py` or pass --data-dir"
         )
     return [os.path.join(data_dir, n) for n in names]
+
+
+def check_fineweb_finished(data_dir):
+    """A folder whose fineweb.py manifest says it is unfinished (fineweb.py still writing it, or
+    stopped by a kill or an error) is refused, naming the command that finishes it: a run would
+    train on what is there, and could not be resumed once fineweb.py adds the rest. A stop at
+    --max-tokens / --max-shards is finished as asked."""
+    for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
+        try:
+            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+                manifest = json.load(f)
+            config, finished = manifest["config"], manifest["complete"] or manifest.get("limit") is not None
+            command = fineweb_command(config, data_dir)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+            continue  # not fineweb.py's manifest
+        if not finished:
+            raise UserError(
+                f"--data-dir {data_dir} is unfinished: its {name} says fineweb.py has not written all of its "
+                f"input (it is still writing, or it was stopped); finish it with `{command}` (or wait for the "
+                f"fineweb.py writing it), then start the run"
+            )
+
+
+def fineweb_command(config, data_dir):
+    """The fineweb.py command that writes (and, rerun, finishes) the shards a manifest's config
+    describes into data_dir: its flags that differ from fineweb.py's defaults."""
+    import glob
+    import shlex
+
+    source, command = config["source"], ["python", "fineweb.py"]
+    if "input" in source:
+        paths = [entry["path"] if isinstance(entry, dict) else entry[0] for entry in source["input"]]
+        folders, kinds = {os.path.dirname(p) for p in paths}, {os.path.splitext(p)[1] for p in paths}
+        pattern = os.path.join(*folders, "*" + "".join(kinds)) if len(folders) == len(kinds) == 1 else None
+        if len(paths) > 3 and pattern and sorted(glob.glob(pattern)) == paths:
+            paths = [pattern]  # fineweb.py expands the glob itself
+        command += ["--input", *paths]
+    else:
+        defaults = {"dataset": "HuggingFaceFW/fineweb-edu", "name": "sample-10BT", "split": "train"}
+        for key, default in defaults.items():
+            if source.get(key) != default:
+                command += [f"--{key}", source.get(key) or ""]
+    command += ["--out-dir", data_dir]
+    defaults = {"text_field": "text", "prefix": "edufineweb", "shard_size": 100_000_000, "format": "npy"}
+    for key, default in defaults.items():  # fineweb.py's defaults
+        if config.get(key, default) != default:
+            command += [f"--{key.replace('_', '-')}", str(config[key])]
+    return shlex.join(command)
 
 
 def check_batch_fits(batches_per_epoch, sizes, chunk, data_dir, split):
@@ -518,6 +567,55 @@ def check_same_shards(saved, names):
             f"folder holds {len(names)} others: resume with the same shards, or start a new run from its "
             f"weights with --init-from"
         )
+
+
+def shard_fingerprint(path, blocks=16, block=4096):
+    """[name, bytes, digest] of a token shard: its size and a blake2b of its first and last
+    `block` bytes (the header and the first tokens) and of `blocks` blocks spread evenly between.
+    About 70 KB read whatever the shard's size: cheap enough for every start to check them all."""
+    import hashlib
+
+    size, digest = os.path.getsize(path), hashlib.blake2b(digest_size=16)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        last = max(0, size - block)
+        for i in range(blocks + 2):
+            digest.update(os.pread(fd, block, last * i // (blocks + 1)))
+    finally:
+        os.close(fd)
+    return [os.path.basename(path), size, digest.hexdigest()]
+
+
+def data_identity(data_dir):
+    """What a run's data is: {split: [fingerprint of each shard, in name order]} for train and val."""
+    return {split: [shard_fingerprint(p) for p in find_shards(data_dir, split)] for split in ("train", "val")}
+
+
+def check_same_data(saved, now, ckpt_path, data_dir):
+    """A checkpoint continues only on the data its run started on (data_identity): shards written
+    again (another --shard-size, other input), added or removed would put its data position in
+    other tokens, and change the val set under it. Refused, naming the first shard that differs."""
+    for split in ("train", "val"):
+        was = {name: (size, digest) for name, size, digest in saved.get(split, [])}
+        is_ = {name: (size, digest) for name, size, digest in now.get(split, [])}
+        for name in sorted(set(was) | set(is_)):
+            if was.get(name) == is_.get(name):
+                continue
+            if name not in is_:
+                what = f"{name} is missing"
+            elif name not in was:
+                what = f"{name} is new (the run's data had no such shard)"
+            elif was[name][0] != is_[name][0]:
+                what = f"{name} is {is_[name][0]:,} bytes, the run's was {was[name][0]:,}"
+            else:
+                what = f"{name} holds other tokens than the run's (the same size)"
+            raise same_on_every_rank(
+                UserError(
+                    f"--data-dir {data_dir} is not the data {ckpt_path} was trained on: {what}; resume on the "
+                    f"run's own shards, or start a new run from its weights with --init-from {ckpt_path} in a new "
+                    f"--out-dir"
+                )
+            )
 
 
 def check_token_ids(tokens, vocab_size, path):
@@ -743,7 +841,8 @@ def save_training_state(step, run):
     rng = all_rng_states(run.device.split(":")[0], dist_info.ddp, dist_info.ddp_world_size)
     if dist_info.master_process:
         ckpt = {"model": run.model.state_dict(), "model_config": asdict(run.model.config), "step": step}
-        ckpt.update(optimizer=run.optimizer.state_dict(), data=run.loader.state_dict(), rng=rng)
+        data = {**run.loader.state_dict(), "identity": getattr(run.loader, "identity", None)}  # the data it started on
+        ckpt.update(optimizer=run.optimizer.state_dict(), data=data, rng=rng)
         # an absolute --data-dir: `--resume` from another working directory reads the same data
         ckpt.update(train_config={**vars(args), "data_dir": os.path.abspath(args.data_dir)})
         ckpt.update(world_size=dist_info.ddp_world_size, run_id=run.run_id, val_loss=run.val_loss)
@@ -892,20 +991,35 @@ def missing_folders(path):
     return missing
 
 
+LOCK_FILE = ".train_gpt2.lock"  # in --out-dir while a run holds it; its text names that run's process
+_claim = {}  # this process's hold on its --out-dir (claim_out_dir), given back by release_out_dir
+
+
 def claim_out_dir(out_dir, resume):
     """An out-dir belongs to one run: a new run next to another run's checkpoints would have them
-    pruned instead of its own and its log drawn as one curve with theirs, so it is refused."""
+    pruned instead of its own and its log drawn as one curve with theirs, so it is refused. The
+    folder is locked for this process's life (lock_out_dir), and what it holds is noted, so that a
+    start that fails leaves it as it was (release_out_dir). Rank 0 alone claims it."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create --out-dir {out_dir}: {e.strerror}") from None
+    fd = lock_out_dir(out_dir, "continue with --resume" if resume else "start again")
+    log = os.path.join(out_dir, "log.jsonl")
+    _claim.update(out_dir=out_dir, fd=fd, log=os.path.getsize(log) if os.path.isfile(log) else None)
+    _claim.update(checkpoints=_file_stats(checkpoint_paths(out_dir)))
     names = os.listdir(out_dir)
-    theirs = sorted(n for n in names if re.fullmatch(r"ckpt_\d+\.pt|log\.jsonl", n))
+    theirs = sorted(n for n in names if re.fullmatch(r"ckpt_\d+\.pt", n))
+    runs, unreadable = log_runs(log)
+    if os.path.lexists(log) and (theirs or runs or unreadable):
+        theirs = sorted([*theirs, "log.jsonl"])
     if theirs and not resume:
         raise UserError(
             f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}): continue it with --resume, "
             f"or pass a new --out-dir"
         )
+    if os.path.lexists(log) and "log.jsonl" not in theirs:
+        print(f"note: {log} holds only the start of a run that never trained a step: this run's records follow it")
     for name in names:  # a checkpoint write of this run cut short by a kill: never complete
         if re.fullmatch(r"\.ckpt_\d+\.pt\.tmp", name):
             print(f"removing the unfinished {name}")
@@ -913,6 +1027,180 @@ def claim_out_dir(out_dir, resume):
                 os.remove(os.path.join(out_dir, name))
             except OSError as e:  # a read-only folder: the run could write nothing there either
                 raise disk_error(e, f"to --out-dir {out_dir} (removing {name})", "continue with --resume") from None
+
+
+def lock_out_dir(out_dir, then):
+    """Hold an exclusive lock on out_dir while this process lives: flock on its LOCK_FILE, which
+    the OS releases when the process ends, a SIGKILL included (no stale lock to remove by hand).
+    A second run into the folder, new or --resume, is refused in one line naming the process that
+    holds it (the file's text). Returns the locked file's descriptor; None where the file system
+    has no locks (said in a warning)."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        return None
+    path = os.path.join(out_dir, LOCK_FILE)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise disk_error(e, f"to --out-dir {out_dir} (its lock file {LOCK_FILE})", then) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "a process that is just starting"
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise UserError(
+                    f"--out-dir {out_dir} is in use by another run ({holder}): wait for it to end, or pass "
+                    f"another --out-dir"
+                ) from None
+            print(
+                f"warning: cannot lock --out-dir {out_dir} ({e.strerror}): a second run started into it would "
+                f"not be stopped",
+                file=sys.stderr,
+            )
+            return None
+        try:  # the file locked must be the one at path: a run that ended removes its file, a newer run makes one
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    command = " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]]).replace("\n", " ")
+    command = command if len(command) <= 160 else command[:157] + "..."
+    rank = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""
+    holder = f"pid {os.getpid()}{rank} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}: {command}"
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+    except OSError:
+        pass  # a full disk: the lock holds all the same, unnamed
+    return fd
+
+
+def release_out_dir():
+    """As the process ends (train_gpt2.main's finally): a start that failed (an exception on its
+    way out) before its first step and before any checkpoint leaves the folder as it found it:
+    the log records it added are cut off again (the log removed, if it made it), so that the same
+    command retried does not find "another run" there. Then the lock is given back."""
+    claim = dict(_claim)
+    _claim.clear()
+    if not claim:
+        return
+    try:
+        if sys.exc_info()[0] is not None:
+            undo_failed_start(claim)
+    finally:
+        if claim["fd"] is not None:
+            try:
+                os.remove(os.path.join(claim["out_dir"], LOCK_FILE))  # still held: no one locks it meanwhile
+            except OSError:
+                pass
+            os.close(claim["fd"])
+
+
+def undo_failed_start(claim):
+    """Cut log.jsonl back to what it held at claim_out_dir, unless the run logged a step or wrote a
+    checkpoint since (then there is a run to continue)."""
+    out_dir, before = claim["out_dir"], claim["log"]
+    log = os.path.join(out_dir, "log.jsonl")
+    if _file_stats(checkpoint_paths(out_dir)) != claim["checkpoints"] or not os.path.isfile(log):
+        return
+    try:
+        with open(log, "rb") as f:
+            f.seek(before or 0)
+            added = [line for line in f.read().split(b"\n") if line.strip()]
+        if any(b'"train_loss"' in line or b'"skipped"' in line for line in added):
+            return
+        if before is None:
+            os.remove(log)
+        else:
+            os.truncate(log, before)
+    except OSError:
+        pass  # a read-only or vanished folder: nothing this run could have changed either
+
+
+def _file_stats(paths):
+    """{path: (inode, size, mtime)}: a file written since is told apart from one that was there."""
+    stats = {}
+    for path in paths:
+        try:
+            st = os.stat(path)
+            stats[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            pass
+    return stats
+
+
+def log_runs(path):
+    """(the ids of the runs log.jsonl records a trained or skipped step of, in order; whether it
+    holds a line that is not a record of ours). A start that failed before its first step (its
+    header, perhaps a step-0 eval) is no run. A last line cut short by a kill is passed over."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except FileNotFoundError:
+        return [], False
+    except OSError:  # a folder named log.jsonl, an unreadable file: someone's
+        return [], True
+    runs, current, records = [], None, 0
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if not line:
+            continue
+        if not (line.startswith(b"{") and line.endswith(b"}")):
+            if i == len(lines) - 1 and records:
+                continue  # the last line, cut short by a kill
+            return runs, True
+        records += 1
+        if b'"header"' in line:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return runs, True
+            if isinstance(record, dict) and record.get("event") == "header":
+                current = record.get("run_id")
+                continue
+        if (b'"train_loss"' in line or b'"skipped"' in line) and current not in runs:
+            runs.append(current)
+    return runs, False
+
+
+def other_runs(out_dir, run_id, skip=None):
+    """The files in out_dir of runs other than run_id: checkpoints (one whose run cannot be read
+    counts) and log.jsonl when it records another run's steps or is not our log."""
+    found = []
+    for path in checkpoint_paths(out_dir):
+        if not (skip and os.path.realpath(path) == os.path.realpath(skip)) and run_id_of(path) != run_id:
+            found.append(os.path.basename(path))
+    runs, unreadable = log_runs(os.path.join(out_dir, "log.jsonl"))
+    if unreadable or any(r != run_id for r in runs):
+        found.append("log.jsonl")
+    return found
+
+
+def check_resume_target(args, path, ckpt):
+    """--resume CKPT continues CKPT's run in --out-dir: refused, before anything is written, when
+    that folder holds another run (its checkpoints would be overwritten, pruned, and its log mixed
+    with this one's); a folder new to the run is fine, and said."""
+    if args.resume == "latest":  # the folder's own newest checkpoint: its run is the folder's
+        return
+    run_id, out_dir, folder = ckpt.get("run_id", path), args.out_dir, os.path.dirname(path) or "."
+    others = other_runs(out_dir, run_id, skip=path)
+    if others:
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        raise UserError(
+            f"--resume {path} continues run {run_id}, but --out-dir {out_dir} holds another run "
+            f"({', '.join(others[:3])}{more}): its checkpoints would be overwritten and its log mixed with this "
+            f"run's; pass a new or empty --out-dir, or --out-dir {folder} (the run's own folder)"
+        )
+    if os.path.realpath(folder) != os.path.realpath(out_dir) and not checkpoint_paths(out_dir):
+        print(
+            f"note: run {run_id} continues from {path} in --out-dir {out_dir}; its log and checkpoints up to "
+            f"step {ckpt.get('step')} stay in {folder}"
+        )
 
 
 def remove_made_folders(made):
@@ -1019,7 +1307,9 @@ def resume_checkpoint(args, given, ddp, master_process, claim=None):
             if claim is not None:
                 claim()
             if args.resume:
-                picked[0] = find_resume_checkpoint(args.resume, args.out_dir)[0]
+                picked[0], found = find_resume_checkpoint(args.resume, args.out_dir)
+                if found is not None:
+                    check_resume_target(args, picked[0], found)
         except UserError as e:
             picked[1] = str(e)
     if ddp:
@@ -1038,8 +1328,12 @@ def restore_training_state(ckpt, ckpt_path, optimizer, loader, ddp_rank, device_
     """The optimizer, data position and this rank's RNG as a checkpoint left them; returns the
     step to start at, the run's id (a new, unique one for a new run: the seeds are untouched) and
     the last val loss."""
+    data_dir = os.path.dirname(loader.shards[0])
+    loader.identity = data_identity(data_dir)  # what this run trains on; its checkpoints record it
     if ckpt is None:
         return 0, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}", None
+    if ckpt["data"].get("identity") is not None:
+        check_same_data(ckpt["data"]["identity"], loader.identity, ckpt_path, data_dir)
     optimizer.load_state_dict(ckpt["optimizer"])
     loader.load_state_dict(ckpt["data"])
     if ddp_rank < len(ckpt["rng"]):
