@@ -841,8 +841,8 @@ def save_training_state(step, run):
     rng = all_rng_states(run.device.split(":")[0], dist_info.ddp, dist_info.ddp_world_size)
     if dist_info.master_process:
         ckpt = {"model": run.model.state_dict(), "model_config": asdict(run.model.config), "step": step}
-        data = {**run.loader.state_dict(), "identity": getattr(run.loader, "identity", None)}  # the data it started on
-        ckpt.update(optimizer=run.optimizer.state_dict(), data=data, rng=rng)
+        ckpt.update(optimizer=run.optimizer.state_dict(), data=run.loader.state_dict(), rng=rng)
+        ckpt.update(data_identity=getattr(run.loader, "identity", None))  # the shards the run started on
         # an absolute --data-dir: `--resume` from another working directory reads the same data
         ckpt.update(train_config={**vars(args), "data_dir": os.path.abspath(args.data_dir)})
         ckpt.update(world_size=dist_info.ddp_world_size, run_id=run.run_id, val_loss=run.val_loss)
@@ -1004,6 +1004,8 @@ def claim_out_dir(out_dir, resume):
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create --out-dir {out_dir}: {e.strerror}") from None
+    if _claim:  # an earlier run of this process that did not end through main: its hold goes first
+        release_out_dir()
     fd = lock_out_dir(out_dir, "continue with --resume" if resume else "start again")
     log = os.path.join(out_dir, "log.jsonl")
     _claim.update(out_dir=out_dir, fd=fd, log=os.path.getsize(log) if os.path.isfile(log) else None)
@@ -1171,13 +1173,11 @@ def log_runs(path):
 def other_runs(out_dir, run_id, skip=None):
     """The files in out_dir of runs other than run_id: checkpoints (one whose run cannot be read
     counts) and log.jsonl when it records another run's steps or is not our log."""
-    found = []
+    runs, unreadable = log_runs(os.path.join(out_dir, "log.jsonl"))
+    found = ["log.jsonl"] if unreadable or any(r != run_id for r in runs) else []
     for path in checkpoint_paths(out_dir):
         if not (skip and os.path.realpath(path) == os.path.realpath(skip)) and run_id_of(path) != run_id:
             found.append(os.path.basename(path))
-    runs, unreadable = log_runs(os.path.join(out_dir, "log.jsonl"))
-    if unreadable or any(r != run_id for r in runs):
-        found.append("log.jsonl")
     return found
 
 
@@ -1332,8 +1332,8 @@ def restore_training_state(ckpt, ckpt_path, optimizer, loader, ddp_rank, device_
     loader.identity = data_identity(data_dir)  # what this run trains on; its checkpoints record it
     if ckpt is None:
         return 0, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}", None
-    if ckpt["data"].get("identity") is not None:
-        check_same_data(ckpt["data"]["identity"], loader.identity, ckpt_path, data_dir)
+    if ckpt.get("data_identity") is not None:
+        check_same_data(ckpt["data_identity"], loader.identity, ckpt_path, data_dir)
     optimizer.load_state_dict(ckpt["optimizer"])
     loader.load_state_dict(ckpt["data"])
     if ddp_rank < len(ckpt["rng"]):
