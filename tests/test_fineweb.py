@@ -4,6 +4,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,6 +92,32 @@ def parquet_tokens(parquet_files, enc):
     for ids in enc.encode_ordinary_batch(texts, num_threads=2):
         parts += [EOT, *ids]
     return np.array(parts, dtype=np.uint16)
+
+
+@pytest.fixture(scope="session")
+def parquet_copies(tmp_path_factory, parquet_files, enc):
+    """The parquet sample four times over as 40 files of distinct bytes (copy k's texts end in
+    " (copy k)": a file named twice is read once), and their reference tokens by tiktoken."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    folder = tmp_path_factory.mktemp("copies")
+    files, texts = [], []
+    for k in range(4):
+        for f in parquet_files:
+            copy = [t + f" (copy {k})" for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()]
+            files.append(str(folder / f"copy{k}_{os.path.basename(f)}"))
+            pq.write_table(pa.table({"text": copy}), files[-1])
+            texts += copy
+    tokens = [t for ids in enc.encode_ordinary_batch(texts, num_threads=2) for t in [EOT, *ids]]
+    return files, np.array(tokens, dtype=np.uint16)
+
+
+def shards_listed(path):
+    """The shards the manifest at path lists so far (a run in progress journals them beside it)."""
+    try:
+        return fineweb.read_manifest(str(path))["shards"]
+    except (OSError, ValueError, TypeError):
+        return []
 
 
 @pytest.fixture(scope="session")
@@ -199,9 +226,10 @@ def test_txt_and_jsonl_globs_in_order_with_text_field(tmp_path, enc):
     assert sum(s["documents"] for s in manifest["shards"]) == len(docs)
 
 
-def test_resume_after_sigkill_is_byte_identical(tmp_path, parquet_files, parquet_tokens):
+def test_resume_after_sigkill_is_byte_identical(tmp_path, parquet_copies):
     # the sample four times over (6.4M tokens, 129 shards) and one worker: the kill lands mid-run
-    args = ["--input", *parquet_files * 4, "--out-dir", "out", "--shard-size", "50000"]
+    files, tokens = parquet_copies
+    args = ["--input", *files, "--out-dir", "out", "--shard-size", "50000"]
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "fineweb.py"), *args, "--workers", "1"],
         cwd=tmp_path,
@@ -213,13 +241,13 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, parquet_files, parquet
     deadline = time.time() + 120
     try:
         while time.time() < deadline and proc.poll() is None:
-            if manifest_path.exists() and len(json.loads(manifest_path.read_text())["shards"]) >= 3:
+            if len(shards_listed(manifest_path)) >= 3:
                 break
             time.sleep(0.002)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the run and its pool workers, nothing else
         proc.wait()
-    killed = json.loads(manifest_path.read_text())
+    killed = fineweb.read_manifest(str(manifest_path))
     assert not killed["complete"] and 3 <= len(killed["shards"]) < 129, "the kill did not land mid-run"
 
     cwd = os.getcwd()
@@ -229,10 +257,10 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, parquet_files, parquet
     finally:
         os.chdir(cwd)
     fresh = tmp_path / "fresh"
-    fineweb.main(["--input", *parquet_files * 4, "--out-dir", str(fresh), "--shard-size", "50000", "--workers", "2"])
-    # every file, manifest included, and no leftover temporary files
+    fineweb.main(["--input", *files, "--out-dir", str(fresh), "--shard-size", "50000", "--workers", "2"])
+    # every file, manifest included, and no leftover temporary files (nor the journal)
     assert file_bytes(tmp_path / "out") == file_bytes(fresh)
-    np.testing.assert_array_equal(np.concatenate(ordered(read_shards(fresh))), np.tile(parquet_tokens, 4))
+    np.testing.assert_array_equal(np.concatenate(ordered(read_shards(fresh))), tokens)
 
 
 def test_max_tokens_stops_exactly_then_resumes(tmp_path, parquet_files, parquet_run, parquet_tokens):
@@ -370,7 +398,7 @@ def test_manifest_from_other_config_or_corrupt(tmp_path):
         fineweb.main([*args, "--shard-size", "10", "--format", "bin"])
     with (tmp_path / "doc.txt").open("a") as f:
         f.write("one more line")  # the input changed: skipping by document count would be wrong
-    with pytest.raises(UserError, match=r"different configuration \(source "):
+    with pytest.raises(UserError, match=r"--input .*doc.txt changed since the shards in .* were written from it"):
         fineweb.main([*args, "--shard-size", "10"])
     assert file_bytes(tmp_path / "out") == before  # refused without touching anything
     (tmp_path / "out" / "edufineweb_manifest.json").write_text("{not json")
@@ -654,8 +682,8 @@ def test_second_run_into_the_same_folder_is_refused(tmp_path, shared_data):
     assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "fresh")
 
 
-def test_two_real_runs_at_once(tmp_path, parquet_files):
-    args = ["--input", *parquet_files * 3, "--out-dir", "out", "--shard-size", "50000", "--workers", "1"]
+def test_two_real_runs_at_once(tmp_path, parquet_copies):
+    args = ["--input", *parquet_copies[0][:30], "--out-dir", "out", "--shard-size", "50000", "--workers", "1"]
     first = subprocess.Popen(
         [sys.executable, str(ROOT / "fineweb.py"), *args],
         cwd=tmp_path,
@@ -679,9 +707,9 @@ def test_two_real_runs_at_once(tmp_path, parquet_files):
 
 
 @pytest.fixture(scope="module")
-def sample_x2(tmp_path_factory, parquet_files):
+def sample_x2(tmp_path_factory, parquet_copies):
     """The parquet sample twice over (3.2M tokens) in 50K-token shards: the run Ctrl-C interrupts."""
-    args = ["--input", *parquet_files * 2, "--shard-size", "50000", "--workers", "1"]
+    args = ["--input", *parquet_copies[0][:20], "--shard-size", "50000", "--workers", "1"]
     fresh = tmp_path_factory.mktemp("sample_x2") / "fresh"
     fineweb.main([*args, "--out-dir", str(fresh)])
     return args, file_bytes(fresh)
@@ -708,11 +736,8 @@ def test_ctrl_c_is_prompt_and_clean_then_resumes(tmp_path, sample_x2, when):
             time.sleep(0.3)
         else:
             while time.time() < deadline and proc.poll() is None:
-                try:
-                    if len(json.loads(manifest.read_text())["shards"]) > shards:
-                        break
-                except (OSError, ValueError):
-                    pass
+                if len(shards_listed(manifest)) > shards:
+                    break
                 time.sleep(0.002)
         assert proc.poll() is None, "the run ended before the interrupt"
         t0 = time.time()
@@ -735,3 +760,151 @@ def test_ctrl_c_is_prompt_and_clean_then_resumes(tmp_path, sample_x2, when):
     code, out, err = run_cli([*args, "--out-dir", "out"], tmp_path)
     assert code == 0, err
     assert file_bytes(tmp_path / "out") == fresh
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs known by their content: edited in place, named twice, not UTF-8 (docs/reliability.md rule 19)
+
+
+def test_an_input_edited_in_place_at_the_same_size_is_refused_on_resume(tmp_path, shared_data):
+    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()
+    doc = tmp_path / "doc.txt"
+    doc.write_text(text)
+    out = tmp_path / "out"
+    args = ["--input", str(doc), "--out-dir", str(out), "--shard-size", "100000", "--workers", "1"]
+    fineweb.main([*args, "--max-tokens", "150000"])  # to be continued
+    doc.write_text(text.replace("Citizen", "citizen"))  # the same size, other text
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(args, tmp_path)
+    assert_one_line_error(code, err, rf"--input {doc} changed since the shards in {out} were written from it")
+    assert "refused" in err and "put the original back to resume" in err
+    assert snapshot(tmp_path) == before
+    doc.write_text(text)  # the way out it names: the original back, and the run continues to the same bytes
+    fineweb.main(args)
+    fresh = tmp_path / "fresh"
+    fineweb.main(["--input", str(doc), "--out-dir", str(fresh), "--shard-size", "100000", "--workers", "1"])
+    assert file_bytes(out) == file_bytes(fresh)
+
+
+def test_inputs_moved_with_the_same_bytes_resume(tmp_path, shared_data):
+    doc = tmp_path / "a" / "doc.txt"
+    doc.parent.mkdir()
+    shutil.copy(shared_data / "tinyshakespeare" / "input.txt", doc)
+    args = ["--out-dir", str(tmp_path / "out"), "--shard-size", "100000", "--workers", "1"]
+    fineweb.main(["--input", str(doc), *args, "--max-tokens", "150000"])
+    moved = tmp_path / "b" / "doc.txt"
+    shutil.move(doc.parent, moved.parent)
+    summary = fineweb.main(["--input", str(moved), *args])
+    assert summary["complete"] and summary["new_tokens"] == 338_026 - 100_000  # after the finished val shard
+
+
+@pytest.mark.parametrize("how", ["glob and path", "path twice", "./ spelling", "symlink", "hard link", "a copy"])
+def test_one_input_named_twice_is_read_once(tmp_path, shared_data, enc, how):
+    src = tmp_path / "src"
+    src.mkdir()
+    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()[:30000]
+    (src / "a.txt").write_text(text)
+    second = {
+        "glob and path": str(src / "*.txt"),
+        "path twice": str(src / "a.txt"),
+        "./ spelling": str(src / "." / "a.txt"),
+    }.get(how)
+    if how == "symlink":
+        os.symlink(src / "a.txt", tmp_path / "link.txt")
+        second = str(tmp_path / "link.txt")
+    elif how == "hard link":
+        os.link(src / "a.txt", tmp_path / "hard.txt")
+        second = str(tmp_path / "hard.txt")
+    elif how == "a copy":
+        shutil.copy(src / "a.txt", tmp_path / "copy.txt")
+        second = str(tmp_path / "copy.txt")
+    code, _, err = run_cli(
+        ["--input", str(src / "a.txt"), second, "--out-dir", "out", "--shard-size", "1000"], tmp_path
+    )
+    assert code == 0, err
+    assert "it is read once" in err
+    expected = np.array([EOT, *enc.encode_ordinary(text)], dtype=np.uint16)
+    np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path / "out"))), expected)
+
+
+UTF16_TEXT = "Hello, world: caf\u00e9 \u2603\n" * 50
+
+
+@pytest.mark.parametrize(
+    "encode, name, message",
+    [
+        (lambda t: t.encode("utf-16"), "UTF-16", r"is UTF-16 text \(its byte-order mark says so\)"),
+        (lambda t: t.encode("utf-16-le"), "UTF-16LE", r"UTF-16LE text without a byte-order mark"),
+        (lambda t: t.encode("utf-16-be"), "UTF-16BE", r"UTF-16BE text without a byte-order mark"),
+        (lambda t: t.encode("utf-32"), "UTF-32", r"is UTF-32 text"),
+    ],
+    ids=["utf16-bom", "utf16le", "utf16be", "utf32"],
+)
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_text_that_is_not_utf8_is_refused_naming_the_file_and_the_conversion_works(
+    tmp_path, enc, encode, name, message, suffix
+):
+    content = UTF16_TEXT if suffix == ".txt" else json.dumps({"text": UTF16_TEXT}) + "\n"
+    path = tmp_path / f"doc{suffix}"
+    path.write_bytes(encode(content))
+    code, _, err = run_cli(["--input", path.name, "--out-dir", "out", "--workers", "1"], tmp_path)
+    assert_one_line_error(code, err, rf"^error: doc{re.escape(suffix)} ")
+    assert re.search(message, err) and not (tmp_path / "out").exists()  # before any work
+    command = re.search(r"e\.g\. (iconv [^)]*)\)", err).group(1)  # the conversion it names works
+    assert subprocess.run(command, shell=True, cwd=tmp_path).returncode == 0
+    converted = tmp_path / f"doc.utf8{suffix}"
+    code, _, err = run_cli(
+        ["--input", converted.name, "--out-dir", "out", "--shard-size", "50", "--workers", "1"], tmp_path
+    )
+    assert code == 0, err
+    expected = np.array([EOT, *enc.encode_ordinary(UTF16_TEXT)], dtype=np.uint16)
+    np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path / "out"))), expected)
+
+
+def test_binary_and_nul_text_are_refused(tmp_path):
+    (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 4)
+    code, _, err = run_cli(["--input", "bin.txt", "--out-dir", "out"], tmp_path)
+    assert_one_line_error(code, err, r"bin\.txt holds NUL bytes: not a text file")
+    # a NUL past the first 64 KB the start looks at: refused when the file is read, nothing kept
+    (tmp_path / "late.txt").write_bytes(b"a" * 100_000 + b"\0" + b"b" * 10)
+    code, _, err = run_cli(["--input", "late.txt", "--out-dir", "out2"], tmp_path)
+    assert_one_line_error(code, err, r"late\.txt holds NUL characters")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_document(tmp_path, enc, suffix):
+    text = "First words of the file.\nSecond line."
+    content = text if suffix == ".txt" else json.dumps({"text": text}) + "\n"
+    (tmp_path / f"doc{suffix}").write_bytes(b"\xef\xbb\xbf" + content.encode())
+    fineweb.main(["--input", str(tmp_path / f"doc{suffix}"), "--out-dir", str(tmp_path / "out"), "--shard-size", "5"])
+    expected = np.array([EOT, *enc.encode_ordinary(text)], dtype=np.uint16)
+    np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path / "out"))), expected)
+
+
+def test_the_work_per_shard_does_not_grow_with_the_shards_written(tmp_path, shared_data, enc, monkeypatch):
+    """Bytes the process writes between one shard's file and the next (the shard, the manifest's
+    bookkeeping, the progress bar), read from /proc/self/io, at the 20th and the 300th shard: the
+    same. A manifest rewritten whole at every shard would add ~130 bytes a shard listed."""
+    if not os.path.exists("/proc/self/io"):
+        pytest.skip("needs Linux's /proc/self/io")
+
+    def written():
+        return int(next(line for line in open("/proc/self/io") if line.startswith("wchar:")).split()[1])
+
+    real, marks = fineweb.write_shard, []
+
+    def write_shard(path, tokens, fmt="npy"):
+        marks.append(written())
+        real(path, tokens, fmt)
+
+    monkeypatch.setattr(fineweb, "write_shard", write_shard)
+    text = shared_data / "tinyshakespeare" / "input.txt"
+    summary = fineweb.main(["--input", str(text), "--out-dir", str(tmp_path), "--shard-size", "1000", "--workers", "1"])
+    assert summary["shards"] == 339 and summary["complete"]
+    per_shard = np.diff(marks)
+    early, late = np.median(per_shard[15:25]), np.median(per_shard[295:305])
+    assert abs(late - early) < 200, (early, late)
+    assert early >= 2000  # the shard itself is counted: the measurement sees the writes
+    expected = np.array([EOT, *enc.encode_ordinary(text.read_text())], dtype=np.uint16)
+    np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path))), expected)
