@@ -28,7 +28,8 @@ as `--sample-from` runs) have glibc's default.
              T 1024 (and the recipe's B 64), elsewhere the small config; rung 8 runs train_gpt2.py
              under torchrun when 2 or more GPUs are visible. ladder.png goes beside the JSON
   loader     DataLoaderLite.next_batch through 100M-token shards (written to a temporary folder):
-             microseconds per batch, at the shard switches, and the memory it adds
+             microseconds per batch, at the shard switches, and the memory it adds; the data
+             identity check every start makes (100 sparse 100M-token shards; real shards read cold)
   fineweb    fineweb.py's tokenizer pool against tiktoken's encode_ordinary_batch, same documents
              and the same number of workers
   hellaswag  hellaswag.evaluate (what training calls) and the whole `python hellaswag.py` process
@@ -60,6 +61,7 @@ import argparse
 import gc
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -103,6 +105,7 @@ TARGETS = {
     "compile_vs_eager": 1.0,
     "loader_switch_ms": 1.0,  # below
     "loader_rss_mb": 50.0,  # below
+    "data_identity_s": 0.25,  # below: the data check of every start, 100 shards of 100M tokens
     "fineweb_vs_tiktoken": 0.8,
     "hellaswag_process": 4.0,  # the whole hellaswag.py process vs an in-process one-row-per-forward loop
     "hellaswag_full_s": 3.0,  # CUDA: the full set inside training, 124M bf16, below
@@ -1374,6 +1377,48 @@ def bench_loader(s, device_type, tmp):
             higher_is_better=False,
             note=f"and up to {file_peak - file0:,.0f} MiB of page cache: the mapped shard",
         ),
+    ]
+    result["data_identity"], more = bench_data_identity(data_dir, tmp)
+    return result, rows + more
+
+
+def bench_data_identity(data_dir, tmp, n_shards=100, shard_tokens=100_000_000, rounds=5):
+    """train_support.data_identity, the check of the data every start and --resume makes: on a
+    folder of 100 shards of 100M tokens (20 GB, as FineWeb-Edu 10B's: sparse files, a real .npy
+    header and then holes, so they take no disk and read from the page cache), and per shard on
+    the loader's real shards with their pages dropped from the page cache first (posix_fadvise
+    DONTNEED): a read from the disk, as on a machine's first start."""
+    import fineweb
+
+    folder = os.path.join(tmp, "identity_data")
+    os.makedirs(folder)
+    for i in range(n_shards):
+        path = fineweb.shard_path(folder, "bench", i)
+        np.lib.format.open_memmap(path, mode="w+", dtype=np.uint16, shape=(shard_tokens,))
+    train_support.data_identity(folder)  # warm-up: the first start after writing them
+    times = [timed(lambda: train_support.data_identity(folder), "cpu") for _ in range(rounds)]
+    cold = []
+    for path in train_support.find_shards(data_dir, "train") if hasattr(os, "posix_fadvise") else []:  # not macOS
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        cold.append(timed(lambda: train_support.shard_fingerprint(path), "cpu"))
+    shutil.rmtree(folder)
+    cold_ms = [1e3 * t for t in cold]
+    result = {"shards": n_shards, "shard_tokens": shard_tokens, "seconds": stats(times), "cold_ms_per_shard": cold_ms}
+    cold_note = (
+        f"; {statistics.median(cold_ms):.2f} ms a shard read cold from disk ({len(cold)} real shards)" if cold else ""
+    )
+    rows = [
+        comparison(
+            f"data identity check: {n_shards} shards of {shard_tokens:,} tokens",
+            times,
+            None,
+            "s",
+            TARGETS["data_identity_s"],
+            higher_is_better=False,
+            note=f"sparse shards, page cache{cold_note}",
+        )
     ]
     return result, rows
 
