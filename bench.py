@@ -5,7 +5,7 @@ Shared machines drift: absolute times move, ratios taken back to back hold. So e
 runs its contenders interleaved (A B A B ...), drops the warm-up rounds, and reports medians with
 min-max; a ratio is the ratio of the medians, with the min-max of the per-round (paired) ratios.
 On a CPU, from the train section on, glibc's malloc keeps freed memory, as training and
-hellaswag.py run there (train_support.keep_freed_memory); the sections before it (sample among them,
+hellaswag.py run there (support.machine.keep_freed_memory); the sections before it (sample among them,
 as `--sample-from` runs) have glibc's default.
 
   ceiling    fp32 and bf16 GFLOP/s of a large square torch.mm: what this device can do with the
@@ -15,12 +15,12 @@ as `--sample-from` runs) have glibc's default.
              GPT.configure_optimizers, against transformers' GPT2LMHeadModel (sdpa attention, plain
              torch AdamW) with the same config, batch, precision and data (train_gpt2's loader feeds
              both the same micro-batches); on a CPU first that setting itself: glibc's malloc
-             keeping freed memory (train_support.keep_freed_memory) against its default.
+             keeping freed memory (support.machine.keep_freed_memory) against its default.
              Configs small (6 layers, 384 wide, T 256, B 8) and gpt2 (124M, T 1024, B 1 on CPU;
              on a GPU the recipe's 64 where memory allows, else 32, 16, ... per precision); fp32
              and bf16 autocast; eager and torch.compile (compile time: cold, from an empty
              inductor cache). MFU: against the matmul ceiling measured in the same rounds on a
-             CPU, against the datasheet peak (train_support.PEAK_FLOPS, --peak-flops) on a GPU
+             CPU, against the datasheet peak (support.machine.PEAK_FLOPS, --peak-flops) on a GPU
   ladder     build-nanogpt's speed-up ladder, one change per rung (fp32, TF32, bf16 autocast,
              torch.compile, flash attention, vocab padded to 50,304, fused AdamW with parameter
              groups): train_gpt2's training step from the same weights on the same batches, the
@@ -75,10 +75,12 @@ from torch import nn
 from torch.nn import functional as F
 
 import train_gpt2
-import train_support
 from fineweb import get_tokenizer
+from support import checks, sampling
+from support.common import UserError, run_cli, write_atomic
+from support.machine import keep_freed_memory, peak_flops
+from support.run_log import RunLog
 from train_gpt2 import GPT, GPTConfig, flops_per_token, pick_device
-from train_support import UserError, run_cli, write_atomic
 
 # sample comes before train: from train on, glibc's malloc keeps freed memory (see the docstring)
 SECTIONS = ("ceiling", "loader", "fineweb", "sample", "train", "ladder", "hellaswag")
@@ -622,7 +624,7 @@ def heap_probe(config, data_dir, keep, steps):
     from train_gpt2 import DataLoaderLite
 
     if keep:
-        train_support.keep_freed_memory()
+        keep_freed_memory()
     c = config
     torch.manual_seed(1337)
     model = GPT(
@@ -635,7 +637,7 @@ def heap_probe(config, data_dir, keep, steps):
 
 
 def bench_keep_freed_memory(s, data_dir):
-    """train_support.keep_freed_memory, which a CPU training run turns on: training steps (fp32, eager)
+    """keep_freed_memory, which a CPU training run turns on: training steps (fp32, eager)
     with glibc keeping freed memory in the heap against glibc's default (big blocks mapped and
     unmapped, the heap trimmed), for the README's tiny run and the small config. glibc's default
     cannot be restored in a process once changed, so each round runs each setting in a fresh
@@ -683,7 +685,7 @@ def bench_train(s, device, device_type, peak, tmp):
     fineweb.write_shard(fineweb.shard_path(data_dir, "bench", 1), tokens)
     results, rows = {}, []
     # on a CPU, from here on (and for hellaswag after it), as training and hellaswag.py run there
-    if device_type == "cpu" and train_support.keep_freed_memory():
+    if device_type == "cpu" and keep_freed_memory():
         results["keep_freed_memory"], rows = bench_keep_freed_memory(s, data_dir)
     for name in s["configs"]:
         results[name], r = bench_train_config(name, s, device, device_type, peak, data_dir)
@@ -712,7 +714,7 @@ def bench_wandb_logging(s, tmp, train_result):
         for name, project in (("wandb", "bench"), ("plain", None)):
             out = os.path.join(tmp, f"wandb_bench_{name}")
             os.makedirs(out)
-            logs[name] = run_log = train_support.RunLog(out, True, n * (rounds + 1))
+            logs[name] = run_log = RunLog(out, True, n * (rounds + 1))
             run_log.print = lambda record: None
             run_log.header(f"bench-{name}-{os.getpid()}", "bench", None, {}, {"wandb_project": project, "out_dir": out})
         mirror, step = logs["wandb"].wandb, iter(range(10**9))
@@ -752,7 +754,7 @@ def bench_wandb_logging(s, tmp, train_result):
                 times["drained"].append((t4 - t2) / n)
             done = ", ".join(f"{k} {v[-1] * 1e3:.3f} ms" for k, v in times.items() if v) or "warm-up"
             log(f"  wandb logging: round {r + 1}/{rounds + 1}: {done}")
-        train_support.RunLog.finish_wandb()
+        RunLog.finish_wandb()
     finally:
         for name, value in saved.items():
             if value is None:
@@ -1128,7 +1130,7 @@ def bench_ladder(s, args, device, device_type, tmp):
     import fineweb
 
     if device_type == "cpu":  # as a CPU training run does
-        train_support.keep_freed_memory()
+        keep_freed_memory()
     name, c = ladder_config(s["ladder_config"], device_type)
     T, B = c["T"], c["B"]
     data_dir = os.path.join(tmp, "ladder_data")
@@ -1383,7 +1385,7 @@ def bench_loader(s, device_type, tmp):
 
 
 def bench_data_identity(data_dir, tmp, n_shards=100, shard_tokens=100_000_000, rounds=5):
-    """train_support.data_identity, the check of the data every start and --resume makes: on a
+    """checks.data_identity, the check of the data every start and --resume makes: on a
     folder of 100 shards of 100M tokens (20 GB, as FineWeb-Edu 10B's: sparse files, a real .npy
     header and then holes, so they take no disk and read from the page cache), and per shard on
     the loader's real shards with their pages dropped from the page cache first (posix_fadvise
@@ -1395,14 +1397,14 @@ def bench_data_identity(data_dir, tmp, n_shards=100, shard_tokens=100_000_000, r
     for i in range(n_shards):
         path = fineweb.shard_path(folder, "bench", i)
         np.lib.format.open_memmap(path, mode="w+", dtype=np.uint16, shape=(shard_tokens,))
-    train_support.data_identity(folder)  # warm-up: the first start after writing them
-    times = [timed(lambda: train_support.data_identity(folder), "cpu") for _ in range(rounds)]
+    checks.data_identity(folder)  # warm-up: the first start after writing them
+    times = [timed(lambda: checks.data_identity(folder), "cpu") for _ in range(rounds)]
     cold = []
-    for path in train_support.find_shards(data_dir, "train") if hasattr(os, "posix_fadvise") else []:  # not macOS
+    for path in checks.find_shards(data_dir, "train") if hasattr(os, "posix_fadvise") else []:  # not macOS
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-        cold.append(timed(lambda: train_support.shard_fingerprint(path), "cpu"))
+        cold.append(timed(lambda: checks.shard_fingerprint(path), "cpu"))
     shutil.rmtree(folder)
     cold_ms = [1e3 * t for t in cold]
     result = {"shards": n_shards, "shard_tokens": shard_tokens, "seconds": stats(times), "cold_ms_per_shard": cold_ms}
@@ -1733,7 +1735,7 @@ def bench_sample(s, device, device_type):
 
     def in_training():
         with train_gpt2.autocast(device_type, autocast_dtype):
-            train_support.sample_text(model, enc, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32)
+            sampling.sample_text(model, enc, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32)
 
     first_in_training_s = timed(in_training, device_type)  # picks kernels, as a run's first sample step does
     contenders["in_training"] = in_training
@@ -1870,9 +1872,7 @@ def main(argv=None):
     device, device_type = pick_device(args.device)
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # as train_gpt2 does: TF32 for fp32 matmuls
-    peak = args.peak_flops or (
-        train_support.peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None
-    )
+    peak = args.peak_flops or (peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None)
     if device_type == "cuda" and peak is None:
         raise UserError(f"no peak FLOP/s known for {torch.cuda.get_device_name(device)}: pass --peak-flops")
     out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -1909,7 +1909,7 @@ def main(argv=None):
                 result, rows = bench_ladder(s, args, device, device_type, tmp)
             elif section == "hellaswag":
                 if device_type == "cpu":  # as hellaswag.py and training evaluate there (also with --only)
-                    train_support.keep_freed_memory()
+                    keep_freed_memory()
                 result, rows = bench_hellaswag(s, args, device, device_type, tmp)
             else:
                 result, rows = bench_sample(s, device, device_type)

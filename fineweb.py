@@ -38,7 +38,7 @@ if __name__ == "__main__":  # Ctrl-C while numpy loads: one line, not a tracebac
 import numpy as np
 from tqdm import tqdm
 
-from train_support import UserError, first_line, offline_var, run_cli, unreachable, write_atomic
+from support.common import UserError, first_line, offline_var, run_cli, unreachable, write_atomic
 
 EOT = 50256  # <|endoftext|>: every document starts with it
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
@@ -607,7 +607,7 @@ def save_manifest(path, manifest):
         os.remove(journal_path(path))
 
 
-SHARD_NAME = re.compile(r".+_(train|val)_\d+\.(npy|bin)")  # what train_support.find_shards reads
+SHARD_NAME = re.compile(r".+_(train|val)_\d+\.(npy|bin)")  # what support.checks.find_shards reads
 
 
 def foreign_shards(out_dir, prefix, fmt, started):

@@ -54,16 +54,9 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fineweb import get_tokenizer
-from train_support import (
-    UserError,
-    fence,
-    first_line,
-    keep_freed_memory,
-    offline_var,
-    run_cli,
-    unreachable,
-    write_atomic,
-)
+from support.checkpoints import fence
+from support.common import UserError, first_line, offline_var, run_cli, unreachable, write_atomic
+from support.machine import keep_freed_memory
 
 NUM_VAL = 10042
 HUB_DATASET = "Rowan/hellaswag"  # split "validation": the same rows, with label as a string
@@ -595,6 +588,15 @@ def evaluate_all_ranks(model, prepared, device, autocast_dtype, rank, world_size
 # Command line
 
 
+def hellaswag_out_of_memory(frames):
+    """For out_of_memory_line: hellaswag.py's flag to lower."""
+    if not any(name == "ending_losses" for name, _ in frames):
+        return None
+    n = next((f.get("batch_tokens") for name, f in frames if name == "ending_losses"), None)  # the one it used
+    example = f" (e.g. --batch-tokens {n // 2})" if n and n > 1 else ""
+    return f"while scoring HellaSwag: lower --batch-tokens{example}, or use a smaller --model"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -650,4 +652,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, out_of_memory=hellaswag_out_of_memory)

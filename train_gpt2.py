@@ -4,7 +4,8 @@ Reproduce GPT-2 (124M) pretraining on FineWeb-Edu, in one readable file.
 Top to bottom, in the order of the recipe: the model, the device and its precision, the data
 (memory-mapped token shards), the learning-rate schedule, the val loss, the processes (DDP),
 and the training loop; the command line at the end. What keeps a run safe without changing
-what it computes (flag checks, checkpoint files, resume, signals, the log) is in train_support.py.
+what it computes (flag checks, checkpoint files, resume, signals, the log) is in support/, one
+module per concern.
 
 Usage:
     python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe
@@ -42,43 +43,25 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fineweb import get_tokenizer, load_shard
-from train_support import (
-    GPT2_VOCAB,
-    NonFiniteGuard,
-    RunLog,
-    StopRequest,
-    UserError,
+from support.checkpoints import find_model, load_checkpoint, save_training_state
+from support.checks import (
     check_args,
     check_batch_fits,
     check_data,
     check_device,
     check_init_shape,
     check_same_shards,
-    check_state_dict,
     check_token_ids,
-    claim_out_dir,
-    encode_prompt,
-    find_model,
     find_shards,
-    first_line,
-    keep_freed_memory,
-    load_checkpoint,
-    load_hf_gpt2,
-    missing_folders,
-    note_if_samples_stop_early,
-    peak_flops,
-    print_samples,
-    release_out_dir,
-    remove_made_folders,
-    report_resume,
-    restore_training_state,
-    resume_checkpoint,
-    run_cli,
-    sample_text,
-    save_hf_gpt2,
-    save_training_state,
-    set_deterministic,
 )
+from support.common import GPT2_VOCAB, UserError, first_line, run_cli
+from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
+from support.machine import keep_freed_memory, peak_flops, set_deterministic, training_out_of_memory
+from support.out_dir import claim_out_dir, missing_folders, release_out_dir, remove_made_folders
+from support.resume import report_resume, restore_training_state, resume_checkpoint
+from support.run_log import NonFiniteGuard, RunLog
+from support.sampling import encode_prompt, note_if_samples_stop_early, print_samples, sample_text
+from support.signals import StopRequest
 
 # --- The model ------------------------------------------------------------------------------------
 
@@ -821,7 +804,7 @@ def train(args, given=frozenset()):
     return 0
 
 
-# --- Command line: every flag is checked before step 0 (train_support.check_args) -----------------
+# --- Command line: every flag is checked before step 0 (support/checks.py) ---------------------
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -937,4 +920,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli(main, interrupted="interrupted (a training run continues from its newest checkpoint with --resume)")
+    run_cli(
+        main,
+        interrupted="interrupted (a training run continues from its newest checkpoint with --resume)",
+        out_of_memory=training_out_of_memory,
+    )

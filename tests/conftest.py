@@ -184,7 +184,7 @@ def cli(*args, script="train_gpt2.py", timeout=300, **kwargs):
 
 # After a script's main() on the CPU, in the same interpreter: how many MiB of a live 64 MiB tensor
 # glibc mapped on its own (mmap) and how many MiB the heap still holds once it is freed. "off"
-# stands in glibc's defaults for the script's keep_freed_memory (train_support's), as the reference
+# stands in glibc's defaults for the script's keep_freed_memory (support.machine's), as the reference
 # a check must tell apart from "on" (the script as it is).
 MALLOC_PROBE = """
 import ctypes, importlib, sys, torch
@@ -221,7 +221,7 @@ def heap_after(script, mode, args):
 def user_error(args):
     """train_gpt2.main(args) must stop with a one-line UserError; returns its message."""
     import train_gpt2
-    from train_support import UserError
+    from support.common import UserError
 
     with pytest.raises(UserError) as e:
         train_gpt2.main([str(a) for a in args])

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import hellaswag
-import train_support
 from conftest import read_log
 from fineweb import write_shard
+from support import checkpoints, common, machine, sampling
 from train_gpt2 import GPT, GPTConfig
 
 ROOT = __import__("conftest").ROOT
@@ -101,7 +101,7 @@ def test_compiled_bf16_124m_loss_falls(run_124m):
     val = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(val) == 2 and val[1] < val[0] - 3.0
     # MFU for every step of a GPU in the peak-FLOPs table, none for one that is not
-    known = train_support.peak_flops(header["device"]) is not None
+    known = machine.peak_flops(header["device"]) is not None
     assert all(0 < steps[s]["mfu"] < 1 if known else steps[s]["mfu"] is None for s in range(1, 20))
 
 
@@ -157,7 +157,7 @@ def _resume_pair(shakespeare, tmp_path, *flags):
     assert "resuming from" in r.stdout and "at step 4" in r.stdout
     ref, resumed = read_log(tmp_path / "ref")[1], read_log(tmp_path / "resumed")[1]
     assert sorted(resumed) == [4, 5, 6, 7]
-    a, b = (train_support.load_checkpoint(str(tmp_path / d / "ckpt_000008.pt")) for d in ("ref", "resumed"))
+    a, b = (checkpoints.load_checkpoint(str(tmp_path / d / "ckpt_000008.pt")) for d in ("ref", "resumed"))
     return ref, resumed, a, b
 
 
@@ -290,7 +290,7 @@ def test_greedy_samples_cuda_fp32_equal_the_cpu(eval_model, enc, fp32_exact):
         # the CPU's margin between its best and second-best token at each step: only a near-tie may flip
         logits, _ = eval_model(cpu[:1, :-1])
     assert torch.equal(cpu[0], cpu[1]) and torch.equal(gpu[0], gpu[1])  # greedy: both rows the same
-    top2 = logits[0, n_prompt - 1 :, : train_support.GPT2_VOCAB].topk(2, dim=-1).values
+    top2 = logits[0, n_prompt - 1 :, : common.GPT2_VOCAB].topk(2, dim=-1).values
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
     first_tie = next((i for i, g in enumerate(gaps) if g < 1e-3), n_new)
     assert torch.equal(gpu[:, : n_prompt + first_tie], cpu[:, : n_prompt + first_tie])
@@ -298,9 +298,7 @@ def test_greedy_samples_cuda_fp32_equal_the_cpu(eval_model, enc, fp32_exact):
     assert first_tie >= 24, gaps  # the whole sample, or all but a last few tokens after a near-tie
     # and the text path training prints, on the GPU
     # (2 rows: the shapes, and so the kernels, of the eager GPU decode above)
-    text = train_support.sample_text(
-        eval_model.to("cuda"), enc, "Hello, I'm a language model,", 2, n_new, temperature=0
-    )
+    text = sampling.sample_text(eval_model.to("cuda"), enc, "Hello, I'm a language model,", 2, n_new, temperature=0)
     eval_model.to("cpu")
     assert text == [enc.decode(gpu[0].tolist())] * 2
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import train_gpt2
-import train_support
 from conftest import ROOT, assert_one_line_error, user_error
+from support import common, hf_interop
+from support.common import GPT2_VOCAB, UserError
 from train_gpt2 import load_model
-from train_support import GPT2_VOCAB, UserError
 
 
 def snapshot(folder):
@@ -289,7 +289,7 @@ def test_failed_rename_puts_the_earlier_export_back(tiny_model, tmp_path, monkey
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(train_support.os, "replace", replace)
+    monkeypatch.setattr(common.os, "replace", replace)
     with pytest.raises(UserError, match="Invalid cross-device link"):
         tiny_model.export_hf(target)
     assert snapshot(tmp_path) == before
@@ -299,7 +299,7 @@ def test_unwritable_parent_is_one_line(tiny_model, tmp_path, monkeypatch):
     def mkdtemp(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(train_support.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(common.tempfile, "mkdtemp", mkdtemp)
     with pytest.raises(UserError, match="Permission denied"):
         tiny_model.export_hf(tmp_path / "a" / "b" / "hf")
     assert os.listdir(tmp_path) == []  # the parents it made are removed again
@@ -385,7 +385,7 @@ def test_transformers_offline_alone_counts_as_offline(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "yes")
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)  # it read the flags at import
-    monkeypatch.setattr(train_support, "hub_name_is_cached", lambda name: False)
+    monkeypatch.setattr(hf_interop, "hub_name_is_cached", lambda name: False)
     monkeypatch.setattr("urllib.request.urlopen", lambda *a, **k: pytest.fail("offline, yet it went to the network"))
     with pytest.raises(UserError, match="not in the local Hugging Face cache and TRANSFORMERS_OFFLINE is set"):
         train_gpt2.GPT.from_pretrained("gpt2-xl")
@@ -405,7 +405,7 @@ def test_unreachable_hub_fails_before_transformers_tries(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("TRANSFORMERS_OFFLINE")
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
-    monkeypatch.setattr(train_support, "hub_name_is_cached", lambda name: False)
+    monkeypatch.setattr(hf_interop, "hub_name_is_cached", lambda name: False)
     timeouts = []
 
     def urlopen(url, timeout=None):

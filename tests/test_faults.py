@@ -23,10 +23,11 @@ import torch
 import fineweb
 import hellaswag
 import train_gpt2
-import train_support
 from conftest import ROOT, random_shards, read_log, tiny_args, user_error, write_shard
 from fineweb import EOT
-from train_support import UserError, load_checkpoint, load_training_checkpoint
+from support import checkpoints, common, run_log
+from support.checkpoints import load_checkpoint, load_training_checkpoint
+from support.common import UserError
 
 
 class FullDisk:
@@ -81,7 +82,7 @@ def test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes(tmp_path, m
     expected = np.array([EOT] + enc.encode_ordinary(text_path.read_text()), dtype=np.uint16)  # tiktoken directly
     out = tmp_path / "out"
     args = ["--input", str(text_path), "--out-dir", str(out), "--shard-size", "100000", "--workers", "1"]
-    opened = fail_nth_write(monkeypatch, train_support, ".npy.tmp", 3)  # the third shard hits a full disk
+    opened = fail_nth_write(monkeypatch, common, ".npy.tmp", 3)  # the third shard hits a full disk
     with pytest.raises(UserError) as e:
         fineweb.main(args)
     msg = str(e.value)
@@ -132,7 +133,7 @@ def same_weights(a, b):
 
 
 def newest_checkpoint(out):
-    paths = train_support.checkpoint_paths(str(out))
+    paths = checkpoints.checkpoint_paths(str(out))
     return paths[0] if paths else None
 
 
@@ -254,9 +255,7 @@ def read_only_on_nth_open(monkeypatch, n):
                 raise OSError(errno.EROFS, "Read-only file system", str(path))
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(
-        train_support, "open", open_, raising=False
-    )  # train_support.write_atomic writes the checkpoints
+    monkeypatch.setattr(common, "open", open_, raising=False)  # common.write_atomic writes the checkpoints
     return opened
 
 
@@ -268,7 +267,7 @@ def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_p
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)
     if fault == "disk-full":
-        fail_nth_write(monkeypatch, train_support, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
+        fail_nth_write(monkeypatch, common, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
     else:
         read_only_on_nth_open(monkeypatch, 3)
     msg = user_error(args)
@@ -291,7 +290,7 @@ def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_p
 def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
-    fail_nth_write(monkeypatch, train_support, "log.jsonl", 1, room=3000)  # room for the header and a few steps
+    fail_nth_write(monkeypatch, run_log, "log.jsonl", 1, room=3000)  # room for the header and a few steps
     msg = user_error(tiny_args(data, out, "--max-steps", 50, "--ckpt-every", 1, "--eval-every", 0))
     assert "log.jsonl" in msg and "No space left on device" in msg and "--resume" in msg
     last = max(read_log(out)[1])  # the record cut short is skipped

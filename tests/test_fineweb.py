@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import fineweb
-import train_support
 from fineweb import EOT
-from train_support import UserError
+from support import common
+from support.common import UserError
 
 ROOT = __import__("conftest").ROOT
 SHARD = 100_000  # small shards: the 1.6M-token sample gives 16 full ones and a partial one
@@ -428,7 +428,7 @@ def online(monkeypatch):
     for var in fineweb.HUB_OFFLINE_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(
-        train_support.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})()
+        common.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})()
     )
 
 
@@ -468,7 +468,7 @@ def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, 
         monkeypatch.setenv(var, value)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the Hub was asked"))
     tried = []
-    monkeypatch.setattr(train_support.socket, "create_connection", lambda *a, **k: tried.append(a) or connect(*a, **k))
+    monkeypatch.setattr(common.socket, "create_connection", lambda *a, **k: tried.append(a) or connect(*a, **k))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("the user's")
     before = snapshot(tmp_path)

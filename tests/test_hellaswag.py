@@ -20,9 +20,9 @@ import torch
 from torch.nn import functional as F
 
 import hellaswag
-import train_support
 from conftest import heap_after
 from hellaswag import HellaSwagDataError
+from support import common
 from train_gpt2 import GPT
 
 ROOT = __import__("conftest").ROOT
@@ -243,7 +243,7 @@ def test_offline_variable_fails_at_once(tmp_path, monkeypatch, var):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv(var, "1")
     monkeypatch.setattr(urllib.request, "urlopen", never)
-    monkeypatch.setattr(train_support.socket, "create_connection", never)
+    monkeypatch.setattr(common.socket, "create_connection", never)
     monkeypatch.setattr(hellaswag, "_fetch_from_hub", never)
     with pytest.raises(HellaSwagDataError, match=f"{var} is set.*pass --data path/to/hellaswag_val.jsonl"):
         hellaswag.load_examples(cache_dir=str(tmp_path / "c"))
@@ -261,7 +261,7 @@ def test_no_network_fails_after_one_quick_probe(tmp_path, monkeypatch):
         probes.append((address, timeout))
         raise OSError("Network is unreachable")
 
-    monkeypatch.setattr(train_support.socket, "create_connection", create_connection)
+    monkeypatch.setattr(common.socket, "create_connection", create_connection)
     monkeypatch.setattr(urllib.request, "urlopen", never)
     monkeypatch.setattr(hellaswag, "_fetch_from_hub", never)
     with pytest.raises(HellaSwagDataError, match="no network.*pass --data path/to/hellaswag_val.jsonl"):

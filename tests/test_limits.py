@@ -18,9 +18,10 @@ import torch
 from test_notebook import clean_records, kernel_env, run_notebook, write_log  # noqa: F401  (kernel_env: a fixture)
 
 import train_gpt2
-import train_support
 from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, tiny_args, user_error
-from train_support import UserError, load_checkpoint, out_of_memory_line
+from support import checkpoints, common
+from support.checkpoints import load_checkpoint
+from support.common import UserError, out_of_memory_line
 
 # Runs train_gpt2.py as `python train_gpt2.py ...` does, in a process whose address space is capped
 # at what the imports map plus argv[1] MiB: an allocation past that fails as on a machine that is
@@ -176,12 +177,12 @@ def test_gpu_out_of_memory_reads_as_gpu_memory_with_the_allocators_size():
         "CUDA out of memory. Tried to allocate 12.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.2 GiB "
         "is free. Of the allocated memory 70 GiB is allocated by PyTorch\nmore lines"
     )
-    assert train_support.memory_kind(e) == "GPU memory"
+    assert common.memory_kind(e) == "GPU memory"
     assert out_of_memory_line(e, "GPU memory") == "out of GPU memory (CUDA out of memory. Tried to allocate 12.00 GiB)"
-    assert train_support.memory_kind(ValueError("shapes differ")) is None
+    assert common.memory_kind(ValueError("shapes differ")) is None
     wrapped = RuntimeError("compile failed")
     wrapped.__cause__ = MemoryError()
-    assert train_support.memory_kind(wrapped) == "host memory"
+    assert common.memory_kind(wrapped) == "host memory"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,7 +285,7 @@ def test_weights_that_are_not_finite_are_never_saved(data, tmp_path, short_run):
     with pytest.raises(
         UserError, match=r"the weights after 3 steps are not finite \(transformer.h.0.mlp.c_fc.weight\)"
     ):
-        train_support.save_training_state(3, run)
+        checkpoints.save_training_state(3, run)
     assert os.listdir(out) == []
 
 
@@ -360,14 +361,15 @@ def torchrun(*args, wrap=None, timeout=300):
 SLOW_DISK = """
 import os, sys, time
 sys.path.insert(0, ".")
-import train_gpt2, train_support
-write = train_support.write_atomic
+import train_gpt2
+from support import checkpoints, common
+write = checkpoints.write_atomic
 def slow(path, *args, **kwargs):
     if path.endswith(".pt") and os.environ["RANK"] == "0":
         time.sleep(8)
     return write(path, *args, **kwargs)
-train_support.write_atomic = slow
-train_support.run_cli(lambda: train_gpt2.main(sys.argv[1:]))
+checkpoints.write_atomic = slow  # the name save_checkpoint calls
+common.run_cli(lambda: train_gpt2.main(sys.argv[1:]))
 """
 
 
@@ -525,7 +527,7 @@ def test_a_failed_first_checkpoint_write_does_not_claim_earlier_ones(data, tmp_p
         return open(path, mode, *args, **kwargs)
 
     out = tmp_path / "out"
-    monkeypatch.setattr(train_support, "open", open_, raising=False)
+    monkeypatch.setattr(common, "open", open_, raising=False)
     msg = user_error(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0))
     assert "no checkpoint was written before this one" in msg and "intact" not in msg
     monkeypatch.undo()  # room again: the advice, --resume, starts the run again and finishes it

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import train_gpt2
-import train_support
 from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, user_error
+from support.common import UserError
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +300,7 @@ def test_sampling_is_exercised_before_step_0(data, tmp_path, monkeypatch):
     """A sampling failure (here: the sampler raising) happens before the first step, not at step N."""
 
     def broken(*args, **kwargs):
-        raise train_support.UserError("sampling failed")
+        raise UserError("sampling failed")
 
     monkeypatch.setattr(train_gpt2, "sample_text", broken)
     out = tmp_path / "out"

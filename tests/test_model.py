@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
+from support.common import GPT2_VOCAB, UserError
 from train_gpt2 import GPT, GPTConfig
-from train_support import GPT2_VOCAB, UserError
 
 ROOT = __import__("conftest").ROOT
 
@@ -28,8 +28,8 @@ def test_a_loaded_checkpoint_keeps_the_tie_and_trains_it_as_one_parameter(tmp_pa
     embedding / lm_head must still be one Parameter, updated once per step."""
     from dataclasses import asdict
 
+    from support.checkpoints import load_checkpoint
     from train_gpt2 import model_from_checkpoint
-    from train_support import load_checkpoint
 
     torch.manual_seed(0)
     model = GPT(tiny_config)
@@ -179,7 +179,7 @@ def test_sampling_never_emits_padding_and_stops_at_block_size(tiny_config):
 
 
 def test_same_seed_same_text(tiny_config, enc):
-    from train_support import sample_text
+    from support.sampling import sample_text
 
     torch.manual_seed(8)
     model = GPT(tiny_config)
@@ -196,8 +196,8 @@ def test_tokenizer(enc):
 
 def test_tokenizer_missing_cache_is_one_line_error(tmp_path):
     code = (
-        "import fineweb, train_support, sys\ntry:\n    fineweb.get_tokenizer()\n"
-        "except train_support.UserError as e:\n    print(e); sys.exit(3)"
+        "import fineweb, support.common, sys\ntry:\n    fineweb.get_tokenizer()\n"
+        "except support.common.UserError as e:\n    print(e); sys.exit(3)"
     )
     env = {"PATH": "/usr/bin:/bin", "TIKTOKEN_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path)}
     # an empty cache dir and no network (unroutable proxy) make the load fail fast

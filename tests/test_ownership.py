@@ -18,7 +18,8 @@ import pytest
 import fineweb
 import train_gpt2
 from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, write_shard
-from train_support import LOCK_FILE, load_checkpoint
+from support.checkpoints import load_checkpoint
+from support.out_dir import LOCK_FILE
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +309,7 @@ def test_a_folder_stopped_where_max_tokens_asked_is_finished_as_asked(tmp_path, 
 
 
 def test_fineweb_command_uses_a_glob_for_a_whole_folder_and_hub_flags(tmp_path):
-    from train_support import fineweb_command
+    from support.checks import fineweb_command
 
     files = [tmp_path / f"part_{i}.jsonl" for i in range(5)]
     for f in files:

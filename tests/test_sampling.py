@@ -5,8 +5,8 @@ decode step giving the same tokens as the eager one."""
 import pytest
 import torch
 
+from support.common import GPT2_VOCAB
 from train_gpt2 import GPT, KVCache
-from train_support import GPT2_VOCAB
 
 
 @pytest.fixture

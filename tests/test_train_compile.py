@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import train_gpt2
-import train_support
 from conftest import random_shards, read_log, tiny_args
+from support.checkpoints import load_checkpoint
 
 
 def test_compiled_run_matches_eager_and_evaluates(tmp_path, shared_data):
@@ -48,6 +48,6 @@ def test_compiled_run_matches_eager_and_evaluates(tmp_path, shared_data):
         if key == "val_loss":
             assert [v for _, v in a] == pytest.approx([v for _, v in b], rel=1e-4)
     # the checkpoint holds the plain module's names and loads into a plain GPT
-    ckpt = train_support.load_checkpoint(str(tmp_path / "compiled" / "ckpt_000003.pt"))
+    ckpt = load_checkpoint(str(tmp_path / "compiled" / "ckpt_000003.pt"))
     assert set(ckpt["model"]) == set(train_gpt2.GPT(train_gpt2.GPTConfig(**ckpt["model_config"])).state_dict())
     train_gpt2.load_model(str(tmp_path / "compiled" / "ckpt_000003.pt"))

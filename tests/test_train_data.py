@@ -9,8 +9,8 @@ import torch
 
 from conftest import write_shard
 from fineweb import load_shard
+from support.common import UserError
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig, evaluate_val_loss
-from train_support import UserError
 
 
 def write_known_shards(folder, lengths, ext="npy", val_length=0):

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import train_gpt2
-import train_support
 from conftest import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
+from support import run_log
 
 wandb = pytest.importorskip("wandb")  # an optional dependency (requirements-dev.txt)
 wandb_internal_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
@@ -185,8 +185,8 @@ def test_flag_without_the_package_is_one_line_at_start(tmp_path):
     """wandb is optional: missing (a None in sys.modules makes its import fail), the flag is
     refused before anything runs, and a run without the flag never needs it."""
     data, out = random_shards(tmp_path / "data"), tmp_path / "out"
-    script = "import sys; sys.modules['wandb'] = None; import train_gpt2, train_support; "
-    script += "train_support.run_cli(train_gpt2.main)"
+    script = "import sys; sys.modules['wandb'] = None; import train_gpt2; from support.common import run_cli; "
+    script += "run_cli(train_gpt2.main)"
 
     def run(*extra):
         command = [sys.executable, "-c", script, *map(str, tiny_args(data, out, "--max-steps", 1, *extra))]
@@ -237,7 +237,7 @@ def test_a_hung_wandb_never_holds_a_step(tmp_path, offline, monkeypatch, capsys)
         return real_log(self, *args, **kwargs)
 
     monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", stuck_log)
-    monkeypatch.setattr(train_support, "WANDB_FINISH_TIMEOUT", 0.5)
+    monkeypatch.setattr(run_log, "WANDB_FINISH_TIMEOUT", 0.5)
     data, out = random_shards(tmp_path / "data"), tmp_path / "out"
     try:
         assert train_gpt2.main(tiny_args(data, out, "--wandb-project", "tiny")) == 0

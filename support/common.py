@@ -1,0 +1,240 @@
+"""What every script shares, torch-free so that fineweb.py starts without loading torch: the error
+type and the command-line wrapper that prints it as one line, atomic writes of files and folders,
+the offline probe, and the one-line out-of-memory report."""
+
+import errno
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+
+GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding and are never sampled
+HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+class UserError(Exception):
+    """A mistake in the user's input: reported as one line, exit code 1, no traceback.
+    every_rank: every process of a torchrun job raises the same one (a flag, the recipe), so
+    only rank 0 says it."""
+
+    every_rank = False
+
+
+def same_on_every_rank(error):
+    """error, marked as one that every rank of a torchrun job raises alike (UserError.every_rank)."""
+    error.every_rank = True
+    return error
+
+
+def first_line(e):
+    """The first line of an exception's message (or its type's name): enough for a one-line error."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def write_atomic(path, write, mode="wb"):
+    """write(f) into a hidden temporary file beside path, fsync it, then rename it over path:
+    readers and a resumed run see the whole old file or the whole new one, never half of one.
+    The temporary file is removed on any failure, a full disk and Ctrl-C included."""
+    tmp = os.path.join(os.path.dirname(path) or ".", "." + os.path.basename(path) + ".tmp")
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it count
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):  # a full disk: give back the space the partial file holds
+            os.remove(tmp)
+        raise
+
+
+def write_dir_atomic(out_dir, write, what, recheck=None):
+    """write(tmp) fills a hidden folder beside out_dir, which then takes out_dir's place (a folder
+    already there is renamed aside first and deleted last: the caller checked it may go). On any
+    failure, a full disk, Ctrl-C and SIGTERM included, the hidden folders and the parents this
+    made are removed and out_dir is as it was. recheck(), if given, runs right before the swap."""
+    parent = os.path.dirname(out_dir)
+    made = []  # parent folders this call creates, deepest first
+    d = parent
+    while not os.path.isdir(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    tmp = old = None
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt  # a kill mid-write cleans up as Ctrl-C does
+
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp_", dir=parent)
+        # mkdtemp makes it private (0700): give it the mode of the folder it replaces, or else
+        # the one os.mkdir would give a new folder
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777 if os.path.isdir(out_dir) else 0o777 & ~umask)
+        write(tmp)
+        if recheck:
+            recheck()
+        if os.path.isdir(out_dir) and os.listdir(out_dir):
+            old = os.path.join(parent, f".old_{os.getpid()}_{os.path.basename(out_dir)}")
+            os.replace(out_dir, old)
+        try:
+            os.replace(tmp, out_dir)
+        except BaseException:
+            if old:
+                os.replace(old, out_dir)  # put the earlier folder back
+                old = None
+            raise
+        tmp = None
+        if old:
+            shutil.rmtree(old)
+    except BaseException as e:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # not empty: someone else wrote there meanwhile
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # safetensors' failed write
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+            reason = re.sub(r".*I/O error: (.*) \(os error \d+\).*", r"\1", reason)  # safetensors' wording
+            full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in reason
+            fix = "make room or choose another folder" if full else "choose a folder you can write to"
+            raise UserError(f"cannot write {what} to {out_dir} ({reason}): nothing was changed; {fix}") from None
+        raise
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def offline_var(names=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")):
+    """The first of these variables set to a true value, as huggingface_hub reads them, or None."""
+    return next((v for v in names if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")), None)
+
+
+def unreachable(url, timeout=3.0):
+    """Why no TCP connection to url's host opens within timeout seconds, in words, or None. Offline,
+    the Hub and HTTP clients retry for half a minute and then say nothing about offline use; this
+    says it at once. With an https proxy set, the proxy is what must answer."""
+    proxy = urllib.request.getproxies().get("https")
+    parts = urllib.parse.urlsplit(proxy or url)
+    host, port = parts.hostname or "", parts.port or (80 if parts.scheme == "http" else 443)
+    outcome = []
+
+    def probe():  # in a thread: a resolver that never answers must not hold the program either
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        return f"no answer in {timeout:.0f} s"
+    return None if outcome[0] is None else first_line(outcome[0])
+
+
+class OutlivesItsReader:
+    """sys.stdout / sys.stderr that survive their reader going away (`| head`, a `| tee` that died
+    with the ssh session that started it, a terminal that hung up): the first write that fails
+    (BrokenPipeError, EIO) points the stream at /dev/null and the program carries on, where print
+    would raise and end it. A training run's record is log.jsonl and its checkpoints."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            self._to_devnull()
+
+    def _to_devnull(self):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())  # the same file descriptor, now writing nowhere
+        os.close(devnull)
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ... of the real stream
+        return getattr(self.stream, name)
+
+
+def run_cli(main, interrupted="interrupted", out_of_memory=None):
+    """Run a script's main(): a UserError is one `error:` line and exit 1, Ctrl-C the one line
+    `interrupted` and exit 130 (the shell's code for SIGINT); anything else is a bug and keeps
+    its traceback. Output to a pipe that closes is dropped (OutlivesItsReader), not fatal.
+    Running out of memory is one `error:` line too: out_of_memory(frames) says during what and
+    which flag to lower (see out_of_memory_line). Under torchrun a mistake every rank makes
+    alike (UserError.every_rank) is said by rank 0 alone."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt from here on
+    sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
+    try:
+        code = main()
+    except UserError as e:
+        if not (e.every_rank and os.environ.get("RANK", "0") != "0"):
+            print(f"error: {e}", file=sys.stderr)
+        code = 1
+    except Exception as e:
+        memory = memory_kind(e)
+        if memory is None:
+            raise  # a bug: its traceback
+        print(f"error: {out_of_memory_line(e, memory, out_of_memory)}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def memory_kind(e):
+    """'GPU memory' or 'host memory' when e (or what caused it) is an allocation that failed, else
+    None. torch raises OutOfMemoryError on CUDA, a RuntimeError from its CPU allocator, and
+    MemoryError comes from numpy and Python; torch.compile wraps what it meets in its own types."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if isinstance(e, MemoryError) or re.search(r"can't allocate memory|Cannot allocate memory", text):
+            return "host memory"
+        if type(e).__name__ == "OutOfMemoryError" or re.search(r"(CUDA|MPS backend|HIP) out of memory", text):
+            return "GPU memory"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def traceback_frames(e):
+    """[(function name, its locals, its file's name)] of the frames e passed through, outermost first."""
+    frames, tb = [], e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        frames.append((code.co_name, tb.tb_frame.f_locals, os.path.basename(code.co_filename)))
+        tb = tb.tb_next
+    return frames
+
+
+def out_of_memory_line(e, memory, advice=None):
+    """'out of host memory ...' and during what and what to lower, from advice(frames) (the script's
+    own, e.g. machine.training_out_of_memory); else the allocator's own words, cut short."""
+    said = re.sub(r"\[enforce fail at [^]]*\] *(err == 0\. *)?", "", first_line(e))
+    said = re.sub(r"(Tried to allocate [\d.]+ [KMGT]iB)\..*", r"\1", said)  # CUDA's: the size, not its stats
+    frames = traceback_frames(e)
+    where = advice([(name, local) for name, local, _ in frames]) if advice else None
+    return f"out of {memory} {where}" if where else f"out of {memory} ({said})"

@@ -1,0 +1,192 @@
+"""transformers' GPT-2: names it may fetch, folders an export may replace, and its weight layout,
+as state dict in, state dict out."""
+
+import json
+import os
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from support.common import GPT2_VOCAB, HF_NAMES, UserError, first_line, offline_var, write_dir_atomic
+
+EXPORT_MARK = "train_gpt2.py --export-hf"  # config.json's "exported_by": a folder export_hf may replace
+
+
+# everything save_pretrained writes for a GPT2LMHeadModel (shards and their index for big models)
+EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
+
+
+HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+TIED = ("transformer.wte.weight", "lm_head.weight")  # one tensor; its padding rows are not exported
+
+
+def hub_name_is_cached(name):
+    """The local Hugging Face cache holds the config and the weights of Hub model `name`."""
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(filename):
+        return isinstance(try_to_load_from_cache(name, filename), str)  # else None or "known missing"
+
+    return cached("config.json") and (cached("model.safetensors") or cached("pytorch_model.bin"))
+
+
+def check_hub_reachable(name, timeout=3.0):
+    """Refuse at once, in one line, to fetch `name` (not in the local cache) when offline use is
+    set or the Hub does not answer: transformers would retry for half a minute, then not say why."""
+    fix = "pass a local transformers GPT-2 directory instead (save_pretrained output, or --export-hf's)"
+    var = offline_var(("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if var:
+        raise UserError(
+            f"{name!r} is not in the local Hugging Face cache and {var} is set: {fix}, or fill the cache once online"
+        )
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    try:
+        urllib.request.urlopen(f"{endpoint}/api/models/{name}", timeout=timeout).close()  # a few KB of metadata
+    except (OSError, ValueError) as e:  # no network, a timeout, a bad HF_ENDPOINT, a proxy's or captive portal's 404
+        if isinstance(e, urllib.error.HTTPError) and e.code == 429:
+            return  # the Hub is there but busy: transformers waits and retries
+        reason = f"HTTP {e.code}" if isinstance(e, urllib.error.HTTPError) else getattr(e, "reason", e)
+        raise UserError(
+            f"cannot reach the Hugging Face Hub ({endpoint}: {first_line(reason)}) and {name!r} is not "
+            f"in the local cache: {fix}, or set HF_HUB_OFFLINE=1 with a cache that holds it"
+        ) from None
+
+
+def check_export_target(out_dir):
+    """The absolute folder export_hf may write: a new one, an empty one, or an earlier export (only
+    save_pretrained's plain files, config.json marked EXPORT_MARK), which is replaced."""
+    given = str(out_dir)
+    if os.path.islink(given) and not os.path.exists(given):
+        raise UserError(f"--export-hf target {given} is a symbolic link to nothing: name a new folder")
+    out_dir = os.path.realpath(given)  # a link to an earlier export: replace that folder, keep the link
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        example = os.path.splitext(given)[0] + "_hf"
+        raise UserError(f"--export-hf target {given} is a file, not a folder: name a new folder, e.g. {example}")
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    foreign = [
+        n
+        for n in names
+        if not (EXPORT_FILES.fullmatch(n) and os.path.isfile(p := os.path.join(out_dir, n)) and not os.path.islink(p))
+    ]
+    held = None
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        held = f"{foreign[0]}{more}"
+    elif names:
+        try:
+            with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            config = None
+        ours = (
+            isinstance(config, dict) and config.get("model_type") == "gpt2" and config.get("exported_by") == EXPORT_MARK
+        )
+        held = None if ours else "a transformers model (its config.json has no exported_by mark)"
+    if held:
+        raise UserError(
+            f"--export-hf target {given} is not empty and not an earlier export (it holds {held}): "
+            f"name a new or empty folder; nothing was changed"
+        )
+    return out_dir
+
+
+def check_state_dict(shapes, state_dict, source):
+    """state_dict holds exactly the keys of shapes ({key: shape}), each with its shape: weights
+    that do not fit a model are refused in one line naming the first key that differs."""
+    missing, extra = sorted(set(shapes) - set(state_dict)), sorted(set(state_dict) - set(shapes))
+    if missing or extra:
+        what = f"key {missing[0]} is missing" if missing else f"unexpected key {extra[0]}"
+        more = len(missing) + len(extra) - 1
+        raise UserError(f"{source}: {what}" + (f" ({more} more keys differ)" if more else "") + ": not a GPT-2 of ours")
+    for key, shape in shapes.items():
+        if tuple(state_dict[key].shape) != tuple(shape):
+            raise UserError(f"{source}: {key} has shape {tuple(state_dict[key].shape)}, expected {tuple(shape)}")
+
+
+def state_dict_from_hf(sd_hf):
+    """transformers' GPT-2 state dict in our layout: Conv1D weights transposed, the causal-mask
+    buffers (not weights) dropped. Key names are the same in both."""
+    skip = (".attn.bias", ".attn.masked_bias")
+    return {k: v.t().contiguous() if k.endswith(HF_TRANSPOSED) else v for k, v in sd_hf.items() if not k.endswith(skip)}
+
+
+def state_dict_to_hf(sd):
+    """Our state dict in transformers' layout: Conv1D weights transposed, the vocab cut to GPT-2's
+    50,257 rows (the padding rows were never a token)."""
+    out = {}
+    for k, v in sd.items():
+        v = v.detach().float().cpu()
+        v = v.t() if k.endswith(HF_TRANSPOSED) else v
+        out[k] = v[:GPT2_VOCAB] if k in TIED else v
+    return out
+
+
+def load_hf_gpt2(name_or_dir):
+    """(config dict, state dict in our layout) of OpenAI GPT-2 (gpt2, gpt2-medium, gpt2-large,
+    gpt2-xl) or a local transformers GPT-2 directory (save_pretrained output)."""
+    is_dir = os.path.isdir(name_or_dir)
+    if name_or_dir not in HF_NAMES and not is_dir:
+        raise UserError(f"{name_or_dir!r} is neither one of {', '.join(HF_NAMES)} nor a directory")
+    local_only = not is_dir and hub_name_is_cached(name_or_dir)
+    if not is_dir and not local_only:
+        check_hub_reachable(name_or_dir)
+    from transformers import GPT2LMHeadModel  # after the checks, which then answer in a second
+
+    try:
+        hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True, local_files_only=local_only)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load transformers GPT-2 from {name_or_dir!r}: {first_line(e)}") from None
+    hc = hf.config
+    if hc.activation_function not in ("gelu_new", "gelu_pytorch_tanh") or hc.layer_norm_epsilon != 1e-5:
+        raise UserError(
+            f"{name_or_dir}: activation {hc.activation_function!r} / layer_norm_epsilon "
+            f"{hc.layer_norm_epsilon} differ from GPT-2's (gelu_new, 1e-5)"
+        )
+    config = dict(
+        block_size=hc.n_positions, vocab_size=hc.vocab_size, n_layer=hc.n_layer, n_head=hc.n_head, n_embd=hc.n_embd
+    )
+    # transformers fills missing keys with random numbers and only warns: leave them out, to be refused
+    sd_hf = {k: v for k, v in hf.state_dict().items() if k not in info["missing_keys"]}
+    return config, state_dict_from_hf(sd_hf)
+
+
+def save_hf_gpt2(config, sd, out_dir):
+    """Write a model (config dict, our state dict) as a transformers GPT2LMHeadModel directory
+    (vocab trimmed to 50257, tied embeddings). out_dir must be new, empty or an earlier export
+    (check_export_target)."""
+    if config["vocab_size"] < GPT2_VOCAB:
+        raise UserError(f"vocab_size {config['vocab_size']} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")
+    given, out_dir = out_dir, check_export_target(out_dir)  # refuse before the slow part
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=GPT2_VOCAB,
+            n_positions=config["block_size"],
+            n_embd=config["n_embd"],
+            n_layer=config["n_layer"],
+            n_head=config["n_head"],
+            activation_function="gelu_new",
+            layer_norm_epsilon=1e-5,
+            tie_word_embeddings=True,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            exported_by=EXPORT_MARK,
+        )
+    )
+    sd_hf = hf.state_dict()
+    for k, v in state_dict_to_hf(sd).items():
+        sd_hf[k].copy_(v)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its bar on stderr would bury a one-line error
+    try:
+        # checked again just before the swap: a file put there meanwhile is not ours to delete
+        write_dir_atomic(out_dir, hf.save_pretrained, "the export", recheck=lambda: check_export_target(given))
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()

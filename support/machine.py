@@ -1,0 +1,124 @@
+"""The machine a run trains on: its peak FLOP/s (for MFU), glibc's allocator, deterministic
+kernels, and what to lower when a training run runs out of memory."""
+
+import ctypes
+import os
+
+import torch
+
+from support.checkpoints import checkpoint_paths
+
+
+def training_out_of_memory(frames):
+    """For out_of_memory_line, from the frames of a train_gpt2.py run that ran out of memory: during
+    what (the first step, an eval, sampling, ...), the flag to lower, and what is on disk to go on
+    from; None where the frames hold no parsed flags."""
+    names = {name for name, _ in frames}
+    train = {k: v for name, f in frames if name in ("main", "train", "run_evals") for k, v in f.items()}
+    args = train.get("args")
+    if args is None or not hasattr(args, "batch_size"):
+        return None
+    B, step, start = args.batch_size, train.get("step"), train.get("start_step") or 0
+    smaller = max(d for d in range(1, B) if B % d == 0) if B > 1 else None
+    lower_B = (
+        f"-B {smaller}" if smaller else None,
+        f"lower -B (e.g. -B {smaller}: the total batch stays {args.total_batch_size:,} tokens, accumulated "
+        f"over more micro-steps)"
+        if smaller
+        else "use a smaller model (--n-layer, --n-embd) or a shorter -T",
+    )
+    n = args.num_samples
+    fewer = (f"--num-samples {n // 2}" if n > 1 else None, f"lower --num-samples {n}" + (f" (e.g. {n // 2})" * (n > 1)))
+    if names & {"sample_text", "generate", "print_samples"}:
+        if "run_evals" in names:
+            what, (flag, fix) = f"while sampling at step {step}", fewer
+            fix += f" or --max-new-tokens {args.max_new_tokens}"
+        elif "prepare_side_evals" in names:
+            what, (flag, fix) = "in the start-up sampling check", fewer
+        else:
+            return f"while sampling: {fewer[1]} or --max-new-tokens {args.max_new_tokens}"
+    elif "evaluate_val_loss" in names:
+        what, (flag, fix) = f"in the val-loss eval at step {step} (it reads -B {B} rows at a time)", lower_B
+    elif "evaluate_all_ranks" in names:
+        what, flag = f"in the HellaSwag eval at step {step}", "--hellaswag-every 0"
+        fix = "turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores a checkpoint in less)"
+    elif names & {"save_training_state", "save_checkpoint"}:
+        what, flag, fix = f"while writing the checkpoint of step {step}", None, "free host memory for it"
+    elif names & {"build_model", "load_model", "model_from_checkpoint", "from_pretrained"}:
+        fix = "pick a smaller --init-from model" if args.init_from != "scratch" else "lower --n-layer or --n-embd"
+        return f"while building the model: {fix if not args.resume else 'this run needs more memory than is free'}"
+    elif names & {"resume_checkpoint", "load_training_checkpoint", "load_checkpoint"}:
+        return "while loading the checkpoint: free memory for it"
+    elif names & {"load_val_tokens", "load_shard"}:
+        return f"while reading the data: lower --val-tokens {args.val_tokens:,} or free memory"
+    elif step is not None:
+        what = "in the first training step" if step == start else f"in training step {step}"
+        what, (flag, fix) = f"{what} (-B {B} rows of -T {args.seq_len})", lower_B
+    else:
+        return f"while starting: {lower_B[1]}, or use a smaller model"
+    if step is None:  # before the log's first record: the same command with the lower setting
+        return f"{what}: {fix}"
+    newest = checkpoint_paths(args.out_dir)
+    if not newest:
+        return f"{what}: {fix}; no checkpoint was written yet: --resume {flag or ''} starts the run again".rstrip()
+    return f"{what}: {fix}; {newest[0]} stands: continue from it with --resume" + (f" {flag}" if flag else "")
+
+
+# peak dense bf16 tensor-core FLOP/s from NVIDIA's datasheets, matched in this order against
+# torch.cuda.get_device_name(); anything else needs --peak-flops for an MFU figure
+PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+)
+
+
+def peak_flops(device_name):
+    for name, flops in PEAK_FLOPS:
+        if name in device_name:
+            return flops
+    return None
+
+
+def keep_freed_memory():
+    """Make glibc's malloc keep the memory a CPU run frees, for the next step to reuse.
+
+    On a CPU the activations and the (B, T, vocab) logits live in the C heap. glibc gives every
+    block above its mmap threshold its own mmap and unmaps it when freed (and trims the heap's
+    top likewise), so each step the kernel maps and zeroes those pages afresh: for small models
+    that page faulting costs as much as the compute. Kept, the memory is reused (bench.py
+    measures the gain). The cost: the heap holds its high-water mark, the step's and the evals'
+    layouts side by side (about twice the peak RSS). A no-op where libc is not glibc."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # macOS, musl: another allocator, nothing to set
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+
+
+def set_deterministic(device_type):
+    """Bitwise-reproducible training: the same seed, data and GPU count give the same losses and
+    weights, run after run and across a --resume. On a CPU the kernels already are; on CUDA
+    several default kernels add up partial sums in whatever order threads finish (atomics), so
+    the last bits of the gradients change from run to run. Call before any CUDA work."""
+    import torch._inductor.config as inductor_config  # here: importing Inductor takes seconds; only this needs it
+
+    if device_type == "cuda":
+        # cuBLAS reads this when it creates its handle (first matmul): a fixed workspace per
+        # stream, without which its kernels may split a sum differently from call to call
+        if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False  # benchmarking may pick another algorithm each run
+        # SDPA: cuDNN attention's backward accumulates with atomics; flash and memory-efficient
+        # attention switch to their deterministic backward under use_deterministic_algorithms
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    # an op with no deterministic kernel now raises instead of running nondeterministically;
+    # embedding backward and index_put take their sorted (deterministic) paths
+    torch.use_deterministic_algorithms(True)
+    # torch.compile: Inductor picks no kernel config by timing it where that changes the numerics
+    inductor_config.deterministic = True

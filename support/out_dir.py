@@ -1,0 +1,224 @@
+"""The run's folder and who owns it: one run per --out-dir, locked while it trains, and a start that
+fails leaves the folder as it found it."""
+
+import errno
+import json
+import os
+import re
+import socket
+import sys
+import time
+
+from support.checkpoints import checkpoint_paths, disk_error, run_id_of
+from support.common import UserError
+
+
+def missing_folders(path):
+    """The folders of path that do not exist yet, deepest first: those os.makedirs would create."""
+    path, missing = os.path.abspath(path), []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+LOCK_FILE = ".train_gpt2.lock"  # in --out-dir while a run holds it; its text names that run's process
+
+
+_claim = {}  # this process's hold on its --out-dir (claim_out_dir), given back by release_out_dir
+
+
+def claim_out_dir(out_dir, resume):
+    """An out-dir belongs to one run: a new run next to another run's checkpoints would have them
+    pruned instead of its own and its log drawn as one curve with theirs, so it is refused. The
+    folder is locked for this process's life (lock_out_dir), and what it holds is noted, so that a
+    start that fails leaves it as it was (release_out_dir). Rank 0 alone claims it."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create --out-dir {out_dir}: {e.strerror}") from None
+    if _claim:  # an earlier run of this process that did not end through main: its hold goes first
+        release_out_dir()
+    fd = lock_out_dir(out_dir, "continue with --resume" if resume else "start again")
+    log = os.path.join(out_dir, "log.jsonl")
+    _claim.update(out_dir=out_dir, fd=fd, log=os.path.getsize(log) if os.path.isfile(log) else None)
+    _claim.update(checkpoints=_file_stats(checkpoint_paths(out_dir)))
+    names = os.listdir(out_dir)
+    theirs = sorted(n for n in names if re.fullmatch(r"ckpt_\d+\.pt", n))
+    runs, unreadable = log_runs(log)
+    if os.path.lexists(log) and (theirs or runs or unreadable):
+        theirs = sorted([*theirs, "log.jsonl"])
+    if theirs and not resume:
+        raise UserError(
+            f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}): continue it with --resume, "
+            f"or pass a new --out-dir"
+        )
+    if os.path.lexists(log) and "log.jsonl" not in theirs:
+        print(f"note: {log} holds only the start of a run that never trained a step: this run's records follow it")
+    for name in names:  # a checkpoint write of this run cut short by a kill: never complete
+        if re.fullmatch(r"\.ckpt_\d+\.pt\.tmp", name):
+            print(f"removing the unfinished {name}")
+            try:
+                os.remove(os.path.join(out_dir, name))
+            except OSError as e:  # a read-only folder: the run could write nothing there either
+                raise disk_error(e, f"to --out-dir {out_dir} (removing {name})", "continue with --resume") from None
+
+
+def lock_out_dir(out_dir, then):
+    """Hold an exclusive lock on out_dir while this process lives: flock on its LOCK_FILE, which
+    the OS releases when the process ends, a SIGKILL included (no stale lock to remove by hand).
+    A second run into the folder, new or --resume, is refused in one line naming the process that
+    holds it (the file's text). Returns the locked file's descriptor; None where the file system
+    has no locks (said in a warning)."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        return None
+    path = os.path.join(out_dir, LOCK_FILE)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise disk_error(e, f"to --out-dir {out_dir} (its lock file {LOCK_FILE})", then) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "a process that is just starting"
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise UserError(
+                    f"--out-dir {out_dir} is in use by another run ({holder}): wait for it to end, or pass "
+                    f"another --out-dir"
+                ) from None
+            print(
+                f"warning: cannot lock --out-dir {out_dir} ({e.strerror}): a second run started into it would "
+                f"not be stopped",
+                file=sys.stderr,
+            )
+            return None
+        try:  # the file locked must be the one at path: a run that ended removes its file, a newer run makes one
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    command = " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]]).replace("\n", " ")
+    command = command if len(command) <= 160 else command[:157] + "..."
+    rank = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""
+    holder = f"pid {os.getpid()}{rank} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}: {command}"
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+    except OSError:
+        pass  # a full disk: the lock holds all the same, unnamed
+    return fd
+
+
+def release_out_dir():
+    """As the process ends (train_gpt2.main's finally): a start that failed (an exception on its
+    way out) before its first step and before any checkpoint leaves the folder as it found it:
+    the log records it added are cut off again (the log removed, if it made it), so that the same
+    command retried does not find "another run" there. Then the lock is given back."""
+    claim = dict(_claim)
+    _claim.clear()
+    if not claim:
+        return
+    try:
+        if sys.exc_info()[0] is not None:
+            undo_failed_start(claim)
+    finally:
+        if claim["fd"] is not None:
+            try:
+                os.remove(os.path.join(claim["out_dir"], LOCK_FILE))  # still held: no one locks it meanwhile
+            except OSError:
+                pass
+            os.close(claim["fd"])
+
+
+def undo_failed_start(claim):
+    """Cut log.jsonl back to what it held at claim_out_dir, unless the run logged a step or wrote a
+    checkpoint since (then there is a run to continue)."""
+    out_dir, before = claim["out_dir"], claim["log"]
+    log = os.path.join(out_dir, "log.jsonl")
+    if _file_stats(checkpoint_paths(out_dir)) != claim["checkpoints"] or not os.path.isfile(log):
+        return
+    try:
+        with open(log, "rb") as f:
+            f.seek(before or 0)
+            added = [line for line in f.read().split(b"\n") if line.strip()]
+        if any(b'"train_loss"' in line or b'"skipped"' in line for line in added):
+            return
+        if before is None:
+            os.remove(log)
+        else:
+            os.truncate(log, before)
+    except OSError:
+        pass  # a read-only or vanished folder: nothing this run could have changed either
+
+
+def _file_stats(paths):
+    """{path: (inode, size, mtime)}: a file written since is told apart from one that was there."""
+    stats = {}
+    for path in paths:
+        try:
+            st = os.stat(path)
+            stats[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            pass
+    return stats
+
+
+def log_runs(path):
+    """(the ids of the runs log.jsonl records a trained or skipped step of, in order; whether it
+    holds a line that is not a record of ours). A start that failed before its first step (its
+    header, perhaps a step-0 eval) is no run. A last line cut short by a kill is passed over."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except FileNotFoundError:
+        return [], False
+    except OSError:  # a folder named log.jsonl, an unreadable file: someone's
+        return [], True
+    runs, current, records = [], None, 0
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if not line:
+            continue
+        if not (line.startswith(b"{") and line.endswith(b"}")):
+            if i == len(lines) - 1 and records:
+                continue  # the last line, cut short by a kill
+            return runs, True
+        records += 1
+        if b'"header"' in line:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return runs, True
+            if isinstance(record, dict) and record.get("event") == "header":
+                current = record.get("run_id")
+                continue
+        if (b'"train_loss"' in line or b'"skipped"' in line) and current not in runs:
+            runs.append(current)
+    return runs, False
+
+
+def other_runs(out_dir, run_id, skip=None):
+    """The files in out_dir of runs other than run_id: checkpoints (one whose run cannot be read
+    counts) and log.jsonl when it records another run's steps or is not our log."""
+    runs, unreadable = log_runs(os.path.join(out_dir, "log.jsonl"))
+    found = ["log.jsonl"] if unreadable or any(r != run_id for r in runs) else []
+    for path in checkpoint_paths(out_dir):
+        if not (skip and os.path.realpath(path) == os.path.realpath(skip)) and run_id_of(path) != run_id:
+            found.append(os.path.basename(path))
+    return found
+
+
+def remove_made_folders(made):
+    """Remove the folders a refused start created (missing_folders' list), while still empty: a
+    typo'd flag leaves no empty --out-dir behind, and a folder the run wrote to stays."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            break

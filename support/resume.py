@@ -1,0 +1,192 @@
+"""What --resume continues from and with: the checkpoint it picks, the recipe and settings it takes
+from it, the changes it allows, and the optimizer, data position and RNG state it restores."""
+
+import os
+import sys
+import time
+
+import torch.distributed as dist
+
+from support.checkpoints import checkpoint_paths, fence, load_training_checkpoint, set_rng_state
+from support.checks import check_same_data, data_identity
+from support.common import UserError, same_on_every_rank
+from support.out_dir import other_runs
+
+
+def find_resume_checkpoint(resume, out_dir):
+    """(path, checkpoint) for --resume: the given file, or for 'latest' the newest checkpoint in
+    out_dir that loads; one that does not (cut short, corrupt) is reported and the previous one
+    tried. (None, None) when out_dir has no checkpoint at all: the run starts from step 0."""
+    if resume != "latest":
+        return resume, load_training_checkpoint(resume)
+    paths = checkpoint_paths(out_dir)
+    for path in paths:
+        try:
+            return path, load_training_checkpoint(path)
+        except UserError as e:
+            print(f"warning: skipping {path}: {e}", file=sys.stderr)
+    if paths:
+        raise UserError(f"none of the {len(paths)} checkpoints in {out_dir} can be loaded: see the warnings above")
+    print(f"no checkpoint in {out_dir} to resume from: starting a new run")
+    return None, None
+
+
+def check_resume_target(args, path, ckpt):
+    """--resume CKPT continues CKPT's run in --out-dir: refused, before anything is written, when
+    that folder holds another run (its checkpoints would be overwritten, pruned, and its log mixed
+    with this one's); a folder new to the run is fine, and said."""
+    if args.resume == "latest":  # the folder's own newest checkpoint: its run is the folder's
+        return
+    run_id, out_dir, folder = ckpt.get("run_id", path), args.out_dir, os.path.dirname(path) or "."
+    others = other_runs(out_dir, run_id, skip=path)
+    if others:
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        raise UserError(
+            f"--resume {path} continues run {run_id}, but --out-dir {out_dir} holds another run "
+            f"({', '.join(others[:3])}{more}): its checkpoints would be overwritten and its log mixed with this "
+            f"run's; pass a new or empty --out-dir, or --out-dir {folder} (the run's own folder)"
+        )
+    if os.path.realpath(folder) != os.path.realpath(out_dir) and not checkpoint_paths(out_dir):
+        print(
+            f"note: run {run_id} continues from {path} in --out-dir {out_dir}; its log and checkpoints up to "
+            f"step {ckpt.get('step')} stay in {folder}"
+        )
+
+
+# value, so `--resume` alone continues the run as it was; a flag given with another value is a
+# contradiction, refused, except for the changes below, which are allowed and reported.
+RECIPE_FLAGS = (
+    "total_batch_size",
+    "seq_len",
+    "max_lr",
+    "min_lr",
+    "warmup_steps",
+    "max_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "adam_eps",
+    "grad_clip",
+    "seed",
+    "no_shuffle",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "vocab_size",
+    "block_size",
+    "batch_size",
+)
+
+
+ALLOWED_CHANGES = {
+    "max_steps": "the cosine schedule is re-stretched from here to the new last step",
+    "batch_size": "the same batch in other micro-batches: equal up to float rounding, not bitwise",
+    "max_lr": "the schedule goes on from here with the new peak (after a divergence: from an earlier checkpoint)",
+    "min_lr": "the cosine ends at the new floor",
+}
+
+
+# reads the same data and evaluates as before, rather than the defaults' edu_fineweb10B and
+# HellaSwag every 250 steps, and logs to the same wandb project); given, they change from here on
+# (--wandb-project '' stops the logging to wandb). The device, dtype, compile, --peak-flops and
+# --ddp-timeout are the machine's: a run may continue on another one.
+RUN_SETTINGS = (
+    "data_dir",
+    "eval_every",
+    "val_tokens",
+    "hellaswag_every",
+    "hellaswag_limit",
+    "hellaswag_data",
+    "sample_every",
+    "ckpt_every",
+    "keep_ckpts",
+    "prompt",
+    "num_samples",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "deterministic",
+    "wandb_project",
+    "wandb_run_name",
+)
+
+
+def reconcile_resume(args, given, ckpt, ckpt_path):
+    """Fill args from the checkpoint's recipe and settings; refuse contradictions. Returns the
+    allowed changes as {flag: [checkpoint's value, new value]} and the settings taken from the
+    checkpoint as {flag: value}."""
+    old, changes = ckpt.get("train_config", {}), {}
+    taken = {n: old[n] for n in RUN_SETTINGS if n in old and n not in given and old[n] != getattr(args, n)}
+    for name, value in taken.items():
+        setattr(args, name, value)
+    for name in RECIPE_FLAGS:
+        if name not in old or old[name] == getattr(args, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name not in given:
+            setattr(args, name, old[name])
+        elif name not in ALLOWED_CHANGES:
+            message = (
+                f"{flag} {getattr(args, name)} contradicts the {old[name]} that {ckpt_path} was trained with: "
+                f"leave {flag} out to continue the run as it was, or start a new run in another --out-dir"
+            )
+            raise same_on_every_rank(UserError(message))
+        else:
+            changes[name] = [old[name], getattr(args, name)]
+    if args.max_steps < ckpt["step"]:
+        raise UserError(f"--max-steps {args.max_steps} is below the {ckpt['step']} steps {ckpt_path} has done")
+    return changes, taken
+
+
+def resume_checkpoint(args, given, ddp, master_process, claim=None):
+    """(path, checkpoint, allowed changes, settings taken from it) for --resume, else (None, None,
+    {}, {}). Rank 0 claims the out-dir first (claim(), if given) and picks the checkpoint, so that
+    every rank loads the same one (multi-node: the out-dir must be shared); a mistake it finds
+    there ends every rank alike, said once. The other ranks wait in the fence (see fence)."""
+    picked = [None, None]  # the checkpoint's path, rank 0's error
+    if master_process:
+        try:
+            if claim is not None:
+                claim()
+            if args.resume:
+                picked[0], found = find_resume_checkpoint(args.resume, args.out_dir)
+                if found is not None:
+                    check_resume_target(args, picked[0], found)
+        except UserError as e:
+            picked[1] = str(e)
+    if ddp:
+        dist.broadcast_object_list(picked, src=0, group=fence(ddp, args.ddp_timeout))
+    if picked[1] is not None:
+        raise same_on_every_rank(UserError(picked[1]))
+    if picked[0] is None:
+        return None, None, {}, {}
+    ckpt = load_training_checkpoint(picked[0])
+    return picked[0], ckpt, *reconcile_resume(args, given, ckpt, picked[0])
+
+
+def restore_training_state(ckpt, ckpt_path, optimizer, loader, ddp_rank, device_type):
+    """The optimizer, data position and this rank's RNG as a checkpoint left them; returns the
+    step to start at, the run's id (a new, unique one for a new run: the seeds are untouched) and
+    the last val loss."""
+    data_dir = os.path.dirname(loader.shards[0])
+    loader.identity = data_identity(data_dir)  # what this run trains on; its checkpoints record it
+    if ckpt is None:
+        return 0, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}", None
+    if ckpt.get("data_identity") is not None:
+        check_same_data(ckpt["data_identity"], loader.identity, ckpt_path, data_dir)
+    optimizer.load_state_dict(ckpt["optimizer"])
+    loader.load_state_dict(ckpt["data"])
+    if ddp_rank < len(ckpt["rng"]):
+        set_rng_state(ckpt["rng"][ddp_rank], device_type)
+    if ddp_rank == 0:
+        print(f"resuming from {ckpt_path} at step {ckpt['step']}")
+    return ckpt["step"], ckpt.get("run_id", ckpt_path), ckpt.get("val_loss")
+
+
+def report_resume(changes, taken):
+    """Say what a resumed run changed (allowed) and what it took from the checkpoint."""
+    for name, (old, new) in changes.items():
+        print(f"note: --{name.replace('_', '-')} {old} -> {new} on resume: {ALLOWED_CHANGES[name]}")
+    if taken:
+        flags = ", ".join(f"--{name.replace('_', '-')} {value!r}" for name, value in taken.items())
+        print(f"note: continuing with the run's {flags} (flags left out on --resume are the checkpoint's)")

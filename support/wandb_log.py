@@ -1,0 +1,95 @@
+"""The optional Weights & Biases mirror of the run log: checked before step 0, fed from a thread of
+its own so that a step never waits on wandb or the network."""
+
+import importlib.util
+import os
+import queue
+import re
+import threading
+import time
+
+from support.common import first_line
+
+
+def wandb_problem(project):
+    """Why --wandb-project cannot work, checked before step 0 (a failure after start is only a
+    warning): the package missing (it is optional), or a name wandb refuses. None if fine."""
+    if importlib.util.find_spec("wandb") is None:
+        return (
+            "--wandb-project needs the wandb package, which is not installed: pip install wandb, or leave "
+            "--wandb-project out (on --resume, which takes the run's: --wandb-project '')"
+        )
+    if len(project) > 128 or set(project) & set("/\\#?%:"):
+        return f"--wandb-project {project!r}: wandb takes up to 128 characters and none of / \\ # ? % :"
+    return None
+
+
+class WandbMirror:
+    """The run log's records mirrored to a Weights & Biases run: the header's config as the run's
+    config, every other record as a history row under the same names, plotted against its `step`.
+    The wandb run's id is the run's id, so a resumed run continues the same wandb run and a new
+    run starts a new one. wandb lives in a thread of its own (import, start, logging, finish): a
+    step only puts its record on a queue and never waits for wandb or the network. Any failure
+    stops the mirror; `error` then says why, and the run goes on with log.jsonl alone."""
+
+    def __init__(self, project, name, run_id, folder):
+        self.records, self.error, self.exit_code = queue.SimpleQueue(), None, 0
+        start = (project, name, re.sub(r"[^A-Za-z0-9_-]", "-", run_id)[-64:], folder)
+        self.thread = threading.Thread(target=self.work, args=start, name="wandb", daemon=True)
+        self.thread.start()
+
+    def __call__(self, record):
+        self.records.put(record)
+
+    def work(self, project, name, wandb_id, folder):
+        run = None
+        try:
+            import wandb
+
+            os.makedirs(folder, exist_ok=True)
+            # the console stays ours (every record is mirrored); create_new: a run of its own even
+            # where the process has another one open (a notebook, tests calling main())
+            settings = wandb.Settings(console="off", reinit="create_new")
+            run = wandb.init(project=project, name=name, id=wandb_id, resume="allow", dir=folder, settings=settings)
+            run.define_metric("step")
+            run.define_metric("*", step_metric="step")
+            while (record := self.records.get()) is not None:
+                if isinstance(record, threading.Event):  # flush()
+                    record.set()
+                elif record.get("event") == "header":  # a resumed run's may change --max-steps
+                    header = {key: value for key, value in record.items() if key not in ("event", "config")}
+                    run.config.update({**record["config"], "header": header}, allow_val_change=True)
+                else:
+                    run.log(self.row(wandb, record))
+            run.finish(exit_code=self.exit_code)
+        except Exception as e:  # whatever wandb raises: training goes on without it
+            self.error = f"{type(e).__name__}: {first_line(e)}"
+            if run is not None:
+                try:
+                    run.finish(exit_code=1)  # what reached wandb is kept, the run marked failed
+                except Exception:
+                    pass
+
+    @staticmethod
+    def row(wandb, record):
+        """A record as a history row: samples as a table of text, missing values (mfu on a CPU) left out."""
+        row = {key: value for key, value in record.items() if value is not None}
+        if "samples" in row:
+            row["samples"] = wandb.Table(columns=["sample"], data=[[text] for text in row["samples"]])
+        return row
+
+    def flush(self, timeout=60):
+        """Wait until the records queued so far are logged; False if wandb failed or timeout passed."""
+        done, deadline = threading.Event(), time.monotonic() + timeout
+        self.records.put(done)
+        while not done.wait(0.01):
+            if self.error is not None or time.monotonic() > deadline:
+                return False
+        return True
+
+    def finish(self, exit_code, timeout):
+        """Log what is queued and finish the wandb run; True if it did within timeout seconds."""
+        self.exit_code = exit_code
+        self.records.put(None)
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
