@@ -38,7 +38,7 @@ if __name__ == "__main__":  # Ctrl-C while numpy loads: one line, not a tracebac
 import numpy as np
 from tqdm import tqdm
 
-from support.common import UserError, first_line, offline_var, run_cli, unreachable, write_atomic
+from support.common import UserError, first_line, offline_var, run_cli, shard_fingerprint, unreachable, write_atomic
 
 EOT = 50256  # <|endoftext|>: every document starts with it
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
@@ -717,6 +717,10 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
             split="val" if len(shards) == 0 else "train",
             tokens=fill,
             bytes=os.path.getsize(path),
+            # what a training start checks instead of reading the shard: its largest id, trusted while
+            # the shard still has this fingerprint (support.checks.recorded_max_ids)
+            max_id=int(buf[:fill].max()),
+            fingerprint=shard_fingerprint(path)[2],
             documents=end_doc - shard_start_doc,  # documents that end in this shard
             carry=carry,  # tokens of the next document (split across shards) already in this one
         )

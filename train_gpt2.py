@@ -53,6 +53,7 @@ from support.checks import (
     check_same_shards,
     check_token_ids,
     find_shards,
+    recorded_max_ids,
 )
 from support.common import GPT2_VOCAB, UserError, first_line, run_cli
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
@@ -437,10 +438,10 @@ class DataLoaderLite:
         self.shuffle, self.seed, self.device = shuffle, seed, device
         self.chunk = B * T * world_size
         self.shards = find_shards(data_dir, split, required=True)
-        sizes = []
-        for path in self.shards:  # checks every shard now, not hours later (a memory-mapped max: cheap)
+        sizes, recorded = [], recorded_max_ids(data_dir)  # the ids fineweb.py saw: no need to read those shards
+        for path in self.shards:  # checks every shard now, not hours later
             tokens = load_shard(path)
-            check_token_ids(tokens, vocab_size, path)
+            check_token_ids(tokens, vocab_size, path, recorded.get(path))
             sizes.append(len(tokens))
         self.batches_per_epoch = sum(max(0, (n - 1) // self.chunk) for n in sizes)  # a batch never spans two shards
         check_batch_fits(self.batches_per_epoch, sizes, self.chunk, data_dir, split)

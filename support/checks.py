@@ -3,7 +3,6 @@ use, a device the machine lacks, too little data, shards of another tokenizer, a
 fingerprints that tie a checkpoint to the data it was trained on."""
 
 import glob
-import hashlib
 import json
 import math
 import os
@@ -11,7 +10,7 @@ import re
 import shlex
 import sys
 
-from support.common import GPT2_VOCAB, UserError, same_on_every_rank
+from support.common import GPT2_VOCAB, UserError, same_on_every_rank, shard_fingerprint
 from support.wandb_log import wandb_problem
 
 MAX_DDP_TIMEOUT = 1e9  # seconds: torch turns --ddp-timeout into int64 nanoseconds (larger ones overflow)
@@ -245,21 +244,6 @@ def check_same_shards(saved, names):
         )
 
 
-def shard_fingerprint(path, blocks=16, block=4096):
-    """[name, bytes, digest] of a token shard: its size and a blake2b of its first and last
-    `block` bytes (the header and the first tokens) and of `blocks` blocks spread evenly between.
-    About 70 KB read whatever the shard's size: cheap enough for every start to check them all."""
-    size, digest = os.path.getsize(path), hashlib.blake2b(digest_size=16)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        last = max(0, size - block)
-        for i in range(blocks + 2):
-            digest.update(os.pread(fd, block, last * i // (blocks + 1)))
-    finally:
-        os.close(fd)
-    return [os.path.basename(path), size, digest.hexdigest()]
-
-
 def data_identity(data_dir):
     """What a run's data is: {split: [fingerprint of each shard, in name order]} for train and val."""
     return {split: [shard_fingerprint(p) for p in find_shards(data_dir, split)] for split in ("train", "val")}
@@ -292,10 +276,33 @@ def check_same_data(saved, now, ckpt_path, data_dir):
             )
 
 
-def check_token_ids(tokens, vocab_size, path):
+def recorded_max_ids(data_dir):
+    """{shard path: its largest token id} as fineweb.py recorded them in data_dir's manifests, for
+    the shards whose fingerprint still matches the one recorded with it: a start can then check
+    token ids from metadata instead of reading every shard in full. Shards without a matching
+    record (llm.c .bin files, hand-made shards, older manifests) are left out, to be read."""
+    known = {}
+    for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
+        try:
+            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+                shards = json.load(f)["shards"]
+            records = {s["file"]: (s["bytes"], s["fingerprint"], int(s["max_id"])) for s in shards if "max_id" in s}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # not fineweb.py's manifest, or one from before it recorded ids: the shards are read
+        for file, (size, digest, max_id) in records.items():
+            path = os.path.join(data_dir, file)
+            if os.path.isfile(path) and shard_fingerprint(path)[1:] == [size, digest]:
+                known[path] = max_id
+    return known
+
+
+def check_token_ids(tokens, vocab_size, path, max_id=None):
     """An id the model has no embedding row for crashes the step whose batch holds it (a device
-    assert on CUDA), possibly hours in: a shard of another tokenizer is refused up front."""
-    if vocab_size is not None and len(tokens) and (top := int(tokens.max())) >= vocab_size:
+    assert on CUDA), possibly hours in: a shard of another tokenizer is refused up front. max_id:
+    the shard's largest id as recorded when it was written (recorded_max_ids); else it is read."""
+    if vocab_size is None or not len(tokens):
+        return
+    if (top := int(tokens.max()) if max_id is None else max_id) >= vocab_size:
         raise UserError(
             f"{path}: token id {top} is not below the model's vocab_size {vocab_size}: "
             f"written with another tokenizer? rewrite it with fineweb.py"
