@@ -13,8 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-import bench
 import fineweb
+from benchmarks.ladder import (
+    LADDER_LOSS_TOL,
+    MaskedSoftmaxAttention,
+    ladder_base_state,
+    ladder_ddp,
+    ladder_step,
+    loss_check,
+)
 from conftest import ROOT
 from train_gpt2 import GPT, GPTConfig
 
@@ -31,10 +38,10 @@ def shard_dir(tmp_path):
 
 def run_rungs(rungs, shard_dir, steps=4):
     """{rung: losses of `steps` training steps} from the same base weights and batches."""
-    base = bench.ladder_base_state(TINY)
+    base = ladder_base_state(TINY)
     losses = {}
     for rung, changes in rungs.items():
-        step, losses[rung] = bench.ladder_step(changes, base, TINY, TINY["B"], shard_dir, "cpu", "cpu")
+        step, losses[rung] = ladder_step(changes, base, TINY, TINY["B"], shard_dir, "cpu", "cpu")
         for _ in range(steps):
             step()
     return losses
@@ -46,7 +53,7 @@ def test_masked_softmax_attention_is_causal_attention():
     torch.manual_seed(0)
     config = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=4, n_embd=32)
     attn = GPT(config).transformer.h[0].attn
-    masked = bench.MaskedSoftmaxAttention(attn, 16)
+    masked = MaskedSoftmaxAttention(attn, 16)
     assert masked.c_attn.weight is attn.c_attn.weight and masked.c_proj.weight is attn.c_proj.weight
     x = torch.randn(2, 16, 32)
     with torch.no_grad():
@@ -71,7 +78,7 @@ def test_rung_one_computes_the_models_own_loss(shard_dir):
     losses = run_rungs({1: set()}, shard_dir, steps=1)
     config = GPTConfig(block_size=32, vocab_size=50257, n_layer=2, n_head=2, n_embd=64)
     model = GPT(config)
-    model.load_state_dict(bench.ladder_base_state(TINY))
+    model.load_state_dict(ladder_base_state(TINY))
     x, y = DataLoaderLite(shard_dir, "train", 2, 32, shuffle=False).next_batch()
     with torch.no_grad():
         _, loss = model(x, y)
@@ -92,7 +99,7 @@ def test_rungs_compute_the_same_loss_within_their_precision(shard_dir):
         "7 fp32": {"sdpa", "padded_vocab", "fused_adamw"},
     }
     losses = run_rungs(rungs, shard_dir)
-    checks = bench.loss_check(losses, rungs)
+    checks = loss_check(losses, rungs)
     assert all(agree for _, _, agree in checks.values()), checks
     # how close: flash attention is the same fp32 arithmetic in another order
     assert max(abs(a - b) for a, b in zip(losses["5 fp32"], losses[1])) < 1e-5
@@ -103,7 +110,7 @@ def test_rungs_compute_the_same_loss_within_their_precision(shard_dir):
         assert shift == pytest.approx([np.log1p(47 / 50257)] * 4, abs=1e-4), shift
     # bf16 moves the loss more than fp32's reordering, and within its tolerance
     bf16 = max(abs(a - b) for a, b in zip(losses[3], losses[1]))
-    assert 1e-6 < bf16 < bench.LADDER_LOSS_TOL["bf16"]
+    assert 1e-6 < bf16 < LADDER_LOSS_TOL["bf16"]
     # the steps learn: the optimizer ran (losses are not all one number)
     assert len(set(losses[1])) == 4
 
@@ -112,15 +119,15 @@ def test_the_loss_check_catches_a_rung_that_computes_something_else(shard_dir, m
     """Attention that sees the future (no causal mask) is a different model: in fp32 its losses
     leave the tolerance at once."""
     good = run_rungs({1: set()}, shard_dir)
-    init = bench.MaskedSoftmaxAttention.__init__
+    init = MaskedSoftmaxAttention.__init__
 
     def no_mask(self, attn, block_size):
         init(self, attn, block_size)
         self.causal.fill_(True)
 
-    monkeypatch.setattr(bench.MaskedSoftmaxAttention, "__init__", no_mask)
+    monkeypatch.setattr(MaskedSoftmaxAttention, "__init__", no_mask)
     bad = run_rungs({"broken": set()}, shard_dir)
-    diff, tol, agree = bench.loss_check({1: good[1], "broken": bad["broken"]}, {1: set(), "broken": set()})["broken"]
+    diff, tol, agree = loss_check({1: good[1], "broken": bad["broken"]}, {1: set(), "broken": set()})["broken"]
     assert not agree and diff > 10 * tol
 
 
@@ -131,7 +138,7 @@ def test_compiled_rung_matches_eager(shard_dir):
         losses = run_rungs({1: {"sdpa"}, 4: {"sdpa", "compile"}}, shard_dir, steps=3)
     finally:
         torch._dynamo.reset()
-    assert losses[4] == pytest.approx(losses[1], abs=bench.LADDER_LOSS_TOL["fp32"])
+    assert losses[4] == pytest.approx(losses[1], abs=LADDER_LOSS_TOL["fp32"])
 
 
 def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
@@ -205,7 +212,7 @@ def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
 
 def test_ddp_rung_runs_train_gpt2_under_torchrun(tmp_path, shard_dir):
     """Rung 8's command, on 2 CPU processes (gloo): the job's tok/s is its batch over each step's time."""
-    r8 = bench.ladder_ddp(2, TINY, 2, 6, shard_dir, str(tmp_path / "ddp"), "cpu")
+    r8 = ladder_ddp(2, TINY, 2, 6, shard_dir, str(tmp_path / "ddp"), "cpu")
     assert r8["processes"] == 2 and r8["steps"] == 6 and r8["steps_dropped"] == 2
     records = [json.loads(line) for line in open(tmp_path / "ddp" / "log.jsonl")]
     header = next(rec for rec in records if rec.get("event") == "header")

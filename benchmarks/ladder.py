@@ -1,0 +1,519 @@
+"""build-nanogpt's speed-up ladder, one change per rung, the rungs' losses checked against rung 1's."""
+
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from benchmarks.report import fmt_stats
+from benchmarks.settings import ROOT, TRAIN_CONFIGS
+from benchmarks.timing import interleave, log, rates, stats
+from benchmarks.train import fits_in_memory, train_step_fn
+from support.machine import keep_freed_memory
+from train_gpt2 import GPT, GPTConfig
+
+# The reference run (build-nanogpt on one A100, 124M, B 16, T 1024): (tok/s, ms per step) at each
+# rung; rung 8 is its whole job on 8 GPUs.
+LADDER_REFERENCE = {
+    1: (16_300, 1000.0),
+    2: (49_000, 333.0),
+    3: (54_700, 300.0),
+    4: (126_000, 129.5),
+    5: (170_000, 97.0),
+    6: (176_000, 93.0),
+    7: (182_000, 90.0),
+    8: (1_500_000, None),
+}
+
+# (rung, what it changes, the change's name): each rung keeps every change before it
+LADDER_RUNGS = (
+    (1, "fp32 baseline", None),
+    (2, "TF32 matmuls", "tf32"),
+    (3, "bf16 autocast", "bf16"),
+    (4, "torch.compile", "compile"),
+    (5, "flash attention (SDPA)", "sdpa"),
+    (6, "vocab 50,257 padded to 50,304", "padded_vocab"),
+    (7, "fused AdamW, GPT-3 parameter groups", "fused_adamw"),
+)
+
+# How far a rung's loss may lie from rung 1's (fp32), at the same step from the same weights and
+# batches, by the lowest precision its matmuls run in (absolute, on losses near ln(50257) = 10.8).
+# fp32: the same arithmetic in another order (SDPA, compile's fusions), ~10 ulp of the loss.
+# bf16 keeps 8 bits of mantissa, TF32 11: a matmul's relative error of ~2**-9 resp. 2**-12,
+# which the loss, a mean over B*T tokens, averages down.
+LADDER_LOSS_TOL = {"fp32": 1e-4, "tf32": 5e-3, "bf16": 5e-3}
+# and a padded vocabulary's: its 47 new rows start at zero, 47 logits of 0 more in the softmax,
+# log(1 + 47 / 50257) = 9.4e-4 more loss while the others are near 0 (at init)
+LADDER_PAD_ALLOWANCE = 2e-3
+
+LADDER_LR = 6e-4  # the recipe's max_lr, held constant: the loss check's few steps move the weights a little
+
+
+class MaskedSoftmaxAttention(nn.Module):
+    """The attention of rungs 1-4, written out as the reference had it before flash attention:
+    every head's (T, T) scores materialised, the future filled with -inf, softmax, then the
+    weighted sum of the values. It takes over a block's CausalSelfAttention with that module's
+    c_attn and c_proj (the same Parameters), for training's call: causal, no KV cache."""
+
+    def __init__(self, attn, block_size):
+        super().__init__()
+        self.c_attn, self.c_proj, self.n_head, self.n_embd = attn.c_attn, attn.c_proj, attn.n_head, attn.n_embd
+        causal = torch.ones(block_size, block_size, dtype=torch.bool, device=attn.c_attn.weight.device).tril()
+        self.register_buffer("causal", causal.view(1, 1, block_size, block_size), persistent=False)
+
+    def forward(self, x, cache=None, layer=0, mask=None):
+        if cache is not None or mask is not None:
+            raise ValueError("MaskedSoftmaxAttention computes training's causal attention only")
+        B, T, C = x.size()
+        hs = C // self.n_head
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * hs**-0.5  # (B, nh, T, T)
+        att = att.masked_fill(~self.causal[:, :, :T, :T], float("-inf"))
+        y = F.softmax(att, dim=-1) @ v  # (B, nh, T, hs)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def ladder_config(name, device_type):
+    """(config name, n_layer/n_head/n_embd/T/B): the 124M model at the reference's B 16 on CUDA;
+    elsewhere the smaller TRAIN_CONFIGS entry the run names (the gpt2 one takes too long there)."""
+    if name == "gpt2" and device_type != "cuda":
+        name = "small"
+    c = dict(TRAIN_CONFIGS[name])
+    if name == "gpt2":
+        c["B"] = 16  # the reference's micro-batch; the recipe's 64 is a rung of its own
+    return name, {k: c[k] for k in ("n_layer", "n_head", "n_embd", "T", "B")}
+
+
+def ladder_base_state(c):
+    """The weights every rung starts from: a fresh GPT with the 50,257-token vocabulary."""
+    torch.manual_seed(1337)
+    return GPT(ladder_gpt_config(c, 50257)).state_dict()
+
+
+def ladder_gpt_config(c, vocab_size):
+    return GPTConfig(
+        block_size=c["T"], vocab_size=vocab_size, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"]
+    )
+
+
+def ladder_model(changes, base_state, c, device):
+    """A rung's model: base_state's weights (the padded vocabulary's extra rows zero), with the
+    masked-softmax attention unless the rung has flash attention."""
+    vocab = 50304 if "padded_vocab" in changes else 50257
+    state = {k: v.clone() for k, v in base_state.items()}
+    wte = base_state["lm_head.weight"]
+    if vocab > wte.size(0):  # zero rows: logits of 0 for ids the data never holds
+        padded = torch.cat([wte, wte.new_zeros(vocab - wte.size(0), wte.size(1))])
+        state["lm_head.weight"] = state["transformer.wte.weight"] = padded
+    model = GPT.from_state_dict(ladder_gpt_config(c, vocab), state, "the ladder's base weights").to(device)
+    if "sdpa" not in changes:
+        for block in model.transformer.h:
+            block.attn = MaskedSoftmaxAttention(block.attn, c["T"])
+    return model
+
+
+def ladder_step(changes, base_state, c, B, data_dir, device, device_type):
+    """(step function, the list its losses go to) for a rung: train_gpt2's training step
+    (train_step_fn) on this rung's model, optimizer, precision and compile setting, reading the
+    same batches as every other rung. Each call sets the rung's fp32 matmul precision first, so
+    that rungs interleaved in one process each run at their own."""
+    from train_gpt2 import DataLoaderLite
+
+    model = ladder_model(changes, base_state, c, device)
+    if "fused_adamw" in changes:
+        optimizer = model.configure_optimizers(0.1, LADDER_LR, device_type, verbose=False)
+    else:  # torch's AdamW as its users call it: every parameter decayed, one group, torch's default kernel
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LADDER_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    # static shapes, as in training: a rung with other shapes (vocab, B) gets its own graph, not a dynamic one
+    run = torch.compile(model, dynamic=False) if "compile" in changes else model
+    loader = DataLoaderLite(data_dir, "train", B, c["T"], shuffle=False, device=device)
+    step = train_step_fn(run, optimizer, loader, torch.bfloat16 if "bf16" in changes else None)
+    precision = "high" if "tf32" in changes else "highest"
+    losses = []
+
+    def run_step():
+        torch.set_float32_matmul_precision(precision)
+        losses.append(step().item())  # training reads each step's loss too
+
+    return run_step, losses
+
+
+def tf32_has_effect(base_state, c, data_dir, device):
+    """Whether allowing TF32 changes the fp32 model's logits on this device (bitwise): where it
+    does not (CPUs without TF32 matmuls, GPUs before Ampere), the same kernels run either way."""
+    from train_gpt2 import DataLoaderLite
+
+    model = ladder_model(set(), base_state, c, device)
+    x, _ = DataLoaderLite(data_dir, "train", 1, c["T"], shuffle=False, device=device).next_batch()
+    before = torch.get_float32_matmul_precision()
+    logits = []
+    try:
+        for precision in ("highest", "high"):
+            torch.set_float32_matmul_precision(precision)
+            with torch.no_grad():
+                logits.append(model(x)[0])
+    finally:
+        torch.set_float32_matmul_precision(before)
+    return not torch.equal(*logits)
+
+
+def compile_unavailable(s):
+    """Why this run has no compile rung, or None."""
+    if True not in s["compile"]:
+        return "compile is off in this run (--compile runs it)"
+    try:
+        torch.compile(lambda t: t * 2 + 1, dynamic=False)(torch.ones(4))
+    except Exception as e:  # no C++ compiler, a Python torch.compile does not support, ...
+        return f"torch.compile is unavailable here ({str(e).strip().splitlines()[0][:120]})"
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
+def loss_check(losses, changes):
+    """{rung: (max |loss - rung 1's loss| over the steps, tolerance, agrees)}, each rung's losses
+    against rung 1's (fp32) step by step; the tolerance is that of the rung's lowest precision (bf16,
+    else TF32, else fp32), plus the padded vocabulary's allowance where it has one."""
+    out = {}
+    for rung, values in losses.items():
+        if len(values) != len(losses[1]):
+            raise ValueError(f"rung {rung} ran {len(values)} steps, rung 1 {len(losses[1])}")
+        diff = max(abs(a - b) for a, b in zip(values, losses[1]))
+        tol = LADDER_LOSS_TOL[ladder_precision(changes[rung])]
+        tol += LADDER_PAD_ALLOWANCE if "padded_vocab" in changes[rung] else 0.0
+        out[rung] = (diff, tol, diff <= tol)
+    return out
+
+
+def ladder_precision(changes):
+    return "bf16" if "bf16" in changes else "tf32" if "tf32" in changes else "fp32"
+
+
+def ladder_ddp(n_proc, c, B, steps, data_dir, out_dir, device_type):
+    """Rung 8: train_gpt2.py itself under torchrun, one process per GPU, with rung 7's settings
+    (bf16, compile, flash attention, padded vocabulary, fused AdamW) at B per GPU and no gradient
+    accumulation. -> {tok/s of the whole job and per process (median over the steps after the
+    first quarter, and at least 2, which compile and warm up), compile s}. On a CPU (gloo, fp32,
+    eager) it runs the same command, for the tests."""
+    T = c["T"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={n_proc}",
+        str(ROOT / "train_gpt2.py"),
+        "--data-dir",
+        data_dir,
+        "--out-dir",
+        out_dir,
+        "--n-layer",
+        c["n_layer"],
+        "--n-head",
+        c["n_head"],
+        "--n-embd",
+        c["n_embd"],
+        "--block-size",
+        T,
+        "--vocab-size",
+        50304,
+        "-B",
+        B,
+        "-T",
+        T,
+        "--total-batch-size",
+        B * T * n_proc,
+        "--max-steps",
+        steps,
+        "--warmup-steps",
+        1,
+        "--max-lr",
+        LADDER_LR,
+        "--no-shuffle",
+        "--eval-every",
+        0,
+        "--hellaswag-every",
+        0,
+        "--sample-every",
+        0,
+        "--ckpt-every",
+        0,
+        "--keep-ckpts",
+        1,
+    ]
+    if device_type == "cuda":
+        cmd += ["--dtype", "bfloat16", "--compile"]
+    else:
+        cmd += ["--device", "cpu", "--dtype", "float32", "--no-compile"]
+    r = subprocess.run([str(a) for a in cmd], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"rung 8 (torchrun train_gpt2.py) failed: {r.stderr.strip()[-800:]}")
+    records = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl"))]
+    steps_run = [rec for rec in records if "train_loss" in rec]
+    skip = max(2, len(steps_run) // 4)
+    tok = [rec["tok_per_sec"] for rec in steps_run[skip:]]
+    dt = [rec["dt_ms"] for rec in steps_run]
+    return {
+        "processes": n_proc,
+        "B_per_process": B,
+        "steps": len(steps_run),
+        "steps_dropped": skip,
+        "tok_per_sec": stats(tok),
+        "tok_per_sec_per_process": stats([t / n_proc for t in tok]),
+        "step_ms": stats(dt[skip:]),
+        "first_step_ms": dt[0],
+        "losses": [rec["train_loss"] for rec in steps_run],
+    }
+
+
+def ladder_png(result, path):
+    """ladder.png: tok/s per rung, ours beside the reference's A100 (log scale), and each one's
+    speed-up over its rung 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rungs"]
+    labels = [str(r["rung"]) for r in rows]
+    ours = [r["tok_per_sec"]["median"] if r["measured"] else 0 for r in rows]
+    ref = [r["reference_tok_per_sec"] or 0 for r in rows]
+    ours1 = rows[0]["tok_per_sec"]["median"]
+    x = np.arange(len(rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, scale, title in ((axes[0], False, "tok/s"), (axes[1], True, "speed-up over rung 1")):
+        mine = [v / ours1 if scale else v for v in ours]
+        theirs = [v / ref[0] if scale else v for v in ref]
+        ax.bar(x - 0.2, mine, 0.4, label=f"ours: {result['device']}")
+        ax.bar(x + 0.2, theirs, 0.4, label="reference: A100")
+        for i, r in enumerate(rows):
+            if not r["measured"]:
+                where = ax.get_xaxis_transform()  # x in data, y a fraction of the axes
+                ax.text(x[i] - 0.2, 0.02, "n/a", ha="center", va="bottom", fontsize=8, rotation=90, transform=where)
+        ax.set_yscale("log")
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("rung")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"speed-up ladder: {result['config_text']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def ladder_table(result):
+    lines = [
+        "| rung | what changes | tok/s [min–max] | ms per step | vs previous [paired min–max] | vs rung 1 "
+        "| A100 reference | loss vs rung 1 (tolerance) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rungs"]:
+        ref_tok, ref_ms = r["reference_tok_per_sec"], r["reference_ms"]
+        ref = "" if ref_tok is None else f"{ref_tok / 1000:,.1f}K tok/s" + (f", {ref_ms:,g} ms" if ref_ms else "")
+        if ref_tok and ref_tok >= 1e6:
+            ref = f"{ref_tok / 1e6:g}M tok/s"
+        # compile: the first step over a later one; a cache hit leaves ~0, and noise can make that negative
+        change = r["change"] + (f" (compile {max(0, r['compile_s']):.0f} s)" if r.get("compile_s") is not None else "")
+        if not r["measured"]:
+            lines.append(f"| {r['rung']} | {change} | not measured: {r['note']} |  |  |  | {ref} |  |")
+            continue
+        prev = ""
+        if r.get("vs_previous") is not None:
+            prev = f"{r['vs_previous']:.2f}x"
+            if r.get("vs_previous_paired"):
+                prev += f" [{r['vs_previous_paired']['min']:.2f}–{r['vs_previous_paired']['max']:.2f}]"
+            if r.get("previous") != r["rung"] - 1 and isinstance(r["rung"], int):
+                prev += f" (over rung {r['previous']})"
+        loss = ""
+        if r.get("loss_max_abs_diff") is not None:
+            ok = "" if r["losses_agree"] else " **differs**"
+            loss = f"{r['loss_max_abs_diff']:.2g} (≤ {r['loss_tol']:g}){ok}"
+        note = f"; {r['note']}" if r.get("note") else ""
+        ms = r["step_ms"]["median"]
+        lines.append(
+            f"| {r['rung']} | {change}{note} | {fmt_stats(r['tok_per_sec'], 'tok/s')} | {ms:,.1f} ms | {prev} "
+            f"| {r['vs_rung1']:.2f}x | {ref} | {loss} |"
+        )
+    return "\n".join(lines)
+
+
+def bench_ladder(s, device, device_type, device_name, tmp, png):
+    import fineweb
+
+    if device_type == "cpu":  # as a CPU training run does
+        keep_freed_memory()
+    name, c = ladder_config(s["ladder_config"], device_type)
+    T, B = c["T"], c["B"]
+    data_dir = os.path.join(tmp, "ladder_data")
+    os.makedirs(data_dir, exist_ok=True)
+    tokens = np.random.default_rng(1).integers(0, 50257, 2_000_000, dtype=np.uint16)
+    fineweb.write_shard(fineweb.shard_path(data_dir, "bench", 1), tokens)
+    base_state = ladder_base_state(c)
+    if device_type == "cuda":  # rung 1 (fp32, the (T, T) scores) needs the most memory: halve B until it fits
+        probe = ladder_model(set(), base_state, c, device)
+        while B > 1 and not fits_in_memory([probe], B, T, None, device):
+            log(f"  ladder: B {B} does not fit in GPU memory at rung 1, trying half")
+            B //= 2
+        c["B"] = B
+        del probe
+        torch.cuda.empty_cache()
+    config_text = f"{name} config: {c['n_layer']} layers, {c['n_head']} heads, {c['n_embd']} wide, B {B}, T {T}"
+    log(f"  ladder on {device}: {config_text}")
+    before = torch.get_float32_matmul_precision()
+    torch._dynamo.reset()
+
+    skipped = {}
+    if not tf32_has_effect(base_state, c, data_dir, device):
+        skipped[2] = "no effect on this device (fp32 logits bitwise the same with TF32 allowed)"
+    if device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        skipped[3] = "no bf16 on this device"
+    why = compile_unavailable(s)
+    if why:
+        skipped[4] = why
+
+    contenders, losses, changes, previous, last = {}, {}, {}, {}, None
+    for rung, _, _ in LADDER_RUNGS:
+        if rung in skipped:
+            continue
+        changes[rung] = change_set(rung, skipped)
+        step, losses[rung] = ladder_step(changes[rung], base_state, c, B, data_dir, device, device_type)
+        contenders[f"rung {rung}"] = step
+        previous[rung], last = last, rung
+    warmup, rounds = s["ladder_rounds" if device_type == "cpu" else "ladder_rounds_cuda"]
+    try:
+        times, first = interleave(contenders, warmup, rounds, device_type, f"ladder {name} B{B} T{T}")
+    finally:
+        torch.set_float32_matmul_precision(before)
+    checks = loss_check(losses, changes)
+    tok = {k: rates(B * T, times[f"rung {k}"]) for k in losses}
+
+    rungs = []
+    for rung, what, change in LADDER_RUNGS:
+        ref_tok, ref_ms = LADDER_REFERENCE[rung]
+        row = {"rung": rung, "change": what, "reference_tok_per_sec": ref_tok, "reference_ms": ref_ms}
+        if rung in skipped:
+            rungs.append({**row, "measured": False, "note": skipped[rung]})
+            continue
+        secs = times[f"rung {rung}"]
+        diff, tol, agree = checks[rung]
+        row.update(measured=True, note="", tok_per_sec=stats(tok[rung]), step_ms=stats([1e3 * t for t in secs]))
+        row.update(vs_rung1=stats(tok[rung])["median"] / stats(tok[1])["median"], previous=previous[rung])
+        if previous[rung] is not None:
+            p = previous[rung]
+            row["vs_previous"] = stats(tok[rung])["median"] / stats(tok[p])["median"]
+            row["vs_previous_paired"] = stats([a / b for a, b in zip(tok[rung], tok[p])])
+        if "compile" in changes[rung]:  # the first step's time over a later one's
+            row["compile_s"] = first[f"rung {rung}"] - statistics.median(secs)
+        row.update(losses=losses[rung], loss_precision=ladder_precision(changes[rung]), loss_max_abs_diff=diff)
+        row.update(loss_tol=tol, losses_agree=agree)
+        rungs.append(row)
+    del contenders
+    gc.collect()
+
+    # the recipe's B 64 (CUDA): rung 7 at B 64 against rung 7 at B 16, interleaved on their own
+    if device_type == "cuda" and name == "gpt2":
+        row = {"rung": "7+", "change": "the recipe's B 64", "reference_tok_per_sec": None, "reference_ms": None}
+        torch.cuda.empty_cache()
+        ch = change_set(7, skipped)
+        probe = ladder_model(ch, base_state, c, device)
+        fits = fits_in_memory([probe], 64, T, torch.bfloat16 if "bf16" in ch else None, device)
+        del probe
+        torch.cuda.empty_cache()
+        if fits:
+            b16, _ = ladder_step(ch, base_state, c, B, data_dir, device, device_type)
+            b64, _ = ladder_step(ch, base_state, c, 64, data_dir, device, device_type)
+            t2, first2 = interleave({"B16": b16, "B64": b64}, warmup, rounds, device_type, "ladder rung 7, B 16 and 64")
+            tok16, tok64 = rates(B * T, t2["B16"]), rates(64 * T, t2["B64"])
+            row.update(
+                measured=True,
+                note="against rung 7 at B 16 in rounds of their own",
+                tok_per_sec=stats(tok64),
+                step_ms=stats([1e3 * t for t in t2["B64"]]),
+                previous=7,
+                vs_previous=stats(tok64)["median"] / stats(tok16)["median"],
+                vs_previous_paired=stats([a / b for a, b in zip(tok64, tok16)]),
+                vs_rung1=stats(tok64)["median"] / rungs[0]["tok_per_sec"]["median"],
+            )
+            if "compile" in ch:
+                row["compile_s"] = first2["B64"] - statistics.median(t2["B64"])
+            del b16, b64
+            torch.cuda.empty_cache()
+        else:
+            row.update(measured=False, note="B 64 does not fit in this GPU's memory")
+        rungs.append(row)
+    else:
+        rungs.append(
+            {
+                "rung": "7+",
+                "change": "the recipe's B 64",
+                "reference_tok_per_sec": None,
+                "reference_ms": None,
+                "measured": False,
+                "note": "CUDA and the gpt2 config only",
+            }
+        )
+    torch._dynamo.reset()
+    torch.set_float32_matmul_precision(before)
+
+    # rung 8: every GPU of this machine, through torchrun (this process's cached blocks handed back first)
+    gc.collect()
+    if device_type == "cuda":
+        torch.cuda.empty_cache()
+    row = {"rung": 8, "change": "DDP over every visible GPU", "reference_tok_per_sec": 1_500_000, "reference_ms": None}
+    n_gpus = torch.cuda.device_count() if device_type == "cuda" else 0
+    if n_gpus > 1:
+        r8 = ladder_ddp(n_gpus, c, B, 40, data_dir, os.path.join(tmp, "ladder_ddp"), device_type)
+        rung7_tok = next(r for r in rungs if r["rung"] == 7)["tok_per_sec"]["median"]
+        row.update(
+            measured=True,
+            change=f"DDP over {n_gpus} GPUs (train_gpt2.py under torchrun)",
+            ddp=r8,
+            tok_per_sec=r8["tok_per_sec"],
+            step_ms=r8["step_ms"],
+            previous=7,
+            vs_previous=r8["tok_per_sec"]["median"] / rung7_tok,
+            vs_rung1=r8["tok_per_sec"]["median"] / rungs[0]["tok_per_sec"]["median"],
+            note=f"whole job; per GPU {fmt_stats(r8['tok_per_sec_per_process'], 'tok/s')}; a run of its own",
+            compile_s=(r8["first_step_ms"] - r8["step_ms"]["median"]) / 1e3,
+        )
+    else:
+        visible = f"{n_gpus or 'no'} GPU{'' if n_gpus == 1 else 's'} visible"
+        row.update(measured=False, note=f"{visible}; it needs 2 or more")
+    rungs.append(row)
+
+    result = {
+        "config_name": name,
+        "config": {**c, "vocab_size": "50257 (rungs 1-5), 50304 (6-7)"},
+        "config_text": config_text,
+        "device": device_name,
+        "steps_per_rung": warmup + rounds,
+        "lr": LADDER_LR,
+        "loss_tolerance": {**LADDER_LOSS_TOL, "padded_vocab_allowance": LADDER_PAD_ALLOWANCE},
+        "losses_agree": all(r.get("losses_agree", True) for r in rungs),
+        "rungs": rungs,
+    }
+    if not result["losses_agree"]:
+        log("  ladder: WARNING: a rung's loss differs from rung 1's beyond its precision's tolerance (see the table)")
+    result["table"] = ladder_table(result)
+    try:
+        ladder_png(result, png)
+        result["png"] = png
+    except ImportError as e:
+        result["png"] = None
+        log(f"  ladder: no picture ({e}): pip install matplotlib")
+    return result, []
+
+
+def change_set(rung, skipped):
+    """The changes a rung runs with: its own and every earlier one's, less the skipped rungs'."""
+    return {ch for r, _, ch in LADDER_RUNGS if ch and r <= rung and r not in skipped}

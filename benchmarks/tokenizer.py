@@ -1,0 +1,59 @@
+"""fineweb.py's tokenizer pool against tiktoken's encode_ordinary_batch."""
+
+import statistics
+
+from benchmarks.report import comparison
+from benchmarks.settings import TARGETS, find_shared_data
+from benchmarks.timing import interleave, log, rates, stats, timed
+from fineweb import get_tokenizer
+
+
+def bench_fineweb(s, args):
+    import fineweb
+
+    pattern = args.docs
+    if pattern is None:
+        shared = find_shared_data()
+        if shared is None or not list((shared / "fineweb_sample").glob("*.parquet")):
+            return {"skipped": "no documents: pass --docs 'files/*.parquet'"}, []
+        pattern = str(shared / "fineweb_sample" / "*.parquet")
+    docs = list(fineweb.local_documents(fineweb.expand_inputs([pattern]), args.text_field))[: s["docs"]]
+    workers = fineweb.default_workers()
+    # the same work per worker at any core count (a 10B-token run is all steady state): on 16 cores
+    # the 2-core amount is a tenth of a second, which measures little beyond starting the pool
+    docs = docs * (s["docs_repeat"] * max(1, workers // 2))
+    enc = get_tokenizer()
+    n_tokens = sum(len(ids) for ids in enc.encode_ordinary_batch(docs, num_threads=workers))
+    chars = sum(len(d) for d in docs)
+    log(f"  fineweb: {len(docs)} documents, {chars:,} characters, {n_tokens:,} tokens, {workers} workers")
+
+    def ours():  # the CLI's own path: its pool of tokenizer threads, EOT-prefixed uint16 tokens
+        out = fineweb.tokenize_docs(docs, workers)
+        assert len(out) == n_tokens + len(docs)  # the same work: every token, plus one EOT per document
+
+    def theirs():
+        enc.encode_ordinary_batch(docs, num_threads=workers)
+
+    times, _ = interleave({"fineweb": ours, "tiktoken": theirs}, *s["tok_rounds"], "cpu", "fineweb tokenize")
+    start = [timed(lambda: fineweb.tokenize_docs([""] * workers, workers), "cpu") for _ in range(3)]  # the pool alone
+    tok = {k: rates(n_tokens, v) for k, v in times.items()}
+    result = {
+        "documents": len(docs),
+        "characters": chars,
+        "tokens": n_tokens,
+        "workers": workers,
+        "tok_per_sec": {k: stats(v) for k, v in tok.items()},
+        "pool_start_s": stats(start),
+    }
+    rows = [
+        comparison(
+            "fineweb.py tokenize vs tiktoken encode_ordinary_batch",
+            tok["fineweb"],
+            tok["tiktoken"],
+            "tok/s",
+            TARGETS["fineweb_vs_tiktoken"],
+            note=f"{workers} threads each, {n_tokens:,} tokens; "
+            f"pool start {statistics.median(start) * 1e3:.1f} ms included",
+        )
+    ]
+    return result, rows
