@@ -59,6 +59,7 @@ from support.common import GPT2_VOCAB, UserError, first_line, run_cli
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
 from support.machine import keep_freed_memory, peak_flops, set_deterministic, training_out_of_memory
 from support.out_dir import claim_out_dir, missing_folders, release_out_dir, remove_made_folders
+from support.precision import AUTOCAST_DTYPES, grad_scaler, loss_scale, pick_dtype
 from support.resume import report_resume, restore_training_state, resume_checkpoint
 from support.run_log import NonFiniteGuard, RunLog
 from support.sampling import encode_prompt, note_if_samples_stop_early, print_samples, sample_text
@@ -400,15 +401,13 @@ def pick_device(requested=None):
 
 
 def autocast(device_type, dtype):
-    """bf16 autocast when dtype is set, a no-op otherwise."""
+    """Autocast to dtype (bf16 or fp16) when it is set, a no-op otherwise."""
     return torch.autocast(device_type=device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 def set_precision_and_seeds(args, device_type):
-    """(dtype name, autocast dtype or None, compile?): bf16 autocast and compile by default on CUDA."""
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    """({"dtype", "dtype_reason"}, autocast dtype or None, compile?): bf16 (fp16) autocast, compile on CUDA."""
+    dtype, why = pick_dtype(args.dtype, device_type)
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the matmuls autocast leaves in fp32
     if args.deterministic:
@@ -417,7 +416,7 @@ def set_precision_and_seeds(args, device_type):
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
     use_compile = args.compile if args.compile is not None else device_type == "cuda"
-    return dtype, (torch.bfloat16 if dtype == "bfloat16" else None), use_compile
+    return {"dtype": dtype, "dtype_reason": why}, AUTOCAST_DTYPES[dtype], use_compile
 
 
 # --- Data: token shards on disk, memory-mapped (fineweb.py writes them and owns their format) -----
@@ -596,6 +595,7 @@ class Run:
     autocast_dtype: torch.dtype
     grad_accum_steps: int
     use_compile: bool
+    scaler: torch.amp.GradScaler = None  # fp16's loss scaling; disabled (a no-op) for bf16 and fp32
     model: nn.Module = None  # the raw module: evaluation, sampling and checkpoints never go through compile or DDP
     optimizer: torch.optim.Optimizer = None
     loader: DataLoaderLite = None
@@ -674,7 +674,7 @@ def run_evals(step, run, stop, log):
 
 def start_run(args, given):
     """The processes, device and precision, and on --resume the checkpoint with what it decides;
-    -> (Run, the checkpoint's path and contents or None, the allowed changes, the dtype's name)."""
+    -> (Run, the checkpoint's path and contents or None, the allowed changes, the dtype and why)."""
     dist_info, device, device_type = setup_distributed(args, given)
     if device_type == "cpu":
         keep_freed_memory()  # faster steps for small models: see its docstring
@@ -683,19 +683,21 @@ def start_run(args, given):
     check_args(args, dist_info.ddp_world_size, given)  # again: the checkpoint's recipe with this run's changes
     B, T, ddp_world_size = args.batch_size, args.seq_len, dist_info.ddp_world_size
     grad_accum_steps = args.total_batch_size // (B * T * ddp_world_size)
-    dtype, autocast_dtype, use_compile = set_precision_and_seeds(args, device_type)
+    precision, autocast_dtype, use_compile = set_precision_and_seeds(args, device_type)
     if dist_info.master_process:
+        dtype = f"{precision['dtype']} ({precision['dtype_reason']})"
         print(f"device {device} x {ddp_world_size} | dtype {dtype} | compile {use_compile}")
         print(f"total batch {args.total_batch_size:,} tokens = B {B} x T {T} x {ddp_world_size} ranks", end="")
         print(f" x {grad_accum_steps} accumulation steps")
         report_resume(changes, taken)
     run = Run(args, dist_info, device, autocast_dtype, grad_accum_steps, use_compile)
-    return run, ckpt_path, ckpt, changes, dtype
+    run.scaler = grad_scaler(precision["dtype"], device_type)
+    return run, ckpt_path, ckpt, changes, precision
 
 
 def train(args, given=frozenset()):
     # --- config: processes, device, precision, batch arithmetic --------------------------------
-    run, ckpt_path, ckpt, changes, dtype = start_run(args, given)
+    run, ckpt_path, ckpt, changes, precision = start_run(args, given)
     dist_info, device, device_type = run.dist_info, run.device, torch.device(run.device).type
     ddp, ddp_rank, ddp_world_size = dist_info.ddp, dist_info.ddp_rank, dist_info.ddp_world_size
     master_process, autocast_dtype, grad_accum_steps = (
@@ -724,7 +726,7 @@ def train(args, given=frozenset()):
         args.weight_decay, args.max_lr, device_type, betas, args.adam_eps, verbose=master_process
     )
     start_step, run.run_id, run.val_loss = restore_training_state(
-        ckpt, ckpt_path, optimizer, train_loader, ddp_rank, device_type
+        ckpt, ckpt_path, optimizer, train_loader, ddp_rank, device_type, run.scaler
     )
     del ckpt  # the weights and optimizer state now live in the model and optimizer
     model = torch.compile(raw_model) if run.use_compile else raw_model
@@ -739,11 +741,11 @@ def train(args, given=frozenset()):
     device_name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or device_type
     peak = args.peak_flops or (peak_flops(device_name) if device_type == "cuda" else None)
     log = RunLog(args.out_dir, master_process, args.max_steps)
-    header = {**vars(args), "grad_accum_steps": grad_accum_steps, "world_size": ddp_world_size, "dtype": dtype}
+    header = {**vars(args), "grad_accum_steps": grad_accum_steps, "world_size": ddp_world_size, **precision}
     header.update(compile=run.use_compile, model_config=asdict(config), min_lr=min_lr, flops_per_token=flops)
     log.header(run.run_id, device_name, start_step if ckpt_path else None, changes, header)
     checkpoint = lambda step: save_training_state(step, run)  # noqa: E731
-    stop, guard = StopRequest(), NonFiniteGuard(log, master_process, checkpoint, args.out_dir)
+    stop, guard = StopRequest(), NonFiniteGuard(log, master_process, checkpoint, args.out_dir, run.scaler)
 
     # --- the loop ------------------------------------------------------------------------------
     # Iteration `step` first evaluates the model after `step` updates (not timed), checkpoints,
@@ -775,19 +777,21 @@ def train(args, given=frozenset()):
                 # each micro-batch's loss is a mean over B*T tokens; the batch's is the mean of those
                 loss = loss / grad_accum_steps
                 loss_accum += loss.detach()
-                loss.backward()
+                run.scaler.scale(loss).backward()  # fp16: times the loss scale (else unchanged)
         if ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
             dist.all_reduce(loss_accum)
             loss_accum /= ddp_world_size
+        run.scaler.unscale_(optimizer)  # fp16: the true gradients, for the clip and the logged norm
         # clip_grad_norm_ returns the norm before clipping; with inf it only measures it
         norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or math.inf)
         lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, norm = loss_accum.item(), norm.item()
+        loss, norm, scale = loss_accum.item(), norm.item(), loss_scale(run.scaler)  # fp16: the scale used
         if guard.skip(step, loss, norm, lr):  # a NaN / inf step is not applied
             continue
-        optimizer.step()
+        run.scaler.step(optimizer)  # optimizer.step(): its gradients are finite (the guard saw to it)
+        run.scaler.update()
         if device_type == "cuda":
             torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
         dt = time.perf_counter() - t0
@@ -795,7 +799,7 @@ def train(args, given=frozenset()):
 
         tok_per_sec = args.total_batch_size / dt
         mfu = flops * tok_per_sec / ddp_world_size / peak if peak else None  # of one GPU's peak, per GPU
-        record = {"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000}
+        record = {"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000, **scale}
         record.update(
             tok_per_sec=tok_per_sec, mfu=mfu, tokens=(step + 1) * args.total_batch_size, epoch=train_loader.epoch
         )
@@ -847,7 +851,7 @@ def parse_args(argv=None):
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 turns clipping off")
     g = p.add_argument_group("precision and speed")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="auto: bfloat16 on CUDA")
+    g.add_argument("--dtype", default="auto", choices=("auto", *AUTOCAST_DTYPES), help="auto: see the README")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (None: on for CUDA)")
     g.add_argument("--peak-flops", type=float, help="the device's peak FLOP/s, for MFU (None: a table of GPUs)")
     # on --resume, flags left out are the run's; the machine's (device, dtype, compile, peak-flops, ddp-timeout) are not

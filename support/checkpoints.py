@@ -104,8 +104,9 @@ def save_checkpoint(ckpt, out_dir, keep):
 def save_training_state(step, run):
     """Rank 0 writes the checkpoint of `step` steps done: the weights and model config, and all
     that continues the run as if it never stopped: the optimizer, the data position, every rank's
-    RNG state, the flags (train_config), the run's id and its last val loss. `run` is the training
-    script's Run (model, optimizer, loader, args, dist_info, device, run_id, val_loss)."""
+    RNG state, fp16's loss scaler, the flags (train_config), the run's id and its last val loss. `run`
+    is the training script's Run (model, optimizer, loader, args, dist_info, device, run_id, val_loss,
+    scaler)."""
     dist_info, args = run.dist_info, run.args
     check_finite_state(step, run)
     rng = all_rng_states(run.device.split(":")[0], dist_info.ddp, dist_info.ddp_world_size)
@@ -113,6 +114,8 @@ def save_training_state(step, run):
         ckpt = {"model": run.model.state_dict(), "model_config": asdict(run.model.config), "step": step}
         ckpt.update(optimizer=run.optimizer.state_dict(), data=run.loader.state_dict(), rng=rng)
         ckpt.update(data_identity=getattr(run.loader, "identity", None))  # the shards the run started on
+        if getattr(run, "scaler", None) is not None and run.scaler.is_enabled():  # fp16: the scale and its growth
+            ckpt.update(scaler=run.scaler.state_dict())
         # an absolute --data-dir: `--resume` from another working directory reads the same data
         ckpt.update(train_config={**vars(args), "data_dir": os.path.abspath(args.data_dir)})
         ckpt.update(world_size=dist_info.ddp_world_size, run_id=run.run_id, val_loss=run.val_loss)
@@ -138,7 +141,8 @@ def check_finite_state(step, run):
 def checkpoint_health(out_dir):
     """[(path, known good)] of out_dir's checkpoints, newest first, from its log. Checkpoint N holds
     the weights step N trains from: known good when the log's last record of step N (a resumed run
-    redoes steps) is a trained step, not a skipped one (a NaN or inf) nor missing (not trained yet)."""
+    redoes steps) is a trained step, or one fp16's loss scaler skipped (its loss was finite, only the
+    scaled gradients overflowed), not a skipped one (a NaN or inf) nor missing (not trained yet)."""
     trained = {}
     try:
         with open(os.path.join(out_dir, "log.jsonl"), encoding="utf-8", errors="replace") as f:
@@ -147,8 +151,8 @@ def checkpoint_health(out_dir):
                     record = json.loads(line)
                 except ValueError:
                     continue  # a line cut short by a kill
-                if isinstance(record, dict) and ("train_loss" in record or "skipped" in record):
-                    trained[record.get("step")] = "train_loss" in record
+                if isinstance(record, dict) and any(k in record for k in ("train_loss", "scaler_skipped", "skipped")):
+                    trained[record.get("step")] = "skipped" not in record
     except OSError:
         pass
     health = []

@@ -147,7 +147,7 @@ def undo_failed_start(claim):
         with open(log, "rb") as f:
             f.seek(before or 0)
             added = [line for line in f.read().split(b"\n") if line.strip()]
-        if any(b'"train_loss"' in line or b'"skipped"' in line for line in added):
+        if any(_is_step_record(line) for line in added):
             return
         if before is None:
             os.remove(log)
@@ -167,6 +167,11 @@ def _file_stats(paths):
         except OSError:
             pass
     return stats
+
+
+def _is_step_record(line):
+    """Whether a line of log.jsonl records a step: trained, skipped, or skipped by fp16's loss scaler."""
+    return any(key in line for key in (b'"train_loss"', b'"skipped"', b'"scaler_skipped"'))
 
 
 def log_runs(path):
@@ -198,7 +203,7 @@ def log_runs(path):
             if isinstance(record, dict) and record.get("event") == "header":
                 current = record.get("run_id")
                 continue
-        if (b'"train_loss"' in line or b'"skipped"' in line) and current not in runs:
+        if _is_step_record(line) and current not in runs:
             runs.append(current)
     return runs, False
 

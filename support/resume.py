@@ -164,8 +164,9 @@ def resume_checkpoint(args, given, ddp, master_process, claim=None):
     return picked[0], ckpt, *reconcile_resume(args, given, ckpt, picked[0])
 
 
-def restore_training_state(ckpt, ckpt_path, optimizer, loader, ddp_rank, device_type):
-    """The optimizer, data position and this rank's RNG as a checkpoint left them; returns the
+def restore_training_state(ckpt, ckpt_path, optimizer, loader, ddp_rank, device_type, scaler=None):
+    """The optimizer, data position, this rank's RNG and fp16's loss scaler as a checkpoint left
+    them (a checkpoint of a bf16 or fp32 run has no scaler: fp16 starts at its first scale); returns the
     step to start at, the run's id (a new, unique one for a new run: the seeds are untouched) and
     the last val loss."""
     data_dir = os.path.dirname(loader.shards[0])
@@ -176,6 +177,8 @@ def restore_training_state(ckpt, ckpt_path, optimizer, loader, ddp_rank, device_
         check_same_data(ckpt["data_identity"], loader.identity, ckpt_path, data_dir)
     optimizer.load_state_dict(ckpt["optimizer"])
     loader.load_state_dict(ckpt["data"])
+    if scaler is not None and scaler.is_enabled() and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
     if ddp_rank < len(ckpt["rng"]):
         set_rng_state(ckpt["rng"][ddp_rank], device_type)
     if ddp_rank == 0:

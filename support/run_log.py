@@ -120,10 +120,11 @@ class RunLog:
         step = record.get("step")
         if "train_loss" in record:
             mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] else "n/a"
+            scale = f" | scale {record['loss_scale']:g}" if "loss_scale" in record else ""  # fp16's loss scale
             print(
                 f"step {step:5d}/{self.max_steps} | loss {record['train_loss']:.6f} | lr {record['lr']:.4e} | "
                 f"norm {record['grad_norm']:.4f} | dt {record['dt_ms']:.2f}ms | tok/s {record['tok_per_sec']:,.0f} | "
-                f"mfu {mfu} | epoch {record['epoch']}",
+                f"mfu {mfu} | epoch {record['epoch']}{scale}",
                 flush=True,
             )
         elif "val_loss" in record:
@@ -140,16 +141,32 @@ MAX_BAD_STEPS = 3  # non-finite steps in a row: one is skipped as a bad batch, t
 class NonFiniteGuard:
     """One NaN or inf (an overflow, a bad batch) in an update would spread to every weight: such a
     step is skipped. Every rank sees the same all-reduced loss and norm, so all skip it. Several
-    in a row mean the run diverged: it stops with a checkpoint of the last good state."""
+    in a row mean the run diverged: it stops with a checkpoint of the last good state.
+    In fp16 (scaler: an enabled GradScaler) a finite loss whose gradients overflowed is the loss
+    scale's doing, not divergence: the scaler skips the step and halves the scale, and the step is
+    logged as {"scaler_skipped": ..., "loss_scale": the scale it overflowed at}, not counted as a bad
+    step, unless the scale is already below 1 (then the gradients overflow unscaled: a bad step)."""
 
-    def __init__(self, log, master_process, checkpoint, out_dir):
+    def __init__(self, log, master_process, checkpoint, out_dir, scaler=None):
         self.log, self.master_process, self.checkpoint, self.out_dir = log, master_process, checkpoint, out_dir
         self.in_a_row, self.max_lr = 0, None
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
 
     def skip(self, step, loss, norm, lr):
         if math.isfinite(loss) and math.isfinite(norm):
             self.in_a_row = 0
             return False
+        if self.scaler is not None:  # fp16: the step is not applied either way; the scale backs off
+            scale = self.scaler.get_scale()
+            self.scaler.update()  # the gradients it unscaled held an inf or NaN: the scale is halved
+            if math.isfinite(loss) and scale >= 1:
+                self.log({"step": step, "scaler_skipped": f"grad norm {norm}", "loss_scale": scale, "lr": lr})
+                if self.master_process:
+                    print(
+                        f"step {step:5d} | loss {loss:.6f} | norm {norm} | skipped by the fp16 loss scaler at "
+                        f"scale {scale:g} (now {self.scaler.get_scale():g})"
+                    )
+                return True
         self.in_a_row += 1
         self.log({"step": step, "skipped": f"loss {loss}, grad norm {norm}", "lr": lr})
         if self.master_process:

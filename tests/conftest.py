@@ -164,14 +164,14 @@ def tiny_args(data_dir, out_dir, *extra):
 def read_log(out_dir):
     """(all records, {step: the last record of that step}) of out_dir/log.jsonl. A resumed run
     repeats steps: the last one counts. A line cut short by a kill is skipped. A step record is
-    a trained step (train_loss) or a skipped one (skipped)."""
+    a trained step (train_loss), a skipped one (skipped) or one fp16's loss scaler skipped (scaler_skipped)."""
     records = []
     for line in open(os.path.join(out_dir, "log.jsonl")):
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-    steps = {r["step"]: r for r in records if "train_loss" in r or "skipped" in r}
+    steps = {r["step"]: r for r in records if "train_loss" in r or "skipped" in r or "scaler_skipped" in r}
     return records, steps
 
 

@@ -4,7 +4,8 @@ cosine, gradients clipped, non-default weight decay, betas and eps), and the tes
 steps with plain torch: the seeded GPT init, the batches read from the shards in name order,
 AdamW decaying the matrices only, clip_grad_norm_, and the lr from a warm-up + cosine written
 here. The weights and AdamW's moments after every step are compared with the checkpoint of that
-step; the logged loss, gradient norm and lr with the reference's."""
+step; the logged loss, gradient norm and lr with the reference's. The same steps in fp16 are checked
+against torch's AMP recipe (autocast and a GradScaler) written here, overflowing steps included."""
 
 import math
 
@@ -14,6 +15,7 @@ import torch
 
 import train_gpt2
 from conftest import random_shards, read_log, tiny_args
+from support import precision
 from train_gpt2 import GPT, GPTConfig
 
 # the recipe of the run, every setting away from its default so that a setting lost on the way
@@ -81,9 +83,14 @@ def recipe_run(tmp_path_factory):
     """The same STEPS steps by train_gpt2.main, a checkpoint after each (all kept)."""
     tmp = tmp_path_factory.mktemp("recipe")
     data = random_shards(tmp / "data", train_lengths=SHARDS)
-    args = tiny_args(
+    assert train_gpt2.main(recipe_args(data, tmp / "out")) == 0
+    return data, tmp / "out"
+
+
+def recipe_args(data, out, *extra):
+    return tiny_args(
         data,
-        tmp / "out",
+        out,
         "--seed",
         SEED,
         "--no-shuffle",
@@ -118,9 +125,8 @@ def recipe_run(tmp_path_factory):
         "--eval-every",
         0,
         *[f"--{k.replace('_', '-')}={v}" for k, v in CONFIG.items()],
+        *extra,
     )
-    assert train_gpt2.main(args) == 0
-    return data, tmp / "out"
 
 
 def checkpoint(out, step):
@@ -183,3 +189,84 @@ def test_a_resume_with_every_flag_left_out_continues_the_recipe_bitwise(recipe_r
         for i, state in a["optimizer"]["state"].items():
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(b["optimizer"]["state"][i][key], state[key]), (step, i, key)
+
+
+# fp16: the recipe's steps in fp16 autocast with a GradScaler, written plainly as torch's AMP recipe
+# has it. Its first scale is high enough that the first steps' scaled gradients overflow fp16
+# (above 65504): the scaler skips them and halves the scale until the gradients fit, so both of
+# its paths are checked. (This model's gradients overflow from a scale of about 2**19.)
+FP16_INIT_SCALE = 2.0**20
+
+
+def reference_fp16_steps(data_dir):
+    """The recipe's STEPS steps in fp16 with a GradScaler; yields (loss, grad norm, loss scale,
+    model, optimizer) after each, the norm of the unscaled gradients (inf where they overflowed)."""
+    torch.manual_seed(SEED)
+    model = GPT(GPTConfig(**CONFIG))
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=MAX_LR, betas=BETAS, eps=EPS, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_INIT_SCALE)
+    data = batches(data_dir)
+    accum = TOTAL // (B * T)
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for _ in range(accum):
+            x, y = next(data)
+            with torch.autocast("cpu", dtype=torch.float16):
+                _, loss = model(x, y)
+            loss = loss / accum
+            loss_sum += loss.detach()
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        scale = scaler.get_scale()
+        scaler.step(optimizer)  # skipped when the unscaled gradients hold an inf or NaN
+        scaler.update()
+        yield loss_sum.item(), norm.item(), scale, model, optimizer
+
+
+@pytest.fixture(scope="module")
+def fp16_run(tmp_path_factory):
+    """The recipe's steps by `train_gpt2.main --dtype float16`, from the same first loss scale."""
+    tmp = tmp_path_factory.mktemp("recipe_fp16")
+    data = random_shards(tmp / "data", train_lengths=SHARDS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(precision, "INIT_SCALE", FP16_INIT_SCALE)
+        assert train_gpt2.main(recipe_args(data, tmp / "out", "--dtype", "float16")) == 0
+    return data, tmp / "out"
+
+
+def test_fp16_steps_equal_the_gradscaler_reference(fp16_run):
+    """Step for step: the steps whose gradients overflowed are logged as skipped by the scaler at
+    the reference's scale and leave the weights as they were; the others log the reference's loss,
+    norm and scale; the weights after every step are the reference's, bit for bit (the same ops
+    in the same order on one CPU thread)."""
+    data, out = fp16_run
+    records, logged = read_log(out)
+    assert records[0]["config"]["dtype"] == "float16" and records[0]["config"]["dtype_reason"] == "--dtype float16"
+    assert sorted(logged) == list(range(STEPS))
+    skipped = []
+    for step, (loss, norm, scale, model, optimizer) in enumerate(reference_fp16_steps(data)):
+        record = logged[step]
+        assert record["loss_scale"] == scale, step
+        if math.isfinite(norm):
+            assert (record["train_loss"], record["grad_norm"], record["lr"]) == (loss, norm, lr_at(step)), step
+        else:
+            assert "scaler_skipped" in record and "train_loss" not in record and "skipped" not in record, record
+            skipped.append(step)
+        ours = checkpoint(out, step + 1)
+        assert ours.get("scaler", {}).get("scale") == (scale if math.isfinite(norm) else scale / 2), step
+        for name, p in model.state_dict().items():
+            assert torch.equal(ours["model"][name], p), (step, name, (ours["model"][name] - p).abs().max().item())
+        for i, ref in optimizer.state_dict()["state"].items():
+            if ref["step"] > 0:  # the reference's optimizer makes its (zero) state on a skipped first step too
+                for key in ("exp_avg", "exp_avg_sq", "step"):
+                    assert torch.equal(ours["optimizer"]["state"][i][key], ref[key]), (step, i, key)
+    assert skipped == [0, 1]  # the run visits both paths: the first two overflow, the rest train
