@@ -284,11 +284,14 @@ class GPT(nn.Module):
         return step, cache
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True, compile=False):
+    def generate(
+        self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True, compile=False, stop=None
+    ):
         """Append up to max_new_tokens sampled tokens to idx (B, T), stopping at block_size; temperature
         0 is greedy, padding ids (>= 50257) never come out. use_cache: a KVCache and one token per step
         (False recomputes the whole prefix each token: the plain reference). compile: a compiled
-        one-token step (CUDA graphs on a GPU, where eager decoding waits on kernel launches)."""
+        one-token step (CUDA graphs on a GPU, where eager decoding waits on kernel launches).
+        stop: polled before every token (a stop signal mid-sample); when it says True, None is returned."""
         B, T0 = idx.shape
         n_new = max(0, min(max_new_tokens, self.config.block_size - T0))
         out = idx.new_empty(B, T0 + n_new)  # preallocated: no torch.cat per token
@@ -298,6 +301,8 @@ class GPT(nn.Module):
         draw = lambda: _noise(B, temperature, generator, idx.device)  # noqa: E731
         if not use_cache:
             for t in range(T0, T0 + n_new):
+                if stop is not None and stop():
+                    return None
                 logits, _ = self(out[:, :t])
                 out[:, t] = _next_token(logits[:, -1], temperature, top_k, draw())
             return out
@@ -313,6 +318,8 @@ class GPT(nn.Module):
                 torch._dynamo.mark_static_address(v)
         cache.pos = torch.tensor([T0], device=idx.device)
         for t in range(T0 + 1, T0 + n_new):
+            if stop is not None and stop():
+                return None
             out[:, t] = step(out[:, t - 1 : t], cache, temperature, top_k, draw())
             cache.pos += 1
         return out
@@ -603,7 +610,7 @@ class Run:
     val_tokens: np.ndarray = None
     val_loss: float = None
     hellaswag: object = None  # hellaswag(should_stop) -> scores over every rank, or None if stopped
-    sample: object = None  # sample(max_new_tokens) -> texts with the run's prompt and settings
+    sample: object = None  # sample(max_new_tokens, stop) -> texts with the run's prompt and settings; None if stopped
 
 
 def build_model(args, ckpt, ckpt_path, device, master_process):
@@ -643,10 +650,10 @@ def prepare_side_evals(run, enc):
         note_if_samples_stop_early(len(tokens), args.max_new_tokens, block_size)
     device_type = torch.device(run.device).type
 
-    def sample(max_new_tokens):  # a fixed seed: the same noise every time, so samples show what was learned
-        top_k = args.top_k or None  # 0: no filtering
+    def sample(max_new_tokens, stop=None):  # a fixed seed: the same noise every time, so samples show what was learned
+        top_k, n = args.top_k or None, args.num_samples  # top_k 0: no filtering
         with autocast(device_type, run.autocast_dtype):
-            return sample_text(run.model, enc, prompt, args.num_samples, max_new_tokens, args.temperature, top_k)
+            return sample_text(run.model, enc, prompt, n, max_new_tokens, args.temperature, top_k, stop=stop)
 
     run.sample = sample
     sample(1)  # every rank samples, here and in run_evals: none waits alone in a collective meanwhile
@@ -668,8 +675,10 @@ def run_evals(step, run, stop, log):
         result = run.hellaswag(stop)
         if result is not None:
             log({"step": step, **result})
-    if due(args.sample_every) and step > 0 and not stop():  # rank 0 logs them
-        log({"step": step, "samples": run.sample(args.max_new_tokens)})
+    if due(args.sample_every) and step > 0 and not stop():  # rank 0 logs them; a stop signal cuts them short
+        samples = run.sample(args.max_new_tokens, stop)
+        if samples is not None:
+            log({"step": step, "samples": samples})
 
 
 def start_run(args, given):

@@ -15,17 +15,18 @@ def encode_prompt(enc, prompt, block_size):
 
 
 def sample_text(
-    model, enc, prompt, num_samples=4, max_new_tokens=32, temperature=1.0, top_k=50, seed=42, compile=False
+    model, enc, prompt, num_samples=4, max_new_tokens=32, temperature=1.0, top_k=50, seed=42, compile=False, stop=None
 ):
     """Decode num_samples continuations of prompt; the same seed gives the same text.
-    compile: a compiled (on CUDA, graph-captured) decode step, kept on the model for the next call."""
+    compile: a compiled (on CUDA, graph-captured) decode step, kept on the model for the next call.
+    stop: polled before every token (a training run's stop signal): None when it cut the samples short."""
     device = next(model.parameters()).device
     # a literal <|endoftext|> in the prompt is the token itself, as in the training data
     tokens = torch.tensor(enc.encode(prompt, allowed_special={"<|endoftext|>"}), dtype=torch.long, device=device)
     idx = tokens.unsqueeze(0).repeat(num_samples, 1)
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature, top_k, generator, compile=compile)
-    return [enc.decode(row.tolist()) for row in out]
+    out = model.generate(idx, max_new_tokens, temperature, top_k, generator, compile=compile, stop=stop)
+    return None if out is None else [enc.decode(row.tolist()) for row in out]
 
 
 def print_samples(model, enc, args):
