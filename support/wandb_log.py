@@ -13,14 +13,20 @@ from support.common import first_line
 
 def wandb_problem(project):
     """Why --wandb-project cannot work, checked before step 0 (a failure after start is only a
-    warning): the package missing (it is optional), or a name wandb refuses. None if fine."""
+    warning): the package missing (it is optional) or not importable, or a name wandb refuses.
+    None if fine."""
+    leave_out = "leave --wandb-project out (on --resume, which takes the run's: --wandb-project '')"
     if importlib.util.find_spec("wandb") is None:
-        return (
-            "--wandb-project needs the wandb package, which is not installed: pip install wandb, or leave "
-            "--wandb-project out (on --resume, which takes the run's: --wandb-project '')"
-        )
+        return f"--wandb-project needs the wandb package, which is not installed: pip install wandb, or {leave_out}"
     if len(project) > 128 or set(project) & set("/\\#?%:"):
         return f"--wandb-project {project!r}: wandb takes up to 128 characters and none of / \\ # ? % :"
+    try:  # installed is not enough: a broken install (a missing or mismatched dependency) fails here, not after start
+        importlib.import_module("wandb")
+    except Exception as e:
+        return (
+            f"--wandb-project: the wandb package is installed but cannot be imported ({type(e).__name__}: "
+            f"{first_line(e)}): reinstall it (pip install --force-reinstall wandb), or {leave_out}"
+        )
     return None
 
 

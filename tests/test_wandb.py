@@ -206,6 +206,29 @@ def test_flags_wandb_cannot_take_are_one_line_at_start(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "failure",
+    [
+        "ImportError(\"cannot import name 'BaseModel' from 'pydantic'\")",  # a dependency of the wrong version
+        "TypeError('Descriptors cannot be created directly.')",  # protobuf's, after an upgrade under wandb
+    ],
+)
+def test_an_installed_wandb_that_cannot_be_imported_is_one_line_at_start(tmp_path, monkeypatch, failure):
+    """A wandb that is installed but broken is found before step 0, in one line naming the
+    reinstall, not as a warning after start with the run going on unlogged."""
+    broken = tmp_path / "site" / "wandb"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text(f"raise {failure}\n")
+    for name in [n for n in sys.modules if n == "wandb" or n.startswith("wandb.")]:
+        monkeypatch.delitem(sys.modules, name)  # put back after the test
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    data, out = random_shards(tmp_path / "data"), tmp_path / "out"
+    msg = user_error(tiny_args(data, out, "--wandb-project", "tiny"))
+    assert msg.startswith("--wandb-project: the wandb package is installed but cannot be imported")
+    assert failure.split("(")[0] in msg and "pip install --force-reinstall wandb" in msg
+    assert not out.exists()
+
+
 def test_wandb_failing_after_start_leaves_training_and_log_complete(tmp_path, offline, monkeypatch, capsys):
     calls = []
 
