@@ -75,6 +75,9 @@ def save_checkpoint(ckpt, out_dir, keep):
     """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
     real name), then delete this run's checkpoints beyond the newest `keep`: another run's
     files are never touched."""
+    from support.out_dir import check_out_dir_held  # here: out_dir imports this module
+
+    check_out_dir_held()  # the folder is still this run's (its lock file deleted: locked again, or stop)
     path = os.path.join(out_dir, f"ckpt_{ckpt['step']:06d}.pt")
     try:
         write_atomic(path, lambda f: torch.save(ckpt, f))

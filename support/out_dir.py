@@ -115,22 +115,73 @@ def lock_out_dir(out_dir, then):
     return fd
 
 
+def check_out_dir_held():
+    """Before every checkpoint and log record this process writes to its --out-dir: the folder must
+    still be this run's. Its lock lives on LOCK_FILE, which a user can delete (a "stale lock" habit
+    from other tools) or replace, and a second run would then lock a new file and write beside this
+    one. So the file at that path must be the one this process locked (same device and inode). If
+    it is gone or another that no one holds, it is locked again and the run goes on, said in a
+    warning (stopping would throw away the steps since the last checkpoint for nothing); if another
+    run holds it now, this run stops in one line and writes nothing more there, leaving that run's
+    lock and records alone (release_out_dir)."""
+    fd = _claim.get("fd")
+    if fd is None or _claim.get("lost"):
+        return
+    out_dir = _claim["out_dir"]
+    path = os.path.join(out_dir, LOCK_FILE)
+    if _same_file(fd, path):
+        return
+    why = "leave it in place: it is no stale lock, the OS frees it when its run ends"
+    try:
+        new = lock_out_dir(out_dir, "continue with --resume")
+    except UserError:
+        new = None
+    if new is None:
+        _claim["lost"] = True
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                holder = f.read(4096).strip()
+        except OSError:
+            holder = ""
+        now = f"another run holds it now ({holder})" if holder else "it cannot be locked again"
+        raise UserError(
+            f"{path} was deleted or replaced while this run trained, and {now}: this run stops here and writes "
+            f"nothing more to {out_dir}, so that one run alone writes there ({why})"
+        )
+    os.close(fd)  # the lock on the file that was deleted: no other process can reach that file
+    _claim["fd"] = new
+    print(f"warning: {path} was deleted while this run trained: locked again ({why})", file=sys.stderr, flush=True)
+
+
+def _same_file(fd, path):
+    """Whether the file open at fd is the one at path (not deleted, not replaced)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
 def release_out_dir():
     """As the process ends (train_gpt2.main's finally): a start that failed (an exception on its
     way out) before its first step and before any checkpoint leaves the folder as it found it:
     the log records it added are cut off again (the log removed, if it made it), so that the same
-    command retried does not find "another run" there. Then the lock is given back."""
+    command retried does not find "another run" there. Then the lock is given back: its file is
+    removed only if it is still the one this process locked (a user may have deleted it and
+    another run made its own). A run that lost its folder to another (check_out_dir_held) touches
+    nothing there."""
     claim = dict(_claim)
     _claim.clear()
     if not claim:
         return
     try:
-        if sys.exc_info()[0] is not None:
+        if sys.exc_info()[0] is not None and not claim.get("lost"):
             undo_failed_start(claim)
     finally:
         if claim["fd"] is not None:
+            path = os.path.join(claim["out_dir"], LOCK_FILE)
             try:
-                os.remove(os.path.join(claim["out_dir"], LOCK_FILE))  # still held: no one locks it meanwhile
+                if _same_file(claim["fd"], path):  # still held: no one else locks it meanwhile
+                    os.remove(path)
             except OSError:
                 pass
             os.close(claim["fd"])

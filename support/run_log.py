@@ -12,6 +12,7 @@ import torch
 
 from support.checkpoints import disk_error, diverged_advice, train_config_of
 from support.common import UserError, same_on_every_rank
+from support.out_dir import check_out_dir_held
 from support.wandb_log import WandbMirror
 
 
@@ -78,6 +79,7 @@ class RunLog:
     def __call__(self, record):
         if self.file is None:
             return
+        check_out_dir_held()  # the folder is still this run's (its lock file deleted: locked again, or stop)
         try:
             self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
             self.file.flush()
