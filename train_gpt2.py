@@ -57,7 +57,7 @@ from support.checks import (
 )
 from support.common import GPT2_VOCAB, UserError, first_line, run_cli
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
-from support.machine import keep_freed_memory, peak_flops, set_deterministic, training_out_of_memory
+from support.machine import choose_compile, keep_freed_memory, peak_flops, set_deterministic, training_out_of_memory
 from support.out_dir import claim_out_dir, missing_folders, release_out_dir, remove_made_folders
 from support.precision import AUTOCAST_DTYPES, grad_scaler, loss_scale, pick_dtype
 from support.resume import report_resume, restore_training_state, resume_checkpoint
@@ -422,7 +422,7 @@ def set_precision_and_seeds(args, device_type):
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
-    use_compile = args.compile if args.compile is not None else device_type == "cuda"
+    use_compile = choose_compile(args.compile, device_type, verbose=os.environ.get("RANK", "0") == "0")
     return {"dtype": dtype, "dtype_reason": why}, AUTOCAST_DTYPES[dtype], use_compile
 
 

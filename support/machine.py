@@ -1,12 +1,48 @@
-"""The machine a run trains on: its peak FLOP/s (for MFU), glibc's allocator, deterministic
-kernels, and what to lower when a training run runs out of memory."""
+"""The machine a run trains on: whether torch.compile works on it, its peak FLOP/s (for MFU),
+glibc's allocator, deterministic kernels, and what to lower when a training run runs out of memory."""
 
 import ctypes
+import functools
 import os
 
 import torch
 
 from support.checkpoints import checkpoint_paths
+from support.common import UserError, first_line, same_on_every_rank
+
+# --- torch.compile: on by default where it pays, and only where it works ----------------------
+
+COMPILE_BY_DEFAULT = ("cuda",)  # device types that compile unless --no-compile; elsewhere --compile asks for it
+
+
+@functools.cache  # one check per device in a process (the model's compile itself is cached likewise)
+def compile_problem(device):
+    """Why torch.compile cannot work on device, or None. A tiny elementwise function, compiled
+    with the default backend (Inductor) and run once, needs what the model's compile needs: a
+    C++ compiler on a CPU (the CXX variable or g++), Triton on a GPU (Windows has none by default)."""
+    try:
+        torch.compile(lambda t: t * 2 + 1, dynamic=False)(torch.ones(8, device=device))
+    except Exception as e:  # Inductor's errors have no common type: any failure here says it cannot work
+        return first_line(e)
+    return None
+
+
+def choose_compile(requested, device_type, verbose=True, problem=compile_problem):
+    """Whether the run compiles: --compile (True), --no-compile (False) or the default (None: on
+    for COMPILE_BY_DEFAULT). A compile that cannot work (problem(device_type) says why) is one
+    error line when asked for, and by default a note (when verbose) and an eager run."""
+    if requested is False or (requested is None and device_type not in COMPILE_BY_DEFAULT):
+        return False
+    why = problem(device_type)
+    if why is None:
+        return True
+    if requested:
+        raise same_on_every_rank(
+            UserError(f"--compile: torch.compile does not work on this {device_type} ({why}); run with --no-compile")
+        )
+    if verbose:
+        print(f"note: torch.compile does not work on this {device_type} ({why}): training without it (slower)")
+    return False
 
 
 def training_out_of_memory(frames):

@@ -1,12 +1,18 @@
 """torch.compile on the CPU (inductor): the same losses as eager, and val loss, HellaSwag,
-sampling and checkpoints all work while it is on. One compile: the first costs ~25 s cold."""
+sampling and checkpoints all work while it is on. One compile: the first costs ~25 s cold.
+Where compile cannot work (here: a C++ compiler that fails), the default trains eager with a
+note and an explicit --compile is one error line."""
+
+import os
 
 import pytest
 import torch
 
 import train_gpt2
-from conftest import random_shards, read_log, tiny_args
+from conftest import assert_one_line_error, cli, random_shards, read_log, tiny_args
 from support.checkpoints import load_checkpoint
+from support.common import UserError
+from support.machine import choose_compile, compile_problem
 
 
 def test_compiled_run_matches_eager_and_evaluates(tmp_path, shared_data):
@@ -30,6 +36,7 @@ def test_compiled_run_matches_eager_and_evaluates(tmp_path, shared_data):
         6,
     )
     assert train_gpt2.main(tiny_args(data, tmp_path / "eager", *common, "--no-compile")) == 0
+    assert compile_problem("cpu") is None  # the start-up check's graph: compiled (and its answer kept) before counting
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     assert train_gpt2.main(tiny_args(data, tmp_path / "compiled", *common, "--compile")) == 0
@@ -51,3 +58,90 @@ def test_compiled_run_matches_eager_and_evaluates(tmp_path, shared_data):
     ckpt = load_checkpoint(str(tmp_path / "compiled" / "ckpt_000003.pt"))
     assert set(ckpt["model"]) == set(train_gpt2.GPT(train_gpt2.GPTConfig(**ckpt["model_config"])).state_dict())
     train_gpt2.load_model(str(tmp_path / "compiled" / "ckpt_000003.pt"))
+
+
+# --- where compile cannot work ------------------------------------------------------------------
+
+
+def broken_compiler(tmp_path):
+    """The environment of a process whose C++ compiler fails: Inductor reads CXX (its
+    config.cpp.cxx); an empty kernel cache, so that no kernel built before stands in for one."""
+    cxx = tmp_path / "cxx"
+    cxx.write_text("#!/bin/sh\nexit 1\n")
+    cxx.chmod(0o755)
+    return {**os.environ, "CXX": str(cxx), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor_cache")}
+
+
+def test_default_compile_that_cannot_work_is_a_note_and_eager(capsys):
+    asked = []
+
+    def broken(device):
+        asked.append(device)
+        return "InvalidCxxCompiler: No working C++ compiler found"
+
+    assert choose_compile(None, "cuda", problem=broken) is False
+    assert asked == ["cuda"]
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("note: torch.compile does not work on this cuda"), lines
+    assert "(InvalidCxxCompiler: No working C++ compiler found)" in lines[0]
+    assert choose_compile(None, "cuda", verbose=False, problem=broken) is False  # another rank: rank 0 says it
+    assert capsys.readouterr().out == ""
+
+
+def test_compile_is_checked_only_where_it_would_be_on():
+    asked = []
+    works = lambda device: asked.append(device)  # noqa: E731  (None: compile works)
+    assert choose_compile(None, "cuda", problem=works) is True
+    assert choose_compile(True, "cpu", problem=works) is True
+    assert asked == ["cuda", "cpu"]
+    assert choose_compile(None, "cpu", problem=works) is False  # off by default on a CPU (and on MPS)
+    assert choose_compile(None, "mps", problem=works) is False
+    assert choose_compile(False, "cuda", problem=works) is False
+    assert asked == ["cuda", "cpu"]
+
+
+def test_compile_asked_for_that_cannot_work_is_a_user_error():
+    with pytest.raises(UserError) as e:
+        choose_compile(True, "cpu", problem=lambda device: "InvalidCxxCompiler: No working C++ compiler found")
+    assert str(e.value) == (
+        "--compile: torch.compile does not work on this cpu (InvalidCxxCompiler: No working C++ compiler found); "
+        "run with --no-compile"
+    )
+    assert e.value.every_rank  # torchrun: rank 0 alone says it
+
+
+def test_compile_flag_with_a_broken_compiler_is_one_error_line_before_step_0(tmp_path):
+    data = random_shards(tmp_path / "data")
+    r = cli(*tiny_args(data, tmp_path / "out", "--compile"), env=broken_compiler(tmp_path))
+    assert_one_line_error(r, "--compile: torch.compile does not work on this cpu", "C++ compiler", "--no-compile")
+    assert not (tmp_path / "out").exists()  # refused at start: no run folder, no step
+
+
+# train_gpt2.py as on CUDA, where compile is the default: the same program with the CPU among the
+# device types that compile unless told not to
+DEFAULT_COMPILE_ON_CPU = """
+import sys
+import support.machine
+support.machine.COMPILE_BY_DEFAULT = ("cuda", "cpu")
+import train_gpt2
+from support.common import run_cli
+run_cli(lambda: train_gpt2.main(sys.argv[1:]))
+"""
+
+
+def test_default_compile_with_a_broken_compiler_notes_it_and_trains_eager(tmp_path):
+    data = random_shards(tmp_path / "data")
+    extra = ("--max-steps", 2, "--eval-every", 2)
+    args = tiny_args(data, tmp_path / "fallback", *extra)
+    r = cli(DEFAULT_COMPILE_ON_CPU, *args, script="-c", env=broken_compiler(tmp_path))  # python -c SCRIPT args
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    notes = [line for line in r.stdout.splitlines() if "torch.compile" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: torch.compile does not work on this cpu"), r.stdout
+    assert "C++ compiler" in notes[0]
+    # eager: the header says so, and every loss is the --no-compile run's, bit for bit
+    assert train_gpt2.main(tiny_args(data, tmp_path / "eager", *extra, "--no-compile")) == 0
+    fallback, fallback_steps = read_log(tmp_path / "fallback")
+    eager, eager_steps = read_log(tmp_path / "eager")
+    assert fallback[0]["config"]["compile"] is False
+    assert [fallback_steps[s]["train_loss"] for s in (0, 1)] == [eager_steps[s]["train_loss"] for s in (0, 1)]
+    assert [r["val_loss"] for r in fallback if "val_loss" in r] == [r["val_loss"] for r in eager if "val_loss" in r]
