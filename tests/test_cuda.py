@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import hellaswag
+import train_gpt2
 from conftest import read_log
 from fineweb import write_shard
-from support import checkpoints, common, machine, sampling
+from support import checkpoints, common, machine, precision, sampling
 from train_gpt2 import GPT, GPTConfig
 
 ROOT = __import__("conftest").ROOT
@@ -194,26 +195,30 @@ def test_resume_without_deterministic_is_close(shakespeare, tmp_path):
 BF16_LOSS_ATOL, BF16_NORM_RTOL = 0.01, 0.05
 
 
+# a 4-layer, 256-wide model, eager, at 2 micro-steps of B 4 x T 256
+SMALL_EAGER = (
+    "--n-layer",
+    4,
+    "--n-head",
+    4,
+    "--n-embd",
+    256,
+    "--block-size",
+    256,
+    "-B",
+    4,
+    "-T",
+    256,
+    "--total-batch-size",
+    2048,
+    "--no-compile",
+)
+
+
 def test_bf16_autocast_steps_stay_close_to_fp32(shakespeare, tmp_path):
     """A 4-layer, 256-wide model, eager, 8 steps in bf16 autocast and the same 8 in fp32: the
     logged loss and gradient norm agree within the bounds above at every step."""
-    small = (
-        "--n-layer",
-        4,
-        "--n-head",
-        4,
-        "--n-embd",
-        256,
-        "--block-size",
-        256,
-        "-B",
-        4,
-        "-T",
-        256,
-        "--total-batch-size",
-        2048,
-        "--no-compile",
-    )
+    small = SMALL_EAGER
     logs = {}
     for dtype in ("bfloat16", "float32"):
         train(*gpu_args(shakespeare, tmp_path / dtype, "--dtype", dtype, *small))
@@ -225,6 +230,43 @@ def test_bf16_autocast_steps_stay_close_to_fp32(shakespeare, tmp_path):
     for s in range(8):
         assert bf16[s]["train_loss"] == pytest.approx(fp32[s]["train_loss"], abs=BF16_LOSS_ATOL, rel=0), s
         assert bf16[s]["grad_norm"] == pytest.approx(fp32[s]["grad_norm"], rel=BF16_NORM_RTOL, abs=0), s
+
+
+def test_fp16_autocast_steps_stay_close_to_fp32(shakespeare, tmp_path):
+    """The same 8 steps in fp16 autocast with its GradScaler: fp16 keeps 10 mantissa bits to bf16's
+    7, so bf16's bounds hold with room; every step trains (at the first scale, 2**16, this model's
+    scaled gradients fit fp16) and the scale is logged with it."""
+    train(*gpu_args(shakespeare, tmp_path / "fp16", "--dtype", "float16", *SMALL_EAGER))
+    train(*gpu_args(shakespeare, tmp_path / "fp32", "--dtype", "float32", *SMALL_EAGER))
+    records, fp16 = read_log(tmp_path / "fp16")
+    assert records[0]["config"]["dtype"] == "float16"
+    fp32 = read_log(tmp_path / "fp32")[1]
+    assert sorted(fp16) == sorted(fp32) == list(range(8))
+    for s in range(8):
+        assert np.isfinite(fp16[s]["train_loss"]) and fp16[s]["loss_scale"] == 2.0**16, fp16[s]
+        assert fp16[s]["train_loss"] == pytest.approx(fp32[s]["train_loss"], abs=BF16_LOSS_ATOL, rel=0), s
+        assert fp16[s]["grad_norm"] == pytest.approx(fp32[s]["grad_norm"], rel=BF16_NORM_RTOL, abs=0), s
+
+
+def test_fp16_loss_scale_backs_off_on_the_gpu_then_trains(shakespeare, tmp_path, monkeypatch):
+    """From a first scale of 2**40 the scaled gradients overflow fp16 on the GPU's kernels: the
+    scaler skips those steps, halving the scale each time (logged as scaler skips, not a
+    divergence), until the gradients fit; the steps after train with a finite loss. In-process: the
+    first scale is set from here."""
+    monkeypatch.setattr(precision, "INIT_SCALE", 2.0**40)
+    out = tmp_path / "out"
+    args = gpu_args(shakespeare, out, "--dtype", "float16", *SMALL_EAGER, "--max-steps", 40)
+    before = torch.get_float32_matmul_precision()  # the run sets TF32 for the process: later tests get theirs back
+    try:
+        assert train_gpt2.main([str(a) for a in args]) == 0
+    finally:
+        torch.set_float32_matmul_precision(before)
+    steps = read_log(out)[1]
+    assert sorted(steps) == list(range(40)) and not any("skipped" in r for r in steps.values())  # no bad step
+    first = min(s for s in steps if "train_loss" in steps[s])  # the first step whose gradients fit
+    assert first >= 4 and all("scaler_skipped" in steps[s] for s in range(first))
+    assert [steps[s]["loss_scale"] for s in range(first + 1)] == [2.0 ** (40 - s) for s in range(first + 1)]
+    assert all(np.isfinite(r["train_loss"]) for r in steps.values() if "train_loss" in r)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import hellaswag
 import train_gpt2
 from conftest import ROOT, random_shards, read_log, tiny_args, user_error, write_shard
 from fineweb import EOT
-from support import checkpoints, common, run_log
+from support import checkpoints, common, precision, run_log
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.common import UserError
 
@@ -372,6 +372,40 @@ def test_nonfinite_steps_in_a_row_stop_with_a_checkpoint_of_the_last_good_state(
     stop = load_training_checkpoint(str(out / "ckpt_000005.pt"))
     assert stop["step"] == 5 and same_weights(stop["model"], last_good["model"])
     assert stop["optimizer"]["state"][0]["step"] == last_good["optimizer"]["state"][0]["step"] == 2
+
+
+def test_fp16_overflows_the_loss_scaler_skips_are_not_divergence(tmp_path, monkeypatch, capsys):
+    """fp16 from a first loss scale of 2**22: this model's scaled gradients overflow fp16 at the
+    first 4 steps (2**22 down to 2**19), more in a row than MAX_BAD_STEPS. Each is the scaler's
+    skip, logged as such at its scale, not a bad step: the run trains on from 2**18 and finishes,
+    the skipped steps leave the weights as they were, and their checkpoints count as good."""
+    monkeypatch.setattr(precision, "INIT_SCALE", 2.0**22)
+    data, out = random_shards(tmp_path / "data"), tmp_path / "out"
+    args = tiny_args(data, out, "--dtype", "float16", "--max-steps", 5, "--ckpt-every", 1, "--keep-ckpts", 0)
+    assert train_gpt2.main([*args, "--eval-every", 0]) == 0
+    steps = read_log(out)[1]
+    assert run_log.MAX_BAD_STEPS < 4
+    assert [s for s in steps if "scaler_skipped" in steps[s]] == [0, 1, 2, 3]
+    assert [steps[s]["loss_scale"] for s in range(5)] == [2.0**22, 2.0**21, 2.0**20, 2.0**19, 2.0**18]
+    assert not any("skipped" in r or "train_loss" in r for r in list(steps.values())[:4])
+    assert np.isfinite(steps[4]["train_loss"]) and np.isfinite(steps[4]["grad_norm"])
+    assert "skipped by the fp16 loss scaler at scale 524288 (now 262144)" in capsys.readouterr().out
+    ckpt = {s: load_checkpoint(str(out / f"ckpt_{s:06d}.pt")) for s in range(1, 6)}
+    assert all(same_weights(ckpt[1]["model"], ckpt[s]["model"]) for s in (2, 3, 4))
+    assert not same_weights(ckpt[4]["model"], ckpt[5]["model"])
+    health = {path: good for path, good in checkpoints.checkpoint_health(str(out))}
+    # checkpoint N holds the weights step N trained from: 1-3 (scaler skips) and 4 good, 5 not trained from yet
+    assert health == {str(out / f"ckpt_{s:06d}.pt"): s < 5 for s in range(1, 6)}
+
+
+def test_fp16_a_nonfinite_loss_is_still_a_bad_step(tmp_path, monkeypatch):
+    """In fp16 too a NaN or inf loss (from the forward, not the loss scale) counts toward MAX_BAD_STEPS."""
+    nonfinite_at(monkeypatch, {0: math.nan, 1: math.inf, 2: math.nan})
+    data, out = random_shards(tmp_path / "data"), tmp_path / "out"
+    msg = user_error(tiny_args(data, out, "--dtype", "float16", "--max-steps", 20, "--eval-every", 0))
+    assert "3 steps in a row (0 to 2)" in msg
+    steps = read_log(out)[1]
+    assert sorted(steps) == [0, 1, 2] and all("skipped" in steps[s] for s in steps)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -270,3 +270,34 @@ def test_fp16_steps_equal_the_gradscaler_reference(fp16_run):
                 for key in ("exp_avg", "exp_avg_sq", "step"):
                     assert torch.equal(ours["optimizer"]["state"][i][key], ref[key]), (step, i, key)
     assert skipped == [0, 1]  # the run visits both paths: the first two overflow, the rest train
+
+
+def test_an_fp16_resume_continues_the_loss_scale_bitwise(fp16_run, tmp_path):
+    """`--resume` from the fp16 run's step-3 checkpoint, whose scale the overflows lowered to 2**18,
+    continues at that scale (a scaler started afresh would overflow at 2**20 again and skip steps):
+    steps 3-5 log the uninterrupted run's losses and scales and leave its weights, moments and
+    scaler state, bit for bit."""
+    _, out = fp16_run
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ckpt_000003.pt").write_bytes((out / "ckpt_000003.pt").read_bytes())
+    assert checkpoint(run, 3)["scaler"]["scale"] == FP16_INIT_SCALE / 4
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(precision, "INIT_SCALE", FP16_INIT_SCALE)  # what a fresh scaler would start from
+        # the dtype is the machine's, not the checkpoint's (auto is fp32 on a CPU): given again
+        assert train_gpt2.main(["--resume", str(run), "--device", "cpu", "--dtype", "float16"]) == 0
+    ref, resumed = read_log(out)[1], read_log(run)[1]
+    assert sorted(resumed) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert (resumed[step].get("train_loss"), resumed[step]["loss_scale"]) == (
+            ref[step]["train_loss"],
+            ref[step]["loss_scale"],
+        ), resumed[step]
+    for step in (4, 5, 6):
+        a, b = checkpoint(out, step), checkpoint(run, step)
+        assert b["scaler"] == a["scaler"], step
+        for name, p in a["model"].items():
+            assert torch.equal(b["model"][name], p), (step, name)
+        for i, state in a["optimizer"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(b["optimizer"]["state"][i][key], state[key]), (step, i, key)
