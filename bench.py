@@ -76,7 +76,7 @@ from benchmarks.settings import TRAIN_CONFIGS, find_shared_data, settings
 from benchmarks.timing import log
 from benchmarks.tokenizer import bench_fineweb
 from benchmarks.train import bench_train
-from support.common import UserError, run_cli, write_atomic
+from support.common import ArgumentParser, UserError, run_cli, write_atomic
 from support.machine import keep_freed_memory, peak_flops
 from train_gpt2 import pick_device
 
@@ -106,7 +106,7 @@ def machine(device, device_type):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--quick", action="store_true", help="small models, eager only, fewer rounds (< 5 min on 2 CPU cores)"
     )

@@ -38,7 +38,16 @@ if __name__ == "__main__":  # Ctrl-C while numpy loads: one line, not a tracebac
 import numpy as np
 from tqdm import tqdm
 
-from support.common import UserError, first_line, offline_var, run_cli, shard_fingerprint, unreachable, write_atomic
+from support.common import (
+    ArgumentParser,
+    UserError,
+    first_line,
+    offline_var,
+    run_cli,
+    shard_fingerprint,
+    unreachable,
+    write_atomic,
+)
 
 EOT = 50256  # <|endoftext|>: every document starts with it
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
@@ -819,18 +828,11 @@ def _positive_int(s):
     return value
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is a UserError: one `error:` line and exit 1, like every other mistake."""
-
-    def error(self, message):
-        raise UserError(f"{message} (see python fineweb.py --help)")
-
-
 HUB_DEFAULTS = dict(dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train")
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="fineweb.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("input (default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub)")
     # the Hub flags default to None here, so that one given together with --input can be refused
     src.add_argument("--dataset", default=None, help=f"Hub dataset (default {HUB_DEFAULTS['dataset']})")

@@ -55,7 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fineweb import get_tokenizer
 from support.checkpoints import fence
-from support.common import UserError, first_line, offline_var, run_cli, unreachable, write_atomic
+from support.common import ArgumentParser, UserError, first_line, offline_var, run_cli, unreachable, write_atomic
 from support.machine import keep_freed_memory
 
 NUM_VAL = 10042
@@ -598,7 +598,7 @@ def hellaswag_out_of_memory(frames):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="hellaswag.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "-m",
         "--model",

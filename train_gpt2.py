@@ -33,7 +33,6 @@ import random
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -55,7 +54,8 @@ from support.checks import (
     find_shards,
     recorded_max_ids,
 )
-from support.common import GPT2_VOCAB, UserError, first_line, run_cli
+from support.common import GPT2_VOCAB, ArgumentParser, UserError, first_line, run_cli
+from support.ddp import join_process_group
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
 from support.machine import choose_compile, keep_freed_memory, peak_flops, set_deterministic, training_out_of_memory
 from support.out_dir import claim_out_dir, missing_folders, release_out_dir, remove_made_folders
@@ -585,7 +585,7 @@ def setup_distributed(args, given):
     check_args(args, dist_info.ddp_world_size, given)  # before any process starts waiting on another
     if dist_info.ddp:  # a rank that freezes (not dies: torchrun sees that) fails the others' collectives after this
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=args.ddp_timeout))
+        join_process_group(backend, args.ddp_timeout)
     return dist_info, device, device_type
 
 
@@ -827,7 +827,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def parse_args(argv=None):
     """(args, the flags given): on --resume, the flags left out take the checkpoint's values."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ArgumentParser(prog="train_gpt2.py", description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
     p.add_argument("--seed", type=int, default=1337, help="model init, shard order")
     p.add_argument("--ddp-timeout", type=float, default=1800, help="seconds a rank waits for the others before failing")

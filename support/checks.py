@@ -14,6 +14,10 @@ from support.common import GPT2_VOCAB, UserError, same_on_every_rank, shard_fing
 from support.wandb_log import wandb_problem
 
 MAX_DDP_TIMEOUT = 1e9  # seconds: torch turns --ddp-timeout into int64 nanoseconds (larger ones overflow)
+# seconds: c10d counts the timeout in whole milliseconds (below 1 ms it is 0, and every wait fails at
+# once), and the ranks of a job take about a second to join even on one machine
+MIN_DDP_TIMEOUT = 1
+MAX_VOCAB_SIZE = 2**16  # token shards hold uint16 ids: a larger vocabulary has rows no token can reach
 
 
 def check_args(args, world_size, given=frozenset()):
@@ -66,9 +70,9 @@ def check_args(args, world_size, given=frozenset()):
         need(0 <= getattr(args, name) < 1, f"--{name} must be in [0, 1), not {getattr(args, name)}")
     need(args.adam_eps > 0, f"--adam-eps must be above 0, not {args.adam_eps}")
     need(
-        0 < args.ddp_timeout <= MAX_DDP_TIMEOUT,
-        f"--ddp-timeout must be a number of seconds above 0 and at most {MAX_DDP_TIMEOUT:.0e} (about 31 years: "
-        f"torch counts it in nanoseconds), not {args.ddp_timeout}",
+        MIN_DDP_TIMEOUT <= args.ddp_timeout <= MAX_DDP_TIMEOUT,
+        f"--ddp-timeout must be a number of seconds from {MIN_DDP_TIMEOUT} (the ranks take about a second to "
+        f"join) to {MAX_DDP_TIMEOUT:.0e} (about 31 years: torch counts it in nanoseconds), not {args.ddp_timeout}",
     )
     # numpy's generators (the shard order) take 0 .. 2**32 - 1; torch's (sampling) -2**63 .. 2**64 - 1
     low, high = (-(2**63), 2**64 - 1) if getattr(args, "sample_from", None) else (0, 2**32 - 1)
@@ -80,6 +84,12 @@ def check_args(args, world_size, given=frozenset()):
     )
     need(args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
     need(args.vocab_size >= GPT2_VOCAB, f"--vocab-size {args.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens")
+    need(
+        args.vocab_size <= MAX_VOCAB_SIZE,
+        f"--vocab-size {args.vocab_size} is more than the {MAX_VOCAB_SIZE:,} token ids a shard can hold (uint16): "
+        f"pass at most {MAX_VOCAB_SIZE} (GPT-2 has {GPT2_VOCAB:,} tokens; the default 50304 pads them to a "
+        f"multiple of 128)",
+    )
     need(
         not (args.resume and args.init_from != "scratch"),
         f"--init-from {args.init_from} starts a new run, --resume continues one: pass one of them",

@@ -2,6 +2,7 @@
 type and the command-line wrapper that prints it as one line, atomic writes of files and folders,
 the offline probe, and the one-line out-of-memory report."""
 
+import argparse
 import errno
 import hashlib
 import os
@@ -26,6 +27,15 @@ class UserError(Exception):
     only rank 0 says it."""
 
     every_rank = False
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a flag it cannot parse (a typo, `--keep-ckpts 1.5`) is a UserError: one `error:`
+    line and exit 1, like every other mistake, not the whole usage before it. prog: the script's
+    file name, for the --help the line points to."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see python {self.prog} --help)")
 
 
 def same_on_every_rank(error):

@@ -339,7 +339,7 @@ def test_ddp_timeout_must_fit_torchs_clock(data, tmp_path, timeout, ok):
     if ok:
         assert train_gpt2.main(args) == 0
     else:
-        assert "--ddp-timeout must be a number of seconds above 0 and at most 1e+09" in user_error(args)
+        assert "--ddp-timeout must be a number of seconds from 1 " in user_error(args)
 
 
 def free_port():

@@ -1,0 +1,332 @@
+"""Every refusal in the flag checks (support/checks.py: check_args, check_device, check_data) has
+a case of its own here, with the one line it says; a new refusal without a case fails
+test_every_refusal_has_a_case. Numbers are refused where the code cannot use them (a --ddp-timeout
+c10d cannot wait, a --vocab-size no shard can reach), under torchrun too, and a flag argparse
+cannot parse is one `error:` line in every script, not the usage before it."""
+
+import ast
+import importlib
+import inspect
+import os
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import train_gpt2
+from conftest import ROOT, assert_one_line_error, cli, random_shards, tiny_args
+from support import checks
+from support.checks import check_data, check_device
+from support.common import UserError
+
+CHECKED = ("check_args", "check_device", "check_data")  # the functions whose every refusal has a case
+
+
+def no_warmup(*extra):
+    """tiny_args without --warmup-steps: the default (715) is in force."""
+    args = tiny_args("data", "out", *extra)
+    i = args.index("--warmup-steps")
+    return args[:i] + args[i + 2 :]
+
+
+def train(*flags):
+    """The refusal of train_gpt2.main(tiny flags + flags), made in-process: no data is read, the
+    flags are checked before anything else."""
+    return lambda tmp: train_gpt2.main(tiny_args(tmp / "data", tmp / "out", *flags))
+
+
+def sample(*flags):
+    return lambda tmp: train_gpt2.main(["--sample-from", tmp / "no_model", "--device", "cpu", *map(str, flags)])
+
+
+def data_check(tokens_per_epoch=10_000, val=1000, **flags):
+    args = dict(seq_len=16, total_batch_size=64, data_dir="shards", eval_every=4, val_tokens=256, max_steps=6)
+    args.update(flags)
+    val_tokens = None if val is None else np.zeros(val, dtype=np.uint16)
+    return lambda tmp: check_data(SimpleNamespace(**args), tokens_per_epoch, val_tokens, True)
+
+
+def positive(flag, name):
+    return (train(flag, 0), f"--{name} must be at least 1, not 0")
+
+
+def non_negative(flag):
+    return (train(flag, -1), f"{flag} must be 0 or more, not {-1.0 if flag in FLOATS else -1}")
+
+
+FLOATS = ("--weight-decay", "--grad-clip", "--temperature")
+FINITE = ("--ddp-timeout", "--max-lr", "--min-lr", "--weight-decay", "--beta1", "--beta2", "--adam-eps")
+FINITE += ("--grad-clip", "--peak-flops", "--temperature")
+
+CASES = {
+    **{f"{flag} nan": (train(flag, "nan"), f"{flag} must be a finite number, not nan") for flag in FINITE},
+    "--max-lr inf": (train("--max-lr", "inf"), "--max-lr must be a finite number, not inf"),
+    "-B 0": positive("-B", "batch-size"),
+    "-T 0": positive("-T", "seq-len"),
+    **{
+        f"--{name} 0": positive(f"--{name}", name)
+        for name in ("total-batch-size", "max-steps", "n-layer", "n-head", "n-embd", "block-size")
+    },
+    "--num-samples 0": positive("--num-samples", "num-samples"),
+    "--max-new-tokens 0": positive("--max-new-tokens", "max-new-tokens"),
+    **{
+        f"{flag} -1": non_negative(flag)
+        for flag in ("--warmup-steps", "--weight-decay", "--grad-clip", "--eval-every", "--val-tokens")
+    },
+    **{
+        f"{flag} -1": non_negative(flag)
+        for flag in ("--hellaswag-every", "--sample-every", "--ckpt-every", "--keep-ckpts", "--temperature", "--top-k")
+    },
+    "--max-lr 0": (train("--max-lr", 0), "--max-lr must be above 0, not 0.0"),
+    "--max-lr -1": (train("--max-lr", -1), "--max-lr must be above 0, not -1.0"),
+    "--min-lr -1e-3": (train("--min-lr", -1e-3), "--min-lr -0.001 must be between 0 and --max-lr 0.003"),
+    "--min-lr above --max-lr": (train("--min-lr", 1e-2), "--min-lr 0.01 must be between 0 and --max-lr 0.003"),
+    "--beta1 1": (train("--beta1", 1), "--beta1 must be in [0, 1), not 1.0"),
+    "--beta2 -0.5": (train("--beta2", -0.5), "--beta2 must be in [0, 1), not -0.5"),
+    "--adam-eps 0": (train("--adam-eps", 0), "--adam-eps must be above 0, not 0.0"),
+    **{
+        f"--ddp-timeout {t}": (
+            train("--ddp-timeout", t),
+            "--ddp-timeout must be a number of seconds from 1 (the ranks take about a second to join) to 1e+09 "
+            f"(about 31 years: torch counts it in nanoseconds), not {float(t)}",
+        )
+        for t in (0, 1e-9, 0.5, -5, 1e10)
+    },
+    "--seed -1": (train("--seed", -1), "--seed must be between 0 and 4,294,967,295, not -1"),
+    "--seed 2**32": (train("--seed", 2**32), "--seed must be between 0 and 4,294,967,295, not 4294967296"),
+    "--sample-from --seed 2**64": (
+        sample("--seed", 2**64),
+        f"--seed must be between {-(2**63)} and 18,446,744,073,709,551,615, not {2**64}",
+    ),
+    "--peak-flops 0": (train("--peak-flops", 0), "--peak-flops must be above 0, not 0.0"),
+    "--hellaswag-limit 0": (train("--hellaswag-limit", 0), "--hellaswag-limit 0: give a positive number of examples"),
+    "--n-embd 30 --n-head 4": (train("--n-embd", 30, "--n-head", 4), "--n-embd 30 is not a multiple of --n-head 4"),
+    "--vocab-size 50000": (train("--vocab-size", 50000), "--vocab-size 50000 is smaller than GPT-2's 50257 tokens"),
+    "--vocab-size 1e9": (
+        train("--vocab-size", 10**9),
+        "--vocab-size 1000000000 is more than the 65,536 token ids a shard can hold (uint16): pass at most 65536 "
+        "(GPT-2 has 50,257 tokens; the default 50304 pads them to a multiple of 128)",
+    ),
+    "--init-from with --resume": (
+        train("--init-from", "gpt2", "--resume"),
+        "--init-from gpt2 starts a new run, --resume continues one: pass one of them",
+    ),
+    "--max-steps inside the default warm-up": (
+        lambda tmp: train_gpt2.main(no_warmup("--max-steps", 20)),
+        "--max-steps 20 ends inside the default 715-step warm-up (lr would never pass 8.4e-05): pass "
+        "--warmup-steps below --max-steps",
+    ),
+    "--total-batch-size 100": (
+        train("--total-batch-size", 100),
+        "--total-batch-size 100 is not a multiple of B*T*world_size = 2*16*1 = 32: change --batch-size, --seq-len "
+        "or --total-batch-size",
+    ),
+    "--wandb-project me/gpt2": (
+        train("--wandb-project", "me/gpt2"),
+        "--wandb-project 'me/gpt2': wandb takes up to 128 characters and none of / \\ # ? % :",
+    ),
+    "--wandb-run-name alone": (
+        train("--wandb-run-name", "x"),
+        "--wandb-run-name x names a wandb run: pass --wandb-project too",
+    ),
+    "--device tpu": (lambda tmp: check_device("tpu", True, True), "unknown device 'tpu': use cuda, cuda:N, mps or cpu"),
+    "--device cuda without CUDA": (
+        lambda tmp: check_device("cuda:1", False, True),
+        "--device cuda was asked for but CUDA is not available: use --device cpu",
+    ),
+    "--device mps without MPS": (
+        lambda tmp: check_device("mps", True, False),
+        "--device mps was asked for but MPS is not available: use --device cpu",
+    ),
+    "fewer train tokens than one step": (
+        data_check(tokens_per_epoch=32),
+        "the train shards in shards hold 32 usable tokens, fewer than one step's --total-batch-size 64: write more "
+        "data or lower --total-batch-size",
+    ),
+    "--val-tokens below -T": (
+        data_check(val_tokens=8),
+        "--val-tokens 8 is less than one sequence of -T 16 tokens: pass at least 16, or --val-tokens 0 to train "
+        "without val loss",
+    ),
+    "no val shard": (
+        data_check(val=None),
+        "no val shard (*_val_NNNNNN.npy or .bin) with 17 tokens in shards: fineweb.py writes one (its shard 0), or "
+        "pass --eval-every 0 to train without val loss",
+    ),
+}
+
+
+def refusal(case, tmp_path):
+    """(the one-line message, the refusal's site in support/checks.py: (function, line))."""
+    with pytest.raises(UserError) as e:
+        case(tmp_path)
+    site = None
+    tb = e.value.__traceback__
+    while tb is not None:  # the innermost frame of a checked function: where need() or raise was called
+        code = tb.tb_frame.f_code
+        if code.co_name in CHECKED and os.path.samefile(code.co_filename, checks.__file__):
+            site = (code.co_name, tb.tb_lineno, tb.tb_frame.f_locals.get("name"))
+        tb = tb.tb_next
+    return str(e.value), site
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_refusal_is_its_one_line(name, tmp_path):
+    case, expected = CASES[name]
+    message, _ = refusal(case, tmp_path)
+    assert message == expected
+    assert not (tmp_path / "out").exists()  # refused before --out-dir is made
+
+
+def refusal_sites():
+    """{(function, first line, last line, flag or None)} of every need(...) call and raise statement
+    in the CHECKED functions. A need in a loop over literal flag names (a tuple in the loop or in a
+    variable) is one site per name: each flag's refusal is a case of its own."""
+    source = inspect.getsource(checks)
+    tree = ast.parse(source)
+    sites = set()
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in CHECKED):
+        tuples = {
+            node.targets[0].id: node.value
+            for node in ast.walk(fn)
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+        }
+
+        def names_of(iter_node):
+            node = tuples.get(iter_node.id) if isinstance(iter_node, ast.Name) else iter_node
+            if isinstance(node, ast.Tuple) and all(isinstance(e, ast.Constant) for e in node.elts):
+                return [e.value for e in node.elts]
+            return [None]
+
+        def visit(node, names):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.FunctionDef):
+                    continue  # need itself
+                if isinstance(child, ast.For):
+                    visit(child, names_of(child.iter))
+                    continue
+                call = isinstance(child, ast.Call) and isinstance(child.func, ast.Name) and child.func.id == "need"
+                if call or isinstance(child, ast.Raise):
+                    sites.update((fn.name, child.lineno, child.end_lineno, name) for name in names)
+                visit(child, names)
+
+        visit(fn, [None])
+    return sites
+
+
+def test_every_refusal_has_a_case(tmp_path):
+    """Each need(...) and raise in the flag checks is hit by some case above (each flag of a loop
+    by its own): a refusal added to support/checks.py without a case here fails this test."""
+    sites = refusal_sites()
+    assert len(sites) >= 40  # the ast walk found the checks (10 + 11 flags in the loops alone)
+    hit = set()
+    for name, (case, _) in CASES.items():
+        _, (function, line, flag) = refusal(case, tmp_path / name.replace("/", "_"))
+        site = [s for s in sites if s[0] == function and s[1] <= line <= s[2] and s[3] in (flag, None)]
+        assert site, f"{name}: refused at {function} line {line}, not at a need or raise"
+        hit.add(site[0])
+    assert sorted(sites - hit, key=str) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Numbers the code cannot use, under torchrun too
+
+
+def test_a_vocab_size_beyond_the_shards_ids_names_vocab_size_not_the_model_width(tmp_path):
+    r = cli(*tiny_args(tmp_path / "data", tmp_path / "out", "--vocab-size", 10**9))
+    assert_one_line_error(r, "--vocab-size 1000000000", "pass at most 65536")
+    assert "--n-layer" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_the_largest_vocab_size_trains(tmp_path):
+    data = random_shards(tmp_path / "data")
+    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--vocab-size", 2**16, "--max-steps", 1)) == 0
+
+
+def torchrun(*args, timeout=300):
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
+    return subprocess.run([*launch, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_ddp_timeout_c10d_cannot_wait_is_one_line_under_torchrun(tmp_path):
+    """1e-9 s passed a `> 0` check and ended in c10d's C++ traceback (the join timed out after 0 ms)."""
+    out = tmp_path / "out"
+    r = torchrun(*tiny_args(random_shards(tmp_path / "data"), out, "--ddp-timeout", 1e-9))
+    said = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
+    assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
+    assert "--ddp-timeout must be a number of seconds from 1" in said[0]
+    assert 'train_gpt2.py", line' not in r.stderr and "DistNetworkError" not in r.stderr  # no worker's traceback
+    assert not out.exists()
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ranks_that_do_not_join_within_the_timeout_say_so_in_one_line_each(tmp_path):
+    """Rank 1 starts 5 s after rank 0 with --ddp-timeout 1: rank 0's join times out, and rank 1
+    then finds no one to join; each says so in one line naming --ddp-timeout, exit 1 (as torchrun
+    starts them: its environment variables, without its agent, which would end rank 1 early)."""
+    args = tiny_args(random_shards(tmp_path / "data"), tmp_path / "out", "--ddp-timeout", 1)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = []
+    for rank in (0, 1):
+        if rank == 1:
+            time.sleep(5)
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "train_gpt2.py", *map(str, args)],
+                cwd=ROOT,
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outputs = [proc.communicate(timeout=300) for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [1, 1], outputs
+    for rank, (stdout, stderr) in enumerate(outputs):
+        said = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert said == [line for line in said if f"rank {rank} could not join the job's other ranks" in line], stderr
+        assert len(said) == 1 and "pass a longer --ddp-timeout (e.g. 60)" in said[0], stderr
+        assert "Traceback" not in stderr
+    assert not (tmp_path / "out" / "log.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# A flag argparse cannot parse: one line in every script
+
+
+def test_a_flag_argparse_cannot_parse_is_one_line_not_the_usage(tmp_path):
+    r = cli(*tiny_args(tmp_path / "data", tmp_path / "out", "--keep-ckpts", 1.5))
+    line = assert_one_line_error(r, "argument --keep-ckpts: invalid int value: '1.5'")
+    assert line.endswith("(see python train_gpt2.py --help)") and "usage" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "script, parse, argv, words",
+    [
+        ("train_gpt2.py", "parse_args", ["--keep-ckpts", "1.5"], "argument --keep-ckpts: invalid int value: '1.5'"),
+        ("train_gpt2.py", "parse_args", ["--max-st", "3"], "unrecognized arguments: --max-st 3"),
+        ("train_gpt2.py", "parse_args", ["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
+        ("train_gpt2.py", "parse_args", ["--export-hf", "x"], "argument --export-hf: expected 2 arguments"),
+        ("fineweb.py", "parse_args", ["--format", "txt"], "argument --format: invalid choice: 'txt'"),
+        ("hellaswag.py", "main", ["--limit", "ten"], "argument --limit: invalid int value: 'ten'"),
+        ("hellaswag.py", "main", ["--modle", "gpt2"], "unrecognized arguments: --modle gpt2"),
+        ("bench.py", "parse_args", ["--peak-flops", "lots"], "argument --peak-flops: invalid float value: 'lots'"),
+        ("bench.py", "parse_args", ["--tiyn"], "unrecognized arguments: --tiyn"),
+    ],
+)
+def test_every_script_says_an_argparse_mistake_in_one_line(script, parse, argv, words, capsys):
+    parse = getattr(importlib.import_module(script.removesuffix(".py")), parse)
+    with pytest.raises(UserError) as e:
+        parse(argv)
+    message = str(e.value)
+    assert message.startswith(words) and message.endswith(f" (see python {script} --help)"), message
+    assert capsys.readouterr().err == ""  # no usage printed before it
