@@ -49,10 +49,39 @@ def first_line(e):
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+def fsync_dir(folder):
+    """Make the names in folder durable: a rename or a new file is an entry in its folder, which
+    POSIX keeps in memory until the folder itself is fsynced. A no-op where a folder cannot be
+    opened (Windows) or fsynced (some file systems)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder):
+    """Every file under folder, then every folder in it, on disk (write_dir_atomic, before its swap)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDWR)  # written by us; Windows fsyncs only writable ones
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
 def write_atomic(path, write, mode="wb"):
-    """write(f) into a hidden temporary file beside path, fsync it, then rename it over path:
-    readers and a resumed run see the whole old file or the whole new one, never half of one.
-    The temporary file is removed on any failure, a full disk and Ctrl-C included."""
+    """write(f) into a hidden temporary file beside path, fsync it, then rename it over path and
+    fsync the folder: readers and a resumed run see the whole old file or the whole new one, never
+    half of one, and after a crash (a power cut) still one of them. The temporary file is removed
+    on any failure, a full disk and Ctrl-C included."""
     tmp = os.path.join(os.path.dirname(path) or ".", "." + os.path.basename(path) + ".tmp")
     try:
         with open(tmp, mode) as f:
@@ -60,6 +89,7 @@ def write_atomic(path, write, mode="wb"):
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it count
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path) or ".")  # the rename itself on disk: a crash now keeps the new file
     except BaseException:
         if os.path.exists(tmp):  # a full disk: give back the space the partial file holds
             os.remove(tmp)
@@ -93,6 +123,7 @@ def write_dir_atomic(out_dir, write, what, recheck=None):
         os.umask(umask)
         os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777 if os.path.isdir(out_dir) else 0o777 & ~umask)
         write(tmp)
+        fsync_tree(tmp)  # what write() wrote (save_pretrained does not fsync) on disk before the swap
         if recheck:
             recheck()
         if os.path.isdir(out_dir) and os.listdir(out_dir):
@@ -106,6 +137,7 @@ def write_dir_atomic(out_dir, write, what, recheck=None):
                 old = None
             raise
         tmp = None
+        fsync_dir(parent or ".")  # the swap itself on disk
         if old:
             shutil.rmtree(old)
     except BaseException as e:
