@@ -288,11 +288,9 @@ def shard_fingerprint(path, blocks=16, block=4096):
     `block` bytes (the header and the first tokens) and of `blocks` blocks spread evenly between.
     About 70 KB read whatever the shard's size: cheap enough for every start to check them all."""
     size, digest = os.path.getsize(path), hashlib.blake2b(digest_size=16)
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with open(path, "rb") as f:  # seek and read: os.pread is POSIX only
         last = max(0, size - block)
         for i in range(blocks + 2):
-            digest.update(os.pread(fd, block, last * i // (blocks + 1)))
-    finally:
-        os.close(fd)
+            f.seek(last * i // (blocks + 1))
+            digest.update(f.read(block))
     return [os.path.basename(path), size, digest.hexdigest()]

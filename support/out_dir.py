@@ -1,7 +1,6 @@
 """The run's folder and who owns it: one run per --out-dir, locked while it trains, and a start that
 fails leaves the folder as it found it."""
 
-import errno
 import json
 import os
 import re
@@ -9,6 +8,7 @@ import socket
 import sys
 import time
 
+from support import file_lock
 from support.checkpoints import checkpoint_paths, disk_error, run_id_of
 from support.common import UserError
 
@@ -65,51 +65,36 @@ def claim_out_dir(out_dir, resume):
 
 
 def lock_out_dir(out_dir, then):
-    """Hold an exclusive lock on out_dir while this process lives: flock on its LOCK_FILE, which
-    the OS releases when the process ends, a SIGKILL included (no stale lock to remove by hand).
-    A second run into the folder, new or --resume, is refused in one line naming the process that
-    holds it (the file's text). Returns the locked file's descriptor; None where the file system
-    has no locks (said in a warning)."""
-    try:
-        import fcntl
-    except ImportError:  # not a POSIX system
-        return None
+    """Hold an exclusive lock on out_dir while this process lives: on its LOCK_FILE, with flock (or
+    msvcrt.locking on Windows), which the OS releases when the process ends, a SIGKILL included (no
+    stale lock to remove by hand); where neither exists, the file itself is the lock
+    (support.file_lock.acquire). A second run into the folder, new or --resume, is refused in one
+    line naming the process that holds it (the file's text). Returns the locked file's descriptor;
+    None where the file system has no locks (said in a warning)."""
     path = os.path.join(out_dir, LOCK_FILE)
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise disk_error(e, f"to --out-dir {out_dir} (its lock file {LOCK_FILE})", then) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "a process that is just starting"
-            os.close(fd)
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                raise UserError(
-                    f"--out-dir {out_dir} is in use by another run ({holder}): wait for it to end, or pass "
-                    f"another --out-dir"
-                ) from None
-            print(
-                f"warning: cannot lock --out-dir {out_dir} ({e.strerror}): a second run started into it would "
-                f"not be stopped",
-                file=sys.stderr,
-            )
-            return None
-        try:  # the file locked must be the one at path: a run that ended removes its file, a newer run makes one
-            same = os.path.samestat(os.fstat(fd), os.stat(path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
+    try:
+        fd = file_lock.acquire(path)
+    except file_lock.Held as e:
+        holder = e.holder or "a process that is just starting"
+        fix = f" ({e.fix})" if e.fix else ""
+        raise UserError(
+            f"--out-dir {out_dir} is in use by another run ({holder}): wait for it to end, or pass another "
+            f"--out-dir{fix}"
+        ) from None
+    except file_lock.NoLocks as e:
+        print(
+            f"warning: cannot lock --out-dir {out_dir} ({e}): a second run started into it would not be stopped",
+            file=sys.stderr,
+        )
+        return None
+    except OSError as e:
+        raise disk_error(e, f"to --out-dir {out_dir} (its lock file {LOCK_FILE})", then) from None
     command = " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]]).replace("\n", " ")
     command = command if len(command) <= 160 else command[:157] + "..."
     rank = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""
     holder = f"pid {os.getpid()}{rank} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}: {command}"
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, holder.encode(), 0)
+        file_lock.write_holder(fd, holder)  # its pid and host: what the exclusive-file lock reads back
     except OSError:
         pass  # a full disk: the lock holds all the same, unnamed
     return fd

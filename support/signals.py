@@ -1,4 +1,4 @@
-"""Stop signals: SIGTERM, SIGHUP and Ctrl-C end a run at the next step boundary with a checkpoint."""
+"""Stop signals: SIGTERM, SIGHUP, Ctrl-C and Ctrl-Break end a run at the next step boundary with a checkpoint."""
 
 import signal
 
@@ -8,15 +8,18 @@ import torch.distributed as dist
 
 class StopRequest:
     """SIGTERM (a spot instance reclaimed, a scheduler), SIGHUP (the terminal or ssh session that
-    started the run went away) or Ctrl-C: the run stops at the next step boundary with a
-    checkpoint, an eval in progress is cut short; a second Ctrl-C stops at once."""
+    started the run went away; not on Windows), Ctrl-C or Ctrl-Break (SIGBREAK, Windows only): the
+    run stops at the next step boundary with a checkpoint, an eval in progress is cut short; a
+    second Ctrl-C stops at once. The signals this platform has are the ones handled."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+    SIGNALS = tuple(
+        getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT", "SIGBREAK") if hasattr(signal, name)
+    )
 
     def __init__(self):
         self.signum = 0
         for s in self.SIGNALS:
-            if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
+            if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN:
                 continue  # started under nohup: hangups are to be ignored, and are
             signal.signal(s, self.on_signal)
 

@@ -1,0 +1,241 @@
+"""Without the POSIX-only names (as on Windows): training, --resume, fineweb.py --input and
+hellaswag.py run, and a second run into a running run's folder is still refused. Simulated on this
+machine: a sitecustomize.py removes SIGHUP, fcntl, os.pread/pwrite, os.killpg,
+os.sched_getaffinity and os.fork before the script starts, and records in each child that they
+are gone (so the run under test cannot have used them)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tiktoken
+
+import hellaswag
+import train_gpt2
+from conftest import ROOT, assert_one_line_error, random_shards, read_log, tiny_args
+from support import file_lock
+from support.out_dir import LOCK_FILE
+
+# Windows has none of these; the stand-in SIGBREAK is a signal Linux has that nothing else here uses
+SITECUSTOMIZE = """
+import atexit, json, os, signal, sys
+
+sys.modules["fcntl"] = None  # `import fcntl` raises ImportError, as on Windows
+sys.modules["msvcrt"] = None  # not on Linux either: the lock's exclusive-file fallback is the one left
+del signal.SIGHUP
+signal.SIGBREAK = signal.SIGUSR1  # Windows' Ctrl-Break, which has no Linux counterpart
+for name in ("pread", "pwrite", "killpg", "sched_getaffinity", "fork", "forkpty", "getloadavg"):
+    if hasattr(os, name):
+        delattr(os, name)
+
+
+def gone():
+    try:
+        import fcntl  # noqa: F401
+        fcntl_gone = False
+    except ImportError:
+        fcntl_gone = True
+    names = ["pread", "pwrite", "killpg", "sched_getaffinity", "fork"]
+    lock = sys.modules.get("support.file_lock")
+    return {
+        "pid": os.getpid(),
+        "fcntl": fcntl_gone,
+        "SIGHUP": not hasattr(signal, "SIGHUP"),
+        "os": not any(hasattr(os, n) for n in names),
+        "lock": lock.mechanism() if lock else None,
+    }
+
+
+def record(when):
+    with open(os.environ["PORTABLE_RECORD"], "a") as f:
+        f.write(json.dumps({"when": when, **gone()}) + "\\n")
+
+
+record("start")
+atexit.register(record, "exit")
+"""
+
+
+@pytest.fixture
+def posix_less(tmp_path):
+    """(env for a subprocess without the POSIX-only names, a check that a process ran under it)."""
+    folder = tmp_path / "posix_less"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    record = tmp_path / "posix_less_record.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env["PORTABLE_RECORD"] = str(record)
+
+    def ran_without_them(pid, lock=None):
+        records = [json.loads(line) for line in record.read_text().splitlines()]
+        mine = {r["when"]: r for r in records if r["pid"] == pid}
+        assert set(mine) == {"start", "exit"}, records  # the sitecustomize ran, and the process ended through exit
+        for r in mine.values():
+            assert r["fcntl"] and r["SIGHUP"] and r["os"], r
+        if lock:
+            assert mine["exit"]["lock"] == lock, mine
+
+    return env, ran_without_them
+
+
+def run(env, *args, script="train_gpt2.py"):
+    """Run a script as a user would, in env; the CompletedProcess, with its pid."""
+    proc = subprocess.Popen(
+        [sys.executable, script, *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    stdout, stderr = proc.communicate(timeout=300)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    done.pid = proc.pid
+    return done
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return random_shards(tmp_path_factory.mktemp("data"))
+
+
+def test_training_and_resume_run_and_match_a_run_with_them(data, tmp_path, posix_less):
+    env, ran_without_them = posix_less
+    out = tmp_path / "out"
+    first = run(env, *tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2))
+    assert first.returncode == 0, first.stderr
+    ran_without_them(first.pid, lock="exclusive file")
+    assert not (out / LOCK_FILE).exists()  # the exclusive-file lock is the file: given back at the end
+    resumed = run(env, *tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 2, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    ran_without_them(resumed.pid, lock="exclusive file")
+    assert "resuming from" in resumed.stdout and "at step 4" in resumed.stdout
+    # the reference: the same 6 steps in one run, in this process, with every POSIX name in place
+    assert train_gpt2.main(tiny_args(data, tmp_path / "reference", "--max-steps", 6, "--ckpt-every", 2)) == 0
+    _, steps = read_log(out)
+    _, reference = read_log(tmp_path / "reference")
+    assert sorted(steps) == list(range(6))
+    assert [steps[s]["train_loss"] for s in range(6)] == [reference[s]["train_loss"] for s in range(6)]
+
+
+def test_a_second_run_into_a_running_runs_folder_is_refused(data, tmp_path, posix_less):
+    env, ran_without_them = posix_less
+    out = tmp_path / "out"
+    first = subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 100000)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        log, deadline = out / "log.jsonl", time.time() + 240
+        while not (log.exists() and '"step": 1, "train_loss"' in log.read_text()):
+            assert first.poll() is None and time.time() < deadline, first.communicate(timeout=1)[1][-3000:]
+            time.sleep(0.05)
+        second = run(env, *tiny_args(data, out, "--max-steps", 100000))  # unlocked, it would be "another run"
+        line = assert_one_line_error(
+            second, f"--out-dir {out} is in use by another run (pid {first.pid} on {socket.gethostname()}, since "
+        )
+        assert "pass another --out-dir" in line
+        ran_without_them(second.pid)
+        assert first.poll() is None  # the first run goes on, untouched
+        first.send_signal(signal.SIGUSR1)  # Ctrl-Break (the stand-in): a checkpoint at the step boundary
+        stdout, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 128 + signal.SIGUSR1, err
+    assert "caught SIGUSR1: stopping after this step with a checkpoint" in stdout and list(out.glob("ckpt_*.pt"))
+    ran_without_them(first.pid, lock="exclusive file")
+    assert not (out / LOCK_FILE).exists()
+
+
+@pytest.fixture
+def exclusive_file(monkeypatch, tmp_path):
+    """support.file_lock as it is where neither fcntl nor msvcrt exists; the lock's path."""
+    monkeypatch.setattr(file_lock, "fcntl", None)
+    monkeypatch.setattr(file_lock, "msvcrt", None)
+    return tmp_path / LOCK_FILE
+
+
+def ended_pid():
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    return ended.pid  # no longer runs
+
+
+def test_exclusive_file_lock_of_a_killed_run_on_this_host_is_taken_over(exclusive_file):
+    exclusive_file.write_text(f"pid {ended_pid()} on {socket.gethostname()}, since 2026-11-25 12:00:00: python x.py")
+    fd = file_lock.acquire(str(exclusive_file))
+    try:
+        ours = f"pid {os.getpid()} on {socket.gethostname()}, since now: ours"
+        file_lock.write_holder(fd, ours)
+        assert exclusive_file.read_text() == ours
+        with pytest.raises(file_lock.Held) as held:  # now ours: refused to the next one, nothing to delete
+            file_lock.acquire(str(exclusive_file))
+        assert held.value.holder == ours and held.value.fix is None
+    finally:
+        os.close(fd)
+
+
+def test_exclusive_file_lock_of_a_live_process_is_refused(exclusive_file):
+    holder = f"pid {os.getppid()} (rank 0 of a torchrun job) on {socket.gethostname()}, since 2026-11-25: python x.py"
+    exclusive_file.write_text(holder)
+    with pytest.raises(file_lock.Held) as held:
+        file_lock.acquire(str(exclusive_file))
+    assert held.value.holder == holder and held.value.fix is None
+    assert exclusive_file.read_text() == holder
+
+
+def test_exclusive_file_lock_of_another_host_is_refused_naming_the_file(exclusive_file):
+    holder = f"pid {ended_pid()} on another-host.example, since 2026-11-25 12:00:00: python x.py"
+    exclusive_file.write_text(holder)
+    with pytest.raises(file_lock.Held) as held:  # whether that pid runs there cannot be told from here
+        file_lock.acquire(str(exclusive_file))
+    assert held.value.holder == holder and held.value.fix == f"if no run is using it, delete {exclusive_file}"
+    assert exclusive_file.read_text() == holder
+
+
+@pytest.mark.parametrize("age", [0, 3600])
+def test_exclusive_file_lock_without_a_holder_is_refused_while_it_can_be_starting(exclusive_file, age):
+    exclusive_file.write_text("")  # made, not yet named (or its naming failed: a full disk)
+    os.utime(exclusive_file, (time.time() - age, time.time() - age))
+    with pytest.raises(file_lock.Held) as held:
+        file_lock.acquire(str(exclusive_file))
+    assert held.value.holder == ""
+    assert held.value.fix == (None if age == 0 else f"if no run is using it, delete {exclusive_file}")
+
+
+def test_fineweb_input_writes_the_tokens_of_the_text(tmp_path, posix_less, shared_data):
+    env, ran_without_them = posix_less
+    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()[:20000]
+    (tmp_path / "a.txt").write_text(text)
+    out = tmp_path / "shards"
+    r = run(
+        env, "--input", tmp_path / "a.txt", "--out-dir", out, "--shard-size", 2000, "--prefix", "t", script="fineweb.py"
+    )
+    assert r.returncode == 0, r.stderr
+    ran_without_them(r.pid)
+    shards = sorted(out.glob("t_*_*.npy"), key=lambda p: p.name.split("_")[-1])
+    assert len(shards) >= 2 and shards[0].name == "t_val_000000.npy"
+    enc = tiktoken.get_encoding("gpt2")  # the reference: tiktoken itself, EOT before the document
+    assert np.concatenate([np.load(p) for p in shards]).tolist() == [enc.eot_token, *enc.encode_ordinary(text)]
+
+
+def test_hellaswag_scores_as_with_them(short_run, posix_less, shared_data, capsys):
+    env, ran_without_them = posix_less
+    args = ["-m", short_run[1], "--data", shared_data / "hellaswag" / "hellaswag_val.jsonl", "--limit", 6, "-d", "cpu"]
+    r = run(env, *args, script="hellaswag.py")
+    assert r.returncode == 0, r.stderr
+    ran_without_them(r.pid)
+    hellaswag.main(list(map(str, args)))  # the reference: the same in this process, every POSIX name in place
+    expected = capsys.readouterr().out
+    assert "6 examples" in r.stdout and "acc_norm" in r.stdout
+    assert r.stdout[r.stdout.index("HellaSwag ") :] == expected[expected.index("HellaSwag ") :]
