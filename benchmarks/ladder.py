@@ -17,6 +17,7 @@ from benchmarks.settings import ROOT, TRAIN_CONFIGS
 from benchmarks.timing import interleave, log, rates, stats
 from benchmarks.train import fits_in_memory, train_step_fn
 from support.machine import keep_freed_memory
+from support.precision import pick_dtype
 from train_gpt2 import GPT, GPTConfig
 
 # The reference run (build-nanogpt on one A100, 124M, B 16, T 1024): (tok/s, ms per step) at each
@@ -122,6 +123,12 @@ def ladder_model(changes, base_state, c, device):
     return model
 
 
+def ladder_half(device_type):
+    """Rung 3's 16-bit autocast dtype: bf16, or fp16 with a GradScaler on a GPU without native bf16
+    (compute capability below 8.0: T4, V100), where bf16 is emulated; as --dtype auto picks."""
+    return torch.float16 if device_type == "cuda" and pick_dtype("auto", "cuda")[0] == "float16" else torch.bfloat16
+
+
 def ladder_step(changes, base_state, c, B, data_dir, device, device_type):
     """(step function, the list its losses go to) for a rung: train_gpt2's training step
     (train_step_fn) on this rung's model, optimizer, precision and compile setting, reading the
@@ -137,7 +144,7 @@ def ladder_step(changes, base_state, c, B, data_dir, device, device_type):
     # static shapes, as in training: a rung with other shapes (vocab, B) gets its own graph, not a dynamic one
     run = torch.compile(model, dynamic=False) if "compile" in changes else model
     loader = DataLoaderLite(data_dir, "train", B, c["T"], shuffle=False, device=device)
-    step = train_step_fn(run, optimizer, loader, torch.bfloat16 if "bf16" in changes else None)
+    step = train_step_fn(run, optimizer, loader, ladder_half(device_type) if "bf16" in changes else None)
     precision = "high" if "tf32" in changes else "highest"
     losses = []
 
@@ -195,8 +202,12 @@ def loss_check(losses, changes):
     return out
 
 
-def ladder_precision(changes):
-    return "bf16" if "bf16" in changes else "tf32" if "tf32" in changes else "fp32"
+def ladder_precision(changes, half=torch.bfloat16):
+    """The lowest precision a rung's matmuls run in; rung 3's fp16 (ladder_half) is held to bf16's
+    tolerance, which its 3 more mantissa bits meet with room."""
+    if "bf16" in changes:
+        return "fp16" if half == torch.float16 else "bf16"
+    return "tf32" if "tf32" in changes else "fp32"
 
 
 def ladder_ddp(n_proc, c, B, steps, data_dir, out_dir, device_type):
@@ -251,8 +262,8 @@ def ladder_ddp(n_proc, c, B, steps, data_dir, out_dir, device_type):
         "--keep-ckpts",
         1,
     ]
-    if device_type == "cuda":
-        cmd += ["--dtype", "bfloat16", "--compile"]
+    if device_type == "cuda":  # bf16, or fp16 on a GPU without native bf16 (ladder_half)
+        cmd += ["--dtype", "float16" if ladder_half(device_type) == torch.float16 else "bfloat16", "--compile"]
     else:
         cmd += ["--device", "cpu", "--dtype", "float32", "--no-compile"]
     r = subprocess.run([str(a) for a in cmd], capture_output=True, text=True)
@@ -375,8 +386,7 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
     skipped = {}
     if not tf32_has_effect(base_state, c, data_dir, device):
         skipped[2] = "no effect on this device (fp32 logits bitwise the same with TF32 allowed)"
-    if device_type == "cuda" and not torch.cuda.is_bf16_supported():
-        skipped[3] = "no bf16 on this device"
+    half = ladder_half(device_type)  # rung 3 runs fp16 on a GPU without native bf16, and says so
     why = compile_unavailable(s)
     if why:
         skipped[4] = why
@@ -400,6 +410,8 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
     rungs = []
     for rung, what, change in LADDER_RUNGS:
         ref_tok, ref_ms = LADDER_REFERENCE[rung]
+        if change == "bf16" and half == torch.float16:
+            what = "fp16 autocast + GradScaler (this GPU has no native bf16)"
         row = {"rung": rung, "change": what, "reference_tok_per_sec": ref_tok, "reference_ms": ref_ms}
         if rung in skipped:
             rungs.append({**row, "measured": False, "note": skipped[rung]})
@@ -414,7 +426,7 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
             row["vs_previous_paired"] = stats([a / b for a, b in zip(tok[rung], tok[p])])
         if "compile" in changes[rung]:  # the first step's time over a later one's
             row["compile_s"] = first[f"rung {rung}"] - statistics.median(secs)
-        row.update(losses=losses[rung], loss_precision=ladder_precision(changes[rung]), loss_max_abs_diff=diff)
+        row.update(losses=losses[rung], loss_precision=ladder_precision(changes[rung], half), loss_max_abs_diff=diff)
         row.update(loss_tol=tol, losses_agree=agree)
         rungs.append(row)
     del contenders
@@ -426,7 +438,7 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
         torch.cuda.empty_cache()
         ch = change_set(7, skipped)
         probe = ladder_model(ch, base_state, c, device)
-        fits = fits_in_memory([probe], 64, T, torch.bfloat16 if "bf16" in ch else None, device)
+        fits = fits_in_memory([probe], 64, T, half if "bf16" in ch else None, device)
         del probe
         torch.cuda.empty_cache()
         if fits:

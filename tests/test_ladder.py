@@ -19,6 +19,8 @@ from benchmarks.ladder import (
     MaskedSoftmaxAttention,
     ladder_base_state,
     ladder_ddp,
+    ladder_half,
+    ladder_precision,
     ladder_step,
     loss_check,
 )
@@ -222,3 +224,15 @@ def test_ddp_rung_runs_train_gpt2_under_torchrun(tmp_path, shard_dir):
     assert r8["tok_per_sec"]["median"] == pytest.approx(statistics.median(tok), rel=1e-6)
     assert r8["tok_per_sec_per_process"]["median"] == pytest.approx(statistics.median(tok) / 2, rel=1e-6)
     assert all(abs(loss - np.log(50257)) < 0.5 for loss in r8["losses"])
+
+
+@pytest.mark.parametrize("capability, half", [((7, 5), torch.float16), ((8, 0), torch.bfloat16)])
+def test_rung_3_is_fp16_on_a_gpu_without_native_bf16(monkeypatch, capability, half):
+    """A T4 (7.5) emulates bf16: rung 3 runs fp16 there, and its loss check says fp16; from 8.0, bf16."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert ladder_half("cuda") == half
+    assert ladder_precision({"tf32", "bf16"}, ladder_half("cuda")) == ("fp16" if half == torch.float16 else "bf16")
+
+
+def test_rung_3_is_bf16_on_a_cpu():
+    assert ladder_half("cpu") == torch.bfloat16
