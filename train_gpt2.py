@@ -754,7 +754,7 @@ def train(args, given=frozenset()):
     header.update(compile=run.use_compile, model_config=asdict(config), min_lr=min_lr, flops_per_token=flops)
     log.header(run.run_id, device_name, start_step if ckpt_path else None, changes, header)
     checkpoint = lambda step: save_training_state(step, run)  # noqa: E731
-    stop, guard = StopRequest(), NonFiniteGuard(log, master_process, checkpoint, args.out_dir, run.scaler)
+    stop, guard = StopRequest(args.out_dir), NonFiniteGuard(log, master_process, checkpoint, args.out_dir, run.scaler)
 
     # --- the loop ------------------------------------------------------------------------------
     # Iteration `step` first evaluates the model after `step` updates (not timed), checkpoints,

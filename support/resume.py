@@ -1,6 +1,7 @@
 """What --resume continues from and with: the checkpoint it picks, the recipe and settings it takes
 from it, the changes it allows, and the optimizer, data position and RNG state it restores."""
 
+import json
 import os
 import sys
 import time
@@ -10,25 +11,70 @@ import torch.distributed as dist
 from support.checkpoints import checkpoint_paths, fence, load_training_checkpoint, set_rng_state
 from support.checks import check_same_data, data_identity
 from support.common import UserError, same_on_every_rank
-from support.out_dir import other_runs
+from support.out_dir import log_runs, other_runs
 
 
 def find_resume_checkpoint(resume, out_dir):
-    """(path, checkpoint) for --resume: the given file, or for 'latest' the newest checkpoint in
-    out_dir that loads; one that does not (cut short, corrupt) is reported and the previous one
-    tried. (None, None) when out_dir has no checkpoint at all: the run starts from step 0."""
+    """(path, checkpoint, run to restart) for --resume: the given file, or for 'latest' the newest
+    checkpoint in out_dir that loads; one that does not (cut short, corrupt) is reported and the
+    previous one tried. With no checkpoint at all, the run starts from step 0: the run the folder's
+    log records (run_to_restart), if it records one, else a new run."""
     if resume != "latest":
-        return resume, load_training_checkpoint(resume)
+        return resume, load_training_checkpoint(resume), None
     paths = checkpoint_paths(out_dir)
     for path in paths:
         try:
-            return path, load_training_checkpoint(path)
+            return path, load_training_checkpoint(path), None
         except UserError as e:
             print(f"warning: skipping {path}: {e}", file=sys.stderr)
     if paths:
         raise UserError(f"none of the {len(paths)} checkpoints in {out_dir} can be loaded: see the warnings above")
-    print(f"no checkpoint in {out_dir} to resume from: starting a new run")
-    return None, None
+    restart = run_to_restart(out_dir)
+    if restart is None:
+        print(f"no checkpoint in {out_dir} to resume from: starting a new run")
+    else:
+        print(
+            f"note: no checkpoint in {out_dir}: run {restart['run_id']}, which its log.jsonl records "
+            f"{restart['steps']} steps of (it stopped before its first checkpoint), restarts from step 0 with the "
+            f"recipe its log records"
+        )
+    return None, None, restart
+
+
+def run_to_restart(out_dir):
+    """The run out_dir/log.jsonl records steps of (the last one, if several) when the folder holds no
+    checkpoint: a run stopped before its first checkpoint (a spot instance lost in its first
+    --ckpt-every steps), which --resume starts again from step 0 as the same run, with the recipe its
+    last header records, rather than as a new run with the default flags appended to its log.
+    {"run_id", "config", "steps"} or None; a log that records a run but not its recipe is refused."""
+    path = os.path.join(out_dir, "log.jsonl")
+    runs, _ = log_runs(path)
+    if not runs:
+        return None
+    config, steps, current = None, set(), None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a kill
+            if not isinstance(record, dict):
+                continue
+            if record.get("event") == "header":
+                current = record.get("run_id")
+                if current == runs[-1]:
+                    config = record.get("config")
+            elif current == runs[-1] and ("train_loss" in record or "skipped" in record):
+                steps.add(record.get("step"))
+    if not isinstance(config, dict):
+        raise UserError(
+            f"--resume: {out_dir} holds no checkpoint, and its log.jsonl records run {runs[-1]} but not the recipe "
+            f"it was started with: start it again with its flags and a new --out-dir"
+        )
+    return {"run_id": runs[-1], "config": config, "steps": len(steps)}
+
+
+_restart = {}  # the run_id of the run this process restarts (resume_checkpoint), for restore_training_state
 
 
 def check_resume_target(args, path, ckpt):
@@ -143,13 +189,14 @@ def resume_checkpoint(args, given, ddp, master_process, claim=None):
     {}, {}). Rank 0 claims the out-dir first (claim(), if given) and picks the checkpoint, so that
     every rank loads the same one (multi-node: the out-dir must be shared); a mistake it finds
     there ends every rank alike, said once. The other ranks wait in the fence (see fence)."""
-    picked = [None, None]  # the checkpoint's path, rank 0's error
+    picked = [None, None, None]  # the checkpoint's path, rank 0's error, the run to restart
+    _restart.clear()
     if master_process:
         try:
             if claim is not None:
                 claim()
             if args.resume:
-                picked[0], found = find_resume_checkpoint(args.resume, args.out_dir)
+                picked[0], found, picked[2] = find_resume_checkpoint(args.resume, args.out_dir)
                 if found is not None:
                     check_resume_target(args, picked[0], found)
         except UserError as e:
@@ -158,6 +205,15 @@ def resume_checkpoint(args, given, ddp, master_process, claim=None):
         dist.broadcast_object_list(picked, src=0, group=fence(ddp, args.ddp_timeout))
     if picked[1] is not None:
         raise same_on_every_rank(UserError(picked[1]))
+    if picked[2] is not None:  # a restart from step 0: a new start of the same run, with its recipe
+        restart = picked[2]
+        _restart["run_id"] = restart["run_id"]
+        old = restart["config"]
+        changes, taken = reconcile_resume(args, given, {"train_config": old, "step": 0}, f"run {restart['run_id']}")
+        if "init_from" not in given and old.get("init_from", "scratch") != "scratch":
+            args.init_from = old["init_from"]  # a run that started from pretrained weights starts from them again
+        args.resume = None
+        return None, None, changes, taken
     if picked[0] is None:
         return None, None, {}, {}
     ckpt = load_training_checkpoint(picked[0])
@@ -171,8 +227,8 @@ def restore_training_state(ckpt, ckpt_path, optimizer, loader, ddp_rank, device_
     the last val loss."""
     data_dir = os.path.dirname(loader.shards[0])
     loader.identity = data_identity(data_dir)  # what this run trains on; its checkpoints record it
-    if ckpt is None:
-        return 0, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}", None
+    if ckpt is None:  # a restarted run keeps its id
+        return 0, _restart.pop("run_id", None) or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}", None
     if ckpt.get("data_identity") is not None:
         check_same_data(ckpt["data_identity"], loader.identity, ckpt_path, data_dir)
     optimizer.load_state_dict(ckpt["optimizer"])

@@ -12,7 +12,7 @@ import torch
 
 from support.checkpoints import disk_error, diverged_advice, train_config_of
 from support.common import UserError, same_on_every_rank
-from support.out_dir import check_out_dir_held
+from support.out_dir import check_out_dir_held, log_runs
 from support.wandb_log import WandbMirror
 
 
@@ -67,8 +67,12 @@ class RunLog:
             raise disk_error(e, self.path, "start again") from None
 
     def header(self, run_id, device_name, resumed_from, changes, config):
-        """The run's first record (and a resumed run's first in its turn): what ran, where, with what."""
+        """The run's first record (and a resumed run's first in its turn): what ran, where, with what.
+        restarted: a run the log already records steps of starts again from step 0 (it stopped before
+        its first checkpoint): the records before this header are of a start it replaces."""
         record = {"event": "header", "run_id": run_id, "device": device_name, "resumed_from": resumed_from}
+        if self.file is not None:
+            record["restarted"] = resumed_from is None and run_id in log_runs(self.path)[0]
         if self.file is not None and config.get("wandb_project"):
             name = config.get("wandb_run_name") or os.path.basename(os.path.abspath(self.out_dir))
             folder = os.environ.get("WANDB_DIR") or self.out_dir  # wandb's files beside the run's, unless set

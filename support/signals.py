@@ -1,9 +1,13 @@
 """Stop signals: SIGTERM, SIGHUP, Ctrl-C and Ctrl-Break end a run at the next step boundary with a checkpoint."""
 
+import os
 import signal
 
 import torch
 import torch.distributed as dist
+
+from support.checkpoints import checkpoint_paths
+from support.out_dir import log_runs
 
 
 class StopRequest:
@@ -16,8 +20,8 @@ class StopRequest:
         getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT", "SIGBREAK") if hasattr(signal, name)
     )
 
-    def __init__(self):
-        self.signum = 0
+    def __init__(self, out_dir=None):
+        self.signum, self.out_dir = 0, out_dir
         for s in self.SIGNALS:
             if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN:
                 continue  # started under nohup: hangups are to be ignored, and are
@@ -25,11 +29,11 @@ class StopRequest:
 
     def on_signal(self, signum, frame):
         if self.signum:
-            raise KeyboardInterrupt  # the user does not want to wait: run_cli prints one line
+            raise Interrupted(self.out_dir)  # the user does not want to wait: run_cli prints one line
         self.signum = signum
         print(f"caught {signal.Signals(signum).name}: stopping after this step with a checkpoint", flush=True)
 
-    def __call__(self):  # this rank's request, for the evals to poll
+    def __call__(self):  # this rank's request, for the evals and samples to poll
         return self.signum != 0
 
     def agreed(self, device, ddp):
@@ -38,3 +42,28 @@ class StopRequest:
         if ddp:
             dist.all_reduce(signum, op=dist.ReduceOp.MAX)
         return signum.item()
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second stop signal: the run ends at once, without a checkpoint. Its message, read as the
+    process ends (after a start that logged no step has been undone), says what continues the run
+    from what the folder holds now: its newest checkpoint, or, with none, a restart from step 0."""
+
+    def __init__(self, out_dir):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def __str__(self):
+        out_dir = self.out_dir
+        if out_dir is None:
+            return ""
+        found = checkpoint_paths(out_dir)
+        if found:
+            name = os.path.basename(found[0])
+            return f"interrupted: continue from its newest checkpoint, {name}, with --resume --out-dir {out_dir}"
+        if log_runs(os.path.join(out_dir, "log.jsonl"))[0]:
+            return (
+                f"interrupted before the run's first checkpoint: no checkpoint to continue from; "
+                f"--resume --out-dir {out_dir} starts the run again from step 0, with the recipe its log records"
+            )
+        return "interrupted before the run's first step: nothing was kept; the same command starts it again"

@@ -5,13 +5,16 @@ cuts in-training samples short."""
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
+from test_notebook import header, kernel_env, run_notebook, step_record, write_log  # noqa: F401  (kernel_env: a fixture)
 from test_ownership import headers
 
 import train_gpt2
-from conftest import assert_one_line_error, cli, random_shards, read_log, tiny_args
+from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, tiny_args
 from support.common import GPT2_VOCAB, UserError
 from support.out_dir import LOCK_FILE, lock_out_dir
 from train_gpt2 import GPT
@@ -92,6 +95,118 @@ def test_a_run_whose_lock_another_run_took_stops_and_leaves_that_runs_lock(data,
     finally:
         if other:
             os.close(other[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# One log, one run, said
+
+
+class Killed(BaseException):
+    """The process dies here (a spot instance reclaimed): nothing after it runs in the loop."""
+
+
+def killed_before_its_first_checkpoint(data, out, monkeypatch, *flags):
+    """A run of 6 steps, killed as step 3 trains: steps 0-2 in its log, no checkpoint."""
+    at_step(monkeypatch, {3: lambda: (_ for _ in ()).throw(Killed())})
+    with pytest.raises(Killed):
+        train_gpt2.main(tiny_args(data, out, "--ckpt-every", 0, *flags))
+    monkeypatch.undo()
+    assert sorted(read_log(out)[1]) == [0, 1, 2] and not list(out.glob("ckpt_*.pt"))
+
+
+def test_resume_with_no_checkpoint_restarts_the_run_its_log_records_with_its_recipe(
+    data, tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "out"
+    killed_before_its_first_checkpoint(data, out, monkeypatch, "--seed", 5, "--max-lr", 2e-3)
+    # the spot script's command: --resume, and nothing of the recipe (the defaults are GPT-2 124M's)
+    assert train_gpt2.main(["--resume", "--out-dir", str(out), "--device", "cpu"]) == 0
+    said = capsys.readouterr().out
+    first, again = headers(out)
+    assert f"run {first['run_id']}, which its log.jsonl records 3 steps of (it stopped before its first" in said
+    assert again["run_id"] == first["run_id"] and again["restarted"] and again["resumed_from"] is None
+    assert not first["restarted"]
+    for name in ("model_config", "seed", "max_lr", "total_batch_size", "max_steps", "data_dir", "val_tokens"):
+        assert again["config"][name] == first["config"][name], name
+    records, steps = read_log(out)
+    assert sorted(steps) == list(range(6))
+    before = [r for r in records[: records.index(again)] if "train_loss" in r]
+    assert [r["train_loss"] for r in before] == [steps[s]["train_loss"] for s in (0, 1, 2)]  # the same run again
+
+
+@pytest.mark.parametrize(
+    "flag, value, refused", [("--n-layer", 3, True), ("--seed", 6, True), ("--max-steps", 8, False)]
+)
+def test_a_restart_refuses_a_flag_that_contradicts_the_recorded_recipe(
+    data, tmp_path, monkeypatch, flag, value, refused
+):
+    out = tmp_path / "out"
+    killed_before_its_first_checkpoint(data, out, monkeypatch)
+    run_id = headers(out)[0]["run_id"]
+    args = ["--resume", "--out-dir", str(out), "--device", "cpu", flag, str(value)]
+    if refused:
+        with pytest.raises(UserError) as e:
+            train_gpt2.main(args)
+        assert f"{flag} {value} contradicts the " in str(e.value) and f"that run {run_id} was trained with" in str(e)
+        assert len(headers(out)) == 1  # nothing appended
+    else:
+        assert train_gpt2.main(args) == 0
+        assert sorted(read_log(out)[1]) == list(range(8)) and headers(out)[-1]["run_id"] == run_id
+
+
+@pytest.mark.parametrize("ckpt_every", [0, 1])
+def test_a_second_ctrl_c_says_what_the_folder_holds_to_continue_from(data, tmp_path, monkeypatch, ckpt_every):
+    out = tmp_path / "out"
+
+    def ctrl_c_twice():
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+
+    at_step(monkeypatch, {3: ctrl_c_twice})
+    with pytest.raises(KeyboardInterrupt) as e:
+        train_gpt2.main(tiny_args(data, out, "--ckpt-every", ckpt_every))
+    monkeypatch.undo()
+    said = str(e.value)  # read as run_cli reads it, once main has ended
+    if ckpt_every:
+        assert (
+            said == f"interrupted: continue from its newest checkpoint, ckpt_000003.pt, with --resume --out-dir {out}"
+        )
+    else:
+        assert said.startswith("interrupted before the run's first checkpoint: no checkpoint to continue from; ")
+        assert "continue from its newest checkpoint" not in said
+    # what it says works: --resume --out-dir continues (or restarts) the same run to its end
+    assert train_gpt2.main(["--resume", "--out-dir", str(out), "--device", "cpu"]) == 0
+    assert sorted(read_log(out)[1]) == list(range(6)) and len({h["run_id"] for h in headers(out)}) == 1
+
+
+def test_play_ipynb_shows_the_last_run_and_names_the_other_runs(tmp_path, kernel_env):  # noqa: F811
+    """Run A (10 steps, no checkpoint), then another run B in the same log, killed after 5 steps
+    and restarted from step 0 by --resume: the notebook draws B's restart alone, says B restarted,
+    and names A."""
+
+    def run(run_id, steps, loss, restarted=False, val=None):
+        records = [{**header(), "run_id": run_id, "restarted": restarted}]
+        for s in range(steps):
+            records += [{"step": s, "val_loss": val}] if val is not None and s == 0 else []
+            records.append(step_record(s, loss))
+        return records
+
+    log = write_log(tmp_path / "run", run("A", 10, 9.0, val=9.5) + run("B", 5, 8.0) + run("B", 7, 7.0, True, 7.5))
+    nb, out = run_notebook(log, tmp_path)
+    s = out["summary"]
+    assert (s["run_id"], s["other_runs"], s["restarts"]) == ("B", ["A"], 1)
+    assert (s["last_step"], s["last_train_loss"], s["last_val_loss"], s["redone_steps"]) == (6, 7.0, [0, 7.5], 0)
+    said = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "the log also holds run A (10 steps, last val loss 9.5000): not shown; this is run B" in said
+    assert "restarted from step 0 1 time(s)" in said
+
+
+def test_run_cli_prints_an_interrupts_own_words():
+    code = (
+        "from support.common import run_cli\ndef main():\n    raise KeyboardInterrupt('its own words')\nrun_cli(main)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 130 and r.stderr.strip() == "its own words"
 
 
 # ----------------------------------------------------------------------------------------------
