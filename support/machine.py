@@ -1,5 +1,6 @@
 """The machine a run trains on: whether torch.compile works on it, its peak FLOP/s (for MFU),
-glibc's allocator, deterministic kernels, and what to lower when a training run runs out of memory."""
+glibc's allocator, deterministic kernels, the -B its GPU memory fits, and what to lower when a
+training run runs out of memory."""
 
 import ctypes
 import functools
@@ -45,6 +46,49 @@ def choose_compile(requested, device_type, verbose=True, problem=compile_problem
     return False
 
 
+# --- GPU memory: the micro-batch B that fits ---------------------------------------------------
+
+GiB = 2**30
+RECIPE_PARAMS = 124_475_904  # GPT-2 124M with the vocabulary padded to 50,304
+# measured (docs/performance.md): the recipe's peak on an H100 at B 64, T 1024, bf16 autocast, compile
+MEASURED_PEAK, MEASURED_TOKENS = 41.2 * GiB, 64 * 1024
+FIXED_BYTES = 16 * RECIPE_PARAMS  # fp32 weights, gradients and AdamW's two moments, whatever B is
+BYTES_PER_TOKEN = (MEASURED_PEAK - FIXED_BYTES) / MEASURED_TOKENS  # the rest, spread over the micro-batch
+USABLE = 0.9  # of the GPU's memory: the rest for the CUDA context, the allocator's slack, eager's extra
+
+
+def training_memory(B, T):
+    """Estimated peak bytes of the 124M recipe's training step at micro-batch B x T (bf16/fp16
+    autocast): the fixed part plus the measured peak's remainder, linear in the tokens."""
+    return FIXED_BYTES + B * T * BYTES_PER_TOKEN
+
+
+def fitting_B(B, T, gpu_memory):
+    """The largest divisor of B (so the total batch stays a whole number of micro-batches) whose
+    training_memory fits in USABLE of gpu_memory bytes, or None if not even 1 does."""
+    fits = [d for d in range(1, B + 1) if B % d == 0 and training_memory(d, T) <= USABLE * gpu_memory]
+    return max(fits, default=None)
+
+
+def gpu_memory_of(device):
+    """Total bytes of the CUDA device's memory, or None elsewhere (or where it cannot be read)."""
+    try:
+        return torch.cuda.get_device_properties(device).total_memory if torch.device(device).type == "cuda" else None
+    except Exception:  # after a failed allocation the driver may refuse too: no estimate then
+        return None
+
+
+def estimated_B(train, B, T):
+    """(fitting_B below B, the GPU's bytes) for a training run's locals (train) where the estimate
+    holds: the recipe's model (12 layers, 768 wide) under autocast on a CUDA GPU; else (None, None).
+    A B the estimate says fits has just run out: then the plain halving advice stands."""
+    config, device = train.get("config"), train.get("device")
+    recipe = (getattr(config, "n_layer", None), getattr(config, "n_embd", None)) == (12, 768)
+    memory = gpu_memory_of(device) if recipe and device and train.get("autocast_dtype") is not None else None
+    fit = fitting_B(B, T, memory) if memory else None
+    return (fit, memory) if fit and fit < B else (None, None)
+
+
 def training_out_of_memory(frames):
     """For out_of_memory_line, from the frames of a train_gpt2.py run that ran out of memory: during
     what (the first step, an eval, sampling, ...), the flag to lower, and what is on disk to go on
@@ -56,9 +100,12 @@ def training_out_of_memory(frames):
         return None
     B, step, start = args.batch_size, train.get("step"), train.get("start_step") or 0
     smaller = max(d for d in range(1, B) if B % d == 0) if B > 1 else None
+    fit, memory = estimated_B(train, B, args.seq_len)
+    why = f", which this GPU's {memory / GiB:.1f} GiB should fit, see docs/gpus.md" if fit else ""
+    smaller = fit or smaller
     lower_B = (
         f"-B {smaller}" if smaller else None,
-        f"lower -B (e.g. -B {smaller}: the total batch stays {args.total_batch_size:,} tokens, accumulated "
+        f"lower -B (e.g. -B {smaller}{why}: the total batch stays {args.total_batch_size:,} tokens, accumulated "
         f"over more micro-steps)"
         if smaller
         else "use a smaller model (--n-layer, --n-embd) or a shorter -T",
