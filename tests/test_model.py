@@ -1,6 +1,7 @@
 """The model is exactly GPT-2: parameter count, init, HF parity both ways, sampling, tokenizer."""
 
 import math
+import re
 import subprocess
 import sys
 
@@ -76,6 +77,49 @@ def test_init_std_and_initial_loss():
     targets = torch.randint(0, 50257, (4, 128))  # not idx: tied weights favour the input token itself
     _, loss = m(idx, targets)
     assert abs(loss.item() - math.log(50257)) < 0.1
+
+
+def gpt2_init(name, n_layer):
+    """GPT-2's init of a parameter, by its name (OpenAI's GPT-2 and the GPT-2 paper, section 2.3):
+    (mean, std) of a normal draw; std 0 is a constant."""
+    if name in ("transformer.wte.weight", "transformer.wpe.weight"):
+        return 0.0, 0.02  # token and position embeddings
+    if re.fullmatch(r"transformer\.(h\.\d+\.ln_[12]|ln_f)\.weight", name):
+        return 1.0, 0.0  # LayerNorm gain
+    if re.fullmatch(r"transformer\.(h\.\d+\.ln_[12]|ln_f)\.bias", name):
+        return 0.0, 0.0
+    if re.fullmatch(r"transformer\.h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.bias", name):
+        return 0.0, 0.0
+    if re.fullmatch(r"transformer\.h\.\d+\.(attn|mlp)\.c_proj\.weight", name):
+        return 0.0, 0.02 / math.sqrt(2 * n_layer)  # the residual projections: two per layer add to the stream
+    if re.fullmatch(r"transformer\.h\.\d+\.(attn\.c_attn|mlp\.c_fc)\.weight", name):
+        return 0.0, 0.02
+    raise AssertionError(f"{name}: not a GPT-2 parameter")
+
+
+def test_every_parameter_starts_at_gpt2s_mean_and_std():
+    """Per tensor, against GPT-2's numbers (gpt2_init), not the model's own init code: the sample
+    mean within 6 standard errors (sigma / sqrt(n)) of the mean, the sample std within 6 of its
+    own (about sigma / sqrt(2n)), and the draw normal (68.27% within one sigma, again within 6
+    standard errors: a uniform draw of the same std has 57.7%). Constants exactly."""
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=256, vocab_size=50304, n_layer=4, n_head=4, n_embd=128)
+    m = GPT(config)
+    params = dict(m.named_parameters())  # the tied lm_head.weight is wte's, listed once
+    assert m.lm_head.weight is params["transformer.wte.weight"]
+    assert len(params) == 4 + 12 * config.n_layer
+    for name, p in params.items():
+        mean, sigma = gpt2_init(name, config.n_layer)
+        x = p.detach().double().flatten()
+        n = x.numel()
+        if sigma == 0:
+            assert torch.all(x == mean), name
+            continue
+        assert n >= 16384, name  # enough elements for the tolerances to be tight (6 / sqrt(2n) < 4%)
+        assert abs(x.mean().item() - mean) < 6 * sigma / math.sqrt(n), (name, x.mean().item())
+        assert abs(x.std().item() - sigma) < 6 * sigma / math.sqrt(2 * n), (name, x.std().item(), sigma)
+        within = ((x - mean).abs() < sigma).double().mean().item()
+        assert abs(within - 0.6827) < 6 * math.sqrt(0.6827 * 0.3173 / n), (name, within)
 
 
 def test_seeded_init_is_reproducible(tiny_config):
