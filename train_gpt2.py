@@ -57,6 +57,7 @@ from support.checks import (
 from support.common import GPT2_VOCAB, ArgumentParser, UserError, first_line, run_cli
 from support.ddp import join_process_group
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
+from support.jobs import dry_run_job, said_on_interrupt
 from support.machine import choose_compile, keep_freed_memory, peak_flops, set_deterministic, training_out_of_memory
 from support.out_dir import claim_out_dir, missing_folders, release_out_dir, remove_made_folders
 from support.precision import AUTOCAST_DTYPES, grad_scaler, loss_scale, pick_dtype
@@ -832,7 +833,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337, help="model init, shard order")
     p.add_argument("--ddp-timeout", type=float, default=1800, help="seconds a rank waits for the others before failing")
     p.add_argument("--deterministic", action="store_true", help="CUDA kernels that rerun and resume bitwise equal")
-    p.add_argument("--dry-run", action="store_true", help="run the start-up checks (flags, data, out-dir), then exit")
+    p.add_argument("--dry-run", action="store_true", help="run a job's start-up checks, then exit: nothing is written")
     g = p.add_argument_group("data and output (--data-dir with --resume: the checkpoint's unless given)")
     g.add_argument("--data-dir", default="edu_fineweb10B", help="folder of *_train_*/*_val_* .npy or .bin shards")
     g.add_argument("--no-shuffle", action="store_true", help="read the shards in name order every epoch")
@@ -910,13 +911,17 @@ def main(argv=None):
         raise UserError("--sample-from and --export-hf are two different jobs: pass one")
     if args.sample_from or args.export_hf:
         check_args(args, 1, given | {"warmup_steps"})  # the sampling settings; training's do not matter here
+        if args.dry_run:  # the device, the model, the prompt, the export's folder; nothing loaded or written
+            pick_device(args.device)
+            return dry_run_job(args, get_tokenizer() if args.sample_from else None)
     if args.sample_from:
         device, _ = pick_device(args.device)
         print_samples(load_model(args.sample_from, device), get_tokenizer(), args)
         return 0
     if args.export_hf:
         ckpt_path, out_dir = args.export_hf
-        load_model(ckpt_path).export_hf(out_dir)
+        with said_on_interrupt(f"interrupted: nothing was exported ({out_dir} is as it was); run the command again"):
+            load_model(ckpt_path).export_hf(out_dir)
         print(f"wrote a transformers GPT-2 directory to {out_dir}")
         return 0
     previous = {s: signal.getsignal(s) for s in StopRequest.SIGNALS}  # train() replaces them

@@ -200,15 +200,16 @@ def fence(ddp, timeout=None):
     return _fence_group[0]
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, mmap=False):
     """Our checkpoint as a dict of tensors and plain values. weights_only=True: a checkpoint
-    carrying pickled code is refused instead of run."""
+    carrying pickled code is refused instead of run. mmap: the tensors are mapped, not read (a
+    dry run's check, which needs only the small pickled part)."""
     try:
         # torch.save writes a zip with a CRC per tensor, which torch.load never checks: without
         # this, a flipped bit on disk loads as silently wrong weights
         with zipfile.ZipFile(path) as zf:
             bad = zf.testzip()
-        ckpt = torch.load(path, map_location="cpu", weights_only=True) if bad is None else None
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap) if bad is None else None
     except FileNotFoundError:
         raise UserError(f"checkpoint {path} does not exist") from None
     except Exception as e:
