@@ -288,8 +288,11 @@ def test_a_folder_fineweb_has_not_finished_is_refused_naming_the_command(tmp_pat
     command = line.split("`")[1]
     assert command == f"python fineweb.py --input {tiny_text} --out-dir {shards} --shard-size 2000"
     assert snapshot(tmp_path) == before and not out.exists()
-    # the command it names finishes the folder, as fineweb.py's own uninterrupted run would write it
-    done = subprocess.run(shlex.split(command), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    # the command it names finishes the folder, as fineweb.py's own uninterrupted run would write it;
+    # its `python` is the one running the tests, whatever is first on PATH
+    argv = shlex.split(command)
+    assert argv[0] == "python"
+    done = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     whole = tmp_path / "whole"
     fineweb.main(["--input", str(tiny_text), "--out-dir", str(whole), "--shard-size", "2000", "--workers", "1"])
