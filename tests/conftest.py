@@ -3,6 +3,7 @@ models and tiny training runs, the one log reader and the one-line-error checks.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,12 @@ def read_log(out_dir):
             continue
     steps = {r["step"]: r for r in records if "train_loss" in r or "skipped" in r or "scaler_skipped" in r}
     return records, steps
+
+
+def hangup_default():
+    """preexec_fn of a child a test sends SIGHUP: SIGHUP's default action there, also when the tests
+    run under nohup (which ignores SIGHUP, and a child inherits that)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def cli(*args, script="train_gpt2.py", timeout=300, **kwargs):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import ROOT, cli, heap_after, random_shards, read_log, tiny_args, user_error, write_shard
+from conftest import ROOT, cli, hangup_default, heap_after, random_shards, read_log, tiny_args, user_error, write_shard
 from support.checkpoints import load_checkpoint
 from support.sampling import sample_text
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig, flops_per_token, get_lr, load_model
@@ -357,6 +357,7 @@ def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=hangup_default,
     )
     try:
         _wait_for_step(proc, out, 2)

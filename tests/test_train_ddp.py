@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, random_shards, read_log, tiny_args
+from conftest import ROOT, hangup_default, random_shards, read_log, tiny_args
 
 
 def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, shared_data):
@@ -88,6 +88,7 @@ def test_a_signal_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path, signu
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=hangup_default,
     )
     try:
         deadline = time.time() + 240
