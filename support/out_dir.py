@@ -88,6 +88,11 @@ def lock_out_dir(out_dir, then):
         )
         return None
     except OSError as e:
+        if os.path.isdir(path):  # not the disk: a folder stands where the lock file goes
+            raise UserError(
+                f"--out-dir {out_dir} holds a folder named {LOCK_FILE}, where train_gpt2.py keeps its lock "
+                f"file: rename or remove that folder, then {then}"
+            ) from None
         raise disk_error(e, f"to --out-dir {out_dir} (its lock file {LOCK_FILE})", then) from None
     command = " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]]).replace("\n", " ")
     command = command if len(command) <= 160 else command[:157] + "..."

@@ -561,3 +561,20 @@ def test_a_write_error_that_is_not_a_full_disk_does_not_say_make_room(data, tmp_
     line = assert_one_line_error(r, "log.jsonl")
     assert "make room" not in line
     json.dumps(line)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_folder_where_the_lock_file_goes_is_named_and_moving_it_runs(data, tmp_path, resume):
+    """A .train_gpt2.lock that is a folder is not a permission problem ("make --out-dir writable"
+    would not help): the line names the folder, and once it is moved the same command runs."""
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)
+    if resume:
+        assert train_gpt2.main(args + ["--ckpt-every", 1]) == 0
+        args += ["--max-steps", 3, "--resume"]
+    (out / ".train_gpt2.lock").mkdir(parents=True)
+    msg = refused_before_step_0(args, out, f"--out-dir {out} holds a folder named .train_gpt2.lock")
+    assert msg.endswith("rename or remove that folder, then " + ("continue with --resume" if resume else "start again"))
+    assert "writable" not in msg
+    (out / ".train_gpt2.lock").rename(tmp_path / "moved")
+    assert train_gpt2.main(args) == 0
