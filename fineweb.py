@@ -488,22 +488,27 @@ def journal_path(path):
 
 def read_manifest(path):
     """The manifest at path as written, with the shards its journal adds; None if there is none.
-    A journal line cut short by a kill, and lines already in the manifest, are passed over."""
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        manifest = json.load(f)
+    A manifest deleted while its journal remains (a run killed mid-way) is the journal's first line,
+    the manifest as it was when the journal began (journal_base). A journal line cut short by a
+    kill, and lines already in the manifest, are passed over."""
     try:
         with open(journal_path(path), "rb") as f:
             lines = f.read().split(b"\n")[:-1]  # what follows the last newline is a line cut short
     except FileNotFoundError:
         lines = []
+    if os.path.exists(path):
+        with open(path) as f:
+            manifest = json.load(f)
+    elif (manifest := journal_base(lines)) is None:
+        return None
     shards = manifest["shards"]
     for line in lines:
         try:
             entry = json.loads(line)
         except ValueError:
             break
+        if "manifest" in entry:
+            continue  # the journal's first line: its base
         if entry["index"] > len(shards):
             break
         if entry["index"] == len(shards):
@@ -512,9 +517,25 @@ def read_manifest(path):
     return manifest
 
 
-def append_journal(path, entry):
-    """One finished shard, appended to the manifest's journal and on disk before it returns."""
+def journal_base(lines):
+    """The manifest a journal's first line holds (see append_journal), or None."""
+    try:
+        first = json.loads(lines[0])
+    except (IndexError, ValueError):
+        return None
+    base = first.get("manifest") if isinstance(first, dict) else None
+    return base if isinstance(base, dict) and isinstance(base.get("shards"), list) else None
+
+
+def append_journal(path, entry, base=None):
+    """One finished shard, appended to the manifest's journal and on disk before it returns. A new
+    journal begins with base, the manifest as last written: should the manifest be deleted while
+    the journal remains (a killed run's), the journal alone still says how the folder was written
+    and what it holds, for the same command to finish it and for training to name that command."""
+    new = not os.path.exists(journal_path(path))
     with open(journal_path(path), "ab") as f:
+        if new and base is not None:
+            f.write((json.dumps({"manifest": base}) + "\n").encode())
         f.write((json.dumps(entry) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
@@ -523,9 +544,16 @@ def append_journal(path, entry):
 def load_manifest(path, config):
     """The shards a previous run of this configuration finished, or a fresh manifest."""
     if not os.path.exists(path):
-        if os.path.exists(journal_path(path)):  # a journal whose manifest was deleted by hand: not ours to use
-            os.remove(journal_path(path))
-        return {"config": config, "shards": [], "complete": False, "started": 0}
+        try:
+            with open(journal_path(path), "rb") as f:
+                base = journal_base(f.read().split(b"\n")[:1])
+        except FileNotFoundError:
+            base = None
+        if base is None:
+            if os.path.exists(journal_path(path)):  # a journal with no manifest in it: not ours to use
+                os.remove(journal_path(path))
+            return {"config": config, "shards": [], "complete": False, "started": 0}
+        print(f"{path} is missing: rebuilt from its journal, {journal_path(path)}", file=sys.stderr)
     try:
         manifest = read_manifest(path)
         old, shards, complete = manifest["config"], manifest["shards"], manifest["complete"]
@@ -681,6 +709,20 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
     # training reads every *_train_* / *_val_* file of the folder: refuse to mix ours with others',
     # and never delete them (a run of another --prefix, or shards whose manifest was deleted)
     foreign = foreign_shards(out_dir, prefix, fmt, manifest["started"])
+    following = [
+        os.path.basename(shard_path(out_dir, prefix, manifest["started"] + i, fmt)) for i in range(len(foreign))
+    ]
+    if foreign and had_manifest and foreign == following:
+        # this configuration's next names, in a row: shards a journal listed, and the journal lost
+        # since (a copy that skips hidden files)
+        journal = os.path.basename(journal_path(manifest_path))
+        raise UserError(
+            f"{out_dir} holds {len(foreign)} shard file(s) after the {len(shards)} its manifest lists "
+            f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}), named as this configuration writes "
+            f"them: the journal that listed them, {journal}, is gone, so what they hold cannot be checked, and "
+            f"train_gpt2.py would read them with the new ones; copy {journal} back beside the manifest to keep "
+            f"them, or delete those files and rerun the same command, which writes them again"
+        )
     if foreign:
         raise UserError(
             f"{out_dir} holds {len(foreign)} shard file(s) this run's manifest does not list ({', '.join(foreign[:3])}"
@@ -736,7 +778,8 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
         shards.append(shard)
         manifest["started"] = max(manifest["started"], len(shards) + 1)  # and claims the next name
         # after the rename: the manifest never names a file not there
-        append_journal(manifest_path, {"index": len(shards) - 1, "shard": shard, "started": manifest["started"]})
+        entry = {"index": len(shards) - 1, "shard": shard, "started": manifest["started"]}
+        append_journal(manifest_path, entry, base={**manifest, "shards": shards[:-1]})
         fill, shard_start_doc = 0, end_doc
 
     def drop_stale_shards():

@@ -193,8 +193,13 @@ def check_fineweb_finished(data_dir):
     """A folder whose fineweb.py manifest says it is unfinished (fineweb.py still writing it, or
     stopped by a kill or an error) is refused, naming the command that finishes it: a run would
     train on what is there, and could not be resumed once fineweb.py adds the rest. A stop at
-    --max-tokens / --max-shards is finished as asked."""
-    for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
+    --max-tokens / --max-shards is finished as asked. Data is finished only if fineweb.py said so:
+    a folder holding fineweb.py's journal (.{prefix}_manifest.journal: fineweb.py started it) whose
+    manifest is deleted or unreadable is refused too, with the command its journal's first line
+    (the manifest as it began) gives. Shards with no journal (llm.c's, the user's own) are not
+    fineweb.py's to judge."""
+    names, readable = os.listdir(data_dir), set()
+    for name in sorted(n for n in names if n.endswith("_manifest.json")):
         try:
             with open(os.path.join(data_dir, name), encoding="utf-8") as f:
                 manifest = json.load(f)
@@ -202,12 +207,33 @@ def check_fineweb_finished(data_dir):
             command = fineweb_command(config, data_dir)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
             continue  # not fineweb.py's manifest
+        readable.add(name)
         if not finished:
             raise UserError(
                 f"--data-dir {data_dir} is unfinished: its {name} says fineweb.py has not written all of its "
                 f"input (it is still writing, or it was stopped); finish it with `{command}` (or wait for the "
                 f"fineweb.py writing it), then start the run"
             )
+    for journal in sorted(n for n in names if re.fullmatch(r"\..+_manifest\.journal", n)):
+        name = journal[1 : -len(".journal")] + ".json"
+        if name in readable:
+            continue
+        state = "cannot be read" if name in names else "is missing"
+        try:
+            with open(os.path.join(data_dir, journal), encoding="utf-8") as f:
+                command = fineweb_command(json.loads(f.readline())["manifest"]["config"], data_dir)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+            raise UserError(
+                f"--data-dir {data_dir} is unfinished: fineweb.py's journal {journal} is there, and its manifest "
+                f"{name} {state}, so fineweb.py never said it finished, nor can it finish it: write the data again "
+                f"with fineweb.py into a new --out-dir, then start the run on it"
+            ) from None
+        first = "" if name not in names else f"delete the unreadable {name}, then "
+        raise UserError(
+            f"--data-dir {data_dir} is unfinished: fineweb.py's journal {journal} is there, and its manifest "
+            f"{name} {state}, so fineweb.py never said it finished; {first}finish it with `{command}` (it "
+            f"rebuilds the manifest from the journal), then start the run"
+        )
 
 
 def fineweb_command(config, data_dir):
