@@ -47,7 +47,17 @@ Usage:
     python bench.py --device cuda    # on a GPU (the recipe's B 64 at the gpt2 config where memory allows)
     python bench.py --tiny           # seconds: every section on toy sizes (the smoke test runs this)
 FineWeb documents and HellaSwag data come from --docs / --hellaswag-data, else from shared/data
-beside the repository when it is there; a section without data is skipped with a note.
+beside the repository when it is there.
+
+What a run writes and what it runs is settled before anything is measured. --out names a new file,
+or one an earlier bench.py wrote, in a folder this process can write; ladder.png goes beside it;
+nothing else is written outside a temporary folder. The default run measures every section this
+machine has the data for, and ends with a line for each one it skipped and why (exit 0). A section
+named with --only that cannot run (no data), a --docs or --hellaswag-data that names no data, an
+--out that cannot be written, and a run that compiles where torch.compile does not work (pass
+--no-compile) are each one `error:` line before anything is measured (exit 1). Parts of a section
+this machine cannot run (ladder rungs that need CUDA or 2 GPUs, wandb logging without wandb) are
+noted in the table and the JSON, not errors.
 """
 
 import os
@@ -61,20 +71,22 @@ import argparse
 import gc
 import json
 import platform
+import re
+import subprocess
 import tempfile
 import time
 
 import torch
 
 from benchmarks.ceiling import bench_ceiling
-from benchmarks.hellaswag_eval import bench_hellaswag
+from benchmarks.hellaswag_eval import bench_hellaswag, find_hellaswag_data
 from benchmarks.ladder import bench_ladder
 from benchmarks.loader import bench_loader
 from benchmarks.report import table
 from benchmarks.sample import bench_sample
-from benchmarks.settings import TRAIN_CONFIGS, find_shared_data, settings
+from benchmarks.settings import ROOT, TRAIN_CONFIGS, find_shared_data, settings
 from benchmarks.timing import log
-from benchmarks.tokenizer import bench_fineweb
+from benchmarks.tokenizer import bench_fineweb, find_documents
 from benchmarks.train import bench_train
 from support.common import ArgumentParser, UserError, run_cli, write_atomic
 from support.machine import keep_freed_memory, peak_flops
@@ -134,6 +146,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--out", default="bench.json", help="the JSON results (default bench.json)")
     args = p.parse_args(argv)
+    args.named = bool(args.only)  # sections asked for by name: each must run
     args.only = args.only.split(",") if args.only else list(SECTIONS)
     args.configs = args.configs.split(",") if args.configs else None
     for name in args.only:
@@ -145,6 +158,84 @@ def parse_args(argv=None):
     if args.tiny and args.quick:
         raise UserError("--tiny and --quick are two sizes of run: pass one")
     return args
+
+
+def is_bench_report(path):
+    """Whether path is a file an earlier bench.py wrote: JSON whose first key is its command."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(200)
+    except OSError:
+        return False
+    return re.match(rb'\{\s*"command":\s*"python bench\.py', head) is not None
+
+
+def check_out(out, ladder):
+    """Where the results will go, checked before anything is measured (a run can take an hour of a
+    rented GPU): a file in a folder this process can write, replacing only what an earlier
+    bench.py wrote, and with the ladder a ladder.png beside it that can be. -> ladder.png's path."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise UserError(f"--out {out} is a folder: name the JSON file, e.g. --out {os.path.join(out, 'bench.json')}")
+    if not os.path.basename(out):  # '' or a path that ends in a separator
+        raise UserError(f"--out {out!r} names no file: name the JSON file, e.g. --out bench.json")
+    if not os.path.isdir(folder):
+        raise UserError(f"--out {out}: folder {folder} does not exist")
+    if os.path.lexists(out) and not (os.path.isfile(out) and is_bench_report(out)):
+        raise UserError(f"--out {out}: a file bench.py did not write is there: pass another --out")
+    png = os.path.join(folder, "ladder.png")
+    if ladder and os.path.lexists(png) and not os.path.isfile(png):
+        raise UserError(f"--out {out}: the ladder draws {png}, and something else is there: pass another --out")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".bench_", suffix=".tmp", dir=folder)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write in {folder} ({e.strerror}): pass an --out in a writable folder")
+    return png
+
+
+def plan(args, shared):
+    """The data of the sections that read some, found before anything is measured. -> ({section: its
+    data}, {section: why it cannot run here}). A section named with --only that cannot run is a
+    UserError; the default run skips it and says so at the end."""
+    find = {
+        "fineweb": lambda: find_documents(args.docs, args.text_field, shared),
+        "hellaswag": lambda: find_hellaswag_data(args.hellaswag_data, shared),
+    }
+    data, skipped = {}, {}
+    for section in args.only:
+        if section in find:
+            data[section], why = find[section]()
+            if why:
+                skipped[section] = why
+    if skipped and args.named:
+        raise UserError("; ".join(f"--only {section}: {why}" for section, why in skipped.items()))
+    return data, skipped
+
+
+def compile_problem_apart(device, tmp):
+    """support.machine.compile_problem(device) (why torch.compile does not work on it, or None),
+    asked in a process of its own with its inductor cache in tmp: this process's first compile
+    (the train section times it) stays a first one."""
+    code = "import sys; from support.machine import compile_problem; print(compile_problem(sys.argv[1]) or '')"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "compile_probe")}
+    r = subprocess.run([sys.executable, "-c", code, str(device)], cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode != 0:  # the check itself failed: its last line says how
+        return (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+    return (r.stdout.strip().splitlines() or [None])[-1]
+
+
+def skipped_parts(report):
+    """{what: why} for every section, and every part of one, that the run skipped."""
+    out = {}
+    for section, result in report["sections"].items():
+        if "skipped" in result:
+            out[section] = result["skipped"]
+        for part, r in result.items():
+            if isinstance(r, dict) and "skipped" in r:
+                out[f"{section} ({part.replace('_', ' ')})"] = r["skipped"]
+    return out
 
 
 def main(argv=None):
@@ -159,9 +250,8 @@ def main(argv=None):
     peak = args.peak_flops or (peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None)
     if device_type == "cuda" and peak is None:
         raise UserError(f"no peak FLOP/s known for {torch.cuda.get_device_name(device)}: pass --peak-flops")
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        raise UserError(f"--out {args.out}: folder {out_dir} does not exist")
+    png = check_out(args.out, "ladder" in args.only)
+    data, skipped = plan(args, shared)
 
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
     report = {
@@ -176,27 +266,32 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         # an empty inductor cache: the compile times are those of a first compile, not of a cache hit
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor_cache")
+        if True in s["compile"] and {"train", "ladder"} & set(args.only):
+            why = compile_problem_apart(device, tmp)
+            if why:
+                raise UserError(f"torch.compile does not work on this {device_type} ({why}): pass --no-compile")
         for section in SECTIONS:
             if section not in args.only:
                 continue
             log(f"{section} ...")
             t0 = time.time()
-            if section == "ceiling":
+            if section in skipped:
+                result, rows = {"skipped": skipped[section]}, []
+            elif section == "ceiling":
                 result, rows = bench_ceiling(s, device, device_type)
             elif section == "loader":
                 result, rows = bench_loader(s, device_type, tmp)
             elif section == "fineweb":
-                result, rows = bench_fineweb(s, args)
+                result, rows = bench_fineweb(s, data["fineweb"], args.text_field)
             elif section == "train":
                 result, rows = bench_train(s, device, device_type, peak, tmp)
             elif section == "ladder":
                 device_name = report["machine"]["device" if device_type == "cuda" else "cpu"]
-                png = os.path.join(os.path.dirname(os.path.abspath(args.out)), "ladder.png")
                 result, rows = bench_ladder(s, device, device_type, device_name, tmp, png)
             elif section == "hellaswag":
                 if device_type == "cpu":  # as hellaswag.py and training evaluate there (also with --only)
                     keep_freed_memory()
-                result, rows = bench_hellaswag(s, args, device, device_type, tmp)
+                result, rows = bench_hellaswag(s, data["hellaswag"], device, device_type, tmp)
             else:
                 result, rows = bench_sample(s, device, device_type)
             result["seconds"] = time.time() - t0
@@ -227,9 +322,8 @@ def main(argv=None):
         print(ladder["table"])
         if ladder["png"]:
             print(f"wrote {os.path.relpath(ladder['png'])}")
-    for section, result in report["sections"].items():
-        if "skipped" in result:
-            print(f"\n{section}: skipped ({result['skipped']})")
+    for what, why in skipped_parts(report).items():
+        print(f"\n{what}: skipped ({why})")
     print(f"\nwrote {args.out}")
     return report
 

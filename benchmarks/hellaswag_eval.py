@@ -12,9 +12,10 @@ from torch.nn import functional as F
 
 from benchmarks.report import comparison
 from benchmarks.sample import eval_model
-from benchmarks.settings import ROOT, TARGETS, VOCAB, find_shared_data
+from benchmarks.settings import ROOT, TARGETS, VOCAB
 from benchmarks.timing import interleave, rates, stats, timed
 from fineweb import get_tokenizer
+from support.common import UserError
 
 
 def plain_hellaswag_preds(model, prepared, device):
@@ -77,25 +78,37 @@ def save_checkpoint(model, tmp):
     return path
 
 
-def bench_hellaswag(s, args, device, device_type, tmp):
+def find_hellaswag_data(path, shared):
+    """The HellaSwag jsonl the section reads: --hellaswag-data's, else the one in shared/data, else
+    hellaswag.py's cache if an earlier run downloaded it (never a download here). -> (path, None),
+    or (None, why the section cannot run here). A --hellaswag-data that is no HellaSwag file is a
+    mistake: UserError."""
     try:
         import hellaswag
     except ImportError as e:
-        return {"skipped": f"cannot import hellaswag.py ({e})"}, []
-    path = args.hellaswag_data
+        return None, f"cannot import hellaswag.py ({e})"
+    given = path is not None
     if path is None:
-        shared = find_shared_data()
         candidate = shared / "hellaswag" / "hellaswag_val.jsonl" if shared else None
         path = str(candidate) if candidate and candidate.is_file() else None
-    if path is None:  # hellaswag.py's cache, if an earlier run downloaded it (never a download here)
+    if path is None:
         candidate = Path(hellaswag.DEFAULT_CACHE_DIR) / hellaswag.CACHE_NAME
         path = str(candidate) if candidate.is_file() else None
     if path is None:
-        return {"skipped": "no HellaSwag data: pass --hellaswag-data path/to/hellaswag_val.jsonl"}, []
+        return None, "no HellaSwag data: pass --hellaswag-data path/to/hellaswag_val.jsonl"
     try:
-        examples = hellaswag.load_examples(path)
+        hellaswag.load_examples(path)
     except hellaswag.HellaSwagDataError as e:
-        return {"skipped": str(e)}, []
+        if given:
+            raise UserError(f"--hellaswag-data {e}") from None
+        return None, str(e)
+    return path, None
+
+
+def bench_hellaswag(s, path, device, device_type, tmp):
+    import hellaswag
+
+    examples = hellaswag.load_examples(path)
     enc = get_tokenizer()
     n = s["hs_examples"] if device_type == "cpu" else s.get("hs_examples_cuda", s["hs_examples"])
     # the first n examples of the file: what `hellaswag.py --limit n` evaluates

@@ -16,6 +16,7 @@ from benchmarks.report import fmt_stats
 from benchmarks.settings import ROOT, TRAIN_CONFIGS
 from benchmarks.timing import interleave, log, rates, stats
 from benchmarks.train import fits_in_memory, train_step_fn
+from support.common import write_atomic
 from support.machine import keep_freed_memory
 from support.precision import pick_dtype
 from train_gpt2 import GPT, GPTConfig
@@ -318,7 +319,7 @@ def ladder_png(result, path):
         ax.legend(fontsize=8)
     fig.suptitle(f"speed-up ladder: {result['config_text']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=100))
     plt.close(fig)
 
 

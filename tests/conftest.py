@@ -3,6 +3,7 @@ models and tiny training runs, the one log reader and the one-line-error checks.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,6 +251,28 @@ def snapshot(folder):
     """{relative path: bytes} of every file under folder: nothing that existed may go or change."""
     folder = Path(folder)
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """make(folder): folder, bind-mounted read-only onto itself (root writes through chmod);
+    skipped where mounting is not allowed."""
+    mounted = []
+
+    def make(folder):
+        if shutil.which("mount") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
+            pytest.skip("a read-only bind mount needs root")
+        for cmd in (["mount", "--bind", folder, folder], ["mount", "-o", "remount,bind,ro", folder, folder]):
+            r = subprocess.run([*map(str, cmd)], capture_output=True, text=True)
+            if r.returncode != 0:
+                pytest.skip(f"cannot mount read-only here: {r.stderr.strip()}")
+            if cmd[1] == "--bind":
+                mounted.append(folder)
+        return folder
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=True)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -12,12 +13,15 @@ import time
 import pytest
 import tiktoken
 
-ROOT = __import__("conftest").ROOT
+import hellaswag
+from bench import parse_args, plan
+from conftest import ROOT, assert_one_line_error, snapshot
+from support.common import UserError
 
 
-def run_bench(*args, cwd):
+def run_bench(*args, cwd, env=None):
     # one thread: other test runs share these cores, and two threads then wait on each other
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, str(ROOT / "bench.py"), *map(str, args)]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
@@ -106,3 +110,104 @@ def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip() == "interrupted", err
+
+
+# ----------------------------------------------------------------------------------------------
+# Where a run writes and what it runs, settled before anything is measured
+
+
+def test_out_that_is_a_folder_is_refused_before_anything_is_measured(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "notes.txt").write_text("mine")
+    r = run_bench("--tiny", "--only", "ladder", "--out", results, cwd=tmp_path)
+    assert_one_line_error(r, f"--out {results} is a folder", f"--out {results / 'bench.json'}")
+    # no ladder.png in the working folder (the folder's parent), nothing changed in the folder
+    assert sorted(os.listdir(tmp_path)) == ["results"] and snapshot(results) == {"notes.txt": b"mine"}
+
+
+def test_out_in_a_read_only_folder_is_refused_before_anything_is_measured(tmp_path, read_only):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    read_only(folder)
+    r = run_bench("--tiny", "--only", "ceiling", "--out", folder / "bench.json", cwd=tmp_path)
+    assert_one_line_error(r, f"cannot write in {folder}", "Read-only file system", "pass an --out in a writable folder")
+
+
+@pytest.mark.parametrize("kind", ["text file", "fifo"])
+def test_out_that_bench_did_not_write_is_left_alone(tmp_path, kind):
+    out = tmp_path / "results.json"
+    if kind == "fifo":
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("no named pipes here")
+        os.mkfifo(out)
+    else:
+        out.write_text('{"my": "own notes"}\n')
+    r = run_bench("--tiny", "--only", "ceiling", "--out", out, cwd=tmp_path)
+    assert_one_line_error(r, f"--out {out}: a file bench.py did not write is there", "pass another --out")
+    assert os.listdir(tmp_path) == ["results.json"]
+    if kind == "fifo":
+        assert stat.S_ISFIFO(os.lstat(out).st_mode)
+    else:
+        assert out.read_text() == '{"my": "own notes"}\n'
+
+
+def test_out_that_an_earlier_run_wrote_is_replaced(tmp_path):
+    out = tmp_path / "bench.json"
+    for only in ("ceiling", "sample"):
+        r = run_bench("--tiny", "--only", only, "--out", out, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert list(json.loads(out.read_text())["sections"]) == ["sample"]
+    assert os.listdir(tmp_path) == ["bench.json"]
+
+
+def test_ladder_png_place_taken_by_a_folder_is_refused_before_anything_is_measured(tmp_path):
+    (tmp_path / "ladder.png").mkdir()
+    r = run_bench("--tiny", "--only", "ladder", "--out", tmp_path / "bench.json", cwd=tmp_path)
+    assert_one_line_error(r, f"the ladder draws {tmp_path / 'ladder.png'}, and something else is there")
+    assert os.listdir(tmp_path) == ["ladder.png"] and not os.listdir(tmp_path / "ladder.png")
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["fineweb", "--docs", "{tmp}/none/*.parquet"], ["no files match --docs", "none/*.parquet"]),
+        (["hellaswag", "--hellaswag-data", "{tmp}/hs.jsonl"], ["--hellaswag-data", "hs.jsonl does not exist"]),
+    ],
+)
+def test_data_flag_that_names_no_data_is_refused_before_anything_is_measured(tmp_path, flags, words):
+    """ceiling comes first in the run, and is not measured: the data is looked for before it."""
+    section, flag, value = flags
+    out = tmp_path / "bench.json"
+    r = run_bench(
+        "--tiny", "--only", f"ceiling,{section}", flag, value.format(tmp=tmp_path), "--out", out, cwd=tmp_path
+    )
+    line = assert_one_line_error(r, *words)
+    assert "--input" not in line and not out.exists()
+
+
+def test_named_section_without_data_is_refused_the_default_run_skips_it(monkeypatch, tmp_path):
+    """No shared/data and no hellaswag.py cache: --only fineweb,hellaswag is one error naming both
+    fixes; the default run plans to skip both, and says why."""
+    monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(tmp_path))
+    with pytest.raises(UserError) as e:
+        plan(parse_args(["--only", "ceiling,fineweb,hellaswag"]), shared=None)
+    assert str(e.value) == (
+        "--only fineweb: no documents: pass --docs 'files/*.parquet'; "
+        "--only hellaswag: no HellaSwag data: pass --hellaswag-data path/to/hellaswag_val.jsonl"
+    )
+    _, skipped = plan(parse_args([]), shared=None)
+    assert skipped == {
+        "fineweb": "no documents: pass --docs 'files/*.parquet'",
+        "hellaswag": "no HellaSwag data: pass --hellaswag-data path/to/hellaswag_val.jsonl",
+    }
+
+
+def test_compile_that_does_not_work_is_refused_before_anything_is_measured(tmp_path):
+    """A run that compiles, where torch.compile cannot (no C++ compiler): one line, and the flag that
+    runs without it, instead of a ladder without its compile rung (or a train section's traceback)."""
+    no_compiler = {"CXX": str(tmp_path / "no-such-compiler")}
+    args = ("--tiny", "--device", "cpu", "--only", "ladder", "--compile", "--out", tmp_path / "bench.json")
+    r = run_bench(*args, cwd=tmp_path, env=no_compiler)
+    assert_one_line_error(r, "torch.compile does not work on this cpu", "No working C++ compiler", "pass --no-compile")
+    assert os.listdir(tmp_path) == []

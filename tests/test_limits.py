@@ -453,28 +453,6 @@ def test_dry_run_runs_the_start_up_checks_and_writes_nothing(data, tmp_path, cap
 # Rule 5: read-only is an answer, not a crash
 
 
-@pytest.fixture
-def read_only(tmp_path):
-    """make(folder): folder, bind-mounted read-only onto itself (root writes through chmod);
-    skipped where mounting is not allowed."""
-    mounted = []
-
-    def make(folder):
-        if shutil.which("mount") is None or os.geteuid() != 0:
-            pytest.skip("a read-only bind mount needs root")
-        for cmd in (["mount", "--bind", folder, folder], ["mount", "-o", "remount,bind,ro", folder, folder]):
-            r = subprocess.run([*map(str, cmd)], capture_output=True, text=True)
-            if r.returncode != 0:
-                pytest.skip(f"cannot mount read-only here: {r.stderr.strip()}")
-            if cmd[1] == "--bind":
-                mounted.append(folder)
-        return folder
-
-    yield make
-    for folder in mounted:
-        subprocess.run(["umount", str(folder)], check=True)
-
-
 def test_resume_in_a_read_only_folder_with_a_leftover_temporary_checkpoint_is_one_line(data, tmp_path, read_only):
     out = tmp_path / "out"
     assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)) == 0
