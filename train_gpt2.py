@@ -49,6 +49,7 @@ from support.checks import (
     check_data,
     check_device,
     check_init_shape,
+    check_model_fits,
     check_same_shards,
     check_token_ids,
     find_shards,
@@ -620,6 +621,7 @@ def build_model(args, ckpt, ckpt_path, device, master_process):
         model = model_from_checkpoint(ckpt, ckpt_path)
     elif args.init_from == "scratch":
         shape = {name: getattr(args, name) for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")}
+        check_model_fits(shape, device)  # before building it: a model too big would take minutes to fail
         model = GPT(GPTConfig(**shape))
     else:
         model = load_model(args.init_from)

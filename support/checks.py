@@ -126,6 +126,44 @@ def check_init_shape(args, given, config, master_process=True):
             )
 
 
+TRAIN_BYTES_PER_PARAMETER = 16  # fp32 weights, their gradients and AdamW's two moments
+
+
+def device_memory(device):
+    """(bytes, what they are) of the memory a model on device lives in: a CUDA GPU's own, else the
+    machine's RAM (a CPU's, and MPS's, which shares it); (None, None) where it cannot be read."""
+    if device.startswith("cuda"):
+        import torch  # here: the checks are otherwise torch-free
+
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, f"the GPU's memory ({props.name})"
+    names = getattr(os, "sysconf_names", {})
+    if "SC_PHYS_PAGES" in names and "SC_PAGE_SIZE" in names:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's memory"
+    return None, None
+
+
+def check_model_fits(shape, device):
+    """A new model (shape: the model flags) whose parameters alone, trained (TRAIN_BYTES_PER_PARAMETER
+    each), exceed the device's memory is refused before it is built: building it could run for
+    minutes (--n-layer 1000000) before failing, and the failure could not tell which flag made it
+    big. The flag named is the one behind most of the parameters."""
+    memory, what = device_memory(device)
+    C = shape["n_embd"]
+    parts = {
+        "--n-embd": shape["vocab_size"] * C,  # the token embedding: its rows are the vocabulary, fixed
+        "--block-size": shape["block_size"] * C,  # the position embedding
+        "--n-layer or --n-embd": shape["n_layer"] * (12 * C * C + 13 * C),
+    }
+    n = sum(parts.values()) + 2 * C  # and the final LayerNorm
+    if memory is not None and n * TRAIN_BYTES_PER_PARAMETER > memory:
+        raise UserError(
+            f"the model flags make {n:,} parameters, {n * TRAIN_BYTES_PER_PARAMETER / 2**30:,.0f} GiB to train "
+            f"(weights, gradients and AdamW's two moments, {TRAIN_BYTES_PER_PARAMETER} bytes each), more than "
+            f"the {memory / 2**30:,.0f} GiB of {what}: lower {max(parts, key=parts.get)}"
+        )
+
+
 def check_device(device, has_cuda, has_mps):
     """--device names a device this machine has."""
     device_type = device.split(":")[0]

@@ -1,13 +1,15 @@
-"""Every refusal in the flag checks (support/checks.py: check_args, check_device, check_data) has
-a case of its own here, with the one line it says; a new refusal without a case fails
-test_every_refusal_has_a_case. Numbers are refused where the code cannot use them (a --ddp-timeout
-c10d cannot wait, a --vocab-size no shard can reach), under torchrun too, and a flag argparse
-cannot parse is one `error:` line in every script, not the usage before it."""
+"""Every refusal in the flag checks (support/checks.py: check_args, check_device, check_data,
+check_model_fits) has a case of its own here, with the one line it says; a new refusal without a
+case fails test_every_refusal_has_a_case. Numbers are refused where the code cannot use them (a
+--ddp-timeout c10d cannot wait, a --vocab-size no shard can reach, a model no memory holds), under
+torchrun too, and a flag argparse cannot parse is one `error:` line in every script, not the usage
+before it."""
 
 import ast
 import importlib
 import inspect
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,7 +25,12 @@ from support import checks
 from support.checks import check_data, check_device
 from support.common import UserError
 
-CHECKED = ("check_args", "check_device", "check_data")  # the functions whose every refusal has a case
+CHECKED = (
+    "check_args",
+    "check_device",
+    "check_data",
+    "check_model_fits",
+)  # the functions whose every refusal has a case
 
 
 def no_warmup(*extra):
@@ -111,6 +118,21 @@ CASES = {
         "--vocab-size 1000000000 is more than the 65,536 token ids a shard can hold (uint16): pass at most 65536 "
         "(GPT-2 has 50,257 tokens; the default 50304 pads them to a multiple of 128)",
     ),
+    **{
+        f"{flag} {value:.0e}": (
+            train(flag, value, *extra),
+            re.compile(
+                rf"the model flags make [\d,]+ parameters, [\d,]+ GiB to train \(weights, gradients and AdamW's two "
+                rf"moments, 16 bytes each\), more than the [\d,]+ GiB of "
+                rf"(this machine's memory|the GPU's memory \(.*\)): lower {named}"
+            ),
+        )
+        for flag, value, extra, named in [
+            ("--block-size", 10**12, [], "--block-size"),
+            ("--n-layer", 10**8, [], "--n-layer or --n-embd"),
+            ("--n-embd", 10**6, ["--n-head", 1], "--n-layer or --n-embd"),
+        ]
+    },
     "--init-from with --resume": (
         train("--init-from", "gpt2", "--resume"),
         "--init-from gpt2 starts a new run, --resume continues one: pass one of them",
@@ -178,7 +200,7 @@ def refusal(case, tmp_path):
 def test_each_refusal_is_its_one_line(name, tmp_path):
     case, expected = CASES[name]
     message, _ = refusal(case, tmp_path)
-    assert message == expected
+    assert expected.fullmatch(message) if isinstance(expected, re.Pattern) else message == expected, message
     assert not (tmp_path / "out").exists()  # refused before --out-dir is made
 
 

@@ -166,7 +166,7 @@ def test_out_of_memory_in_the_start_up_sampling_check_leaves_nothing(data, tmp_p
 
 
 def test_out_of_memory_building_a_too_wide_model_names_the_model_flags(data, tmp_path):
-    r = limited(400, *tiny_args(data, tmp_path / "out", "--n-embd", 8192, "--n-head", 1))
+    r = limited(400, *tiny_args(data, tmp_path / "out", "--n-embd", 2048, "--n-head", 1))  # 0.8 GB of weights
     assert_one_line_error(r, "out of host memory while building the model", "--n-layer or --n-embd")
 
 
