@@ -20,12 +20,12 @@ def pick_dtype(requested, device_type, capability=None):
     if requested != "auto":
         return requested, f"--dtype {requested}"
     if device_type != "cuda":
-        return "float32", f"auto: fp32 on {device_type} (bf16 and fp16 autocast only on CUDA)"
+        return "float32", f"auto: fp32 on {device_type}, not a CUDA GPU"
     capability = capability or torch.cuda.get_device_capability()
     cc = f"compute capability {capability[0]}.{capability[1]}"
     if tuple(capability) >= (8, 0):
-        return "bfloat16", f"auto: bf16, native on this GPU ({cc})"
-    return "float16", f"auto: fp16 with loss scaling: this GPU ({cc}, below 8.0) has no native bf16"
+        return "bfloat16", f"auto: {cc} has native bf16"
+    return "float16", f"auto: {cc}, below 8.0, has no native bf16: fp16 with loss scaling"
 
 
 def grad_scaler(dtype, device_type):
