@@ -297,15 +297,15 @@ def hf_dir(tmp_path_factory):
     return path
 
 
-N_PLAIN = 1000
+N_PLAIN = 200
 
 
 @pytest.fixture(scope="module")
 def parity(hf_dir, examples, enc):
     """Our model and the transformers one with the same weights (block size 128: the longest
-    rows do not fit, so both scoring paths run), the first 1,000 examples prepared, and the plain
-    one-row-per-forward losses of our model on them: the reference. The first 500 ActivityNet
-    examples of the file, then 500 WikiHow ones, whose longest rows do not fit 128 positions."""
+    rows do not fit, so both scoring paths run), N_PLAIN examples prepared, and the plain
+    one-row-per-forward losses of our model on them: the reference. The first 100 ActivityNet
+    examples of the file, then 100 WikiHow ones, whose longest rows do not fit 128 positions."""
     from transformers import GPT2LMHeadModel
 
     ours = GPT.from_pretrained(str(hf_dir)).eval()
@@ -326,7 +326,7 @@ def small(hf_dir, examples, enc):
     return {"ours": ours, "examples": exs, "plain": plain}
 
 
-def test_fast_scorer_equals_plain_loop_on_1000_examples(parity):
+def test_fast_scorer_equals_plain_loop_on_200_examples(parity):
     exs, plain, prepared = parity["examples"], parity["plain"], parity["prepared"]
     block_size = 128
     # both paths are exercised: shared contexts, and rows too long for the window
