@@ -57,25 +57,30 @@ def make_hf_model(config):
     return hf
 
 
-def train_step_fn(model, optimizer, loader, autocast_dtype):
-    """train_gpt2's step: zero grads, forward + backward (one micro-batch), clip to 1.0, AdamW;
-    the step returns its loss (a tensor: reading it waits for the device). In fp16, with the loss
-    scaled and the gradients unscaled before the clip by a GradScaler, as train_gpt2 does."""
+def train_step_fn(model, optimizer, loader, autocast_dtype, grad_accum_steps=1):
+    """train_gpt2's step: zero grads, forward + backward of grad_accum_steps micro-batches (each
+    loss divided by their number), clip to 1.0, AdamW; the step returns its loss, the mean over the
+    micro-batches (a tensor: reading it waits for the device). In fp16, with the loss scaled and the
+    gradients unscaled before the clip by a GradScaler, as train_gpt2 does."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     device_type = torch.device(loader.device).type
     scaler = torch.amp.GradScaler(device_type, enabled=autocast_dtype == torch.float16)  # else a no-op
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        x, y = loader.next_batch()
-        with train_gpt2.autocast(device_type, autocast_dtype):
-            _, loss = model(x, y)
-        scaler.scale(loss).backward()
+        loss_accum = 0.0
+        for _ in range(grad_accum_steps):
+            x, y = loader.next_batch()
+            with train_gpt2.autocast(device_type, autocast_dtype):
+                _, loss = model(x, y)
+            loss = loss / grad_accum_steps
+            loss_accum = loss_accum + loss.detach()  # before the next micro-batch: CUDA graphs reuse the output
+            scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         scaler.step(optimizer)  # skipped when the fp16 gradients overflowed
         scaler.update()
-        return loss.detach()
+        return loss_accum
 
     return step
 
