@@ -23,10 +23,12 @@ as `--sample-from` runs) have glibc's default.
              CPU, against the datasheet peak (support.machine.PEAK_FLOPS, --peak-flops) on a GPU
   ladder     build-nanogpt's speed-up ladder, one change per rung (fp32, TF32, bf16 autocast,
              torch.compile, flash attention, vocab padded to 50,304, fused AdamW with parameter
-             groups): train_gpt2's training step from the same weights on the same batches, the
-             rungs interleaved, their losses checked to agree; on CUDA the 124M model at B 16,
-             T 1024 (and the recipe's B 64), elsewhere the small config; rung 8 runs train_gpt2.py
-             under torchrun when 2 or more GPUs are visible. ladder.png goes beside the JSON
+             groups), then this project's rungs 8-12 (chunked LM-head loss, a larger micro-batch;
+             on CUDA only: cuDNN attention, max-autotune, CUDA graphs): train_gpt2's training step
+             from the same weights on the same batches, the rungs interleaved, their losses checked
+             to agree; on CUDA the 124M model at B 16, T 1024 (and the recipe's B 64), elsewhere
+             the small config; the DDP rung runs train_gpt2.py under torchrun when 2 or more GPUs
+             are visible. ladder.png goes beside the JSON
   loader     DataLoaderLite.next_batch through 100M-token shards (written to a temporary folder):
              microseconds per batch, at the shard switches, and the memory it adds; the data
              identity check every start makes (100 sparse 100M-token shards; real shards read cold)
@@ -320,6 +322,7 @@ def main(argv=None):
         ladder = report["sections"]["ladder"]
         print(f"\nspeed-up ladder on {ladder['device']}, {ladder['config_text']}:\n")
         print(ladder["table"])
+        print(f"\n{ladder['headline']['text']}")
         if ladder["png"]:
             print(f"wrote {os.path.relpath(ladder['png'])}")
     for what, why in skipped_parts(report).items():

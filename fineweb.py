@@ -26,6 +26,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -38,6 +39,7 @@ if __name__ == "__main__":  # Ctrl-C while numpy loads: one line, not a tracebac
 import numpy as np
 from tqdm import tqdm
 
+from support import file_lock
 from support.common import (
     ArgumentParser,
     UserError,
@@ -653,22 +655,50 @@ def foreign_shards(out_dir, prefix, fmt, started):
     return sorted(n for n in os.listdir(out_dir) if SHARD_NAME.fullmatch(n) and n not in ours)
 
 
+FOLDER_LOCK = ".fineweb.lock"  # the lock, where the folder itself cannot be locked (no fcntl: Windows)
+
+
 def lock_folder(out_dir):
     """An exclusive lock on out_dir for this run (released when the process ends, a kill included):
-    a second fineweb.py into the same folder would interleave its shards with this one's."""
+    a second fineweb.py into the same folder would interleave its shards with this one's. flock on
+    the folder itself; where fcntl is missing, support.file_lock on FOLDER_LOCK in it. Returns the
+    descriptor to give to unlock_folder; None where the file system has no locks."""
     try:
         import fcntl
-    except ImportError:  # not on Linux or macOS: no lock
-        return None
+    except ImportError:
+        fcntl = None
+    refused = f"another fineweb.py is writing to {out_dir}: wait for it to finish, or use another --out-dir"
+    if fcntl is None:
+        try:
+            fd = file_lock.acquire(os.path.join(out_dir, FOLDER_LOCK))
+        except file_lock.Held as e:
+            raise UserError(refused + (f" ({e.fix})" if e.fix else "")) from None
+        except file_lock.NoLocks:
+            return None
+        command = " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]])[:160]
+        try:
+            file_lock.write_holder(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}: {command}")
+        except OSError:
+            pass  # a full disk: the lock holds all the same
+        return fd
     fd = os.open(out_dir, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        raise UserError(
-            f"another fineweb.py is writing to {out_dir}: wait for it to finish, or use another --out-dir"
-        ) from None
+        raise UserError(refused) from None
     return fd
+
+
+def unlock_folder(out_dir, fd):
+    """Give lock_folder's lock back: its FOLDER_LOCK file removed if it made one, then closed."""
+    path = os.path.join(out_dir, FOLDER_LOCK)
+    try:
+        if os.path.samestat(os.fstat(fd), os.stat(path)):
+            os.remove(path)  # still held: no one else's
+    except OSError:
+        pass  # the folder itself was locked (no file), or Windows, which removes no open file
+    os.close(fd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -692,12 +722,15 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
     try:
         return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards)
     except UserError:
+        if lock is not None:
+            unlock_folder(out_dir, lock)
+            lock = None
         if created and not os.listdir(out_dir):
             os.rmdir(out_dir)  # refused before anything was written: leave no empty folder behind
         raise
     finally:
         if lock is not None:
-            os.close(lock)
+            unlock_folder(out_dir, lock)
 
 
 def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards):

@@ -1,4 +1,4 @@
-"""build-nanogpt's speed-up ladder, one change per rung, the rungs' losses checked against rung 1's."""
+"""build-nanogpt's speed-up ladder and this project's rungs past it, one change per rung, the losses checked."""
 
 import gc
 import json
@@ -6,6 +6,7 @@ import os
 import statistics
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -16,13 +17,14 @@ from benchmarks.report import fmt_stats
 from benchmarks.settings import ROOT, TRAIN_CONFIGS
 from benchmarks.timing import interleave, log, rates, stats
 from benchmarks.train import fits_in_memory, train_step_fn
+from chunked_loss import chunked_cross_entropy
 from support.common import write_atomic
 from support.machine import keep_freed_memory
 from support.precision import pick_dtype
 from train_gpt2 import GPT, GPTConfig
 
 # The reference run (build-nanogpt on one A100, 124M, B 16, T 1024): (tok/s, ms per step) at each
-# rung; rung 8 is its whole job on 8 GPUs.
+# rung; its rung 8, "DDP" here, is its whole job on 8 GPUs.
 LADDER_REFERENCE = {
     1: (16_300, 1000.0),
     2: (49_000, 333.0),
@@ -31,10 +33,11 @@ LADDER_REFERENCE = {
     5: (170_000, 97.0),
     6: (176_000, 93.0),
     7: (182_000, 90.0),
-    8: (1_500_000, None),
+    "DDP": (1_500_000, None),
 }
 
-# (rung, what it changes, the change's name): each rung keeps every change before it
+# (rung, what it changes, the change's name): each rung keeps every change before it. 1-7 are the
+# reference's; from 8 this project's, past its end point (rung 7 is build-nanogpt's configuration).
 LADDER_RUNGS = (
     (1, "fp32 baseline", None),
     (2, "TF32 matmuls", "tf32"),
@@ -43,7 +46,17 @@ LADDER_RUNGS = (
     (5, "flash attention (SDPA)", "sdpa"),
     (6, "vocab 50,257 padded to 50,304", "padded_vocab"),
     (7, "fused AdamW, GPT-3 parameter groups", "fused_adamw"),
+    (8, "LM head + cross-entropy fused in chunks of rows (no full logits)", "chunked_loss"),
+    (9, "larger micro-batch, same total batch", "bigger_B"),
+    (10, "cuDNN attention (SDPA backend)", "cudnn_attention"),
+    (11, 'compile mode "max-autotune-no-cudagraphs"', "autotune"),
+    (12, 'CUDA graphs (compile mode "max-autotune")', "cuda_graphs"),
 )
+# the rungs that run on CUDA only, and the ones that are compile settings (nothing without compile)
+LADDER_CUDA_ONLY = {"cudnn_attention", "autotune", "cuda_graphs"}
+LADDER_COMPILE_SETTINGS = {"autotune", "cuda_graphs"}
+LADDER_CHUNK_ROWS = 4096  # rung 8: rows of logits at a time; 4,096 x 50,304 in fp32 is 0.8 GB
+LADDER_MAX_B_FACTOR = 8  # rung 9 on CUDA: the micro-batch grows by up to 8x (B 16 -> 128) where it fits
 
 # How far a rung's loss may lie from rung 1's (fp32), at the same step from the same weights and
 # batches, by the lowest precision its matmuls run in (absolute, on losses near ln(50257) = 10.8).
@@ -85,6 +98,24 @@ class MaskedSoftmaxAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
+class ChunkedLossGPT(nn.Module):
+    """Rung 8's model: the GPT's hidden states, then the LM head and the loss fused in chunks of
+    rows (chunked_loss.chunked_cross_entropy), with the GPT's own tied lm_head weight. Training's
+    call only: it returns (None, loss), no logits."""
+
+    def __init__(self, gpt, chunk_rows=LADDER_CHUNK_ROWS):
+        super().__init__()
+        self.gpt, self.chunk_rows = gpt, chunk_rows
+
+    def forward(self, idx, targets):
+        x = self.gpt.hidden_states(idx)  # (B, T, n_embd)
+        w = self.gpt.lm_head.weight
+        return None, chunked_cross_entropy(x.view(-1, x.size(-1)), w, targets.reshape(-1), self.chunk_rows)
+
+    def configure_optimizers(self, *args, **kwargs):
+        return self.gpt.configure_optimizers(*args, **kwargs)
+
+
 def ladder_config(name, device_type):
     """(config name, n_layer/n_head/n_embd/T/B): the 124M model at the reference's B 16 on CUDA;
     elsewhere the smaller TRAIN_CONFIGS entry the run names (the gpt2 one takes too long there)."""
@@ -110,7 +141,7 @@ def ladder_gpt_config(c, vocab_size):
 
 def ladder_model(changes, base_state, c, device):
     """A rung's model: base_state's weights (the padded vocabulary's extra rows zero), with the
-    masked-softmax attention unless the rung has flash attention."""
+    masked-softmax attention unless the rung has flash attention, the chunked loss from rung 8."""
     vocab = 50304 if "padded_vocab" in changes else 50257
     state = {k: v.clone() for k, v in base_state.items()}
     wte = base_state["lm_head.weight"]
@@ -121,7 +152,7 @@ def ladder_model(changes, base_state, c, device):
     if "sdpa" not in changes:
         for block in model.transformer.h:
             block.attn = MaskedSoftmaxAttention(block.attn, c["T"])
-    return model
+    return ChunkedLossGPT(model) if "chunked_loss" in changes else model
 
 
 def ladder_half(device_type):
@@ -130,11 +161,42 @@ def ladder_half(device_type):
     return torch.float16 if device_type == "cuda" and pick_dtype("auto", "cuda")[0] == "float16" else torch.bfloat16
 
 
-def ladder_step(changes, base_state, c, B, data_dir, device, device_type):
+def compile_mode(changes):
+    """torch.compile's mode for a rung: max-autotune (CUDA graphs and autotuned kernels) from rung
+    12, its no-cudagraphs variant at rung 11, the default before."""
+    if "cuda_graphs" in changes:
+        return "max-autotune"
+    return "max-autotune-no-cudagraphs" if "autotune" in changes else None
+
+
+def attention_backend(changes):
+    """The SDPA backends a rung's steps may use: cuDNN's only from rung 10, any (torch's pick) before."""
+    if "cudnn_attention" not in changes:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+
+
+def cudnn_attention_unavailable(device):
+    """Why cuDNN's SDPA backend cannot run here, or None: asked of torch with a small causal bf16 call."""
+    if torch.device(device).type != "cuda":
+        return "CUDA only (cuDNN's attention)"
+    try:
+        q = torch.randn(1, 2, 64, 64, device=device, dtype=torch.bfloat16)
+        with attention_backend({"cudnn_attention"}):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    except Exception as e:  # no cuDNN 9, a GPU before sm80, a torch without the backend
+        return f"cuDNN attention is unavailable here ({str(e).strip().splitlines()[0][:120]})"
+    return None
+
+
+def ladder_step(changes, base_state, c, B, data_dir, device, device_type, grad_accum_steps=1):
     """(step function, the list its losses go to) for a rung: train_gpt2's training step
-    (train_step_fn) on this rung's model, optimizer, precision and compile setting, reading the
-    same batches as every other rung. Each call sets the rung's fp32 matmul precision first, so
-    that rungs interleaved in one process each run at their own."""
+    (train_step_fn, grad_accum_steps micro-batches of B) on this rung's model, optimizer, precision,
+    attention backend and compile setting, reading the same batches as every other rung. Each call
+    sets the rung's fp32 matmul precision first, so that rungs interleaved in one process each run
+    at their own. On CUDA the step function's peak_bytes holds the most GPU memory a step held."""
     from train_gpt2 import DataLoaderLite
 
     model = ladder_model(changes, base_state, c, device)
@@ -143,16 +205,23 @@ def ladder_step(changes, base_state, c, B, data_dir, device, device_type):
     else:  # torch's AdamW as its users call it: every parameter decayed, one group, torch's default kernel
         optimizer = torch.optim.AdamW(model.parameters(), lr=LADDER_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     # static shapes, as in training: a rung with other shapes (vocab, B) gets its own graph, not a dynamic one
-    run = torch.compile(model, dynamic=False) if "compile" in changes else model
+    run = torch.compile(model, dynamic=False, mode=compile_mode(changes)) if "compile" in changes else model
     loader = DataLoaderLite(data_dir, "train", B, c["T"], shuffle=False, device=device)
-    step = train_step_fn(run, optimizer, loader, ladder_half(device_type) if "bf16" in changes else None)
+    half = ladder_half(device_type) if "bf16" in changes else None
+    step = train_step_fn(run, optimizer, loader, half, grad_accum_steps)
     precision = "high" if "tf32" in changes else "highest"
     losses = []
 
     def run_step():
         torch.set_float32_matmul_precision(precision)
-        losses.append(step().item())  # training reads each step's loss too
+        if device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with attention_backend(changes):
+            losses.append(step().item())  # training reads each step's loss too
+        if device_type == "cuda":
+            run_step.peak_bytes = max(run_step.peak_bytes, torch.cuda.max_memory_allocated(device))
 
+    run_step.peak_bytes = None if device_type != "cuda" else 0
     return run_step, losses
 
 
@@ -188,17 +257,21 @@ def compile_unavailable(s):
     return None
 
 
-def loss_check(losses, changes):
-    """{rung: (max |loss - rung 1's loss| over the steps, tolerance, agrees)}, each rung's losses
-    against rung 1's (fp32) step by step; the tolerance is that of the rung's lowest precision (bf16,
-    else TF32, else fp32), plus the padded vocabulary's allowance where it has one."""
+def loss_check(losses, changes, against=1):
+    """{rung: (max |loss - the other rung's loss| over the steps, tolerance, agrees)}, each rung's
+    losses against rung `against`'s (rung 1: fp32) step by step; the tolerance is that of the lower
+    precision of the two (bf16, else TF32, else fp32), plus the padded vocabulary's allowance where
+    one of them has it and the other not."""
     out = {}
+    ref = losses[against]
     for rung, values in losses.items():
-        if len(values) != len(losses[1]):
-            raise ValueError(f"rung {rung} ran {len(values)} steps, rung 1 {len(losses[1])}")
-        diff = max(abs(a - b) for a, b in zip(values, losses[1]))
-        tol = LADDER_LOSS_TOL[ladder_precision(changes[rung])]
-        tol += LADDER_PAD_ALLOWANCE if "padded_vocab" in changes[rung] else 0.0
+        if len(values) != len(ref):
+            raise ValueError(f"rung {rung} ran {len(values)} steps, rung {against} {len(ref)}")
+        diff = max(abs(a - b) for a, b in zip(values, ref))
+        tol = LADDER_LOSS_TOL[ladder_precision(changes[rung] | changes[against])]
+        tol += (
+            LADDER_PAD_ALLOWANCE if ("padded_vocab" in changes[rung]) != ("padded_vocab" in changes[against]) else 0.0
+        )
         out[rung] = (diff, tol, diff <= tol)
     return out
 
@@ -212,7 +285,7 @@ def ladder_precision(changes, half=torch.bfloat16):
 
 
 def ladder_ddp(n_proc, c, B, steps, data_dir, out_dir, device_type):
-    """Rung 8: train_gpt2.py itself under torchrun, one process per GPU, with rung 7's settings
+    """The DDP rung (the reference's rung 8): train_gpt2.py under torchrun, one process per GPU, rung 7's settings
     (bf16, compile, flash attention, padded vocabulary, fused AdamW) at B per GPU and no gradient
     accumulation. -> {tok/s of the whole job and per process (median over the steps after the
     first quarter, and at least 2, which compile and warm up), compile s}. On a CPU (gloo, fp32,
@@ -269,7 +342,7 @@ def ladder_ddp(n_proc, c, B, steps, data_dir, out_dir, device_type):
         cmd += ["--device", "cpu", "--dtype", "float32", "--no-compile"]
     r = subprocess.run([str(a) for a in cmd], capture_output=True, text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"rung 8 (torchrun train_gpt2.py) failed: {r.stderr.strip()[-800:]}")
+        raise RuntimeError(f"the DDP rung (torchrun train_gpt2.py) failed: {r.stderr.strip()[-800:]}")
     records = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl"))]
     steps_run = [rec for rec in records if "train_loss" in rec]
     skip = max(2, len(steps_run) // 4)
@@ -326,8 +399,8 @@ def ladder_png(result, path):
 def ladder_table(result):
     lines = [
         "| rung | what changes | tok/s [min–max] | ms per step | vs previous [paired min–max] | vs rung 1 "
-        "| A100 reference | loss vs rung 1 (tolerance) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| A100 reference | loss vs rung 1 (tolerance) | loss vs rung 7 (tolerance) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rungs"]:
         ref_tok, ref_ms = r["reference_tok_per_sec"], r["reference_ms"]
@@ -337,24 +410,28 @@ def ladder_table(result):
         # compile: the first step over a later one; a cache hit leaves ~0, and noise can make that negative
         change = r["change"] + (f" (compile {max(0, r['compile_s']):.0f} s)" if r.get("compile_s") is not None else "")
         if not r["measured"]:
-            lines.append(f"| {r['rung']} | {change} | not measured: {r['note']} |  |  |  | {ref} |  |")
+            lines.append(f"| {r['rung']} | {change} | not measured: {r['note']} |  |  |  | {ref} |  |  |")
             continue
         prev = ""
         if r.get("vs_previous") is not None:
             prev = f"{r['vs_previous']:.2f}x"
             if r.get("vs_previous_paired"):
                 prev += f" [{r['vs_previous_paired']['min']:.2f}–{r['vs_previous_paired']['max']:.2f}]"
-            if r.get("previous") != r["rung"] - 1 and isinstance(r["rung"], int):
+            if isinstance(r["rung"], int) and r.get("previous") != r["rung"] - 1:
                 prev += f" (over rung {r['previous']})"
         loss = ""
         if r.get("loss_max_abs_diff") is not None:
-            ok = "" if r["losses_agree"] else " **differs**"
+            ok = "" if r["loss_max_abs_diff"] <= r["loss_tol"] else " **differs**"
             loss = f"{r['loss_max_abs_diff']:.2g} (≤ {r['loss_tol']:g}){ok}"
+        loss7 = ""
+        if r.get("loss_vs_rung7_max_abs_diff") is not None:
+            ok = "" if r["loss_vs_rung7_max_abs_diff"] <= r["loss_vs_rung7_tol"] else " **differs**"
+            loss7 = f"{r['loss_vs_rung7_max_abs_diff']:.2g} (≤ {r['loss_vs_rung7_tol']:g}){ok}"
         note = f"; {r['note']}" if r.get("note") else ""
         ms = r["step_ms"]["median"]
         lines.append(
             f"| {r['rung']} | {change}{note} | {fmt_stats(r['tok_per_sec'], 'tok/s')} | {ms:,.1f} ms | {prev} "
-            f"| {r['vs_rung1']:.2f}x | {ref} | {loss} |"
+            f"| {r['vs_rung1']:.2f}x | {ref} | {loss} | {loss7} |"
         )
     return "\n".join(lines)
 
@@ -379,7 +456,11 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
         c["B"] = B
         del probe
         torch.cuda.empty_cache()
-    config_text = f"{name} config: {c['n_layer']} layers, {c['n_head']} heads, {c['n_embd']} wide, B {B}, T {T}"
+    accum = ladder_accum(base_state, c, B, device, device_type)  # rung 9's micro-batch is B * accum
+    config_text = (
+        f"{name} config: {c['n_layer']} layers, {c['n_head']} heads, {c['n_embd']} wide, B {B}, T {T}, "
+        f"{accum} micro-batches a step (rung 9: one of B {B * accum})"
+    )
     log(f"  ladder on {device}: {config_text}")
     before = torch.get_float32_matmul_precision()
     torch._dynamo.reset()
@@ -391,13 +472,25 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
     why = compile_unavailable(s)
     if why:
         skipped[4] = why
+    if device_type != "cuda":
+        skipped[10] = "CUDA only (cuDNN's attention backend)"
+        skipped[11] = "CUDA only (autotunes the GPU's GEMM and Triton kernels)"
+        skipped[12] = "CUDA only (CUDA graphs)"
+    else:
+        why10 = cudnn_attention_unavailable(device)
+        if why10:
+            skipped[10] = why10
+        for rung in (11, 12):
+            if 4 in skipped:
+                skipped[rung] = f"a compile setting, and this run has no compile (rung 4: {skipped[4]})"
 
     contenders, losses, changes, previous, last = {}, {}, {}, {}, None
     for rung, _, _ in LADDER_RUNGS:
         if rung in skipped:
             continue
         changes[rung] = change_set(rung, skipped)
-        step, losses[rung] = ladder_step(changes[rung], base_state, c, B, data_dir, device, device_type)
+        micro, n = (B * accum, 1) if "bigger_B" in changes[rung] else (B, accum)
+        step, losses[rung] = ladder_step(changes[rung], base_state, c, micro, data_dir, device, device_type, n)
         contenders[f"rung {rung}"] = step
         previous[rung], last = last, rung
     warmup, rounds = s["ladder_rounds" if device_type == "cpu" else "ladder_rounds_cuda"]
@@ -405,12 +498,12 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
         times, first = interleave(contenders, warmup, rounds, device_type, f"ladder {name} B{B} T{T}")
     finally:
         torch.set_float32_matmul_precision(before)
-    checks = loss_check(losses, changes)
-    tok = {k: rates(B * T, times[f"rung {k}"]) for k in losses}
+    checks, checks7 = loss_check(losses, changes), loss_check(losses, changes, against=7)
+    tok = {k: rates(accum * B * T, times[f"rung {k}"]) for k in losses}
 
     rungs = []
     for rung, what, change in LADDER_RUNGS:
-        ref_tok, ref_ms = LADDER_REFERENCE[rung]
+        ref_tok, ref_ms = LADDER_REFERENCE.get(rung, (None, None))  # none past the reference's rung 7
         if change == "bf16" and half == torch.float16:
             what = "fp16 autocast + GradScaler (this GPU has no native bf16)"
         row = {"rung": rung, "change": what, "reference_tok_per_sec": ref_tok, "reference_ms": ref_ms}
@@ -429,11 +522,21 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
             row["compile_s"] = first[f"rung {rung}"] - statistics.median(secs)
         row.update(losses=losses[rung], loss_precision=ladder_precision(changes[rung], half), loss_max_abs_diff=diff)
         row.update(loss_tol=tol, losses_agree=agree)
+        row.update(
+            B=B * accum if "bigger_B" in changes[rung] else B,
+            grad_accum_steps=1 if "bigger_B" in changes[rung] else accum,
+        )
+        if contenders[f"rung {rung}"].peak_bytes is not None:
+            row["peak_memory_gib"] = contenders[f"rung {rung}"].peak_bytes / 2**30
+        if rung > 7:  # this project's rungs: against build-nanogpt's end point too
+            diff7, tol7, agree7 = checks7[rung]
+            row.update(loss_vs_rung7_max_abs_diff=diff7, loss_vs_rung7_tol=tol7, losses_agree=agree and agree7)
         rungs.append(row)
     del contenders
     gc.collect()
 
-    # the recipe's B 64 (CUDA): rung 7 at B 64 against rung 7 at B 16, interleaved on their own
+    # the recipe's B 64 (CUDA): rung 7 at B 64 against rung 7 at B 16, interleaved on their own (row after rung 7's)
+    after7 = next(i for i, r in enumerate(rungs) if r["rung"] == 7) + 1
     if device_type == "cuda" and name == "gpt2":
         row = {"rung": "7+", "change": "the recipe's B 64", "reference_tok_per_sec": None, "reference_ms": None}
         torch.cuda.empty_cache()
@@ -463,9 +566,10 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
             torch.cuda.empty_cache()
         else:
             row.update(measured=False, note="B 64 does not fit in this GPU's memory")
-        rungs.append(row)
+        rungs.insert(after7, row)
     else:
-        rungs.append(
+        rungs.insert(
+            after7,
             {
                 "rung": "7+",
                 "change": "the recipe's B 64",
@@ -473,16 +577,21 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
                 "reference_ms": None,
                 "measured": False,
                 "note": "CUDA and the gpt2 config only",
-            }
+            },
         )
     torch._dynamo.reset()
     torch.set_float32_matmul_precision(before)
 
-    # rung 8: every GPU of this machine, through torchrun (this process's cached blocks handed back first)
+    # DDP (the reference's rung 8): every GPU here, through torchrun (this process's cached blocks handed back first)
     gc.collect()
     if device_type == "cuda":
         torch.cuda.empty_cache()
-    row = {"rung": 8, "change": "DDP over every visible GPU", "reference_tok_per_sec": 1_500_000, "reference_ms": None}
+    row = {
+        "rung": "DDP",
+        "change": "DDP over every visible GPU",
+        "reference_tok_per_sec": 1_500_000,
+        "reference_ms": None,
+    }
     n_gpus = torch.cuda.device_count() if device_type == "cuda" else 0
     if n_gpus > 1:
         r8 = ladder_ddp(n_gpus, c, B, 40, data_dir, os.path.join(tmp, "ladder_ddp"), device_type)
@@ -506,7 +615,7 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
 
     result = {
         "config_name": name,
-        "config": {**c, "vocab_size": "50257 (rungs 1-5), 50304 (6-7)"},
+        "config": {**c, "vocab_size": "50257 (rungs 1-5), 50304 (from 6)", "grad_accum_steps": accum},
         "config_text": config_text,
         "device": device_name,
         "steps_per_rung": warmup + rounds,
@@ -515,8 +624,9 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
         "losses_agree": all(r.get("losses_agree", True) for r in rungs),
         "rungs": rungs,
     }
+    result["headline"] = ladder_headline(rungs, device_type)
     if not result["losses_agree"]:
-        log("  ladder: WARNING: a rung's loss differs from rung 1's beyond its precision's tolerance (see the table)")
+        log("  ladder: WARNING: a rung's loss differs from rung 1's or 7's beyond its tolerance (see the table)")
     result["table"] = ladder_table(result)
     try:
         ladder_png(result, png)
@@ -525,6 +635,36 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
         result["png"] = None
         log(f"  ladder: no picture ({e}): pip install matplotlib")
     return result, []
+
+
+def ladder_accum(base_state, c, B, device, device_type):
+    """How many micro-batches of B each rung's step takes, rung 9 taking them as one: 2 on a CPU;
+    on CUDA the largest power of 2 up to LADDER_MAX_B_FACTOR at which rung 9's model (the chunked
+    loss, bf16) fits one micro-batch of B times it, where the full logits no longer take memory."""
+    if device_type != "cuda":
+        return 2
+    probe = ladder_model(change_set(9, {}), base_state, c, device)
+    accum = LADDER_MAX_B_FACTOR
+    while accum > 2 and not fits_in_memory([probe], B * accum, c["T"], ladder_half(device_type), device):
+        log(f"  ladder: rung 9's B {B * accum} does not fit in GPU memory, trying half")
+        accum //= 2
+    del probe
+    torch.cuda.empty_cache()
+    return accum
+
+
+def ladder_headline(rungs, device_type):
+    """The final measured rung over rung 7 (build-nanogpt's configuration), ratio of median tok/s."""
+    measured = [r for r in rungs if r["measured"] and isinstance(r["rung"], int)]
+    final, seven = measured[-1], next(r for r in rungs if r["rung"] == 7)
+    ratio = final["tok_per_sec"]["median"] / seven["tok_per_sec"]["median"]
+    where = "" if device_type == "cuda" else f" ({device_type.upper()}: not a GPU measurement)"
+    return {
+        "final_rung": final["rung"],
+        "over_rung7": ratio,
+        "device_type": device_type,
+        "text": f"final rung {final['rung']} over rung 7 (build-nanogpt's configuration): {ratio:.2f}x{where}",
+    }
 
 
 def change_set(rung, skipped):

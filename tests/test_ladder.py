@@ -1,7 +1,8 @@
 """bench.py's speed-up ladder: each rung trains the same model on the same batches, so the rungs'
 losses agree within what their precision allows; a rung that computes something else is caught;
-`bench.py --tiny --only ladder` prints the table and writes the JSON and the picture; rung 8 runs
-train_gpt2.py under torchrun. No speed is asserted: CI machines vary."""
+`bench.py --tiny --only ladder` prints the table and writes the JSON and the picture; the DDP rung
+runs train_gpt2.py under torchrun; rung 8's chunked loss equals F.cross_entropy without the full
+logits. No speed is asserted: CI machines vary."""
 
 import json
 import os
@@ -12,6 +13,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fineweb
 from benchmarks.ladder import (
@@ -24,6 +27,7 @@ from benchmarks.ladder import (
     ladder_step,
     loss_check,
 )
+from chunked_loss import chunked_cross_entropy
 from conftest import ROOT
 from train_gpt2 import GPT, GPTConfig
 
@@ -38,12 +42,14 @@ def shard_dir(tmp_path):
     return str(tmp_path)
 
 
-def run_rungs(rungs, shard_dir, steps=4):
-    """{rung: losses of `steps` training steps} from the same base weights and batches."""
+def run_rungs(rungs, shard_dir, steps=4, accum=1):
+    """{rung: losses of `steps` training steps} from the same base weights and batches, each step
+    `accum` micro-batches of B (a rung with the bigger micro-batch: one of B * accum), as bench.py runs them."""
     base = ladder_base_state(TINY)
     losses = {}
     for rung, changes in rungs.items():
-        step, losses[rung] = ladder_step(changes, base, TINY, TINY["B"], shard_dir, "cpu", "cpu")
+        B, n = (TINY["B"] * accum, 1) if "bigger_B" in changes else (TINY["B"], accum)
+        step, losses[rung] = ladder_step(changes, base, TINY, B, shard_dir, "cpu", "cpu", n)
         for _ in range(steps):
             step()
     return losses
@@ -159,7 +165,7 @@ def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
     rungs = {row["rung"]: row for row in ladder["rungs"]}
-    assert list(rungs) == [1, 2, 3, 4, 5, 6, 7, "7+", 8]
+    assert list(rungs) == [1, 2, 3, 4, 5, 6, 7, "7+", 8, 9, 10, 11, 12, "DDP"]
     assert len(ladder["table"].splitlines()) == 2 + len(rungs)
     # the reference's A100 figures, tok/s and ms per step
     reference = [
@@ -172,10 +178,11 @@ def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
         (182_000, 90),
     ]
     assert [(rungs[k]["reference_tok_per_sec"], rungs[k]["reference_ms"]) for k in range(1, 8)] == reference
-    assert rungs[8]["reference_tok_per_sec"] == 1_500_000
+    assert rungs["DDP"]["reference_tok_per_sec"] == 1_500_000
+    assert all(rungs[k]["reference_tok_per_sec"] is None for k in range(8, 13))  # past the reference
 
     # what does not run here says why: TF32 only where it changes an fp32 matmul (asked of torch
-    # directly), compile off in --tiny, B 64 and DDP on CUDA only
+    # directly), compile off in --tiny, B 64, DDP and rungs 10-12 on CUDA only
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     plain = a @ b
     torch.set_float32_matmul_precision("high")
@@ -186,20 +193,23 @@ def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
     if not tf32_changes_mm:
         assert not rungs[2]["measured"] and "no effect" in rungs[2]["note"]
     assert not rungs[4]["measured"] and "compile is off" in rungs[4]["note"]
-    assert not rungs["7+"]["measured"] and not rungs[8]["measured"] and "no GPUs" in rungs[8]["note"]
+    assert not rungs["7+"]["measured"] and not rungs["DDP"]["measured"] and "no GPUs" in rungs["DDP"]["note"]
+    for k in (10, 11, 12):
+        assert not rungs[k]["measured"] and rungs[k]["note"].startswith("CUDA only (")
     for k, row in rungs.items():
         if not row["measured"]:
             assert f"| {k} | {row['change']} | not measured: {row['note']} |" in ladder["table"]
 
-    measured = [k for k in range(1, 8) if rungs[k]["measured"]]
-    assert {1, 3, 5, 6, 7} <= set(measured)
+    measured = [k for k in range(1, 13) if rungs[k]["measured"]]
+    assert {1, 3, 5, 6, 7, 8, 9} <= set(measured)
     median1 = rungs[1]["tok_per_sec"]["median"]
     for prev, k in zip([None] + measured, measured):
         row = rungs[k]
-        # 1 warm-up + 3 measured steps of B 2 x T 32 = 64 tokens
+        # 1 warm-up + 3 measured steps of 2 micro-batches of B 2 x T 32 (rung 9: one of B 4) = 128 tokens
+        assert (row["B"], row["grad_accum_steps"]) == ((4, 1) if k == 9 else (2, 2))
         assert row["step_ms"]["n"] == row["tok_per_sec"]["n"] == 3 and len(row["losses"]) == 4
-        assert row["tok_per_sec"]["max"] == pytest.approx(64 / (row["step_ms"]["min"] / 1000))
-        assert row["tok_per_sec"]["median"] == pytest.approx(64 / (row["step_ms"]["median"] / 1000))  # 3 rounds: odd
+        assert row["tok_per_sec"]["max"] == pytest.approx(128 / (row["step_ms"]["min"] / 1000))
+        assert row["tok_per_sec"]["median"] == pytest.approx(128 / (row["step_ms"]["median"] / 1000))  # 3 rounds: odd
         assert row["vs_rung1"] == pytest.approx(row["tok_per_sec"]["median"] / median1)
         assert row["previous"] == prev
         if prev is not None:
@@ -210,10 +220,22 @@ def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
         assert statistics.fmean(row["losses"]) == pytest.approx(np.log(50257), abs=0.2)
     assert rungs[3]["loss_precision"] == "bf16" and rungs[1]["loss_max_abs_diff"] == 0
     assert ladder["losses_agree"]
+    # this project's rungs are checked against rung 7 too, at bf16's tolerance (both padded)
+    for k in (8, 9):
+        assert rungs[k]["loss_vs_rung7_max_abs_diff"] <= rungs[k]["loss_vs_rung7_tol"] == LADDER_LOSS_TOL["bf16"]
+        assert rungs[k]["loss_vs_rung7_max_abs_diff"] == max(
+            abs(a - b) for a, b in zip(rungs[k]["losses"], rungs[7]["losses"])
+        )
+    assert "loss_vs_rung7_max_abs_diff" not in rungs[7]
+    # the headline: the last rung measured over rung 7, said to be a CPU number
+    head = ladder["headline"]
+    assert head["final_rung"] == 9 and head["device_type"] == "cpu"
+    assert head["over_rung7"] == pytest.approx(rungs[9]["tok_per_sec"]["median"] / rungs[7]["tok_per_sec"]["median"])
+    assert head["text"] in r.stdout and "CPU: not a GPU measurement" in head["text"]
 
 
 def test_ddp_rung_runs_train_gpt2_under_torchrun(tmp_path, shard_dir):
-    """Rung 8's command, on 2 CPU processes (gloo): the job's tok/s is its batch over each step's time."""
+    """The DDP rung's command, on 2 CPU processes (gloo): the job's tok/s is its batch over each step's time."""
     r8 = ladder_ddp(2, TINY, 2, 6, shard_dir, str(tmp_path / "ddp"), "cpu")
     assert r8["processes"] == 2 and r8["steps"] == 6 and r8["steps_dropped"] == 2
     records = [json.loads(line) for line in open(tmp_path / "ddp" / "log.jsonl")]
@@ -236,3 +258,112 @@ def test_rung_3_is_fp16_on_a_gpu_without_native_bf16(monkeypatch, capability, ha
 
 def test_rung_3_is_bf16_on_a_cpu():
     assert ladder_half("cpu") == torch.bfloat16
+
+
+def chunked_and_full(N, C, V, chunk_rows, half=None, grad_scale=1.0):
+    """(loss, grad h, grad W) of chunked_cross_entropy and of F.cross_entropy on the full logits (as
+    GPT.forward computes them: nn.Linear under autocast, then fp32), on the same random inputs."""
+    torch.manual_seed(0)
+    h0, w0, y = torch.randn(N, C), 0.1 * torch.randn(V, C), torch.randint(0, V, (N,))
+    out = []
+    for fn in (
+        lambda h, w: chunked_cross_entropy(h, w, y, chunk_rows),
+        lambda h, w: F.cross_entropy(F.linear(h, w).float(), y),
+    ):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
+            loss = fn(h, w)
+        (grad_scale * loss).backward()
+        out.append((loss.detach(), h.grad, w.grad))
+    return out
+
+
+@pytest.mark.parametrize("chunk_rows", [8, 37, 1000])  # 8 does not divide the 37 rows; 1000 is one chunk
+def test_chunked_loss_is_cross_entropy_in_fp32(chunk_rows):
+    """Rung 8's loss and both its gradients are F.cross_entropy's on the full logits, in fp32 to
+    rounding; the gradients follow the loss's own gradient (here 3, as a scaled fp16 loss has)."""
+    (loss, gh, gw), (ref, rh, rw) = chunked_and_full(37, 16, 101, chunk_rows, grad_scale=3.0)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(gh, rh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-7)
+    assert gh.dtype == gw.dtype == torch.float32
+
+
+def test_chunked_loss_is_cross_entropy_under_bf16_autocast():
+    """Under bf16 autocast the chunked loss's matmuls run in bf16 as nn.Linear's do, its softmax in
+    fp32: the loss agrees to fp32 rounding of the same bf16 logits, the gradients to a few bf16
+    roundings (8-bit mantissa: 2**-8 relative each; W's gradient is summed over 5 chunks here)."""
+    (loss, gh, gw), (ref, rh, rw) = chunked_and_full(37, 16, 101, 8, half=torch.bfloat16)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-5)
+    for got, want in ((gh, rh), (gw, rw)):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=4 * 2**-8 * want.abs().max().item())
+    # and bf16 is what ran: the fp32 loss on the same inputs differs by more than fp32 rounding
+    (fp32_loss, _, _), _ = chunked_and_full(37, 16, 101, 8)
+    assert abs(fp32_loss - loss) > 1e-5
+
+
+class LargestOutputs(TorchDispatchMode):
+    """Records the shape of every tensor any aten op returns (forward and backward alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("half", [None, torch.bfloat16])
+def test_chunked_loss_never_makes_the_full_logits(half):
+    """No op in the chunked loss's forward or backward returns more than chunk_rows rows of logits;
+    the full cross-entropy, watched the same way, makes (rows, vocab) tensors."""
+    N, C, V, chunk = 40, 8, 97, 16
+    torch.manual_seed(0)
+    y = torch.randint(0, V, (N,))
+    seen = {}
+    for name, fn in (("chunked", lambda h, w: chunked_cross_entropy(h, w, y, chunk)), ("full", None)):
+        fn = fn or (lambda h, w: F.cross_entropy(F.linear(h, w).float(), y))
+        h, w = torch.randn(N, C, requires_grad=True), torch.randn(V, C, requires_grad=True)
+        with LargestOutputs() as watch, torch.autocast("cpu", dtype=torch.bfloat16, enabled=half is not None):
+            fn(h, w).backward()
+        seen[name] = [s for s in watch.shapes if len(s) == 2 and s[1] == V]  # logits-like: (rows, vocab)
+    assert (N, V) in seen["full"]  # the watch sees the full logits where they are made
+    assert seen["chunked"] and max(rows for rows, _ in seen["chunked"]) == chunk
+
+
+def test_project_rungs_compute_the_same_loss_as_rungs_1_and_7(shard_dir):
+    """Rung 8 (chunked loss) and rung 9 (one micro-batch of 2B instead of 2 of B: the same total
+    batch) train to rung 7's losses, in fp32 to rounding and in bf16 within its tolerance; and each
+    against rung 1 as bench.py checks them."""
+    r7 = {"sdpa", "padded_vocab", "fused_adamw"}
+    rungs = {
+        1: set(),
+        7: r7 | {"bf16"},
+        8: r7 | {"bf16", "chunked_loss"},
+        9: r7 | {"bf16", "chunked_loss", "bigger_B"},
+        "7 fp32": r7,
+        "8 fp32": r7 | {"chunked_loss"},
+        "9 fp32": r7 | {"chunked_loss", "bigger_B"},
+    }
+    losses = run_rungs(rungs, shard_dir, steps=3, accum=2)
+    for against in (1, 7):
+        checks = loss_check(losses, rungs, against)
+        assert all(agree for _, _, agree in checks.values()), (against, checks)
+    assert max(abs(a - b) for a, b in zip(losses["8 fp32"], losses["7 fp32"])) < 1e-5
+    assert max(abs(a - b) for a, b in zip(losses["9 fp32"], losses["8 fp32"])) < 1e-5
+    assert len(set(losses[9])) == 3  # the steps learn
+
+
+def test_bigger_micro_batch_is_checked_at_the_same_total_batch(shard_dir):
+    """Rung 9 at B 4 agrees with 2 micro-batches of B 2 (the same 4 rows), not with one of B 2."""
+    fp32 = {"sdpa", "padded_vocab", "fused_adamw", "chunked_loss"}
+    two = run_rungs({8: fp32, 9: fp32 | {"bigger_B"}}, shard_dir, steps=2, accum=2)
+    one = run_rungs({8: fp32}, shard_dir, steps=2, accum=1)
+    assert two[9] == pytest.approx(two[8], abs=1e-5)
+    assert abs(one[8][1] - two[9][1]) > 1e-4  # a different batch: another loss

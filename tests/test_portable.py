@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tiktoken
 
+import fineweb
 import hellaswag
 import train_gpt2
 from conftest import ROOT, assert_one_line_error, random_shards, read_log, tiny_args
@@ -227,6 +228,43 @@ def test_fineweb_input_writes_the_tokens_of_the_text(tmp_path, posix_less, share
     assert len(shards) >= 2 and shards[0].name == "t_val_000000.npy"
     enc = tiktoken.get_encoding("gpt2")  # the reference: tiktoken itself, EOT before the document
     assert np.concatenate([np.load(p) for p in shards]).tolist() == [enc.eot_token, *enc.encode_ordinary(text)]
+
+
+HOLD_THE_FOLDER = """
+import sys
+import fineweb
+
+lock = fineweb.lock_folder(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()  # until the test closes it
+fineweb.unlock_folder(sys.argv[1], lock)
+"""
+
+
+def test_fineweb_into_a_folder_another_fineweb_holds_is_refused(tmp_path, posix_less, shared_data):
+    env, ran_without_them = posix_less
+    out = tmp_path / "shards"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_FOLDER, str(out)],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = sorted(os.listdir(out))
+        r = run(env, "--input", shared_data / "tinyshakespeare" / "input.txt", "--out-dir", out, script="fineweb.py")
+        assert_one_line_error(r, f"another fineweb.py is writing to {out}: wait for it to finish")
+        ran_without_them(r.pid)
+        assert sorted(os.listdir(out)) == before == [fineweb.FOLDER_LOCK]
+        holder.communicate("", timeout=60)
+    finally:
+        holder.kill()
+    ran_without_them(holder.pid, lock="exclusive file")
+    assert os.listdir(out) == []  # given back: the folder as it was
 
 
 def test_hellaswag_scores_as_with_them(short_run, posix_less, shared_data, capsys):
