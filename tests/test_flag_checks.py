@@ -1,9 +1,9 @@
-"""Every refusal in the flag checks (support/checks.py: check_args, check_device, check_data,
-check_model_fits) has a case of its own here, with the one line it says; a new refusal without a
-case fails test_every_refusal_has_a_case. Numbers are refused where the code cannot use them (a
---ddp-timeout c10d cannot wait, a --vocab-size no shard can reach, a model no memory holds), under
-torchrun too, and a flag argparse cannot parse is one `error:` line in every script, not the usage
-before it."""
+"""Every refusal in the flag and data checks (support/checks.py: check_args, check_device,
+check_data, check_model_fits, find_shards and the shard checks) has a case of its own here, with
+the one line it says; a new refusal without a case fails test_every_refusal_has_a_case. Numbers
+are refused where the code cannot use them (a --ddp-timeout c10d cannot wait, a --vocab-size no
+shard can reach, a model no memory holds), under torchrun too, and a flag argparse cannot parse is
+one `error:` line in every script, not the usage before it."""
 
 import ast
 import importlib
@@ -22,15 +22,21 @@ import pytest
 import train_gpt2
 from conftest import ROOT, assert_one_line_error, cli, random_shards, tiny_args
 from support import checks
-from support.checks import check_data, check_device
+from support.checks import (
+    check_batch_fits,
+    check_data,
+    check_device,
+    check_same_data,
+    check_same_shards,
+    check_token_ids,
+    find_shards,
+)
 from support.common import UserError
 
-CHECKED = (
-    "check_args",
-    "check_device",
-    "check_data",
-    "check_model_fits",
-)  # the functions whose every refusal has a case
+# the functions whose every refusal has a case (check_fineweb_finished's need fineweb.py's own
+# manifests and journals: tests/test_ownership.py and tests/test_edges.py make them)
+CHECKED = ("check_args", "check_device", "check_data", "check_model_fits", "find_shards", "check_batch_fits")
+CHECKED += ("check_same_shards", "check_same_data", "check_token_ids")
 
 
 def no_warmup(*extra):
@@ -55,6 +61,27 @@ def data_check(tokens_per_epoch=10_000, val=1000, **flags):
     args.update(flags)
     val_tokens = None if val is None else np.zeros(val, dtype=np.uint16)
     return lambda tmp: check_data(SimpleNamespace(**args), tokens_per_epoch, val_tokens, True)
+
+
+def folder(tmp, name, *files):
+    """tmp/name holding empty files of these names; its path as a string."""
+    (tmp / name).mkdir(parents=True)
+    for file in files:
+        (tmp / name / file).write_bytes(b"")
+    return str(tmp / name)
+
+
+def same_data(**now):
+    """check_same_data of a run's one train shard (s_train_000001.npy, 100 bytes) against `now`."""
+    saved = {"train": [["s_train_000001.npy", 100, "d1"]], "val": []}
+    return lambda tmp: check_same_data(saved, {"train": now.get("train", []), "val": []}, "c.pt", "shards")
+
+
+def not_the_data(what):
+    return (
+        f"--data-dir shards is not the data c.pt was trained on: {what}; resume on the run's own shards, or start "
+        f"a new run from its weights with --init-from c.pt in a new --out-dir"
+    )
 
 
 def positive(flag, name):
@@ -179,6 +206,62 @@ CASES = {
         "no val shard (*_val_NNNNNN.npy or .bin) with 17 tokens in shards: fineweb.py writes one (its shard 0), or "
         "pass --eval-every 0 to train without val loss",
     ),
+    "--data-dir a file": (
+        lambda tmp: find_shards(folder(tmp, "d", "notes.txt") + "/notes.txt", "train"),
+        lambda tmp: (
+            f"--data-dir {tmp}/d/notes.txt is a file, not a folder of shards: pass the folder that holds the "
+            f"shards, or tokenize a text file with `python fineweb.py --input {tmp}/d/notes.txt --out-dir DIR` "
+            f"and pass --data-dir DIR"
+        ),
+    ),
+    "--data-dir missing": (
+        lambda tmp: find_shards(str(tmp / "none"), "train"),
+        lambda tmp: f"data folder {tmp}/none does not exist: write shards with fineweb.py or pass --data-dir",
+    ),
+    ".npy and .bin shards": (
+        lambda tmp: find_shards(folder(tmp, "d", "a_train_000001.npy", "a_train_000002.bin"), "train"),
+        lambda tmp: f"{tmp}/d holds both .npy and .bin train shards: keep one format",
+    ),
+    "no train shards": (
+        lambda tmp: find_shards(folder(tmp, "d", "a_val_000000.npy"), "train", required=True),
+        lambda tmp: (
+            f"no train shards (*_train_NNNNNN.npy or .bin) in {tmp}/d: write them with `python fineweb.py` "
+            f"or pass --data-dir"
+        ),
+    ),
+    "no shard holds a batch": (
+        lambda tmp: check_batch_fits(0, [40, 60], 64, "shards", "train"),
+        "the largest train shard in shards holds 60 tokens, fewer than the 65 that one batch (B*T*world_size + 1) "
+        "needs: lower --batch-size or --seq-len, or write bigger shards (fineweb.py --shard-size)",
+    ),
+    "other shards than the checkpoint's": (
+        lambda tmp: check_same_shards(["a_train_000001.npy"], ["b_train_000001.npy", "b_train_000002.npy"]),
+        "the checkpoint's data position refers to 1 shards (a_train_000001.npy, ...), but the data folder holds 2 "
+        "others: resume with the same shards, or start a new run from its weights with --init-from",
+    ),
+    "a shard of the run missing": (same_data(), not_the_data("s_train_000001.npy is missing")),
+    "a shard the run did not have": (
+        same_data(train=[["s_train_000001.npy", 100, "d1"], ["s_train_000002.npy", 100, "d2"]]),
+        not_the_data("s_train_000002.npy is new (the run's data had no such shard)"),
+    ),
+    "a shard of another size": (
+        same_data(train=[["s_train_000001.npy", 2000, "d1"]]),
+        not_the_data("s_train_000001.npy is 2,000 bytes, the run's was 100"),
+    ),
+    "a shard of other tokens": (
+        same_data(train=[["s_train_000001.npy", 100, "other"]]),
+        not_the_data("s_train_000001.npy holds other tokens than the run's (the same size)"),
+    ),
+    "a token id past the vocabulary": (
+        lambda tmp: check_token_ids(np.array([5, 60000], dtype=np.uint16), 50304, "s.npy"),
+        "s.npy: token id 60000 is not below the model's vocab_size 50304: written with another tokenizer? rewrite "
+        "it with fineweb.py",
+    ),
+    "a recorded token id past the vocabulary": (
+        lambda tmp: check_token_ids(np.array([5], dtype=np.uint16), 50257, "s.npy", max_id=50300),
+        "s.npy: token id 50300 is not below the model's vocab_size 50257: written with another tokenizer? rewrite "
+        "it with fineweb.py",
+    ),
 }
 
 
@@ -200,6 +283,7 @@ def refusal(case, tmp_path):
 def test_each_refusal_is_its_one_line(name, tmp_path):
     case, expected = CASES[name]
     message, _ = refusal(case, tmp_path)
+    expected = expected(tmp_path) if callable(expected) else expected
     assert expected.fullmatch(message) if isinstance(expected, re.Pattern) else message == expected, message
     assert not (tmp_path / "out").exists()  # refused before --out-dir is made
 
