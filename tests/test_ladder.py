@@ -153,7 +153,7 @@ def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "bench.py"), "--tiny", "--only", "ladder", "--out", str(out)]
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # 14 rows, 7 run
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert list(report["sections"]) == ["ladder"] and report["rows"] == []
