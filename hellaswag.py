@@ -57,6 +57,7 @@ from fineweb import get_tokenizer
 from support.checkpoints import fence
 from support.common import ArgumentParser, UserError, first_line, offline_var, run_cli, unreachable, write_atomic
 from support.machine import keep_freed_memory
+from support.precision import AUTOCAST_DTYPES, pick_dtype
 
 NUM_VAL = 10042
 HUB_DATASET = "Rowan/hellaswag"  # split "validation": the same rows, with label as a string
@@ -619,7 +620,8 @@ def main(argv=None):
         "--dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16", "float16"),
-        help="autocast dtype (default auto: bfloat16 on CUDA, as training uses; float32 elsewhere)",
+        help="autocast dtype (default auto, as training picks: bfloat16 on GPUs with native bf16, float16 on "
+        "older ones, float32 elsewhere)",
     )
     args = p.parse_args(argv)
 
@@ -635,8 +637,8 @@ def main(argv=None):
         keep_freed_memory()  # as a CPU training run evaluates, so that the two take the same time
     prepared = prepare(examples, get_tokenizer())
     model = load_model(args.model, device).eval()
-    dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device_type == "cuda" else "float32"
-    autocast_dtype = None if dtype == "float32" else getattr(torch, dtype)
+    dtype, _ = pick_dtype(args.dtype, device_type)  # what training picks on this machine
+    autocast_dtype = AUTOCAST_DTYPES[dtype]
     counts = evaluate(
         model, prepared, device, autocast_dtype=autocast_dtype, progress=True, batch_tokens=args.batch_tokens
     )
