@@ -26,6 +26,7 @@ def run_bench(*args, cwd, env=None):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_tiny_bench_writes_table_and_json(tmp_path, shared_data):
     pq = pytest.importorskip("pyarrow.parquet")  # the fineweb section reads the parquet sample
     out = tmp_path / "bench.json"

@@ -141,6 +141,7 @@ def step_records(out):
     return sum('"train_loss"' in line for line in open(out / "log.jsonl")) if (out / "log.jsonl").exists() else 0
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path):
     data = random_shards(tmp_path / "data", train_lengths=(200, 250))  # 2 epochs: the shuffle is resumed too
     steps_args = ("--max-steps", 12, "--ckpt-every", 2, "--keep-ckpts", 2, "--eval-every", 3)
@@ -321,6 +322,7 @@ def nonfinite_at(monkeypatch, factors, grad_accum_steps=2):
     monkeypatch.setattr(train_gpt2.GPT, "forward", scaled)
 
 
+@pytest.mark.slow
 def test_training_outlives_its_closed_stdout(tmp_path):
     """`python train_gpt2.py ... | tee train.log`, and tee dies with the ssh session: the prints
     meet a closed pipe. The run must go on to its last step (its record is log.jsonl and the
@@ -463,6 +465,7 @@ def assert_run_left_whole(out):
     assert ckpt["world_size"] == 2 and set(ckpt["model"]) == set(train_gpt2.load_model(str(newest)).state_dict())
 
 
+@pytest.mark.slow
 def test_ddp_rank_killed_ends_torchrun_quickly(tmp_path):
     # the dead rank's sockets close: gloo fails the other rank's collective, torchrun stops the rest
     returncode, waited, output = hit_rank_1(tmp_path, signal.SIGKILL, "--ckpt-every", 2)
@@ -470,6 +473,7 @@ def test_ddp_rank_killed_ends_torchrun_quickly(tmp_path):
     assert_run_left_whole(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_ddp_rank_frozen_times_out(tmp_path):
     # a frozen rank (SIGSTOP: a hung disk, a stuck driver) looks alive to torchrun; only the
     # collective timeout ends the other rank's wait, then torchrun kills the frozen one (after its

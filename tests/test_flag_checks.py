@@ -358,6 +358,7 @@ def torchrun(*args, timeout=300):
     return subprocess.run([*launch, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_a_ddp_timeout_c10d_cannot_wait_is_one_line_under_torchrun(tmp_path):
     """1e-9 s passed a `> 0` check and ended in c10d's C++ traceback (the join timed out after 0 ms)."""
     out = tmp_path / "out"
@@ -375,6 +376,7 @@ def free_port():
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_ranks_that_do_not_join_within_the_timeout_say_so_in_one_line_each(tmp_path):
     """Rank 1 starts 5 s after rank 0 with --ddp-timeout 1: rank 0's join times out, and rank 1
     then finds no one to join; each says so in one line naming --ddp-timeout, exit 1 (as torchrun

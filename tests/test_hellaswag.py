@@ -326,6 +326,7 @@ def small(hf_dir, examples, enc):
     return {"ours": ours, "examples": exs, "plain": plain}
 
 
+@pytest.mark.slow
 def test_fast_scorer_equals_plain_loop_on_200_examples(parity):
     exs, plain, prepared = parity["examples"], parity["plain"], parity["prepared"]
     block_size = 128
@@ -346,6 +347,7 @@ def test_fast_scorer_equals_plain_loop_on_200_examples(parity):
     assert counts == {k: by_hand[k] for k in counts} and counts["n"] == N_PLAIN and counts["n_zeroshot"] > 0
 
 
+@pytest.mark.slow
 def test_head_chunks_cut_anywhere_score_the_same(parity, monkeypatch):
     # the head runs HEAD_CHUNK scored rows at a time; one chunk of everything is the reference
     model, prepared = parity["ours"], parity["prepared"]
@@ -402,6 +404,7 @@ def test_batches_hold_exactly_the_plain_rows(examples, enc, block_size, packed):
         assert n_tokens.tolist() == expected_n
 
 
+@pytest.mark.slow
 def test_transformers_model_is_scored_the_same(parity, enc):
     sub = hellaswag.prepare(parity["examples"][:150], enc)
     plain = parity["plain"][:150]

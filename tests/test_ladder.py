@@ -94,6 +94,7 @@ def test_rung_one_computes_the_models_own_loss(shard_dir):
     assert losses[1][0] == pytest.approx(np.log(50257), abs=0.2)  # random init: about uniform
 
 
+@pytest.mark.slow
 def test_rungs_compute_the_same_loss_within_their_precision(shard_dir):
     # every rung's set of changes that runs without compile, in fp32 and (from rung 3) bf16
     rungs = {
@@ -139,6 +140,7 @@ def test_the_loss_check_catches_a_rung_that_computes_something_else(shard_dir, m
     assert not agree and diff > 10 * tol
 
 
+@pytest.mark.slow
 def test_compiled_rung_matches_eager(shard_dir):
     """torch.compile (rung 4's change, static shapes) trains to the same fp32 losses as eager."""
     torch._dynamo.reset()
@@ -149,6 +151,7 @@ def test_compiled_rung_matches_eager(shard_dir):
     assert losses[4] == pytest.approx(losses[1], abs=LADDER_LOSS_TOL["fp32"])
 
 
+@pytest.mark.slow
 def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -234,6 +237,7 @@ def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
     assert head["text"] in r.stdout and "CPU: not a GPU measurement" in head["text"]
 
 
+@pytest.mark.slow
 def test_ddp_rung_runs_train_gpt2_under_torchrun(tmp_path, shard_dir):
     """The DDP rung's command, on 2 CPU processes (gloo): the job's tok/s is its batch over each step's time."""
     r8 = ladder_ddp(2, TINY, 2, 6, shard_dir, str(tmp_path / "ddp"), "cpu")

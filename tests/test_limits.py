@@ -80,6 +80,7 @@ def big_data(tmp_path_factory):
 # Rule 1: out of memory is one line that says what ran out, during what, and the flag to lower
 
 
+@pytest.mark.slow
 def test_out_of_memory_in_the_first_step_names_B_and_lowering_it_trains(big_data, tmp_path):
     """A 64 x 64 micro-batch (800 MB of logits) under a 400 MiB cap: one line naming -B; each -B the
     advice names keeps the total batch, and following it ends in a run that trains."""
@@ -101,6 +102,7 @@ def test_out_of_memory_in_the_first_step_names_B_and_lowering_it_trains(big_data
     assert sorted(read_log(out)[1]) == [0, 1]
 
 
+@pytest.mark.slow
 def test_out_of_memory_while_sampling_mid_run_keeps_the_checkpoint_and_resume_continues(big_data, tmp_path):
     """Samples of 1,000 tokens at step 2 need a KV cache the start-up check (one token) never
     allocates: out of memory there names --num-samples and the checkpoint that stands; --resume with
@@ -377,6 +379,7 @@ common.run_cli(lambda: train_gpt2.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_short_ddp_timeout_survives_slow_checkpoints_and_long_samples(data, tmp_path):
     """Rank 0 writes checkpoints alone (8 s each here) and samples take seconds: with --ddp-timeout 3
     a healthy job finishes, because the other rank waits in the fence, and every rank samples."""
@@ -412,6 +415,7 @@ def test_a_short_ddp_timeout_survives_slow_checkpoints_and_long_samples(data, tm
 
 
 @pytest.mark.parametrize("mistake", ["flag", "out-dir"])
+@pytest.mark.slow
 def test_torchrun_says_a_mistake_once_and_every_rank_exits_1(data, tmp_path, mistake):
     out = tmp_path / "out"
     extra = ["--seed", -1] if mistake == "flag" else []

@@ -160,6 +160,7 @@ def two_node_runs(tmp_path_factory):
             launch.kill()
 
 
+@pytest.mark.slow
 def test_two_nodes_train_as_one_job_and_only_global_rank_0_writes(two_node_runs):
     ref = two_node_runs.ref
     assert ref.returncodes == [0, 0], ref.output()
@@ -182,6 +183,7 @@ def test_two_nodes_train_as_one_job_and_only_global_rank_0_writes(two_node_runs)
     assert ckpt["world_size"] == 2 and [s["cuda"] for s in ckpt["rng"]] == [None, None]
 
 
+@pytest.mark.slow
 def test_each_node_runs_local_rank_0_of_a_world_of_2(two_node_runs):
     for launch in (two_node_runs.ref, two_node_runs.stopped, two_node_runs.resumed):
         assert sorted(launch.ranks) == [0, 1], launch.output()
@@ -191,6 +193,7 @@ def test_each_node_runs_local_rank_0_of_a_world_of_2(two_node_runs):
     assert [two_node_runs.ref.ranks[node]["GROUP_RANK"] for node in (0, 1)] == ["0", "1"]  # as --node_rank said
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_node_stops_both_with_rank_0s_checkpoint(two_node_runs):
     stopped, shared = two_node_runs.stopped, two_node_runs.shared
     writer, signalled = stopped.rank0_node(), stopped.signalled
@@ -206,6 +209,7 @@ def test_a_signal_to_one_node_stops_both_with_rank_0s_checkpoint(two_node_runs):
     assert stopped.files(0) == stopped.files(1) == []  # a shared --out-dir, given as an absolute path
 
 
+@pytest.mark.slow
 def test_the_same_command_with_resume_finishes_as_the_run_never_stopped(two_node_runs):
     ref, resumed, shared = two_node_runs.ref, two_node_runs.resumed, two_node_runs.shared
     assert resumed.returncodes == [0, 0], resumed.output()

@@ -97,6 +97,7 @@ def test_a_killed_run_leaves_no_lock_to_clean_by_hand(data, tmp_path):
     assert sorted(read_log(out)[1]) == list(range(8)) and len(run_ids(out)) == 1
 
 
+@pytest.mark.slow
 def test_two_runs_started_at_once_into_one_new_folder_make_one_run(data, tmp_path):
     out = tmp_path / "new" / "out"
     args = tiny_args(data, out, "--max-steps", 300, "--ckpt-every", 100, "--eval-every", 0)
@@ -112,6 +113,7 @@ def test_two_runs_started_at_once_into_one_new_folder_make_one_run(data, tmp_pat
     assert sorted(read_log(out)[1]) == list(range(300))
 
 
+@pytest.mark.slow
 def test_under_torchrun_the_job_locks_once_and_a_second_job_is_refused(data, tmp_path):
     out = tmp_path / "out"
     job = start(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2), torchrun=True)
@@ -369,6 +371,7 @@ def test_a_resume_that_crashes_before_its_first_step_leaves_the_log_as_it_was(da
     assert snapshot(out) == before
 
 
+@pytest.mark.slow
 def test_out_of_memory_in_the_first_step_then_a_smaller_batch_in_the_same_folder(tmp_path):
     """A real out-of-memory (an address-space cap) with the recipe's flags: the folder the run made
     is gone again, and the same command with a smaller -B, without --resume, trains there."""

@@ -106,6 +106,7 @@ def data(tmp_path_factory):
     return random_shards(tmp_path_factory.mktemp("data"))
 
 
+@pytest.mark.slow
 def test_training_and_resume_run_and_match_a_run_with_them(data, tmp_path, posix_less):
     env, ran_without_them = posix_less
     out = tmp_path / "out"
@@ -125,6 +126,7 @@ def test_training_and_resume_run_and_match_a_run_with_them(data, tmp_path, posix
     assert [steps[s]["train_loss"] for s in range(6)] == [reference[s]["train_loss"] for s in range(6)]
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_running_runs_folder_is_refused(data, tmp_path, posix_less):
     env, ran_without_them = posix_less
     out = tmp_path / "out"

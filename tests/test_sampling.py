@@ -98,6 +98,7 @@ def test_nothing_to_generate_returns_the_prompt(model):
     assert torch.equal(model.generate(idx[:, :5], 0), idx[:, :5])
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_gives_the_same_tokens(model):
     """compile=True: torch.compile'd decode step (CUDA graphs on a GPU); here inductor on the CPU.
     The second call reuses the compiled step and its cache."""

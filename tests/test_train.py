@@ -285,6 +285,7 @@ def _wait_for_step(proc, out_dir, step, timeout=240):
     raise AssertionError(f"step {step} never logged")
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
     data = random_shards(tmp_path / "data", train_lengths=(200, 250))  # 2 epochs in 16 steps: shuffles too
     run = lambda out, *extra: tiny_args(data, out, "--max-steps", 16, "--ckpt-every", 4, *extra)  # noqa: E731
@@ -325,6 +326,7 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
+@pytest.mark.slow
 def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"

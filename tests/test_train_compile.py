@@ -15,6 +15,7 @@ from support.common import UserError
 from support.machine import choose_compile, compile_problem
 
 
+@pytest.mark.slow
 def test_compiled_run_matches_eager_and_evaluates(tmp_path, shared_data):
     data = random_shards(tmp_path / "data")
     common = (
@@ -110,6 +111,7 @@ def test_compile_asked_for_that_cannot_work_is_a_user_error():
     assert e.value.every_rank  # torchrun: rank 0 alone says it
 
 
+@pytest.mark.slow
 def test_compile_flag_with_a_broken_compiler_is_one_error_line_before_step_0(tmp_path):
     data = random_shards(tmp_path / "data")
     r = cli(*tiny_args(data, tmp_path / "out", "--compile"), env=broken_compiler(tmp_path))
@@ -129,6 +131,7 @@ run_cli(lambda: train_gpt2.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_default_compile_with_a_broken_compiler_notes_it_and_trains_eager(tmp_path):
     data = random_shards(tmp_path / "data")
     extra = ("--max-steps", 2, "--eval-every", 2)

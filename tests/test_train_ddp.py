@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, hangup_default, random_shards, read_log, tiny_args
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, shared_data):
     # B*T = 32 tokens; 2 ranks read 64 per micro-step. Shards of 64k+1 tokens leave no tail in
     # either layout, so both runs see the same tokens in the same order
@@ -75,6 +76,7 @@ def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, share
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])  # Ctrl-C; the ssh session dropped
+@pytest.mark.slow
 def test_a_signal_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path, signum):
     """Ctrl-C on `torchrun ... train_gpt2.py` reaches torchrun alone (its workers run in their
     own sessions); torchrun passes the signal on and SIGKILLs after 30 s. Every rank must stop at

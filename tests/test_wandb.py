@@ -278,6 +278,7 @@ def test_a_hung_wandb_never_holds_a_step(tmp_path, offline, monkeypatch, capsys)
     assert_mirrors(run, records) and run["exit_code"] == 0
 
 
+@pytest.mark.slow
 def test_under_torchrun_only_rank_0_logs(tmp_path, offline):
     data, out = random_shards(tmp_path / "data", train_lengths=(321, 257), val_length=257), tmp_path / "ddp"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
