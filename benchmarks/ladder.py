@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.report import fmt_stats
 from benchmarks.settings import ROOT, TRAIN_CONFIGS
@@ -173,8 +174,6 @@ def attention_backend(changes):
     """The SDPA backends a rung's steps may use: cuDNN's only from rung 10, any (torch's pick) before."""
     if "cudnn_attention" not in changes:
         return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
 
 

@@ -10,6 +10,8 @@ import re
 import shlex
 import sys
 
+import torch
+
 from support.common import GPT2_VOCAB, UserError, same_on_every_rank, shard_fingerprint
 from support.wandb_log import wandb_problem
 
@@ -133,8 +135,6 @@ def device_memory(device):
     """(bytes, what they are) of the memory a model on device lives in: a CUDA GPU's own, else the
     machine's RAM (a CPU's, and MPS's, which shares it); (None, None) where it cannot be read."""
     if device.startswith("cuda"):
-        import torch  # here: the checks are otherwise torch-free
-
         props = torch.cuda.get_device_properties(device)
         return props.total_memory, f"the GPU's memory ({props.name})"
     names = getattr(os, "sysconf_names", {})
