@@ -13,6 +13,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -36,6 +37,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UserError(f"{message} (see python {self.prog} --help)")
+
+
+EVERY_RANK_GRACE = 3.0  # seconds the other ranks wait before exiting on a mistake rank 0 says for them
 
 
 def same_on_every_rank(error):
@@ -234,6 +238,8 @@ def run_cli(main, interrupted="interrupted", out_of_memory=None):
     except UserError as e:
         if not (e.every_rank and os.environ.get("RANK", "0") != "0"):
             print(f"error: {e}", file=sys.stderr)
+        elif e.every_rank:  # torchrun ends the job when the first rank exits: give rank 0 time to say it
+            time.sleep(EVERY_RANK_GRACE)
         code = 1
     except Exception as e:
         memory = memory_kind(e)
