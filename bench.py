@@ -32,6 +32,8 @@ as `--sample-from` runs) have glibc's default.
   loader     DataLoaderLite.next_batch through 100M-token shards (written to a temporary folder):
              microseconds per batch, at the shard switches, and the memory it adds; the data
              identity check every start makes (100 sparse 100M-token shards; real shards read cold)
+             and a start's whole data check on them: token ids from fineweb.py's manifest against
+             reading every shard
   fineweb    fineweb.py's tokenizer pool against tiktoken's encode_ordinary_batch, same documents
              and the same number of workers
   hellaswag  hellaswag.evaluate (what training calls) and the whole `python hellaswag.py` process

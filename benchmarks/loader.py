@@ -1,6 +1,7 @@
-"""The data loader across shard boundaries, and the data identity check every start makes."""
+"""The data loader across shard boundaries, and the data checks every start makes (token ids, identity)."""
 
 import gc
+import json
 import os
 import shutil
 import statistics
@@ -11,7 +12,8 @@ import numpy as np
 from benchmarks.report import comparison
 from benchmarks.settings import TARGETS, TRAIN_CONFIGS
 from benchmarks.timing import log, stats, timed
-from support.checks import data_identity, find_shards, shard_fingerprint
+from support.checks import data_identity, find_shards
+from support.common import shard_fingerprint
 
 
 def rss_mib():
@@ -110,6 +112,7 @@ def bench_data_identity(data_dir, tmp, n_shards=100, shard_tokens=100_000_000, r
         np.lib.format.open_memmap(path, mode="w+", dtype=np.uint16, shape=(shard_tokens,))
     data_identity(folder)  # warm-up: the first start after writing them
     times = [timed(lambda: data_identity(folder), "cpu") for _ in range(rounds)]
+    start, read_all = whole_start(folder, rounds)
     cold = []
     for path in find_shards(data_dir, "train") if hasattr(os, "posix_fadvise") else []:  # not macOS
         fd = os.open(path, os.O_RDONLY)
@@ -119,6 +122,7 @@ def bench_data_identity(data_dir, tmp, n_shards=100, shard_tokens=100_000_000, r
     shutil.rmtree(folder)
     cold_ms = [1e3 * t for t in cold]
     result = {"shards": n_shards, "shard_tokens": shard_tokens, "seconds": stats(times), "cold_ms_per_shard": cold_ms}
+    result.update(start_seconds=stats(start), start_reading_every_shard_seconds=stats(read_all))
     cold_note = (
         f"; {statistics.median(cold_ms):.2f} ms a shard read cold from disk ({len(cold)} real shards)" if cold else ""
     )
@@ -131,6 +135,41 @@ def bench_data_identity(data_dir, tmp, n_shards=100, shard_tokens=100_000_000, r
             TARGETS["data_identity_s"],
             higher_is_better=False,
             note=f"sparse shards, page cache{cold_note}",
-        )
+        ),
+        comparison(
+            f"a start's data checks: {n_shards} shards of {shard_tokens:,} tokens (token ids, identity)",
+            start,
+            read_all,
+            "s",
+            TARGETS["data_start_s"],
+            higher_is_better=False,
+            note="ids from fineweb.py's manifest vs reading every shard; sparse shards, page cache",
+        ),
     ]
     return result, rows
+
+
+def whole_start(folder, rounds):
+    """The data checks of a training start on folder (the train loader's token-id check and the
+    data identity), timed with the largest ids taken from a manifest as fineweb.py writes it, and
+    once without it, reading every shard in full as a start did before fineweb.py recorded them."""
+    from train_gpt2 import DataLoaderLite
+
+    def start():
+        DataLoaderLite(folder, "train", 64, 1024, vocab_size=50304)
+        data_identity(folder)
+
+    shards = [
+        {"file": os.path.basename(p), "split": "train", "bytes": size, "fingerprint": digest, "max_id": 0}
+        for p in find_shards(folder, "train")
+        for _, size, digest in [shard_fingerprint(p)]
+    ]
+    manifest = {"config": {"source": {"input": []}}, "complete": True, "shards": shards}
+    manifest_path = os.path.join(folder, "bench_manifest.json")
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    start()  # warm-up
+    with_manifest = [timed(start, "cpu") for _ in range(rounds)]
+    os.remove(manifest_path)
+    read_all = [timed(start, "cpu")]  # one round: 20 GB of token ids from the page cache
+    return with_manifest, read_all

@@ -30,6 +30,7 @@ TARGETS = {
     "loader_switch_ms": 1.0,  # below
     "loader_rss_mb": 50.0,  # below
     "data_identity_s": 0.25,  # below: the data check of every start, 100 shards of 100M tokens
+    "data_start_s": 1.0,  # below: a start's token-id and identity checks, 100 shards of 100M tokens, warm
     "fineweb_vs_tiktoken": 0.8,
     "hellaswag_process": 4.0,  # the whole hellaswag.py process vs an in-process one-row-per-forward loop
     "hellaswag_full_s": 3.0,  # CUDA: the full set inside training, 124M bf16, below

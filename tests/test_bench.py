@@ -79,6 +79,11 @@ def test_tiny_bench_writes_table_and_json(tmp_path, shared_data):
     loader = report["sections"]["loader"]
     assert loader["T"] == 1024 and (loader["B"] == 1 or report["machine"]["device"] != "cpu")
     assert loader["batches"] == 2 * ((200_000 - 1) // (loader["B"] * 1024)) + 2 and loader["switches"] == 2
+    # a start's data checks on 100 shards of 100M tokens, timed with the manifest and without it
+    identity = loader["data_identity"]
+    assert (identity["shards"], identity["shard_tokens"]) == (100, 100_000_000)
+    assert identity["start_seconds"]["n"] >= 1 and identity["start_reading_every_shard_seconds"]["n"] == 1
+    assert any(row["name"].startswith("a start's data checks: 100 shards") for row in rows)
 
     # fineweb: the first 20 documents of the sample, counted with tiktoken called directly
     enc = tiktoken.get_encoding("gpt2")
