@@ -4,7 +4,6 @@ state they carry, and the fence other ranks wait in while rank 0 writes one."""
 
 import datetime
 import errno
-import json
 import math
 import os
 import random
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from support.common import HF_NAMES, UserError, first_line, same_on_every_rank, write_atomic
+from support.common import HF_NAMES, UserError, first_line, log_records, same_on_every_rank, write_atomic
 
 
 def checkpoint_paths(out_dir):
@@ -147,17 +146,9 @@ def checkpoint_health(out_dir):
     redoes steps) is a trained step, or one fp16's loss scaler skipped (its loss was finite, only the
     scaled gradients overflowed), not a skipped one (a NaN or inf) nor missing (not trained yet)."""
     trained = {}
-    try:
-        with open(os.path.join(out_dir, "log.jsonl"), encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a line cut short by a kill
-                if isinstance(record, dict) and any(k in record for k in ("train_loss", "scaler_skipped", "skipped")):
-                    trained[record.get("step")] = "skipped" not in record
-    except OSError:
-        pass
+    for record in log_records(os.path.join(out_dir, "log.jsonl")):
+        if any(k in record for k in ("train_loss", "scaler_skipped", "skipped")):
+            trained[record.get("step")] = "skipped" not in record
     health = []
     for path in checkpoint_paths(out_dir):
         step = int(re.findall(r"\d+", os.path.basename(path))[-1])
@@ -171,24 +162,14 @@ def diverged_max_lr(out_dir, since_step):
     than since_step (from weights that had already gone bad) does not count: lowering its lr is not
     what the weights of since_step need. None when the log records no such run."""
     found, max_lr, start = None, None, None
-    try:
-        with open(os.path.join(out_dir, "log.jsonl"), encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a line cut short by a kill
-                if not isinstance(record, dict):
-                    continue
-                if record.get("event") == "header":
-                    max_lr, start = (record.get("config") or {}).get("max_lr"), record.get("resumed_from") or 0
-                    continue
-                val_loss = record.get("val_loss", 0.0)  # a NaN is the string "NaN" (strict JSON)
-                bad = "skipped" in record or not (isinstance(val_loss, (int, float)) and math.isfinite(val_loss))
-                if bad and start is not None and start <= since_step and isinstance(max_lr, (int, float)):
-                    found = max_lr
-    except OSError:
-        pass
+    for record in log_records(os.path.join(out_dir, "log.jsonl")):
+        if record.get("event") == "header":
+            max_lr, start = (record.get("config") or {}).get("max_lr"), record.get("resumed_from") or 0
+            continue
+        val_loss = record.get("val_loss", 0.0)  # a NaN is the string "NaN" (strict JSON)
+        bad = "skipped" in record or not (isinstance(val_loss, (int, float)) and math.isfinite(val_loss))
+        if bad and start is not None and start <= since_step and isinstance(max_lr, (int, float)):
+            found = max_lr
     return found
 
 

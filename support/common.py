@@ -1,10 +1,11 @@
 """What every script shares, torch-free so that fineweb.py starts without loading torch: the error
 type and the command-line wrapper that prints it as one line, atomic writes of files and folders,
-the offline probe, and the one-line out-of-memory report."""
+the offline probe, the one-line out-of-memory report, and a run log's records."""
 
 import argparse
 import errno
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -162,6 +163,22 @@ def write_dir_atomic(out_dir, write, what, recheck=None):
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def log_records(path):
+    """The records (dicts) of a run's log.jsonl in order; a line cut short by a kill is passed over.
+    Nothing when the file is missing or cannot be read."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a kill
+                if isinstance(record, dict):
+                    yield record
+    except OSError:
+        return
 
 
 def offline_var(names=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")):

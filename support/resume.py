@@ -1,7 +1,6 @@
 """What --resume continues from and with: the checkpoint it picks, the recipe and settings it takes
 from it, the changes it allows, and the optimizer, data position and RNG state it restores."""
 
-import json
 import os
 import sys
 import time
@@ -10,7 +9,7 @@ import torch.distributed as dist
 
 from support.checkpoints import checkpoint_paths, fence, load_training_checkpoint, set_rng_state
 from support.checks import check_same_data, data_identity
-from support.common import UserError, same_on_every_rank
+from support.common import UserError, log_records, same_on_every_rank
 from support.out_dir import log_runs, other_runs
 
 
@@ -52,20 +51,13 @@ def run_to_restart(out_dir):
     if not runs:
         return None
     config, steps, current = None, set(), None
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a kill
-            if not isinstance(record, dict):
-                continue
-            if record.get("event") == "header":
-                current = record.get("run_id")
-                if current == runs[-1]:
-                    config = record.get("config")
-            elif current == runs[-1] and ("train_loss" in record or "skipped" in record):
-                steps.add(record.get("step"))
+    for record in log_records(path):
+        if record.get("event") == "header":
+            current = record.get("run_id")
+            if current == runs[-1]:
+                config = record.get("config")
+        elif current == runs[-1] and ("train_loss" in record or "skipped" in record):
+            steps.add(record.get("step"))
     if not isinstance(config, dict):
         raise UserError(
             f"--resume: {out_dir} holds no checkpoint, and its log.jsonl records run {runs[-1]} but not the recipe "
