@@ -20,7 +20,7 @@ from benchmarks.timing import interleave, log, rates, stats
 from benchmarks.train import fits_in_memory, train_step_fn
 from chunked_loss import chunked_cross_entropy
 from support.common import write_atomic
-from support.machine import keep_freed_memory
+from support.machine import compile_problem, keep_freed_memory
 from support.precision import pick_dtype
 from train_gpt2 import GPT, GPTConfig
 
@@ -243,17 +243,13 @@ def tf32_has_effect(base_state, c, data_dir, device):
     return not torch.equal(*logits)
 
 
-def compile_unavailable(s):
-    """Why this run has no compile rung, or None."""
+def compile_unavailable(s, device):
+    """Why this run has no compile rung, or None: the training script's own check on device."""
     if True not in s["compile"]:
         return "compile is off in this run (--compile runs it)"
-    try:
-        torch.compile(lambda t: t * 2 + 1, dynamic=False)(torch.ones(4))
-    except Exception as e:  # no C++ compiler, a Python torch.compile does not support, ...
-        return f"torch.compile is unavailable here ({str(e).strip().splitlines()[0][:120]})"
-    finally:
-        torch._dynamo.reset()
-    return None
+    why = compile_problem(str(device))
+    torch._dynamo.reset()  # the probe's graph is not the rungs'
+    return f"torch.compile is unavailable here ({why[:120]})" if why else None
 
 
 def loss_check(losses, changes, against=1):
@@ -468,7 +464,7 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
     if not tf32_has_effect(base_state, c, data_dir, device):
         skipped[2] = "no effect on this device (fp32 logits bitwise the same with TF32 allowed)"
     half = ladder_half(device_type)  # rung 3 runs fp16 on a GPU without native bf16, and says so
-    why = compile_unavailable(s)
+    why = compile_unavailable(s, device)
     if why:
         skipped[4] = why
     if device_type != "cuda":

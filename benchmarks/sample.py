@@ -7,6 +7,8 @@ from benchmarks.report import comparison
 from benchmarks.settings import TARGETS, TRAIN_CONFIGS
 from benchmarks.timing import interleave, rates, stats, timed
 from fineweb import get_tokenizer
+from support.machine import compile_problem
+from support.precision import AUTOCAST_DTYPES, pick_dtype
 from support.sampling import sample_text
 from train_gpt2 import GPT, GPTConfig
 
@@ -37,13 +39,16 @@ def bench_sample(s, device, device_type):
     for use_cache in (True, False):  # warm-up: a few tokens are enough, recomputing 256 is long
         generate(use_cache, 8)()
     contenders = {"kv_cache": generate(True, new), "recompute": generate(False, new)}
-    compile_s = None
+    compile_s, compile_skipped = None, None
     if device_type == "cuda":  # the compiled, CUDA-graph decode step; its first call compiles
-        compile_s = timed(generate(True, new, compile=True), device_type)
-        contenders = {"kv_cache_compiled": generate(True, new, compile=True), **contenders}
+        compile_skipped = compile_problem(str(device))  # Windows has no Triton by default
+        if compile_skipped is None:
+            compile_s = timed(generate(True, new, compile=True), device_type)
+            contenders = {"kv_cache_compiled": generate(True, new, compile=True), **contenders}
     # what a run does at each --sample-every with the defaults: 4 samples of 32 tokens from the
-    # eager KV cache under the run's autocast (bf16 on CUDA); timed as one call, seconds
-    autocast_dtype = torch.bfloat16 if device_type == "cuda" else None
+    # eager KV cache under the run's autocast (--dtype auto's: bf16, fp16 below compute capability 8.0);
+    # timed as one call, seconds
+    autocast_dtype = AUTOCAST_DTYPES[pick_dtype("auto", device_type)[0]]
 
     def in_training():
         with train_gpt2.autocast(device_type, autocast_dtype):
@@ -65,6 +70,8 @@ def bench_sample(s, device, device_type):
         "in_training_s": stats(in_training_s),
         "first_in_training_s": first_in_training_s,
     }
+    if compile_skipped:  # said among the run's skips
+        result["kv_cache_compiled"] = {"skipped": f"torch.compile does not work here ({compile_skipped})"}
     note = f"{s['eval_model']} model, batch 1"
     rows = [
         comparison(

@@ -9,6 +9,7 @@ import os
 import torch
 
 from support.checkpoints import checkpoint_paths
+from support.checks import TRAIN_BYTES_PER_PARAMETER
 from support.common import UserError, first_line, same_on_every_rank
 
 # --- torch.compile: on by default where it pays, and only where it works ----------------------
@@ -52,7 +53,7 @@ GiB = 2**30
 RECIPE_PARAMS = 124_475_904  # GPT-2 124M with the vocabulary padded to 50,304
 # measured (docs/performance.md): the recipe's peak on an H100 at B 64, T 1024, bf16 autocast, compile
 MEASURED_PEAK, MEASURED_TOKENS = 41.2 * GiB, 64 * 1024
-FIXED_BYTES = 16 * RECIPE_PARAMS  # fp32 weights, gradients and AdamW's two moments, whatever B is
+FIXED_BYTES = TRAIN_BYTES_PER_PARAMETER * RECIPE_PARAMS  # whatever B is
 BYTES_PER_TOKEN = (MEASURED_PEAK - FIXED_BYTES) / MEASURED_TOKENS  # the rest, spread over the micro-batch
 USABLE = 0.9  # of the GPU's memory: the rest for the CUDA context, the allocator's slack, eager's extra
 
