@@ -4,6 +4,7 @@ machine: a sitecustomize.py removes SIGHUP, fcntl, os.pread/pwrite, os.killpg,
 os.sched_getaffinity and os.fork before the script starts, and records in each child that they
 are gone (so the run under test cannot have used them)."""
 
+import errno
 import json
 import os
 import signal
@@ -214,6 +215,46 @@ def test_exclusive_file_lock_without_a_holder_is_refused_while_it_can_be_startin
         file_lock.acquire(str(exclusive_file))
     assert held.value.holder == ""
     assert held.value.fix == (None if age == 0 else f"if no run is using it, delete {exclusive_file}")
+
+
+class WindowsLikeMsvcrt:
+    """msvcrt.locking as Windows documents it, on top of flock (a lock per open file, as a Windows
+    handle's is): it locks nbytes from the file's position and fails with EACCES, or EDEADLOCK,
+    when another handle holds them. Records the (position, nbytes) it was asked to lock."""
+
+    LK_UNLCK, LK_LOCK, LK_NBLCK = 0, 1, 2
+
+    def __init__(self, fails_with):
+        self.fails_with, self.locked = fails_with, []
+        self.fcntl = pytest.importorskip("fcntl")  # the stand-in needs flock; Windows has the real msvcrt
+
+    def locking(self, fd, mode, nbytes):
+        assert mode == self.LK_NBLCK  # a run never waits for the lock
+        self.locked.append((os.lseek(fd, 0, os.SEEK_CUR), nbytes))
+        try:
+            self.fcntl.flock(fd, self.fcntl.LOCK_EX | self.fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OSError(self.fails_with, "Permission denied") from None
+
+
+@pytest.mark.parametrize("fails_with", [errno.EACCES, errno.EDEADLOCK])
+def test_msvcrt_lock_is_refused_to_a_second_holder_and_keeps_the_holder_readable(monkeypatch, tmp_path, fails_with):
+    msvcrt = WindowsLikeMsvcrt(fails_with)
+    monkeypatch.setattr(file_lock, "fcntl", None)
+    monkeypatch.setattr(file_lock, "msvcrt", msvcrt)
+    path = str(tmp_path / LOCK_FILE)
+    assert file_lock.mechanism() == "msvcrt"
+    fd = file_lock.acquire(path)
+    try:
+        # Windows' locks are mandatory: the byte locked lies past the holder's text, which others read
+        assert msvcrt.locked == [(file_lock.MSVCRT_OFFSET, 1)] and file_lock.MSVCRT_OFFSET >= file_lock.HOLDER_BYTES
+        file_lock.write_holder(fd, "pid 1 on host, since now: ours")
+        with pytest.raises(file_lock.Held) as held:
+            file_lock.acquire(path)
+        assert held.value.holder == "pid 1 on host, since now: ours" and held.value.fix is None
+    finally:
+        os.close(fd)
+    os.close(file_lock.acquire(path))  # given back with its handle, as when a run ends or is killed
 
 
 def test_fineweb_input_writes_the_tokens_of_the_text(tmp_path, posix_less, shared_data):
