@@ -171,8 +171,7 @@ def test_new_empty_and_earlier_export_folders(run_copy, tmp_path):
     assert oct(os.stat(nested).st_mode & 0o777) == oct(os.stat(nested.parent).st_mode & 0o777)  # not mkdtemp's 0700
 
     # the same folder again, from the other checkpoint: an earlier export is replaced
-    r = export_cli(run_copy / "ckpt_000002.pt", nested, tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert train_gpt2.main(["--export-hf", str(run_copy / "ckpt_000002.pt"), str(nested)]) == 0
     assert logits_match(nested, run_copy / "ckpt_000002.pt")
     assert set(snapshot(tmp_path)) == set(after)  # no hidden folder left beside it
 

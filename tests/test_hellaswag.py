@@ -539,14 +539,16 @@ def test_cli_prints_accuracy(hf_dir, small, val_path):
 def test_cli_bad_data_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0, "split_type": "indomain"}\nnot json\n')
-    for data, message in (
-        (bad, "bad.jsonl, line 2: not JSON"),
+    r = run_cli("-m", "gpt2", "--data", bad)  # as the user sees it
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: ") and "bad.jsonl, line 2: not JSON" in r.stderr and r.stderr.count("\n") == 1
+    for data, message in (  # the other mistakes raise the same one-line error, in this process
         (tmp_path / "none.jsonl", "does not exist"),
         (tmp_path, "is a folder: pass the path of a HellaSwag jsonl file in it"),
     ):
-        r = run_cli("-m", "gpt2", "--data", data)
-        assert r.returncode == 1
-        assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1
+        with pytest.raises(HellaSwagDataError) as e:
+            hellaswag.main(["-m", "gpt2", "--data", str(data)])
+        assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_cli_offline_without_data_is_one_quick_line(tmp_path):

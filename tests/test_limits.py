@@ -523,20 +523,13 @@ def test_a_failed_first_checkpoint_write_does_not_claim_earlier_ones(data, tmp_p
     assert (out / "ckpt_000004.pt").exists()
 
 
-def test_a_relative_data_dir_resumes_from_another_working_directory(data, tmp_path):
+def test_a_relative_data_dir_resumes_from_another_working_directory(data, tmp_path, monkeypatch):
     work = tmp_path / "work"
     shutil.copytree(data, work / "shards")
-    args = tiny_args("shards", "run", "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
-    r = subprocess.run([sys.executable, str(ROOT / "train_gpt2.py"), *args], cwd=work, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    elsewhere = ["--resume", str(work / "run"), "--max-steps", 4, "--device", "cpu"]
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "train_gpt2.py"), *map(str, elsewhere)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr
+    monkeypatch.chdir(work)
+    assert train_gpt2.main(tiny_args("shards", "run", "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)) == 0
+    monkeypatch.chdir(tmp_path)
+    assert train_gpt2.main(["--resume", str(work / "run"), "--max-steps", "4", "--device", "cpu"]) == 0
     assert sorted(read_log(work / "run")[1]) == [0, 1, 2, 3]
 
 

@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import pytest
 
+import train_gpt2
+
 ROOT = __import__("conftest").ROOT
 NOTEBOOK = ROOT / "play.ipynb"
 PNGS = ("loss.png", "hellaswag.png", "throughput.png")
@@ -248,8 +250,6 @@ def real_run(tmp_path_factory, shared_data, enc):
     np.save(data / "edufineweb_train_000001.npy", tokens[2048:])
     out = tmp_path_factory.mktemp("run")
     args = [
-        sys.executable,
-        "train_gpt2.py",
         "--data-dir",
         data,
         "--out-dir",
@@ -293,11 +293,9 @@ def real_run(tmp_path_factory, shared_data, enc):
         "--keep-ckpts",
         0,
     ]
-    args = list(map(str, args))
-    subprocess.run(args, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    assert train_gpt2.main(list(map(str, args))) == 0
     first = (out / "log.jsonl").read_text()
-    resume = args + ["--resume", str(out / "ckpt_000006.pt")]
-    subprocess.run(resume, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    assert train_gpt2.main([*map(str, args), "--resume", str(out / "ckpt_000006.pt")]) == 0
     return first, out
 
 

@@ -17,7 +17,17 @@ import pytest
 
 import fineweb
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, write_shard
+from conftest import (
+    ROOT,
+    assert_one_line_error,
+    cli,
+    random_shards,
+    read_log,
+    snapshot,
+    tiny_args,
+    user_error,
+    write_shard,
+)
 from support.checkpoints import load_checkpoint
 from support.out_dir import LOCK_FILE
 
@@ -79,8 +89,7 @@ def test_a_second_process_into_a_running_runs_folder_is_refused_naming_it(data, 
     assert first.returncode == 128 + signal.SIGTERM, err
     assert len(headers(out)) == 1 and len(run_ids(out)) == 1  # the refused process wrote nothing
     assert not (out / LOCK_FILE).exists()  # given back at the end
-    r = cli(*tiny_args(data, out, "--max-steps", max(read_log(out)[1]) + 3, "--resume"))  # free again
-    assert r.returncode == 0, r.stderr
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", max(read_log(out)[1]) + 3, "--resume")) == 0  # free
 
 
 def test_a_killed_run_leaves_no_lock_to_clean_by_hand(data, tmp_path):
@@ -92,8 +101,7 @@ def test_a_killed_run_leaves_no_lock_to_clean_by_hand(data, tmp_path):
         first.send_signal(signal.SIGKILL)
         first.communicate()
     assert (out / LOCK_FILE).exists()  # the file stays; its lock went with the process
-    r = cli(*tiny_args(data, out, "--max-steps", 8, "--resume"))
-    assert r.returncode == 0, r.stderr
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 8, "--resume")) == 0
     assert sorted(read_log(out)[1]) == list(range(8)) and len(run_ids(out)) == 1
 
 
@@ -163,8 +171,8 @@ def test_resume_of_a_checkpoint_into_another_runs_folder_is_refused(data, two_ru
     if keep == "checkpoint only":
         (b / "log.jsonl").unlink()
     before = snapshot(a.parent)
-    r = cli(*tiny_args(data, b, "--max-steps", 8, "--warmup-steps", 2, "--resume", a / "ckpt_000002.pt"))
-    line = assert_one_line_error(r, f"--resume {a / 'ckpt_000002.pt'} continues run ", f"--out-dir {b} holds another")
+    line = user_error(tiny_args(data, b, "--max-steps", 8, "--warmup-steps", 2, "--resume", a / "ckpt_000002.pt"))
+    assert f"--resume {a / 'ckpt_000002.pt'} continues run " in line and f"--out-dir {b} holds another" in line
     assert ("log.jsonl" in line) == (keep != "checkpoint only") and ("ckpt_000006.pt" in line) == (keep != "log only")
     assert f"--out-dir {a} (the run's own folder)" in line
     assert snapshot(a.parent) == before  # B's checkpoints and log untouched, nothing appended
@@ -231,14 +239,13 @@ def test_resume_on_other_data_is_refused_naming_the_first_shard(run_on, change, 
     data, out = run_on
     change(data)
     before = snapshot(out)
-    r = cli(*tiny_args(data, out, "--max-steps", 4, "--resume"))
-    line = assert_one_line_error(r, f"--data-dir {data} is not the data ", words)
+    line = user_error(tiny_args(data, out, "--max-steps", 4, "--resume"))
+    assert f"--data-dir {data} is not the data " in line and words in line
     assert f"--init-from {out / 'ckpt_000002.pt'} in a new --out-dir" in line
     assert snapshot(out) == before
     # the way out it names: a new run from those weights, on the data as it is now
     fresh = out.parent / "fresh"
-    r = cli(*tiny_args(data, fresh, "--max-steps", 2, "--init-from", out / "ckpt_000002.pt"))
-    assert r.returncode == 0, r.stderr
+    assert train_gpt2.main(tiny_args(data, fresh, "--max-steps", 2, "--init-from", out / "ckpt_000002.pt")) == 0
     assert headers(fresh)[0]["config"]["init_from"] == str(out / "ckpt_000002.pt")
 
 
@@ -301,8 +308,7 @@ def test_a_folder_fineweb_has_not_finished_is_refused_naming_the_command(tmp_pat
     names = sorted(p.name for p in whole.iterdir())
     assert sorted(p.name for p in shards.iterdir()) == names
     assert all((shards / n).read_bytes() == (whole / n).read_bytes() for n in names)
-    r = cli(*tiny_args(shards, out, "--max-steps", 2))
-    assert r.returncode == 0, r.stderr
+    assert train_gpt2.main(tiny_args(shards, out, "--max-steps", 2)) == 0
 
 
 def test_a_folder_stopped_where_max_tokens_asked_is_finished_as_asked(tmp_path, tiny_text):
@@ -387,7 +393,7 @@ def test_out_of_memory_in_the_first_step_then_a_smaller_batch_in_the_same_folder
     assert len(headers(out)) == 1 and sorted(read_log(out)[1]) == [0, 1]
 
 
-def test_a_run_killed_before_its_first_step_is_not_another_run(tmp_path):
+def test_a_run_killed_before_its_first_step_is_not_another_run(tmp_path, capsys):
     """SIGKILL during step 0's long val eval leaves a log with a header and no step (nothing could
     clean up): the folder counts as empty, and the same command's retry runs there, said."""
     data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=3_000_000)
@@ -403,12 +409,10 @@ def test_a_run_killed_before_its_first_step_is_not_another_run(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
     assert len(headers(out)) == 1 and not read_log(out)[1] and not list(out.glob("ckpt_*.pt"))
-    r = cli(*args, "--val-tokens", 4096)
-    assert r.returncode == 0, r.stderr
-    assert "holds only the start of a run that never trained a step" in r.stdout
+    assert train_gpt2.main([*map(str, args), "--val-tokens", "4096"]) == 0
+    assert "holds only the start of a run that never trained a step" in capsys.readouterr().out
     assert len(headers(out)) == 2 and sorted(read_log(out)[1]) == [0, 1]
-    r = cli(*args, "--val-tokens", 4096)  # now it holds a run: a new one is refused
-    assert_one_line_error(r, "holds another run")
+    assert "holds another run" in user_error([*args, "--val-tokens", 4096])  # now it holds a run: a new one is refused
 
 
 def test_lock_file_names_its_holder_while_held(data, tmp_path):
