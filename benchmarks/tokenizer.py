@@ -6,22 +6,21 @@ from benchmarks.report import comparison
 from benchmarks.settings import TARGETS
 from benchmarks.timing import interleave, log, rates, stats, timed
 from fineweb import get_tokenizer
-from support.common import UserError
+from support.common import UserError, default_workers
+from support.documents import expand_inputs, local_documents
 
 
 def find_documents(pattern, text_field, shared):
     """The files of documents the section tokenizes: --docs's, else the FineWeb sample in shared/data.
     -> (paths, None), or (None, why the section cannot run here) when --docs is not given and there
     is no sample. A --docs that names no files of documents is a mistake: UserError."""
-    import fineweb
-
     if pattern is None:
         if shared is None or not list((shared / "fineweb_sample").glob("*.parquet")):
             return None, "no documents: pass --docs 'files/*.parquet'"
         pattern = str(shared / "fineweb_sample" / "*.parquet")
     try:
-        paths = fineweb.expand_inputs([pattern])
-        if next(fineweb.local_documents(paths, text_field), None) is None:
+        paths = expand_inputs([pattern])
+        if next(local_documents(paths, text_field), None) is None:
             raise UserError(f"--docs {pattern}: its files hold no documents")
     except UserError as e:  # fineweb.py's messages name its own flag for the files
         raise UserError(str(e).replace("--input", "--docs")) from None
@@ -31,8 +30,8 @@ def find_documents(pattern, text_field, shared):
 def bench_fineweb(s, paths, text_field):
     import fineweb
 
-    docs = list(fineweb.local_documents(paths, text_field))[: s["docs"]]
-    workers = fineweb.default_workers()
+    docs = list(local_documents(paths, text_field))[: s["docs"]]
+    workers = default_workers()
     # the same work per worker at any core count (a 10B-token run is all steady state): on 16 cores
     # the 2-core amount is a tenth of a second, which measures little beyond starting the pool
     docs = docs * (s["docs_repeat"] * max(1, workers // 2))

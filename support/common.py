@@ -165,6 +165,11 @@ def write_dir_atomic(out_dir, write, what, recheck=None):
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
+def default_workers():
+    """The cores this process may run on (its affinity where the OS has one): the default thread count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def log_records(path):
     """The records (dicts) of a run's log.jsonl in order; a line cut short by a kill is passed over.
     Nothing when the file is missing or cannot be read."""

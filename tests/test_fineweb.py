@@ -17,6 +17,7 @@ import fineweb
 from fineweb import EOT
 from support import common
 from support.common import UserError
+from support.documents import HUB_OFFLINE_VARS
 
 ROOT = __import__("conftest").ROOT
 SHARD = 100_000  # small shards: the 1.6M-token sample gives 16 full ones and a partial one
@@ -425,7 +426,7 @@ def test_missing_shard_is_redone(tmp_path, shared_data):
 def online(monkeypatch):
     """Pretend to be online without touching the network: no offline flags, and every TCP connection
     opens (only check_online makes one; the Hub itself is monkeypatched by the tests that use it)."""
-    for var in fineweb.HUB_OFFLINE_VARS:
+    for var in HUB_OFFLINE_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(
         common.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})()
@@ -462,7 +463,7 @@ def unreachable(*args, **kwargs):
 def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, connect, message):
     # rule 8: the library would retry for ~27 s and then say nothing about offline use
     datasets = pytest.importorskip("datasets")
-    for var in (*fineweb.HUB_OFFLINE_VARS, "HF_ENDPOINT"):
+    for var in (*HUB_OFFLINE_VARS, "HF_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)

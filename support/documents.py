@@ -1,0 +1,263 @@
+"""Where fineweb.py's documents come from: local .txt, .jsonl and .parquet files (their names
+expanded, their encoding checked before any work, their content fingerprinted for the manifest) or
+a Hugging Face dataset streamed from the Hub, each as an iterator of strings; torch-free, as
+fineweb.py is."""
+
+import concurrent.futures
+import glob
+import hashlib
+import json
+import os
+import sys
+import urllib.parse
+import urllib.request
+
+from support.common import UserError, default_workers, first_line, offline_var, unreachable
+
+INPUT_TYPES = (".txt", ".jsonl", ".parquet")
+
+
+def expand_inputs(patterns):
+    """Files named on the command line, globs expanded (sorted), in the order given."""
+    paths = []
+    for pattern in patterns:
+        if any(c in pattern for c in "*?["):
+            matches = [m for m in sorted(glob.glob(pattern, recursive=True)) if not os.path.isdir(m)]
+            if not matches:
+                raise UserError(f"no files match --input {pattern!r}")
+            paths += matches
+        else:
+            paths.append(pattern)
+    for path in paths:
+        if os.path.isdir(path):
+            raise UserError(f"--input {path} is a directory: pass its files, e.g. '{path}/*.parquet'")
+        if not os.path.exists(path):
+            raise UserError(f"--input {path} does not exist")
+        if not path.endswith(INPUT_TYPES):
+            raise UserError(f"--input {path}: unknown file type, use {', '.join(INPUT_TYPES)}")
+    # one file named twice (a glob and its path, ./a and a, a link to it) is read once: its text
+    # twice would put the val shard's documents in train too
+    first, kept = {}, []
+    for path in paths:
+        st = os.stat(path)
+        seen = first.setdefault((st.st_dev, st.st_ino), path)
+        if seen is path:
+            kept.append(path)
+        else:
+            also = "" if path == seen else f" (also as {path})"
+            print(f"note: --input names {seen} twice{also}: it is read once", file=sys.stderr)
+    return kept
+
+
+TEXT_PROBE = 1 << 16  # bytes of a .txt / .jsonl file whose encoding is checked before any work
+
+
+def check_encoding(path, head):
+    """Refuse text that is not UTF-8, seen in its first bytes `head`: UTF-16 or UTF-32 (with a
+    byte-order mark, or without one: every other byte NUL), other NUL-holding (binary) files,
+    and invalid UTF-8. tiktoken would take UTF-16 text without a mark as text full of NULs."""
+    import codecs
+    import shlex
+
+    def convert(name):
+        root, ext = os.path.splitext(path)
+        command = f"iconv -f {name} -t UTF-8 {shlex.quote(path)} > {shlex.quote(root + '.utf8' + ext)}"
+        return f"convert it to UTF-8 (e.g. {command}) and pass that file"
+
+    boms = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"))
+    boms += ((codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+    for bom, name in boms:
+        if head.startswith(bom):
+            raise UserError(f"{path} is {name} text (its byte-order mark says so), not UTF-8: {convert(name)}")
+    if b"\0" in head:
+        even, odd = head[0::2], head[1::2]
+        if max(even.count(0) / max(len(even), 1), odd.count(0) / max(len(odd), 1)) > 0.3:
+            name = "UTF-16LE" if odd.count(0) > even.count(0) else "UTF-16BE"
+            raise UserError(
+                f"{path} holds a NUL byte beside every other character: {name} text without a byte-order mark, "
+                f"not UTF-8: {convert(name)}"
+            )
+        raise UserError(f"{path} holds NUL bytes: not a text file (fineweb.py reads UTF-8 text)")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start} is not UTF-8): convert it to UTF-8") from None
+
+
+def file_digest(path):
+    """sha256 of a file's bytes, in hex: what a resume compares an input by."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def describe_inputs(paths, workers=None):
+    """[{path, bytes, sha256}] for the inputs, hashed in threads (hashlib releases the GIL); a file
+    whose bytes equal an earlier one's is left out, said in a note: the same text twice would put
+    the val shard's documents in train too."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(paths), workers or default_workers())) as pool:
+        digests = list(pool.map(file_digest, paths))
+    described, seen = [], {}
+    for path, digest in zip(paths, digests):
+        if digest in seen:
+            print(f"note: --input {path} has the same bytes as {seen[digest]}: it is read once", file=sys.stderr)
+            continue
+        seen[digest] = path
+        described.append({"path": os.path.abspath(path), "bytes": os.path.getsize(path), "sha256": digest})
+    return described
+
+
+def _text(value, where):
+    if not isinstance(value, str):
+        raise UserError(f"{where}: the text is {type(value).__name__}, not a string")
+    return value
+
+
+def read_documents(path, text_field):
+    """The documents of one file: a .txt is one document; .jsonl and .parquet have one per row."""
+    try:
+        # utf-8-sig: a UTF-8 byte-order mark is not a character of the first document
+        if path.endswith(".txt"):
+            with open(path, encoding="utf-8-sig", newline="") as f:  # newline="": the text exactly as stored
+                text = f.read()
+            if "\0" in text:  # past the start check_encoding looked at
+                raise UserError(f"{path} holds NUL characters: not UTF-8 text (UTF-16? binary?)")
+            yield text
+        elif path.endswith(".jsonl"):
+            with open(path, encoding="utf-8-sig") as f:
+                for lineno, line in enumerate(f, 1):
+                    if "\0" in line:
+                        raise UserError(f"{path} line {lineno} holds NUL characters: not UTF-8 text (UTF-16? binary?)")
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise UserError(f"{path} line {lineno} is not valid JSON ({e.msg})") from None
+                    if not isinstance(row, dict) or text_field not in row:
+                        raise UserError(
+                            f"{path} line {lineno} has no {text_field!r} field: choose one with --text-field"
+                        )
+                    yield _text(row[text_field], f"{path} line {lineno}")
+        else:
+            yield from _parquet_documents(path, text_field)
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _parquet_documents(path, text_field):
+    import pyarrow as pa  # only parquet input needs it
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+        columns = pf.schema_arrow.names
+        if text_field not in columns:
+            raise UserError(
+                f"{path} has no {text_field!r} column (it has {', '.join(columns)}): choose one with --text-field"
+            )
+        row = 0
+        for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                yield _text(text, f"{path} row {row}")
+    except pa.ArrowException as e:
+        raise UserError(f"{path} is not a readable parquet file ({first_line(e)})") from None
+
+
+def check_inputs(paths, text_field):
+    """Fail before any work on an unreadable file or a missing text column, not hours into the run."""
+    for path in paths:
+        if path.endswith((".txt", ".jsonl")):
+            try:
+                with open(path, "rb") as f:
+                    check_encoding(path, f.read(TEXT_PROBE))
+            except OSError as e:
+                raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+        if not path.endswith(".txt"):
+            docs = read_documents(path, text_field)
+            next(docs, None)  # opens the file and checks the first row
+            docs.close()
+
+
+def local_documents(paths, text_field, skip=0):
+    """All documents of the files in order, after the first `skip` (a resumed run)."""
+    import pyarrow.parquet as pq
+
+    for path in paths:
+        # a whole file whose row count is known without reading its text is skipped for free
+        if skip and path.endswith(".txt"):
+            skip -= 1
+            continue
+        if skip and path.endswith(".parquet") and skip >= (rows := pq.ParquetFile(path).metadata.num_rows):
+            skip -= rows
+            continue
+        for text in read_documents(path, text_field):
+            if skip:
+                skip -= 1
+                continue
+            yield text
+
+
+def hub_documents(dataset, name, split, text_field, skip=0):
+    """Documents streamed from the Hugging Face Hub: tokenizing starts at once, nothing but the
+    shards is kept on disk. Opens the dataset now, so a bad name fails before any work."""
+    import datasets  # slow to import; only this path needs it
+
+    try:
+        ds = datasets.load_dataset(dataset, name=name, split=split, streaming=True)
+    except Exception as e:  # not found, no network, bad config name: the library's message says which
+        raise UserError(f"cannot open {dataset} (name {name}, split {split}): {first_line(e)}") from None
+    if ds.column_names is not None:
+        if text_field not in ds.column_names:
+            raise UserError(
+                f"{dataset} has no {text_field!r} column (it has {', '.join(ds.column_names)}): "
+                f"choose one with --text-field"
+            )
+        ds = ds.select_columns([text_field])  # the other columns are then never decoded
+    if skip:
+        ds = ds.skip(skip)
+
+    def documents():
+        row = skip
+        batches = ds.iter(batch_size=1000)
+        while True:
+            try:
+                batch = next(batches, None)
+            except Exception as e:  # a dropped connection hours in: what finished is kept, so say how to go on
+                raise UserError(
+                    f"reading {dataset} failed ({first_line(e)}): rerun the same command to resume"
+                ) from None
+            if batch is None:
+                return
+            if text_field not in batch:
+                raise UserError(f"{dataset} rows have no {text_field!r} field: choose one with --text-field")
+            for text in batch[text_field]:
+                row += 1
+                yield _text(text, f"{dataset} row {row}")
+
+    return documents()
+
+
+HUB_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def check_online(dataset, timeout=5.0):
+    """Offline, the Hub client retries for half a minute and then says nothing about offline use:
+    find out at once, and say what to pass instead."""
+    hint = "pass local files with --input instead, e.g. --input 'corpus/*.parquet' (.txt, .jsonl or .parquet)"
+    var = offline_var(HUB_OFFLINE_VARS)
+    if var:
+        raise UserError(f"{var} is set, so {dataset} cannot be streamed from the Hugging Face Hub: {hint}")
+    if os.path.exists(dataset):
+        return  # a local dataset folder
+    url = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    reason = unreachable(url, timeout)
+    if reason:
+        raise UserError(
+            f"cannot reach {urllib.parse.urlsplit(url).hostname} to stream {dataset} ({reason}); offline? {hint}"
+        )
