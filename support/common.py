@@ -1,6 +1,6 @@
 """What every script shares, torch-free so that fineweb.py starts without loading torch: the error
 type and the command-line wrapper that prints it as one line, atomic writes of files and folders,
-the offline probe, the one-line out-of-memory report, and a run log's records."""
+the offline probe, the one-line out-of-memory report, a run log's records, the default thread count."""
 
 import argparse
 import errno
