@@ -1,10 +1,14 @@
 """Exclusive file locks that a second process is refused by: flock where fcntl exists, msvcrt.locking
-on Windows, and elsewhere an exclusive-create lock file that names its holder."""
+on Windows, and elsewhere an exclusive-create lock file that names its holder. A folder's lock
+(lock_folder, keep_folder, unlock_folder) is the one code path by which train_gpt2.py holds its
+--out-dir and fineweb.py its shards folder. Why this and not the filelock package:
+docs/reliability.md, "The folder lock". A lock file is never opened through a symbolic link."""
 
 import errno
 import os
 import re
 import socket
+import sys
 import time
 
 try:
@@ -17,6 +21,7 @@ except ImportError:  # not Windows
     msvcrt = None
 
 BINARY = getattr(os, "O_BINARY", 0)  # Windows opens a descriptor in text mode unless told
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a symbolic link at the name fails the open; 0 where the OS lacks it
 MSVCRT_OFFSET = 2**30  # msvcrt's locks are mandatory: lock one byte far past the holder's text, so it stays readable
 HOLDER_BYTES = 4096
 
@@ -32,6 +37,38 @@ class Held(Exception):
 
 class NoLocks(Exception):
     """The file system cannot lock (some network file systems): the lock is not taken."""
+
+
+class Symlink(Exception):
+    """A symbolic link stands at the lock file's name: it is not followed (the lock's text would be
+    written into the file it points to), and the lock is not taken. path: the link; target: where
+    it points ("" if that cannot be read)."""
+
+    def __init__(self, path):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = ""
+        super().__init__(f"{path} is a symbolic link" + (f" to {target}" if target else ""))
+        self.path, self.target = path, target
+
+
+def refuse_symlink(path):
+    """Raise Symlink if path is a symbolic link (where O_NOFOLLOW is missing, the only guard)."""
+    if os.path.islink(path):
+        raise Symlink(path)
+
+
+def _open(path, flags):
+    """os.open(path, flags) that never follows a symbolic link at path: O_NOFOLLOW where the OS has
+    it (an open that fails is checked for a link, whatever the errno: ELOOP, EMLINK, EFTYPE), else a
+    check before the open (and acquire's check after it, for a link put there in between)."""
+    refuse_symlink(path)
+    try:
+        return os.open(path, flags | NOFOLLOW | BINARY, 0o644)
+    except OSError:
+        refuse_symlink(path)
+        raise
 
 
 def mechanism():
@@ -54,14 +91,15 @@ def acquire(path):
     if fcntl is None and msvcrt is None:
         return _acquire_exclusive_file(path)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | BINARY, 0o644)
+        fd = _open(path, os.O_RDWR | os.O_CREAT)
         try:
             if not _lock(fd):
                 raise Held(read_holder(fd))
-            try:  # the file locked must be the one at path: its holder removes it as it ends, a newer one makes one
-                same = os.path.samestat(os.fstat(fd), os.stat(path))
-            except FileNotFoundError:
-                same = False
+            # the file locked must be the one at path: its holder removes it as it ends, a newer one
+            # makes one; and no link may have taken its place between the check and the open
+            same = held(fd, path)
+            if not same:
+                refuse_symlink(path)
         except BaseException:
             os.close(fd)
             raise
@@ -87,12 +125,12 @@ def _lock(fd):
 
 def _acquire_exclusive_file(path):
     while True:
-        try:
+        try:  # O_EXCL fails on any name that exists, a symbolic link included: never followed
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | BINARY, 0o644)
         except FileExistsError:
             pass
         try:
-            fd = os.open(path, os.O_RDONLY | BINARY)
+            fd = _open(path, os.O_RDONLY)
         except FileNotFoundError:
             continue  # its holder gave it back meanwhile
         try:
@@ -103,10 +141,7 @@ def _acquire_exclusive_file(path):
                 raise Held(holder, None if starting else f"if no run is using it, delete {path}")
             if _alive(int(match[1])):
                 raise Held(holder)
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(path))
-            except FileNotFoundError:
-                same = False
+            same = held(fd, path)
         finally:
             os.close(fd)
         if same:  # a killed run's lock: taken over
@@ -141,3 +176,60 @@ def write_holder(fd, text):
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, text.encode()[:HOLDER_BYTES])
+
+
+def held(fd, path):
+    """Whether the file open at fd is the one at path: not deleted, not replaced (by a file or a
+    link: the name itself is compared, not what it points to)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.lstat(path))
+    except OSError:
+        return False
+
+
+def holder_text(note=""):
+    """Who holds a lock, as its file says it: "pid N{note} on HOST, since TIME: COMMAND". The
+    exclusive-file lock reads the pid and host back (acquire)."""
+    command = " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]]).replace("\n", " ")
+    command = command if len(command) <= 160 else command[:157] + "..."
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    return f"pid {os.getpid()}{note} on {socket.gethostname()}, since {since}: {command}"
+
+
+def lock_folder(folder, name, note=""):
+    """Lock folder for this process's life: acquire on its file `name`, whose text then names this
+    process (holder_text(note)) for a refused one to show. Returns the descriptor, to keep open and
+    give to keep_folder and unlock_folder. Raises what acquire raises: Held, NoLocks, Symlink, OSError
+    (a folder at the name: IsADirectoryError, or on Windows PermissionError)."""
+    fd = acquire(os.path.join(folder, name))
+    try:
+        write_holder(fd, holder_text(note))
+    except OSError:
+        pass  # a full disk: the lock holds all the same, unnamed
+    return fd
+
+
+def keep_folder(fd, folder, name, note=""):
+    """Whether folder is still held through fd, for a process to ask before each thing it writes
+    there: its lock lives on a file a user can delete (a "stale lock" habit from other tools) or
+    replace, and a second process would then lock a new file and write beside this one. Returns fd
+    while the file at the name is the one fd locked; else that file (made if missing) is locked
+    again and its descriptor returned, fd closed: the caller says so. Raises what lock_folder raises
+    (fd then left open): Held when another process holds the new file."""
+    if held(fd, os.path.join(folder, name)):
+        return fd
+    new = lock_folder(folder, name, note)
+    os.close(fd)  # the lock on the file that was deleted: no other process can reach that file
+    return new
+
+
+def unlock_folder(fd, folder, name):
+    """Give lock_folder's lock back: its file removed while it is still the one fd locked (a user
+    may have deleted it and another process made its own), then fd closed. Windows removes no open
+    file: there the file stays, and the next lock takes it."""
+    try:
+        if held(fd, os.path.join(folder, name)):
+            os.remove(os.path.join(folder, name))
+    except OSError:
+        pass
+    os.close(fd)

@@ -4,9 +4,7 @@ fails leaves the folder as it found it."""
 import json
 import os
 import re
-import socket
 import sys
-import time
 
 from support import file_lock
 from support.checkpoints import checkpoint_paths, disk_error, run_id_of
@@ -65,21 +63,26 @@ def claim_out_dir(out_dir, resume):
 
 
 def lock_out_dir(out_dir, then):
-    """Hold an exclusive lock on out_dir while this process lives: on its LOCK_FILE, with flock (or
-    msvcrt.locking on Windows), which the OS releases when the process ends, a SIGKILL included (no
-    stale lock to remove by hand); where neither exists, the file itself is the lock
-    (support.file_lock.acquire). A second run into the folder, new or --resume, is refused in one
-    line naming the process that holds it (the file's text). Returns the locked file's descriptor;
-    None where the file system has no locks (said in a warning)."""
-    path = os.path.join(out_dir, LOCK_FILE)
+    """Hold an exclusive lock on out_dir while this process lives: support.file_lock.lock_folder on
+    its LOCK_FILE, with flock (or msvcrt.locking on Windows), which the OS releases when the process
+    ends, a SIGKILL included (no stale lock to remove by hand); where neither exists, the file itself
+    is the lock (support.file_lock.acquire). A second run into the folder, new or --resume, is
+    refused in one line naming the process that holds it (the file's text); so is a symbolic link at
+    the lock file's name, never followed. Returns the locked file's descriptor; None where the file
+    system has no locks (said in a warning)."""
     try:
-        fd = file_lock.acquire(path)
+        return file_lock.lock_folder(out_dir, LOCK_FILE, _holder_note())
     except file_lock.Held as e:
         holder = e.holder or "a process that is just starting"
         fix = f" ({e.fix})" if e.fix else ""
         raise UserError(
             f"--out-dir {out_dir} is in use by another run ({holder}): wait for it to end, or pass another "
             f"--out-dir{fix}"
+        ) from None
+    except file_lock.Symlink as e:
+        raise UserError(
+            f"--out-dir {out_dir}: {e}, where train_gpt2.py keeps its lock file; a lock file is never written "
+            f"through a link: remove the link (not what it points to), then {then}"
         ) from None
     except file_lock.NoLocks as e:
         print(
@@ -88,67 +91,49 @@ def lock_out_dir(out_dir, then):
         )
         return None
     except OSError as e:
-        if os.path.isdir(path):  # not the disk: a folder stands where the lock file goes
+        if os.path.isdir(os.path.join(out_dir, LOCK_FILE)):  # not the disk: a folder stands where the lock file goes
             raise UserError(
                 f"--out-dir {out_dir} holds a folder named {LOCK_FILE}, where train_gpt2.py keeps its lock "
                 f"file: rename or remove that folder, then {then}"
             ) from None
         raise disk_error(e, f"to --out-dir {out_dir} (its lock file {LOCK_FILE})", then) from None
-    command = " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]]).replace("\n", " ")
-    command = command if len(command) <= 160 else command[:157] + "..."
-    rank = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""
-    holder = f"pid {os.getpid()}{rank} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}: {command}"
-    try:
-        file_lock.write_holder(fd, holder)  # its pid and host: what the exclusive-file lock reads back
-    except OSError:
-        pass  # a full disk: the lock holds all the same, unnamed
-    return fd
+
+
+def _holder_note():
+    """What the lock file's text adds after the pid: under torchrun, that rank 0 holds it for the job."""
+    return " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""
 
 
 def check_out_dir_held():
     """Before every checkpoint and log record this process writes to its --out-dir: the folder must
-    still be this run's. Its lock lives on LOCK_FILE, which a user can delete (a "stale lock" habit
-    from other tools) or replace, and a second run would then lock a new file and write beside this
-    one. So the file at that path must be the one this process locked (same device and inode). If
-    it is gone or another that no one holds, it is locked again and the run goes on, said in a
-    warning (stopping would throw away the steps since the last checkpoint for nothing); if another
-    run holds it now, this run stops in one line and writes nothing more there, leaving that run's
-    lock and records alone (release_out_dir)."""
+    still be this run's (support.file_lock.keep_folder: LOCK_FILE must be the file this process
+    locked, same device and inode, for a user can delete it, a "stale lock" habit from other tools,
+    or replace it, and a second run would then lock a new file and write beside this one). If it is
+    gone or another that no one holds, it is locked again and the run goes on, said in a warning
+    (stopping would throw away the steps since the last checkpoint for nothing); if another run
+    holds it now (or it cannot be locked again), this run stops in one line and writes nothing more
+    there, leaving that run's lock and records alone (release_out_dir)."""
     fd = _claim.get("fd")
     if fd is None or _claim.get("lost"):
         return
     out_dir = _claim["out_dir"]
     path = os.path.join(out_dir, LOCK_FILE)
-    if _same_file(fd, path):
-        return
     why = "leave it in place: it is no stale lock, the OS frees it when its run ends"
     try:
-        new = lock_out_dir(out_dir, "continue with --resume")
-    except UserError:
-        new = None
-    if new is None:
+        new = file_lock.keep_folder(fd, out_dir, LOCK_FILE, _holder_note())
+    except (file_lock.Held, file_lock.Symlink, file_lock.NoLocks, OSError) as e:
         _claim["lost"] = True
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                holder = f.read(4096).strip()
-        except OSError:
-            holder = ""
-        now = f"another run holds it now ({holder})" if holder else "it cannot be locked again"
+        if isinstance(e, file_lock.Held):
+            now = f"another run holds it now ({e.holder or 'a process that is just starting'})"
+        else:
+            now = f"it cannot be locked again ({getattr(e, 'strerror', None) or e})"
         raise UserError(
             f"{path} was deleted or replaced while this run trained, and {now}: this run stops here and writes "
             f"nothing more to {out_dir}, so that one run alone writes there ({why})"
-        )
-    os.close(fd)  # the lock on the file that was deleted: no other process can reach that file
-    _claim["fd"] = new
-    print(f"warning: {path} was deleted while this run trained: locked again ({why})", file=sys.stderr, flush=True)
-
-
-def _same_file(fd, path):
-    """Whether the file open at fd is the one at path (not deleted, not replaced)."""
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except OSError:
-        return False
+        ) from None
+    if new != fd:
+        _claim["fd"] = new
+        print(f"warning: {path} was deleted while this run trained: locked again ({why})", file=sys.stderr, flush=True)
 
 
 def release_out_dir():
@@ -168,13 +153,7 @@ def release_out_dir():
             undo_failed_start(claim)
     finally:
         if claim["fd"] is not None:
-            path = os.path.join(claim["out_dir"], LOCK_FILE)
-            try:
-                if _same_file(claim["fd"], path):  # still held: no one else locks it meanwhile
-                    os.remove(path)
-            except OSError:
-                pass
-            os.close(claim["fd"])
+            file_lock.unlock_folder(claim["fd"], claim["out_dir"], LOCK_FILE)
 
 
 def undo_failed_start(claim):

@@ -578,3 +578,30 @@ def test_a_folder_where_the_lock_file_goes_is_named_and_moving_it_runs(data, tmp
     assert "writable" not in msg
     (out / ".train_gpt2.lock").rename(tmp_path / "moved")
     assert train_gpt2.main(args) == 0
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_symlink_where_the_lock_file_goes_is_refused_and_what_it_names_is_untouched(data, tmp_path, resume):
+    """A .train_gpt2.lock that is a symbolic link is never followed: the lock would write its
+    holder's text into the file it names (here a checkpoint of another folder). One line naming the
+    link; that file as it was; the link removed, the same command runs."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)
+    assert train_gpt2.main(tiny_args(data, elsewhere, "--max-steps", 1, "--eval-every", 0)) == 0
+    target = next(elsewhere.glob("ckpt_*.pt"))
+    if resume:
+        assert train_gpt2.main(args + ["--ckpt-every", 1]) == 0
+        args += ["--max-steps", 3, "--resume"]
+    out.mkdir(exist_ok=True)
+    (out / ".train_gpt2.lock").symlink_to(target)
+    before = target.read_bytes()
+    msg = refused_before_step_0(
+        args, out, f"--out-dir {out}: {out / '.train_gpt2.lock'} is a symbolic link to {target}, where train_gpt2.py"
+    )
+    assert "\n" not in msg and msg.endswith(
+        "remove the link (not what it points to), then " + ("continue with --resume" if resume else "start again")
+    )
+    assert target.read_bytes() == before
+    (out / ".train_gpt2.lock").unlink()
+    assert train_gpt2.main(args) == 0
+    assert target.read_bytes() == before

@@ -4,7 +4,6 @@ machine: a sitecustomize.py removes SIGHUP, fcntl, os.pread/pwrite, os.killpg,
 os.sched_getaffinity and os.fork before the script starts, and records in each child that they
 are gone (so the run under test cannot have used them)."""
 
-import errno
 import json
 import os
 import signal
@@ -21,7 +20,6 @@ import fineweb
 import hellaswag
 import train_gpt2
 from conftest import ROOT, assert_one_line_error, random_shards, read_log, tiny_args
-from support import file_lock
 from support.out_dir import LOCK_FILE
 
 # Windows has none of these; the stand-in SIGBREAK is a signal Linux has that nothing else here uses
@@ -159,102 +157,6 @@ def test_a_second_run_into_a_running_runs_folder_is_refused(data, tmp_path, posi
     assert "caught SIGUSR1: stopping after this step with a checkpoint" in stdout and list(out.glob("ckpt_*.pt"))
     ran_without_them(first.pid, lock="exclusive file")
     assert not (out / LOCK_FILE).exists()
-
-
-@pytest.fixture
-def exclusive_file(monkeypatch, tmp_path):
-    """support.file_lock as it is where neither fcntl nor msvcrt exists; the lock's path."""
-    monkeypatch.setattr(file_lock, "fcntl", None)
-    monkeypatch.setattr(file_lock, "msvcrt", None)
-    return tmp_path / LOCK_FILE
-
-
-def ended_pid():
-    ended = subprocess.Popen([sys.executable, "-c", "pass"])
-    ended.wait()
-    return ended.pid  # no longer runs
-
-
-def test_exclusive_file_lock_of_a_killed_run_on_this_host_is_taken_over(exclusive_file):
-    exclusive_file.write_text(f"pid {ended_pid()} on {socket.gethostname()}, since 2026-11-25 12:00:00: python x.py")
-    fd = file_lock.acquire(str(exclusive_file))
-    try:
-        ours = f"pid {os.getpid()} on {socket.gethostname()}, since now: ours"
-        file_lock.write_holder(fd, ours)
-        assert exclusive_file.read_text() == ours
-        with pytest.raises(file_lock.Held) as held:  # now ours: refused to the next one, nothing to delete
-            file_lock.acquire(str(exclusive_file))
-        assert held.value.holder == ours and held.value.fix is None
-    finally:
-        os.close(fd)
-
-
-def test_exclusive_file_lock_of_a_live_process_is_refused(exclusive_file):
-    holder = f"pid {os.getppid()} (rank 0 of a torchrun job) on {socket.gethostname()}, since 2026-11-25: python x.py"
-    exclusive_file.write_text(holder)
-    with pytest.raises(file_lock.Held) as held:
-        file_lock.acquire(str(exclusive_file))
-    assert held.value.holder == holder and held.value.fix is None
-    assert exclusive_file.read_text() == holder
-
-
-def test_exclusive_file_lock_of_another_host_is_refused_naming_the_file(exclusive_file):
-    holder = f"pid {ended_pid()} on another-host.example, since 2026-11-25 12:00:00: python x.py"
-    exclusive_file.write_text(holder)
-    with pytest.raises(file_lock.Held) as held:  # whether that pid runs there cannot be told from here
-        file_lock.acquire(str(exclusive_file))
-    assert held.value.holder == holder and held.value.fix == f"if no run is using it, delete {exclusive_file}"
-    assert exclusive_file.read_text() == holder
-
-
-@pytest.mark.parametrize("age", [0, 3600])
-def test_exclusive_file_lock_without_a_holder_is_refused_while_it_can_be_starting(exclusive_file, age):
-    exclusive_file.write_text("")  # made, not yet named (or its naming failed: a full disk)
-    os.utime(exclusive_file, (time.time() - age, time.time() - age))
-    with pytest.raises(file_lock.Held) as held:
-        file_lock.acquire(str(exclusive_file))
-    assert held.value.holder == ""
-    assert held.value.fix == (None if age == 0 else f"if no run is using it, delete {exclusive_file}")
-
-
-class WindowsLikeMsvcrt:
-    """msvcrt.locking as Windows documents it, on top of flock (a lock per open file, as a Windows
-    handle's is): it locks nbytes from the file's position and fails with EACCES, or EDEADLOCK,
-    when another handle holds them. Records the (position, nbytes) it was asked to lock."""
-
-    LK_UNLCK, LK_LOCK, LK_NBLCK = 0, 1, 2
-
-    def __init__(self, fails_with):
-        self.fails_with, self.locked = fails_with, []
-        self.fcntl = pytest.importorskip("fcntl")  # the stand-in needs flock; Windows has the real msvcrt
-
-    def locking(self, fd, mode, nbytes):
-        assert mode == self.LK_NBLCK  # a run never waits for the lock
-        self.locked.append((os.lseek(fd, 0, os.SEEK_CUR), nbytes))
-        try:
-            self.fcntl.flock(fd, self.fcntl.LOCK_EX | self.fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise OSError(self.fails_with, "Permission denied") from None
-
-
-@pytest.mark.parametrize("fails_with", [errno.EACCES, errno.EDEADLOCK])
-def test_msvcrt_lock_is_refused_to_a_second_holder_and_keeps_the_holder_readable(monkeypatch, tmp_path, fails_with):
-    msvcrt = WindowsLikeMsvcrt(fails_with)
-    monkeypatch.setattr(file_lock, "fcntl", None)
-    monkeypatch.setattr(file_lock, "msvcrt", msvcrt)
-    path = str(tmp_path / LOCK_FILE)
-    assert file_lock.mechanism() == "msvcrt"
-    fd = file_lock.acquire(path)
-    try:
-        # Windows' locks are mandatory: the byte locked lies past the holder's text, which others read
-        assert msvcrt.locked == [(file_lock.MSVCRT_OFFSET, 1)] and file_lock.MSVCRT_OFFSET >= file_lock.HOLDER_BYTES
-        file_lock.write_holder(fd, "pid 1 on host, since now: ours")
-        with pytest.raises(file_lock.Held) as held:
-            file_lock.acquire(path)
-        assert held.value.holder == "pid 1 on host, since now: ours" and held.value.fix is None
-    finally:
-        os.close(fd)
-    os.close(file_lock.acquire(path))  # given back with its handle, as when a run ends or is killed
 
 
 def test_fineweb_input_writes_the_tokens_of_the_text(tmp_path, posix_less, shared_data):
