@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import pytest
 
 import fineweb
 from fineweb import EOT
-from support import common
+from support import common, file_lock
 from support.common import UserError
 from support.documents import HUB_OFFLINE_VARS
 
@@ -699,12 +700,84 @@ def test_two_real_runs_at_once(tmp_path, parquet_copies):
             time.sleep(0.01)
         code, out, err = run_cli(args, tmp_path)
         assert first.poll() is None, "the first run ended before the second started"
-        assert_one_line_error(code, err, "another fineweb.py is writing to out")
+        # through the lock train_gpt2.py holds its --out-dir with: the holder named in the one line
+        assert_one_line_error(
+            code,
+            err,
+            r"another fineweb\.py is writing to out: wait for it to finish, or use another --out-dir "
+            rf"\(it is pid {first.pid} on {re.escape(socket.gethostname())}, since .*: python fineweb\.py --input ",
+        )
         assert first.wait(timeout=120) == 0
     finally:
         first.kill()
         first.communicate()
     assert json.loads(manifest.read_text())["complete"]
+    assert not (tmp_path / "out" / fineweb.FOLDER_LOCK).exists()  # given back
+
+
+def test_a_symlink_where_the_lock_goes_is_refused_and_what_it_names_is_untouched(tmp_path, shared_data):
+    """The lock's text is never written through a link this run did not make: one line naming the
+    link, the file it points to as it was; the link removed, the same command runs."""
+    tiny_shards(tmp_path, shared_data, "fresh")
+    (tmp_path / "out").mkdir()
+    target = tmp_path / "notes.txt"
+    target.write_text("the user's notes\n")
+    (tmp_path / "out" / fineweb.FOLDER_LOCK).symlink_to(target)
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(
+        ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path
+    )
+    assert_one_line_error(
+        code,
+        err,
+        rf"--out-dir out: out/{re.escape(fineweb.FOLDER_LOCK)} is a symbolic link to {re.escape(str(target))}, "
+        r"where fineweb\.py keeps its lock file; .*remove the link \(not what it points to\), then rerun",
+    )
+    assert snapshot(tmp_path) == before and target.read_text() == "the user's notes\n"
+    (tmp_path / "out" / fineweb.FOLDER_LOCK).unlink()
+    tiny_shards(tmp_path, shared_data)
+    assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "fresh")
+
+
+@pytest.mark.parametrize("then", ["no one takes it", "another fineweb.py takes it"])
+def test_a_lock_file_deleted_mid_run_is_locked_again_or_the_run_stops(tmp_path, shared_data, monkeypatch, capsys, then):
+    """A user deletes .fineweb.lock as a stale lock while shards are written: before its next shard
+    the run locks the folder again (a warning) and ends as an undisturbed run; if another fineweb.py
+    has locked the folder meanwhile, the run stops in one line and writes nothing more there, its
+    manifest included, and the same command afterwards finishes the folder."""
+    tiny_shards(tmp_path, shared_data, "fresh")
+    out = tmp_path / "out"
+    lock, real_write_shard, other = out / fineweb.FOLDER_LOCK, fineweb.write_shard, []
+
+    def write_shard(path, tokens, fmt="npy"):
+        real_write_shard(path, tokens, fmt)
+        if path.endswith("_000001.npy"):
+            lock.unlink()
+            if then != "no one takes it":
+                other.append(fineweb.lock_folder(str(out)))  # a second run's lock: another open file
+
+    monkeypatch.setattr(fineweb, "write_shard", write_shard)
+    if then == "no one takes it":
+        tiny_shards(tmp_path, shared_data)
+        assert f"warning: {lock} was deleted while this run wrote shards: locked again" in capsys.readouterr().err
+    else:
+        try:
+            with pytest.raises(UserError) as e:
+                tiny_shards(tmp_path, shared_data)
+            assert str(e.value).startswith(
+                f"{lock} was deleted or replaced while this run wrote shards, and another fineweb.py holds it now "
+                f"(pid {os.getpid()} on "
+            )
+            assert "this run stops here and writes nothing more" in str(e.value)
+            assert not (out / "edufineweb_train_000002.npy").exists()
+            assert (out / ".edufineweb_manifest.journal").exists()  # not folded by the run that lost the folder
+            assert file_lock.held(other[0], str(lock))  # the other run's lock, untouched
+        finally:
+            if other:
+                fineweb.unlock_folder(str(out), {"fd": other[0]})
+        monkeypatch.undo()
+        tiny_shards(tmp_path, shared_data)  # the same command, once the other run is done
+    assert file_bytes(out) == file_bytes(tmp_path / "fresh") and not lock.exists()
 
 
 @pytest.fixture(scope="module")

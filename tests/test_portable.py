@@ -179,7 +179,7 @@ HOLD_THE_FOLDER = """
 import sys
 import fineweb
 
-lock = fineweb.lock_folder(sys.argv[1])
+lock = {"fd": fineweb.lock_folder(sys.argv[1])}
 print("held", flush=True)
 sys.stdin.read()  # until the test closes it
 fineweb.unlock_folder(sys.argv[1], lock)
