@@ -14,11 +14,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.chunked_loss import chunked_cross_entropy
 from benchmarks.report import fmt_stats
 from benchmarks.settings import ROOT, TRAIN_CONFIGS
 from benchmarks.timing import interleave, log, rates, stats
 from benchmarks.train import fits_in_memory, train_step_fn
-from chunked_loss import chunked_cross_entropy
 from support.common import write_atomic
 from support.machine import compile_problem, keep_freed_memory
 from support.precision import pick_dtype
@@ -101,8 +101,8 @@ class MaskedSoftmaxAttention(nn.Module):
 
 class ChunkedLossGPT(nn.Module):
     """Rung 8's model: the GPT's hidden states, then the LM head and the loss fused in chunks of
-    rows (chunked_loss.chunked_cross_entropy), with the GPT's own tied lm_head weight. Training's
-    call only: it returns (None, loss), no logits."""
+    rows (benchmarks.chunked_loss.chunked_cross_entropy), with the GPT's own tied lm_head weight.
+    Training's call only: it returns (None, loss), no logits."""
 
     def __init__(self, gpt, chunk_rows=LADDER_CHUNK_ROWS):
         super().__init__()

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fineweb
+from benchmarks.chunked_loss import chunked_cross_entropy
 from benchmarks.ladder import (
     LADDER_LOSS_TOL,
     MaskedSoftmaxAttention,
@@ -27,7 +28,6 @@ from benchmarks.ladder import (
     ladder_step,
     loss_check,
 )
-from chunked_loss import chunked_cross_entropy
 from conftest import ROOT
 from train_gpt2 import GPT, GPTConfig
 
