@@ -55,7 +55,7 @@ from support.checks import (
     find_shards,
     recorded_max_ids,
 )
-from support.common import GPT2_VOCAB, ArgumentParser, UserError, first_line, run_cli
+from support.common import ArgumentParser, UserError, first_line, run_cli
 from support.ddp import join_process_group
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
 from support.jobs import dry_run_job, said_on_interrupt
@@ -79,40 +79,6 @@ class GPTConfig:
     n_embd: int = 768
 
 
-class KVCache:
-    """Keys and values of every layer, preallocated for max_len positions: one more token costs one
-    position, not the whole prefix. pos, where the next positions go, is a Python int (a prompt) or,
-    for GPT.decode_step, a 1-element tensor advanced in place: static shapes, so the step compiles."""
-
-    def __init__(self, n_layer, max_len):
-        self.k = [None] * n_layer
-        self.v = [None] * n_layer
-        self.max_len = max_len
-        self.pos = 0
-
-    def update(self, layer, k, v):
-        """Store k, v (B, nh, T, hs) at pos; -> (keys, values, attn_mask, is_causal) to attend over."""
-        B, nh, T, hs = k.shape
-        if self.k[layer] is None:  # allocated on first use: the dtype is whatever autocast produced
-            # zeros, not empty: a decode step reads every slot (masked), and 0 * NaN would be NaN
-            self.k[layer] = k.new_zeros(B, nh, self.max_len, hs)
-            self.v[layer] = v.new_zeros(B, nh, self.max_len, hs)
-        if torch.is_tensor(self.pos):  # one position at a tensor index; attend over the whole buffer
-            self.k[layer].index_copy_(2, self.pos, k)
-            self.v[layer].index_copy_(2, self.pos, v)
-            mask = (torch.arange(self.max_len, device=k.device) <= self.pos).view(1, -1)  # slots written so far
-            return self.k[layer], self.v[layer], mask, False
-        pos = self.pos
-        self.k[layer][:, :, pos : pos + T] = k
-        self.v[layer][:, :, pos : pos + T] = v
-        k, v = self.k[layer][:, :, : pos + T], self.v[layer][:, :, : pos + T]
-        if pos == 0:
-            return k, v, None, T > 1  # a plain causal prefix
-        # query i sits at absolute position pos+i and sees keys 0 .. pos+i
-        mask = None if T == 1 else torch.ones(T, pos + T, dtype=torch.bool, device=k.device).tril(pos)
-        return k, v, mask, False
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -131,15 +97,8 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if cache is None:  # flash attention on GPUs when causal; mask: see GPT.hidden_states
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        else:
-            k, v, mask, is_causal = cache.update(layer, k, v)  # every position stored so far
-            if T == 1 and mask is not None:  # a decode step: one query against the whole buffer
-                # plain arithmetic, which torch.compile fuses: SDPA's masked kernel is slow for one
-                # query (docs/performance.md has the profile)
-                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, 1, max_len)
-                y = att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        else:  # sampling: the cache stores k, v and attends over every position so far
+            y = cache.attend(layer, q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.c_proj(y)
 
@@ -169,32 +128,6 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), cache, layer, mask)
         x = x + self.mlp(self.ln_2(x))
         return x
-
-
-def _noise(B, temperature, generator, device):
-    """What _next_token draws with: (B, 50257) Exp(1) samples, None when greedy (temperature 0)."""
-    if temperature == 0:
-        return None
-    noise = torch.empty(B, GPT2_VOCAB, device=device).exponential_(generator=generator)
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # never 0: p / 0 would win for any p
-
-
-def _next_token(logits, temperature, top_k, noise):
-    """One token per row from the last position's logits (B, vocab): greedy at temperature 0,
-    else a draw from the top_k most likely; padding ids (>= 50257) are cut off first.
-    The draw is the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability
-    p_i (torch.multinomial does the same on CUDA). With the noise drawn beforehand this is plain
-    arithmetic, so a compiled decode step samples inside its graph."""
-    logits = logits[:, :GPT2_VOCAB].float()
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    # shifted so the largest is 0: a temperature so low that the scaled logits overflow gives -inf
-    # to all but the largest (greedy), never inf - inf = NaN; below 1e-30 float32 has no divisor
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, 1e-30)
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return (F.softmax(logits, dim=-1) / noise).argmax(dim=-1)  # (B,)
 
 
 def _embedding(n, dim, fill):
@@ -247,84 +180,21 @@ class GPT(nn.Module):
         logits at a few positions only (sampling, HellaSwag) apply lm_head to just those.
         pos (B, T) and mask (B, 1, T, T), True where token t may see token s, lay out a row other
         than as one causal sequence (HellaSwag packs a context and its 4 endings in one row);
-        default: positions 0 .. T-1 after the cache, causal."""
+        default: positions 0 .. T-1, causal. cache (support/sampling.py's KVCache): the tokens continue
+        what it holds, and attend to that too."""
         B, T = idx.size()
-        if cache is not None and torch.is_tensor(cache.pos):
-            pos = cache.pos  # (1,): a decode step, one token per row; shapes stay static
+        if cache is not None:  # sampling (support/sampling.py): the cache says where its next tokens go
+            pos = cache.positions(T, idx.device)
         elif pos is None:
-            pos0 = 0 if cache is None else cache.pos
-            if pos0 + T > self.config.block_size:
-                raise ValueError(f"sequence of length {pos0 + T} is longer than block_size {self.config.block_size}")
-            pos = torch.arange(pos0, pos0 + T, dtype=torch.long, device=idx.device)  # (T,)
+            if T > self.config.block_size:
+                raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache, i, mask)
-        if cache is not None and not torch.is_tensor(cache.pos):
-            cache.pos += T
+        if cache is not None:
+            cache.advance(T)
         return self.transformer.ln_f(x)
-
-    def kv_cache(self, max_len):
-        """An empty KVCache for up to max_len positions of this model."""
-        return KVCache(self.config.n_layer, max_len)
-
-    def decode_step(self, idx, cache, temperature, top_k, noise):
-        """The token (B,) after idx (B, 1), which sits at position cache.pos (a 1-element tensor),
-        drawn as _next_token does. Static shapes: torch.compile can capture it as one CUDA graph."""
-        return _next_token(self.lm_head(self.hidden_states(idx, cache)[:, -1]), temperature, top_k, noise)
-
-    def _compiled_decode(self, B, max_len, device):
-        """A compiled decode_step and the KV cache it writes, kept for the next call with the same
-        shapes: CUDA graphs need their buffers at fixed addresses (and so does a fast second sample)."""
-        key = (B, max_len, str(device), torch.is_autocast_enabled(torch.device(device).type))
-        store = self.__dict__.setdefault("_decode_cache", {})
-        if key not in store:
-            mode = "reduce-overhead" if torch.device(device).type == "cuda" else None  # CUDA graphs
-            store.clear()  # one cache at a time: a changed prompt or length replaces it
-            store[key] = (torch.compile(self.decode_step, mode=mode, fullgraph=True), self.kv_cache(max_len))
-        step, cache = store[key]
-        cache.pos = 0
-        return step, cache
-
-    @torch.no_grad()
-    def generate(
-        self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True, compile=False, stop=None
-    ):
-        """Append up to max_new_tokens sampled tokens to idx (B, T), stopping at block_size; temperature
-        0 is greedy, padding ids (>= 50257) never come out. use_cache: a KVCache and one token per step
-        (False recomputes the whole prefix each token: the plain reference). compile: a compiled
-        one-token step (CUDA graphs on a GPU, where eager decoding waits on kernel launches).
-        stop: polled before every token (a stop signal mid-sample); when it says True, None is returned."""
-        B, T0 = idx.shape
-        n_new = max(0, min(max_new_tokens, self.config.block_size - T0))
-        out = idx.new_empty(B, T0 + n_new)  # preallocated: no torch.cat per token
-        out[:, :T0] = idx
-        if n_new == 0:
-            return out
-        draw = lambda: _noise(B, temperature, generator, idx.device)  # noqa: E731
-        if not use_cache:
-            for t in range(T0, T0 + n_new):
-                if stop is not None and stop():
-                    return None
-                logits, _ = self(out[:, :t])
-                out[:, t] = _next_token(logits[:, -1], temperature, top_k, draw())
-            return out
-        if compile:
-            step, cache = self._compiled_decode(B, T0 + n_new, idx.device)
-        else:
-            step, cache = self.decode_step, self.kv_cache(T0 + n_new)
-        x = self.hidden_states(idx, cache)  # the prompt in one pass; its cache fills positions 0 .. T0-1
-        out[:, T0] = _next_token(self.lm_head(x[:, -1]), temperature, top_k, draw())
-        if compile:
-            for k, v in zip(cache.k, cache.v):  # tell the CUDA graph these buffers never move
-                torch._dynamo.mark_static_address(k)
-                torch._dynamo.mark_static_address(v)
-        cache.pos = torch.tensor([T0], device=idx.device)
-        for t in range(T0 + 1, T0 + n_new):
-            if stop is not None and stop():
-                return None
-            out[:, t] = step(out[:, t - 1 : t], cache, temperature, top_k, draw())
-            cache.pos += 1
-        return out
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, betas=(0.9, 0.95), eps=1e-8, verbose=True):
         """AdamW that decays only the tensors with dim >= 2 (embeddings and matmul weights):

@@ -19,7 +19,7 @@ from test_notebook import clean_records, kernel_env, run_notebook, write_log  # 
 
 import train_gpt2
 from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, tiny_args, user_error
-from support import checkpoints, common
+from support import checkpoints, common, sampling
 from support.checkpoints import load_checkpoint
 from support.common import UserError, out_of_memory_line
 
@@ -312,9 +312,9 @@ def test_a_nan_val_loss_reads_back_in_play_ipynb(tmp_path, kernel_env):  # noqa:
 def test_a_temperature_so_low_that_logits_overflow_samples_greedily(temperature):
     logits = torch.randn(4, 50304) * 30
     noise = torch.empty(4, 50257).exponential_(generator=torch.Generator().manual_seed(0))
-    token = train_gpt2._next_token(logits, temperature, None, noise)
+    token = sampling.next_token(logits, temperature, None, noise)
     assert torch.equal(token, logits[:, :50257].argmax(-1))
-    assert torch.equal(train_gpt2._next_token(logits, temperature, 5, noise), token)
+    assert torch.equal(sampling.next_token(logits, temperature, 5, noise), token)
 
 
 def test_sample_from_at_a_tiny_temperature_equals_greedy(short_run, capsys):
