@@ -41,6 +41,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import hellaswag
 from fineweb import get_tokenizer, load_shard
 from support.checkpoints import find_model, load_checkpoint, save_training_state
 from support.checks import (
@@ -481,8 +482,8 @@ class Run:
     run_id: str = None
     val_tokens: np.ndarray = None
     val_loss: float = None
-    hellaswag: object = None  # hellaswag(should_stop) -> scores over every rank, or None if stopped
-    sample: object = None  # sample(max_new_tokens, stop) -> texts with the run's prompt and settings; None if stopped
+    hellaswag_examples: hellaswag.Prepared = None  # tokenized once; None: no HellaSwag eval
+    sampling: dict = None  # sample_text's tokenizer, prompt (checked) and sampling flags; None: no samples
 
 
 def build_model(args, ckpt, ckpt_path, device, master_process):
@@ -506,50 +507,43 @@ def prepare_side_evals(run, enc):
     """Tokenize HellaSwag and the prompt, and draw one sample token, now: a bad prompt or
     sampling setting fails at start, not at the first sample step hours in."""
     args, dist_info, block_size = run.args, run.dist_info, run.model.config.block_size
-    rank, world_size, master_process = dist_info.ddp_rank, dist_info.ddp_world_size, dist_info.master_process
-    if args.hellaswag_every > 0:
-        import hellaswag  # here, not at the top: `python hellaswag.py` imports this file, and loads itself once
-
-        examples = hellaswag.load_for_run(args.hellaswag_data, args.hellaswag_limit, enc, master_process, dist_info.ddp)
-        if examples is not None:  # else a warning said why: a run never dies for want of its side evaluation
-            run.hellaswag = lambda should_stop: hellaswag.evaluate_all_ranks(
-                run.model, examples, run.device, run.autocast_dtype, rank, world_size, should_stop
-            )
-    if args.sample_every <= 0:
-        return
-    tokens = encode_prompt(enc, args.prompt, block_size)
-    prompt = enc.decode(tokens)
-    if master_process:
-        note_if_samples_stop_early(len(tokens), args.max_new_tokens, block_size)
-    device_type = torch.device(run.device).type
-
-    def sample(max_new_tokens, stop=None):  # a fixed seed: the same noise every time, so samples show what was learned
-        top_k, n = args.top_k or None, args.num_samples  # top_k 0: no filtering
-        with autocast(device_type, run.autocast_dtype):
-            return sample_text(run.model, enc, prompt, n, max_new_tokens, args.temperature, top_k, stop=stop)
-
-    run.sample = sample
-    sample(1)  # every rank samples, here and in run_evals: none waits alone in a collective meanwhile
+    if args.hellaswag_every > 0:  # None after a warning: a run never dies for want of its side evaluation
+        run.hellaswag_examples = hellaswag.load_for_run(
+            args.hellaswag_data, args.hellaswag_limit, enc, dist_info.master_process, dist_info.ddp
+        )
+    if args.sample_every > 0:
+        tokens = encode_prompt(enc, args.prompt, block_size)
+        if dist_info.master_process:
+            note_if_samples_stop_early(len(tokens), args.max_new_tokens, block_size)
+        # sample_text's fixed seed: the same noise at every sample step, so samples show what was learned
+        settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
+        run.sampling = dict(enc=enc, prompt=enc.decode(tokens), **settings)  # top_k None (--top-k 0): all tokens
+        # every rank samples, here and in run_evals: none waits alone in a collective meanwhile
+        with autocast(torch.device(run.device).type, run.autocast_dtype):
+            sample_text(run.model, max_new_tokens=1, **run.sampling)
 
 
 def run_evals(step, run, stop, log):
-    """Val loss, HellaSwag and samples when their cadence (or the last step) says so."""
-    args, dist_info, master_process = run.args, run.dist_info, run.dist_info.master_process
+    """Val loss, HellaSwag and samples when their cadence (or the last step) says so. Each polls
+    stop: a stop signal cuts it short, and nothing of it is logged."""
+    args, dist_info = run.args, run.dist_info
     due = lambda every: every > 0 and (step % every == 0 or step == args.max_steps)  # noqa: E731
+    # both evals: on the run's device and precision, each rank its share (the sums reduced), polling stop
+    shared = dict(device=run.device, autocast_dtype=run.autocast_dtype, should_stop=stop)
+    shared.update(rank=dist_info.ddp_rank, world_size=dist_info.ddp_world_size)
     if run.val_tokens is not None and due(args.eval_every):
-        B, T, rank, world_size = args.batch_size, args.seq_len, dist_info.ddp_rank, dist_info.ddp_world_size
-        val_loss = evaluate_val_loss(
-            run.model, run.val_tokens, B, T, run.device, run.autocast_dtype, rank, world_size, stop, master_process
-        )
+        B, T, progress = args.batch_size, args.seq_len, dist_info.master_process
+        val_loss = evaluate_val_loss(run.model, run.val_tokens, B=B, T=T, progress=progress, **shared)
         if val_loss is not None:
             run.val_loss = val_loss
             log({"step": step, "val_loss": val_loss})
-    if run.hellaswag is not None and due(args.hellaswag_every) and not stop():
-        result = run.hellaswag(stop)
+    if run.hellaswag_examples is not None and due(args.hellaswag_every) and not stop():
+        result = hellaswag.evaluate_all_ranks(run.model, run.hellaswag_examples, **shared)
         if result is not None:
             log({"step": step, **result})
-    if due(args.sample_every) and step > 0 and not stop():  # rank 0 logs them; a stop signal cuts them short
-        samples = run.sample(args.max_new_tokens, stop)
+    if due(args.sample_every) and step > 0 and not stop():  # every rank samples, rank 0 logs them
+        with autocast(torch.device(run.device).type, run.autocast_dtype):
+            samples = sample_text(run.model, max_new_tokens=args.max_new_tokens, stop=stop, **run.sampling)
         if samples is not None:
             log({"step": step, "samples": samples})
 
@@ -595,9 +589,18 @@ def train(args, given=frozenset()):
     check_init_shape(args, given, asdict(config), master_process)  # model flags with --init-from: a note
 
     # --- data --------------------------------------------------------------------------------
-    shuffle, vocab_size = not args.no_shuffle, config.vocab_size
+    vocab_size = config.vocab_size
     run.loader = train_loader = DataLoaderLite(
-        args.data_dir, "train", B, T, ddp_rank, ddp_world_size, shuffle, args.seed, vocab_size, device
+        args.data_dir,
+        "train",
+        B,
+        T,
+        rank=ddp_rank,
+        world_size=ddp_world_size,
+        shuffle=not args.no_shuffle,
+        seed=args.seed,
+        vocab_size=vocab_size,
+        device=device,
     )
     run.val_tokens = load_val_tokens(args.data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
     check_data(args, train_loader.tokens_per_epoch, run.val_tokens, master_process)
