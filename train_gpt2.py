@@ -60,8 +60,9 @@ from support.common import ArgumentParser, UserError, first_line, run_cli
 from support.ddp import join_process_group
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
 from support.jobs import dry_run_job, said_on_interrupt
-from support.machine import choose_compile, keep_freed_memory, peak_flops, set_deterministic, training_out_of_memory
+from support.machine import choose_compile, keep_freed_memory, peak_flops, set_deterministic
 from support.out_dir import claim_out_dir, missing_folders, release_out_dir, remove_made_folders
+from support.out_of_memory import oom_phase, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, grad_scaler, loss_scale, pick_dtype
 from support.resume import report_resume, restore_training_state, resume_checkpoint
 from support.run_log import NonFiniteGuard, RunLog
@@ -467,7 +468,8 @@ def setup_distributed(args, given):
 
 @dataclass
 class Run:
-    """A training run's parts, as the loop, the evaluations and the checkpoints share them."""
+    """A training run's parts, as the loop, the evaluations, the checkpoints and the out-of-memory
+    advice (support/out_of_memory.py) share them."""
 
     args: argparse.Namespace
     dist_info: DistInfo
@@ -519,7 +521,7 @@ def prepare_side_evals(run, enc):
         settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
         run.sampling = dict(enc=enc, prompt=enc.decode(tokens), **settings)  # top_k None (--top-k 0): all tokens
         # every rank samples, here and in run_evals: none waits alone in a collective meanwhile
-        with autocast(torch.device(run.device).type, run.autocast_dtype):
+        with oom_phase("sampling check", run=run), autocast(torch.device(run.device).type, run.autocast_dtype):
             sample_text(run.model, max_new_tokens=1, **run.sampling)
 
 
@@ -532,17 +534,19 @@ def run_evals(step, run, stop, log):
     shared = dict(device=run.device, autocast_dtype=run.autocast_dtype, should_stop=stop)
     shared.update(rank=dist_info.ddp_rank, world_size=dist_info.ddp_world_size)
     if run.val_tokens is not None and due(args.eval_every):
-        B, T, progress = args.batch_size, args.seq_len, dist_info.master_process
-        val_loss = evaluate_val_loss(run.model, run.val_tokens, B=B, T=T, progress=progress, **shared)
+        with oom_phase("val loss", run=run, step=step):
+            B, T, progress = args.batch_size, args.seq_len, dist_info.master_process
+            val_loss = evaluate_val_loss(run.model, run.val_tokens, B=B, T=T, progress=progress, **shared)
         if val_loss is not None:
             run.val_loss = val_loss
             log({"step": step, "val_loss": val_loss})
     if run.hellaswag_examples is not None and due(args.hellaswag_every) and not stop():
-        result = hellaswag.evaluate_all_ranks(run.model, run.hellaswag_examples, **shared)
+        with oom_phase("HellaSwag eval", run=run, step=step):
+            result = hellaswag.evaluate_all_ranks(run.model, run.hellaswag_examples, **shared)
         if result is not None:
             log({"step": step, **result})
     if due(args.sample_every) and step > 0 and not stop():  # every rank samples, rank 0 logs them
-        with autocast(torch.device(run.device).type, run.autocast_dtype):
+        with oom_phase("sampling", run=run, step=step), autocast(torch.device(run.device).type, run.autocast_dtype):
             samples = sample_text(run.model, max_new_tokens=args.max_new_tokens, stop=stop, **run.sampling)
         if samples is not None:
             log({"step": step, "samples": samples})
@@ -555,7 +559,8 @@ def start_run(args, given):
     if device_type == "cpu":
         keep_freed_memory()  # faster steps for small models: see its docstring
     claim = lambda: claim_out_dir(args.out_dir, args.resume)  # noqa: E731  (rank 0's, in resume_checkpoint)
-    ckpt_path, ckpt, changes, taken = resume_checkpoint(args, given, dist_info.ddp, dist_info.master_process, claim)
+    with oom_phase("loading the checkpoint"):
+        ckpt_path, ckpt, changes, taken = resume_checkpoint(args, given, dist_info.ddp, dist_info.master_process, claim)
     check_args(args, dist_info.ddp_world_size, given)  # again: the checkpoint's recipe with this run's changes
     B, T, ddp_world_size = args.batch_size, args.seq_len, dist_info.ddp_world_size
     grad_accum_steps = args.total_batch_size // (B * T * ddp_world_size)
@@ -584,25 +589,27 @@ def train(args, given=frozenset()):
     B, T = args.batch_size, args.seq_len
 
     # --- model -------------------------------------------------------------------------------
-    run.model = raw_model = build_model(args, ckpt, ckpt_path, device, master_process)
+    with oom_phase("building the model", run=run):
+        run.model = raw_model = build_model(args, ckpt, ckpt_path, device, master_process)
     config = raw_model.config
     check_init_shape(args, given, asdict(config), master_process)  # model flags with --init-from: a note
 
     # --- data --------------------------------------------------------------------------------
     vocab_size = config.vocab_size
-    run.loader = train_loader = DataLoaderLite(
-        args.data_dir,
-        "train",
-        B,
-        T,
-        rank=ddp_rank,
-        world_size=ddp_world_size,
-        shuffle=not args.no_shuffle,
-        seed=args.seed,
-        vocab_size=vocab_size,
-        device=device,
-    )
-    run.val_tokens = load_val_tokens(args.data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
+    with oom_phase("reading the data", run=run):
+        run.loader = train_loader = DataLoaderLite(
+            args.data_dir,
+            "train",
+            B,
+            T,
+            rank=ddp_rank,
+            world_size=ddp_world_size,
+            shuffle=not args.no_shuffle,
+            seed=args.seed,
+            vocab_size=vocab_size,
+            device=device,
+        )
+        run.val_tokens = load_val_tokens(args.data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
     check_data(args, train_loader.tokens_per_epoch, run.val_tokens, master_process)
 
     # --- optimizer and schedule ------------------------------------------------------------------
@@ -610,13 +617,15 @@ def train(args, given=frozenset()):
     run.optimizer = optimizer = raw_model.configure_optimizers(
         args.weight_decay, args.max_lr, device_type, betas, args.adam_eps, verbose=master_process
     )
-    start_step, run.run_id, run.val_loss = restore_training_state(
-        ckpt, ckpt_path, optimizer, train_loader, ddp_rank, device_type, run.scaler
-    )
+    with oom_phase("loading the checkpoint"):
+        start_step, run.run_id, run.val_loss = restore_training_state(
+            ckpt, ckpt_path, optimizer, train_loader, ddp_rank, device_type, run.scaler
+        )
     del ckpt  # the weights and optimizer state now live in the model and optimizer
-    model = torch.compile(raw_model) if run.use_compile else raw_model
-    if ddp:
-        model = DDP(model, device_ids=[dist_info.ddp_local_rank] if device_type == "cuda" else None)
+    with oom_phase("start", run=run):
+        model = torch.compile(raw_model) if run.use_compile else raw_model
+        if ddp:
+            model = DDP(model, device_ids=[dist_info.ddp_local_rank] if device_type == "cuda" else None)
 
     # --- what runs mid-training is exercised now, not first at hour three -----------------------
     prepare_side_evals(run, get_tokenizer() if args.hellaswag_every > 0 or args.sample_every > 0 else None)
@@ -629,7 +638,11 @@ def train(args, given=frozenset()):
     header = {**vars(args), "grad_accum_steps": grad_accum_steps, "world_size": ddp_world_size, **precision}
     header.update(compile=run.use_compile, model_config=asdict(config), min_lr=min_lr, flops_per_token=flops)
     log.header(run.run_id, device_name, start_step if ckpt_path else None, changes, header)
-    checkpoint = lambda step: save_training_state(step, run)  # noqa: E731
+
+    def checkpoint(step):
+        with oom_phase("writing the checkpoint", run=run, step=step):
+            save_training_state(step, run)
+
     stop, guard = StopRequest(args.out_dir), NonFiniteGuard(log, master_process, checkpoint, args.out_dir, run.scaler)
 
     # --- the loop ------------------------------------------------------------------------------
@@ -649,36 +662,37 @@ def train(args, given=frozenset()):
 
         # --- TRAINING STEP BEGIN -----------------------------------------------------------------
         t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss_accum = torch.zeros((), device=device)
-        for micro_step in range(grad_accum_steps):
-            x, y = train_loader.next_batch()
-            # DDP all-reduces gradients in backward; only the last micro-step needs it, and DDP
-            # decides in forward whether to, so no_sync() covers forward and backward
-            last_micro = micro_step == grad_accum_steps - 1
-            with model.no_sync() if ddp and not last_micro else nullcontext():
-                with autocast(device_type, autocast_dtype):
-                    _, loss = model(x, y)
-                # each micro-batch's loss is a mean over B*T tokens; the batch's is the mean of those
-                loss = loss / grad_accum_steps
-                loss_accum += loss.detach()
-                run.scaler.scale(loss).backward()  # fp16: times the loss scale (else unchanged)
-        if ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
-            dist.all_reduce(loss_accum)
-            loss_accum /= ddp_world_size
-        run.scaler.unscale_(optimizer)  # fp16: the true gradients, for the clip and the logged norm
-        # clip_grad_norm_ returns the norm before clipping; with inf it only measures it
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or math.inf)
-        lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss, norm, scale = loss_accum.item(), norm.item(), loss_scale(run.scaler)  # fp16: the scale used
-        if guard.skip(step, loss, norm, lr):  # a NaN / inf step is not applied
-            continue
-        run.scaler.step(optimizer)  # optimizer.step(): its gradients are finite (the guard saw to it)
-        run.scaler.update()
-        if device_type == "cuda":
-            torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
+        with oom_phase("training step", run=run, step=step, first=step == start_step):
+            optimizer.zero_grad(set_to_none=True)
+            loss_accum = torch.zeros((), device=device)
+            for micro_step in range(grad_accum_steps):
+                x, y = train_loader.next_batch()
+                # DDP all-reduces gradients in backward; only the last micro-step needs it, and DDP
+                # decides in forward whether to, so no_sync() covers forward and backward
+                last_micro = micro_step == grad_accum_steps - 1
+                with model.no_sync() if ddp and not last_micro else nullcontext():
+                    with autocast(device_type, autocast_dtype):
+                        _, loss = model(x, y)
+                    # each micro-batch's loss is a mean over B*T tokens; the batch's is the mean of those
+                    loss = loss / grad_accum_steps
+                    loss_accum += loss.detach()
+                    run.scaler.scale(loss).backward()  # fp16: times the loss scale (else unchanged)
+            if ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
+                dist.all_reduce(loss_accum)
+                loss_accum /= ddp_world_size
+            run.scaler.unscale_(optimizer)  # fp16: the true gradients, for the clip and the logged norm
+            # clip_grad_norm_ returns the norm before clipping; with inf it only measures it
+            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or math.inf)
+            lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss, norm, scale = loss_accum.item(), norm.item(), loss_scale(run.scaler)  # fp16: the scale used
+            if guard.skip(step, loss, norm, lr):  # a NaN / inf step is not applied
+                continue
+            run.scaler.step(optimizer)  # optimizer.step(): its gradients are finite (the guard saw to it)
+            run.scaler.update()
+            if device_type == "cuda":
+                torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
         dt = time.perf_counter() - t0
         # --- TRAINING STEP END -------------------------------------------------------------------
 
@@ -791,7 +805,9 @@ def main(argv=None):
             return dry_run_job(args, get_tokenizer() if args.sample_from else None)
     if args.sample_from:
         device, _ = pick_device(args.device)
-        print_samples(load_model(args.sample_from, device), get_tokenizer(), args)
+        model = load_model(args.sample_from, device)
+        with oom_phase("sample-from", args=args):
+            print_samples(model, get_tokenizer(), args)
         return 0
     if args.export_hf:
         ckpt_path, out_dir = args.export_hf
@@ -817,5 +833,5 @@ if __name__ == "__main__":
     run_cli(
         main,
         interrupted="interrupted (a training run continues from its newest checkpoint with --resume)",
-        out_of_memory=training_out_of_memory,
+        out_of_memory=training_out_of_memory,  # reads the oom_phase the allocation failed in
     )
