@@ -40,8 +40,8 @@ as `--sample-from` runs) have glibc's default.
              against a plain in-process loop of one (context + ending) row per forward, on the first
              N examples with a random 6-layer, 384-wide model in fp32 (the same counts asserted);
              on CUDA also the full set with a random 124M model in bf16 (in-loop and process)
-  sample     GPT.generate with the KV cache against recomputing the whole prefix, 256 new tokens;
-             on CUDA also the compiled (CUDA-graph) decode step
+  sample     support.sampling.generate with the KV cache against recomputing the whole prefix,
+             256 new tokens; on CUDA also the compiled (CUDA-graph) decode step
 
 Usage:
     python bench.py                  # everything: ~17 min on 2 idle CPU cores; table on stdout, JSON to bench.json

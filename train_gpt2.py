@@ -41,6 +41,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import hellaswag
 from fineweb import get_tokenizer, load_shard
 from support.checkpoints import find_model, load_checkpoint, save_training_state
 from support.checks import (
@@ -55,12 +56,13 @@ from support.checks import (
     find_shards,
     recorded_max_ids,
 )
-from support.common import GPT2_VOCAB, ArgumentParser, UserError, first_line, run_cli
+from support.common import ArgumentParser, UserError, first_line, run_cli
 from support.ddp import join_process_group
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
 from support.jobs import dry_run_job, said_on_interrupt
-from support.machine import choose_compile, keep_freed_memory, peak_flops, set_deterministic, training_out_of_memory
+from support.machine import choose_compile, keep_freed_memory, peak_flops, set_deterministic
 from support.out_dir import claim_out_dir, missing_folders, release_out_dir, remove_made_folders
+from support.out_of_memory import oom_phase, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, grad_scaler, loss_scale, pick_dtype
 from support.resume import report_resume, restore_training_state, resume_checkpoint
 from support.run_log import NonFiniteGuard, RunLog
@@ -77,40 +79,6 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-
-
-class KVCache:
-    """Keys and values of every layer, preallocated for max_len positions: one more token costs one
-    position, not the whole prefix. pos, where the next positions go, is a Python int (a prompt) or,
-    for GPT.decode_step, a 1-element tensor advanced in place: static shapes, so the step compiles."""
-
-    def __init__(self, n_layer, max_len):
-        self.k = [None] * n_layer
-        self.v = [None] * n_layer
-        self.max_len = max_len
-        self.pos = 0
-
-    def update(self, layer, k, v):
-        """Store k, v (B, nh, T, hs) at pos; -> (keys, values, attn_mask, is_causal) to attend over."""
-        B, nh, T, hs = k.shape
-        if self.k[layer] is None:  # allocated on first use: the dtype is whatever autocast produced
-            # zeros, not empty: a decode step reads every slot (masked), and 0 * NaN would be NaN
-            self.k[layer] = k.new_zeros(B, nh, self.max_len, hs)
-            self.v[layer] = v.new_zeros(B, nh, self.max_len, hs)
-        if torch.is_tensor(self.pos):  # one position at a tensor index; attend over the whole buffer
-            self.k[layer].index_copy_(2, self.pos, k)
-            self.v[layer].index_copy_(2, self.pos, v)
-            mask = (torch.arange(self.max_len, device=k.device) <= self.pos).view(1, -1)  # slots written so far
-            return self.k[layer], self.v[layer], mask, False
-        pos = self.pos
-        self.k[layer][:, :, pos : pos + T] = k
-        self.v[layer][:, :, pos : pos + T] = v
-        k, v = self.k[layer][:, :, : pos + T], self.v[layer][:, :, : pos + T]
-        if pos == 0:
-            return k, v, None, T > 1  # a plain causal prefix
-        # query i sits at absolute position pos+i and sees keys 0 .. pos+i
-        mask = None if T == 1 else torch.ones(T, pos + T, dtype=torch.bool, device=k.device).tril(pos)
-        return k, v, mask, False
 
 
 class CausalSelfAttention(nn.Module):
@@ -131,15 +99,8 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if cache is None:  # flash attention on GPUs when causal; mask: see GPT.hidden_states
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        else:
-            k, v, mask, is_causal = cache.update(layer, k, v)  # every position stored so far
-            if T == 1 and mask is not None:  # a decode step: one query against the whole buffer
-                # plain arithmetic, which torch.compile fuses: SDPA's masked kernel is slow for one
-                # query (docs/performance.md has the profile)
-                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, 1, max_len)
-                y = att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        else:  # sampling: the cache stores k, v and attends over every position so far
+            y = cache.attend(layer, q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.c_proj(y)
 
@@ -169,32 +130,6 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), cache, layer, mask)
         x = x + self.mlp(self.ln_2(x))
         return x
-
-
-def _noise(B, temperature, generator, device):
-    """What _next_token draws with: (B, 50257) Exp(1) samples, None when greedy (temperature 0)."""
-    if temperature == 0:
-        return None
-    noise = torch.empty(B, GPT2_VOCAB, device=device).exponential_(generator=generator)
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # never 0: p / 0 would win for any p
-
-
-def _next_token(logits, temperature, top_k, noise):
-    """One token per row from the last position's logits (B, vocab): greedy at temperature 0,
-    else a draw from the top_k most likely; padding ids (>= 50257) are cut off first.
-    The draw is the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability
-    p_i (torch.multinomial does the same on CUDA). With the noise drawn beforehand this is plain
-    arithmetic, so a compiled decode step samples inside its graph."""
-    logits = logits[:, :GPT2_VOCAB].float()
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    # shifted so the largest is 0: a temperature so low that the scaled logits overflow gives -inf
-    # to all but the largest (greedy), never inf - inf = NaN; below 1e-30 float32 has no divisor
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, 1e-30)
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return (F.softmax(logits, dim=-1) / noise).argmax(dim=-1)  # (B,)
 
 
 def _embedding(n, dim, fill):
@@ -247,84 +182,21 @@ class GPT(nn.Module):
         logits at a few positions only (sampling, HellaSwag) apply lm_head to just those.
         pos (B, T) and mask (B, 1, T, T), True where token t may see token s, lay out a row other
         than as one causal sequence (HellaSwag packs a context and its 4 endings in one row);
-        default: positions 0 .. T-1 after the cache, causal."""
+        default: positions 0 .. T-1, causal. cache (support/sampling.py's KVCache): the tokens continue
+        what it holds, and attend to that too."""
         B, T = idx.size()
-        if cache is not None and torch.is_tensor(cache.pos):
-            pos = cache.pos  # (1,): a decode step, one token per row; shapes stay static
+        if cache is not None:  # sampling (support/sampling.py): the cache says where its next tokens go
+            pos = cache.positions(T, idx.device)
         elif pos is None:
-            pos0 = 0 if cache is None else cache.pos
-            if pos0 + T > self.config.block_size:
-                raise ValueError(f"sequence of length {pos0 + T} is longer than block_size {self.config.block_size}")
-            pos = torch.arange(pos0, pos0 + T, dtype=torch.long, device=idx.device)  # (T,)
+            if T > self.config.block_size:
+                raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache, i, mask)
-        if cache is not None and not torch.is_tensor(cache.pos):
-            cache.pos += T
+        if cache is not None:
+            cache.advance(T)
         return self.transformer.ln_f(x)
-
-    def kv_cache(self, max_len):
-        """An empty KVCache for up to max_len positions of this model."""
-        return KVCache(self.config.n_layer, max_len)
-
-    def decode_step(self, idx, cache, temperature, top_k, noise):
-        """The token (B,) after idx (B, 1), which sits at position cache.pos (a 1-element tensor),
-        drawn as _next_token does. Static shapes: torch.compile can capture it as one CUDA graph."""
-        return _next_token(self.lm_head(self.hidden_states(idx, cache)[:, -1]), temperature, top_k, noise)
-
-    def _compiled_decode(self, B, max_len, device):
-        """A compiled decode_step and the KV cache it writes, kept for the next call with the same
-        shapes: CUDA graphs need their buffers at fixed addresses (and so does a fast second sample)."""
-        key = (B, max_len, str(device), torch.is_autocast_enabled(torch.device(device).type))
-        store = self.__dict__.setdefault("_decode_cache", {})
-        if key not in store:
-            mode = "reduce-overhead" if torch.device(device).type == "cuda" else None  # CUDA graphs
-            store.clear()  # one cache at a time: a changed prompt or length replaces it
-            store[key] = (torch.compile(self.decode_step, mode=mode, fullgraph=True), self.kv_cache(max_len))
-        step, cache = store[key]
-        cache.pos = 0
-        return step, cache
-
-    @torch.no_grad()
-    def generate(
-        self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True, compile=False, stop=None
-    ):
-        """Append up to max_new_tokens sampled tokens to idx (B, T), stopping at block_size; temperature
-        0 is greedy, padding ids (>= 50257) never come out. use_cache: a KVCache and one token per step
-        (False recomputes the whole prefix each token: the plain reference). compile: a compiled
-        one-token step (CUDA graphs on a GPU, where eager decoding waits on kernel launches).
-        stop: polled before every token (a stop signal mid-sample); when it says True, None is returned."""
-        B, T0 = idx.shape
-        n_new = max(0, min(max_new_tokens, self.config.block_size - T0))
-        out = idx.new_empty(B, T0 + n_new)  # preallocated: no torch.cat per token
-        out[:, :T0] = idx
-        if n_new == 0:
-            return out
-        draw = lambda: _noise(B, temperature, generator, idx.device)  # noqa: E731
-        if not use_cache:
-            for t in range(T0, T0 + n_new):
-                if stop is not None and stop():
-                    return None
-                logits, _ = self(out[:, :t])
-                out[:, t] = _next_token(logits[:, -1], temperature, top_k, draw())
-            return out
-        if compile:
-            step, cache = self._compiled_decode(B, T0 + n_new, idx.device)
-        else:
-            step, cache = self.decode_step, self.kv_cache(T0 + n_new)
-        x = self.hidden_states(idx, cache)  # the prompt in one pass; its cache fills positions 0 .. T0-1
-        out[:, T0] = _next_token(self.lm_head(x[:, -1]), temperature, top_k, draw())
-        if compile:
-            for k, v in zip(cache.k, cache.v):  # tell the CUDA graph these buffers never move
-                torch._dynamo.mark_static_address(k)
-                torch._dynamo.mark_static_address(v)
-        cache.pos = torch.tensor([T0], device=idx.device)
-        for t in range(T0 + 1, T0 + n_new):
-            if stop is not None and stop():
-                return None
-            out[:, t] = step(out[:, t - 1 : t], cache, temperature, top_k, draw())
-            cache.pos += 1
-        return out
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, betas=(0.9, 0.95), eps=1e-8, verbose=True):
         """AdamW that decays only the tensors with dim >= 2 (embeddings and matmul weights):
@@ -596,7 +468,8 @@ def setup_distributed(args, given):
 
 @dataclass
 class Run:
-    """A training run's parts, as the loop, the evaluations and the checkpoints share them."""
+    """A training run's parts, as the loop, the evaluations, the checkpoints and the out-of-memory
+    advice (support/out_of_memory.py) share them."""
 
     args: argparse.Namespace
     dist_info: DistInfo
@@ -611,8 +484,8 @@ class Run:
     run_id: str = None
     val_tokens: np.ndarray = None
     val_loss: float = None
-    hellaswag: object = None  # hellaswag(should_stop) -> scores over every rank, or None if stopped
-    sample: object = None  # sample(max_new_tokens, stop) -> texts with the run's prompt and settings; None if stopped
+    hellaswag_examples: hellaswag.Prepared = None  # tokenized once; None: no HellaSwag eval
+    sampling: dict = None  # sample_text's tokenizer, prompt (checked) and sampling flags; None: no samples
 
 
 def build_model(args, ckpt, ckpt_path, device, master_process):
@@ -636,50 +509,45 @@ def prepare_side_evals(run, enc):
     """Tokenize HellaSwag and the prompt, and draw one sample token, now: a bad prompt or
     sampling setting fails at start, not at the first sample step hours in."""
     args, dist_info, block_size = run.args, run.dist_info, run.model.config.block_size
-    rank, world_size, master_process = dist_info.ddp_rank, dist_info.ddp_world_size, dist_info.master_process
-    if args.hellaswag_every > 0:
-        import hellaswag  # here, not at the top: `python hellaswag.py` imports this file, and loads itself once
-
-        examples = hellaswag.load_for_run(args.hellaswag_data, args.hellaswag_limit, enc, master_process, dist_info.ddp)
-        if examples is not None:  # else a warning said why: a run never dies for want of its side evaluation
-            run.hellaswag = lambda should_stop: hellaswag.evaluate_all_ranks(
-                run.model, examples, run.device, run.autocast_dtype, rank, world_size, should_stop
-            )
-    if args.sample_every <= 0:
-        return
-    tokens = encode_prompt(enc, args.prompt, block_size)
-    prompt = enc.decode(tokens)
-    if master_process:
-        note_if_samples_stop_early(len(tokens), args.max_new_tokens, block_size)
-    device_type = torch.device(run.device).type
-
-    def sample(max_new_tokens, stop=None):  # a fixed seed: the same noise every time, so samples show what was learned
-        top_k, n = args.top_k or None, args.num_samples  # top_k 0: no filtering
-        with autocast(device_type, run.autocast_dtype):
-            return sample_text(run.model, enc, prompt, n, max_new_tokens, args.temperature, top_k, stop=stop)
-
-    run.sample = sample
-    sample(1)  # every rank samples, here and in run_evals: none waits alone in a collective meanwhile
+    if args.hellaswag_every > 0:  # None after a warning: a run never dies for want of its side evaluation
+        run.hellaswag_examples = hellaswag.load_for_run(
+            args.hellaswag_data, args.hellaswag_limit, enc, dist_info.master_process, dist_info.ddp
+        )
+    if args.sample_every > 0:
+        tokens = encode_prompt(enc, args.prompt, block_size)
+        if dist_info.master_process:
+            note_if_samples_stop_early(len(tokens), args.max_new_tokens, block_size)
+        # sample_text's fixed seed: the same noise at every sample step, so samples show what was learned
+        settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
+        run.sampling = dict(enc=enc, prompt=enc.decode(tokens), **settings)  # top_k None (--top-k 0): all tokens
+        # every rank samples, here and in run_evals: none waits alone in a collective meanwhile
+        with oom_phase("sampling check", run=run), autocast(torch.device(run.device).type, run.autocast_dtype):
+            sample_text(run.model, max_new_tokens=1, **run.sampling)
 
 
 def run_evals(step, run, stop, log):
-    """Val loss, HellaSwag and samples when their cadence (or the last step) says so."""
-    args, dist_info, master_process = run.args, run.dist_info, run.dist_info.master_process
+    """Val loss, HellaSwag and samples when their cadence (or the last step) says so. Each polls
+    stop: a stop signal cuts it short, and nothing of it is logged."""
+    args, dist_info = run.args, run.dist_info
     due = lambda every: every > 0 and (step % every == 0 or step == args.max_steps)  # noqa: E731
+    # both evals: on the run's device and precision, each rank its share (the sums reduced), polling stop
+    shared = dict(device=run.device, autocast_dtype=run.autocast_dtype, should_stop=stop)
+    shared.update(rank=dist_info.ddp_rank, world_size=dist_info.ddp_world_size)
     if run.val_tokens is not None and due(args.eval_every):
-        B, T, rank, world_size = args.batch_size, args.seq_len, dist_info.ddp_rank, dist_info.ddp_world_size
-        val_loss = evaluate_val_loss(
-            run.model, run.val_tokens, B, T, run.device, run.autocast_dtype, rank, world_size, stop, master_process
-        )
+        with oom_phase("val loss", run=run, step=step):
+            B, T, progress = args.batch_size, args.seq_len, dist_info.master_process
+            val_loss = evaluate_val_loss(run.model, run.val_tokens, B=B, T=T, progress=progress, **shared)
         if val_loss is not None:
             run.val_loss = val_loss
             log({"step": step, "val_loss": val_loss})
-    if run.hellaswag is not None and due(args.hellaswag_every) and not stop():
-        result = run.hellaswag(stop)
+    if run.hellaswag_examples is not None and due(args.hellaswag_every) and not stop():
+        with oom_phase("HellaSwag eval", run=run, step=step):
+            result = hellaswag.evaluate_all_ranks(run.model, run.hellaswag_examples, **shared)
         if result is not None:
             log({"step": step, **result})
-    if due(args.sample_every) and step > 0 and not stop():  # rank 0 logs them; a stop signal cuts them short
-        samples = run.sample(args.max_new_tokens, stop)
+    if due(args.sample_every) and step > 0 and not stop():  # every rank samples, rank 0 logs them
+        with oom_phase("sampling", run=run, step=step), autocast(torch.device(run.device).type, run.autocast_dtype):
+            samples = sample_text(run.model, max_new_tokens=args.max_new_tokens, stop=stop, **run.sampling)
         if samples is not None:
             log({"step": step, "samples": samples})
 
@@ -691,7 +559,8 @@ def start_run(args, given):
     if device_type == "cpu":
         keep_freed_memory()  # faster steps for small models: see its docstring
     claim = lambda: claim_out_dir(args.out_dir, args.resume)  # noqa: E731  (rank 0's, in resume_checkpoint)
-    ckpt_path, ckpt, changes, taken = resume_checkpoint(args, given, dist_info.ddp, dist_info.master_process, claim)
+    with oom_phase("loading the checkpoint"):
+        ckpt_path, ckpt, changes, taken = resume_checkpoint(args, given, dist_info.ddp, dist_info.master_process, claim)
     check_args(args, dist_info.ddp_world_size, given)  # again: the checkpoint's recipe with this run's changes
     B, T, ddp_world_size = args.batch_size, args.seq_len, dist_info.ddp_world_size
     grad_accum_steps = args.total_batch_size // (B * T * ddp_world_size)
@@ -720,16 +589,27 @@ def train(args, given=frozenset()):
     B, T = args.batch_size, args.seq_len
 
     # --- model -------------------------------------------------------------------------------
-    run.model = raw_model = build_model(args, ckpt, ckpt_path, device, master_process)
+    with oom_phase("building the model", run=run):
+        run.model = raw_model = build_model(args, ckpt, ckpt_path, device, master_process)
     config = raw_model.config
     check_init_shape(args, given, asdict(config), master_process)  # model flags with --init-from: a note
 
     # --- data --------------------------------------------------------------------------------
-    shuffle, vocab_size = not args.no_shuffle, config.vocab_size
-    run.loader = train_loader = DataLoaderLite(
-        args.data_dir, "train", B, T, ddp_rank, ddp_world_size, shuffle, args.seed, vocab_size, device
-    )
-    run.val_tokens = load_val_tokens(args.data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
+    vocab_size = config.vocab_size
+    with oom_phase("reading the data", run=run):
+        run.loader = train_loader = DataLoaderLite(
+            args.data_dir,
+            "train",
+            B,
+            T,
+            rank=ddp_rank,
+            world_size=ddp_world_size,
+            shuffle=not args.no_shuffle,
+            seed=args.seed,
+            vocab_size=vocab_size,
+            device=device,
+        )
+        run.val_tokens = load_val_tokens(args.data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
     check_data(args, train_loader.tokens_per_epoch, run.val_tokens, master_process)
 
     # --- optimizer and schedule ------------------------------------------------------------------
@@ -737,13 +617,15 @@ def train(args, given=frozenset()):
     run.optimizer = optimizer = raw_model.configure_optimizers(
         args.weight_decay, args.max_lr, device_type, betas, args.adam_eps, verbose=master_process
     )
-    start_step, run.run_id, run.val_loss = restore_training_state(
-        ckpt, ckpt_path, optimizer, train_loader, ddp_rank, device_type, run.scaler
-    )
+    with oom_phase("loading the checkpoint"):
+        start_step, run.run_id, run.val_loss = restore_training_state(
+            ckpt, ckpt_path, optimizer, train_loader, ddp_rank, device_type, run.scaler
+        )
     del ckpt  # the weights and optimizer state now live in the model and optimizer
-    model = torch.compile(raw_model) if run.use_compile else raw_model
-    if ddp:
-        model = DDP(model, device_ids=[dist_info.ddp_local_rank] if device_type == "cuda" else None)
+    with oom_phase("start", run=run):
+        model = torch.compile(raw_model) if run.use_compile else raw_model
+        if ddp:
+            model = DDP(model, device_ids=[dist_info.ddp_local_rank] if device_type == "cuda" else None)
 
     # --- what runs mid-training is exercised now, not first at hour three -----------------------
     prepare_side_evals(run, get_tokenizer() if args.hellaswag_every > 0 or args.sample_every > 0 else None)
@@ -756,7 +638,11 @@ def train(args, given=frozenset()):
     header = {**vars(args), "grad_accum_steps": grad_accum_steps, "world_size": ddp_world_size, **precision}
     header.update(compile=run.use_compile, model_config=asdict(config), min_lr=min_lr, flops_per_token=flops)
     log.header(run.run_id, device_name, start_step if ckpt_path else None, changes, header)
-    checkpoint = lambda step: save_training_state(step, run)  # noqa: E731
+
+    def checkpoint(step):
+        with oom_phase("writing the checkpoint", run=run, step=step):
+            save_training_state(step, run)
+
     stop, guard = StopRequest(args.out_dir), NonFiniteGuard(log, master_process, checkpoint, args.out_dir, run.scaler)
 
     # --- the loop ------------------------------------------------------------------------------
@@ -776,36 +662,37 @@ def train(args, given=frozenset()):
 
         # --- TRAINING STEP BEGIN -----------------------------------------------------------------
         t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss_accum = torch.zeros((), device=device)
-        for micro_step in range(grad_accum_steps):
-            x, y = train_loader.next_batch()
-            # DDP all-reduces gradients in backward; only the last micro-step needs it, and DDP
-            # decides in forward whether to, so no_sync() covers forward and backward
-            last_micro = micro_step == grad_accum_steps - 1
-            with model.no_sync() if ddp and not last_micro else nullcontext():
-                with autocast(device_type, autocast_dtype):
-                    _, loss = model(x, y)
-                # each micro-batch's loss is a mean over B*T tokens; the batch's is the mean of those
-                loss = loss / grad_accum_steps
-                loss_accum += loss.detach()
-                run.scaler.scale(loss).backward()  # fp16: times the loss scale (else unchanged)
-        if ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
-            dist.all_reduce(loss_accum)
-            loss_accum /= ddp_world_size
-        run.scaler.unscale_(optimizer)  # fp16: the true gradients, for the clip and the logged norm
-        # clip_grad_norm_ returns the norm before clipping; with inf it only measures it
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or math.inf)
-        lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss, norm, scale = loss_accum.item(), norm.item(), loss_scale(run.scaler)  # fp16: the scale used
-        if guard.skip(step, loss, norm, lr):  # a NaN / inf step is not applied
-            continue
-        run.scaler.step(optimizer)  # optimizer.step(): its gradients are finite (the guard saw to it)
-        run.scaler.update()
-        if device_type == "cuda":
-            torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
+        with oom_phase("training step", run=run, step=step, first=step == start_step):
+            optimizer.zero_grad(set_to_none=True)
+            loss_accum = torch.zeros((), device=device)
+            for micro_step in range(grad_accum_steps):
+                x, y = train_loader.next_batch()
+                # DDP all-reduces gradients in backward; only the last micro-step needs it, and DDP
+                # decides in forward whether to, so no_sync() covers forward and backward
+                last_micro = micro_step == grad_accum_steps - 1
+                with model.no_sync() if ddp and not last_micro else nullcontext():
+                    with autocast(device_type, autocast_dtype):
+                        _, loss = model(x, y)
+                    # each micro-batch's loss is a mean over B*T tokens; the batch's is the mean of those
+                    loss = loss / grad_accum_steps
+                    loss_accum += loss.detach()
+                    run.scaler.scale(loss).backward()  # fp16: times the loss scale (else unchanged)
+            if ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
+                dist.all_reduce(loss_accum)
+                loss_accum /= ddp_world_size
+            run.scaler.unscale_(optimizer)  # fp16: the true gradients, for the clip and the logged norm
+            # clip_grad_norm_ returns the norm before clipping; with inf it only measures it
+            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or math.inf)
+            lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss, norm, scale = loss_accum.item(), norm.item(), loss_scale(run.scaler)  # fp16: the scale used
+            if guard.skip(step, loss, norm, lr):  # a NaN / inf step is not applied
+                continue
+            run.scaler.step(optimizer)  # optimizer.step(): its gradients are finite (the guard saw to it)
+            run.scaler.update()
+            if device_type == "cuda":
+                torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
         dt = time.perf_counter() - t0
         # --- TRAINING STEP END -------------------------------------------------------------------
 
@@ -918,7 +805,9 @@ def main(argv=None):
             return dry_run_job(args, get_tokenizer() if args.sample_from else None)
     if args.sample_from:
         device, _ = pick_device(args.device)
-        print_samples(load_model(args.sample_from, device), get_tokenizer(), args)
+        model = load_model(args.sample_from, device)
+        with oom_phase("sample-from", args=args):
+            print_samples(model, get_tokenizer(), args)
         return 0
     if args.export_hf:
         ckpt_path, out_dir = args.export_hf
@@ -944,5 +833,5 @@ if __name__ == "__main__":
     run_cli(
         main,
         interrupted="interrupted (a training run continues from its newest checkpoint with --resume)",
-        out_of_memory=training_out_of_memory,
+        out_of_memory=training_out_of_memory,  # reads the oom_phase the allocation failed in
     )

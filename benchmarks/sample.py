@@ -1,4 +1,4 @@
-"""Sampling: GPT.generate with the KV cache against recomputing the prefix, and in-training samples."""
+"""Sampling: support.sampling.generate with the KV cache against recomputing the prefix, and in-training samples."""
 
 import torch
 
@@ -9,7 +9,7 @@ from benchmarks.timing import interleave, rates, stats, timed
 from fineweb import get_tokenizer
 from support.machine import compile_problem
 from support.precision import AUTOCAST_DTYPES, pick_dtype
-from support.sampling import sample_text
+from support.sampling import generate, sample_text
 from train_gpt2 import GPT, GPTConfig
 
 
@@ -29,22 +29,22 @@ def bench_sample(s, device, device_type):
     prompt = torch.tensor([enc.encode("Hello, I'm a language model,")], dtype=torch.long, device=device)
     new = min(s["new_tokens"], model.config.block_size - prompt.size(1))
 
-    def generate(use_cache, n_tokens, compile=False):
+    def sampler(use_cache, n_tokens, compile=False):
         def run():  # the same seed every call: the same tokens drawn, the same work
             g = torch.Generator(device=device).manual_seed(42)
-            model.generate(prompt, n_tokens, generator=g, use_cache=use_cache, compile=compile)
+            generate(model, prompt, n_tokens, generator=g, use_cache=use_cache, compile=compile)
 
         return run
 
     for use_cache in (True, False):  # warm-up: a few tokens are enough, recomputing 256 is long
-        generate(use_cache, 8)()
-    contenders = {"kv_cache": generate(True, new), "recompute": generate(False, new)}
+        sampler(use_cache, 8)()
+    contenders = {"kv_cache": sampler(True, new), "recompute": sampler(False, new)}
     compile_s, compile_skipped = None, None
     if device_type == "cuda":  # the compiled, CUDA-graph decode step; its first call compiles
         compile_skipped = compile_problem(str(device))  # Windows has no Triton by default
         if compile_skipped is None:
-            compile_s = timed(generate(True, new, compile=True), device_type)
-            contenders = {"kv_cache_compiled": generate(True, new, compile=True), **contenders}
+            compile_s = timed(sampler(True, new, compile=True), device_type)
+            contenders = {"kv_cache_compiled": sampler(True, new, compile=True), **contenders}
     # what a run does at each --sample-every with the defaults: 4 samples of 32 tokens from the
     # eager KV cache under the run's autocast (--dtype auto's: bf16, fp16 below compute capability 8.0);
     # timed as one call, seconds

@@ -250,8 +250,8 @@ def run_cli(main, interrupted="interrupted", out_of_memory=None):
     """Run a script's main(): a UserError is one `error:` line and exit 1, Ctrl-C the one line
     `interrupted` and exit 130 (the shell's code for SIGINT); anything else is a bug and keeps
     its traceback. Output to a pipe that closes is dropped (OutlivesItsReader), not fatal.
-    Running out of memory is one `error:` line too: out_of_memory(frames) says during what and
-    which flag to lower (see out_of_memory_line). Under torchrun a mistake every rank makes
+    Running out of memory is one `error:` line too: out_of_memory(the exception) says during what
+    and which flag to lower (see out_of_memory_line). Under torchrun a mistake every rank makes
     alike (UserError.every_rank) is said by rank 0 alone."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt from here on
     sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
@@ -291,23 +291,13 @@ def memory_kind(e):
     return None
 
 
-def traceback_frames(e):
-    """[(function name, its locals, its file's name)] of the frames e passed through, outermost first."""
-    frames, tb = [], e.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        frames.append((code.co_name, tb.tb_frame.f_locals, os.path.basename(code.co_filename)))
-        tb = tb.tb_next
-    return frames
-
-
 def out_of_memory_line(e, memory, advice=None):
-    """'out of host memory ...' and during what and what to lower, from advice(frames) (the script's
-    own, e.g. machine.training_out_of_memory); else the allocator's own words, cut short."""
+    """'out of host memory ...' and during what and what to lower, from advice(e) (the script's own,
+    e.g. out_of_memory.training_out_of_memory, which reads the phase e left); else the allocator's
+    own words, cut short."""
     said = re.sub(r"\[enforce fail at [^]]*\] *(err == 0\. *)?", "", first_line(e))
     said = re.sub(r"(Tried to allocate [\d.]+ [KMGT]iB)\..*", r"\1", said)  # CUDA's: the size, not its stats
-    frames = traceback_frames(e)
-    where = advice([(name, local) for name, local, _ in frames]) if advice else None
+    where = advice(e) if advice else None
     return f"out of {memory} {where}" if where else f"out of {memory} ({said})"
 
 

@@ -1,6 +1,6 @@
 """The machine a run trains on: whether torch.compile works on it, its peak FLOP/s (for MFU),
-glibc's allocator, deterministic kernels, the -B its GPU memory fits, and what to lower when a
-training run runs out of memory."""
+glibc's allocator, deterministic kernels, and the -B its GPU memory fits (which the out-of-memory
+advice names, support/out_of_memory.py)."""
 
 import ctypes
 import functools
@@ -8,7 +8,6 @@ import os
 
 import torch
 
-from support.checkpoints import checkpoint_paths
 from support.checks import TRAIN_BYTES_PER_PARAMETER
 from support.common import UserError, first_line, same_on_every_rank
 
@@ -77,75 +76,6 @@ def gpu_memory_of(device):
         return torch.cuda.get_device_properties(device).total_memory if torch.device(device).type == "cuda" else None
     except Exception:  # after a failed allocation the driver may refuse too: no estimate then
         return None
-
-
-def estimated_B(train, B, T):
-    """(fitting_B below B, the GPU's bytes) for a training run's locals (train) where the estimate
-    holds: the recipe's model (12 layers, 768 wide) under autocast on a CUDA GPU; else (None, None).
-    A B the estimate says fits has just run out: then the plain halving advice stands."""
-    config, device = train.get("config"), train.get("device")
-    recipe = (getattr(config, "n_layer", None), getattr(config, "n_embd", None)) == (12, 768)
-    memory = gpu_memory_of(device) if recipe and device and train.get("autocast_dtype") is not None else None
-    fit = fitting_B(B, T, memory) if memory else None
-    return (fit, memory) if fit and fit < B else (None, None)
-
-
-def training_out_of_memory(frames):
-    """For out_of_memory_line, from the frames of a train_gpt2.py run that ran out of memory: during
-    what (the first step, an eval, sampling, ...), the flag to lower, and what is on disk to go on
-    from; None where the frames hold no parsed flags."""
-    names = {name for name, _ in frames}
-    train = {k: v for name, f in frames if name in ("main", "train", "run_evals") for k, v in f.items()}
-    args = train.get("args")
-    if args is None or not hasattr(args, "batch_size"):
-        return None
-    B, step, start = args.batch_size, train.get("step"), train.get("start_step") or 0
-    smaller = max(d for d in range(1, B) if B % d == 0) if B > 1 else None
-    fit, memory = estimated_B(train, B, args.seq_len)
-    why = f", which this GPU's {memory / GiB:.1f} GiB should fit, see docs/gpus.md" if fit else ""
-    smaller = fit or smaller
-    lower_B = (
-        f"-B {smaller}" if smaller else None,
-        f"lower -B (e.g. -B {smaller}{why}: the total batch stays {args.total_batch_size:,} tokens, accumulated "
-        f"over more micro-steps)"
-        if smaller
-        else "use a smaller model (--n-layer, --n-embd) or a shorter -T",
-    )
-    n = args.num_samples
-    fewer = (f"--num-samples {n // 2}" if n > 1 else None, f"lower --num-samples {n}" + (f" (e.g. {n // 2})" * (n > 1)))
-    if names & {"sample_text", "generate", "print_samples"}:
-        if "run_evals" in names:
-            what, (flag, fix) = f"while sampling at step {step}", fewer
-            fix += f" or --max-new-tokens {args.max_new_tokens}"
-        elif "prepare_side_evals" in names:
-            what, (flag, fix) = "in the start-up sampling check", fewer
-        else:
-            return f"while sampling: {fewer[1]} or --max-new-tokens {args.max_new_tokens}"
-    elif "evaluate_val_loss" in names:
-        what, (flag, fix) = f"in the val-loss eval at step {step} (it reads -B {B} rows at a time)", lower_B
-    elif "evaluate_all_ranks" in names:
-        what, flag = f"in the HellaSwag eval at step {step}", "--hellaswag-every 0"
-        fix = "turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores a checkpoint in less)"
-    elif names & {"save_training_state", "save_checkpoint"}:
-        what, flag, fix = f"while writing the checkpoint of step {step}", None, "free host memory for it"
-    elif names & {"build_model", "load_model", "model_from_checkpoint", "from_pretrained"}:
-        fix = "pick a smaller --init-from model" if args.init_from != "scratch" else "lower --n-layer or --n-embd"
-        return f"while building the model: {fix if not args.resume else 'this run needs more memory than is free'}"
-    elif names & {"resume_checkpoint", "load_training_checkpoint", "load_checkpoint"}:
-        return "while loading the checkpoint: free memory for it"
-    elif names & {"load_val_tokens", "load_shard"}:
-        return f"while reading the data: lower --val-tokens {args.val_tokens:,} or free memory"
-    elif step is not None:
-        what = "in the first training step" if step == start else f"in training step {step}"
-        what, (flag, fix) = f"{what} (-B {B} rows of -T {args.seq_len})", lower_B
-    else:
-        return f"while starting: {lower_B[1]}, or use a smaller model"
-    if step is None:  # before the log's first record: the same command with the lower setting
-        return f"{what}: {fix}"
-    newest = checkpoint_paths(args.out_dir)
-    if not newest:
-        return f"{what}: {fix}; no checkpoint was written yet: --resume {flag or ''} starts the run again".rstrip()
-    return f"{what}: {fix}; {newest[0]} stands: continue from it with --resume" + (f" {flag}" if flag else "")
 
 
 # peak dense bf16 tensor-core FLOP/s from NVIDIA's datasheets, matched in this order against

@@ -1,9 +1,168 @@
-"""Text samples from a model: the prompt's tokens, seeded decoding, and the note when the model's
-window cuts a sample short."""
+"""Generating text from a model: the KV cache a sample decodes with, the draw of each token, the
+(compiled) one-token decode step, generate, and the prompt and samples that training and
+--sample-from print. The model is passed in: any GPT whose hidden_states takes a cache (see
+KVCache) and whose lm_head gives the logits."""
+
+import math
 
 import torch
+from torch.nn import functional as F
 
-from support.common import UserError
+from support.common import GPT2_VOCAB, UserError
+
+# --- The KV cache: what the model's attention asks when it is given one ------------------------
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for max_len positions: one more token costs one
+    position, not the whole prefix. pos, where the next positions go, is a Python int (a prompt) or,
+    in a decode step, a 1-element tensor the decode loop advances in place: static shapes, so the
+    step compiles. The model asks it positions(T) for its next T tokens, calls attend(layer, q, k, v)
+    in every layer in place of its own attention, and advance(T) after the last layer."""
+
+    def __init__(self, n_layer, max_len):
+        self.k = [None] * n_layer
+        self.v = [None] * n_layer
+        self.max_len = max_len
+        self.pos = 0
+
+    def positions(self, T, device):
+        """The positions of the next T tokens: (1,) in a decode step, else (T,) from pos on."""
+        if torch.is_tensor(self.pos):
+            return self.pos
+        if self.pos + T > self.max_len:
+            raise ValueError(f"{self.pos + T} positions do not fit a KV cache of {self.max_len}")
+        return torch.arange(self.pos, self.pos + T, dtype=torch.long, device=device)
+
+    def advance(self, T):
+        """Past the T tokens just attended to; a decode step's tensor pos is its loop's to advance."""
+        if not torch.is_tensor(self.pos):
+            self.pos += T
+
+    def attend(self, layer, q, k, v):
+        """Store k, v (B, nh, T, hs) at pos; -> each query's attention (B, nh, T, hs) over every
+        position stored so far, itself and the earlier ones of its own T included."""
+        B, nh, T, hs = k.shape
+        if self.k[layer] is None:  # allocated on first use: the dtype is whatever autocast produced
+            # zeros, not empty: a decode step reads every slot (masked), and 0 * NaN would be NaN
+            self.k[layer] = k.new_zeros(B, nh, self.max_len, hs)
+            self.v[layer] = v.new_zeros(B, nh, self.max_len, hs)
+        if torch.is_tensor(self.pos):  # a decode step: one query against the whole buffer
+            self.k[layer].index_copy_(2, self.pos, k)
+            self.v[layer].index_copy_(2, self.pos, v)
+            mask = torch.arange(self.max_len, device=k.device) <= self.pos  # the slots written so far
+            # plain arithmetic, which torch.compile fuses: SDPA's masked kernel is slow for one
+            # query (docs/performance.md has the profile)
+            att = (q @ self.k[layer].transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, 1, max_len)
+            return att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ self.v[layer]
+        pos = self.pos
+        self.k[layer][:, :, pos : pos + T] = k
+        self.v[layer][:, :, pos : pos + T] = v
+        k, v = self.k[layer][:, :, : pos + T], self.v[layer][:, :, : pos + T]
+        if pos == 0 or T == 1:  # a plain causal prefix, or one query that sees every key
+            return F.scaled_dot_product_attention(q, k, v, is_causal=pos == 0 and T > 1)
+        # query i sits at absolute position pos+i and sees keys 0 .. pos+i
+        mask = torch.ones(T, pos + T, dtype=torch.bool, device=k.device).tril(pos)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+# --- Drawing a token ---------------------------------------------------------------------------
+
+
+def draw_noise(B, temperature, generator, device):
+    """What next_token draws with: (B, 50257) Exp(1) samples, None when greedy (temperature 0)."""
+    if temperature == 0:
+        return None
+    noise = torch.empty(B, GPT2_VOCAB, device=device).exponential_(generator=generator)
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # never 0: p / 0 would win for any p
+
+
+def next_token(logits, temperature, top_k, noise):
+    """One token per row from the last position's logits (B, vocab): greedy at temperature 0,
+    else a draw from the top_k most likely; padding ids (>= 50257) are cut off first.
+    The draw is the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability
+    p_i (torch.multinomial does the same on CUDA). With the noise drawn beforehand this is plain
+    arithmetic, so a compiled decode step samples inside its graph."""
+    logits = logits[:, :GPT2_VOCAB].float()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    # shifted so the largest is 0: a temperature so low that the scaled logits overflow gives -inf
+    # to all but the largest (greedy), never inf - inf = NaN; below 1e-30 float32 has no divisor
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, 1e-30)
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return (F.softmax(logits, dim=-1) / noise).argmax(dim=-1)  # (B,)
+
+
+# --- Decoding ----------------------------------------------------------------------------------
+
+
+def decode_step(model, idx, cache, temperature, top_k, noise):
+    """The token (B,) after idx (B, 1), which sits at position cache.pos (a 1-element tensor),
+    drawn as next_token does. Static shapes: torch.compile can capture it as one CUDA graph."""
+    return next_token(model.lm_head(model.hidden_states(idx, cache)[:, -1]), temperature, top_k, noise)
+
+
+def compiled_decode(model, B, max_len, device):
+    """A compiled decode_step and the KV cache it writes, kept on the model for the next call with
+    the same shapes: CUDA graphs need their buffers at fixed addresses (and so does a fast second sample)."""
+    key = (B, max_len, str(device), torch.is_autocast_enabled(torch.device(device).type))
+    store = model.__dict__.setdefault("_decode_cache", {})  # goes with the model
+    if key not in store:
+        mode = "reduce-overhead" if torch.device(device).type == "cuda" else None  # CUDA graphs
+        store.clear()  # one cache at a time: a changed prompt or length replaces it
+        step = torch.compile(decode_step, mode=mode, fullgraph=True)
+        store[key] = (step, KVCache(model.config.n_layer, max_len))
+    step, cache = store[key]
+    cache.pos = 0
+    return step, cache
+
+
+@torch.no_grad()
+def generate(
+    model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True, compile=False, stop=None
+):
+    """idx (B, T) with up to max_new_tokens sampled tokens appended, stopping at the model's
+    block_size; temperature 0 is greedy, padding ids (>= 50257) never come out. use_cache: a
+    KVCache and one token per step (False recomputes the whole prefix each token: the plain
+    reference). compile: a compiled one-token step (CUDA graphs on a GPU, where eager decoding waits
+    on kernel launches). stop: polled before every token (a stop signal mid-sample); when it says
+    True, None is returned."""
+    B, T0 = idx.shape
+    n_new = max(0, min(max_new_tokens, model.config.block_size - T0))
+    out = idx.new_empty(B, T0 + n_new)  # preallocated: no torch.cat per token
+    out[:, :T0] = idx
+    if n_new == 0:
+        return out
+    draw = lambda: draw_noise(B, temperature, generator, idx.device)  # noqa: E731
+    if not use_cache:
+        for t in range(T0, T0 + n_new):
+            if stop is not None and stop():
+                return None
+            logits, _ = model(out[:, :t])
+            out[:, t] = next_token(logits[:, -1], temperature, top_k, draw())
+        return out
+    if compile:
+        step, cache = compiled_decode(model, B, T0 + n_new, idx.device)
+    else:
+        step, cache = decode_step, KVCache(model.config.n_layer, T0 + n_new)
+    x = model.hidden_states(idx, cache)  # the prompt in one pass; its cache fills positions 0 .. T0-1
+    out[:, T0] = next_token(model.lm_head(x[:, -1]), temperature, top_k, draw())
+    if compile:
+        for k, v in zip(cache.k, cache.v):  # tell the CUDA graph these buffers never move
+            torch._dynamo.mark_static_address(k)
+            torch._dynamo.mark_static_address(v)
+    cache.pos = torch.tensor([T0], device=idx.device)
+    for t in range(T0 + 1, T0 + n_new):
+        if stop is not None and stop():
+            return None
+        out[:, t] = step(model, out[:, t - 1 : t], cache, temperature, top_k, draw())
+        cache.pos += 1
+    return out
+
+
+# --- Text in, text out: the prompt, and the samples a run or --sample-from prints ----------------
 
 
 def encode_prompt(enc, prompt, block_size):
@@ -25,7 +184,7 @@ def sample_text(
     tokens = torch.tensor(enc.encode(prompt, allowed_special={"<|endoftext|>"}), dtype=torch.long, device=device)
     idx = tokens.unsqueeze(0).repeat(num_samples, 1)
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature, top_k, generator, compile=compile, stop=stop)
+    out = generate(model, idx, max_new_tokens, temperature, top_k, generator, compile=compile, stop=stop)
     return None if out is None else [enc.decode(row.tolist()) for row in out]
 
 

@@ -20,6 +20,7 @@ import train_gpt2
 from conftest import read_log
 from fineweb import write_shard
 from support import checkpoints, common, machine, precision, sampling
+from support.sampling import generate
 from train_gpt2 import GPT, GPTConfig
 
 ROOT = __import__("conftest").ROOT
@@ -320,14 +321,14 @@ def test_hellaswag_cuda_fp32_predicts_as_the_cpu(eval_model, enc, shared_data, f
 
 
 def test_greedy_samples_cuda_fp32_equal_the_cpu(eval_model, enc, fp32_exact):
-    """Eager and compiled (GPT.generate(compile=True)) decoding on the GPU, against the CPU's."""
+    """Eager and compiled (generate(compile=True)) decoding on the GPU, against the CPU's."""
     prompt = torch.tensor([enc.encode("Hello, I'm a language model,")] * 2)
     n_prompt, n_new = prompt.size(1), 32
     with torch.no_grad():
-        cpu = eval_model.generate(prompt, n_new, temperature=0)
-        gpu = eval_model.to("cuda").generate(prompt.to("cuda"), n_new, temperature=0).cpu()
+        cpu = generate(eval_model, prompt, n_new, temperature=0)
+        gpu = generate(eval_model.to("cuda"), prompt.to("cuda"), n_new, temperature=0).cpu()
         # the compiled decode step, captured as a CUDA graph
-        compiled = eval_model.generate(prompt.to("cuda"), n_new, temperature=0, compile=True).cpu()
+        compiled = generate(eval_model, prompt.to("cuda"), n_new, temperature=0, compile=True).cpu()
         eval_model.to("cpu")
         # the CPU's margin between its best and second-best token at each step: only a near-tie may flip
         logits, _ = eval_model(cpu[:1, :-1])

@@ -8,7 +8,7 @@ import pytest
 
 import train_gpt2
 from conftest import snapshot, user_error
-from support import jobs
+from support import jobs, sampling
 from support.common import run_cli
 
 
@@ -22,7 +22,7 @@ def nothing_expensive(monkeypatch):
     for name in ("load_model", "sample_text"):
         monkeypatch.setattr(train_gpt2, name, forbidden)
     monkeypatch.setattr(train_gpt2.GPT, "export_hf", forbidden)
-    monkeypatch.setattr(train_gpt2.GPT, "generate", forbidden)
+    monkeypatch.setattr(sampling, "generate", forbidden)
 
 
 def test_export_dry_run_checks_the_checkpoint_and_target_and_writes_nothing(
@@ -53,7 +53,7 @@ def test_export_dry_run_refuses_what_the_export_would(short_run, tmp_path, nothi
 def test_sample_dry_run_checks_the_model_and_prompt_and_samples_nothing(short_run, hf_tiny_dir, capsys, monkeypatch):
     for model in (short_run[1], short_run[1] / "ckpt_000001.pt", hf_tiny_dir):
         monkeypatch.setattr(train_gpt2, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
-        monkeypatch.setattr(train_gpt2.GPT, "generate", lambda *a, **k: pytest.fail("sampled"))
+        monkeypatch.setattr(sampling, "generate", lambda *a, **k: pytest.fail("sampled"))
         args = ["--sample-from", model, "--device", "cpu", "--dry-run", "--max-new-tokens", 200]
         assert train_gpt2.main(args) == 0
         out = capsys.readouterr().out

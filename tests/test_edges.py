@@ -17,8 +17,10 @@ from test_ownership import headers
 import fineweb
 import train_gpt2
 from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, user_error
+from support import sampling
 from support.common import GPT2_VOCAB, UserError
 from support.out_dir import LOCK_FILE, lock_out_dir
+from support.sampling import generate
 from train_gpt2 import GPT
 
 
@@ -332,29 +334,29 @@ def test_generation_polls_the_stop_request_before_every_token(tiny_config, monke
     monkeypatch.setattr(model, "hidden_states", lambda *a, **k: forwards.append(1) or real(*a, **k))
     idx = torch.randint(0, GPT2_VOCAB, (2, 3))
     stop = Countdown(5)  # says stop before the 5th token
-    assert model.generate(idx, 50, use_cache=use_cache, stop=stop) is None
+    assert generate(model, idx, 50, use_cache=use_cache, stop=stop) is None
     # the prompt's pass and 4 one-token steps, or 4 recomputes of the whole prefix
     assert stop.polls == 5 and len(forwards) == (5 if use_cache else 4)
     # never asked to stop: the whole sample, the same tokens as without a stop request
     torch.manual_seed(1)
-    a = model.generate(idx, 20, use_cache=use_cache, stop=lambda: False)
+    a = generate(model, idx, 20, use_cache=use_cache, stop=lambda: False)
     torch.manual_seed(1)
-    assert torch.equal(a, model.generate(idx, 20, use_cache=use_cache))
+    assert torch.equal(a, generate(model, idx, 20, use_cache=use_cache))
 
 
 def test_sigterm_while_a_run_samples_stops_it_within_a_token_with_a_checkpoint(data, tmp_path, monkeypatch):
     """SIGTERM arrives at the 3rd token of step 2's samples (40 tokens each): the run stops there, with
     step 2's checkpoint, and logs no half samples."""
     out, tokens = tmp_path / "out", []
-    real = GPT.decode_step
+    real = sampling.decode_step
 
-    def decode_step(self, *args):
+    def decode_step(*args):
         tokens.append(1)
         if len(tokens) == 3:
             signal.raise_signal(signal.SIGTERM)
-        return real(self, *args)
+        return real(*args)
 
-    monkeypatch.setattr(GPT, "decode_step", decode_step)
+    monkeypatch.setattr(sampling, "decode_step", decode_step)
     args = tiny_args(data, out, "--sample-every", 2, "--max-new-tokens", 40, "--max-steps", 6, "--eval-every", 0)
     assert train_gpt2.main(args) == 128 + signal.SIGTERM
     # the start-up check draws 1 token (no decode step); step 2's samples stop at the signal

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,9 +20,10 @@ from test_notebook import clean_records, kernel_env, run_notebook, write_log  # 
 
 import train_gpt2
 from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, tiny_args, user_error
-from support import checkpoints, common
+from support import checkpoints, common, sampling
 from support.checkpoints import load_checkpoint
-from support.common import UserError, out_of_memory_line
+from support.common import UserError, out_of_memory_line, run_cli
+from support.out_of_memory import hellaswag_out_of_memory, oom_phase, training_out_of_memory
 
 # Runs train_gpt2.py as `python train_gpt2.py ...` does, in a process whose address space is capped
 # at what the imports map plus argv[1] MiB: an allocation past that fails as on a machine that is
@@ -176,9 +178,88 @@ def test_out_of_memory_building_a_too_wide_model_names_the_model_flags(data, tmp
     assert_one_line_error(r, "out of host memory while building the model", "--n-layer or --n-embd")
 
 
+def test_out_of_memory_in_the_val_loss_eval_gets_its_advice_not_the_training_steps(data, tmp_path, monkeypatch, capsys):
+    """The model's forward, which the training step calls too, runs out of memory in the val-loss eval
+    at step 2: the line is the val-loss eval's (the phase the recipe marked, whatever the functions
+    the allocation failed in are called), with the checkpoint that stands; its advice trains on."""
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--eval-every", 2, "--ckpt-every", 1)
+    real = train_gpt2.GPT.forward
+
+    def forward(self, *a, **k):  # eval mode: the val loss; ckpt_000001.pt written: past step 1
+        if not self.training and (out / "ckpt_000001.pt").exists():
+            raise MemoryError()
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(train_gpt2.GPT, "forward", forward)
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: train_gpt2.main(args), out_of_memory=training_out_of_memory)
+    line = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and line == (
+        "error: out of host memory in the val-loss eval at step 2 (it reads -B 2 rows at a time): lower -B (e.g. -B 1: "
+        f"the total batch stays 64 tokens, accumulated over more micro-steps); {out / 'ckpt_000001.pt'} stands: "
+        "continue from it with --resume -B 1"
+    )
+    monkeypatch.undo()
+    assert train_gpt2.main(follow(line, args, "-B")) == 0
+    assert sorted(read_log(out)[1]) == list(range(6))
+
+
+def test_the_advice_is_the_marked_phases_not_the_function_names(tmp_path):
+    """The innermost phase a script marked decides, and each script words its own: training's
+    HellaSwag eval around hellaswag.py's scoring; a function named as the val-loss eval inside a
+    training step; no advice outside every phase, and no mark on an error that is not memory."""
+    args, _ = train_gpt2.parse_args(["--out-dir", str(tmp_path / "out")])
+    run = SimpleNamespace(args=args, model=SimpleNamespace(config=train_gpt2.GPTConfig()), device="cpu")
+    run.autocast_dtype = None
+
+    def evaluate_val_loss(step=250, start_step=0):  # the val-loss eval's name and the loop's locals
+        raise MemoryError()
+
+    with pytest.raises(MemoryError) as raised:
+        with oom_phase("HellaSwag eval", run=run, step=250), oom_phase("scoring HellaSwag", batch_tokens=65536):
+            evaluate_val_loss()
+    assert training_out_of_memory(raised.value) == (
+        "in the HellaSwag eval at step 250: turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores "
+        "a checkpoint in less); no checkpoint was written yet: --resume --hellaswag-every 0 starts the run again"
+    )
+    assert hellaswag_out_of_memory(raised.value) == (
+        "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 32768), or use a smaller --model"
+    )
+    with pytest.raises(MemoryError) as raised, oom_phase("training step", run=run, step=250, first=False):
+        evaluate_val_loss()
+    assert training_out_of_memory(raised.value).startswith("in training step 250 (-B 64 rows of -T 1024): lower -B")
+    assert hellaswag_out_of_memory(raised.value) is None
+    with pytest.raises(MemoryError) as raised:
+        evaluate_val_loss()
+    assert training_out_of_memory(raised.value) is None
+    assert out_of_memory_line(raised.value, "host memory", training_out_of_memory) == "out of host memory (MemoryError)"
+    with pytest.raises(ValueError) as raised, oom_phase("val loss", run=run, step=250):
+        raise ValueError("not memory")
+    assert not hasattr(raised.value, "oom_phases")
+
+
+def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_config, enc, shared_data, monkeypatch):
+    import hellaswag
+
+    model = train_gpt2.GPT(tiny_config).eval()
+    examples = hellaswag.load_examples(str(shared_data / "hellaswag" / "hellaswag_val.jsonl"), limit=4)
+
+    def hidden_states(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(model, "hidden_states", hidden_states)
+    with pytest.raises(MemoryError) as raised:
+        hellaswag.evaluate(model, hellaswag.prepare(examples, enc), "cpu")  # --batch-tokens' CPU default, 4,096
+    assert hellaswag_out_of_memory(raised.value) == (
+        "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 2048), or use a smaller --model"
+    )
+
+
 def test_gpu_out_of_memory_reads_as_gpu_memory_with_the_allocators_size():
     """The CUDA allocator's error (raised here by hand, as torch raises it) is GPU memory, its
-    multi-line statistics cut to the size that did not fit; a frame-less one keeps the words."""
+    multi-line statistics cut to the size that did not fit; one outside every marked phase keeps
+    the words."""
     e = torch.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 12.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.2 GiB "
         "is free. Of the allocated memory 70 GiB is allocated by PyTorch\nmore lines"
@@ -312,9 +393,9 @@ def test_a_nan_val_loss_reads_back_in_play_ipynb(tmp_path, kernel_env):  # noqa:
 def test_a_temperature_so_low_that_logits_overflow_samples_greedily(temperature):
     logits = torch.randn(4, 50304) * 30
     noise = torch.empty(4, 50257).exponential_(generator=torch.Generator().manual_seed(0))
-    token = train_gpt2._next_token(logits, temperature, None, noise)
+    token = sampling.next_token(logits, temperature, None, noise)
     assert torch.equal(token, logits[:, :50257].argmax(-1))
-    assert torch.equal(train_gpt2._next_token(logits, temperature, 5, noise), token)
+    assert torch.equal(sampling.next_token(logits, temperature, 5, noise), token)
 
 
 def test_sample_from_at_a_tiny_temperature_equals_greedy(short_run, capsys):

@@ -16,6 +16,7 @@ import torch
 import train_gpt2
 from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, user_error
 from support.common import UserError
+from support.sampling import generate
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +270,8 @@ def test_legitimate_sampling_settings_work(data, tmp_path, enc, flags, prompt, n
         if "--temperature" in flags:
             assert texts == [enc.decode(greedy_tokens(model, tokens, n_new))] * 2, step
         else:  # drawn among all 50257 tokens, with the run's fixed sampling seed (42)
-            draw = lambda top_k: model.generate(  # noqa: E731
+            draw = lambda top_k: generate(  # noqa: E731
+                model,
                 torch.tensor([tokens] * 2),
                 n_new,
                 top_k=top_k,  # noqa: E731

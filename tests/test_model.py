@@ -10,6 +10,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from support.common import GPT2_VOCAB, UserError
+from support.sampling import generate
 from train_gpt2 import GPT, GPTConfig
 
 ROOT = __import__("conftest").ROOT
@@ -201,11 +202,11 @@ def test_kv_cache_equals_recompute(tiny_config):
     torch.manual_seed(5)
     model = GPT(tiny_config)
     idx = torch.randint(0, GPT2_VOCAB, (3, 5))
-    greedy_cached = model.generate(idx, 20, temperature=0, use_cache=True)
-    greedy_full = model.generate(idx, 20, temperature=0, use_cache=False)
+    greedy_cached = generate(model, idx, 20, temperature=0, use_cache=True)
+    greedy_full = generate(model, idx, 20, temperature=0, use_cache=False)
     assert torch.equal(greedy_cached, greedy_full)
-    a = model.generate(idx, 20, top_k=50, generator=torch.Generator().manual_seed(7), use_cache=True)
-    b = model.generate(idx, 20, top_k=50, generator=torch.Generator().manual_seed(7), use_cache=False)
+    a = generate(model, idx, 20, top_k=50, generator=torch.Generator().manual_seed(7), use_cache=True)
+    b = generate(model, idx, 20, top_k=50, generator=torch.Generator().manual_seed(7), use_cache=False)
     assert torch.equal(a, b)
     assert a.shape == (3, 25)
 
@@ -217,7 +218,7 @@ def test_sampling_never_emits_padding_and_stops_at_block_size(tiny_config):
         model.lm_head.weight[GPT2_VOCAB:] = 5.0
         model.transformer.ln_f.bias.fill_(1.0)
     idx = torch.zeros(2, 1, dtype=torch.long)
-    out = model.generate(idx, 500, top_k=None, generator=torch.Generator().manual_seed(0))
+    out = generate(model, idx, 500, top_k=None, generator=torch.Generator().manual_seed(0))
     assert out.shape[1] == tiny_config.block_size
     assert out.max().item() < GPT2_VOCAB
 
