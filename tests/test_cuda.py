@@ -17,12 +17,10 @@ import torch
 
 import hellaswag
 import train_gpt2
-from conftest import read_log
 from fineweb import write_shard
+from helpers import ROOT, read_log
 from support import checkpoints, common, machine, precision, sampling
 from train_gpt2 import GPT, GPTConfig
-
-ROOT = __import__("conftest").ROOT
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"

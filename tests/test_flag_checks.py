@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, cli, random_shards, tiny_args
+from helpers import ROOT, assert_one_line_error, cli, random_shards, tiny_args
 from support import checks
 from support.checks import (
     check_batch_fits,

@@ -20,12 +20,10 @@ import torch
 from torch.nn import functional as F
 
 import hellaswag
-from conftest import heap_after
 from hellaswag import HellaSwagDataError
+from helpers import ROOT, heap_after
 from support import common
 from train_gpt2 import GPT
-
-ROOT = __import__("conftest").ROOT
 
 
 @pytest.fixture(scope="module")

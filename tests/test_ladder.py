@@ -28,7 +28,7 @@ from benchmarks.ladder import (
     loss_check,
 )
 from chunked_loss import chunked_cross_entropy
-from conftest import ROOT
+from helpers import ROOT
 from train_gpt2 import GPT, GPTConfig
 
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 64, "T": 32, "B": 2}

@@ -18,7 +18,7 @@ import torch
 from test_notebook import clean_records, kernel_env, run_notebook, write_log  # noqa: F401  (kernel_env: a fixture)
 
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, tiny_args, user_error
+from helpers import ROOT, assert_one_line_error, cli, random_shards, read_log, tiny_args, user_error
 from support import checkpoints, common
 from support.checkpoints import load_checkpoint
 from support.common import UserError, out_of_memory_line
@@ -28,7 +28,6 @@ from support.common import UserError, out_of_memory_line
 # out of memory (RLIMIT_AS; the heavy imports come first, so that they are not what fails).
 LIMITED = """
 import resource, runpy, sys
-sys.path.insert(0, ".")
 import numpy, torch, fineweb, train_gpt2
 headroom = int(sys.argv[1]) * 2**20
 vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
@@ -366,7 +365,6 @@ def torchrun(*args, wrap=None, timeout=300):
 # rank 0's disk takes 8 s per checkpoint: longer than the 3 s --ddp-timeout
 SLOW_DISK = """
 import os, sys, time
-sys.path.insert(0, ".")
 import train_gpt2
 from support import checkpoints, common
 write = checkpoints.write_atomic

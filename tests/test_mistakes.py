@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, user_error
+from helpers import ROOT, assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, user_error
 from support.common import UserError
 
 

@@ -9,10 +9,9 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
+from helpers import ROOT
 from support.common import GPT2_VOCAB, UserError
 from train_gpt2 import GPT, GPTConfig
-
-ROOT = __import__("conftest").ROOT
 
 
 def test_parameter_count_and_tying():

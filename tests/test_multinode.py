@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import ROOT, random_shards, read_log, tiny_args
+from helpers import ROOT, random_shards, read_log, tiny_args
 from support.checkpoints import load_checkpoint
 
 STEPS = ("--max-steps", 8, "--ckpt-every", 2, "--eval-every", 0)

@@ -17,7 +17,7 @@ import pytest
 
 import fineweb
 import train_gpt2
-from conftest import (
+from helpers import (
     ROOT,
     assert_one_line_error,
     cli,

@@ -20,7 +20,7 @@ import tiktoken
 import fineweb
 import hellaswag
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, random_shards, read_log, tiny_args
+from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args
 from support import file_lock
 from support.out_dir import LOCK_FILE
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import random_shards, read_log, tiny_args
+from helpers import random_shards, read_log, tiny_args
 from support import precision
 from train_gpt2 import GPT, GPTConfig
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import ROOT, cli, hangup_default, heap_after, random_shards, read_log, tiny_args, user_error, write_shard
+from helpers import ROOT, cli, hangup_default, heap_after, random_shards, read_log, tiny_args, user_error, write_shard
 from support.checkpoints import load_checkpoint
 from support.sampling import sample_text
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig, flops_per_token, get_lr, load_model

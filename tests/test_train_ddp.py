@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, hangup_default, random_shards, read_log, tiny_args
+from helpers import ROOT, hangup_default, random_shards, read_log, tiny_args
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
+from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
 from support import run_log
 
 wandb = pytest.importorskip("wandb")  # an optional dependency (requirements-dev.txt)
