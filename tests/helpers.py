@@ -1,12 +1,15 @@
 """Helpers the tests share, imported by name (`from helpers import ...`; pyproject.toml puts tests/
 and the repository root on pytest's path): tiny training runs and their logs, scripts run as a user
-would run them, and the one-line error checks. The fixtures are in conftest.py."""
+would run them, in the background and under torchrun, and the one-line error checks. The fixtures
+are in conftest.py."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -171,3 +174,71 @@ def snapshot(folder):
     """{relative path: bytes} of every file under folder: nothing that existed may go or change."""
     folder = Path(folder)
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Scripts in the background, under torchrun, and as torchrun's ranks without its agent
+
+
+def torchrun_command(*args, nproc=2, script="train_gpt2.py", wrap=None, launch=("--standalone",)):
+    """torchrun's command line (`python -m torch.distributed.run`): `nproc` ranks a node of `script`,
+    or of the python code `wrap` that runs it; `launch`, the rendezvous flags (one machine by default)."""
+    program = ["--no-python", sys.executable, "-c", wrap] if wrap else [str(script)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}"]
+    return [*launcher, *program, *map(str, args)]
+
+
+def torchrun(*args, nproc=2, wrap=None, timeout=300, **kwargs):
+    """Run train_gpt2.py (or `wrap`) under torchrun with `nproc` CPU ranks (gloo) to its end; the CompletedProcess."""
+    command = torchrun_command(*args, nproc=nproc, wrap=wrap)
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def start_run(*args, torchrun=False, **kwargs):
+    """train_gpt2.py started in the background as a user would, under a 2-rank torchrun with
+    torchrun=True; its output piped as text unless kwargs (Popen's) say otherwise. The Popen."""
+    command = torchrun_command(*args) if torchrun else [sys.executable, "train_gpt2.py", *map(str, args)]
+    options = {"cwd": ROOT, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    return subprocess.Popen(command, **{**options, **kwargs})
+
+
+def wait_for_step(proc, out, step, timeout=240):
+    """Poll out/log.jsonl until it records training step `step`; the process must still be running then."""
+    log, deadline = Path(out) / "log.jsonl", time.time() + timeout
+    while time.time() < deadline:
+        if log.exists() and f'"step": {step}, "train_loss"' in log.read_text():
+            return
+        if proc.poll() is not None:
+            said = "\n".join(s[-3000:] for s in proc.communicate() if s)  # the pipes it has
+            raise AssertionError(f"it ended (exit {proc.returncode}) before step {step} was logged:\n{said}")
+        time.sleep(0.01)
+    raise AssertionError(f"step {step} never logged")
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ranks_without_agent(args, world_size=2, stagger=0.0, timeout=300):
+    """train_gpt2.py's ranks started as torchrun starts them (its environment variables), without
+    its agent, which would stop the others once one has failed; each rank after the first
+    `stagger` s after the one before. -> ([each rank's exit code], [each rank's (stdout, stderr)])."""
+    env = {**os.environ, "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = []
+    for rank in range(world_size):
+        if rank and stagger:
+            time.sleep(stagger)
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "train_gpt2.py", *map(str, args)],
+                cwd=ROOT,
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outputs = [proc.communicate(timeout=timeout) for proc in ranks]
+    return [proc.returncode for proc in ranks], outputs
