@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, random_shards, tiny_args
+from helpers import ROOT, random_shards, save_tiny_hf_gpt2, tiny_args
 
 
 def _find_shared_data():
@@ -47,21 +47,7 @@ def enc():
 @pytest.fixture(scope="session")
 def hf_tiny_dir(tmp_path_factory):
     """A random small transformers GPT2LMHeadModel saved with save_pretrained."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2, n_head=4, n_embd=64, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    )
-    model = GPT2LMHeadModel(config)
-    # random init leaves LayerNorms at 1/0 and biases at 0; perturb them so the test sees every weight
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "ln" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("hf_tiny")
-    model.save_pretrained(path)
-    return path
+    return save_tiny_hf_gpt2(tmp_path_factory.mktemp("hf_tiny"))
 
 
 @pytest.fixture

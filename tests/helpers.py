@@ -1,7 +1,7 @@
 """Helpers the tests share, imported by name (`from helpers import ...`; pyproject.toml puts tests/
 and the repository root on pytest's path): tiny training runs and their logs, scripts run as a user
-would run them, in the background and under torchrun, and the one-line error checks. The fixtures
-are in conftest.py."""
+would run them, in the background and under torchrun, tiny transformers models, and the one-line
+error checks. The fixtures are in conftest.py."""
 
 import json
 import os
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -242,3 +243,31 @@ def ranks_without_agent(args, world_size=2, stagger=0.0, timeout=300):
         )
     outputs = [proc.communicate(timeout=timeout) for proc in ranks]
     return [proc.returncode for proc in ranks], outputs
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny transformers models
+
+
+def perturb_norms_and_biases(name, p):
+    """Random init leaves LayerNorms at 1/0 and biases at 0: move them off it, so that a test sees every weight."""
+    if "ln" in name or name.endswith("bias"):
+        p.add_(0.1 * torch.randn_like(p))
+
+
+def save_tiny_hf_gpt2(path, n_embd=64, init=perturb_norms_and_biases):
+    """A random transformers GPT2LMHeadModel (seed 0; 2 layers, 4 heads, n_embd wide, 128
+    positions, no dropout), each parameter then changed in place by init(name, p), saved with
+    save_pretrained into path; returns path."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_head=4, n_embd=n_embd, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            init(name, p)
+    model.save_pretrained(path)
+    return path
