@@ -146,6 +146,27 @@ def checkpoint(out, step):
     return torch.load(out / f"ckpt_{step:06d}.pt", map_location="cpu", weights_only=True)
 
 
+def folder_with_checkpoint(out, folder, step):
+    """A new folder holding run `out`'s checkpoint of `step` alone."""
+    folder.mkdir()
+    (folder / f"ckpt_{step:06d}.pt").write_bytes((out / f"ckpt_{step:06d}.pt").read_bytes())
+    return folder
+
+
+def assert_resumed_bitwise(out, run, steps, scaler=False):
+    """run's checkpoints of `steps` hold the weights and AdamW moments (and with scaler=True the
+    GradScaler's state) of the uninterrupted run `out`'s, bit for bit."""
+    for step in steps:
+        a, b = checkpoint(out, step), checkpoint(run, step)
+        if scaler:
+            assert b["scaler"] == a["scaler"], step
+        for name, p in a["model"].items():
+            assert torch.equal(b["model"][name], p), (step, name)
+        for i, state in a["optimizer"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(b["optimizer"]["state"][i][key], state[key]), (step, i, key)
+
+
 def test_the_run_exercises_every_part_of_the_recipe(recipe_run):
     """The comparisons below can only fail if the run visits what they check: 2 micro-steps,
     warm-up and cosine, a gradient norm above the clip at every step, a second shard."""
@@ -190,18 +211,10 @@ def test_a_resume_with_every_flag_left_out_continues_the_recipe_bitwise(recipe_r
     (schedule, clip, batch, seed, data order): steps 3-5 give the uninterrupted run's weights and
     moments, bit for bit."""
     _, out = recipe_run
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "ckpt_000003.pt").write_bytes((out / "ckpt_000003.pt").read_bytes())
+    run = folder_with_checkpoint(out, tmp_path / "run", 3)
     assert train_gpt2.main(["--resume", str(run), "--device", "cpu"]) == 0
     assert sorted(read_log(run)[1]) == [3, 4, 5]
-    for step in (4, 5, 6):
-        a, b = checkpoint(out, step), checkpoint(run, step)
-        for name, p in a["model"].items():
-            assert torch.equal(b["model"][name], p), (step, name)
-        for i, state in a["optimizer"]["state"].items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(b["optimizer"]["state"][i][key], state[key]), (step, i, key)
+    assert_resumed_bitwise(out, run, (4, 5, 6))
 
 
 # fp16: the recipe's steps in fp16 autocast with a GradScaler (reference_steps with a first scale).
@@ -257,9 +270,7 @@ def test_an_fp16_resume_continues_the_loss_scale_bitwise(fp16_run, tmp_path):
     steps 3-5 log the uninterrupted run's losses and scales and leave its weights, moments and
     scaler state, bit for bit."""
     _, out = fp16_run
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "ckpt_000003.pt").write_bytes((out / "ckpt_000003.pt").read_bytes())
+    run = folder_with_checkpoint(out, tmp_path / "run", 3)
     assert checkpoint(run, 3)["scaler"]["scale"] == FP16_INIT_SCALE / 4
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(precision, "INIT_SCALE", FP16_INIT_SCALE)  # what a fresh scaler would start from
@@ -272,11 +283,4 @@ def test_an_fp16_resume_continues_the_loss_scale_bitwise(fp16_run, tmp_path):
             ref[step]["train_loss"],
             ref[step]["loss_scale"],
         ), resumed[step]
-    for step in (4, 5, 6):
-        a, b = checkpoint(out, step), checkpoint(run, step)
-        assert b["scaler"] == a["scaler"], step
-        for name, p in a["model"].items():
-            assert torch.equal(b["model"][name], p), (step, name)
-        for i, state in a["optimizer"]["state"].items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(b["optimizer"]["state"][i][key], state[key]), (step, i, key)
+    assert_resumed_bitwise(out, run, (4, 5, 6), scaler=True)
