@@ -20,6 +20,7 @@ from helpers import (
     heap_after,
     random_shards,
     read_log,
+    signal_at_step,
     start_run,
     tiny_args,
     user_error,
@@ -326,12 +327,7 @@ def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
         *tiny_args(data, out, "--max-steps", 300, "--eval-every", 0),
         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does before exec
     )
-    try:
-        wait_for_step(proc, out, 2)
-        proc.send_signal(signal.SIGHUP)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    stdout, stderr = signal_at_step(proc, out, 2, signal.SIGHUP)
     assert proc.returncode == 0, stderr
     assert "caught" not in stdout
     assert sorted(read_log(out)[1]) == list(range(300))
@@ -342,12 +338,7 @@ def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
     proc = start_run(*tiny_args(data, out, "--max-steps", 100000), preexec_fn=hangup_default)
-    try:
-        wait_for_step(proc, out, 2)
-        proc.send_signal(signum)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    stdout, stderr = signal_at_step(proc, out, 2, signum)
     assert proc.returncode == 128 + signum, stderr
     assert f"caught {signum.name}" in stdout and "Traceback" not in stderr
     _, steps = read_log(out)

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from helpers import cli, hangup_default, random_shards, read_log, start_run, tiny_args, torchrun, wait_for_step
+from helpers import cli, hangup_default, random_shards, read_log, signal_at_step, start_run, tiny_args, torchrun
 
 
 @pytest.mark.slow
@@ -77,12 +77,7 @@ def test_a_signal_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path, signu
     data = random_shards(tmp_path / "data", train_lengths=(2000,), val_length=257)
     out = tmp_path / "out"
     proc = start_run(*tiny_args(data, out, "--max-steps", 100000), torchrun=True, preexec_fn=hangup_default)
-    try:
-        wait_for_step(proc, out, 3)
-        proc.send_signal(signum)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    stdout, stderr = signal_at_step(proc, out, 3, signum)
     assert f"caught {signum.name}: stopping after this step with a checkpoint" in stdout, stderr[-3000:]
     _, steps = read_log(out)
     last = max(steps)
