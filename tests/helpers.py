@@ -228,6 +228,7 @@ def signal_at_step(proc, out, step, signum, timeout=120):
 
 
 def free_port():
+    """A TCP port free on 127.0.0.1 now: a MASTER_PORT or a rendezvous endpoint."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
