@@ -15,7 +15,7 @@ import tiktoken
 
 import hellaswag
 from bench import parse_args, plan
-from conftest import ROOT, assert_one_line_error, snapshot
+from helpers import ROOT, assert_one_line_error, snapshot
 from support.common import UserError
 
 

@@ -17,13 +17,11 @@ import torch
 
 import hellaswag
 import train_gpt2
-from conftest import read_log
 from fineweb import write_shard
+from helpers import ROOT, read_log, torchrun_command
 from support import checkpoints, common, machine, precision, sampling
 from support.sampling import generate
 from train_gpt2 import GPT, GPTConfig
-
-ROOT = __import__("conftest").ROOT
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
@@ -110,7 +108,6 @@ def test_compiled_bf16_124m_loss_falls(run_124m):
 def test_torchrun_one_rank_over_nccl(shakespeare, run_124m, tmp_path, shared_data):
     """DDP with one rank (NCCL, compile, bf16) trains as the plain run and evaluates too."""
     out = tmp_path / "ddp"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
     args = gpu_args(
         shakespeare,
         out,
@@ -133,7 +130,7 @@ def test_torchrun_one_rank_over_nccl(shakespeare, run_124m, tmp_path, shared_dat
         "--max-new-tokens",
         8,
     )
-    r = run(*torchrun, "train_gpt2.py", *args, env={"NCCL_DEBUG": "VERSION"})
+    r = run(*torchrun_command(*args, nproc=1), env={"NCCL_DEBUG": "VERSION"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "NCCL version" in r.stdout + r.stderr  # the process group really is NCCL's
     records, steps = read_log(out)

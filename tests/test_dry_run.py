@@ -7,7 +7,7 @@ training job's dry run: tests/test_limits.py.)"""
 import pytest
 
 import train_gpt2
-from conftest import snapshot, user_error
+from helpers import snapshot, user_error
 from support import jobs, sampling
 from support.common import run_cli
 

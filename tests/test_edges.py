@@ -16,7 +16,7 @@ from test_ownership import headers
 
 import fineweb
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, user_error
+from helpers import ROOT, assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, user_error
 from support import sampling
 from support.common import GPT2_VOCAB, UserError
 from support.out_dir import LOCK_FILE, lock_out_dir
@@ -218,7 +218,6 @@ def test_run_cli_prints_an_interrupts_own_words():
 
 KILLED_FINEWEB = """
 import os, signal, sys
-sys.path.insert(0, ".")
 import fineweb
 real, written = fineweb.write_shard, []
 def write_shard(path, tokens, fmt="npy"):  # SIGKILL as the 3rd shard is in place, before it is journaled

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, user_error
+from helpers import ROOT, assert_one_line_error, user_error
 from support import common, hf_interop
 from support.common import GPT2_VOCAB, UserError
 from train_gpt2 import load_model
@@ -27,7 +27,7 @@ from train_gpt2 import load_model
 
 def snapshot(folder):
     """Every entry under folder, hidden ones too: a file's bytes hash and mode, a folder's mode, a
-    link's target. Stricter than conftest.snapshot (files only): an empty temporary folder left
+    link's target. Stricter than helpers.snapshot (files only): an empty temporary folder left
     behind, a parent folder made and not removed, or a replaced link all show here."""
     state = {}
     for dirpath, dirnames, filenames in os.walk(folder):

@@ -23,8 +23,8 @@ import torch
 import fineweb
 import hellaswag
 import train_gpt2
-from conftest import ROOT, random_shards, read_log, tiny_args, user_error, write_shard
 from fineweb import EOT
+from helpers import ROOT, random_shards, read_log, start_run, tiny_args, user_error, wait_for_step, write_shard
 from support import checkpoints, common, precision, run_log
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.common import UserError
@@ -330,9 +330,7 @@ def test_training_outlives_its_closed_stdout(tmp_path):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 400, "--eval-every", 100, "--ckpt-every", 200)
-    proc = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = start_run(*args)
     proc.stdout.readline()  # the run is printing
     proc.stdout.close()  # and its reader goes away
     err = proc.stderr.read()
@@ -421,17 +419,11 @@ def hit_rank_1(tmp_path, sig, *extra):
 
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
     args = tiny_args(data, out, "--max-steps", 100000, "--eval-every", 0, *extra)
-    proc = subprocess.Popen(
-        [*torchrun, *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = start_run(*args, torchrun=True, stderr=subprocess.STDOUT)
     workers = []
     try:
-        deadline = time.time() + 120
-        while not (out / "log.jsonl").exists() or '"step": 2,' not in (out / "log.jsonl").read_text():
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
-            time.sleep(0.05)
+        wait_for_step(proc, out, 2, timeout=120)
         workers = [
             p for p in psutil.Process(proc.pid).children(recursive=True) if "train_gpt2.py" in " ".join(p.cmdline())
         ]

@@ -10,17 +10,13 @@ import importlib
 import inspect
 import os
 import re
-import socket
-import subprocess
-import sys
-import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, cli, random_shards, tiny_args
+from helpers import assert_one_line_error, cli, random_shards, ranks_without_agent, tiny_args, torchrun
 from support import checks
 from support.checks import (
     check_batch_fits,
@@ -353,11 +349,6 @@ def test_the_largest_vocab_size_trains(tmp_path):
     assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--vocab-size", 2**16, "--max-steps", 1)) == 0
 
 
-def torchrun(*args, timeout=300):
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
-    return subprocess.run([*launch, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.slow
 def test_a_ddp_timeout_c10d_cannot_wait_is_one_line_under_torchrun(tmp_path):
     """1e-9 s passed a `> 0` check and ended in c10d's C++ traceback (the join timed out after 0 ms)."""
@@ -370,35 +361,14 @@ def test_a_ddp_timeout_c10d_cannot_wait_is_one_line_under_torchrun(tmp_path):
     assert not out.exists()
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_ranks_that_do_not_join_within_the_timeout_say_so_in_one_line_each(tmp_path):
     """Rank 1 starts 5 s after rank 0 with --ddp-timeout 1: rank 0's join times out, and rank 1
     then finds no one to join; each says so in one line naming --ddp-timeout, exit 1 (as torchrun
     starts them: its environment variables, without its agent, which would end rank 1 early)."""
     args = tiny_args(random_shards(tmp_path / "data"), tmp_path / "out", "--ddp-timeout", 1)
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    ranks = []
-    for rank in (0, 1):
-        if rank == 1:
-            time.sleep(5)
-        ranks.append(
-            subprocess.Popen(
-                [sys.executable, "train_gpt2.py", *map(str, args)],
-                cwd=ROOT,
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outputs = [proc.communicate(timeout=300) for proc in ranks]
-    assert [proc.returncode for proc in ranks] == [1, 1], outputs
+    codes, outputs = ranks_without_agent(args, stagger=5)
+    assert codes == [1, 1], outputs
     for rank, (stdout, stderr) in enumerate(outputs):
         said = [line for line in stderr.splitlines() if line.startswith("error: ")]
         assert said == [line for line in said if f"rank {rank} could not join the job's other ranks" in line], stderr

@@ -20,12 +20,10 @@ import torch
 from torch.nn import functional as F
 
 import hellaswag
-from conftest import heap_after
 from hellaswag import HellaSwagDataError
+from helpers import ROOT, heap_after, save_tiny_hf_gpt2
 from support import common
 from train_gpt2 import GPT
-
-ROOT = __import__("conftest").ROOT
 
 
 @pytest.fixture(scope="module")
@@ -282,19 +280,8 @@ def test_no_network_fails_after_one_quick_probe(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A random transformers GPT-2 saved locally; n_embd 32 keeps the 50257-way output layer cheap."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2, n_head=4, n_embd=32, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    )
-    model = transformers.GPT2LMHeadModel(config)
-    with torch.no_grad():  # move the LayerNorms and biases off their 1 / 0 init so that they matter
-        for name, p in model.named_parameters():
-            if "ln" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("hf_hellaswag")
-    model.save_pretrained(path)
-    return path
+    pytest.importorskip("transformers")
+    return save_tiny_hf_gpt2(tmp_path_factory.mktemp("hf_hellaswag"), n_embd=32)  # LayerNorms, biases moved off 1 / 0
 
 
 N_PLAIN = 200

@@ -28,7 +28,7 @@ from benchmarks.ladder import (
     ladder_step,
     loss_check,
 )
-from conftest import ROOT
+from helpers import ROOT
 from train_gpt2 import GPT, GPTConfig
 
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 64, "T": 32, "B": 2}

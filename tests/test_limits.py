@@ -8,7 +8,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,17 @@ import torch
 from test_notebook import clean_records, kernel_env, run_notebook, write_log  # noqa: F401  (kernel_env: a fixture)
 
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, tiny_args, user_error
+from helpers import (
+    ROOT,
+    assert_one_line_error,
+    cli,
+    random_shards,
+    ranks_without_agent,
+    read_log,
+    tiny_args,
+    torchrun,
+    user_error,
+)
 from support import checkpoints, common, sampling
 from support.checkpoints import load_checkpoint
 from support.common import UserError, out_of_memory_line, run_cli
@@ -30,7 +39,6 @@ from support.out_of_memory import hellaswag_out_of_memory, oom_phase, training_o
 # out of memory (RLIMIT_AS; the heavy imports come first, so that they are not what fails).
 LIMITED = """
 import resource, runpy, sys
-sys.path.insert(0, ".")
 import numpy, torch, fineweb, train_gpt2
 headroom = int(sys.argv[1]) * 2**20
 vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
@@ -429,25 +437,9 @@ def test_ddp_timeout_must_fit_torchs_clock(data, tmp_path, timeout, ok):
         assert "--ddp-timeout must be a number of seconds from 1 " in user_error(args)
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun(*args, wrap=None, timeout=300):
-    """Two CPU ranks (gloo) of train_gpt2.py, or of the python code `wrap` that runs it."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    script = ["--no-python", sys.executable, "-c", wrap] if wrap else ["train_gpt2.py"]
-    return subprocess.run(
-        [*launch, *script, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
-
-
 # rank 0's disk takes 8 s per checkpoint: longer than the 3 s --ddp-timeout
 SLOW_DISK = """
 import os, sys, time
-sys.path.insert(0, ".")
 import train_gpt2
 from support import checkpoints, common
 write = checkpoints.write_atomic
@@ -510,20 +502,8 @@ def test_torchrun_says_a_mistake_once_and_every_rank_exits_1(data, tmp_path, mis
     assert 'train_gpt2.py", line' not in r.stderr  # no worker's traceback (torchrun's own follows)
     # each rank's own exit code: torchrun stops the others once one has failed, so the two ranks
     # run here as torchrun would start them (its environment variables), without its agent
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "train_gpt2.py", *args],
-            cwd=ROOT,
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [proc.communicate(timeout=300) for proc in ranks]
-    assert [proc.returncode for proc in ranks] == [1, 1], outputs
+    codes, outputs = ranks_without_agent(args)
+    assert codes == [1, 1], outputs
     assert [sum(o.count("error: ") for o in output) for output in outputs] == [1, 0], outputs
 
 

@@ -14,7 +14,17 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, user_error
+from helpers import (
+    ROOT,
+    assert_one_line_error,
+    cli,
+    random_shards,
+    read_log,
+    snapshot,
+    start_run,
+    tiny_args,
+    user_error,
+)
 from support.common import UserError
 from support.sampling import generate
 
@@ -435,19 +445,9 @@ def test_tokens_count_stays_right_after_resume_with_another_B(data, run4, tmp_pa
 # Rule 7: Ctrl-C is prompt and clean
 
 
-def start(args):
-    return subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *map(str, args)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 @pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])
 def test_ctrl_c_during_start_up_is_one_line(data, tmp_path, delay):
-    proc = start(tiny_args(data, tmp_path / "out", "--max-steps", 100000, "--warmup-steps", 1))
+    proc = start_run(*tiny_args(data, tmp_path / "out", "--max-steps", 100000, "--warmup-steps", 1))
     time.sleep(delay)  # importing torch, building the model, reading the data, or the first steps
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
@@ -457,8 +457,8 @@ def test_ctrl_c_during_start_up_is_one_line(data, tmp_path, delay):
 
 
 def test_a_second_ctrl_c_stops_at_once_in_one_line(data, tmp_path):
-    proc = start(
-        tiny_args(
+    proc = start_run(
+        *tiny_args(
             data, tmp_path / "out", "--max-steps", 100000, "--warmup-steps", 1, "--eval-every", 1, "--val-tokens", 512
         )
     )
@@ -491,8 +491,8 @@ def ctrl_c_during_step_0_eval(proc, out, delay):
 def test_ctrl_c_during_a_long_val_eval_stops_promptly_with_a_checkpoint(tmp_path):
     data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=3_000_000)  # an eval of minutes
     out = tmp_path / "out"
-    proc = start(
-        tiny_args(
+    proc = start_run(
+        *tiny_args(
             data,
             out,
             "--max-steps",
@@ -519,8 +519,8 @@ def test_ctrl_c_during_an_in_training_hellaswag_eval_stops_promptly_with_a_check
     # the full HellaSwag set with the padded 50,304-wide head: an eval of about a minute on 2 cores
     data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=2000)
     out = tmp_path / "out"
-    proc = start(
-        tiny_args(
+    proc = start_run(
+        *tiny_args(
             data,
             out,
             "--max-steps",

@@ -9,11 +9,10 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
+from helpers import ROOT, save_tiny_hf_gpt2
 from support.common import GPT2_VOCAB, UserError
 from support.sampling import generate
 from train_gpt2 import GPT, GPTConfig
-
-ROOT = __import__("conftest").ROOT
 
 
 def test_parameter_count_and_tying():
@@ -294,26 +293,18 @@ def hf_trained_scale_dir(tmp_path_factory):
     (GPT-2's own wte has ~0.14), matrices of std 1/sqrt(fan_in) so that every matmul's output is
     O(1) (the MLP's GELU inputs and the attention scores included), LayerNorm gains 1 +- 0.2,
     biases of std 0.1."""
-    from transformers import GPT2Config
 
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2, n_head=4, n_embd=64, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    )
-    model = GPT2LMHeadModel(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("wte.weight", "wpe.weight")):
-                p.normal_(0, 0.1)
-            elif ".ln_" in name and name.endswith("weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-            else:  # transformers' Conv1D weight is (fan_in, fan_out)
-                p.normal_(0, p.shape[0] ** -0.5)
-    path = tmp_path_factory.mktemp("hf_trained_scale")
-    model.save_pretrained(path)
-    return path
+    def trained_scale(name, p):
+        if name.endswith(("wte.weight", "wpe.weight")):
+            p.normal_(0, 0.1)
+        elif ".ln_" in name and name.endswith("weight"):
+            p.copy_(1 + 0.2 * torch.randn_like(p))
+        elif name.endswith("bias"):
+            p.normal_(0, 0.1)
+        else:  # transformers' Conv1D weight is (fan_in, fan_out)
+            p.normal_(0, p.shape[0] ** -0.5)
+
+    return save_tiny_hf_gpt2(tmp_path_factory.mktemp("hf_trained_scale"), init=trained_scale)
 
 
 def _trained_scale_logits(hf_dir, **config_changes):

@@ -7,9 +7,7 @@ worker takes the GPU of its local rank."""
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from types import SimpleNamespace
@@ -18,28 +16,21 @@ import psutil
 import pytest
 import torch
 
-from conftest import ROOT, random_shards, read_log, tiny_args
+from helpers import ROOT, free_port, random_shards, read_log, tiny_args, torchrun_command
 from support.checkpoints import load_checkpoint
 
 STEPS = ("--max-steps", 8, "--ckpt-every", 2, "--eval-every", 0)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_command(node_rank, rendezvous, port, rdzv_id, *args):
     """The README's command for one node of two with one rank each, 127.0.0.1 for the first node's
     address: --node_rank with --master_addr/--master_port, or the c10d rendezvous, which numbers
     the nodes itself and takes no --node_rank."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
     if rendezvous == "static":
-        torchrun += [f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+        launch = [f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]
     else:
-        torchrun += ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={rdzv_id}"]
-    return [*torchrun, str(ROOT / "train_gpt2.py"), *map(str, args)]
+        launch = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={rdzv_id}"]
+    return torchrun_command(*args, nproc=1, script=ROOT / "train_gpt2.py", launch=["--nnodes=2", *launch])
 
 
 class TwoNodes:

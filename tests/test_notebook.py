@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import train_gpt2
+from helpers import ROOT
 
-ROOT = __import__("conftest").ROOT
 NOTEBOOK = ROOT / "play.ipynb"
 PNGS = ("loss.png", "hellaswag.png", "throughput.png")
 

@@ -17,15 +17,18 @@ import pytest
 
 import fineweb
 import train_gpt2
-from conftest import (
+from helpers import (
     ROOT,
     assert_one_line_error,
     cli,
     random_shards,
     read_log,
     snapshot,
+    start_run,
     tiny_args,
+    torchrun,
     user_error,
+    wait_for_step,
     write_shard,
 )
 from support.checkpoints import load_checkpoint
@@ -35,28 +38,6 @@ from support.out_dir import LOCK_FILE
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return random_shards(tmp_path_factory.mktemp("data"))
-
-
-def start(*args, torchrun=False):
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else []
-    return subprocess.Popen(
-        [*(launch or [sys.executable]), "train_gpt2.py", *map(str, args)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def wait_for_step(proc, out, step, timeout=240):
-    """Poll out/log.jsonl until it records `step`; the process must still be running then."""
-    log, deadline = out / "log.jsonl", time.time() + timeout
-    while time.time() < deadline:
-        if log.exists() and f'"step": {step}, "train_loss"' in log.read_text():
-            return
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.01)
-    raise AssertionError(f"step {step} never logged")
 
 
 def headers(out):
@@ -74,7 +55,7 @@ def run_ids(out):
 @pytest.mark.parametrize("second", ["new run", "--resume"])
 def test_a_second_process_into_a_running_runs_folder_is_refused_naming_it(data, tmp_path, second):
     out = tmp_path / "out"
-    first = start(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2))
+    first = start_run(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2))
     try:
         wait_for_step(first, out, 3)  # it has written checkpoints: a --resume would take one
         extra = ["--resume"] if second == "--resume" else []
@@ -94,7 +75,7 @@ def test_a_second_process_into_a_running_runs_folder_is_refused_naming_it(data, 
 
 def test_a_killed_run_leaves_no_lock_to_clean_by_hand(data, tmp_path):
     out = tmp_path / "out"
-    first = start(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2))
+    first = start_run(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2))
     try:
         wait_for_step(first, out, 3)
     finally:
@@ -109,7 +90,7 @@ def test_a_killed_run_leaves_no_lock_to_clean_by_hand(data, tmp_path):
 def test_two_runs_started_at_once_into_one_new_folder_make_one_run(data, tmp_path):
     out = tmp_path / "new" / "out"
     args = tiny_args(data, out, "--max-steps", 300, "--ckpt-every", 100, "--eval-every", 0)
-    procs = [start(*args) for _ in range(2)]
+    procs = [start_run(*args) for _ in range(2)]
     results = [(p.communicate(timeout=300), p.returncode)[::-1] for p in procs]
     codes = sorted(code for code, _ in results)
     assert codes == [0, 1], [err[-2000:] for _, (_, err) in results]
@@ -124,19 +105,12 @@ def test_two_runs_started_at_once_into_one_new_folder_make_one_run(data, tmp_pat
 @pytest.mark.slow
 def test_under_torchrun_the_job_locks_once_and_a_second_job_is_refused(data, tmp_path):
     out = tmp_path / "out"
-    job = start(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2), torchrun=True)
+    job = start_run(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2), torchrun=True)
     try:
         wait_for_step(job, out, 3)  # both ranks train: rank 1 did not trip over rank 0's lock
         plain = cli(*tiny_args(data, out, "--max-steps", 100000, "--resume"))
         assert_one_line_error(plain, "is in use by another run (pid ", "(rank 0 of a torchrun job)")
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        second = subprocess.run(
-            [*launch, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 100000, "--resume")],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        second = torchrun(*tiny_args(data, out, "--max-steps", 100000, "--resume"))
         said = [line for line in (second.stdout + second.stderr).splitlines() if line.startswith("error: ")]
         assert second.returncode != 0 and len(said) == 1 and "is in use by another run" in said[0], second.stderr
         assert job.poll() is None
@@ -399,7 +373,7 @@ def test_a_run_killed_before_its_first_step_is_not_another_run(tmp_path, capsys)
     data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=3_000_000)
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 1, "-B", 64, "--total-batch-size", 1024)
-    proc = start(*args, "--val-tokens", 2_900_000)
+    proc = start_run(*args, "--val-tokens", 2_900_000)
     try:
         deadline = time.time() + 120
         log = out / "log.jsonl"
@@ -417,7 +391,7 @@ def test_a_run_killed_before_its_first_step_is_not_another_run(tmp_path, capsys)
 
 def test_lock_file_names_its_holder_while_held(data, tmp_path):
     out = tmp_path / "out"
-    proc = start(*tiny_args(data, out, "--max-steps", 100000))
+    proc = start_run(*tiny_args(data, out, "--max-steps", 100000))
     try:
         wait_for_step(proc, out, 1)
         holder = (out / LOCK_FILE).read_text()

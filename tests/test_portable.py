@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ import tiktoken
 import fineweb
 import hellaswag
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, random_shards, read_log, tiny_args
+from helpers import ROOT, assert_one_line_error, random_shards, read_log, start_run, tiny_args, wait_for_step
 from support.out_dir import LOCK_FILE
 
 # Windows has none of these; the stand-in SIGBREAK is a signal Linux has that nothing else here uses
@@ -129,19 +128,9 @@ def test_training_and_resume_run_and_match_a_run_with_them(data, tmp_path, posix
 def test_a_second_run_into_a_running_runs_folder_is_refused(data, tmp_path, posix_less):
     env, ran_without_them = posix_less
     out = tmp_path / "out"
-    first = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 100000)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first = start_run(*tiny_args(data, out, "--max-steps", 100000), env=env)
     try:
-        log, deadline = out / "log.jsonl", time.time() + 240
-        while not (log.exists() and '"step": 1, "train_loss"' in log.read_text()):
-            assert first.poll() is None and time.time() < deadline, first.communicate(timeout=1)[1][-3000:]
-            time.sleep(0.05)
+        wait_for_step(first, out, 1)
         second = run(env, *tiny_args(data, out, "--max-steps", 100000))  # unlocked, it would be "another run"
         line = assert_one_line_error(
             second, f"--out-dir {out} is in use by another run (pid {first.pid} on {socket.gethostname()}, since "

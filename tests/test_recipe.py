@@ -8,13 +8,14 @@ step; the logged loss, gradient norm and lr with the reference's. The same steps
 against torch's AMP recipe (autocast and a GradScaler) written here, overflowing steps included."""
 
 import math
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
 import torch
 
 import train_gpt2
-from conftest import random_shards, read_log, tiny_args
+from helpers import random_shards, read_log, tiny_args
 from support import precision
 from train_gpt2 import GPT, GPTConfig
 
@@ -48,10 +49,13 @@ def batches(data_dir):
             yield buf[:-1].view(B, T), buf[1:].view(B, T)
 
 
-def reference_steps(data_dir):
-    """The recipe's STEPS steps, written plainly; yields (loss, grad norm, lr, model, optimizer)
-    after each step. AdamW is torch's fused kernel, as the recipe's is on every device: the plain
-    (single-tensor) AdamW rounds differently in the last bit, which would hide a bitwise check."""
+def reference_steps(data_dir, fp16_init_scale=None):
+    """The recipe's STEPS steps, written plainly; yields (loss, grad norm, lr, loss scale, model,
+    optimizer) after each step. AdamW is torch's fused kernel, as the recipe's is on every device:
+    the plain (single-tensor) AdamW rounds differently in the last bit, which would hide a bitwise
+    check. With fp16_init_scale, the steps in fp16 autocast with a GradScaler from that scale, as
+    torch's AMP recipe has it: the norm is the unscaled gradients' (inf where they overflowed), the
+    loss scale the one the step ran at (None without a scaler)."""
     torch.manual_seed(SEED)  # what train_gpt2 seeds before it builds the model
     model = GPT(GPTConfig(**CONFIG))
     params = list(model.parameters())  # the tied wte / lm_head weight once
@@ -60,6 +64,7 @@ def reference_steps(data_dir):
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=MAX_LR, betas=BETAS, eps=EPS, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=fp16_init_scale) if fp16_init_scale else None
     data = batches(data_dir)
     accum = TOTAL // (B * T)
     for step in range(STEPS):
@@ -67,15 +72,23 @@ def reference_steps(data_dir):
         loss_sum = 0.0
         for _ in range(accum):
             x, y = next(data)
-            _, loss = model(x, y)
+            with torch.autocast("cpu", dtype=torch.float16) if scaler else nullcontext():
+                _, loss = model(x, y)
             loss = loss / accum
             loss_sum += loss.detach()
-            loss.backward()
+            (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        optimizer.step()
-        yield loss_sum.item(), norm.item(), lr_at(step), model, optimizer
+        scale = scaler.get_scale() if scaler else None
+        if scaler:
+            scaler.step(optimizer)  # skipped when the unscaled gradients hold an inf or NaN
+            scaler.update()
+        else:
+            optimizer.step()
+        yield loss_sum.item(), norm.item(), lr_at(step), scale, model, optimizer
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +146,27 @@ def checkpoint(out, step):
     return torch.load(out / f"ckpt_{step:06d}.pt", map_location="cpu", weights_only=True)
 
 
+def folder_with_checkpoint(out, folder, step):
+    """A new folder holding run `out`'s checkpoint of `step` alone."""
+    folder.mkdir()
+    (folder / f"ckpt_{step:06d}.pt").write_bytes((out / f"ckpt_{step:06d}.pt").read_bytes())
+    return folder
+
+
+def assert_resumed_bitwise(out, run, steps, scaler=False):
+    """run's checkpoints of `steps` hold the weights and AdamW moments (and with scaler=True the
+    GradScaler's state) of the uninterrupted run `out`'s, bit for bit."""
+    for step in steps:
+        a, b = checkpoint(out, step), checkpoint(run, step)
+        if scaler:
+            assert b["scaler"] == a["scaler"], step
+        for name, p in a["model"].items():
+            assert torch.equal(b["model"][name], p), (step, name)
+        for i, state in a["optimizer"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(b["optimizer"]["state"][i][key], state[key]), (step, i, key)
+
+
 def test_the_run_exercises_every_part_of_the_recipe(recipe_run):
     """The comparisons below can only fail if the run visits what they check: 2 micro-steps,
     warm-up and cosine, a gradient norm above the clip at every step, a second shard."""
@@ -151,7 +185,7 @@ def test_every_step_equals_the_reference_bitwise(recipe_run):
     AdamW's hyperparameters and moments are the reference's, bit for bit (CPU, one thread)."""
     data, out = recipe_run
     _, logged = read_log(out)
-    for step, (loss, norm, lr, model, optimizer) in enumerate(reference_steps(data)):
+    for step, (loss, norm, lr, _, model, optimizer) in enumerate(reference_steps(data)):
         assert (logged[step]["train_loss"], logged[step]["grad_norm"], logged[step]["lr"]) == (loss, norm, lr), step
         ckpt = checkpoint(out, step + 1)
         assert ckpt["step"] == step + 1
@@ -177,59 +211,17 @@ def test_a_resume_with_every_flag_left_out_continues_the_recipe_bitwise(recipe_r
     (schedule, clip, batch, seed, data order): steps 3-5 give the uninterrupted run's weights and
     moments, bit for bit."""
     _, out = recipe_run
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "ckpt_000003.pt").write_bytes((out / "ckpt_000003.pt").read_bytes())
+    run = folder_with_checkpoint(out, tmp_path / "run", 3)
     assert train_gpt2.main(["--resume", str(run), "--device", "cpu"]) == 0
     assert sorted(read_log(run)[1]) == [3, 4, 5]
-    for step in (4, 5, 6):
-        a, b = checkpoint(out, step), checkpoint(run, step)
-        for name, p in a["model"].items():
-            assert torch.equal(b["model"][name], p), (step, name)
-        for i, state in a["optimizer"]["state"].items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(b["optimizer"]["state"][i][key], state[key]), (step, i, key)
+    assert_resumed_bitwise(out, run, (4, 5, 6))
 
 
-# fp16: the recipe's steps in fp16 autocast with a GradScaler, written plainly as torch's AMP recipe
-# has it. Its first scale is high enough that the first steps' scaled gradients overflow fp16
+# fp16: the recipe's steps in fp16 autocast with a GradScaler (reference_steps with a first scale).
+# Its first scale is high enough that the first steps' scaled gradients overflow fp16
 # (above 65504): the scaler skips them and halves the scale until the gradients fit, so both of
 # its paths are checked. (This model's gradients overflow from a scale of about 2**19.)
 FP16_INIT_SCALE = 2.0**20
-
-
-def reference_fp16_steps(data_dir):
-    """The recipe's STEPS steps in fp16 with a GradScaler; yields (loss, grad norm, loss scale,
-    model, optimizer) after each, the norm of the unscaled gradients (inf where they overflowed)."""
-    torch.manual_seed(SEED)
-    model = GPT(GPTConfig(**CONFIG))
-    params = list(model.parameters())
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=MAX_LR, betas=BETAS, eps=EPS, fused=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_INIT_SCALE)
-    data = batches(data_dir)
-    accum = TOTAL // (B * T)
-    for step in range(STEPS):
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for _ in range(accum):
-            x, y = next(data)
-            with torch.autocast("cpu", dtype=torch.float16):
-                _, loss = model(x, y)
-            loss = loss / accum
-            loss_sum += loss.detach()
-            scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
-        scale = scaler.get_scale()
-        scaler.step(optimizer)  # skipped when the unscaled gradients hold an inf or NaN
-        scaler.update()
-        yield loss_sum.item(), norm.item(), scale, model, optimizer
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +245,7 @@ def test_fp16_steps_equal_the_gradscaler_reference(fp16_run):
     assert records[0]["config"]["dtype"] == "float16" and records[0]["config"]["dtype_reason"] == "--dtype float16"
     assert sorted(logged) == list(range(STEPS))
     skipped = []
-    for step, (loss, norm, scale, model, optimizer) in enumerate(reference_fp16_steps(data)):
+    for step, (loss, norm, _, scale, model, optimizer) in enumerate(reference_steps(data, FP16_INIT_SCALE)):
         record = logged[step]
         assert record["loss_scale"] == scale, step
         if math.isfinite(norm):
@@ -278,9 +270,7 @@ def test_an_fp16_resume_continues_the_loss_scale_bitwise(fp16_run, tmp_path):
     steps 3-5 log the uninterrupted run's losses and scales and leave its weights, moments and
     scaler state, bit for bit."""
     _, out = fp16_run
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "ckpt_000003.pt").write_bytes((out / "ckpt_000003.pt").read_bytes())
+    run = folder_with_checkpoint(out, tmp_path / "run", 3)
     assert checkpoint(run, 3)["scaler"]["scale"] == FP16_INIT_SCALE / 4
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(precision, "INIT_SCALE", FP16_INIT_SCALE)  # what a fresh scaler would start from
@@ -293,11 +283,4 @@ def test_an_fp16_resume_continues_the_loss_scale_bitwise(fp16_run, tmp_path):
             ref[step]["train_loss"],
             ref[step]["loss_scale"],
         ), resumed[step]
-    for step in (4, 5, 6):
-        a, b = checkpoint(out, step), checkpoint(run, step)
-        assert b["scaler"] == a["scaler"], step
-        for name, p in a["model"].items():
-            assert torch.equal(b["model"][name], p), (step, name)
-        for i, state in a["optimizer"]["state"].items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(b["optimizer"]["state"][i][key], state[key]), (step, i, key)
+    assert_resumed_bitwise(out, run, (4, 5, 6), scaler=True)

@@ -8,14 +8,25 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 
 import train_gpt2
-from conftest import ROOT, cli, hangup_default, heap_after, random_shards, read_log, tiny_args, user_error, write_shard
+from helpers import (
+    cli,
+    hangup_default,
+    heap_after,
+    random_shards,
+    read_log,
+    signal_at_step,
+    start_run,
+    tiny_args,
+    user_error,
+    wait_for_step,
+    write_shard,
+)
 from support.checkpoints import load_checkpoint
 from support.sampling import sample_text
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig, flops_per_token, get_lr, load_model
@@ -273,18 +284,6 @@ def test_init_from_a_transformers_dir(tmp_path, hf_tiny_dir):
 # resume
 
 
-def _wait_for_step(proc, out_dir, step, timeout=240):
-    """Poll the log until it records `step`; the process must still be running then."""
-    log = out_dir / "log.jsonl"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if log.exists() and any(f'"step": {step}, "train_loss"' in line for line in log.read_text().splitlines()):
-            return
-        assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.005)
-    raise AssertionError(f"step {step} never logged")
-
-
 @pytest.mark.slow
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
     data = random_shards(tmp_path / "data", train_lengths=(200, 250))  # 2 epochs in 16 steps: shuffles too
@@ -292,15 +291,9 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
     ref = cli(*run(tmp_path / "ref"))
     assert ref.returncode == 0, ref.stderr
     assert sorted(p.name for p in (tmp_path / "ref").glob("ckpt_*")) == [f"ckpt_0000{s:02d}.pt" for s in (8, 12, 16)]
-    proc = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *map(str, run(tmp_path / "b"))],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_run(*run(tmp_path / "b"), stdout=subprocess.DEVNULL)
     try:
-        _wait_for_step(proc, tmp_path / "b", 6)  # after the step-4 checkpoint, before the step-8 one
+        wait_for_step(proc, tmp_path / "b", 6)  # after the step-4 checkpoint, before the step-8 one
     finally:
         proc.kill()
         proc.wait()
@@ -330,20 +323,11 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
 def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 300, "--eval-every", 0)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = start_run(
+        *tiny_args(data, out, "--max-steps", 300, "--eval-every", 0),
         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does before exec
     )
-    try:
-        _wait_for_step(proc, out, 2)
-        proc.send_signal(signal.SIGHUP)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    stdout, stderr = signal_at_step(proc, out, 2, signal.SIGHUP)
     assert proc.returncode == 0, stderr
     assert "caught" not in stdout
     assert sorted(read_log(out)[1]) == list(range(300))
@@ -353,20 +337,8 @@ def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
 def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 100000)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=hangup_default,
-    )
-    try:
-        _wait_for_step(proc, out, 2)
-        proc.send_signal(signum)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    proc = start_run(*tiny_args(data, out, "--max-steps", 100000), preexec_fn=hangup_default)
+    stdout, stderr = signal_at_step(proc, out, 2, signum)
     assert proc.returncode == 128 + signum, stderr
     assert f"caught {signum.name}" in stdout and "Traceback" not in stderr
     _, steps = read_log(out)

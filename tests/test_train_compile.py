@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import assert_one_line_error, cli, random_shards, read_log, tiny_args
+from helpers import assert_one_line_error, cli, random_shards, read_log, tiny_args
 from support.checkpoints import load_checkpoint
 from support.common import UserError
 from support.machine import choose_compile, compile_problem

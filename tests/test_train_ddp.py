@@ -4,13 +4,10 @@ every rank with a checkpoint."""
 
 import json
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from conftest import ROOT, hangup_default, random_shards, read_log, tiny_args
+from helpers import cli, hangup_default, random_shards, read_log, signal_at_step, start_run, tiny_args, torchrun
 
 
 @pytest.mark.slow
@@ -44,13 +41,9 @@ def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, share
             4,
         )
 
-    def run(*command):
-        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    ddp = run(*torchrun, "train_gpt2.py", *args(tmp_path / "ddp"))
+    ddp = torchrun(*args(tmp_path / "ddp"))
     assert ddp.returncode == 0, ddp.stderr[-3000:]
-    single = run(sys.executable, "train_gpt2.py", *args(tmp_path / "one"))
+    single = cli(*args(tmp_path / "one"))
     assert single.returncode == 0, single.stderr
 
     ddp_records, ddp_steps = read_log(tmp_path / "ddp")
@@ -83,39 +76,13 @@ def test_a_signal_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path, signu
     the same step and rank 0 write a checkpoint that --resume continues from."""
     data = random_shards(tmp_path / "data", train_lengths=(2000,), val_length=257)
     out = tmp_path / "out"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.Popen(
-        [*torchrun, "train_gpt2.py", *tiny_args(data, out, "--max-steps", 100000)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=hangup_default,
-    )
-    try:
-        deadline = time.time() + 240
-        while not any('"step": 3, "train_loss"' in line for line in _lines(out / "log.jsonl")):
-            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
-            time.sleep(0.01)
-        proc.send_signal(signum)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    proc = start_run(*tiny_args(data, out, "--max-steps", 100000), torchrun=True, preexec_fn=hangup_default)
+    stdout, stderr = signal_at_step(proc, out, 3, signum)
     assert f"caught {signum.name}: stopping after this step with a checkpoint" in stdout, stderr[-3000:]
     _, steps = read_log(out)
     last = max(steps)
     ckpt = __import__("train_gpt2").load_checkpoint(str(out / f"ckpt_{last + 1:06d}.pt"))
     assert ckpt["step"] == last + 1 and ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2
-    resumed = subprocess.run(
-        [sys.executable, "train_gpt2.py", *tiny_args(data, out, "--max-steps", last + 3, "--resume")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = cli(*tiny_args(data, out, "--max-steps", last + 3, "--resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert max(read_log(out)[1]) == last + 2
-
-
-def _lines(path):
-    return path.read_text().splitlines() if path.exists() else []

@@ -6,7 +6,6 @@ into temporary folders, without an API key: nothing reaches the network. The off
 read back from their .wandb files with wandb's own protobuf messages."""
 
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import train_gpt2
-from conftest import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
+from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, torchrun, user_error
 from support import run_log
 
 wandb = pytest.importorskip("wandb")  # an optional dependency (requirements-dev.txt)
@@ -281,18 +280,10 @@ def test_a_hung_wandb_never_holds_a_step(tmp_path, offline, monkeypatch, capsys)
 @pytest.mark.slow
 def test_under_torchrun_only_rank_0_logs(tmp_path, offline):
     data, out = random_shards(tmp_path / "data", train_lengths=(321, 257), val_length=257), tmp_path / "ddp"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     args = tiny_args(
         data, out, "--total-batch-size", 128, "--max-steps", 3, "--eval-every", 3, "--wandb-project", "tiny"
     )
-    proc = subprocess.run(
-        [*torchrun, "train_gpt2.py", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=os.environ,
-    )
+    proc = torchrun(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = offline_runs(offline)  # one wandb run, rank 0's
     records, _ = read_log(out)

@@ -1,0 +1,285 @@
+"""Helpers the tests share, imported by name (`from helpers import ...`; pyproject.toml puts tests/
+and the repository root on pytest's path): tiny training runs and their logs, scripts run as a user
+would run them, in the background and under torchrun, tiny transformers models, and the one-line
+error checks. The fixtures are in conftest.py."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_shard(path, tokens):
+    """A shard written by the test itself, independently of fineweb.py: np.save of uint16 (.npy),
+    or the llm.c layout (.bin): 256 little-endian int32 (magic 20240520, version 1, token count,
+    zeros), then uint16 tokens."""
+    tokens = np.asarray(tokens, dtype=np.uint16)
+    if str(path).endswith(".bin"):
+        header = np.zeros(256, dtype="<i4")
+        header[0], header[1], header[2] = 20240520, 1, len(tokens)
+        with open(path, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.astype("<u2").tobytes())
+    else:
+        np.save(path, tokens)
+
+
+def random_shards(folder, train_lengths=(600, 600), val_length=600, seed=0):
+    """Shards of random GPT-2 token ids: train shards and one val shard."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    write_shard(folder / "rand_val_000000.npy", rng.integers(0, 50257, val_length))
+    for i, n in enumerate(train_lengths, start=1):
+        write_shard(folder / f"rand_train_{i:06d}.npy", rng.integers(0, 50257, n))
+    return folder
+
+
+def tiny_args(data_dir, out_dir, *extra):
+    """A 2-layer, 32-wide model on the CPU; later flags override earlier ones."""
+    return [
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out_dir),
+        "--device",
+        "cpu",
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "64",
+        "-B",
+        "2",
+        "-T",
+        "16",
+        "--total-batch-size",
+        "64",
+        "--max-steps",
+        "6",
+        "--warmup-steps",
+        "3",
+        "--max-lr",
+        "3e-3",
+        "--eval-every",
+        "4",
+        "--val-tokens",
+        "256",
+        "--hellaswag-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--ckpt-every",
+        "0",
+        *map(str, extra),
+    ]
+
+
+def read_log(out_dir):
+    """(all records, {step: the last record of that step}) of out_dir/log.jsonl. A resumed run
+    repeats steps: the last one counts. A line cut short by a kill is skipped. A step record is
+    a trained step (train_loss), a skipped one (skipped) or one fp16's loss scaler skipped (scaler_skipped)."""
+    records = []
+    for line in open(os.path.join(out_dir, "log.jsonl")):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    steps = {r["step"]: r for r in records if "train_loss" in r or "skipped" in r or "scaler_skipped" in r}
+    return records, steps
+
+
+def hangup_default():
+    """preexec_fn of a child a test sends SIGHUP: SIGHUP's default action there, also when the tests
+    run under nohup (which ignores SIGHUP, and a child inherits that)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def cli(*args, script="train_gpt2.py", timeout=300, **kwargs):
+    """Run one of the scripts as a user would; returns the CompletedProcess."""
+    return subprocess.run(
+        [sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs
+    )
+
+
+# After a script's main() on the CPU, in the same interpreter: how many MiB of a live 64 MiB tensor
+# glibc mapped on its own (mmap) and how many MiB the heap still holds once it is freed. "off"
+# stands in glibc's defaults for the script's keep_freed_memory (support.machine's), as the reference
+# a check must tell apart from "on" (the script as it is).
+MALLOC_PROBE = """
+import ctypes, importlib, sys, torch
+script = importlib.import_module(sys.argv[2])
+if sys.argv[1] == "off":
+    script.keep_freed_memory = lambda: False
+assert script.main(sys.argv[3:]) in (0, None)
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+x = torch.ones(16 * 2**20)
+mapped = libc.mallinfo2().hblkhd >> 20
+del x
+print(mapped, libc.mallinfo2().arena >> 20)
+"""
+
+
+def heap_after(script, mode, args):
+    """(MiB mapped on its own, MiB the heap keeps) after `script`.main(args), "on" or "off"; see MALLOC_PROBE."""
+    proc = subprocess.run(
+        [sys.executable, "-c", MALLOC_PROBE, mode, script, *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [int(v) for v in proc.stdout.split()[-2:]]
+
+
+def user_error(args):
+    """train_gpt2.main(args) must stop with a one-line UserError; returns its message."""
+    import train_gpt2
+    from support.common import UserError
+
+    with pytest.raises(UserError) as e:
+        train_gpt2.main([str(a) for a in args])
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def assert_one_line_error(proc, *words):
+    """A refused input as the user sees it: exit 1, one `error:` line naming the problem, no traceback."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def snapshot(folder):
+    """{relative path: bytes} of every file under folder: nothing that existed may go or change."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Scripts in the background, under torchrun, and as torchrun's ranks without its agent
+
+
+def torchrun_command(*args, nproc=2, script="train_gpt2.py", wrap=None, launch=("--standalone",)):
+    """torchrun's command line (`python -m torch.distributed.run`): `nproc` ranks a node of `script`,
+    or of the python code `wrap` that runs it; `launch`, the rendezvous flags (one machine by default)."""
+    program = ["--no-python", sys.executable, "-c", wrap] if wrap else [str(script)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}"]
+    return [*launcher, *program, *map(str, args)]
+
+
+def torchrun(*args, nproc=2, wrap=None, timeout=300, **kwargs):
+    """Run train_gpt2.py (or `wrap`) under torchrun with `nproc` CPU ranks (gloo) to its end; the CompletedProcess."""
+    command = torchrun_command(*args, nproc=nproc, wrap=wrap)
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def start_run(*args, torchrun=False, **kwargs):
+    """train_gpt2.py started in the background as a user would, under a 2-rank torchrun with
+    torchrun=True; its output piped as text unless kwargs (Popen's) say otherwise. The Popen."""
+    command = torchrun_command(*args) if torchrun else [sys.executable, "train_gpt2.py", *map(str, args)]
+    options = {"cwd": ROOT, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    return subprocess.Popen(command, **{**options, **kwargs})
+
+
+def wait_for_step(proc, out, step, timeout=240):
+    """Poll out/log.jsonl until it records training step `step`; the process must still be running then."""
+    log, deadline = Path(out) / "log.jsonl", time.time() + timeout
+    while time.time() < deadline:
+        if log.exists() and f'"step": {step}, "train_loss"' in log.read_text():
+            return
+        if proc.poll() is not None:
+            said = "\n".join(s[-3000:] for s in proc.communicate() if s)  # the pipes it has
+            raise AssertionError(f"it ended (exit {proc.returncode}) before step {step} was logged:\n{said}")
+        time.sleep(0.01)
+    raise AssertionError(f"step {step} never logged")
+
+
+def signal_at_step(proc, out, step, signum, timeout=120):
+    """Send the running proc `signum` once out/log.jsonl records step `step`; its (stdout, stderr)
+    once it has ended (killed if it has not within `timeout` s)."""
+    try:
+        wait_for_step(proc, out, step)
+        proc.send_signal(signum)
+        return proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+
+
+def free_port():
+    """A TCP port free on 127.0.0.1 now: a MASTER_PORT or a rendezvous endpoint."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ranks_without_agent(args, world_size=2, stagger=0.0, timeout=300):
+    """train_gpt2.py's ranks started as torchrun starts them (its environment variables), without
+    its agent, which would stop the others once one has failed; each rank after the first
+    `stagger` s after the one before. -> ([each rank's exit code], [each rank's (stdout, stderr)])."""
+    env = {**os.environ, "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = []
+    for rank in range(world_size):
+        if rank and stagger:
+            time.sleep(stagger)
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "train_gpt2.py", *map(str, args)],
+                cwd=ROOT,
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outputs = [proc.communicate(timeout=timeout) for proc in ranks]
+    return [proc.returncode for proc in ranks], outputs
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny transformers models
+
+
+def perturb_norms_and_biases(name, p):
+    """Random init leaves LayerNorms at 1/0 and biases at 0: move them off it, so that a test sees every weight."""
+    if "ln" in name or name.endswith("bias"):
+        p.add_(0.1 * torch.randn_like(p))
+
+
+def save_tiny_hf_gpt2(path, n_embd=64, init=perturb_norms_and_biases):
+    """A random transformers GPT2LMHeadModel (seed 0; 2 layers, 4 heads, n_embd wide, 128
+    positions, no dropout), each parameter then changed in place by init(name, p), saved with
+    save_pretrained into path; returns path."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_head=4, n_embd=n_embd, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            init(name, p)
+    model.save_pretrained(path)
+    return path

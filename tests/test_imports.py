@@ -1,0 +1,350 @@
+"""The project's imports, read from the source with ast (nothing is imported): every `import` and
+`from ... import`, at the top of a file or inside a function, of the top-level scripts, support/ and
+benchmarks/. The modules import one another in no cycle; a script imports another script only
+where the design has it; the data side (fineweb.py and the support modules it shares) loads no
+torch, through any module of the project either."""
+
+import ast
+import functools
+from collections import deque
+from typing import NamedTuple
+
+import pytest
+
+from helpers import ROOT
+
+PACKAGES = ("support", "benchmarks")
+SCRIPTS = ("train_gpt2", "fineweb", "hellaswag", "bench")
+# The design's script -> script imports, by the importing script or package: training runs
+# hellaswag's eval; the benchmarks measure the scripts. Nothing else: hellaswag and fineweb import
+# no script, support/ imports no script and nothing of benchmarks/.
+ALLOWED_SCRIPT_IMPORTS = {
+    "train_gpt2": {"hellaswag"},
+    "bench": {"train_gpt2", "hellaswag", "fineweb"},
+    "benchmarks": {"train_gpt2", "hellaswag", "fineweb"},
+}
+# fineweb.py starts without torch, and so do the support modules the data side shares with it
+TORCH_FREE = ("fineweb.py", "support/common.py", "support/documents.py", "support/shards.py")
+
+
+class Import(NamedTuple):
+    """One module named by an import statement: `target` (absolute, as written) in `path` at `line`,
+    `local` when the statement is inside a function (it runs when the function is called)."""
+
+    target: str
+    path: str
+    line: int
+    local: bool
+
+    def where(self):
+        return f"{self.path}:{self.line}" + (" (inside a function)" if self.local else "")
+
+
+def project_modules(root):
+    """{module name: its file} of the project's own modules: the top-level .py files, and those of
+    support/ and benchmarks/ (a package's __init__.py under the package's name)."""
+    modules = {p.stem: p for p in sorted(root.glob("*.py"))}
+    for package in PACKAGES:
+        for p in sorted((root / package).glob("*.py")):
+            modules[package if p.stem == "__init__" else f"{package}.{p.stem}"] = p
+    return modules
+
+
+def imports_in(module, path, root):
+    """Every import statement of the module in `path`, top-level and inside functions alike: an
+    Import per module it names (`from a import b` names a.b, which is a module or a name in a)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    rel = str(path.relative_to(root))
+    found = []
+
+    def visit(node, local):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend(Import(alias.name, rel, child.lineno, local) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:  # relative: from the package, up level - 1 packages
+                    parts = package.split(".") if package else []
+                    parts = parts[: len(parts) - (child.level - 1)]
+                    base = ".".join([*parts, *([base] if base else [])])
+                found.append(Import(base, rel, child.lineno, local))
+                found.extend(Import(f"{base}.{alias.name}", rel, child.lineno, local) for alias in child.names)
+            visit(child, local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return found
+
+
+def import_graph(root):
+    """(project, external): project[a][b], the Imports by which project module a imports project
+    module b (`import a.b.c` runs a, a.b and a.b.c: each is imported); external[a], a's Imports of
+    modules outside the project, by their top-level name."""
+    modules = project_modules(root)
+    project, external = {m: {} for m in modules}, {m: [] for m in modules}
+    for module, path in modules.items():
+        for imp in imports_in(module, path, root):
+            parts = imp.target.split(".")
+            names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+            ours = [name for name in names if name in modules]
+            for name in ours:
+                edge = project[module].setdefault(name, [])
+                if imp._replace(target=name) not in edge:  # `from a import b` names a, and a.b
+                    edge.append(imp._replace(target=name))
+            if not ours and imp.target and imp._replace(target=parts[0]) not in external[module]:
+                external[module].append(imp._replace(target=parts[0]))
+    return project, external
+
+
+def strongly_connected(graph):
+    """The strongly connected components of graph ({node: its successors}), as sets (Tarjan's)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def connect(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph.get(node, ()):
+            if succ not in index:
+                connect(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return components
+
+
+def shortest_path(graph, start, goal, within):
+    """The nodes of a shortest path start -> ... -> goal through the nodes of `within`."""
+    came_from, queue = {start: None}, deque([start])
+    while queue:
+        node = queue.popleft()
+        if node == goal:
+            path = []
+            while node is not None:
+                path.append(node)
+                node = came_from[node]
+            return path[::-1]
+        for succ in sorted(graph.get(node, ())):
+            if succ in within and succ not in came_from:
+                came_from[succ] = node
+                queue.append(succ)
+    raise AssertionError(f"no path {start} -> {goal}")
+
+
+def find_cycles(graph):
+    """The cycles of graph ({node: its successors}) as [a, b, ..., a], each starting at its least
+    node, sorted: for every edge that lies on a cycle, the shortest cycle through it. An empty list
+    where the graph has none."""
+    cycles = set()
+    for component in strongly_connected(graph):
+        for node in component:
+            for succ in graph.get(node, ()):
+                if succ in component:
+                    ring = [node, *shortest_path(graph, succ, node, component)][:-1]
+                    first = ring.index(min(ring))
+                    ring = ring[first:] + ring[:first]
+                    cycles.add((*ring, ring[0]))
+    return sorted(list(cycle) for cycle in cycles)
+
+
+def describe_cycle(cycle, project):
+    """'a -> b -> a' and, a line an edge, where each import is."""
+    lines = [" -> ".join(cycle)]
+    for a, b in zip(cycle, cycle[1:]):
+        lines.append(f"    {a} -> {b}: " + ", ".join(imp.where() for imp in project[a][b]))
+    return "\n".join(lines)
+
+
+def owner(module):
+    """The script or package a module belongs to: 'support', 'benchmarks', or the module itself."""
+    return module.split(".")[0]
+
+
+def forbidden_imports(project):
+    """(importer, imported, its Imports) of each import outside the design: a script imported by
+    anything but ALLOWED_SCRIPT_IMPORTS says, and support/ importing benchmarks/."""
+    bad = []
+    for a, targets in sorted(project.items()):
+        for b, imps in sorted(targets.items()):
+            to_script = b in SCRIPTS and b != a and b not in ALLOWED_SCRIPT_IMPORTS.get(owner(a), ())
+            if to_script or (owner(a) == "support" and owner(b) == "benchmarks"):
+                bad.append((a, b, imps))
+    return bad
+
+
+def torch_paths(start, project, external):
+    """Each way module `start` loads torch: the chain of project modules from start to one that
+    imports torch, and that Import. BFS: the shortest chain to each such module."""
+    came_from, queue, found = {start: None}, deque([start]), []
+    while queue:
+        module = queue.popleft()
+        for imp in external[module]:
+            if imp.target == "torch":
+                chain, node = [], module
+                while node is not None:
+                    chain.append(node)
+                    node = came_from[node]
+                found.append((chain[::-1], imp))
+        for succ in sorted(project[module]):
+            if succ not in came_from:
+                came_from[succ] = module
+                queue.append(succ)
+    return found
+
+
+@functools.cache
+def project_graph():
+    """import_graph of the repository, read once."""
+    return import_graph(ROOT)
+
+
+# ----------------------------------------------------------------------------------------------
+# The project
+
+
+def test_the_project_modules_import_one_another_in_no_cycle():
+    project, _ = project_graph()
+    cycles = find_cycles({a: set(targets) for a, targets in project.items()})
+    if cycles:
+        pytest.fail(f"{len(cycles)} import cycle(s):\n" + "\n".join(describe_cycle(c, project) for c in cycles))
+
+
+def test_a_script_imports_another_script_only_as_designed():
+    project, _ = project_graph()
+    bad = forbidden_imports(project)
+    if bad:
+        design = "; ".join(f"{a} -> {', '.join(sorted(b))}" for a, b in ALLOWED_SCRIPT_IMPORTS.items())
+        said = "\n".join(f"{a} -> {b}: " + ", ".join(imp.where() for imp in imps) for a, b, imps in bad)
+        pytest.fail(f"{len(bad)} import(s) outside the design (which has {design}):\n{said}")
+
+
+@pytest.mark.parametrize("path", TORCH_FREE)
+def test_the_data_side_loads_no_torch(path):
+    if not (ROOT / path).exists():
+        pytest.skip(f"{path} does not exist (yet)")
+    project, external = project_graph()
+    paths = torch_paths(path.removesuffix(".py").replace("/", "."), project, external)
+    if paths:
+        pytest.fail(
+            f"{path} loads torch:\n" + "\n".join(f"{' -> '.join([*c, 'torch'])}: {i.where()}" for c, i in paths)
+        )
+
+
+def test_the_graph_holds_every_project_module_and_the_known_imports():
+    """The walk reads what it should: every module, the support package, the benchmarks' modules."""
+    project, external = project_graph()
+    assert {"train_gpt2", "fineweb", "hellaswag", "bench", "support", "support.common", "benchmarks"} <= set(project)
+    assert "support.common" in project["train_gpt2"] and "support" in project["train_gpt2"]
+    assert any(imp.target == "torch" for imp in external["train_gpt2"])
+    assert any(m.startswith("benchmarks.") for m in project["bench"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The machinery, on graphs and projects made here
+
+
+@pytest.mark.parametrize(
+    "graph, cycles",
+    [
+        ({}, []),
+        ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, []),
+        ({"a": {"b"}, "b": {"a"}}, [["a", "b", "a"]]),
+        ({"c": {"a"}, "a": {"b"}, "b": {"c"}, "d": {"a"}}, [["a", "b", "c", "a"]]),
+        ({"a": {"a"}}, [["a", "a"]]),
+        ({"a": {"b", "c"}, "b": {"a"}, "c": {"a"}}, [["a", "b", "a"], ["a", "c", "a"]]),
+        ({"a": {"b"}, "b": {"a"}, "x": {"y"}, "y": {"z"}, "z": {"x"}}, [["a", "b", "a"], ["x", "y", "z", "x"]]),
+        ({"a": {"b"}, "b": {"c", "a"}, "c": {"a"}}, [["a", "b", "a"], ["a", "b", "c", "a"]]),
+    ],
+)
+def test_find_cycles_on_small_graphs(graph, cycles):
+    assert find_cycles(graph) == cycles
+
+
+def write_project(root, files):
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_a_function_local_import_closes_a_cycle_and_the_message_names_it(tmp_path):
+    root = write_project(
+        tmp_path,
+        {
+            "train_gpt2.py": "import os\nfrom support.common import x\n",
+            "hellaswag.py": "from support import common\n\ndef f():\n    import train_gpt2\n",
+            "support/__init__.py": "",
+            "support/common.py": "from . import sibling\n",
+            "support/sibling.py": "import numpy as np\n",
+        },
+    )
+    project, external = import_graph(root)
+    assert project["hellaswag"] == {
+        "support": [Import("support", "hellaswag.py", 1, False)],
+        "support.common": [Import("support.common", "hellaswag.py", 1, False)],
+        "train_gpt2": [Import("train_gpt2", "hellaswag.py", 4, True)],
+    }
+    assert set(project["support.common"]) == {"support", "support.sibling"}  # relative, resolved
+    assert [imp.target for imp in external["support.sibling"]] == ["numpy"]
+    assert find_cycles({a: set(t) for a, t in project.items()}) == []
+
+    (root / "train_gpt2.py").write_text("import os\n\ndef evaluate():\n    import hellaswag\n")
+    project, _ = import_graph(root)
+    (cycle,) = find_cycles({a: set(t) for a, t in project.items()})
+    assert describe_cycle(cycle, project) == (
+        "hellaswag -> train_gpt2 -> hellaswag\n"
+        "    hellaswag -> train_gpt2: hellaswag.py:4 (inside a function)\n"
+        "    train_gpt2 -> hellaswag: train_gpt2.py:4 (inside a function)"
+    )
+    assert [(a, b) for a, b, _ in forbidden_imports(project)] == [("hellaswag", "train_gpt2")]
+
+
+def test_torch_is_found_through_the_project_and_named_with_its_chain(tmp_path):
+    root = write_project(
+        tmp_path,
+        {
+            "fineweb.py": "from support import common\n",
+            "support/__init__.py": "",
+            "support/common.py": "def f():\n    from support.machine import g\n",
+            "support/machine.py": "import torch.nn as nn\n",
+            "support/documents.py": "import json\n",
+        },
+    )
+    project, external = import_graph(root)
+    ((chain, imp),) = torch_paths("fineweb", project, external)
+    assert chain == ["fineweb", "support.common", "support.machine"]
+    assert imp == Import("torch", "support/machine.py", 1, False)
+    assert torch_paths("support.documents", project, external) == []
+
+
+def test_a_cycle_made_on_purpose_in_a_copy_of_the_project_is_found(tmp_path):
+    """A copy of the project's modules in which fineweb.py and support/common.py import each other,
+    inside functions: the walk finds that cycle, which the project itself does not have."""
+    for path in project_modules(ROOT).values():
+        copy = tmp_path / path.relative_to(ROOT)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(path.read_text())
+    for name, other in (("fineweb.py", "support.common"), ("support/common.py", "fineweb")):
+        with open(tmp_path / name, "a") as f:
+            f.write(f"\n\ndef on_purpose():\n    import {other}\n")
+
+    def cycles(root):
+        project, _ = import_graph(root)
+        return find_cycles({a: set(t) for a, t in project.items()})
+
+    made = [cycle for cycle in cycles(tmp_path) if cycle not in cycles(ROOT)]
+    assert ["fineweb", "support.common", "fineweb"] in made, made
+    assert all(("support.common", "fineweb") in zip(cycle, cycle[1:]) for cycle in made), made  # the edge added
