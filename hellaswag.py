@@ -53,11 +53,11 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fineweb import get_tokenizer
 from support.checkpoints import fence
 from support.common import ArgumentParser, UserError, first_line, offline_var, run_cli, unreachable, write_atomic
 from support.machine import keep_freed_memory
 from support.precision import AUTOCAST_DTYPES, pick_dtype
+from support.shards import get_tokenizer
 
 NUM_VAL = 10042
 HUB_DATASET = "Rowan/hellaswag"  # split "validation": the same rows, with label as a string

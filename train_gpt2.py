@@ -41,20 +41,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fineweb import get_tokenizer, load_shard
 from support.checkpoints import find_model, load_checkpoint, save_training_state
-from support.checks import (
-    check_args,
-    check_batch_fits,
-    check_data,
-    check_device,
-    check_init_shape,
-    check_model_fits,
-    check_same_shards,
-    check_token_ids,
-    find_shards,
-    recorded_max_ids,
-)
+from support.checks import check_args, check_data, check_device, check_init_shape, check_model_fits
 from support.common import GPT2_VOCAB, ArgumentParser, UserError, first_line, run_cli
 from support.ddp import join_process_group
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
@@ -65,6 +53,15 @@ from support.precision import AUTOCAST_DTYPES, grad_scaler, loss_scale, pick_dty
 from support.resume import report_resume, restore_training_state, resume_checkpoint
 from support.run_log import NonFiniteGuard, RunLog
 from support.sampling import encode_prompt, note_if_samples_stop_early, print_samples, sample_text
+from support.shards import (
+    check_batch_fits,
+    check_same_shards,
+    check_token_ids,
+    find_shards,
+    get_tokenizer,
+    load_shard,
+    recorded_max_ids,
+)
 from support.signals import StopRequest
 
 # --- The model ------------------------------------------------------------------------------------
@@ -428,7 +425,7 @@ def set_precision_and_seeds(args, device_type):
     return {"dtype": dtype, "dtype_reason": why}, AUTOCAST_DTYPES[dtype], use_compile
 
 
-# --- Data: token shards on disk, memory-mapped (fineweb.py writes them and owns their format) -----
+# --- Data: token shards on disk, memory-mapped (their format: support/shards.py) ------------------
 
 
 class DataLoaderLite:

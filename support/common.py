@@ -4,7 +4,6 @@ the offline probe, the one-line out-of-memory report, a run log's records, the d
 
 import argparse
 import errno
-import hashlib
 import json
 import os
 import re
@@ -309,16 +308,3 @@ def out_of_memory_line(e, memory, advice=None):
     frames = traceback_frames(e)
     where = advice([(name, local) for name, local, _ in frames]) if advice else None
     return f"out of {memory} {where}" if where else f"out of {memory} ({said})"
-
-
-def shard_fingerprint(path, blocks=16, block=4096):
-    """[name, bytes, digest] of a token shard: its size and a blake2b of its first and last
-    `block` bytes (the header and the first tokens) and of `blocks` blocks spread evenly between.
-    About 70 KB read whatever the shard's size: cheap enough for every start to check them all."""
-    size, digest = os.path.getsize(path), hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:  # seek and read: os.pread is POSIX only
-        last = max(0, size - block)
-        for i in range(blocks + 2):
-            f.seek(last * i // (blocks + 1))
-            digest.update(f.read(block))
-    return [os.path.basename(path), size, digest.hexdigest()]

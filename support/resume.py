@@ -8,9 +8,9 @@ import time
 import torch.distributed as dist
 
 from support.checkpoints import checkpoint_paths, fence, load_training_checkpoint, set_rng_state
-from support.checks import check_same_data, data_identity
 from support.common import UserError, log_records, same_on_every_rank
 from support.out_dir import log_runs, other_runs
+from support.shards import check_same_data, data_identity
 
 
 def find_resume_checkpoint(resume, out_dir):

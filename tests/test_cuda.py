@@ -18,8 +18,8 @@ import torch
 import hellaswag
 import train_gpt2
 from conftest import read_log
-from fineweb import write_shard
 from support import checkpoints, common, machine, precision, sampling
+from support.shards import write_shard
 from train_gpt2 import GPT, GPTConfig
 
 ROOT = __import__("conftest").ROOT

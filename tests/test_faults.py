@@ -24,10 +24,10 @@ import fineweb
 import hellaswag
 import train_gpt2
 from conftest import ROOT, random_shards, read_log, tiny_args, user_error, write_shard
-from fineweb import EOT
 from support import checkpoints, common, precision, run_log
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.common import UserError
+from support.shards import EOT
 
 
 class FullDisk:

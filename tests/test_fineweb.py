@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import fineweb
-from fineweb import EOT
 from support import common
 from support.common import UserError
 from support.documents import HUB_OFFLINE_VARS
+from support.shards import EOT
 
 ROOT = __import__("conftest").ROOT
 SHARD = 100_000  # small shards: the 1.6M-token sample gives 16 full ones and a partial one
