@@ -53,9 +53,9 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from support.checkpoints import fence
 from support.common import ArgumentParser, UserError, first_line, offline_var, run_cli, unreachable, write_atomic
-from support.machine import keep_freed_memory
+from support.ddp import fence
+from support.machine import keep_freed_memory, pick_device
 from support.precision import AUTOCAST_DTYPES, pick_dtype
 from support.shards import get_tokenizer
 
@@ -625,7 +625,7 @@ def main(argv=None):
     )
     args = p.parse_args(argv)
 
-    from train_gpt2 import load_model, pick_device  # here: importing this file alone never loads the training script
+    from train_gpt2 import load_model  # here: importing this file alone never loads the training script
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: give a positive number of examples")

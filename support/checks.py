@@ -1,5 +1,5 @@
 """The checks that refuse bad flags before step 0, not hours in: numbers the code cannot use, a
-device the machine lacks, a model too big for its memory, too little data for the batch and the run."""
+model too big for the device's memory, too little data for the batch and the run."""
 
 import math
 import os
@@ -8,6 +8,7 @@ import sys
 import torch
 
 from support.common import GPT2_VOCAB, UserError, same_on_every_rank
+from support.machine import TRAIN_BYTES_PER_PARAMETER
 from support.shards import MAX_VOCAB_SIZE
 from support.wandb_log import wandb_problem
 
@@ -123,9 +124,6 @@ def check_init_shape(args, given, config, master_process=True):
             )
 
 
-TRAIN_BYTES_PER_PARAMETER = 16  # fp32 weights, their gradients and AdamW's two moments
-
-
 def device_memory(device):
     """(bytes, what they are) of the memory a model on device lives in: a CUDA GPU's own, else the
     machine's RAM (a CPU's, and MPS's, which shares it); (None, None) where it cannot be read."""
@@ -157,17 +155,6 @@ def check_model_fits(shape, device):
             f"(weights, gradients and AdamW's two moments, {TRAIN_BYTES_PER_PARAMETER} bytes each), more than "
             f"the {memory / 2**30:,.0f} GiB of {what}: lower {max(parts, key=parts.get)}"
         )
-
-
-def check_device(device, has_cuda, has_mps):
-    """--device names a device this machine has."""
-    device_type = device.split(":")[0]
-    if device_type not in ("cuda", "mps", "cpu"):
-        raise UserError(f"unknown device {device!r}: use cuda, cuda:N, mps or cpu")
-    if device_type == "cuda" and not has_cuda:
-        raise UserError("--device cuda was asked for but CUDA is not available: use --device cpu")
-    if device_type == "mps" and not has_mps:
-        raise UserError("--device mps was asked for but MPS is not available: use --device cpu")
 
 
 def check_data(args, tokens_per_epoch, val_tokens, master_process):

@@ -1,8 +1,10 @@
 """What every script shares, torch-free so that fineweb.py starts without loading torch: the error
-type and the command-line wrapper that prints it as one line, atomic writes of files and folders,
-the offline probe, the one-line out-of-memory report, a run log's records, the default thread count."""
+type and the command-line wrapper that prints it as one line (a Ctrl-C as its own words), atomic
+writes of files and folders and a failed write's one line, the offline probe, the one-line
+out-of-memory report, a run log's records, the default thread count."""
 
 import argparse
+import contextlib
 import errno
 import json
 import os
@@ -98,6 +100,13 @@ def write_atomic(path, write, mode="wb"):
         if os.path.exists(tmp):  # a full disk: give back the space the partial file holds
             os.remove(tmp)
         raise
+
+
+def disk_error(e, what, then):
+    """One line for a failed write; 'make room' only when the disk is really full."""
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    fix = "make room on the disk" if full else "make --out-dir writable"
+    return UserError(f"cannot write {what} ({getattr(e, 'strerror', None) or e}): {fix}, then {then}")
 
 
 def write_dir_atomic(out_dir, write, what, recheck=None):
@@ -272,6 +281,17 @@ def run_cli(main, interrupted="interrupted", out_of_memory=None):
         print(str(e) or interrupted, file=sys.stderr)  # its own words, if it has any (signals.Interrupted)
         code = 130
     sys.exit(code if isinstance(code, int) else 0)
+
+
+@contextlib.contextmanager
+def said_on_interrupt(message):
+    """A Ctrl-C inside is reported with message (run_cli prints a KeyboardInterrupt's own words)."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        if str(e):
+            raise  # it says something already
+        raise KeyboardInterrupt(message) from None
 
 
 def memory_kind(e):

@@ -1,5 +1,6 @@
-"""Every refusal in the flag and data checks (support/checks.py: check_args, check_device,
-check_data, check_model_fits; support/shards.py: find_shards and the shard checks) has a case of its own here, with
+"""Every refusal in the flag and data checks (support/checks.py: check_args, check_data,
+check_model_fits; support/machine.py: check_device; support/shards.py: find_shards and the shard
+checks) has a case of its own here, with
 the one line it says; a new refusal without a case fails test_every_refusal_has_a_case. Numbers
 are refused where the code cannot use them (a --ddp-timeout c10d cannot wait, a --vocab-size no
 shard can reach, a model no memory holds), under torchrun too, and a flag argparse cannot parse is
@@ -21,16 +22,17 @@ import pytest
 
 import train_gpt2
 from conftest import ROOT, assert_one_line_error, cli, random_shards, tiny_args
-from support import checks, shards
-from support.checks import check_data, check_device
+from support import checks, machine, shards
+from support.checks import check_data
 from support.common import UserError
+from support.machine import check_device
 from support.shards import check_batch_fits, check_same_data, check_same_shards, check_token_ids, find_shards
 
 # the functions whose every refusal has a case (check_fineweb_finished's need fineweb.py's own
 # manifests and journals: tests/test_ownership.py and tests/test_edges.py make them)
 CHECKED = ("check_args", "check_device", "check_data", "check_model_fits", "find_shards", "check_batch_fits")
 CHECKED += ("check_same_shards", "check_same_data", "check_token_ids")
-CHECKED_IN = (checks, shards)  # the modules that hold them
+CHECKED_IN = (checks, machine, shards)  # the modules that hold them
 
 
 def no_warmup(*extra):
