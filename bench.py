@@ -93,8 +93,7 @@ from benchmarks.timing import log
 from benchmarks.tokenizer import bench_fineweb, find_documents
 from benchmarks.train import bench_train
 from support.common import ArgumentParser, UserError, run_cli, write_atomic
-from support.machine import keep_freed_memory, peak_flops
-from train_gpt2 import pick_device
+from support.machine import keep_freed_memory, peak_flops, pick_device
 
 # sample comes before train: from train on, glibc's malloc keeps freed memory (see the docstring)
 SECTIONS = ("ceiling", "loader", "fineweb", "sample", "train", "ladder", "hellaswag")

@@ -23,7 +23,6 @@ import concurrent.futures
 import json
 import os
 import queue
-import re
 import signal
 import sys
 import threading
@@ -36,83 +35,11 @@ import numpy as np
 from tqdm import tqdm
 
 from support import file_lock
-from support.common import (
-    ArgumentParser,
-    UserError,
-    default_workers,
-    first_line,
-    run_cli,
-    shard_fingerprint,
-    write_atomic,
-)
+from support.common import ArgumentParser, UserError, default_workers, run_cli, write_atomic
 from support.documents import check_inputs, check_online, describe_inputs, expand_inputs, hub_documents, local_documents
+from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_fingerprint, shard_path, write_shard
 
-EOT = 50256  # <|endoftext|>: every document starts with it
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
-
-
-def get_tokenizer():
-    """tiktoken's gpt2 encoding. Offline machines point TIKTOKEN_CACHE_DIR at a cache of it."""
-    import tiktoken
-
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # network errors, hash mismatches: all mean the same thing to the user
-        raise UserError(
-            f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}); offline, set TIKTOKEN_CACHE_DIR "
-            f"to a folder holding its cached vocab.bpe and encoder.json"
-        ) from None
-
-
-# --- the token shard format, written here and read by train_gpt2.py ---------------------------
-# .npy: np.save of a 1-D uint16 array. .bin: llm.c / modded-nanogpt's format, a header of 256
-# int32 (magic, version, token count, zeros) and then the uint16 tokens.
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
-SHARD_HEADER_INTS = 256
-
-
-def write_shard(path, tokens, fmt="npy"):
-    """tokens (uint16) as one shard file, written atomically."""
-    if fmt == "bin":
-        header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
-        header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-
-        def write(f):
-            f.write(header.tobytes())
-            f.write(tokens.astype("<u2", copy=False).data)
-
-    else:
-
-        def write(f):
-            np.save(f, tokens)
-
-    write_atomic(path, write)
-
-
-def load_shard(path):
-    """The tokens of one .npy or .bin shard as a read-only, memory-mapped uint16 array. Pages are
-    read from disk only when a batch slices them: switching to a 100M-token shard copies nothing."""
-    try:
-        if path.endswith(".bin"):
-            header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
-            if len(header) < SHARD_HEADER_INTS or header[0] != SHARD_MAGIC:
-                raise UserError(f"{path}: not an llm.c token shard (its header does not start with {SHARD_MAGIC})")
-            if header[1] != SHARD_VERSION:
-                raise UserError(f"{path}: shard version {header[1]}; only version {SHARD_VERSION} is read")
-            n = int(header[2])
-            have = (os.path.getsize(path) - SHARD_HEADER_INTS * 4) // 2
-            if n != have:
-                raise UserError(f"{path}: the header says {n:,} tokens but the file holds {have:,}: truncated?")
-            if n == 0:
-                return np.empty(0, dtype=np.uint16)  # mmap cannot map zero bytes
-            return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_INTS * 4, shape=(n,))
-        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
-        raise UserError(f"{path}: cannot read this token shard ({first_line(e)}): rewrite it with fineweb.py") from None
-    if tokens.dtype != np.uint16 or tokens.ndim != 1:
-        raise UserError(f"{path}: a token shard is a 1-D uint16 array, this one is {tokens.ndim}-D {tokens.dtype}")
-    return tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,11 +138,6 @@ def tokenize_docs(documents, workers=None):
 
 # ----------------------------------------------------------------------------------------------
 # Shards and the manifest
-
-
-def shard_path(out_dir, prefix, index, fmt="npy"):
-    split = "val" if index == 0 else "train"  # shard 0 is held out for validation
-    return os.path.join(out_dir, f"{prefix}_{split}_{index:06d}.{fmt}")
 
 
 def journal_path(path):
@@ -383,9 +305,6 @@ def save_manifest(path, manifest):
     write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     if os.path.exists(journal_path(path)):
         os.remove(journal_path(path))
-
-
-SHARD_NAME = re.compile(r".+_(train|val)_\d+\.(npy|bin)")  # what support.checks.find_shards reads
 
 
 def foreign_shards(out_dir, prefix, fmt, started):
@@ -568,7 +487,7 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
             tokens=fill,
             bytes=os.path.getsize(path),
             # what a training start checks instead of reading the shard: its largest id, trusted while
-            # the shard still has this fingerprint (support.checks.recorded_max_ids)
+            # the shard still has this fingerprint (support.shards.recorded_max_ids)
             max_id=int(buf[:fill].max()),
             fingerprint=shard_fingerprint(path)[2],
             documents=end_doc - shard_start_doc,  # documents that end in this shard

@@ -12,6 +12,14 @@ device, rank, world_size, ...) as often as needed. Each context goes through the
 one row with its 4 endings, which see it but not each other; the LM head runs only where an
 ending token is predicted (see "Scoring" below). On CUDA the CLI uses bf16 autocast, as training does.
 
+Models: a training run scores its own GPT (train_gpt2.py imports this file; this file imports no
+script). The command line loads every -m as transformers' GPT2LMHeadModel with SDPA attention:
+OpenAI GPT-2 and transformers folders through transformers (offline, from the local cache), our
+checkpoint or a run's folder (its newest checkpoint) built in memory from its state dict, its
+vocabulary as it is (padding rows kept), so that it scores what our GPT scores in training. Both
+are packed as above: SDPA takes a packed row's positions and boolean mask, with the same losses as
+our GPT's up to float rounding.
+
 Rows longer than the model's window: the model reads a row's tokens up to the second to last
 (the last is only predicted), so a row of block_size + 1 tokens fits. A longer row keeps its
 last block_size + 1 tokens: the context is cut from the left. An ending longer than the window
@@ -53,12 +61,15 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fineweb import get_tokenizer
-from support.checkpoints import fence
+from support.checkpoints import load_checkpoint
 from support.common import ArgumentParser, UserError, first_line, offline_var, run_cli, unreachable, write_atomic
-from support.machine import keep_freed_memory
+from support.ddp import fence
+from support.hf_interop import hf_model_from_checkpoint, load_hf_model
+from support.machine import keep_freed_memory, pick_device
+from support.model_files import find_model
 from support.out_of_memory import hellaswag_out_of_memory, oom_phase
 from support.precision import AUTOCAST_DTYPES, pick_dtype
+from support.shards import get_tokenizer
 
 NUM_VAL = 10042
 HUB_DATASET = "Rowan/hellaswag"  # split "validation": the same rows, with label as a string
@@ -229,9 +240,10 @@ def load_examples(path=None, cache_dir=None, limit=None):
 #   of the examples), by array operations (no Python step per token), copied to the
 #   device in one piece and kept there, and the scores stay there until the end: no host sync
 #   per batch.
-# Examples whose longest (context + ending) does not fit the window, and models that take no
-# positions and mask (transformers' GPT2LMHeadModel), are scored one row per ending, still with
-# the head only at the scored positions.
+# Examples whose longest (context + ending) does not fit the window, and transformers models with
+# eager attention (which takes no boolean mask), are scored one row per ending, still with the head
+# only at the scored positions. transformers' GPT2LMHeadModel with SDPA attention (what this file
+# loads) is packed as our GPT is, with the same losses.
 
 
 def render_example(example, enc):
@@ -304,8 +316,15 @@ def _trunk(model):
     model = _unwrap(model)
     if hasattr(model, "hidden_states"):  # our GPT
         return model.hidden_states, model.lm_head, True
-    # transformers' GPT2LMHeadModel: .transformer ends with ln_f, .lm_head is the head
-    return (lambda idx: model.transformer(input_ids=idx, use_cache=False).last_hidden_state), model.lm_head, False
+
+    # transformers' GPT2LMHeadModel: .transformer ends with ln_f, .lm_head is the head. With SDPA
+    # attention it takes position_ids and a 4D boolean mask (True: attend) as ours does; eager
+    # attention adds the mask to the scores, which a boolean mask gets wrong: one row per ending there
+    def hidden(idx, pos=None, mask=None):
+        out = model.transformer(input_ids=idx, position_ids=pos, attention_mask=mask, use_cache=False)
+        return out.last_hidden_state
+
+    return hidden, model.lm_head, model.config._attn_implementation == "sdpa"
 
 
 # The batches are cut from Prepared.tokens with index arrays. A batch's rows are laid out along
@@ -593,6 +612,16 @@ def evaluate_all_ranks(model, prepared, device, autocast_dtype, rank, world_size
 # Command line
 
 
+def load_model(spec, device):
+    """The model -m names, as transformers' GPT2LMHeadModel in eval mode on device: OpenAI GPT-2 or
+    a transformers folder loaded by transformers; our checkpoint (or a run's folder: its newest)
+    built from its state dict, its vocabulary as it is, so that it scores as our GPT in training
+    does. This file never imports train_gpt2.py (train_gpt2.py imports it)."""
+    kind, path = find_model(spec)
+    model = load_hf_model(path) if kind == "transformers" else hf_model_from_checkpoint(load_checkpoint(path), path)
+    return model.to(device).eval()
+
+
 def main(argv=None):
     p = ArgumentParser(prog="hellaswag.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -619,9 +648,6 @@ def main(argv=None):
         "older ones, float32 elsewhere)",
     )
     args = p.parse_args(argv)
-
-    from train_gpt2 import load_model, pick_device  # here: importing this file alone never loads the training script
-
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: give a positive number of examples")
     if args.batch_tokens is not None and args.batch_tokens < 1:

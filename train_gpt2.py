@@ -42,31 +42,30 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
-from fineweb import get_tokenizer, load_shard
-from support.checkpoints import find_model, load_checkpoint, save_training_state
-from support.checks import (
-    check_args,
-    check_batch_fits,
-    check_data,
-    check_device,
-    check_init_shape,
-    check_model_fits,
-    check_same_shards,
-    check_token_ids,
-    find_shards,
-    recorded_max_ids,
-)
-from support.common import ArgumentParser, UserError, first_line, run_cli
+from support.checkpoints import load_checkpoint, save_training_state
+from support.checks import check_args, check_data, check_init_shape, check_model_fits
+from support.common import ArgumentParser, UserError, first_line, run_cli, said_on_interrupt
 from support.ddp import join_process_group
+from support.divergence import NonFiniteGuard
+from support.dry_run import dry_run_job
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
-from support.jobs import dry_run_job, said_on_interrupt
-from support.machine import choose_compile, keep_freed_memory, peak_flops, set_deterministic
+from support.machine import choose_compile, keep_freed_memory, peak_flops, pick_device, set_deterministic
+from support.model_files import find_model
 from support.out_dir import claim_out_dir, missing_folders, release_out_dir, remove_made_folders
 from support.out_of_memory import oom_phase, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, grad_scaler, loss_scale, pick_dtype
 from support.resume import report_resume, restore_training_state, resume_checkpoint
-from support.run_log import NonFiniteGuard, RunLog
+from support.run_log import RunLog
 from support.sampling import encode_prompt, note_if_samples_stop_early, print_samples, sample_text
+from support.shards import (
+    check_batch_fits,
+    check_same_shards,
+    check_token_ids,
+    find_shards,
+    get_tokenizer,
+    load_shard,
+    recorded_max_ids,
+)
 from support.signals import StopRequest
 
 # --- The model ------------------------------------------------------------------------------------
@@ -273,14 +272,6 @@ def model_from_checkpoint(ckpt, path):
 # --- Device and precision: TF32 and bf16 autocast on CUDA, torch.compile --------------------------
 
 
-def pick_device(requested=None):
-    """cuda > mps > cpu unless requested (and then checked); returns (device, device_type)."""
-    has_mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
-    device = requested or ("cuda" if torch.cuda.is_available() else "mps" if has_mps else "cpu")
-    check_device(device, torch.cuda.is_available(), has_mps)
-    return device, device.split(":")[0]
-
-
 def autocast(device_type, dtype):
     """Autocast to dtype (bf16 or fp16) when it is set, a no-op otherwise."""
     return torch.autocast(device_type=device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
@@ -300,7 +291,7 @@ def set_precision_and_seeds(args, device_type):
     return {"dtype": dtype, "dtype_reason": why}, AUTOCAST_DTYPES[dtype], use_compile
 
 
-# --- Data: token shards on disk, memory-mapped (fineweb.py writes them and owns their format) -----
+# --- Data: token shards on disk, memory-mapped (their format: support/shards.py) ------------------
 
 
 class DataLoaderLite:

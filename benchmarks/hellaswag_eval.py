@@ -14,8 +14,8 @@ from benchmarks.report import comparison
 from benchmarks.sample import eval_model
 from benchmarks.settings import ROOT, TARGETS, VOCAB
 from benchmarks.timing import interleave, rates, stats, timed
-from fineweb import get_tokenizer
 from support.common import UserError
+from support.shards import get_tokenizer
 
 
 def plain_hellaswag_preds(model, prepared, device):

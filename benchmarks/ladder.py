@@ -22,6 +22,7 @@ from benchmarks.train import fits_in_memory, train_step_fn
 from support.common import write_atomic
 from support.machine import compile_problem, keep_freed_memory
 from support.precision import pick_dtype
+from support.shards import shard_path, write_shard
 from train_gpt2 import GPT, GPTConfig
 
 # The reference run (build-nanogpt on one A100, 124M, B 16, T 1024): (tok/s, ms per step) at each
@@ -432,8 +433,6 @@ def ladder_table(result):
 
 
 def bench_ladder(s, device, device_type, device_name, tmp, png):
-    import fineweb
-
     if device_type == "cpu":  # as a CPU training run does
         keep_freed_memory()
     name, c = ladder_config(s["ladder_config"], device_type)
@@ -441,7 +440,7 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
     data_dir = os.path.join(tmp, "ladder_data")
     os.makedirs(data_dir, exist_ok=True)
     tokens = np.random.default_rng(1).integers(0, 50257, 2_000_000, dtype=np.uint16)
-    fineweb.write_shard(fineweb.shard_path(data_dir, "bench", 1), tokens)
+    write_shard(shard_path(data_dir, "bench", 1), tokens)
     base_state = ladder_base_state(c)
     if device_type == "cuda":  # rung 1 (fp32, the (T, T) scores) needs the most memory: halve B until it fits
         probe = ladder_model(set(), base_state, c, device)

@@ -12,8 +12,7 @@ import numpy as np
 from benchmarks.report import comparison
 from benchmarks.settings import TARGETS, TRAIN_CONFIGS
 from benchmarks.timing import log, stats, timed
-from support.checks import data_identity, find_shards
-from support.common import shard_fingerprint
+from support.shards import data_identity, find_shards, shard_fingerprint, shard_path, write_shard
 
 
 def rss_mib():
@@ -31,7 +30,6 @@ def rss_mib():
 
 
 def bench_loader(s, device_type, tmp):
-    import fineweb
     from train_gpt2 import DataLoaderLite
 
     c = TRAIN_CONFIGS["gpt2"]
@@ -41,9 +39,7 @@ def bench_loader(s, device_type, tmp):
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     for i in range(1, s["shards"] + 1):
-        fineweb.write_shard(
-            fineweb.shard_path(data_dir, "bench", i), rng.integers(0, 50257, s["shard_tokens"], dtype=np.uint16)
-        )
+        write_shard(shard_path(data_dir, "bench", i), rng.integers(0, 50257, s["shard_tokens"], dtype=np.uint16))
     log(f"  loader: wrote {s['shards']} shards of {s['shard_tokens']:,} tokens in {time.perf_counter() - t0:.1f}s")
     gc.collect()
     anon0, file0 = rss_mib()
@@ -98,17 +94,15 @@ def bench_loader(s, device_type, tmp):
 
 
 def bench_data_identity(data_dir, tmp, n_shards=100, shard_tokens=100_000_000, rounds=5):
-    """support.checks.data_identity, the check of the data every start and --resume makes: on a
+    """support.shards.data_identity, the check of the data every start and --resume makes: on a
     folder of 100 shards of 100M tokens (20 GB, as FineWeb-Edu 10B's: sparse files, a real .npy
     header and then holes, so they take no disk and read from the page cache), and per shard on
     the loader's real shards with their pages dropped from the page cache first (posix_fadvise
     DONTNEED): a read from the disk, as on a machine's first start."""
-    import fineweb
-
     folder = os.path.join(tmp, "identity_data")
     os.makedirs(folder)
     for i in range(n_shards):
-        path = fineweb.shard_path(folder, "bench", i)
+        path = shard_path(folder, "bench", i)
         np.lib.format.open_memmap(path, mode="w+", dtype=np.uint16, shape=(shard_tokens,))
     data_identity(folder)  # warm-up: the first start after writing them
     times = [timed(lambda: data_identity(folder), "cpu") for _ in range(rounds)]

@@ -5,9 +5,9 @@ import statistics
 from benchmarks.report import comparison
 from benchmarks.settings import TARGETS
 from benchmarks.timing import interleave, log, rates, stats, timed
-from fineweb import get_tokenizer
 from support.common import UserError, default_workers
 from support.documents import expand_inputs, local_documents
+from support.shards import get_tokenizer
 
 
 def find_documents(pattern, text_field, shared):

@@ -20,6 +20,7 @@ from benchmarks.timing import interleave, log, rates, stats, timed
 from support.common import UserError
 from support.machine import keep_freed_memory
 from support.run_log import RunLog
+from support.shards import shard_path, write_shard
 from train_gpt2 import GPT, GPTConfig, flops_per_token
 
 
@@ -311,12 +312,10 @@ def bench_keep_freed_memory(s, data_dir):
 
 def bench_train(s, device, device_type, peak, tmp):
     # a shard of random token ids; every config reads it through train_gpt2's loader
-    import fineweb
-
     data_dir = os.path.join(tmp, "train_data")
     os.makedirs(data_dir, exist_ok=True)
     tokens = np.random.default_rng(0).integers(0, 50257, 2_000_000, dtype=np.uint16)
-    fineweb.write_shard(fineweb.shard_path(data_dir, "bench", 1), tokens)
+    write_shard(shard_path(data_dir, "bench", 1), tokens)
     results, rows = {}, []
     # on a CPU, from here on (and for hellaswag after it), as training and hellaswag.py run there
     if device_type == "cpu" and keep_freed_memory():

@@ -1,10 +1,11 @@
 """What every script shares, torch-free so that fineweb.py starts without loading torch: the error
-type and the command-line wrapper that prints it as one line, atomic writes of files and folders,
-the offline probe, the one-line out-of-memory report, a run log's records, the default thread count."""
+type and the command-line wrapper that prints it as one line (a Ctrl-C as its own words), atomic
+writes of files and folders and a failed write's one line, the offline probe, the one-line
+out-of-memory report, a run log's records, the default thread count."""
 
 import argparse
+import contextlib
 import errno
-import hashlib
 import json
 import os
 import re
@@ -99,6 +100,13 @@ def write_atomic(path, write, mode="wb"):
         if os.path.exists(tmp):  # a full disk: give back the space the partial file holds
             os.remove(tmp)
         raise
+
+
+def disk_error(e, what, then):
+    """One line for a failed write; 'make room' only when the disk is really full."""
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    fix = "make room on the disk" if full else "make --out-dir writable"
+    return UserError(f"cannot write {what} ({getattr(e, 'strerror', None) or e}): {fix}, then {then}")
 
 
 def write_dir_atomic(out_dir, write, what, recheck=None):
@@ -275,6 +283,17 @@ def run_cli(main, interrupted="interrupted", out_of_memory=None):
     sys.exit(code if isinstance(code, int) else 0)
 
 
+@contextlib.contextmanager
+def said_on_interrupt(message):
+    """A Ctrl-C inside is reported with message (run_cli prints a KeyboardInterrupt's own words)."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        if str(e):
+            raise  # it says something already
+        raise KeyboardInterrupt(message) from None
+
+
 def memory_kind(e):
     """'GPU memory' or 'host memory' when e (or what caused it) is an allocation that failed, else
     None. torch raises OutOfMemoryError on CUDA, a RuntimeError from its CPU allocator, and
@@ -299,16 +318,3 @@ def out_of_memory_line(e, memory, advice=None):
     said = re.sub(r"(Tried to allocate [\d.]+ [KMGT]iB)\..*", r"\1", said)  # CUDA's: the size, not its stats
     where = advice(e) if advice else None
     return f"out of {memory} {where}" if where else f"out of {memory} ({said})"
-
-
-def shard_fingerprint(path, blocks=16, block=4096):
-    """[name, bytes, digest] of a token shard: its size and a blake2b of its first and last
-    `block` bytes (the header and the first tokens) and of `blocks` blocks spread evenly between.
-    About 70 KB read whatever the shard's size: cheap enough for every start to check them all."""
-    size, digest = os.path.getsize(path), hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:  # seek and read: os.pread is POSIX only
-        last = max(0, size - block)
-        for i in range(blocks + 2):
-            f.seek(last * i // (blocks + 1))
-            digest.update(f.read(block))
-    return [os.path.basename(path), size, digest.hexdigest()]

@@ -1,5 +1,6 @@
-"""The processes of a torchrun job joining one another: within --ddp-timeout, and a join that fails
-said in one line by each rank, not as c10d's traceback."""
+"""The processes of a torchrun job waiting for one another: joining within --ddp-timeout (a join
+that fails said in one line by each rank, not as c10d's traceback), and the fence where the others
+wait while rank 0 works alone."""
 
 import os
 import re
@@ -27,3 +28,23 @@ def join_process_group(backend, ddp_timeout):
             fix = "check that every node can reach the rendezvous address (torchrun's --rdzv-endpoint or --master-addr)"
         rank = os.environ.get("RANK", "?")
         raise UserError(f"rank {rank} could not join the job's other ranks ({reason}): {fix}") from None
+
+
+FENCE_TIMEOUT = 3600  # seconds the other ranks wait for what rank 0 does alone (a checkpoint write)
+
+
+_fence_group = []
+
+
+def fence(ddp, timeout=None):
+    """Under torchrun, every rank waits here until all arrive, for up to FENCE_TIMEOUT seconds (or
+    --ddp-timeout if longer): after work that rank 0 does alone, so that the other ranks do not
+    wait for it in a collective that --ddp-timeout ends. The first call, made by every rank at
+    start, creates the gloo group the fence waits in; timeout: the run's --ddp-timeout."""
+    if not ddp:
+        return None
+    if not _fence_group:
+        seconds = max(FENCE_TIMEOUT, timeout or 0)
+        _fence_group.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds)))
+    dist.barrier(group=_fence_group[0])
+    return _fence_group[0]

@@ -1,5 +1,6 @@
 """transformers' GPT-2: names it may fetch, folders an export may replace, and its weight layout,
-as state dict in, state dict out."""
+as state dict in, state dict out, or as its GPT2LMHeadModel built from a name, a folder or our
+checkpoint."""
 
 import json
 import os
@@ -7,6 +8,8 @@ import re
 import urllib.error
 import urllib.parse
 import urllib.request
+
+import torch
 
 from support.common import GPT2_VOCAB, HF_NAMES, UserError, first_line, offline_var, write_dir_atomic
 
@@ -113,20 +116,22 @@ def state_dict_from_hf(sd_hf):
     return {k: v.t().contiguous() if k.endswith(HF_TRANSPOSED) else v for k, v in sd_hf.items() if not k.endswith(skip)}
 
 
-def state_dict_to_hf(sd):
-    """Our state dict in transformers' layout: Conv1D weights transposed, the vocab cut to GPT-2's
-    50,257 rows (the padding rows were never a token)."""
+def state_dict_to_hf(sd, vocab_size=GPT2_VOCAB):
+    """Our state dict in transformers' layout, fp32 on the CPU: Conv1D weights transposed, the vocab
+    cut to vocab_size rows (an export's GPT-2 50,257: the padding rows were never a token)."""
     out = {}
     for k, v in sd.items():
         v = v.detach().float().cpu()
-        v = v.t() if k.endswith(HF_TRANSPOSED) else v
-        out[k] = v[:GPT2_VOCAB] if k in TIED else v
+        v = v.t().contiguous() if k.endswith(HF_TRANSPOSED) else v
+        out[k] = v[:vocab_size] if k in TIED else v
     return out
 
 
-def load_hf_gpt2(name_or_dir):
-    """(config dict, state dict in our layout) of OpenAI GPT-2 (gpt2, gpt2-medium, gpt2-large,
-    gpt2-xl) or a local transformers GPT-2 directory (save_pretrained output)."""
+def load_hf_model(name_or_dir):
+    """transformers' GPT2LMHeadModel of OpenAI GPT-2 (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or of
+    a local transformers GPT-2 directory (save_pretrained output), with SDPA attention (which takes
+    the boolean masks of hellaswag.py's packed rows). A name not in the local cache is refused at
+    once when offline; weights missing from the files are refused, not filled with random numbers."""
     is_dir = os.path.isdir(name_or_dir)
     if name_or_dir not in HF_NAMES and not is_dir:
         raise UserError(f"{name_or_dir!r} is neither one of {', '.join(HF_NAMES)} nor a directory")
@@ -136,9 +141,22 @@ def load_hf_gpt2(name_or_dir):
     from transformers import GPT2LMHeadModel  # after the checks, which then answer in a second
 
     try:
-        hf, info = GPT2LMHeadModel.from_pretrained(name_or_dir, output_loading_info=True, local_files_only=local_only)
+        hf, info = GPT2LMHeadModel.from_pretrained(
+            name_or_dir, output_loading_info=True, local_files_only=local_only, attn_implementation="sdpa"
+        )
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load transformers GPT-2 from {name_or_dir!r}: {first_line(e)}") from None
+    if info["missing_keys"]:  # transformers fills them with random numbers and only warns
+        missing = sorted(info["missing_keys"])
+        more = f" ({len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UserError(f"{name_or_dir}: key {missing[0]} is missing{more}: not a whole GPT-2 model")
+    return hf
+
+
+def load_hf_gpt2(name_or_dir):
+    """(config dict, state dict in our layout) of OpenAI GPT-2 (gpt2, gpt2-medium, gpt2-large,
+    gpt2-xl) or a local transformers GPT-2 directory (save_pretrained output)."""
+    hf = load_hf_model(name_or_dir)
     hc = hf.config
     if hc.activation_function not in ("gelu_new", "gelu_pytorch_tanh") or hc.layer_norm_epsilon != 1e-5:
         raise UserError(
@@ -148,9 +166,52 @@ def load_hf_gpt2(name_or_dir):
     config = dict(
         block_size=hc.n_positions, vocab_size=hc.vocab_size, n_layer=hc.n_layer, n_head=hc.n_head, n_embd=hc.n_embd
     )
-    # transformers fills missing keys with random numbers and only warns: leave them out, to be refused
-    sd_hf = {k: v for k, v in hf.state_dict().items() if k not in info["missing_keys"]}
-    return config, state_dict_from_hf(sd_hf)
+    return config, state_dict_from_hf(hf.state_dict())
+
+
+GPT_CONFIG_KEYS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"}  # our model_config's
+
+
+def gpt2_config(config, vocab_size, **extra):
+    """transformers' GPT2Config of our model config (a dict), with vocab_size rows: GPT-2's
+    activation and LayerNorm epsilon, no dropout, tied embeddings."""
+    from transformers import GPT2Config  # only building a transformers model needs it
+
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=config["block_size"],
+        n_embd=config["n_embd"],
+        n_layer=config["n_layer"],
+        n_head=config["n_head"],
+        activation_function="gelu_new",
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        **extra,
+    )
+
+
+def hf_model_from_checkpoint(ckpt, path):
+    """The model of our checkpoint (a dict: model_config and the state dict) as transformers'
+    GPT2LMHeadModel with SDPA attention, in memory: its vocabulary as it is (the padding rows
+    kept), so that its losses are our GPT's. Every key and shape is checked, as our loader does."""
+    config = ckpt["model_config"]
+    if not isinstance(config, dict) or set(config) != GPT_CONFIG_KEYS:
+        raise UserError(f"checkpoint {path}: its model_config is not a GPT config ({config!r:.80})")
+    from transformers import GPT2LMHeadModel  # only building a transformers model needs it
+
+    hf_config = gpt2_config(config, config["vocab_size"], attn_implementation="sdpa")
+    with torch.device("meta"):  # no random init to throw away: the checkpoint's tensors become the weights
+        hf = GPT2LMHeadModel(hf_config)
+    if any(True for _ in hf.buffers()):  # a transformers whose attention keeps buffers (a causal mask): real ones
+        hf = GPT2LMHeadModel(hf_config)
+    shapes = {k: v.shape[::-1] if k.endswith(HF_TRANSPOSED) else v.shape for k, v in hf.state_dict().items()}
+    check_state_dict(shapes, ckpt["model"], f"checkpoint {path}")
+    hf.load_state_dict(state_dict_to_hf(ckpt["model"], vocab_size=config["vocab_size"]), assign=True)
+    hf.tie_weights()  # assigned one key at a time: tie them again
+    return hf.eval()
 
 
 def save_hf_gpt2(config, sd, out_dir):
@@ -160,25 +221,10 @@ def save_hf_gpt2(config, sd, out_dir):
     if config["vocab_size"] < GPT2_VOCAB:
         raise UserError(f"vocab_size {config['vocab_size']} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")
     given, out_dir = out_dir, check_export_target(out_dir)  # refuse before the slow part
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    hf = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=GPT2_VOCAB,
-            n_positions=config["block_size"],
-            n_embd=config["n_embd"],
-            n_layer=config["n_layer"],
-            n_head=config["n_head"],
-            activation_function="gelu_new",
-            layer_norm_epsilon=1e-5,
-            tie_word_embeddings=True,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            exported_by=EXPORT_MARK,
-        )
-    )
+    hf = GPT2LMHeadModel(gpt2_config(config, GPT2_VOCAB, exported_by=EXPORT_MARK))
     sd_hf = hf.state_dict()
     for k, v in state_dict_to_hf(sd).items():
         sd_hf[k].copy_(v)

@@ -1,6 +1,6 @@
-"""The machine a run trains on: whether torch.compile works on it, its peak FLOP/s (for MFU),
-glibc's allocator, deterministic kernels, and the -B its GPU memory fits (which the out-of-memory
-advice names, support/out_of_memory.py)."""
+"""The machine a run trains on: the device it picks, whether torch.compile works on it, its peak
+FLOP/s (for MFU), glibc's allocator, deterministic kernels, and the -B its GPU memory fits (which
+the out-of-memory advice names, support/out_of_memory.py)."""
 
 import ctypes
 import functools
@@ -8,8 +8,29 @@ import os
 
 import torch
 
-from support.checks import TRAIN_BYTES_PER_PARAMETER
 from support.common import UserError, first_line, same_on_every_rank
+
+# --- the device: the best this machine has, or the one asked for ------------------------------
+
+
+def pick_device(requested=None):
+    """cuda > mps > cpu unless requested (and then checked); returns (device, device_type)."""
+    has_mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+    device = requested or ("cuda" if torch.cuda.is_available() else "mps" if has_mps else "cpu")
+    check_device(device, torch.cuda.is_available(), has_mps)
+    return device, device.split(":")[0]
+
+
+def check_device(device, has_cuda, has_mps):
+    """--device names a device this machine has."""
+    device_type = device.split(":")[0]
+    if device_type not in ("cuda", "mps", "cpu"):
+        raise UserError(f"unknown device {device!r}: use cuda, cuda:N, mps or cpu")
+    if device_type == "cuda" and not has_cuda:
+        raise UserError("--device cuda was asked for but CUDA is not available: use --device cpu")
+    if device_type == "mps" and not has_mps:
+        raise UserError("--device mps was asked for but MPS is not available: use --device cpu")
+
 
 # --- torch.compile: on by default where it pays, and only where it works ----------------------
 
@@ -48,6 +69,7 @@ def choose_compile(requested, device_type, verbose=True, problem=compile_problem
 
 # --- GPU memory: the micro-batch B that fits ---------------------------------------------------
 
+TRAIN_BYTES_PER_PARAMETER = 16  # fp32 weights, their gradients and AdamW's two moments
 GiB = 2**30
 RECIPE_PARAMS = 124_475_904  # GPT-2 124M with the vocabulary padded to 50,304
 # measured (docs/performance.md): the recipe's peak on an H100 at B 64, T 1024, bf16 autocast, compile

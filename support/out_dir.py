@@ -1,5 +1,6 @@
-"""The run's folder and who owns it: one run per --out-dir, locked while it trains, and a start that
-fails leaves the folder as it found it."""
+"""The run's folder and who owns it: one run per --out-dir, locked while it trains, what it holds
+(its checkpoints by name, the runs its log records), and a start that fails leaves the folder as it
+found it."""
 
 import json
 import os
@@ -7,8 +8,15 @@ import re
 import sys
 
 from support import file_lock
-from support.checkpoints import checkpoint_paths, disk_error, run_id_of
-from support.common import UserError
+from support.common import UserError, disk_error
+
+
+def checkpoint_paths(out_dir):
+    """The ckpt_NNNNNN.pt files in out_dir, newest (most steps) first."""
+    if not os.path.isdir(out_dir):
+        return []
+    found = [(int(m.group(1)), n) for n in os.listdir(out_dir) if (m := re.fullmatch(r"ckpt_(\d+)\.pt", n))]
+    return [os.path.join(out_dir, n) for _, n in sorted(found, reverse=True)]
 
 
 def missing_folders(path):
@@ -226,17 +234,6 @@ def log_runs(path):
         if _is_step_record(line) and current not in runs:
             runs.append(current)
     return runs, False
-
-
-def other_runs(out_dir, run_id, skip=None):
-    """The files in out_dir of runs other than run_id: checkpoints (one whose run cannot be read
-    counts) and log.jsonl when it records another run's steps or is not our log."""
-    runs, unreadable = log_runs(os.path.join(out_dir, "log.jsonl"))
-    found = ["log.jsonl"] if unreadable or any(r != run_id for r in runs) else []
-    for path in checkpoint_paths(out_dir):
-        if not (skip and os.path.realpath(path) == os.path.realpath(skip)) and run_id_of(path) != run_id:
-            found.append(os.path.basename(path))
-    return found
 
 
 def remove_made_folders(made):

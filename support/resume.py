@@ -7,10 +7,11 @@ import time
 
 import torch.distributed as dist
 
-from support.checkpoints import checkpoint_paths, fence, load_training_checkpoint, set_rng_state
-from support.checks import check_same_data, data_identity
+from support.checkpoints import load_training_checkpoint, run_id_of, set_rng_state
 from support.common import UserError, log_records, same_on_every_rank
-from support.out_dir import log_runs, other_runs
+from support.ddp import fence
+from support.out_dir import checkpoint_paths, log_runs
+from support.shards import check_same_data, data_identity
 
 
 def find_resume_checkpoint(resume, out_dir):
@@ -67,6 +68,17 @@ def run_to_restart(out_dir):
 
 
 _restart = {}  # the run_id of the run this process restarts (resume_checkpoint), for restore_training_state
+
+
+def other_runs(out_dir, run_id, skip=None):
+    """The files in out_dir of runs other than run_id: checkpoints (one whose run cannot be read
+    counts) and log.jsonl when it records another run's steps or is not our log."""
+    runs, unreadable = log_runs(os.path.join(out_dir, "log.jsonl"))
+    found = ["log.jsonl"] if unreadable or any(r != run_id for r in runs) else []
+    for path in checkpoint_paths(out_dir):
+        if not (skip and os.path.realpath(path) == os.path.realpath(skip)) and run_id_of(path) != run_id:
+            found.append(os.path.basename(path))
+    return found
 
 
 def check_resume_target(args, path, ckpt):

@@ -1,5 +1,5 @@
-"""The run's record: log.jsonl (one JSON record a line, printed as its console line and mirrored to
-Weights & Biases when asked), and the guard that skips a non-finite step and stops a diverged run."""
+"""The run's record: log.jsonl, one JSON record a line, printed as its console line and mirrored to
+Weights & Biases when asked."""
 
 import json
 import math
@@ -10,8 +10,7 @@ import sys
 import numpy as np
 import torch
 
-from support.checkpoints import disk_error, diverged_advice, train_config_of
-from support.common import UserError, same_on_every_rank
+from support.common import UserError, disk_error
 from support.out_dir import check_out_dir_held, log_runs
 from support.wandb_log import WandbMirror
 
@@ -139,55 +138,3 @@ class RunLog:
             print(f"step {step:5d} | hellaswag acc_norm {record['hellaswag']:.4f} of {record['hellaswag_n']}")
         for i, text in enumerate(record.get("samples", ())):
             print(f"step {step:5d} | sample {i}: {text!r}")
-
-
-MAX_BAD_STEPS = 3  # non-finite steps in a row: one is skipped as a bad batch, this many mean the run diverged
-
-
-class NonFiniteGuard:
-    """One NaN or inf (an overflow, a bad batch) in an update would spread to every weight: such a
-    step is skipped. Every rank sees the same all-reduced loss and norm, so all skip it. Several
-    in a row mean the run diverged: it stops with a checkpoint of the last good state.
-    In fp16 (scaler: an enabled GradScaler) a finite loss whose gradients overflowed is the loss
-    scale's doing, not divergence: the scaler skips the step and halves the scale, and the step is
-    logged as {"scaler_skipped": ..., "loss_scale": the scale it overflowed at}, not counted as a bad
-    step, unless the scale is already below 1 (then the gradients overflow unscaled: a bad step)."""
-
-    def __init__(self, log, master_process, checkpoint, out_dir, scaler=None):
-        self.log, self.master_process, self.checkpoint, self.out_dir = log, master_process, checkpoint, out_dir
-        self.in_a_row, self.max_lr = 0, None
-        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-
-    def skip(self, step, loss, norm, lr):
-        if math.isfinite(loss) and math.isfinite(norm):
-            self.in_a_row = 0
-            return False
-        if self.scaler is not None:  # fp16: the step is not applied either way; the scale backs off
-            scale = self.scaler.get_scale()
-            self.scaler.update()  # the gradients it unscaled held an inf or NaN: the scale is halved
-            if math.isfinite(loss) and scale >= 1:
-                self.log({"step": step, "scaler_skipped": f"grad norm {norm}", "loss_scale": scale, "lr": lr})
-                if self.master_process:
-                    print(
-                        f"step {step:5d} | loss {loss:.6f} | norm {norm} | skipped by the fp16 loss scaler at "
-                        f"scale {scale:g} (now {self.scaler.get_scale():g})"
-                    )
-                return True
-        self.in_a_row += 1
-        self.log({"step": step, "skipped": f"loss {loss}, grad norm {norm}", "lr": lr})
-        if self.master_process:
-            print(f"step {step:5d} | loss {loss} | norm {norm} | skipped ({self.in_a_row} in a row)")
-        if self.in_a_row == MAX_BAD_STEPS:  # the weights and optimizer state are still those of the last good step
-            path = self.checkpoint(step + 1) or os.path.join(self.out_dir, f"ckpt_{step + 1:06d}.pt")
-            first = step + 1 - MAX_BAD_STEPS
-            max_lr = self.max_lr or train_config_of(path).get("max_lr", math.nan)
-            # the same weights failed on every batch: the weights (a learning rate too high), not the data
-            raise same_on_every_rank(
-                UserError(
-                    f"{MAX_BAD_STEPS} steps in a row ({first} to {step}) had a non-finite loss or grad norm: "
-                    f"stopped; {path} holds the weights they failed on (none of their updates was applied). "
-                    f"If the data is at fault, --resume continues from it past these batches; else "
-                    + diverged_advice(self.out_dir, max_lr)
-                )
-            )
-        return True

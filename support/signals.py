@@ -6,8 +6,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from support.checkpoints import checkpoint_paths
-from support.out_dir import log_runs
+from support.out_dir import checkpoint_paths, log_runs
 
 
 class StopRequest:

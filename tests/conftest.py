@@ -39,7 +39,7 @@ def shared_data():
 
 @pytest.fixture(scope="session")
 def enc():
-    from fineweb import get_tokenizer
+    from support.shards import get_tokenizer
 
     return get_tokenizer()
 

@@ -17,10 +17,10 @@ import torch
 
 import hellaswag
 import train_gpt2
-from fineweb import write_shard
 from helpers import ROOT, read_log, torchrun_command
 from support import checkpoints, common, machine, precision, sampling
 from support.sampling import generate
+from support.shards import write_shard
 from train_gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.skipif(

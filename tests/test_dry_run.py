@@ -8,8 +8,8 @@ import pytest
 
 import train_gpt2
 from helpers import snapshot, user_error
-from support import jobs, sampling
-from support.common import run_cli
+from support import sampling
+from support.common import run_cli, said_on_interrupt
 
 
 @pytest.fixture
@@ -90,6 +90,6 @@ def test_ctrl_c_during_an_export_says_nothing_was_exported_not_resume(short_run,
 
 
 def test_said_on_interrupt_keeps_a_message_it_has():
-    with pytest.raises(KeyboardInterrupt) as e, jobs.said_on_interrupt("the job's words"):
+    with pytest.raises(KeyboardInterrupt) as e, said_on_interrupt("the job's words"):
         raise KeyboardInterrupt("its own words")
     assert str(e.value) == "its own words"

@@ -23,11 +23,12 @@ import torch
 import fineweb
 import hellaswag
 import train_gpt2
-from fineweb import EOT
 from helpers import ROOT, random_shards, read_log, start_run, tiny_args, user_error, wait_for_step, write_shard
-from support import checkpoints, common, precision, run_log
+from support import common, divergence, precision, run_log
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.common import UserError
+from support.out_dir import checkpoint_paths
+from support.shards import EOT
 
 
 class FullDisk:
@@ -133,7 +134,7 @@ def same_weights(a, b):
 
 
 def newest_checkpoint(out):
-    paths = checkpoints.checkpoint_paths(str(out))
+    paths = checkpoint_paths(str(out))
     return paths[0] if paths else None
 
 
@@ -384,7 +385,7 @@ def test_fp16_overflows_the_loss_scaler_skips_are_not_divergence(tmp_path, monke
     args = tiny_args(data, out, "--dtype", "float16", "--max-steps", 5, "--ckpt-every", 1, "--keep-ckpts", 0)
     assert train_gpt2.main([*args, "--eval-every", 0]) == 0
     steps = read_log(out)[1]
-    assert run_log.MAX_BAD_STEPS < 4
+    assert divergence.MAX_BAD_STEPS < 4
     assert [s for s in steps if "scaler_skipped" in steps[s]] == [0, 1, 2, 3]
     assert [steps[s]["loss_scale"] for s in range(5)] == [2.0**22, 2.0**21, 2.0**20, 2.0**19, 2.0**18]
     assert not any("skipped" in r or "train_loss" in r for r in list(steps.values())[:4])
@@ -393,7 +394,7 @@ def test_fp16_overflows_the_loss_scaler_skips_are_not_divergence(tmp_path, monke
     ckpt = {s: load_checkpoint(str(out / f"ckpt_{s:06d}.pt")) for s in range(1, 6)}
     assert all(same_weights(ckpt[1]["model"], ckpt[s]["model"]) for s in (2, 3, 4))
     assert not same_weights(ckpt[4]["model"], ckpt[5]["model"])
-    health = {path: good for path, good in checkpoints.checkpoint_health(str(out))}
+    health = {path: good for path, good in divergence.checkpoint_health(str(out))}
     # checkpoint N holds the weights step N trained from: 1-3 (scaler skips) and 4 good, 5 not trained from yet
     assert health == {str(out / f"ckpt_{s:06d}.pt"): s < 5 for s in range(1, 6)}
 

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 import fineweb
-from fineweb import EOT
 from helpers import ROOT
 from support import common, file_lock
 from support.common import UserError
 from support.documents import HUB_OFFLINE_VARS
+from support.shards import EOT
 
 SHARD = 100_000  # small shards: the 1.6M-token sample gives 16 full ones and a partial one
 

@@ -1,5 +1,6 @@
-"""Every refusal in the flag and data checks (support/checks.py: check_args, check_device,
-check_data, check_model_fits, find_shards and the shard checks) has a case of its own here, with
+"""Every refusal in the flag and data checks (support/checks.py: check_args, check_data,
+check_model_fits; support/machine.py: check_device; support/shards.py: find_shards and the shard
+checks) has a case of its own here, with
 the one line it says; a new refusal without a case fails test_every_refusal_has_a_case. Numbers
 are refused where the code cannot use them (a --ddp-timeout c10d cannot wait, a --vocab-size no
 shard can reach, a model no memory holds), under torchrun too, and a flag argparse cannot parse is
@@ -17,22 +18,17 @@ import pytest
 
 import train_gpt2
 from helpers import assert_one_line_error, cli, random_shards, ranks_without_agent, tiny_args, torchrun
-from support import checks
-from support.checks import (
-    check_batch_fits,
-    check_data,
-    check_device,
-    check_same_data,
-    check_same_shards,
-    check_token_ids,
-    find_shards,
-)
+from support import checks, machine, shards
+from support.checks import check_data
 from support.common import UserError
+from support.machine import check_device
+from support.shards import check_batch_fits, check_same_data, check_same_shards, check_token_ids, find_shards
 
 # the functions whose every refusal has a case (check_fineweb_finished's need fineweb.py's own
 # manifests and journals: tests/test_ownership.py and tests/test_edges.py make them)
 CHECKED = ("check_args", "check_device", "check_data", "check_model_fits", "find_shards", "check_batch_fits")
 CHECKED += ("check_same_shards", "check_same_data", "check_token_ids")
+CHECKED_IN = (checks, machine, shards)  # the modules that hold them
 
 
 def no_warmup(*extra):
@@ -262,14 +258,14 @@ CASES = {
 
 
 def refusal(case, tmp_path):
-    """(the one-line message, the refusal's site in support/checks.py: (function, line))."""
+    """(the one-line message, the refusal's site in CHECKED_IN: (function, line))."""
     with pytest.raises(UserError) as e:
         case(tmp_path)
     site = None
     tb = e.value.__traceback__
     while tb is not None:  # the innermost frame of a checked function: where need() or raise was called
         code = tb.tb_frame.f_code
-        if code.co_name in CHECKED and os.path.samefile(code.co_filename, checks.__file__):
+        if code.co_name in CHECKED and any(os.path.samefile(code.co_filename, m.__file__) for m in CHECKED_IN):
             site = (code.co_name, tb.tb_lineno, tb.tb_frame.f_locals.get("name"))
         tb = tb.tb_next
     return str(e.value), site
@@ -288,10 +284,9 @@ def refusal_sites():
     """{(function, first line, last line, flag or None)} of every need(...) call and raise statement
     in the CHECKED functions. A need in a loop over literal flag names (a tuple in the loop or in a
     variable) is one site per name: each flag's refusal is a case of its own."""
-    source = inspect.getsource(checks)
-    tree = ast.parse(source)
+    trees = [ast.parse(inspect.getsource(m)) for m in CHECKED_IN]
     sites = set()
-    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in CHECKED):
+    for fn in (n for tree in trees for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in CHECKED):
         tuples = {
             node.targets[0].id: node.value
             for node in ast.walk(fn)
@@ -322,7 +317,7 @@ def refusal_sites():
 
 def test_every_refusal_has_a_case(tmp_path):
     """Each need(...) and raise in the flag checks is hit by some case above (each flag of a loop
-    by its own): a refusal added to support/checks.py without a case here fails this test."""
+    by its own): a refusal added to them without a case here fails this test."""
     sites = refusal_sites()
     assert len(sites) >= 40  # the ast walk found the checks (10 + 11 flags in the loops alone)
     hit = set()

@@ -401,6 +401,59 @@ def test_transformers_model_is_scored_the_same(parity, enc):
     assert (sum_loss / n_tokens).argmin(1).tolist() == [argmin(m) for _, m in plain]
 
 
+@pytest.fixture(scope="module")
+def standalone(short_run, examples, enc):
+    """A tiny checkpoint (block size 64) as hellaswag.py loads it, without train_gpt2.py (transformers'
+    GPT2LMHeadModel built from its state dict), and as training scores it (our GPT); 150 examples:
+    100 short ActivityNet rows, packed, and 50 WikiHow ones, many too long for the window."""
+    import train_gpt2
+
+    path = str(short_run[1] / "ckpt_000002.pt")
+    wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
+    exs = examples[:100] + wikihow[:50]
+    return {
+        "path": path,
+        "hf": hellaswag.load_model(path, "cpu"),
+        "ours": train_gpt2.load_model(path).eval(),
+        "examples": exs,
+        "prepared": hellaswag.prepare(exs, enc),
+    }
+
+
+def test_a_checkpoint_scores_standalone_as_in_training_example_by_example(standalone):
+    hf, ours, prepared = standalone["hf"], standalone["ours"], standalone["prepared"]
+    assert type(hf).__name__ == "GPT2LMHeadModel" and hellaswag._trunk(hf)[2]  # transformers', packed
+    assert hf.lm_head.weight.shape == ours.lm_head.weight.shape  # the padded vocabulary kept: the same softmax
+    batches, _ = hellaswag._batches(prepared, range(len(prepared)), 64, True, 2000, "cpu")
+    assert any("seg" in b for b in batches) and any("seg" not in b for b in batches)  # both paths run
+    theirs, n_tokens = hellaswag.ending_losses(hf, prepared, "cpu", batch_tokens=2000)
+    reference, n_reference = hellaswag.ending_losses(ours, prepared, "cpu", batch_tokens=2000)
+    assert torch.equal(n_tokens, n_reference)
+    assert torch.allclose(theirs, reference, rtol=1e-5, atol=1e-4)
+    preds, preds_norm = reference.argmin(1).tolist(), (reference / n_tokens).argmin(1).tolist()
+    for i in range(len(prepared)):  # each example picks the same ending, by summed and by mean loss
+        assert theirs[i].argmin() == preds[i] and (theirs[i] / n_tokens[i]).argmin() == preds_norm[i], i
+    counts = hellaswag.evaluate(hf, prepared, "cpu", batch_tokens=2000)
+    assert counts == {k: counts_by_hand(standalone["examples"], preds, preds_norm)[k] for k in counts}
+
+
+@pytest.mark.slow
+def test_cli_prints_for_a_checkpoint_what_training_scores_and_imports_no_script(standalone, val_path, enc):
+    # the first 200 examples: 184 packed at block size 64, 16 too long for the window
+    code = (
+        "import sys, hellaswag; hellaswag.main(sys.argv[1:]); "
+        "print([m for m in ('train_gpt2', 'fineweb') if m in sys.modules])"
+    )
+    args = ["-m", standalone["path"], "--data", val_path, "--limit", 200, "-d", "cpu"]
+    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"  # neither script loaded
+    prepared = hellaswag.prepare(hellaswag.load_examples(str(val_path), limit=200), enc)
+    counts = hellaswag.evaluate(standalone["ours"], prepared, "cpu")  # as training scores it
+    assert f"acc      {counts['correct'] / 200:.4f}  ({counts['correct']}/200)" in r.stdout
+    assert f"acc_norm {counts['correct_norm'] / 200:.4f}  ({counts['correct_norm']}/200)" in r.stdout
+
+
 def test_rows_longer_than_block_size_keep_their_end(tiny_config, examples, enc):
     torch.manual_seed(0)
     model = GPT(tiny_config)  # block size 64

@@ -16,7 +16,6 @@ import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fineweb
 from benchmarks.chunked_loss import chunked_cross_entropy
 from benchmarks.ladder import (
     LADDER_LOSS_TOL,
@@ -29,6 +28,7 @@ from benchmarks.ladder import (
     loss_check,
 )
 from helpers import ROOT
+from support.shards import shard_path, write_shard
 from train_gpt2 import GPT, GPTConfig
 
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 64, "T": 32, "B": 2}
@@ -38,7 +38,7 @@ TINY = {"n_layer": 2, "n_head": 2, "n_embd": 64, "T": 32, "B": 2}
 def shard_dir(tmp_path):
     """One shard of random GPT-2 token ids, as bench.py writes for the ladder."""
     tokens = np.random.default_rng(1).integers(0, 50257, 20_000, dtype=np.uint16)
-    fineweb.write_shard(fineweb.shard_path(str(tmp_path), "bench", 1), tokens)
+    write_shard(shard_path(str(tmp_path), "bench", 1), tokens)
     return str(tmp_path)
 
 

@@ -240,7 +240,7 @@ def test_tokenizer(enc):
 
 def test_tokenizer_missing_cache_is_one_line_error(tmp_path):
     code = (
-        "import fineweb, support.common, sys\ntry:\n    fineweb.get_tokenizer()\n"
+        "import support.common, support.shards, sys\ntry:\n    support.shards.get_tokenizer()\n"
         "except support.common.UserError as e:\n    print(e); sys.exit(3)"
     )
     env = {"PATH": "/usr/bin:/bin", "TIKTOKEN_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path)}

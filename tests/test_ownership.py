@@ -294,7 +294,7 @@ def test_a_folder_stopped_where_max_tokens_asked_is_finished_as_asked(tmp_path, 
 
 
 def test_fineweb_command_uses_a_glob_for_a_whole_folder_and_hub_flags(tmp_path):
-    from support.checks import fineweb_command
+    from support.shards import fineweb_command
 
     files = [tmp_path / f"part_{i}.jsonl" for i in range(5)]
     for f in files:

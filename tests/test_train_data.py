@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import fineweb
-from fineweb import load_shard
 from helpers import write_shard
-from support.checks import recorded_max_ids
-from support.common import UserError, shard_fingerprint
+from support.common import UserError
+from support.shards import load_shard, recorded_max_ids, shard_fingerprint
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig, evaluate_val_loss
 
 

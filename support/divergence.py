@@ -1,0 +1,136 @@
+"""A run that diverges: the guard that skips a non-finite step and stops the run after several in
+a row, the refusal to checkpoint weights that are not finite, which checkpoints hold weights that
+trained without a NaN or inf, and what to do then (go on from one with a lower --max-lr)."""
+
+import math
+import os
+import re
+
+import torch
+
+from support.common import UserError, log_records, same_on_every_rank
+from support.out_dir import checkpoint_paths
+
+MAX_BAD_STEPS = 3  # non-finite steps in a row: one is skipped as a bad batch, this many mean the run diverged
+
+
+class NonFiniteGuard:
+    """One NaN or inf (an overflow, a bad batch) in an update would spread to every weight: such a
+    step is skipped. Every rank sees the same all-reduced loss and norm, so all skip it. Several
+    in a row mean the run diverged: it stops with a checkpoint of the last good state.
+    In fp16 (scaler: an enabled GradScaler) a finite loss whose gradients overflowed is the loss
+    scale's doing, not divergence: the scaler skips the step and halves the scale, and the step is
+    logged as {"scaler_skipped": ..., "loss_scale": the scale it overflowed at}, not counted as a bad
+    step, unless the scale is already below 1 (then the gradients overflow unscaled: a bad step)."""
+
+    def __init__(self, log, master_process, checkpoint, out_dir, scaler=None):
+        self.log, self.master_process, self.checkpoint, self.out_dir = log, master_process, checkpoint, out_dir
+        self.in_a_row, self.max_lr = 0, None
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+
+    def skip(self, step, loss, norm, lr):
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.in_a_row = 0
+            return False
+        if self.scaler is not None:  # fp16: the step is not applied either way; the scale backs off
+            scale = self.scaler.get_scale()
+            self.scaler.update()  # the gradients it unscaled held an inf or NaN: the scale is halved
+            if math.isfinite(loss) and scale >= 1:
+                self.log({"step": step, "scaler_skipped": f"grad norm {norm}", "loss_scale": scale, "lr": lr})
+                if self.master_process:
+                    print(
+                        f"step {step:5d} | loss {loss:.6f} | norm {norm} | skipped by the fp16 loss scaler at "
+                        f"scale {scale:g} (now {self.scaler.get_scale():g})"
+                    )
+                return True
+        self.in_a_row += 1
+        self.log({"step": step, "skipped": f"loss {loss}, grad norm {norm}", "lr": lr})
+        if self.master_process:
+            print(f"step {step:5d} | loss {loss} | norm {norm} | skipped ({self.in_a_row} in a row)")
+        if self.in_a_row == MAX_BAD_STEPS:  # the weights and optimizer state are still those of the last good step
+            path = self.checkpoint(step + 1) or os.path.join(self.out_dir, f"ckpt_{step + 1:06d}.pt")
+            first = step + 1 - MAX_BAD_STEPS
+            max_lr = self.max_lr or train_config_of(path).get("max_lr", math.nan)
+            # the same weights failed on every batch: the weights (a learning rate too high), not the data
+            raise same_on_every_rank(
+                UserError(
+                    f"{MAX_BAD_STEPS} steps in a row ({first} to {step}) had a non-finite loss or grad norm: "
+                    f"stopped; {path} holds the weights they failed on (none of their updates was applied). "
+                    f"If the data is at fault, --resume continues from it past these batches; else "
+                    + diverged_advice(self.out_dir, max_lr)
+                )
+            )
+        return True
+
+
+def train_config_of(path):
+    """The flags a checkpoint was saved with ({} if it cannot be read); mmap reads only the small
+    pickled part, not the tensors."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("train_config") or {}
+    except Exception:
+        return {}
+
+
+def check_finite_state(step, run):
+    """Weights or a val loss that are not finite are never saved as a checkpoint, and a run that
+    has them is not done: it stops, saying which checkpoint to go on from. The same decision on
+    every rank (the weights are the same, the val loss all-reduced)."""
+    bad = [name for name, p in run.model.named_parameters() if not torch.isfinite(p).all()]
+    val_loss = run.val_loss
+    if not bad and (val_loss is None or math.isfinite(val_loss)):
+        return
+    what = f"the weights after {step} steps are not finite ({bad[0]})" if bad else f"the val loss is {val_loss}"
+    advice = diverged_advice(run.args.out_dir, run.args.max_lr)
+    raise same_on_every_rank(UserError(f"{what}: the run diverged and stopped, writing no checkpoint of it; {advice}"))
+
+
+def checkpoint_health(out_dir):
+    """[(path, known good)] of out_dir's checkpoints, newest first, from its log. Checkpoint N holds
+    the weights step N trains from: known good when the log's last record of step N (a resumed run
+    redoes steps) is a trained step, or one fp16's loss scaler skipped (its loss was finite, only the
+    scaled gradients overflowed), not a skipped one (a NaN or inf) nor missing (not trained yet)."""
+    trained = {}
+    for record in log_records(os.path.join(out_dir, "log.jsonl")):
+        if any(k in record for k in ("train_loss", "scaler_skipped", "skipped")):
+            trained[record.get("step")] = "skipped" not in record
+    health = []
+    for path in checkpoint_paths(out_dir):
+        step = int(re.findall(r"\d+", os.path.basename(path))[-1])
+        health.append((path, trained.get(step, False)))
+    return health
+
+
+def diverged_max_lr(out_dir, since_step):
+    """The --max-lr that diverged from step since_step: that of the latest run in out_dir's log that
+    trained on from since_step or earlier and had a non-finite step or val loss. A run resumed later
+    than since_step (from weights that had already gone bad) does not count: lowering its lr is not
+    what the weights of since_step need. None when the log records no such run."""
+    found, max_lr, start = None, None, None
+    for record in log_records(os.path.join(out_dir, "log.jsonl")):
+        if record.get("event") == "header":
+            max_lr, start = (record.get("config") or {}).get("max_lr"), record.get("resumed_from") or 0
+            continue
+        val_loss = record.get("val_loss", 0.0)  # a NaN is the string "NaN" (strict JSON)
+        bad = "skipped" in record or not (isinstance(val_loss, (int, float)) and math.isfinite(val_loss))
+        if bad and start is not None and start <= since_step and isinstance(max_lr, (int, float)):
+            found = max_lr
+    return found
+
+
+def diverged_advice(out_dir, max_lr):
+    """What to do after a divergence: go on from the newest checkpoint whose weights are known good
+    (checkpoint_health) with an --max-lr below the one that diverged from it (diverged_max_lr; else
+    max_lr, this run's), an allowed change on --resume; with none, start anew."""
+    good = [path for path, known_good in checkpoint_health(out_dir) if known_good]
+    since = int(re.findall(r"\d+", os.path.basename(good[0]))[-1]) if good else 0
+    max_lr = diverged_max_lr(out_dir, since) or max_lr
+    if good:
+        return (
+            f"continue from {good[0]}, the newest checkpoint whose weights trained without a NaN or inf, with "
+            f"a lower learning rate: --resume {good[0]} --max-lr LR, LR below {max_lr:g}"
+        )
+    return (
+        f"no checkpoint in {out_dir} holds weights that trained without a NaN or inf: start a new run with "
+        f"a lower --max-lr (below {max_lr:g}) in a new --out-dir"
+    )

@@ -1,0 +1,42 @@
+"""--dry-run of the command line's jobs besides training, --sample-from and --export-hf: the checks
+each makes before its slow part (the model found and readable, the prompt, the export's folder),
+without loading weights, sampling or writing."""
+
+import os
+
+from support.common import GPT2_VOCAB, UserError
+from support.hf_interop import check_export_target
+from support.model_files import model_config_of
+from support.sampling import encode_prompt, note_if_samples_stop_early
+
+
+def nearest_folder(path):
+    """path, or the nearest of its parents that exists: where writing it would create something."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def dry_run_job(args, enc):
+    """--dry-run of --sample-from or --export-hf (the flags already checked): every check the job
+    makes before its slow part, then a line saying so. No weights are loaded, nothing is sampled
+    or written. enc: the tokenizer (sampling only; None for an export)."""
+    if args.sample_from:
+        config = model_config_of(args.sample_from)
+        tokens = encode_prompt(enc, args.prompt, config["block_size"])
+        note_if_samples_stop_early(len(tokens), args.max_new_tokens, config["block_size"])
+        print(f"dry run: {args.sample_from}, the prompt and the sampling flags are fine; nothing was sampled")
+        return 0
+    ckpt_path, out_dir = args.export_hf
+    config = model_config_of(ckpt_path)
+    if config["vocab_size"] < GPT2_VOCAB:
+        raise UserError(f"vocab_size {config['vocab_size']} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")
+    target = check_export_target(out_dir)
+    folder = nearest_folder(target if os.path.exists(target) else os.path.dirname(target))
+    if not os.access(folder, os.W_OK):
+        raise UserError(
+            f"cannot write the export to {out_dir}: {folder} is not writable; choose a folder you can write to"
+        )
+    print(f"dry run: {ckpt_path} can be exported to {out_dir}; nothing was written")
+    return 0

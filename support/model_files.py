@@ -1,0 +1,61 @@
+"""Where a model named on the command line (--init-from, --sample-from, --export-hf, hellaswag.py
+-m) lives: an OpenAI GPT-2 name, a transformers folder, our checkpoint or a run's folder, and its
+shape read without its weights."""
+
+import json
+import os
+
+from support.checkpoints import load_checkpoint
+from support.common import GPT2_VOCAB, HF_NAMES, UserError
+from support.hf_interop import check_hub_reachable, hub_name_is_cached
+from support.out_dir import checkpoint_paths
+
+GPT2_BLOCK_SIZE = 1024  # n_positions of every OpenAI GPT-2 (gpt2 .. gpt2-xl)
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def find_model(spec):
+    """("transformers", name or folder) or ("checkpoint", file) for a model given on the command
+    line; a training run's folder means its newest checkpoint, said in a note."""
+    if spec not in HF_NAMES and os.path.isdir(spec) and not os.path.exists(os.path.join(spec, "config.json")):
+        found = checkpoint_paths(spec)
+        if not found:
+            raise UserError(f"{spec} holds neither a transformers model (config.json) nor our checkpoints (ckpt_*.pt)")
+        print(f"{spec} is a training run's folder: using its newest checkpoint, {found[0]}")
+        spec = found[0]
+    if spec in HF_NAMES or os.path.isdir(spec):
+        return "transformers", spec
+    if os.path.isfile(spec):
+        return "checkpoint", spec
+    # most often a checkpoint's step mistyped: say which ones its folder holds
+    folder = os.path.dirname(spec) or "."
+    found = [os.path.basename(p) for p in checkpoint_paths(folder)]
+    there = f"; {folder} holds {', '.join(found[:3])}" + (" ..." if len(found) > 3 else "") if found else ""
+    raise UserError(f"{spec!r} does not exist, and is not a GPT-2 name ({', '.join(HF_NAMES)}){there}")
+
+
+def model_config_of(spec):
+    """{"block_size", "vocab_size"} of a model as --sample-from and --export-hf take it, found and
+    read without its weights: a checkpoint's zip CRCs and pickle (weights_only; the tensors mapped,
+    not read), a transformers folder's config.json beside its weights, a GPT-2 name in the local
+    cache or on a Hub that answers."""
+    kind, path = find_model(spec)
+    if kind == "checkpoint":
+        config = load_checkpoint(path, mmap=True)["model_config"]
+        if not isinstance(config, dict) or not {"block_size", "vocab_size"} <= set(config):
+            raise UserError(f"checkpoint {path}: its model_config is not a GPT config ({config!r:.80})")
+        return config
+    if path in HF_NAMES and not os.path.isdir(path):
+        if not hub_name_is_cached(path):
+            check_hub_reachable(path)
+        return {"block_size": GPT2_BLOCK_SIZE, "vocab_size": GPT2_VOCAB}
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}/config.json cannot be read ({e}): not a transformers model folder") from None
+    if not isinstance(config, dict) or config.get("model_type") != "gpt2":
+        raise UserError(f"{path}/config.json is not a transformers GPT-2's (model_type gpt2)")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in HF_WEIGHTS):
+        raise UserError(f"{path} holds a config.json but no weights ({', '.join(HF_WEIGHTS)})")
+    return {"block_size": config.get("n_positions", GPT2_BLOCK_SIZE), "vocab_size": config.get("vocab_size")}

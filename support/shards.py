@@ -1,0 +1,287 @@
+"""Token shards on disk, torch-free (numpy only): the GPT-2 tokenizer they hold ids of, their
+format and names (fineweb.py writes them, train_gpt2.py memory-maps them), and the checks a run
+makes on them before step 0 (finished, not mixed, ids below the vocabulary, the same data a
+checkpoint was trained on)."""
+
+import glob
+import hashlib
+import json
+import os
+import re
+import shlex
+
+import numpy as np
+
+from support.common import UserError, first_line, same_on_every_rank, write_atomic
+
+EOT = 50256  # <|endoftext|>: every document starts with it
+
+
+def get_tokenizer():
+    """tiktoken's gpt2 encoding. Offline machines point TIKTOKEN_CACHE_DIR at a cache of it."""
+    import tiktoken  # only tokenizing needs it: reading and checking shards does not
+
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # network errors, hash mismatches: all mean the same thing to the user
+        raise UserError(
+            f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}); offline, set TIKTOKEN_CACHE_DIR "
+            f"to a folder holding its cached vocab.bpe and encoder.json"
+        ) from None
+
+
+# --- the format ----------------------------------------------------------------------------------
+# .npy: np.save of a 1-D uint16 array. .bin: llm.c / modded-nanogpt's format, a header of 256
+# int32 (magic, version, token count, zeros) and then the uint16 tokens.
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+SHARD_HEADER_INTS = 256
+MAX_VOCAB_SIZE = 2**16  # token shards hold uint16 ids: a larger vocabulary has rows no token can reach
+
+
+def write_shard(path, tokens, fmt="npy"):
+    """tokens (uint16) as one shard file, written atomically."""
+    if fmt == "bin":
+        header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+        header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
+
+        def write(f):
+            f.write(header.tobytes())
+            f.write(tokens.astype("<u2", copy=False).data)
+
+    else:
+
+        def write(f):
+            np.save(f, tokens)
+
+    write_atomic(path, write)
+
+
+def load_shard(path):
+    """The tokens of one .npy or .bin shard as a read-only, memory-mapped uint16 array. Pages are
+    read from disk only when a batch slices them: switching to a 100M-token shard copies nothing."""
+    try:
+        if path.endswith(".bin"):
+            header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
+            if len(header) < SHARD_HEADER_INTS or header[0] != SHARD_MAGIC:
+                raise UserError(f"{path}: not an llm.c token shard (its header does not start with {SHARD_MAGIC})")
+            if header[1] != SHARD_VERSION:
+                raise UserError(f"{path}: shard version {header[1]}; only version {SHARD_VERSION} is read")
+            n = int(header[2])
+            have = (os.path.getsize(path) - SHARD_HEADER_INTS * 4) // 2
+            if n != have:
+                raise UserError(f"{path}: the header says {n:,} tokens but the file holds {have:,}: truncated?")
+            if n == 0:
+                return np.empty(0, dtype=np.uint16)  # mmap cannot map zero bytes
+            return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_INTS * 4, shape=(n,))
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise UserError(f"{path}: cannot read this token shard ({first_line(e)}): rewrite it with fineweb.py") from None
+    if tokens.dtype != np.uint16 or tokens.ndim != 1:
+        raise UserError(f"{path}: a token shard is a 1-D uint16 array, this one is {tokens.ndim}-D {tokens.dtype}")
+    return tokens
+
+
+# --- the names: {prefix}_{split}_{index}.npy (or .bin), shard 0 the val split -------------------
+
+SHARD_NAME = re.compile(r".+_(train|val)_\d+\.(npy|bin)")  # what find_shards reads
+
+
+def shard_path(out_dir, prefix, index, fmt="npy"):
+    """Where fineweb.py writes shard `index` of a folder."""
+    split = "val" if index == 0 else "train"  # shard 0 is held out for validation
+    return os.path.join(out_dir, f"{prefix}_{split}_{index:06d}.{fmt}")
+
+
+def find_shards(data_dir, split, required=False):
+    """The {prefix}_{split}_{index}.npy (or .bin) shards in data_dir, in name order."""
+    if os.path.isfile(data_dir):  # a text file or one shard where the folder of shards goes
+        raise UserError(
+            f"--data-dir {data_dir} is a file, not a folder of shards: pass the folder that holds the "
+            f"shards, or tokenize a text file with `python fineweb.py --input {data_dir} --out-dir DIR` "
+            f"and pass --data-dir DIR"
+        )
+    if not os.path.isdir(data_dir):
+        raise UserError(f"data folder {data_dir} does not exist: write shards with fineweb.py or pass --data-dir")
+    check_fineweb_finished(data_dir)
+    names = sorted(n for n in os.listdir(data_dir) if (m := SHARD_NAME.fullmatch(n)) and m.group(1) == split)
+    if len({os.path.splitext(n)[1] for n in names}) > 1:
+        raise UserError(f"{data_dir} holds both .npy and .bin {split} shards: keep one format")
+    if required and not names:
+        raise UserError(
+            f"no {split} shards (*_{split}_NNNNNN.npy or .bin) in {data_dir}: write them with "
+            f"`python fineweb.py` or pass --data-dir"
+        )
+    return [os.path.join(data_dir, n) for n in names]
+
+
+def shard_fingerprint(path, blocks=16, block=4096):
+    """[name, bytes, digest] of a token shard: its size and a blake2b of its first and last
+    `block` bytes (the header and the first tokens) and of `blocks` blocks spread evenly between.
+    About 70 KB read whatever the shard's size: cheap enough for every start to check them all."""
+    size, digest = os.path.getsize(path), hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:  # seek and read: os.pread is POSIX only
+        last = max(0, size - block)
+        for i in range(blocks + 2):
+            f.seek(last * i // (blocks + 1))
+            digest.update(f.read(block))
+    return [os.path.basename(path), size, digest.hexdigest()]
+
+
+# --- the checks a run makes on them --------------------------------------------------------------
+
+
+def check_fineweb_finished(data_dir):
+    """A folder whose fineweb.py manifest says it is unfinished (fineweb.py still writing it, or
+    stopped by a kill or an error) is refused, naming the command that finishes it: a run would
+    train on what is there, and could not be resumed once fineweb.py adds the rest. A stop at
+    --max-tokens / --max-shards is finished as asked. Data is finished only if fineweb.py said so:
+    a folder holding fineweb.py's journal (.{prefix}_manifest.journal: fineweb.py started it) whose
+    manifest is deleted or unreadable is refused too, with the command its journal's first line
+    (the manifest as it began) gives. Shards with no journal (llm.c's, the user's own) are not
+    fineweb.py's to judge."""
+    names, readable = os.listdir(data_dir), set()
+    for name in sorted(n for n in names if n.endswith("_manifest.json")):
+        try:
+            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+                manifest = json.load(f)
+            config, finished = manifest["config"], manifest["complete"] or manifest.get("limit") is not None
+            command = fineweb_command(config, data_dir)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+            continue  # not fineweb.py's manifest
+        readable.add(name)
+        if not finished:
+            raise UserError(
+                f"--data-dir {data_dir} is unfinished: its {name} says fineweb.py has not written all of its "
+                f"input (it is still writing, or it was stopped); finish it with `{command}` (or wait for the "
+                f"fineweb.py writing it), then start the run"
+            )
+    for journal in sorted(n for n in names if re.fullmatch(r"\..+_manifest\.journal", n)):
+        name = journal[1 : -len(".journal")] + ".json"
+        if name in readable:
+            continue
+        state = "cannot be read" if name in names else "is missing"
+        try:
+            with open(os.path.join(data_dir, journal), encoding="utf-8") as f:
+                command = fineweb_command(json.loads(f.readline())["manifest"]["config"], data_dir)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+            raise UserError(
+                f"--data-dir {data_dir} is unfinished: fineweb.py's journal {journal} is there, and its manifest "
+                f"{name} {state}, so fineweb.py never said it finished, nor can it finish it: write the data again "
+                f"with fineweb.py into a new --out-dir, then start the run on it"
+            ) from None
+        first = "" if name not in names else f"delete the unreadable {name}, then "
+        raise UserError(
+            f"--data-dir {data_dir} is unfinished: fineweb.py's journal {journal} is there, and its manifest "
+            f"{name} {state}, so fineweb.py never said it finished; {first}finish it with `{command}` (it "
+            f"rebuilds the manifest from the journal), then start the run"
+        )
+
+
+def fineweb_command(config, data_dir):
+    """The fineweb.py command that writes (and, rerun, finishes) the shards a manifest's config
+    describes into data_dir: its flags that differ from fineweb.py's defaults."""
+    source, command = config["source"], ["python", "fineweb.py"]
+    if "input" in source:
+        paths = [entry["path"] if isinstance(entry, dict) else entry[0] for entry in source["input"]]
+        folders, kinds = {os.path.dirname(p) for p in paths}, {os.path.splitext(p)[1] for p in paths}
+        pattern = os.path.join(*folders, "*" + "".join(kinds)) if len(folders) == len(kinds) == 1 else None
+        if len(paths) > 3 and pattern and sorted(glob.glob(pattern)) == paths:
+            paths = [pattern]  # fineweb.py expands the glob itself
+        command += ["--input", *paths]
+    else:
+        defaults = {"dataset": "HuggingFaceFW/fineweb-edu", "name": "sample-10BT", "split": "train"}
+        for key, default in defaults.items():
+            if source.get(key) != default:
+                command += [f"--{key}", source.get(key) or ""]
+    command += ["--out-dir", data_dir]
+    defaults = {"text_field": "text", "prefix": "edufineweb", "shard_size": 100_000_000, "format": "npy"}
+    for key, default in defaults.items():  # fineweb.py's defaults
+        if config.get(key, default) != default:
+            command += [f"--{key.replace('_', '-')}", str(config[key])]
+    return shlex.join(command)
+
+
+def check_batch_fits(batches_per_epoch, sizes, chunk, data_dir, split):
+    """A batch is cut from one shard, never across two: at least one shard must hold one."""
+    if batches_per_epoch == 0:
+        raise UserError(
+            f"the largest {split} shard in {data_dir} holds {max(sizes):,} tokens, fewer than the "
+            f"{chunk + 1:,} that one batch (B*T*world_size + 1) needs: lower --batch-size or --seq-len, "
+            f"or write bigger shards (fineweb.py --shard-size)"
+        )
+
+
+def check_same_shards(saved, names):
+    """A checkpoint's data position means something only in the shards it was saved with."""
+    if saved != names:
+        raise UserError(
+            f"the checkpoint's data position refers to {len(saved)} shards ({saved[0]}, ...), but the data "
+            f"folder holds {len(names)} others: resume with the same shards, or start a new run from its "
+            f"weights with --init-from"
+        )
+
+
+def data_identity(data_dir):
+    """What a run's data is: {split: [fingerprint of each shard, in name order]} for train and val."""
+    return {split: [shard_fingerprint(p) for p in find_shards(data_dir, split)] for split in ("train", "val")}
+
+
+def check_same_data(saved, now, ckpt_path, data_dir):
+    """A checkpoint continues only on the data its run started on (data_identity): shards written
+    again (another --shard-size, other input), added or removed would put its data position in
+    other tokens, and change the val set under it. Refused, naming the first shard that differs."""
+    for split in ("train", "val"):
+        was = {name: (size, digest) for name, size, digest in saved.get(split, [])}
+        is_ = {name: (size, digest) for name, size, digest in now.get(split, [])}
+        for name in sorted(set(was) | set(is_)):
+            if was.get(name) == is_.get(name):
+                continue
+            if name not in is_:
+                what = f"{name} is missing"
+            elif name not in was:
+                what = f"{name} is new (the run's data had no such shard)"
+            elif was[name][0] != is_[name][0]:
+                what = f"{name} is {is_[name][0]:,} bytes, the run's was {was[name][0]:,}"
+            else:
+                what = f"{name} holds other tokens than the run's (the same size)"
+            raise same_on_every_rank(
+                UserError(
+                    f"--data-dir {data_dir} is not the data {ckpt_path} was trained on: {what}; resume on the "
+                    f"run's own shards, or start a new run from its weights with --init-from {ckpt_path} in a new "
+                    f"--out-dir"
+                )
+            )
+
+
+def recorded_max_ids(data_dir):
+    """{shard path: its largest token id} as fineweb.py recorded them in data_dir's manifests, for
+    the shards whose fingerprint still matches the one recorded with it: a start can then check
+    token ids from metadata instead of reading every shard in full. Shards without a matching
+    record (llm.c .bin files, hand-made shards, older manifests) are left out, to be read."""
+    known = {}
+    for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
+        try:
+            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+                shards = json.load(f)["shards"]
+            records = {s["file"]: (s["bytes"], s["fingerprint"], int(s["max_id"])) for s in shards if "max_id" in s}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # not fineweb.py's manifest, or one from before it recorded ids: the shards are read
+        for file, (size, digest, max_id) in records.items():
+            path = os.path.join(data_dir, file)
+            if os.path.isfile(path) and shard_fingerprint(path)[1:] == [size, digest]:
+                known[path] = max_id
+    return known
+
+
+def check_token_ids(tokens, vocab_size, path, max_id=None):
+    """An id the model has no embedding row for crashes the step whose batch holds it (a device
+    assert on CUDA), possibly hours in: a shard of another tokenizer is refused up front. max_id:
+    the shard's largest id as recorded when it was written (recorded_max_ids); else it is read."""
+    if vocab_size is None or not len(tokens):
+        return
+    if (top := int(tokens.max()) if max_id is None else max_id) >= vocab_size:
+        raise UserError(
+            f"{path}: token id {top} is not below the model's vocab_size {vocab_size}: "
+            f"written with another tokenizer? rewrite it with fineweb.py"
+        )
