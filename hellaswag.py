@@ -273,7 +273,7 @@ class Prepared:
         lengths = np.concatenate([self.ctx_len[:, None], self.end_len], axis=1)  # (n, 5), in storage order
         starts = np.cumsum(lengths).reshape(-1, 5) - lengths
         self.ctx_start, self.end_start = starts[:, 0], starts[:, 1:]
-        pieces = itertools.chain.from_iterable(seq for c, ends in zip(ctx, endings) for seq in (c, *ends))
+        pieces = itertools.chain.from_iterable(seq for c, ends in zip(ctx, endings, strict=True) for seq in (c, *ends))
         self.tokens = np.fromiter(pieces, dtype=np.int64, count=int(lengths.sum()))
 
     def __len__(self):
@@ -544,7 +544,7 @@ def evaluate(
         sum_loss, n_tokens = result
         pred = sum_loss.argmin(1).tolist()
         pred_norm = (sum_loss / n_tokens).argmin(1).tolist()
-        for i, p, pn in zip(share, pred, pred_norm):
+        for i, p, pn in zip(share, pred, pred_norm, strict=True):
             label = prepared.labels[i]
             for t in ("", f"_{prepared.split_types[i]}"):
                 counts[f"n{t}"] += 1

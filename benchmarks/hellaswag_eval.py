@@ -23,7 +23,7 @@ def plain_hellaswag_preds(model, prepared, device):
     log-softmax everywhere, the ending's tokens summed. -> (acc predictions, acc_norm predictions)."""
     preds, preds_norm = [], []
     with torch.no_grad():
-        for ctx, ends in zip(prepared.ctx, prepared.endings):
+        for ctx, ends in zip(prepared.ctx, prepared.endings, strict=True):
             sums = []
             for end in ends:
                 row = torch.tensor([ctx + end], device=device)
@@ -38,8 +38,8 @@ def plain_hellaswag_preds(model, prepared, device):
 def counts_of(prepared, preds, preds_norm):
     return {
         "n": len(preds),
-        "correct": sum(p == y for p, y in zip(preds, prepared.labels)),
-        "correct_norm": sum(p == y for p, y in zip(preds_norm, prepared.labels)),
+        "correct": sum(p == y for p, y in zip(preds, prepared.labels, strict=True)),
+        "correct_norm": sum(p == y for p, y in zip(preds_norm, prepared.labels, strict=True)),
     }
 
 
@@ -192,7 +192,7 @@ def bench_hellaswag(s, path, device, device_type, tmp):
     rows.append(
         comparison(
             f"hellaswag one-time host work, full {len(examples):,} examples: prepare + build the batches",
-            [a + b for a, b in zip(host["prepare"], host["batches"])],
+            [a + b for a, b in zip(host["prepare"], host["batches"], strict=True)],
             None,
             "s",
             higher_is_better=False,

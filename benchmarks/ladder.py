@@ -263,7 +263,7 @@ def loss_check(losses, changes, against=1):
     for rung, values in losses.items():
         if len(values) != len(ref):
             raise ValueError(f"rung {rung} ran {len(values)} steps, rung {against} {len(ref)}")
-        diff = max(abs(a - b) for a, b in zip(values, ref))
+        diff = max(abs(a - b) for a, b in zip(values, ref, strict=True))
         tol = LADDER_LOSS_TOL[ladder_precision(changes[rung] | changes[against])]
         tol += (
             LADDER_PAD_ALLOWANCE if ("padded_vocab" in changes[rung]) != ("padded_vocab" in changes[against]) else 0.0
@@ -511,7 +511,7 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
         if previous[rung] is not None:
             p = previous[rung]
             row["vs_previous"] = stats(tok[rung])["median"] / stats(tok[p])["median"]
-            row["vs_previous_paired"] = stats([a / b for a, b in zip(tok[rung], tok[p])])
+            row["vs_previous_paired"] = stats([a / b for a, b in zip(tok[rung], tok[p], strict=True)])
         if "compile" in changes[rung]:  # the first step's time over a later one's
             row["compile_s"] = first[f"rung {rung}"] - statistics.median(secs)
         row.update(losses=losses[rung], loss_precision=ladder_precision(changes[rung], half), loss_max_abs_diff=diff)
@@ -551,7 +551,7 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
                 step_ms=stats([1e3 * t for t in t2["B64"]]),
                 previous=7,
                 vs_previous=stats(tok64)["median"] / stats(tok16)["median"],
-                vs_previous_paired=stats([a / b for a, b in zip(tok64, tok16)]),
+                vs_previous_paired=stats([a / b for a, b in zip(tok64, tok16, strict=True)]),
                 vs_rung1=stats(tok64)["median"] / rungs[0]["tok_per_sec"]["median"],
             )
             if "compile" in ch:

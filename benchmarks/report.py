@@ -44,7 +44,7 @@ def comparison(name, ours, baseline, unit, target=None, higher_is_better=True, j
         row["baseline"] = base_s
         row["ratio"] = ours_s["median"] / base_s["median"]
         if isinstance(baseline, list) and len(baseline) == len(ours):
-            row["paired_ratio"] = stats([a / b for a, b in zip(ours, baseline)])
+            row["paired_ratio"] = stats([a / b for a, b in zip(ours, baseline, strict=True)])
         value = row["ratio"]
     row["met"] = None if target is None else (value >= target if higher_is_better else value < target)
     return row

@@ -159,7 +159,7 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
             mfu[k] = [fpt * x / peak for x in r]
         else:  # each round against the same round's ceiling at this precision
             ceiling = rates(2 * s["mm_n"] ** 3, times[f"mm {precision}"])
-            mfu[k] = [fpt * x / cl for x, cl in zip(r, ceiling)]
+            mfu[k] = [fpt * x / cl for x, cl in zip(r, ceiling, strict=True)]
     result = {
         "config": {
             **c,

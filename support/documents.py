@@ -100,7 +100,7 @@ def describe_inputs(paths, workers=None):
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(paths), workers or default_workers())) as pool:
         digests = list(pool.map(file_digest, paths))
     described, seen = [], {}
-    for path, digest in zip(paths, digests):
+    for path, digest in zip(paths, digests, strict=True):
         if digest in seen:
             print(f"note: --input {path} has the same bytes as {seen[digest]}: it is read once", file=sys.stderr)
             continue

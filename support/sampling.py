@@ -150,7 +150,7 @@ def generate(
     x = model.hidden_states(idx, cache)  # the prompt in one pass; its cache fills positions 0 .. T0-1
     out[:, T0] = next_token(model.lm_head(x[:, -1]), temperature, top_k, draw())
     if compile:
-        for k, v in zip(cache.k, cache.v):  # tell the CUDA graph these buffers never move
+        for k, v in zip(cache.k, cache.v, strict=True):  # tell the CUDA graph these buffers never move
             torch._dynamo.mark_static_address(k)
             torch._dynamo.mark_static_address(v)
     cache.pos = torch.tensor([T0], device=idx.device)
