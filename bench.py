@@ -194,7 +194,9 @@ def check_out(out, ladder):
         os.close(fd)
         os.remove(probe)
     except OSError as e:
-        raise UserError(f"--out {out}: cannot write in {folder} ({e.strerror}): pass an --out in a writable folder")
+        raise UserError(
+            f"--out {out}: cannot write in {folder} ({e.strerror}): pass an --out in a writable folder"
+        ) from None
     return png
 
 

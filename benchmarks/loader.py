@@ -112,7 +112,7 @@ def bench_data_identity(data_dir, tmp, n_shards=100, shard_tokens=100_000_000, r
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-        cold.append(timed(lambda: shard_fingerprint(path), "cpu"))
+        cold.append(timed(lambda p=path: shard_fingerprint(p), "cpu"))
     shutil.rmtree(folder)
     cold_ms = [1e3 * t for t in cold]
     result = {"shards": n_shards, "shard_tokens": shard_tokens, "seconds": stats(times), "cold_ms_per_shard": cold_ms}
