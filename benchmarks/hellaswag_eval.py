@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+import hellaswag
 from benchmarks.report import comparison
 from benchmarks.sample import eval_model
 from benchmarks.settings import ROOT, TARGETS, VOCAB
@@ -83,10 +84,6 @@ def find_hellaswag_data(path, shared):
     hellaswag.py's cache if an earlier run downloaded it (never a download here). -> (path, None),
     or (None, why the section cannot run here). A --hellaswag-data that is no HellaSwag file is a
     mistake: UserError."""
-    try:
-        import hellaswag
-    except ImportError as e:
-        return None, f"cannot import hellaswag.py ({e})"
     given = path is not None
     if path is None:
         candidate = shared / "hellaswag" / "hellaswag_val.jsonl" if shared else None
@@ -106,8 +103,6 @@ def find_hellaswag_data(path, shared):
 
 
 def bench_hellaswag(s, path, device, device_type, tmp):
-    import hellaswag
-
     examples = hellaswag.load_examples(path)
     enc = get_tokenizer()
     n = s["hs_examples"] if device_type == "cpu" else s.get("hs_examples_cuda", s["hs_examples"])

@@ -23,7 +23,7 @@ from support.common import write_atomic
 from support.machine import compile_problem, keep_freed_memory
 from support.precision import pick_dtype
 from support.shards import shard_path, write_shard
-from train_gpt2 import GPT, GPTConfig
+from train_gpt2 import GPT, DataLoaderLite, GPTConfig
 
 # The reference run (build-nanogpt on one A100, 124M, B 16, T 1024): (tok/s, ms per step) at each
 # rung; its rung 8, "DDP" here, is its whole job on 8 GPUs.
@@ -197,8 +197,6 @@ def ladder_step(changes, base_state, c, B, data_dir, device, device_type, grad_a
     attention backend and compile setting, reading the same batches as every other rung. Each call
     sets the rung's fp32 matmul precision first, so that rungs interleaved in one process each run
     at their own. On CUDA the step function's peak_bytes holds the most GPU memory a step held."""
-    from train_gpt2 import DataLoaderLite
-
     model = ladder_model(changes, base_state, c, device)
     if "fused_adamw" in changes:
         optimizer = model.configure_optimizers(0.1, LADDER_LR, device_type, verbose=False)
@@ -228,8 +226,6 @@ def ladder_step(changes, base_state, c, B, data_dir, device, device_type, grad_a
 def tf32_has_effect(base_state, c, data_dir, device):
     """Whether allowing TF32 changes the fp32 model's logits on this device (bitwise): where it
     does not (CPUs without TF32 matmuls, GPUs before Ampere), the same kernels run either way."""
-    from train_gpt2 import DataLoaderLite
-
     model = ladder_model(set(), base_state, c, device)
     x, _ = DataLoaderLite(data_dir, "train", 1, c["T"], shuffle=False, device=device).next_batch()
     before = torch.get_float32_matmul_precision()
@@ -360,10 +356,10 @@ def ladder_ddp(n_proc, c, B, steps, data_dir, out_dir, device_type):
 def ladder_png(result, path):
     """ladder.png: tok/s per rung, ours beside the reference's A100 (log scale), and each one's
     speed-up over its rung 1."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  only ladder.png needs it, and a missing one costs only the picture
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # no display: chosen before pyplot loads
+    import matplotlib.pyplot as plt  # noqa: PLC0415  as above, after the backend is chosen
 
     rows = result["rungs"]
     labels = [str(r["rung"]) for r in rows]

@@ -8,11 +8,13 @@ import statistics
 import time
 
 import numpy as np
+import psutil
 
 from benchmarks.report import comparison
 from benchmarks.settings import TARGETS, TRAIN_CONFIGS
 from benchmarks.timing import log, stats, timed
 from support.shards import data_identity, find_shards, shard_fingerprint, shard_path, write_shard
+from train_gpt2 import DataLoaderLite
 
 
 def rss_mib():
@@ -24,14 +26,10 @@ def rss_mib():
             fields = dict(line.split(":", 1) for line in f if ":" in line)
         return int(fields["RssAnon"].split()[0]) / 1024, int(fields["RssFile"].split()[0]) / 1024
     except (OSError, KeyError):  # not Linux
-        import psutil
-
         return psutil.Process().memory_info().rss / 2**20, 0.0
 
 
 def bench_loader(s, device_type, tmp):
-    from train_gpt2 import DataLoaderLite
-
     c = TRAIN_CONFIGS["gpt2"]
     B, T = c.get(f"B_{device_type}", c["B"]), c["T"]
     data_dir = os.path.join(tmp, "loader_data")
@@ -147,7 +145,6 @@ def whole_start(folder, rounds):
     """The data checks of a training start on folder (the train loader's token-id check and the
     data identity), timed with the largest ids taken from a manifest as fineweb.py writes it, and
     once without it, reading every shard in full as a start did before fineweb.py recorded them."""
-    from train_gpt2 import DataLoaderLite
 
     def start():
         DataLoaderLite(folder, "train", 64, 1024, vocab_size=50304)

@@ -2,6 +2,7 @@
 
 import statistics
 
+import fineweb
 from benchmarks.report import comparison
 from benchmarks.settings import TARGETS
 from benchmarks.timing import interleave, log, rates, stats, timed
@@ -28,8 +29,6 @@ def find_documents(pattern, text_field, shared):
 
 
 def bench_fineweb(s, paths, text_field):
-    import fineweb
-
     docs = list(local_documents(paths, text_field))[: s["docs"]]
     workers = default_workers()
     # the same work per worker at any core count (a 10B-token run is all steady state): on 16 cores

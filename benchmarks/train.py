@@ -21,7 +21,7 @@ from support.common import UserError
 from support.machine import keep_freed_memory
 from support.run_log import RunLog
 from support.shards import shard_path, write_shard
-from train_gpt2 import GPT, GPTConfig, flops_per_token
+from train_gpt2 import GPT, DataLoaderLite, GPTConfig, flops_per_token
 
 
 class HFCausalLM(nn.Module):
@@ -40,7 +40,7 @@ class HFCausalLM(nn.Module):
 
 
 def make_hf_model(config):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel  # noqa: PLC0415  2 s to import: only the hf contender needs it
 
     hc = GPT2Config(
         vocab_size=config.vocab_size,
@@ -107,8 +107,6 @@ def fits_in_memory(models, B, T, autocast_dtype, device):
 
 
 def bench_train_config(name, s, device, device_type, peak, data_dir):
-    from train_gpt2 import DataLoaderLite
-
     c = TRAIN_CONFIGS[name]
     T = c["T"]
     config = GPTConfig(block_size=T, vocab_size=VOCAB, n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"])
@@ -256,8 +254,6 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
 def heap_probe(config, data_dir, keep, steps):
     """In a fresh interpreter (glibc's default malloc unless keep): the seconds of `steps` training
     steps of config (fp32, eager) after one warm-up step, printed as JSON."""
-    from train_gpt2 import DataLoaderLite
-
     if keep:
         keep_freed_memory()
     c = config
@@ -334,7 +330,7 @@ def bench_wandb_logging(s, tmp, train_result):
     also until wandb's thread has logged the records, the most it costs where nothing overlaps.
     Against the fastest of our steps of the last train config."""
     try:
-        import wandb  # noqa: F401
+        import wandb  # noqa: F401, PLC0415  optional: without it this part is skipped
     except ImportError:
         return {"skipped": "wandb is not installed (pip install wandb)"}, []
     env = dict(WANDB_MODE="offline", WANDB_DIR=os.path.join(tmp, "wandb"), WANDB_SILENT="true")
