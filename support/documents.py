@@ -3,11 +3,13 @@ expanded, their encoding checked before any work, their content fingerprinted fo
 a Hugging Face dataset streamed from the Hub, each as an iterator of strings; torch-free, as
 fineweb.py is."""
 
+import codecs
 import concurrent.futures
 import glob
 import hashlib
 import json
 import os
+import shlex
 import sys
 import urllib.parse
 import urllib.request
@@ -56,8 +58,6 @@ def check_encoding(path, head):
     """Refuse text that is not UTF-8, seen in its first bytes `head`: UTF-16 or UTF-32 (with a
     byte-order mark, or without one: every other byte NUL), other NUL-holding (binary) files,
     and invalid UTF-8. tiktoken would take UTF-16 text without a mark as text full of NULs."""
-    import codecs
-    import shlex
 
     def convert(name):
         root, ext = os.path.splitext(path)
@@ -150,8 +150,8 @@ def read_documents(path, text_field):
 
 
 def _parquet_documents(path, text_field):
-    import pyarrow as pa  # only parquet input needs it
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # noqa: PLC0415  pyarrow only for parquet input: .txt and .jsonl runs never load it
+    import pyarrow.parquet as pq  # noqa: PLC0415  as above
 
     try:
         pf = pq.ParquetFile(path)
@@ -167,6 +167,13 @@ def _parquet_documents(path, text_field):
                 yield _text(text, f"{path} row {row}")
     except pa.ArrowException as e:
         raise UserError(f"{path} is not a readable parquet file ({first_line(e)})") from None
+
+
+def _parquet_rows(path):
+    """The number of rows of a parquet file, from its metadata (no text is read)."""
+    import pyarrow.parquet as pq  # noqa: PLC0415  pyarrow only for parquet input: .txt and .jsonl runs never load it
+
+    return pq.ParquetFile(path).metadata.num_rows
 
 
 def check_inputs(paths, text_field):
@@ -186,14 +193,12 @@ def check_inputs(paths, text_field):
 
 def local_documents(paths, text_field, skip=0):
     """All documents of the files in order, after the first `skip` (a resumed run)."""
-    import pyarrow.parquet as pq
-
     for path in paths:
         # a whole file whose row count is known without reading its text is skipped for free
         if skip and path.endswith(".txt"):
             skip -= 1
             continue
-        if skip and path.endswith(".parquet") and skip >= (rows := pq.ParquetFile(path).metadata.num_rows):
+        if skip and path.endswith(".parquet") and skip >= (rows := _parquet_rows(path)):
             skip -= rows
             continue
         for text in read_documents(path, text_field):
@@ -206,7 +211,7 @@ def local_documents(paths, text_field, skip=0):
 def hub_documents(dataset, name, split, text_field, skip=0):
     """Documents streamed from the Hugging Face Hub: tokenizing starts at once, nothing but the
     shards is kept on disk. Opens the dataset now, so a bad name fails before any work."""
-    import datasets  # slow to import; only this path needs it
+    import datasets  # noqa: PLC0415  only streaming from the Hub needs datasets (half a second to import)
 
     try:
         ds = datasets.load_dataset(dataset, name=name, split=split, streaming=True)

@@ -28,7 +28,7 @@ TIED = ("transformer.wte.weight", "lm_head.weight")  # one tensor; its padding r
 
 def hub_name_is_cached(name):
     """The local Hugging Face cache holds the config and the weights of Hub model `name`."""
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415  0.1 s to import: only Hub model names need it
 
     def cached(filename):
         return isinstance(try_to_load_from_cache(name, filename), str)  # else None or "known missing"
@@ -138,7 +138,7 @@ def load_hf_model(name_or_dir):
     local_only = not is_dir and hub_name_is_cached(name_or_dir)
     if not is_dir and not local_only:
         check_hub_reachable(name_or_dir)
-    from transformers import GPT2LMHeadModel  # after the checks, which then answer in a second
+    from transformers import GPT2LMHeadModel  # noqa: PLC0415  2 s to import: after the checks, which then answer at once
 
     try:
         hf, info = GPT2LMHeadModel.from_pretrained(
@@ -175,7 +175,7 @@ GPT_CONFIG_KEYS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"}  #
 def gpt2_config(config, vocab_size, **extra):
     """transformers' GPT2Config of our model config (a dict), with vocab_size rows: GPT-2's
     activation and LayerNorm epsilon, no dropout, tied embeddings."""
-    from transformers import GPT2Config  # only building a transformers model needs it
+    from transformers import GPT2Config  # noqa: PLC0415  0.8 s to import: only building a transformers model needs it
 
     return GPT2Config(
         vocab_size=vocab_size,
@@ -200,7 +200,7 @@ def hf_model_from_checkpoint(ckpt, path):
     config = ckpt["model_config"]
     if not isinstance(config, dict) or set(config) != GPT_CONFIG_KEYS:
         raise UserError(f"checkpoint {path}: its model_config is not a GPT config ({config!r:.80})")
-    from transformers import GPT2LMHeadModel  # only building a transformers model needs it
+    from transformers import GPT2LMHeadModel  # noqa: PLC0415  2 s to import: only building a transformers model needs it
 
     hf_config = gpt2_config(config, config["vocab_size"], attn_implementation="sdpa")
     with torch.device("meta"):  # no random init to throw away: the checkpoint's tensors become the weights
@@ -221,8 +221,8 @@ def save_hf_gpt2(config, sd, out_dir):
     if config["vocab_size"] < GPT2_VOCAB:
         raise UserError(f"vocab_size {config['vocab_size']} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")
     given, out_dir = out_dir, check_export_target(out_dir)  # refuse before the slow part
-    from transformers import GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
+    from transformers import GPT2LMHeadModel  # noqa: PLC0415  2 s to import: only the export needs it, after its checks
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415  as above
 
     hf = GPT2LMHeadModel(gpt2_config(config, GPT2_VOCAB, exported_by=EXPORT_MARK))
     sd_hf = hf.state_dict()

@@ -141,7 +141,7 @@ def set_deterministic(device_type):
     weights, run after run and across a --resume. On a CPU the kernels already are; on CUDA
     several default kernels add up partial sums in whatever order threads finish (atomics), so
     the last bits of the gradients change from run to run. Call before any CUDA work."""
-    import torch._inductor.config as inductor_config  # here: importing Inductor takes seconds; only this needs it
+    import torch._inductor.config as inductor_config  # noqa: PLC0415  a second to import: only --deterministic needs it
 
     if device_type == "cuda":
         # cuBLAS reads this when it creates its handle (first matmul): a fixed workspace per

@@ -1,4 +1,4 @@
-"""Token shards on disk, torch-free (numpy only): the GPT-2 tokenizer they hold ids of, their
+"""Token shards on disk, torch-free (numpy and tiktoken): the GPT-2 tokenizer they hold ids of, their
 format and names (fineweb.py writes them, train_gpt2.py memory-maps them), and the checks a run
 makes on them before step 0 (finished, not mixed, ids below the vocabulary, the same data a
 checkpoint was trained on)."""
@@ -11,6 +11,7 @@ import re
 import shlex
 
 import numpy as np
+import tiktoken
 
 from support.common import UserError, first_line, same_on_every_rank, write_atomic
 
@@ -19,8 +20,6 @@ EOT = 50256  # <|endoftext|>: every document starts with it
 
 def get_tokenizer():
     """tiktoken's gpt2 encoding. Offline machines point TIKTOKEN_CACHE_DIR at a cache of it."""
-    import tiktoken  # only tokenizing needs it: reading and checking shards does not
-
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # network errors, hash mismatches: all mean the same thing to the user
