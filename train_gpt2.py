@@ -572,11 +572,8 @@ def train(args, given=frozenset()):
     run, ckpt_path, ckpt, changes, precision = start_run(args, given)
     dist_info, device, device_type = run.dist_info, run.device, torch.device(run.device).type
     ddp, ddp_rank, ddp_world_size = dist_info.ddp, dist_info.ddp_rank, dist_info.ddp_world_size
-    master_process, autocast_dtype, grad_accum_steps = (
-        dist_info.master_process,
-        run.autocast_dtype,
-        run.grad_accum_steps,
-    )
+    master_process, autocast_dtype = dist_info.master_process, run.autocast_dtype
+    grad_accum_steps = run.grad_accum_steps
     B, T = args.batch_size, args.seq_len
 
     # --- model -------------------------------------------------------------------------------
@@ -588,17 +585,10 @@ def train(args, given=frozenset()):
     # --- data --------------------------------------------------------------------------------
     vocab_size = config.vocab_size
     with oom_phase("reading the data", run=run):
+        # this rank's slices of every batch, the shards in an order drawn from the seed each epoch
+        order = dict(rank=ddp_rank, world_size=ddp_world_size, shuffle=not args.no_shuffle, seed=args.seed)
         run.loader = train_loader = DataLoaderLite(
-            args.data_dir,
-            "train",
-            B,
-            T,
-            rank=ddp_rank,
-            world_size=ddp_world_size,
-            shuffle=not args.no_shuffle,
-            seed=args.seed,
-            vocab_size=vocab_size,
-            device=device,
+            args.data_dir, "train", B, T, **order, vocab_size=vocab_size, device=device
         )
         run.val_tokens = load_val_tokens(args.data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
     check_data(args, train_loader.tokens_per_epoch, run.val_tokens, master_process)
