@@ -107,3 +107,20 @@ def short_run(tmp_path_factory):
     data = random_shards(tmp / "data")
     assert train_gpt2.main(tiny_args(data, tmp / "out", "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)) == 0
     return data, tmp / "out"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A test module's shards of random token ids (random_shards): read, never changed."""
+    return random_shards(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture
+def run4_with_val_loss(data, tmp_path):
+    """4 steps done with checkpoints after 2 and 4, val loss every 2 steps."""
+    import train_gpt2
+
+    out = tmp_path / "run"
+    args = tiny_args(data, out, "--max-steps", 4, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 2)
+    assert train_gpt2.main(args) == 0
+    return out

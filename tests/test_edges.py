@@ -12,38 +12,18 @@ import sys
 import pytest
 import torch
 from test_notebook import header, kernel_env, run_notebook, step_record, write_log  # noqa: F401  (kernel_env: a fixture)
-from test_ownership import headers
 
 import fineweb
 import train_gpt2
-from helpers import ROOT, assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, user_error
+from helpers import ROOT, assert_one_line_error, at_step, cli, headers, read_log, snapshot, tiny_args, user_error
 from support import sampling
 from support.common import GPT2_VOCAB, UserError
 from support.out_dir import LOCK_FILE, lock_out_dir
 from support.sampling import generate
 from train_gpt2 import GPT
 
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return random_shards(tmp_path_factory.mktemp("data"))
-
-
 # ----------------------------------------------------------------------------------------------
 # A folder's owner is decided by something a user cannot delete by accident
-
-
-def at_step(monkeypatch, actions):
-    """Run actions[step]() as training step `step` computes its learning rate (after its checkpoint,
-    before its log record)."""
-    real = train_gpt2.get_lr
-
-    def get_lr(step, *args):
-        if step in actions:
-            actions[step]()
-        return real(step, *args)
-
-    monkeypatch.setattr(train_gpt2, "get_lr", get_lr)
 
 
 @pytest.mark.parametrize("how", ["deleted", "replaced by an empty file"])

@@ -23,56 +23,23 @@ import torch
 import fineweb
 import hellaswag
 import train_gpt2
-from helpers import ROOT, random_shards, read_log, start_run, tiny_args, user_error, wait_for_step, write_shard
+from helpers import (
+    ROOT,
+    fail_nth_write,
+    random_shards,
+    read_log,
+    same_weights,
+    start_run,
+    tiny_args,
+    user_error,
+    wait_for_step,
+    write_shard,
+)
 from support import common, divergence, precision, run_log
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.common import UserError
 from support.out_dir import checkpoint_paths
 from support.shards import EOT
-
-
-class FullDisk:
-    """A writable file that takes `room` bytes, then fails like a full disk (ENOSPC)."""
-
-    def __init__(self, f, room):
-        self.f, self.room = f, room
-
-    def write(self, data):
-        text = isinstance(data, str)  # a text-mode file (the log), else bytes or an array
-        n = len(data) if text else memoryview(data).nbytes
-        if n > self.room:
-            self.f.write(data[: self.room] if text else bytes(memoryview(data).cast("B")[: self.room]))
-            self.room = 0
-            raise OSError(errno.ENOSPC, "No space left on device")
-        self.room -= n
-        return self.f.write(data)
-
-    def __getattr__(self, name):  # flush, fileno, close, ... of the real file
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
-
-
-def fail_nth_write(monkeypatch, module, suffix, n, room=1000):
-    """Make the n-th file that `module` opens for writing with a name ending in `suffix` run out
-    of disk after `room` bytes. Only that module's open() is replaced."""
-    opened = []
-
-    def open_(path, mode="r", *args, **kwargs):
-        f = open(path, mode, *args, **kwargs)
-        if ("w" in mode or "a" in mode) and str(path).endswith(suffix):
-            opened.append(path)
-            if len(opened) == n:
-                return FullDisk(f, room)
-        return f
-
-    monkeypatch.setattr(module, "open", open_, raising=False)
-    return opened
-
 
 # ----------------------------------------------------------------------------------------------
 # fineweb.py
@@ -119,14 +86,6 @@ def test_hellaswag_label_out_of_range_is_named(tmp_path, shared_data, label):
     (tmp_path / "h.jsonl").write_text("\n".join([lines[0], json.dumps(row), lines[2]]) + "\n")
     with pytest.raises(hellaswag.HellaSwagDataError, match=r"h\.jsonl, line 2: label .* is not an int from 0 to 3"):
         hellaswag.load_examples(str(tmp_path / "h.jsonl"))
-
-
-# ----------------------------------------------------------------------------------------------
-# train_gpt2.py: helpers
-
-
-def same_weights(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ----------------------------------------------------------------------------------------------

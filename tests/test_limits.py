@@ -3,7 +3,6 @@ real, under a memory limit), a divergence, numbers at the edge of what the code 
 (seeds, timeouts, temperatures), torchrun, read-only folders, and messages that must name the
 right flag and tell the truth about what is on disk. Each message's advice is followed here."""
 
-import json
 import math
 import os
 import re
@@ -25,6 +24,7 @@ from helpers import (
     random_shards,
     ranks_without_agent,
     read_log,
+    strict_records,
     tiny_args,
     torchrun,
     user_error,
@@ -58,15 +58,6 @@ def limited(headroom_mib, *args):
     )
 
 
-def strict_records(out):
-    """log.jsonl read by a strict JSON reader (NaN and Infinity are not JSON): a bad line fails."""
-
-    def refuse(constant):
-        raise ValueError(f"{constant} is not JSON")
-
-    return [json.loads(line, parse_constant=refuse) for line in (out / "log.jsonl").read_text().splitlines()]
-
-
 def follow(message, args, flag):
     """args with the advice's `flag VALUE` (its last one: `e.g. flag VALUE`, `--resume flag VALUE`) and
     --resume when the advice says it."""
@@ -74,11 +65,6 @@ def follow(message, args, flag):
     i = args.index(flag) if flag in args else None
     args = args[:i] + args[i + 2 :] if i is not None else list(args)
     return args + [flag, value] + (["--resume"] if "--resume" in message and "--resume" not in args else [])
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return random_shards(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")
@@ -284,39 +270,36 @@ def test_gpu_out_of_memory_reads_as_gpu_memory_with_the_allocators_size():
 # Rule 2: after a divergence the advice works; a run never ends "done" on NaN
 
 
-@pytest.fixture
-def run4(data, tmp_path):
-    """4 steps done with checkpoints after 2 and 4, val loss every 2 steps."""
-    out = tmp_path / "run"
-    args = tiny_args(data, out, "--max-steps", 4, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 2)
-    assert train_gpt2.main(args) == 0
-    return out
-
-
-def test_a_lower_max_lr_on_resume_is_allowed_and_said_in_output_and_header(data, run4, capsys):
-    args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 2)
+def test_a_lower_max_lr_on_resume_is_allowed_and_said_in_output_and_header(data, run4_with_val_loss, capsys):
+    args = tiny_args(
+        data, run4_with_val_loss, "--max-steps", 6, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 2
+    )
     assert train_gpt2.main(args + ["--resume", "--max-lr", 1e-3]) == 0
     assert "note: --max-lr 0.003 -> 0.001 on resume" in capsys.readouterr().out
-    header = [x for x in strict_records(run4) if x.get("event") == "header"][-1]
+    header = [x for x in strict_records(run4_with_val_loss) if x.get("event") == "header"][-1]
     assert header["changed_on_resume"] == {"max_lr": [3e-3, 1e-3], "max_steps": [4, 6]}
-    steps = read_log(run4)[1]
+    steps = read_log(run4_with_val_loss)[1]
     assert steps[5]["lr"] == pytest.approx(train_gpt2.get_lr(5, 1e-3, 1e-4, 2, 6))  # the new peak's schedule
 
 
-def test_divergence_names_the_last_good_checkpoint_and_resuming_it_with_a_lower_lr_finishes(data, run4, capsys):
+def test_divergence_names_the_last_good_checkpoint_and_resuming_it_with_a_lower_lr_finishes(
+    data, run4_with_val_loss, capsys
+):
     """--max-lr 1e30 from step 4: the val loss turns NaN and the run stops without "done" or a NaN
     checkpoint; the advice (--resume ckpt_4 --max-lr below) finishes with finite weights and loss."""
-    args = tiny_args(data, run4, "--max-steps", 8, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 2)
+    args = tiny_args(
+        data, run4_with_val_loss, "--max-steps", 8, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 2
+    )
     msg = user_error(args + ["--resume", "--max-lr", 1e30])
-    good = run4 / "ckpt_000004.pt"
+    good = run4_with_val_loss / "ckpt_000004.pt"
     assert "the val loss is nan" in msg and f"--resume {good} --max-lr LR, LR below 1e+30" in msg
     assert "done" not in capsys.readouterr().out
-    assert sorted(p.name for p in run4.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000004.pt"]
-    val = [x["val_loss"] for x in strict_records(run4) if "val_loss" in x]
+    assert sorted(p.name for p in run4_with_val_loss.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000004.pt"]
+    val = [x["val_loss"] for x in strict_records(run4_with_val_loss) if "val_loss" in x]
     assert val[-1] == "NaN"  # strict JSON: a string any reader takes, which float() reads back
     assert train_gpt2.main(args + ["--resume", str(good), "--max-lr", 3e-3]) == 0
     assert "done: 8 steps, val loss" in capsys.readouterr().out
-    final = load_checkpoint(str(run4 / "ckpt_000008.pt"))
+    final = load_checkpoint(str(run4_with_val_loss / "ckpt_000008.pt"))
     assert math.isfinite(final["val_loss"]) and all(torch.isfinite(t).all() for t in final["model"].values())
 
 

@@ -20,6 +20,7 @@ from helpers import (
     cli,
     random_shards,
     read_log,
+    refused_before_step_0,
     snapshot,
     start_run,
     tiny_args,
@@ -27,25 +28,6 @@ from helpers import (
 )
 from support.common import UserError
 from support.sampling import generate
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return random_shards(tmp_path_factory.mktemp("data"))
-
-
-def refused_before_step_0(args, out, *words):
-    """In-process: one UserError line, no step record in the log, the folder unchanged."""
-    before = snapshot(out) if out.exists() else {}
-    msg = user_error(args)
-    for word in words:
-        assert word in msg, msg
-    after = snapshot(out) if out.exists() else {}
-    assert {k: v for k, v in after.items() if k in before} == before  # nothing that existed is gone or changed
-    if (out / "log.jsonl").exists() and "log.jsonl" not in before:
-        assert not read_log(out)[1]
-    return msg
-
 
 # ----------------------------------------------------------------------------------------------
 # Rule 2: an out-dir belongs to one run

@@ -21,8 +21,10 @@ from helpers import (
     ROOT,
     assert_one_line_error,
     cli,
+    headers,
     random_shards,
     read_log,
+    run_ids,
     snapshot,
     start_run,
     tiny_args,
@@ -33,20 +35,6 @@ from helpers import (
 )
 from support.checkpoints import load_checkpoint
 from support.out_dir import LOCK_FILE
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return random_shards(tmp_path_factory.mktemp("data"))
-
-
-def headers(out):
-    return [r for r in read_log(out)[0] if r.get("event") == "header"]
-
-
-def run_ids(out):
-    return {load_checkpoint(str(p))["run_id"] for p in out.glob("ckpt_*.pt")}
-
 
 # ----------------------------------------------------------------------------------------------
 # Rule 16: a running run holds its folder

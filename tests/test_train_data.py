@@ -9,24 +9,10 @@ import pytest
 import torch
 
 import fineweb
-from helpers import write_shard
+from helpers import write_known_shards, write_shard
 from support.common import UserError
 from support.shards import load_shard, recorded_max_ids, shard_fingerprint
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig, evaluate_val_loss
-
-
-def write_known_shards(folder, lengths, ext="npy", val_length=0):
-    """Train shards whose tokens are distinct consecutive ids, so every token names its place."""
-    folder.mkdir(parents=True, exist_ok=True)
-    shards, start = [], 0
-    if val_length:
-        write_shard(folder / f"known_val_000000.{ext}", np.arange(60000, 60000 + val_length))
-    for i, n in enumerate(lengths):
-        tokens = np.arange(start, start + n)
-        write_shard(folder / f"known_train_{i + 1:06d}.{ext}", tokens)
-        shards.append(tokens)
-        start += n
-    return shards
 
 
 def test_every_token_once_per_epoch_across_ranks(tmp_path):
