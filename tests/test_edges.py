@@ -85,59 +85,6 @@ def test_a_run_whose_lock_another_run_took_stops_and_leaves_that_runs_lock(data,
 # One log, one run, said
 
 
-class Killed(BaseException):
-    """The process dies here (a spot instance reclaimed): nothing after it runs in the loop."""
-
-
-def killed_before_its_first_checkpoint(data, out, monkeypatch, *flags):
-    """A run of 6 steps, killed as step 3 trains: steps 0-2 in its log, no checkpoint."""
-    at_step(monkeypatch, {3: lambda: (_ for _ in ()).throw(Killed())})
-    with pytest.raises(Killed):
-        train_gpt2.main(tiny_args(data, out, "--ckpt-every", 0, *flags))
-    monkeypatch.undo()
-    assert sorted(read_log(out)[1]) == [0, 1, 2] and not list(out.glob("ckpt_*.pt"))
-
-
-def test_resume_with_no_checkpoint_restarts_the_run_its_log_records_with_its_recipe(
-    data, tmp_path, monkeypatch, capsys
-):
-    out = tmp_path / "out"
-    killed_before_its_first_checkpoint(data, out, monkeypatch, "--seed", 5, "--max-lr", 2e-3)
-    # the spot script's command: --resume, and nothing of the recipe (the defaults are GPT-2 124M's)
-    assert train_gpt2.main(["--resume", "--out-dir", str(out), "--device", "cpu"]) == 0
-    said = capsys.readouterr().out
-    first, again = headers(out)
-    assert f"run {first['run_id']}, which its log.jsonl records 3 steps of (it stopped before its first" in said
-    assert again["run_id"] == first["run_id"] and again["restarted"] and again["resumed_from"] is None
-    assert not first["restarted"]
-    for name in ("model_config", "seed", "max_lr", "total_batch_size", "max_steps", "data_dir", "val_tokens"):
-        assert again["config"][name] == first["config"][name], name
-    records, steps = read_log(out)
-    assert sorted(steps) == list(range(6))
-    before = [r for r in records[: records.index(again)] if "train_loss" in r]
-    assert [r["train_loss"] for r in before] == [steps[s]["train_loss"] for s in (0, 1, 2)]  # the same run again
-
-
-@pytest.mark.parametrize(
-    "flag, value, refused", [("--n-layer", 3, True), ("--seed", 6, True), ("--max-steps", 8, False)]
-)
-def test_a_restart_refuses_a_flag_that_contradicts_the_recorded_recipe(
-    data, tmp_path, monkeypatch, flag, value, refused
-):
-    out = tmp_path / "out"
-    killed_before_its_first_checkpoint(data, out, monkeypatch)
-    run_id = headers(out)[0]["run_id"]
-    args = ["--resume", "--out-dir", str(out), "--device", "cpu", flag, str(value)]
-    if refused:
-        with pytest.raises(UserError) as e:
-            train_gpt2.main(args)
-        assert f"{flag} {value} contradicts the " in str(e.value) and f"that run {run_id} was trained with" in str(e)
-        assert len(headers(out)) == 1  # nothing appended
-    else:
-        assert train_gpt2.main(args) == 0
-        assert sorted(read_log(out)[1]) == list(range(8)) and headers(out)[-1]["run_id"] == run_id
-
-
 @pytest.mark.parametrize("ckpt_every", [0, 1])
 def test_a_second_ctrl_c_says_what_the_folder_holds_to_continue_from(data, tmp_path, monkeypatch, ckpt_every):
     out = tmp_path / "out"

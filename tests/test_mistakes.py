@@ -6,8 +6,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,7 +13,6 @@ import torch
 
 import train_gpt2
 from helpers import (
-    ROOT,
     assert_one_line_error,
     cli,
     random_shards,
@@ -309,118 +306,6 @@ def test_a_broken_hellaswag_file_warns_at_start_and_training_goes_on(data, tmp_p
     assert train_gpt2.main(args) == 0
     assert "HellaSwag evaluation is off" in capsys.readouterr().err
     assert sorted(read_log(out)[1]) == [0, 1]
-
-
-# ----------------------------------------------------------------------------------------------
-# Rule 5: --resume compares the checkpoint's recipe with the flags
-
-
-@pytest.fixture
-def run4(data, tmp_path):
-    """4 of 8 steps done, warm-up 5, checkpoint every 2 steps."""
-    out = tmp_path / "run"
-    args = tiny_args(data, out, "--max-steps", 4, "--warmup-steps", 5, "--ckpt-every", 2, "--eval-every", 0)
-    assert train_gpt2.main(args) == 0
-    return out
-
-
-@pytest.mark.parametrize(
-    "flag, value",
-    [("--total-batch-size", 128), ("-T", 8), ("--weight-decay", 0.05), ("--warmup-steps", 2), ("--seed", 3)],
-)
-def test_a_contradicting_recipe_flag_on_resume_is_refused(data, run4, flag, value):
-    before = snapshot(run4)
-    msg = user_error(tiny_args(data, run4, "--max-steps", 8, "--warmup-steps", 5, "--resume", flag, value))
-    assert {"-T": "--seq-len"}.get(flag, flag) in msg
-    assert "contradicts" in msg and "leave" in msg
-    assert snapshot(run4) == before
-
-
-def test_flags_left_out_on_resume_take_the_checkpoints_values(data, run4, tmp_path):
-    # the user forgets the recipe (--warmup-steps would be 715, -B 64, --max-lr 6e-4, ...) and
-    # takes the run on to 8 steps: steps 4-7 are the uninterrupted run's, bit for bit
-    args = tiny_args(data, run4, "--max-steps", 8, "--resume", "--eval-every", 0)
-    for flag in ("--warmup-steps", "-B", "-T", "--total-batch-size", "--max-lr"):
-        i = args.index(flag)
-        del args[i : i + 2]
-    assert train_gpt2.main(args) == 0
-    ref = tmp_path / "ref"
-    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 8, "--warmup-steps", 5, "--eval-every", 0)) == 0
-    resumed, uninterrupted = read_log(run4)[1], read_log(ref)[1]
-    assert sorted(resumed) == sorted(uninterrupted) == list(range(8))
-    for key in ("lr", "train_loss", "grad_norm"):
-        assert [resumed[s][key] for s in range(8)] == [uninterrupted[s][key] for s in range(8)], key
-
-
-def test_resume_takes_the_runs_data_and_eval_settings(data, run4, capsys):
-    # `--resume run` alone: the run's data folder and evals, not the defaults' edu_fineweb10B (which
-    # is not there) and HellaSwag every 250 steps; a setting given on resume wins from there on
-    assert train_gpt2.main(["--resume", str(run4), "--max-steps", "6", "--device", "cpu", "--sample-every", "5"]) == 0
-    assert "note: continuing with the run's --data-dir" in capsys.readouterr().out
-    records, steps = read_log(run4)
-    header = [r for r in records if r.get("event") == "header"][-1]["config"]
-    assert header["data_dir"] == str(data) and header["ckpt_every"] == 2 and header["val_tokens"] == 256
-    assert header["eval_every"] == 0 and header["hellaswag_every"] == 0 and header["sample_every"] == 5
-    assert sorted(steps) == list(range(6)) and not any("val_loss" in r for r in records)
-    assert sorted(p.name for p in run4.glob("ckpt_*.pt"))[-1] == "ckpt_000006.pt"
-
-
-def test_a_longer_max_steps_is_allowed_and_said(data, run4, capsys):
-    args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--resume", "--eval-every", 0)
-    assert train_gpt2.main(args) == 0
-    assert "note: --max-steps 4 -> 6 on resume" in capsys.readouterr().out
-    records, steps = read_log(run4)
-    assert sorted(steps) == list(range(6))
-    assert records[-1]["step"] == 5
-    header = [r for r in records if r.get("event") == "header"][-1]
-    assert header["changed_on_resume"] == {"max_steps": [4, 6]} and header["resumed_from"] == 4
-
-
-def test_resume_with_a_run_folder_continues_that_run_in_it(data, run4, tmp_path):
-    # `--resume run` with no --out-dir: the user means that run, not a new one in ./log
-    args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--eval-every", 0)
-    i = args.index("--out-dir")
-    del args[i : i + 2]
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "train_gpt2.py"), *args, "--resume", str(run4)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
-    assert not (tmp_path / "log").exists()
-    records, steps = read_log(run4)
-    assert sorted(steps) == list(range(6))
-    assert [r for r in records if r.get("event") == "header"][-1]["resumed_from"] == 4
-
-
-def test_resume_with_a_run_folder_and_another_out_dir_is_refused(data, run4, tmp_path):
-    before = snapshot(run4)
-    msg = user_error(tiny_args(data, tmp_path / "other", "--max-steps", 6, "--warmup-steps", 5, "--resume", run4))
-    assert "is a run's folder" in msg and f"--resume --out-dir {run4}" in msg
-    assert snapshot(run4) == before and not (tmp_path / "other").exists()
-
-
-def test_max_steps_below_the_checkpoint_is_refused(data, run4):
-    msg = user_error(tiny_args(data, run4, "--max-steps", 3, "--warmup-steps", 5, "--resume"))
-    assert "--max-steps 3" in msg and "4 steps" in msg
-
-
-def test_tokens_count_stays_right_after_resume_with_another_B(data, run4, tmp_path, capsys):
-    args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--resume", "-B", 4, "--eval-every", 0)
-    assert train_gpt2.main(args) == 0
-    assert "note: --batch-size 2 -> 4 on resume" in capsys.readouterr().out
-    steps = read_log(run4)[1]
-    assert [steps[s]["tokens"] for s in range(6)] == [64 * (s + 1) for s in range(6)]
-    # one micro-batch of 4 rows instead of two of 2: the same 64 tokens a step, summed in another
-    # order, so the uninterrupted run's losses up to float rounding
-    ref = tmp_path / "ref"
-    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 6, "--warmup-steps", 5, "--eval-every", 0)) == 0
-    uninterrupted = read_log(ref)[1]
-    for s in (4, 5):
-        assert steps[s]["train_loss"] == pytest.approx(uninterrupted[s]["train_loss"], rel=1e-6, abs=0), s
-        assert steps[s]["grad_norm"] == pytest.approx(uninterrupted[s]["grad_norm"], rel=1e-5, abs=0), s
 
 
 # ----------------------------------------------------------------------------------------------

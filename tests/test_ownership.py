@@ -111,64 +111,6 @@ def test_under_torchrun_the_job_locks_once_and_a_second_job_is_refused(data, tmp
 
 
 # ----------------------------------------------------------------------------------------------
-# Rule 17: a checkpoint continues only its own run's folder, or a new one
-
-
-@pytest.fixture
-def two_runs(data, tmp_path):
-    """Run A: 4 steps with checkpoints at 2 and 4; run B: another finished run of 6 steps."""
-    a, b = tmp_path / "A", tmp_path / "B"
-    common = ["--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 0]
-    assert train_gpt2.main(tiny_args(data, a, "--max-steps", 4, *common)) == 0
-    assert train_gpt2.main(tiny_args(data, b, "--max-steps", 6, "--seed", 7, *common)) == 0
-    return a, b
-
-
-@pytest.mark.parametrize("keep", ["checkpoints and log", "log only", "checkpoint only"])
-def test_resume_of_a_checkpoint_into_another_runs_folder_is_refused(data, two_runs, keep):
-    a, b = two_runs
-    if keep == "log only":
-        for p in b.glob("ckpt_*.pt"):
-            p.unlink()
-    if keep == "checkpoint only":
-        (b / "log.jsonl").unlink()
-    before = snapshot(a.parent)
-    line = user_error(tiny_args(data, b, "--max-steps", 8, "--warmup-steps", 2, "--resume", a / "ckpt_000002.pt"))
-    assert f"--resume {a / 'ckpt_000002.pt'} continues run " in line and f"--out-dir {b} holds another" in line
-    assert ("log.jsonl" in line) == (keep != "checkpoint only") and ("ckpt_000006.pt" in line) == (keep != "log only")
-    assert f"--out-dir {a} (the run's own folder)" in line
-    assert snapshot(a.parent) == before  # B's checkpoints and log untouched, nothing appended
-
-
-def test_resume_of_a_checkpoint_into_a_new_folder_continues_the_run_there(data, two_runs, tmp_path, capsys):
-    a, _ = two_runs
-    new = tmp_path / "C"
-    new.mkdir()
-    (new / "notes.txt").write_text("the user's notes")  # empty of runs: fine
-    before = snapshot(a)
-    args = ["--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2]
-    assert train_gpt2.main(tiny_args(data, new, *args, "--resume", a / "ckpt_000002.pt")) == 0
-    assert f"note: run {load_checkpoint(str(a / 'ckpt_000002.pt'))['run_id']} continues from" in capsys.readouterr().out
-    assert snapshot(a) == before
-    # the same steps as the run continued in its own folder from that checkpoint
-    own = tmp_path / "own"
-    shutil.copytree(a, own)
-    (own / "ckpt_000004.pt").unlink()
-    assert train_gpt2.main(tiny_args(data, own, *args, "--resume")) == 0
-    moved, in_place = read_log(new)[1], read_log(own)[1]
-    assert sorted(moved) == [2, 3, 4, 5]
-    assert [moved[s]["train_loss"] for s in moved] == [in_place[s]["train_loss"] for s in moved]
-    assert run_ids(new) == run_ids(a) and (new / "notes.txt").read_text() == "the user's notes"
-
-
-def test_an_older_checkpoint_of_the_folders_own_run_resumes_there(data, two_runs):
-    a, _ = two_runs
-    args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2)
-    assert train_gpt2.main([*map(str, args), "--resume", str(a / "ckpt_000002.pt")]) == 0
-    assert [h["resumed_from"] for h in headers(a)] == [None, 2] and len(run_ids(a)) == 1
-
-
-# ----------------------------------------------------------------------------------------------
 # Rule 18: a run's data is the data it started on
 
 
