@@ -5,7 +5,6 @@ either an exact continuation or a one-line error; nothing finished is ever lost.
 Faults whose test lives with its script's other tests (test_train.py, test_fineweb.py,
 test_hellaswag.py) are not repeated here; the table in docs/reliability.md names them all."""
 
-import errno
 import json
 import math
 import os
@@ -183,49 +182,6 @@ def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
 
 # ----------------------------------------------------------------------------------------------
 # train_gpt2.py: a checkpoint write that fails
-
-
-def read_only_on_nth_open(monkeypatch, n):
-    """The n-th checkpoint file train_gpt2 opens for writing fails as on a read-only file system."""
-    opened = []
-
-    def open_(path, mode="r", *args, **kwargs):
-        if "w" in mode and str(path).endswith(".pt.tmp"):
-            opened.append(path)
-            if len(opened) == n:
-                raise OSError(errno.EROFS, "Read-only file system", str(path))
-        return open(path, mode, *args, **kwargs)
-
-    monkeypatch.setattr(common, "open", open_, raising=False)  # common.write_atomic writes the checkpoints
-    return opened
-
-
-@pytest.mark.parametrize(
-    "fault, reason", [("disk-full", "No space left on device"), ("read-only", "Read-only file system")]
-)
-def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_path, monkeypatch, fault, reason):
-    data = random_shards(tmp_path / "data")
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)
-    if fault == "disk-full":
-        fail_nth_write(monkeypatch, common, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
-    else:
-        read_only_on_nth_open(monkeypatch, 3)
-    msg = user_error(args)
-    assert reason in msg and "ckpt_000003.pt" in msg
-    assert sorted(os.listdir(out)) == ["ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"]  # no partial file left
-    assert max(read_log(out)[1]) == 2  # stopped at the failed write, not after more steps
-    previous = load_training_checkpoint(str(out / "ckpt_000002.pt"))
-    monkeypatch.undo()  # the disk has room again: the run continues from the previous checkpoint
-    assert (
-        train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0, "--resume")) == 0
-    )
-    ref = tmp_path / "ref"
-    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)) == 0
-    assert same_weights(previous["model"], load_checkpoint(str(ref / "ckpt_000002.pt"))["model"])
-    assert same_weights(
-        load_checkpoint(str(out / "ckpt_000004.pt"))["model"], load_checkpoint(str(ref / "ckpt_000004.pt"))["model"]
-    )
 
 
 def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
