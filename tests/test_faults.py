@@ -34,7 +34,7 @@ from helpers import (
     wait_for_step,
     write_shard,
 )
-from support import common, divergence, precision, run_log
+from support import common, divergence, precision
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.common import UserError
 from support.out_dir import checkpoint_paths
@@ -178,23 +178,6 @@ def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
     )
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "c_fc.weight is missing" in r.stderr
-
-
-# ----------------------------------------------------------------------------------------------
-# train_gpt2.py: a checkpoint write that fails
-
-
-def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
-    data = random_shards(tmp_path / "data")
-    out = tmp_path / "out"
-    fail_nth_write(monkeypatch, run_log, "log.jsonl", 1, room=3000)  # room for the header and a few steps
-    msg = user_error(tiny_args(data, out, "--max-steps", 50, "--ckpt-every", 1, "--eval-every", 0))
-    assert "log.jsonl" in msg and "No space left on device" in msg and "--resume" in msg
-    last = max(read_log(out)[1])  # the record cut short is skipped
-    assert 0 < last < 49
-    # stopped at once: the checkpoints on disk are those of the steps before the failed record
-    assert sorted(os.listdir(out))[-2:] == [f"ckpt_{last + 1:06d}.pt", "log.jsonl"]
-    load_training_checkpoint(str(out / f"ckpt_{last + 1:06d}.pt"))
 
 
 # ----------------------------------------------------------------------------------------------
