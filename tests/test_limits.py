@@ -269,75 +269,6 @@ def test_gpu_out_of_memory_reads_as_gpu_memory_with_the_allocators_size():
 # Rule 2: after a divergence the advice works; a run never ends "done" on NaN
 
 
-def test_divergence_names_the_last_good_checkpoint_and_resuming_it_with_a_lower_lr_finishes(
-    data, run4_with_val_loss, capsys
-):
-    """--max-lr 1e30 from step 4: the val loss turns NaN and the run stops without "done" or a NaN
-    checkpoint; the advice (--resume ckpt_4 --max-lr below) finishes with finite weights and loss."""
-    args = tiny_args(
-        data, run4_with_val_loss, "--max-steps", 8, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 2
-    )
-    msg = user_error(args + ["--resume", "--max-lr", 1e30])
-    good = run4_with_val_loss / "ckpt_000004.pt"
-    assert "the val loss is nan" in msg and f"--resume {good} --max-lr LR, LR below 1e+30" in msg
-    assert "done" not in capsys.readouterr().out
-    assert sorted(p.name for p in run4_with_val_loss.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000004.pt"]
-    val = [x["val_loss"] for x in strict_records(run4_with_val_loss) if "val_loss" in x]
-    assert val[-1] == "NaN"  # strict JSON: a string any reader takes, which float() reads back
-    assert train_gpt2.main(args + ["--resume", str(good), "--max-lr", 3e-3]) == 0
-    assert "done: 8 steps, val loss" in capsys.readouterr().out
-    final = load_checkpoint(str(run4_with_val_loss / "ckpt_000008.pt"))
-    assert math.isfinite(final["val_loss"]) and all(torch.isfinite(t).all() for t in final["model"].values())
-
-
-def test_divergence_at_the_start_says_start_anew_and_plain_resume_is_not_done(data, tmp_path, capsys):
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 8, "--ckpt-every", 1, "--eval-every", 0)
-    msg = user_error(args + ["--max-lr", 1e30])
-    assert "3 steps in a row (1 to 3)" in msg and f"{out / 'ckpt_000004.pt'} holds the weights they failed on" in msg
-    assert "start a new run with a lower --max-lr (below 1e+30) in a new --out-dir" in msg
-    # resuming the weights that failed, as they are, fails again: never "done"
-    msg = user_error(args + ["--max-lr", 1e30, "--resume"])
-    assert "3 steps in a row (4 to 6)" in msg and "done" not in capsys.readouterr().out
-    # the advice: a new --out-dir, a lower --max-lr
-    assert train_gpt2.main(tiny_args(data, tmp_path / "new", "--max-steps", 8, "--max-lr", 1e-3)) == 0
-    assert all(math.isfinite(s["train_loss"]) for s in read_log(tmp_path / "new")[1].values())
-
-
-def test_keep_ckpts_keeps_the_last_good_checkpoint_through_a_divergence(data, tmp_path):
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--ckpt-every", 1, "--keep-ckpts", 1, "--eval-every", 0)
-    assert train_gpt2.main(args + ["--max-steps", 4]) == 0
-    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000004.pt"]  # 4: not trained yet
-    msg = user_error(args + ["--max-steps", 10, "--max-lr", 1e30, "--resume"])
-    assert f"--resume {out / 'ckpt_000004.pt'} --max-lr LR" in msg
-    assert (out / "ckpt_000004.pt").exists()
-    assert train_gpt2.main(args + ["--max-steps", 10, "--max-lr", 1e-3, "--resume", out / "ckpt_000004.pt"]) == 0
-
-
-def test_bad_batches_in_a_row_then_resume_continues_past_them(data, tmp_path, monkeypatch):
-    """Three batches whose loss is NaN (the data at fault, injected into the loss): the guard's
-    checkpoint holds the good weights, and --resume, as the message says, continues past them."""
-    forward, calls = train_gpt2.GPT.forward, [0]
-
-    def nan_at_steps_2_to_4(self, idx, targets=None, **kwargs):
-        logits, loss = forward(self, idx, targets, **kwargs)
-        if self.training and targets is not None:
-            calls[0] += 1
-            loss = loss * (math.nan if 2 <= (calls[0] - 1) // 2 <= 4 else 1.0)
-        return logits, loss
-
-    monkeypatch.setattr(train_gpt2.GPT, "forward", nan_at_steps_2_to_4)
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 8, "--ckpt-every", 0, "--eval-every", 0)
-    msg = user_error(args)
-    assert "If the data is at fault, --resume continues from it past these batches" in msg
-    monkeypatch.undo()
-    assert train_gpt2.main(args + ["--resume"]) == 0
-    steps = read_log(out)[1]
-    assert sorted(steps) == list(range(8)) and all("train_loss" in steps[s] for s in (0, 1, 5, 6, 7))
-
-
 def test_a_nan_val_loss_reads_back_in_play_ipynb(tmp_path, kernel_env):  # noqa: F811
     records = clean_records()
     records.append({"step": 50, "val_loss": "NaN"})  # as RunLog writes a non-finite val loss
@@ -522,19 +453,3 @@ def test_model_flags_with_init_from_are_said_not_dropped_silently(short_run, dat
     own = {"n_layer": 2, "n_embd": 32, "block_size": 64}[name]  # short_run's model
     assert note == [f"note: {flag} {value} is not used: --init-from {short_run[1]} brings its own shape ({name} {own})"]
     assert load_checkpoint(str(out / "ckpt_000001.pt"))["model_config"]["n_layer"] == 2  # the loaded model's shape
-
-
-def test_after_a_divergence_the_advice_names_the_lr_that_diverged_not_the_resumed_runs(data, tmp_path):
-    """--max-lr 1e30 from step 4: three skipped steps, ckpt_8 holds the weights they failed on.
-    Resuming that checkpoint with --max-lr 1e-3 fails again (its weights are bad whatever the lr):
-    the advice still goes back to ckpt_4 with an lr below 1e30, the one that diverged from it, not
-    below the resumed run's 1e-3; followed, it trains to the end."""
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 4, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
-    assert train_gpt2.main(args) == 0
-    advice = f"--resume {out / 'ckpt_000004.pt'} --max-lr LR, LR below 1e+30"
-    assert advice in user_error(args + ["--max-steps", 12, "--resume", "--max-lr", 1e30])
-    msg = user_error(args + ["--max-steps", 12, "--resume", "--max-lr", 1e-3])
-    assert "3 steps in a row (8 to 10)" in msg and advice in msg
-    assert train_gpt2.main(args + ["--max-steps", 12, "--resume", out / "ckpt_000004.pt", "--max-lr", 3e-3]) == 0
-    assert all(math.isfinite(r["train_loss"]) for step, r in read_log(out)[1].items() if step >= 4)
