@@ -61,22 +61,6 @@ def test_a_run_refused_at_start_leaves_no_empty_out_dir(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
 
 
-def test_a_text_file_as_data_dir_points_to_fineweb(tmp_path):
-    text = tmp_path / "input.txt"
-    text.write_text("First Citizen: Before we proceed any further, hear me speak.\n")
-    msg = user_error(tiny_args(text, tmp_path / "out"))
-    assert "is a file, not a folder of shards" in msg and f"fineweb.py --input {text}" in msg
-    assert text.read_text().startswith("First Citizen") and not (tmp_path / "out").exists()
-
-
-def test_shards_smaller_than_one_batch_name_the_largest_and_the_fix(tmp_path):
-    # 150 tokens in all, but a batch (B 2 x T 32, + 1 for the targets: 65) is cut from one shard
-    data = random_shards(tmp_path / "data", train_lengths=(40, 50, 60))
-    msg = user_error(tiny_args(data, tmp_path / "out", "-T", 32))
-    assert "the largest train shard" in msg and "holds 60 tokens, fewer than the 65" in msg
-    assert "--shard-size" in msg and "--batch-size" in msg
-
-
 # ----------------------------------------------------------------------------------------------
 # Rule 3: every flag checked before step 0, alone and against the others
 

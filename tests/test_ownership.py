@@ -4,21 +4,14 @@ torchrun) is refused by, in one line naming the holder; a checkpoint continues o
 run's folder or a new one; a checkpoint continues only on the shards its run started on, and a
 folder fineweb.py has not finished is refused; a start that fails leaves the folder as it found it."""
 
-import os
-import shlex
-import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-import fineweb
 import train_gpt2
 from helpers import (
-    ROOT,
     assert_one_line_error,
     cli,
     headers,
@@ -31,9 +24,7 @@ from helpers import (
     torchrun,
     user_error,
     wait_for_step,
-    write_shard,
 )
-from support.checkpoints import load_checkpoint
 from support.out_dir import LOCK_FILE
 
 # ----------------------------------------------------------------------------------------------
@@ -108,136 +99,6 @@ def test_under_torchrun_the_job_locks_once_and_a_second_job_is_refused(data, tmp
         job.kill()
     assert len(headers(out)) == 1 and len(run_ids(out)) == 1
     assert not (out / LOCK_FILE).exists()
-
-
-# ----------------------------------------------------------------------------------------------
-# Rule 18: a run's data is the data it started on
-
-
-@pytest.fixture
-def run_on(tmp_path):
-    """(data folder, run folder) of 2 steps on its own random shards, checkpoints at 1 and 2."""
-    data = random_shards(tmp_path / "data", train_lengths=(600, 600), val_length=600, seed=3)
-    out = tmp_path / "run"
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)) == 0
-    return data, out
-
-
-def regenerate(data, lengths, val_length=600, seed=3):
-    shutil.rmtree(data)
-    random_shards(data, train_lengths=lengths, val_length=val_length, seed=seed)
-
-
-@pytest.mark.parametrize(
-    "change, words",
-    [
-        (lambda d: regenerate(d, (700, 500)), "rand_train_000001.npy is 1,528 bytes, the run's was 1,328"),
-        (lambda d: regenerate(d, (600, 600), seed=4), "rand_train_000001.npy holds other tokens than the run's"),
-        (lambda d: regenerate(d, (600, 600, 600)), "rand_train_000003.npy is new"),
-        (lambda d: (d / "rand_train_000002.npy").unlink(), "rand_train_000002.npy is missing"),
-        (lambda d: write_shard(d / "rand_val_000000.npy", range(900)), "rand_val_000000.npy is 1,928 bytes"),
-    ],
-    ids=["another-shard-size", "other-tokens", "a-shard-added", "a-shard-removed", "another-val-set"],
-)
-def test_resume_on_other_data_is_refused_naming_the_first_shard(run_on, change, words):
-    data, out = run_on
-    change(data)
-    before = snapshot(out)
-    line = user_error(tiny_args(data, out, "--max-steps", 4, "--resume"))
-    assert f"--data-dir {data} is not the data " in line and words in line
-    assert f"--init-from {out / 'ckpt_000002.pt'} in a new --out-dir" in line
-    assert snapshot(out) == before
-    # the way out it names: a new run from those weights, on the data as it is now
-    fresh = out.parent / "fresh"
-    assert train_gpt2.main(tiny_args(data, fresh, "--max-steps", 2, "--init-from", out / "ckpt_000002.pt")) == 0
-    assert headers(fresh)[0]["config"]["init_from"] == str(out / "ckpt_000002.pt")
-
-
-def test_the_same_shards_in_another_folder_are_the_same_data(run_on, tmp_path):
-    data, out = run_on
-    moved = tmp_path / "moved"
-    shutil.copytree(data, moved)
-    shutil.rmtree(data)
-    assert train_gpt2.main(tiny_args(moved, out, "--max-steps", 4, "--resume")) == 0
-    assert sorted(read_log(out)[1]) == [0, 1, 2, 3]
-
-
-def test_the_checkpoint_records_each_shards_size_and_sampled_bytes(run_on):
-    data, out = run_on
-    identity = load_checkpoint(str(out / "ckpt_000002.pt"))["data_identity"]
-    assert [name for name, _, _ in identity["train"]] == ["rand_train_000001.npy", "rand_train_000002.npy"]
-    assert [name for name, _, _ in identity["val"]] == ["rand_val_000000.npy"]
-    for name, size, _ in identity["train"] + identity["val"]:
-        assert size == os.path.getsize(data / name)
-
-
-@pytest.fixture
-def tiny_text(tmp_path, shared_data):
-    """The first 40,000 characters of tiny shakespeare as its own input file."""
-    text = tmp_path / "tiny.txt"
-    text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:40000])
-    return text
-
-
-def test_a_folder_fineweb_has_not_finished_is_refused_naming_the_command(tmp_path, tiny_text, monkeypatch):
-    shards = tmp_path / "shards"
-    args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1"]
-    real, written = fineweb.write_shard, []
-
-    def write_then_stop(path, tokens, fmt="npy"):  # stopped (Ctrl-C, a kill) after 3 shards
-        real(path, tokens, fmt)
-        written.append(path)
-        if len(written) == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(fineweb, "write_shard", write_then_stop)
-    with pytest.raises(KeyboardInterrupt):
-        fineweb.main(args)
-    monkeypatch.undo()
-    out = tmp_path / "run"
-    before = snapshot(tmp_path)
-    r = cli(*tiny_args(shards, out, "--max-steps", 2))
-    line = assert_one_line_error(r, f"--data-dir {shards} is unfinished", "fineweb.py has not written all")
-    command = line.split("`")[1]
-    assert command == f"python fineweb.py --input {tiny_text} --out-dir {shards} --shard-size 2000"
-    assert snapshot(tmp_path) == before and not out.exists()
-    # the command it names finishes the folder, as fineweb.py's own uninterrupted run would write it;
-    # its `python` is the one running the tests, whatever is first on PATH
-    argv = shlex.split(command)
-    assert argv[0] == "python"
-    done = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    whole = tmp_path / "whole"
-    fineweb.main(["--input", str(tiny_text), "--out-dir", str(whole), "--shard-size", "2000", "--workers", "1"])
-    names = sorted(p.name for p in whole.iterdir())
-    assert sorted(p.name for p in shards.iterdir()) == names
-    assert all((shards / n).read_bytes() == (whole / n).read_bytes() for n in names)
-    assert train_gpt2.main(tiny_args(shards, out, "--max-steps", 2)) == 0
-
-
-def test_a_folder_stopped_where_max_tokens_asked_is_finished_as_asked(tmp_path, tiny_text):
-    shards = tmp_path / "shards"
-    args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1"]
-    summary = fineweb.main([*args, "--max-tokens", "5000"])
-    assert not summary["complete"] and summary["tokens"] == 5000
-    assert train_gpt2.main(tiny_args(shards, tmp_path / "run", "--max-steps", 2, "--eval-every", 0)) == 0
-
-
-def test_fineweb_command_uses_a_glob_for_a_whole_folder_and_hub_flags(tmp_path):
-    from support.shards import fineweb_command
-
-    files = [tmp_path / f"part_{i}.jsonl" for i in range(5)]
-    for f in files:
-        f.write_text('{"text": "x"}\n')
-    config = {"source": {"input": [{"path": str(f)} for f in files]}, "shard_size": 100_000_000, "prefix": "p"}
-    assert fineweb_command(config, "d") == f"python fineweb.py --input '{tmp_path}/*.jsonl' --out-dir d --prefix p"
-    files[-1].unlink()  # the glob would miss nothing but the folder no longer holds all: name them
-    assert fineweb_command(config, "d").count("part_") == 5
-    hub = {"source": {"dataset": "HuggingFaceFW/fineweb", "name": None, "split": "train"}, "shard_size": 10}
-    assert (
-        fineweb_command(hub, "d")
-        == "python fineweb.py --dataset HuggingFaceFW/fineweb --name '' --out-dir d --shard-size 10"
-    )
 
 
 # ----------------------------------------------------------------------------------------------

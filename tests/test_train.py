@@ -12,7 +12,6 @@ import torch
 
 import train_gpt2
 from helpers import (
-    cli,
     hangup_default,
     heap_after,
     random_shards,
@@ -320,33 +319,7 @@ def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
 # bad input: one line, non-zero exit, no traceback
 
 
-def test_missing_data_folder_cli(tmp_path):
-    r = cli(*tiny_args(tmp_path / "nope", tmp_path / "out"))
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.startswith("error: ") and r.stderr.strip().count("\n") == 0
-    assert "nope" in r.stderr and "fineweb.py" in r.stderr
-
-
-def test_empty_data_folder(tmp_path):
-    (tmp_path / "empty").mkdir()
-    assert "no train shards" in user_error(tiny_args(tmp_path / "empty", tmp_path / "out"))
-
-
 def test_batch_sizes_that_do_not_divide(tmp_path):
     data = random_shards(tmp_path / "data")
     msg = user_error(tiny_args(data, tmp_path / "out", "--total-batch-size", 200))
     assert "not a multiple" in msg and "2*16*1 = 32" in msg
-
-
-def test_bin_shard_with_bad_header(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    write_shard(data / "x_train_000001.bin", np.arange(1000))
-    raw = bytearray((data / "x_train_000001.bin").read_bytes())
-    raw[0:4] = (12345).to_bytes(4, "little")
-    (data / "x_train_000001.bin").write_bytes(raw)
-    assert "20240520" in user_error(tiny_args(data, tmp_path / "out"))
-    write_shard(data / "x_train_000001.bin", np.arange(1000))
-    with open(data / "x_train_000001.bin", "r+b") as f:
-        f.truncate(1024 + 900)  # the header still says 1,000 tokens
-    assert "truncated" in user_error(tiny_args(data, tmp_path / "out"))
