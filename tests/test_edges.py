@@ -3,7 +3,6 @@ deletes does not let a second run into the folder, a run killed before its first
 restarted as the run it was, data fineweb.py never said it finished is refused, and a stop signal
 cuts in-training samples short."""
 
-import os
 import shlex
 import signal
 import subprocess
@@ -15,71 +14,11 @@ from test_notebook import header, kernel_env, run_notebook, step_record, write_l
 
 import fineweb
 import train_gpt2
-from helpers import ROOT, assert_one_line_error, at_step, cli, headers, read_log, snapshot, tiny_args, user_error
+from helpers import ROOT, at_step, headers, read_log, snapshot, tiny_args, user_error
 from support import sampling
 from support.common import GPT2_VOCAB, UserError
-from support.out_dir import LOCK_FILE, lock_out_dir
 from support.sampling import generate
 from train_gpt2 import GPT
-
-# ----------------------------------------------------------------------------------------------
-# A folder's owner is decided by something a user cannot delete by accident
-
-
-@pytest.mark.parametrize("how", ["deleted", "replaced by an empty file"])
-def test_a_deleted_lock_file_is_locked_again_and_a_resume_into_the_folder_is_refused(
-    data, tmp_path, monkeypatch, capsys, how
-):
-    out = tmp_path / "out"
-    lock, refused = out / LOCK_FILE, []
-
-    def delete():  # "a stale lock": it is not
-        lock.unlink()
-        if how != "deleted":
-            lock.write_text("")  # rm; touch: a file no one holds
-
-    def resume():  # while this run trains: `--resume` as a user runs it, or (cheaper) its lock alone
-        if how == "deleted":
-            r = cli(*tiny_args(data, out, "--max-steps", 100, "--resume"))
-            refused.append(assert_one_line_error(r))
-        else:
-            with pytest.raises(UserError) as e:
-                lock_out_dir(str(out), "start again")
-            refused.append(str(e.value))
-
-    at_step(monkeypatch, {2: delete, 4: resume})
-    assert train_gpt2.main(tiny_args(data, out, "--ckpt-every", 2)) == 0
-    assert f"--out-dir {out} is in use by another run (pid {os.getpid()} on " in refused[0]
-    assert f"warning: {lock} was deleted while this run trained: locked again" in capsys.readouterr().err
-    assert len(headers(out)) == 1 and sorted(read_log(out)[1]) == list(range(6)) and not lock.exists()
-
-
-def test_a_run_whose_lock_another_run_took_stops_and_leaves_that_runs_lock(data, tmp_path, monkeypatch):
-    """The lock file deleted and another run started into the folder before this run's next write:
-    this run stops at that write, in one line naming the other run, writes nothing more, and as it
-    exits leaves the other run's lock file in place."""
-    out = tmp_path / "out"
-    lock, other = out / LOCK_FILE, []
-
-    def another_run_starts():
-        lock.unlink()
-        other.append(lock_out_dir(str(out), "start again"))  # a new file, locked by another open file
-
-    at_step(monkeypatch, {2: another_run_starts})
-    try:
-        with pytest.raises(UserError) as e:
-            train_gpt2.main(tiny_args(data, out, "--ckpt-every", 1))
-        assert f"{lock} was deleted or replaced while this run trained, and another run holds it now (pid " in str(
-            e.value
-        )
-        assert "this run stops here and writes nothing more" in str(e.value)
-        assert sorted(read_log(out)[1]) == [0, 1]  # step 2 trained, not logged
-        assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000001.pt", "ckpt_000002.pt"]
-        assert os.path.samestat(os.fstat(other[0]), os.stat(lock))  # the other run's lock, untouched
-    finally:
-        if other:
-            os.close(other[0])
-
 
 # ----------------------------------------------------------------------------------------------
 # One log, one run, said

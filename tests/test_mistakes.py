@@ -17,49 +17,12 @@ from helpers import (
     random_shards,
     read_log,
     refused_before_step_0,
-    snapshot,
     start_run,
     tiny_args,
     user_error,
 )
 from support.common import UserError
 from support.sampling import generate
-
-# ----------------------------------------------------------------------------------------------
-# Rule 2: an out-dir belongs to one run
-
-
-@pytest.mark.parametrize("existing", ["ckpt_000004.pt", "log.jsonl"])
-def test_a_new_run_in_another_runs_out_dir_is_refused(data, tmp_path, existing):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / existing).write_bytes(b"another run's file")
-    (out / "notes.txt").write_text("the user's notes")
-    refused_before_step_0(tiny_args(data, out), out, "--out-dir", "holds another run", "--resume")
-
-
-def test_a_folder_holding_only_the_users_files_is_fine_and_kept(data, tmp_path):
-    out = tmp_path / "out"
-    (out / "sub").mkdir(parents=True)
-    (out / "notes.txt").write_text("the user's notes")
-    (out / "sub" / "ckpt_000001.pt").write_bytes(b"not in the out-dir itself")
-    before = snapshot(out)
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)) == 0
-    after = snapshot(out)
-    assert {k: after[k] for k in before} == before and "ckpt_000002.pt" in after
-
-
-def test_a_run_refused_at_start_leaves_no_empty_out_dir(tmp_path):
-    # the folders the run would have made go again; a folder the user made (empty) stays
-    missing = tmp_path / "new" / "out"
-    user_error(tiny_args(tmp_path / "no_such_data", missing))
-    assert not (tmp_path / "new").exists()
-    mine = tmp_path / "mine"
-    mine.mkdir()
-    user_error(tiny_args(tmp_path / "no_such_data", mine))
-    assert mine.is_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
-
 
 # ----------------------------------------------------------------------------------------------
 # Rule 3: every flag checked before step 0, alone and against the others
@@ -398,47 +361,3 @@ def test_a_write_error_that_is_not_a_full_disk_does_not_say_make_room(data, tmp_
     line = assert_one_line_error(r, "log.jsonl")
     assert "make room" not in line
     json.dumps(line)
-
-
-@pytest.mark.parametrize("resume", [False, True])
-def test_a_folder_where_the_lock_file_goes_is_named_and_moving_it_runs(data, tmp_path, resume):
-    """A .train_gpt2.lock that is a folder is not a permission problem ("make --out-dir writable"
-    would not help): the line names the folder, and once it is moved the same command runs."""
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)
-    if resume:
-        assert train_gpt2.main(args + ["--ckpt-every", 1]) == 0
-        args += ["--max-steps", 3, "--resume"]
-    (out / ".train_gpt2.lock").mkdir(parents=True)
-    msg = refused_before_step_0(args, out, f"--out-dir {out} holds a folder named .train_gpt2.lock")
-    assert msg.endswith("rename or remove that folder, then " + ("continue with --resume" if resume else "start again"))
-    assert "writable" not in msg
-    (out / ".train_gpt2.lock").rename(tmp_path / "moved")
-    assert train_gpt2.main(args) == 0
-
-
-@pytest.mark.parametrize("resume", [False, True])
-def test_a_symlink_where_the_lock_file_goes_is_refused_and_what_it_names_is_untouched(data, tmp_path, resume):
-    """A .train_gpt2.lock that is a symbolic link is never followed: the lock would write its
-    holder's text into the file it names (here a checkpoint of another folder). One line naming the
-    link; that file as it was; the link removed, the same command runs."""
-    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
-    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)
-    assert train_gpt2.main(tiny_args(data, elsewhere, "--max-steps", 1, "--eval-every", 0)) == 0
-    target = next(elsewhere.glob("ckpt_*.pt"))
-    if resume:
-        assert train_gpt2.main(args + ["--ckpt-every", 1]) == 0
-        args += ["--max-steps", 3, "--resume"]
-    out.mkdir(exist_ok=True)
-    (out / ".train_gpt2.lock").symlink_to(target)
-    before = target.read_bytes()
-    msg = refused_before_step_0(
-        args, out, f"--out-dir {out}: {out / '.train_gpt2.lock'} is a symbolic link to {target}, where train_gpt2.py"
-    )
-    assert "\n" not in msg and msg.endswith(
-        "remove the link (not what it points to), then " + ("continue with --resume" if resume else "start again")
-    )
-    assert target.read_bytes() == before
-    (out / ".train_gpt2.lock").unlink()
-    assert train_gpt2.main(args) == 0
-    assert target.read_bytes() == before
