@@ -20,17 +20,7 @@ import pytest
 import fineweb
 import hellaswag
 import train_gpt2
-from helpers import (
-    ROOT,
-    fail_nth_write,
-    random_shards,
-    read_log,
-    same_weights,
-    start_run,
-    tiny_args,
-    user_error,
-    wait_for_step,
-)
+from helpers import ROOT, fail_nth_write, random_shards, read_log, same_weights, start_run, tiny_args, wait_for_step
 from support import common
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.common import UserError
@@ -266,25 +256,3 @@ def test_ddp_rank_frozen_times_out(tmp_path):
     assert returncode != 0 and waited < 75, output[-2000:]
     assert "Timed out" in output
     assert_run_left_whole(tmp_path / "out")
-
-
-# ----------------------------------------------------------------------------------------------
-# train_gpt2.py: bad data, refused before any training step
-
-
-def test_missing_val_split(tmp_path):
-    data = random_shards(tmp_path / "data")
-    os.remove(data / "rand_val_000000.npy")
-    msg = user_error(tiny_args(data, tmp_path / "out"))
-    assert "no val shard" in msg and "--eval-every 0" in msg
-    assert not (tmp_path / "out" / "log.jsonl").exists()
-    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0)) == 0  # the fix works
-
-
-def test_fewer_tokens_than_one_batch(tmp_path):
-    # by hand: micro-batches of B*T = 2*16 = 32 tokens, (100 - 1) // 32 = 3 per shard: 96 usable
-    # tokens, fewer than one optimizer step's --total-batch-size of 128
-    data = random_shards(tmp_path / "data", train_lengths=(100,))
-    msg = user_error(tiny_args(data, tmp_path / "out", "--total-batch-size", 128))
-    assert "96" in msg and "128" in msg
-    assert not (tmp_path / "out" / "log.jsonl").exists()

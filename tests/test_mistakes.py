@@ -28,63 +28,6 @@ from support.sampling import generate
 # Rule 3: every flag checked before step 0, alone and against the others
 
 
-@pytest.mark.parametrize(
-    "flags, words",
-    [
-        (["--min-lr", -1e-3], ["--min-lr"]),
-        (["--min-lr", 1e-2], ["--min-lr", "--max-lr"]),  # above max-lr: the cosine would climb
-        (["--grad-clip", -1], ["--grad-clip"]),
-        (["--weight-decay", -0.1], ["--weight-decay"]),
-        (["--keep-ckpts", -1], ["--keep-ckpts"]),
-        (["--num-samples", 0], ["--num-samples"]),
-        (["--max-new-tokens", 0], ["--max-new-tokens"]),
-        (["--beta1", 1.0], ["--beta1"]),
-        (["--beta2", -0.5], ["--beta2"]),
-        (["--adam-eps", 0], ["--adam-eps"]),
-        (["--ddp-timeout", 0], ["--ddp-timeout"]),
-        (["--max-lr", "nan"], ["--max-lr", "finite"]),
-        (["--max-lr", "inf"], ["--max-lr", "finite"]),
-        (["--peak-flops", 0], ["--peak-flops"]),
-        (["--temperature", -1], ["--temperature"]),
-        (["--top-k", -5], ["--top-k"]),
-        (["--eval-every", -1], ["--eval-every"]),
-        (["--device", "tpu"], ["unknown device"]),
-        (["--init-from", "gpt2", "--resume"], ["--init-from", "--resume"]),
-        (["--max-steps", 20, "--warmup-steps", 715], None),  # explicit: allowed (the user asked for it)
-    ],
-)
-def test_bad_flags_are_refused_before_step_0(data, tmp_path, flags, words):
-    out = tmp_path / "out"
-    if words is None:
-        args = tiny_args(data, out, *flags, "--eval-every", 0, "--max-steps", 1)
-        assert train_gpt2.main(args) == 0
-        return
-    refused_before_step_0(tiny_args(data, out, *flags), out, *words)
-    assert not (out / "log.jsonl").exists()
-
-
-def test_a_forgotten_warmup_on_a_short_run_is_refused(data, tmp_path):
-    args = [a for a in tiny_args(data, tmp_path / "out", "--max-steps", 20)]
-    i = args.index("--warmup-steps")
-    del args[i : i + 2]  # the default 715 steps of warm-up stay
-    msg = refused_before_step_0(args, tmp_path / "out", "--max-steps 20", "715", "--warmup-steps")
-    assert "e-" in msg  # the peak lr it would reach
-
-
-def test_cuda_or_mps_that_is_not_there_is_one_line(data, tmp_path):
-    device = "mps" if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()) else None
-    if torch.cuda.is_available() and device is None:
-        pytest.skip("this machine has both CUDA and MPS")
-    r = cli(*tiny_args(data, tmp_path / "out", "--device", device or "cuda"))
-    assert_one_line_error(r, "not available")
-    assert not (tmp_path / "out").exists()
-
-
-def test_sample_from_and_export_together_are_refused(tmp_path):
-    r = cli("--sample-from", "gpt2", "--export-hf", "a.pt", tmp_path / "x")
-    assert_one_line_error(r, "--sample-from", "--export-hf")
-
-
 def test_a_run_folder_as_the_model_means_its_newest_checkpoint(short_run, capsys):
     out = short_run[1]  # ckpt_000001.pt and ckpt_000002.pt
     args = ["--prompt", "Hi", "--num-samples", "1", "--max-new-tokens", "4", "--device", "cpu"]
@@ -122,12 +65,6 @@ def test_a_mistyped_checkpoint_names_the_ones_its_folder_holds(short_run, tmp_pa
     assert "ckpt_000009.pt' does not exist" in msg and msg.endswith(f"{out} holds ckpt_000002.pt, ckpt_000001.pt")
     msg = user_error(["--sample-from", tmp_path / "gtp2"])  # nothing beside it to suggest
     assert "does not exist, and is not a GPT-2 name (gpt2, " in msg and "holds" not in msg
-
-
-def test_a_typo_in_a_flag_is_refused_not_guessed(data, tmp_path):
-    r = cli(*tiny_args(data, tmp_path / "out"), "--max-st", "3")  # an abbreviation argparse would accept
-    assert_one_line_error(r, "unrecognized arguments: --max-st")
-    assert not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from helpers import (
     signal_at_step,
     start_run,
     tiny_args,
-    user_error,
     write_shard,
 )
 from support.checkpoints import load_checkpoint
@@ -246,17 +245,6 @@ def test_missing_hellaswag_data_is_one_warning_not_a_crash(tmp_path, capsys):
     assert 0 in steps and not any("hellaswag" in r for r in records)
 
 
-def test_warns_when_the_run_repeats_data(tmp_path, capsys):
-    data = random_shards(tmp_path / "data", train_lengths=(100, 100))
-    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--eval-every", 0)) == 0
-    # by hand: micro-batches of 2*16 = 32 tokens; (100 - 1) // 32 = 3 per shard, 192 tokens an
-    # epoch; 6 steps of 64 tokens = 384 tokens = 2 epochs
-    err = capsys.readouterr().err
-    assert "trains on 384 tokens but the train shards hold 192 usable ones" in err and "(2.00 epochs)" in err
-    _, steps = read_log(tmp_path / "out")
-    assert [steps[s]["epoch"] for s in range(6)] == [0, 0, 0, 1, 1, 1]
-
-
 def test_init_from_a_transformers_dir(tmp_path, hf_tiny_dir):
     from transformers import GPT2LMHeadModel
 
@@ -313,13 +301,3 @@ def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
     assert ckpt["data"] == loader.state_dict()
     model = load_model(str(path))
     assert torch.equal(model.lm_head.weight, ckpt["model"]["lm_head.weight"])
-
-
-# ----------------------------------------------------------------------------------------------
-# bad input: one line, non-zero exit, no traceback
-
-
-def test_batch_sizes_that_do_not_divide(tmp_path):
-    data = random_shards(tmp_path / "data")
-    msg = user_error(tiny_args(data, tmp_path / "out", "--total-batch-size", 200))
-    assert "not a multiple" in msg and "2*16*1 = 32" in msg
