@@ -9,16 +9,13 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from test_notebook import header, kernel_env, run_notebook, step_record, write_log  # noqa: F401  (kernel_env: a fixture)
 
 import fineweb
 import train_gpt2
 from helpers import ROOT, at_step, headers, read_log, snapshot, tiny_args, user_error
 from support import sampling
-from support.common import GPT2_VOCAB, UserError
-from support.sampling import generate
-from train_gpt2 import GPT
+from support.common import UserError
 
 # ----------------------------------------------------------------------------------------------
 # One log, one run, said
@@ -177,36 +174,6 @@ def test_a_lost_fineweb_journal_is_said_and_either_fix_it_names_finishes_the_fol
 
 # ----------------------------------------------------------------------------------------------
 # Every signal is honoured within one step's time, sampling included
-
-
-class Countdown:
-    """A stop request that says True from its n-th poll on; counts the polls."""
-
-    def __init__(self, n):
-        self.n, self.polls = n, 0
-
-    def __call__(self):
-        self.polls += 1
-        return self.polls >= self.n
-
-
-@pytest.mark.parametrize("use_cache", [True, False])
-def test_generation_polls_the_stop_request_before_every_token(tiny_config, monkeypatch, use_cache):
-    torch.manual_seed(0)
-    model = GPT(tiny_config).eval()
-    forwards = []
-    real = model.hidden_states
-    monkeypatch.setattr(model, "hidden_states", lambda *a, **k: forwards.append(1) or real(*a, **k))
-    idx = torch.randint(0, GPT2_VOCAB, (2, 3))
-    stop = Countdown(5)  # says stop before the 5th token
-    assert generate(model, idx, 50, use_cache=use_cache, stop=stop) is None
-    # the prompt's pass and 4 one-token steps, or 4 recomputes of the whole prefix
-    assert stop.polls == 5 and len(forwards) == (5 if use_cache else 4)
-    # never asked to stop: the whole sample, the same tokens as without a stop request
-    torch.manual_seed(1)
-    a = generate(model, idx, 20, use_cache=use_cache, stop=lambda: False)
-    torch.manual_seed(1)
-    assert torch.equal(a, generate(model, idx, 20, use_cache=use_cache))
 
 
 def test_sigterm_while_a_run_samples_stops_it_within_a_token_with_a_checkpoint(data, tmp_path, monkeypatch):

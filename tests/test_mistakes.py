@@ -8,110 +8,12 @@ import signal
 import time
 
 import pytest
-import torch
 
 import train_gpt2
-from helpers import assert_one_line_error, cli, random_shards, read_log, refused_before_step_0, start_run, tiny_args
-from support.common import UserError
-from support.sampling import generate
+from helpers import assert_one_line_error, cli, random_shards, read_log, start_run, tiny_args
 
 # ----------------------------------------------------------------------------------------------
 # Rule 4: what runs mid-training is exercised before step 0
-
-
-def greedy_tokens(model, tokens, n):
-    """tokens and the n most likely tokens after them, one at a time over the whole prefix (no
-    KV cache), at most up to the model's window."""
-    idx = torch.tensor([tokens])
-    with torch.no_grad():
-        while idx.size(1) < min(len(tokens) + n, model.config.block_size):
-            logits, _ = model(idx)
-            idx = torch.cat([idx, logits[:, -1, :50257].argmax(-1, keepdim=True)], dim=1)
-    return idx[0].tolist()
-
-
-HELLO = "Hello, I'm a language model,"  # the default --prompt
-
-
-@pytest.mark.parametrize(
-    "flags, prompt, n_new",
-    [
-        (["--temperature", 0], HELLO, 4),  # greedy: 4 new tokens (--max-new-tokens 4)
-        (["--prompt", "", "--temperature", 0], "", 4),  # unconditional: starts from <|endoftext|>
-        (["--prompt", "<|endoftext|>Once upon a time", "--temperature", 0], "Once upon a time", 4),  # typed literally
-        (["--max-new-tokens", 500, "--temperature", 0], HELLO, 64 - 8),  # beyond the 64-token window: stops there
-        (["--top-k", 0], HELLO, 4),  # no top-k filtering
-    ],
-)
-def test_legitimate_sampling_settings_work(data, tmp_path, enc, flags, prompt, n_new, capsys):
-    """Each setting has its effect: the logged samples of steps 1 and 2 are the ones computed here
-    from that step's checkpoint (greedy decoding by hand; <|endoftext|> is token 50256)."""
-    out = tmp_path / "out"
-    args = tiny_args(
-        data,
-        out,
-        "--max-steps",
-        2,
-        "--sample-every",
-        1,
-        "--num-samples",
-        2,
-        "--max-new-tokens",
-        4,
-        "--eval-every",
-        0,
-        "--ckpt-every",
-        1,
-        *flags,
-    )
-    assert train_gpt2.main(args) == 0
-    stops_early = "note: samples stop at the model's 64-token window" in capsys.readouterr().out
-    assert stops_early == (500 in flags)
-    samples = {r["step"]: r["samples"] for r in read_log(out)[0] if "samples" in r}
-    assert sorted(samples) == [1, 2]
-    tokens = ([] if prompt == HELLO else [50256]) + enc.encode_ordinary(prompt)
-    for step, texts in samples.items():
-        model = train_gpt2.load_model(str(out / f"ckpt_{step:06d}.pt")).eval()
-        if "--temperature" in flags:
-            assert texts == [enc.decode(greedy_tokens(model, tokens, n_new))] * 2, step
-        else:  # drawn among all 50257 tokens, with the run's fixed sampling seed (42)
-            draw = lambda top_k: generate(  # noqa: E731
-                model,
-                torch.tensor([tokens] * 2),
-                n_new,
-                top_k=top_k,  # noqa: E731
-                generator=torch.Generator().manual_seed(42),
-            )
-            assert texts == [enc.decode(row.tolist()) for row in draw(None)], step
-            assert texts != [enc.decode(row.tolist()) for row in draw(50)]  # the setting changes the draw
-
-
-def test_sample_from_says_where_samples_stop_at_the_window(short_run, enc, capsys):
-    out = short_run[1]  # a 64-token window
-    n_prompt = len(enc.encode("word " * 39 + "word"))
-    args = ["--sample-from", out, "--prompt", "word " * 39 + "word", "--num-samples", 1, "--device", "cpu"]
-    assert train_gpt2.main([str(a) for a in [*args, "--max-new-tokens", 50]]) == 0
-    said = capsys.readouterr().out
-    assert f"{64 - n_prompt} new tokens after the {n_prompt}-token prompt, not --max-new-tokens 50" in said
-    assert train_gpt2.main([str(a) for a in [*args, "--max-new-tokens", 64 - n_prompt]]) == 0
-    assert "window" not in capsys.readouterr().out  # it fits: nothing to say
-
-
-def test_a_prompt_longer_than_the_window_is_refused_at_start(data, tmp_path):
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--sample-every", 100, "--prompt", "word " * 200)
-    refused_before_step_0(args, out, "--prompt", "tokens")
-
-
-def test_sampling_is_exercised_before_step_0(data, tmp_path, monkeypatch):
-    """A sampling failure (here: the sampler raising) happens before the first step, not at step N."""
-
-    def broken(*args, **kwargs):
-        raise UserError("sampling failed")
-
-    monkeypatch.setattr(train_gpt2, "sample_text", broken)
-    out = tmp_path / "out"
-    refused_before_step_0(tiny_args(data, out, "--sample-every", 1000, "--max-steps", 3000), out, "sampling failed")
 
 
 def test_a_broken_hellaswag_file_warns_at_start_and_training_goes_on(data, tmp_path, capsys):

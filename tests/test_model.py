@@ -1,4 +1,6 @@
-"""The model is exactly GPT-2: parameter count, init, HF parity both ways, sampling, tokenizer."""
+"""The model is exactly GPT-2: parameter count, init, a checkpoint loaded, and transformers parity
+both ways (a transformers folder through --sample-from too). Generating text: test_sampling.py; the
+tokenizer: test_shards.py."""
 
 import math
 import re
@@ -11,7 +13,6 @@ from transformers import GPT2LMHeadModel
 
 from helpers import ROOT, save_tiny_hf_gpt2
 from support.common import GPT2_VOCAB, UserError
-from support.sampling import generate
 from train_gpt2 import GPT, GPTConfig
 
 
@@ -195,42 +196,6 @@ def test_export_roundtrip_padded_vocab_after_training(tmp_path, tiny_config):
         opt.step()
         opt.zero_grad()
     _roundtrip(model, tmp_path)
-
-
-def test_kv_cache_equals_recompute(tiny_config):
-    torch.manual_seed(5)
-    model = GPT(tiny_config)
-    idx = torch.randint(0, GPT2_VOCAB, (3, 5))
-    greedy_cached = generate(model, idx, 20, temperature=0, use_cache=True)
-    greedy_full = generate(model, idx, 20, temperature=0, use_cache=False)
-    assert torch.equal(greedy_cached, greedy_full)
-    a = generate(model, idx, 20, top_k=50, generator=torch.Generator().manual_seed(7), use_cache=True)
-    b = generate(model, idx, 20, top_k=50, generator=torch.Generator().manual_seed(7), use_cache=False)
-    assert torch.equal(a, b)
-    assert a.shape == (3, 25)
-
-
-def test_sampling_never_emits_padding_and_stops_at_block_size(tiny_config):
-    torch.manual_seed(6)
-    model = GPT(tiny_config)
-    with torch.no_grad():  # make the padding ids overwhelmingly likely: they must still never come out
-        model.lm_head.weight[GPT2_VOCAB:] = 5.0
-        model.transformer.ln_f.bias.fill_(1.0)
-    idx = torch.zeros(2, 1, dtype=torch.long)
-    out = generate(model, idx, 500, top_k=None, generator=torch.Generator().manual_seed(0))
-    assert out.shape[1] == tiny_config.block_size
-    assert out.max().item() < GPT2_VOCAB
-
-
-def test_same_seed_same_text(tiny_config, enc):
-    from support.sampling import sample_text
-
-    torch.manual_seed(8)
-    model = GPT(tiny_config)
-    a = sample_text(model, enc, "Hello", num_samples=2, max_new_tokens=10, seed=1)
-    b = sample_text(model, enc, "Hello", num_samples=2, max_new_tokens=10, seed=1)
-    c = sample_text(model, enc, "Hello", num_samples=2, max_new_tokens=10, seed=2)
-    assert a == b and a != c
 
 
 def test_sample_cli_from_local_hf_dir(hf_tiny_dir):
