@@ -13,37 +13,11 @@ from test_notebook import header, kernel_env, run_notebook, step_record, write_l
 
 import fineweb
 import train_gpt2
-from helpers import ROOT, at_step, headers, read_log, snapshot, tiny_args, user_error
-from support import sampling
+from helpers import ROOT, snapshot, tiny_args, user_error
 from support.common import UserError
 
 # ----------------------------------------------------------------------------------------------
 # One log, one run, said
-
-
-@pytest.mark.parametrize("ckpt_every", [0, 1])
-def test_a_second_ctrl_c_says_what_the_folder_holds_to_continue_from(data, tmp_path, monkeypatch, ckpt_every):
-    out = tmp_path / "out"
-
-    def ctrl_c_twice():
-        signal.raise_signal(signal.SIGINT)
-        signal.raise_signal(signal.SIGINT)
-
-    at_step(monkeypatch, {3: ctrl_c_twice})
-    with pytest.raises(KeyboardInterrupt) as e:
-        train_gpt2.main(tiny_args(data, out, "--ckpt-every", ckpt_every))
-    monkeypatch.undo()
-    said = str(e.value)  # read as run_cli reads it, once main has ended
-    if ckpt_every:
-        assert (
-            said == f"interrupted: continue from its newest checkpoint, ckpt_000003.pt, with --resume --out-dir {out}"
-        )
-    else:
-        assert said.startswith("interrupted before the run's first checkpoint: no checkpoint to continue from; ")
-        assert "continue from its newest checkpoint" not in said
-    # what it says works: --resume --out-dir continues (or restarts) the same run to its end
-    assert train_gpt2.main(["--resume", "--out-dir", str(out), "--device", "cpu"]) == 0
-    assert sorted(read_log(out)[1]) == list(range(6)) and len({h["run_id"] for h in headers(out)}) == 1
 
 
 def test_play_ipynb_shows_the_last_run_and_names_the_other_runs(tmp_path, kernel_env):  # noqa: F811
@@ -170,32 +144,3 @@ def test_a_lost_fineweb_journal_is_said_and_either_fix_it_names_finishes_the_fol
             (shards / name).unlink()
     fineweb.main(shlex.split(command)[2:])
     assert same_files(shards, whole)
-
-
-# ----------------------------------------------------------------------------------------------
-# Every signal is honoured within one step's time, sampling included
-
-
-def test_sigterm_while_a_run_samples_stops_it_within_a_token_with_a_checkpoint(data, tmp_path, monkeypatch):
-    """SIGTERM arrives at the 3rd token of step 2's samples (40 tokens each): the run stops there, with
-    step 2's checkpoint, and logs no half samples."""
-    out, tokens = tmp_path / "out", []
-    real = sampling.decode_step
-
-    def decode_step(*args):
-        tokens.append(1)
-        if len(tokens) == 3:
-            signal.raise_signal(signal.SIGTERM)
-        return real(*args)
-
-    monkeypatch.setattr(sampling, "decode_step", decode_step)
-    args = tiny_args(data, out, "--sample-every", 2, "--max-new-tokens", 40, "--max-steps", 6, "--eval-every", 0)
-    assert train_gpt2.main(args) == 128 + signal.SIGTERM
-    # the start-up check draws 1 token (no decode step); step 2's samples stop at the signal
-    assert len(tokens) == 3
-    records, steps = read_log(out)
-    assert sorted(steps) == [0, 1] and not [r for r in records if "samples" in r]
-    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000002.pt"]
-    assert train_gpt2.main([*args, "--resume"]) == 0  # and it continues from there
-    assert sorted(read_log(out)[1]) == list(range(6))
-    assert [r["step"] for r in read_log(out)[0] if "samples" in r] == [4, 6]

@@ -3,7 +3,6 @@ with its evaluations and log, exact resume after SIGKILL, SIGTERM, and bad input
 
 import math
 import platform
-import signal
 import sys
 
 import numpy as np
@@ -11,19 +10,10 @@ import pytest
 import torch
 
 import train_gpt2
-from helpers import (
-    hangup_default,
-    heap_after,
-    random_shards,
-    read_log,
-    signal_at_step,
-    start_run,
-    tiny_args,
-    write_shard,
-)
+from helpers import heap_after, random_shards, read_log, tiny_args, write_shard
 from support.checkpoints import load_checkpoint
 from support.sampling import sample_text
-from train_gpt2 import GPT, DataLoaderLite, GPTConfig, flops_per_token, get_lr, load_model
+from train_gpt2 import GPT, GPTConfig, flops_per_token, get_lr, load_model
 
 # ----------------------------------------------------------------------------------------------
 # schedule, optimizer, FLOPs
@@ -261,43 +251,3 @@ def test_init_from_a_transformers_dir(tmp_path, hf_tiny_dir):
         logits = hf(val[:-1].view(16, 16)).logits
         expected = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), val[1:]).item()
     assert records[1] == {"step": 0, "val_loss": pytest.approx(expected, rel=1e-5)}
-
-
-# ----------------------------------------------------------------------------------------------
-# resume
-
-
-@pytest.mark.slow
-def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
-    data = random_shards(tmp_path / "data")
-    out = tmp_path / "out"
-    proc = start_run(
-        *tiny_args(data, out, "--max-steps", 300, "--eval-every", 0),
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does before exec
-    )
-    stdout, stderr = signal_at_step(proc, out, 2, signal.SIGHUP)
-    assert proc.returncode == 0, stderr
-    assert "caught" not in stdout
-    assert sorted(read_log(out)[1]) == list(range(300))
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # a scheduler; a closed terminal
-def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
-    data = random_shards(tmp_path / "data")
-    out = tmp_path / "out"
-    proc = start_run(*tiny_args(data, out, "--max-steps", 100000), preexec_fn=hangup_default)
-    stdout, stderr = signal_at_step(proc, out, 2, signum)
-    assert proc.returncode == 128 + signum, stderr
-    assert f"caught {signum.name}" in stdout and "Traceback" not in stderr
-    _, steps = read_log(out)
-    last = max(steps)
-    path = out / f"ckpt_{last + 1:06d}.pt"
-    ckpt = load_checkpoint(str(path))
-    assert ckpt["step"] == last + 1 and ckpt["optimizer"]["state"]
-    # the data position is just after the batches of the steps done: 2 micro-batches a step
-    loader = DataLoaderLite(str(data), "train", 2, 16, seed=1337)
-    for _ in range(2 * (last + 1)):
-        loader.next_batch()
-    assert ckpt["data"] == loader.state_dict()
-    model = load_model(str(path))
-    assert torch.equal(model.lm_head.weight, ckpt["model"]["lm_head.weight"])
