@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import fineweb
-import hellaswag
 import train_gpt2
 from helpers import ROOT, fail_nth_write, random_shards, read_log, same_weights, start_run, tiny_args, wait_for_step
 from support import common
@@ -55,23 +54,6 @@ def test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes(tmp_path, m
     assert summary["complete"] and summary["new_tokens"] == len(expected) - 200_000
     shards = [np.load(out / f) for f in summary["files"]]
     np.testing.assert_array_equal(np.concatenate(shards), expected)
-
-
-# ----------------------------------------------------------------------------------------------
-# hellaswag.py
-
-
-@pytest.mark.parametrize("label", [4, -1, True, None], ids=["4", "-1", "bool", "missing"])
-def test_hellaswag_label_out_of_range_is_named(tmp_path, shared_data, label):
-    # a string label is refused in test_hellaswag.py; these are the other wrong labels
-    lines = (shared_data / "hellaswag" / "hellaswag_val.jsonl").read_text().splitlines()[:3]
-    row = json.loads(lines[1])
-    row["label"] = label
-    if label is None:
-        del row["label"]
-    (tmp_path / "h.jsonl").write_text("\n".join([lines[0], json.dumps(row), lines[2]]) + "\n")
-    with pytest.raises(hellaswag.HellaSwagDataError, match=r"h\.jsonl, line 2: label .* is not an int from 0 to 3"):
-        hellaswag.load_examples(str(tmp_path / "h.jsonl"))
 
 
 # ----------------------------------------------------------------------------------------------

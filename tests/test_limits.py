@@ -19,7 +19,6 @@ import train_gpt2
 from helpers import (
     ROOT,
     assert_one_line_error,
-    cli,
     random_shards,
     ranks_without_agent,
     read_log,
@@ -386,11 +385,3 @@ def test_val_tokens_0_turns_the_val_loss_off(data, tmp_path):
     assert train_gpt2.main(tiny_args(data, out, "--val-tokens", 0, "--eval-every", 2, "--max-steps", 2)) == 0
     records = strict_records(out)
     assert not any("val_loss" in x for x in records) and sorted(read_log(out)[1]) == [0, 1]
-
-
-def test_hellaswag_warning_in_training_names_training_s_flag(data, tmp_path):
-    env = {**os.environ, "HOME": str(tmp_path)}  # an empty HellaSwag cache; offline (conftest)
-    r = cli(*tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--eval-every", 0), env=env)
-    assert r.returncode == 0, r.stderr
-    warning = [line for line in r.stderr.splitlines() if "HellaSwag evaluation is off" in line]
-    assert len(warning) == 1 and "--hellaswag-data" in warning[0] and "pass --data " not in warning[0]

@@ -5,22 +5,7 @@ folders is gone or changed. Rule 1 (--export-hf) lives in test_export.py, rule 6
 import json
 import os
 
-import train_gpt2
-from helpers import assert_one_line_error, cli, read_log, tiny_args
-
-# ----------------------------------------------------------------------------------------------
-# Rule 4: what runs mid-training is exercised before step 0
-
-
-def test_a_broken_hellaswag_file_warns_at_start_and_training_goes_on(data, tmp_path, capsys):
-    bad = tmp_path / "hs.jsonl"
-    bad.write_text('{"ctx": "no endings here"}\n')
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 2, "--hellaswag-every", 1, "--hellaswag-data", bad, "--eval-every", 0)
-    assert train_gpt2.main(args) == 0
-    assert "HellaSwag evaluation is off" in capsys.readouterr().err
-    assert sorted(read_log(out)[1]) == [0, 1]
-
+from helpers import assert_one_line_error, cli, tiny_args
 
 # ----------------------------------------------------------------------------------------------
 # Rule 8: friction

@@ -224,17 +224,6 @@ def test_checkpoint_has_plain_names_and_training_state(overfit_run):
     assert len(ckpt["rng"]) == 1 and ckpt["train_config"]["max_steps"] == OVERFIT_STEPS
 
 
-def test_missing_hellaswag_data_is_one_warning_not_a_crash(tmp_path, capsys):
-    data = random_shards(tmp_path / "data")
-    missing = tmp_path / "nope.jsonl"
-    args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--hellaswag-data", missing)
-    assert train_gpt2.main(args) == 0
-    err = capsys.readouterr().err
-    assert err.count("warning: HellaSwag evaluation is off") == 1 and "nope.jsonl" in err
-    records, steps = read_log(tmp_path / "out")
-    assert 0 in steps and not any("hellaswag" in r for r in records)
-
-
 def test_init_from_a_transformers_dir(tmp_path, hf_tiny_dir):
     from transformers import GPT2LMHeadModel
 
