@@ -20,6 +20,7 @@ import torch
 from support.checkpoints import load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
+GiB = 2**30
 
 
 def write_shard(path, tokens):

@@ -2,16 +2,10 @@
 B 64, T 1024): the arithmetic against numbers worked by hand, and the out-of-memory message that
 names the -B it gives. No GPU needed: the device's size is what the message reads from torch."""
 
-from types import SimpleNamespace
-
 import pytest
-import torch
 
+from helpers import GiB
 from support.machine import fitting_B, training_memory
-from support.out_of_memory import oom_phase, training_out_of_memory
-from train_gpt2 import GPTConfig, parse_args
-
-GiB = 2**30
 
 # Worked by hand: the fixed part is 16 bytes (fp32 weight, gradient, AdamW's two moments) x
 # 124,475,904 parameters = 1.855 GiB; the rest of 41.2 GiB over B 64 is (41.2 - 1.855) / 64 =
@@ -40,41 +34,3 @@ def test_memory_estimate_is_the_measured_peak_at_B_64():
 )
 def test_memory_estimate_picks_the_largest_divisor_of_B_that_fits(B, T, memory_gib, expected):
     assert fitting_B(B, T, memory_gib * GiB) == expected
-
-
-def first_step_error(tmp_path, config, autocast_dtype, *flags):
-    """The error of a run that ran out of GPU memory in its first step, as run_cli gets it."""
-    args, _ = parse_args(["--out-dir", str(tmp_path / "out"), *flags])
-    run = SimpleNamespace(
-        args=args, model=SimpleNamespace(config=config), device="cuda:0", autocast_dtype=autocast_dtype
-    )
-    with pytest.raises(torch.OutOfMemoryError) as raised, oom_phase("training step", run=run, step=0, first=True):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    return raised.value
-
-
-def test_out_of_gpu_memory_names_the_B_the_memory_estimate_fits_where_it_holds(tmp_path, monkeypatch):
-    asked = []
-
-    def properties(device):
-        asked.append(device)
-        return SimpleNamespace(total_memory=int(23.65 * GiB))
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
-    recipe = GPTConfig(vocab_size=50304)
-    line = training_out_of_memory(first_step_error(tmp_path, recipe, torch.bfloat16))
-    assert asked == ["cuda:0"]
-    assert line == (
-        "in the first training step (-B 64 rows of -T 1024): lower -B (e.g. -B 16, which this GPU's 23.6 GiB "
-        "should fit, see docs/gpus.md: the total batch stays 524,288 tokens, accumulated over more micro-steps); "
-        "no checkpoint was written yet: --resume -B 16 starts the run again"
-    )
-    assert "e.g. -B 16, which" in training_out_of_memory(first_step_error(tmp_path, recipe, torch.float16))
-    # where the estimate does not hold, the advice halves -B: fp32 (no autocast), another model,
-    # and a -B the estimate says fits but that has just run out (an eager run, another process)
-    halved = "lower -B (e.g. -B 32: the total batch"
-    assert halved in training_out_of_memory(first_step_error(tmp_path, recipe, None))
-    wider = GPTConfig(vocab_size=50304, n_layer=24, n_head=16, n_embd=1024)
-    assert halved in training_out_of_memory(first_step_error(tmp_path, wider, torch.bfloat16))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GiB))
-    assert halved in training_out_of_memory(first_step_error(tmp_path, recipe, torch.bfloat16))
