@@ -9,7 +9,7 @@ import pytest
 import train_gpt2
 from helpers import snapshot, user_error
 from support import sampling
-from support.common import run_cli, said_on_interrupt
+from support.common import run_cli
 
 
 @pytest.fixture
@@ -87,9 +87,3 @@ def test_ctrl_c_during_an_export_says_nothing_was_exported_not_resume(short_run,
     err = capsys.readouterr().err.strip()
     assert err == f"interrupted: nothing was exported ({target} is as it was); run the command again"
     assert not target.exists() and sorted(tmp_path.iterdir()) == []
-
-
-def test_said_on_interrupt_keeps_a_message_it_has():
-    with pytest.raises(KeyboardInterrupt) as e, said_on_interrupt("the job's words"):
-        raise KeyboardInterrupt("its own words")
-    assert str(e.value) == "its own words"

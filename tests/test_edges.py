@@ -42,14 +42,6 @@ def test_play_ipynb_shows_the_last_run_and_names_the_other_runs(tmp_path, kernel
     assert "restarted from step 0 1 time(s)" in said
 
 
-def test_run_cli_prints_an_interrupts_own_words():
-    code = (
-        "from support.common import run_cli\ndef main():\n    raise KeyboardInterrupt('its own words')\nrun_cli(main)"
-    )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 130 and r.stderr.strip() == "its own words"
-
-
 # ----------------------------------------------------------------------------------------------
 # Data is finished only if fineweb.py said so
 

@@ -8,33 +8,10 @@ import os
 import time
 
 import pytest
-import torch
 from test_notebook import clean_records, kernel_env, run_notebook, write_log  # noqa: F401  (kernel_env: a fixture)
 
 import train_gpt2
 from helpers import ranks_without_agent, read_log, strict_records, tiny_args, torchrun, user_error
-from support import common
-from support.common import out_of_memory_line
-
-# ----------------------------------------------------------------------------------------------
-# Rule 1: out of memory is one line that says what ran out, during what, and the flag to lower
-
-
-def test_gpu_out_of_memory_reads_as_gpu_memory_with_the_allocators_size():
-    """The CUDA allocator's error (raised here by hand, as torch raises it) is GPU memory, its
-    multi-line statistics cut to the size that did not fit; one outside every marked phase keeps
-    the words."""
-    e = torch.OutOfMemoryError(
-        "CUDA out of memory. Tried to allocate 12.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.2 GiB "
-        "is free. Of the allocated memory 70 GiB is allocated by PyTorch\nmore lines"
-    )
-    assert common.memory_kind(e) == "GPU memory"
-    assert out_of_memory_line(e, "GPU memory") == "out of GPU memory (CUDA out of memory. Tried to allocate 12.00 GiB)"
-    assert common.memory_kind(ValueError("shapes differ")) is None
-    wrapped = RuntimeError("compile failed")
-    wrapped.__cause__ = MemoryError()
-    assert common.memory_kind(wrapped) == "host memory"
-
 
 # ----------------------------------------------------------------------------------------------
 # Rule 2: after a divergence the advice works; a run never ends "done" on NaN
