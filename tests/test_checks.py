@@ -2,9 +2,9 @@
 (find_shards and the shard checks) that train_gpt2.py makes before step 0: every refusal has a case
 of its own here, with the one line it says, and a new refusal without a case fails
 test_every_refusal_has_a_case. Then, through real runs: numbers refused where the code cannot use
-them (a --vocab-size no shard can reach, a seed outside numpy's range, a --ddp-timeout c10d cannot
-wait, under torchrun too), flags against one another, and the data against the run's batch and
-budget."""
+them (a --vocab-size no shard can reach, a seed outside numpy's range, a --ddp-timeout torch's
+clock cannot hold), flags against one another, and the data against the run's batch and budget.
+(The checks under torchrun: test_ddp.py.)"""
 
 import ast
 import inspect
@@ -17,17 +17,7 @@ import pytest
 import torch
 
 import train_gpt2
-from helpers import (
-    assert_one_line_error,
-    cli,
-    random_shards,
-    ranks_without_agent,
-    read_log,
-    refused_before_step_0,
-    tiny_args,
-    torchrun,
-    user_error,
-)
+from helpers import assert_one_line_error, cli, random_shards, read_log, refused_before_step_0, tiny_args, user_error
 from support import checks, machine, shards
 from support.checkpoints import load_checkpoint
 from support.checks import check_data
@@ -341,7 +331,7 @@ def test_every_refusal_has_a_case(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Numbers the code cannot use, under torchrun too
+# Numbers the code cannot use
 
 
 def test_a_vocab_size_beyond_the_shards_ids_names_vocab_size_not_the_model_width(tmp_path):
@@ -353,34 +343,6 @@ def test_a_vocab_size_beyond_the_shards_ids_names_vocab_size_not_the_model_width
 def test_the_largest_vocab_size_trains(tmp_path):
     data = random_shards(tmp_path / "data")
     assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--vocab-size", 2**16, "--max-steps", 1)) == 0
-
-
-@pytest.mark.slow
-def test_a_ddp_timeout_c10d_cannot_wait_is_one_line_under_torchrun(tmp_path):
-    """1e-9 s passed a `> 0` check and ended in c10d's C++ traceback (the join timed out after 0 ms)."""
-    out = tmp_path / "out"
-    r = torchrun(*tiny_args(random_shards(tmp_path / "data"), out, "--ddp-timeout", 1e-9))
-    said = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
-    assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
-    assert "--ddp-timeout must be a number of seconds from 1" in said[0]
-    assert 'train_gpt2.py", line' not in r.stderr and "DistNetworkError" not in r.stderr  # no worker's traceback
-    assert not out.exists()
-
-
-@pytest.mark.slow
-def test_ranks_that_do_not_join_within_the_timeout_say_so_in_one_line_each(tmp_path):
-    """Rank 1 starts 5 s after rank 0 with --ddp-timeout 1: rank 0's join times out, and rank 1
-    then finds no one to join; each says so in one line naming --ddp-timeout, exit 1 (as torchrun
-    starts them: its environment variables, without its agent, which would end rank 1 early)."""
-    args = tiny_args(random_shards(tmp_path / "data"), tmp_path / "out", "--ddp-timeout", 1)
-    codes, outputs = ranks_without_agent(args, stagger=5)
-    assert codes == [1, 1], outputs
-    for rank, (stdout, stderr) in enumerate(outputs):
-        said = [line for line in stderr.splitlines() if line.startswith("error: ")]
-        assert said == [line for line in said if f"rank {rank} could not join the job's other ranks" in line], stderr
-        assert len(said) == 1 and "pass a longer --ddp-timeout (e.g. 60)" in said[0], stderr
-        assert "Traceback" not in stderr
-    assert not (tmp_path / "out" / "log.jsonl").exists()
 
 
 # ----------------------------------------------------------------------------------------------
