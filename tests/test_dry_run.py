@@ -1,13 +1,13 @@
-"""--dry-run writes nothing and computes nothing expensive, for every job the command line has:
---export-hf and --sample-from make the checks their job makes before its slow part (the model
-found and readable, the prompt, the export's folder) and load no weights, sample nothing and
-write nothing. A Ctrl-C during an export says what it left, not how to resume training. (The
-training job's dry run: tests/test_limits.py.)"""
+"""--dry-run (support/dry_run.py for the jobs besides training) writes nothing and computes nothing
+expensive, for every job the command line has: training runs its start-up checks; --export-hf and
+--sample-from make the checks their job makes before its slow part (the model found and readable,
+the prompt, the export's folder) and load no weights, sample nothing and write nothing. A Ctrl-C
+during an export says what it left, not how to resume training."""
 
 import pytest
 
 import train_gpt2
-from helpers import snapshot, user_error
+from helpers import snapshot, tiny_args, user_error
 from support import sampling
 from support.common import run_cli
 
@@ -87,3 +87,14 @@ def test_ctrl_c_during_an_export_says_nothing_was_exported_not_resume(short_run,
     err = capsys.readouterr().err.strip()
     assert err == f"interrupted: nothing was exported ({target} is as it was); run the command again"
     assert not target.exists() and sorted(tmp_path.iterdir()) == []
+
+
+def test_dry_run_runs_the_start_up_checks_and_writes_nothing(data, tmp_path, capsys):
+    out = tmp_path / "new" / "out"
+    args = tiny_args(data, out, "--sample-every", 2, "--eval-every", 2)
+    assert train_gpt2.main(args + ["--dry-run"]) == 0
+    assert "dry run: the flags, the data, --out-dir and the sampling check are fine" in capsys.readouterr().out
+    assert not (tmp_path / "new").exists()
+    assert "--prompt" in user_error(args + ["--dry-run", "--prompt", "word " * 100])  # the sampling check ran
+    assert "does not exist" in user_error(tiny_args(tmp_path / "no_data", out, "--dry-run"))  # the data checks ran
+    assert not (tmp_path / "new").exists()

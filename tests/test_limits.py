@@ -9,7 +9,7 @@ import os
 from test_notebook import clean_records, kernel_env, run_notebook, write_log  # noqa: F401  (kernel_env: a fixture)
 
 import train_gpt2
-from helpers import read_log, strict_records, tiny_args, user_error
+from helpers import read_log, strict_records, tiny_args
 
 # ----------------------------------------------------------------------------------------------
 # Rule 2: after a divergence the advice works; a run never ends "done" on NaN
@@ -22,21 +22,6 @@ def test_a_nan_val_loss_reads_back_in_play_ipynb(tmp_path, kernel_env):  # noqa:
     _, out = run_notebook(log, tmp_path)
     assert out["summary"]["best_val_loss"] == [40, 6.2]
     assert out["summary"]["last_val_loss"][0] == 50 and math.isnan(out["summary"]["last_val_loss"][1])
-
-
-# ----------------------------------------------------------------------------------------------
-# Rule 4: under torchrun a mistake is said once, and every rank exits the same way
-
-
-def test_dry_run_runs_the_start_up_checks_and_writes_nothing(data, tmp_path, capsys):
-    out = tmp_path / "new" / "out"
-    args = tiny_args(data, out, "--sample-every", 2, "--eval-every", 2)
-    assert train_gpt2.main(args + ["--dry-run"]) == 0
-    assert "dry run: the flags, the data, --out-dir and the sampling check are fine" in capsys.readouterr().out
-    assert not (tmp_path / "new").exists()
-    assert "--prompt" in user_error(args + ["--dry-run", "--prompt", "word " * 100])  # the sampling check ran
-    assert "does not exist" in user_error(tiny_args(tmp_path / "no_data", out, "--dry-run"))  # the data checks ran
-    assert not (tmp_path / "new").exists()
 
 
 # ----------------------------------------------------------------------------------------------
