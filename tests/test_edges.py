@@ -17,32 +17,6 @@ from helpers import ROOT, snapshot, tiny_args, user_error
 from support.common import UserError
 
 # ----------------------------------------------------------------------------------------------
-# One log, one run, said
-
-
-def test_play_ipynb_shows_the_last_run_and_names_the_other_runs(tmp_path, kernel_env):  # noqa: F811
-    """Run A (10 steps, no checkpoint), then another run B in the same log, killed after 5 steps
-    and restarted from step 0 by --resume: the notebook draws B's restart alone, says B restarted,
-    and names A."""
-
-    def run(run_id, steps, loss, restarted=False, val=None):
-        records = [{**header(), "run_id": run_id, "restarted": restarted}]
-        for s in range(steps):
-            records += [{"step": s, "val_loss": val}] if val is not None and s == 0 else []
-            records.append(step_record(s, loss))
-        return records
-
-    log = write_log(tmp_path / "run", run("A", 10, 9.0, val=9.5) + run("B", 5, 8.0) + run("B", 7, 7.0, True, 7.5))
-    nb, out = run_notebook(log, tmp_path)
-    s = out["summary"]
-    assert (s["run_id"], s["other_runs"], s["restarts"]) == ("B", ["A"], 1)
-    assert (s["last_step"], s["last_train_loss"], s["last_val_loss"], s["redone_steps"]) == (6, 7.0, [0, 7.5], 0)
-    said = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-    assert "the log also holds run A (10 steps, last val loss 9.5000): not shown; this is run B" in said
-    assert "restarted from step 0 1 time(s)" in said
-
-
-# ----------------------------------------------------------------------------------------------
 # Data is finished only if fineweb.py said so
 
 KILLED_FINEWEB = """
