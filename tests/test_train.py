@@ -1,14 +1,16 @@
 """The training run: schedule, optimizer groups, FLOPs, gradient accumulation, a tiny overfit run
-with its evaluations and log, exact resume after SIGKILL, SIGTERM, and bad input."""
+with its evaluations, log and checkpoint, --help and --val-tokens 0. What a support/ module does in
+a run is tested in that module's file: tests/test_resume.py, test_signals.py, test_checks.py, ..."""
 
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
 
 import train_gpt2
-from helpers import random_shards, read_log, tiny_args, write_shard
+from helpers import cli, random_shards, read_log, strict_records, tiny_args, write_shard
 from support.checkpoints import load_checkpoint
 from support.sampling import sample_text
 from train_gpt2 import GPT, GPTConfig, flops_per_token, get_lr, load_model
@@ -224,3 +226,24 @@ def test_init_from_a_transformers_dir(tmp_path, hf_tiny_dir):
         logits = hf(val[:-1].view(16, 16)).logits
         expected = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), val[1:]).item()
     assert records[1] == {"step": 0, "val_loss": pytest.approx(expected, rel=1e-5)}
+
+
+# ----------------------------------------------------------------------------------------------
+# --help, and the val loss turned off
+
+
+def test_help_shows_defaults_and_the_usage_examples_intact():
+    r = cli("--help", env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0
+    assert "python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe" in r.stdout
+    assert "-T 64 \\\n        --total-batch-size 4096" in r.stdout  # a continued line stays one to copy
+    flat = " ".join(r.stdout.split())
+    for text in ("(default: 64)", "(default: 524288)", "(default: 0.0006)", "(default: 715)", "(default: log)"):
+        assert text in flat, text
+
+
+def test_val_tokens_0_turns_the_val_loss_off(data, tmp_path):
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--val-tokens", 0, "--eval-every", 2, "--max-steps", 2)) == 0
+    records = strict_records(out)
+    assert not any("val_loss" in x for x in records) and sorted(read_log(out)[1]) == [0, 1]
