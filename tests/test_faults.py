@@ -14,47 +14,13 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
-import fineweb
 import train_gpt2
-from helpers import ROOT, fail_nth_write, random_shards, read_log, same_weights, start_run, tiny_args, wait_for_step
-from support import common
+from helpers import ROOT, random_shards, read_log, same_weights, start_run, tiny_args, wait_for_step
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.common import UserError
 from support.out_dir import checkpoint_paths
-from support.shards import EOT
-
-# ----------------------------------------------------------------------------------------------
-# fineweb.py
-
-
-def test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes(tmp_path, monkeypatch, shared_data, enc):
-    text_path = shared_data / "tinyshakespeare" / "input.txt"
-    expected = np.array([EOT] + enc.encode_ordinary(text_path.read_text()), dtype=np.uint16)  # tiktoken directly
-    out = tmp_path / "out"
-    args = ["--input", str(text_path), "--out-dir", str(out), "--shard-size", "100000", "--workers", "1"]
-    opened = fail_nth_write(monkeypatch, common, ".npy.tmp", 3)  # the third shard hits a full disk
-    with pytest.raises(UserError) as e:
-        fineweb.main(args)
-    msg = str(e.value)
-    assert len(opened) == 3 and "\n" not in msg
-    assert "No space left on device" in msg and "rerun the same command" in msg
-    # the two finished shards and their manifest are untouched; the half-written one is gone
-    manifest = json.loads((out / "edufineweb_manifest.json").read_text())
-    assert [s["file"] for s in manifest["shards"]] == ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy"]
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        [*(s["file"] for s in manifest["shards"]), "edufineweb_manifest.json"]
-    )
-    np.testing.assert_array_equal(np.load(out / "edufineweb_train_000001.npy"), expected[100_000:200_000])
-
-    monkeypatch.undo()  # space freed: the same command continues after the finished shards
-    summary = fineweb.main(args)
-    assert summary["complete"] and summary["new_tokens"] == len(expected) - 200_000
-    shards = [np.load(out / f) for f in summary["files"]]
-    np.testing.assert_array_equal(np.concatenate(shards), expected)
-
 
 # ----------------------------------------------------------------------------------------------
 # train_gpt2.py: SIGKILL at any moment
