@@ -1,5 +1,7 @@
-"""--export-hf never deletes or overwrites what it did not write (docs/reliability.md, rules 3 and 4), and --sample-from
-a Hub name fails at once, in one line, where the Hub cannot be used (rule 8).
+"""support/hf_interop.py, through real runs of train_gpt2.py: --export-hf never deletes or overwrites
+what it did not write (docs/reliability.md, rules 3 and 4), --sample-from a Hub name fails at once,
+in one line, where the Hub cannot be used (rule 8), and a transformers folder is read in exactly
+(--init-from), or refused when a weight is missing.
 
 Each refusal is a real subprocess of train_gpt2.py: exit 1, one `error:` line, no traceback, and
 a snapshot of the folder taken before equals the one taken after. Faults inside the write (a full
@@ -15,11 +17,12 @@ import sys
 import time
 import urllib.error
 
+import numpy as np
 import pytest
 import torch
 
 import train_gpt2
-from helpers import ROOT, assert_one_line_error, user_error
+from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
 from support import common, hf_interop
 from support.common import GPT2_VOCAB, UserError
 from train_gpt2 import load_model
@@ -448,3 +451,46 @@ def test_cached_hub_name_loads_without_the_network(tmp_path, hf_tiny_dir):
     r = sample_cli("gpt2", hub_env(tmp_path), tmp_path)
     assert r.returncode == 0, r.stderr
     assert len([line for line in r.stdout.splitlines() if line.startswith("sample ")]) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers' weights in: --init-from a transformers folder; a missing key is refused
+
+
+def test_init_from_a_transformers_dir(tmp_path, hf_tiny_dir):
+    from transformers import GPT2LMHeadModel
+
+    data = random_shards(tmp_path / "data")
+    args = tiny_args(data, tmp_path / "out", "--init-from", hf_tiny_dir, "--max-steps", 1, "--eval-every", 1)
+    assert train_gpt2.main(args) == 0
+    records, _ = read_log(tmp_path / "out")
+    hf_shape = {"block_size": 128, "vocab_size": 50257, "n_layer": 2, "n_head": 4, "n_embd": 64}  # not the flags
+    assert records[0]["config"]["model_config"] == hf_shape
+    # step 0's val loss is the pretrained model's: recompute it with transformers itself
+    hf = GPT2LMHeadModel.from_pretrained(hf_tiny_dir).eval()
+    val = torch.from_numpy(np.load(data / "rand_val_000000.npy")[: 256 + 1].astype(np.int64))
+    with torch.no_grad():
+        logits = hf(val[:-1].view(16, 16)).logits
+        expected = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), val[1:]).item()
+    assert records[1] == {"step": 0, "val_loss": pytest.approx(expected, rel=1e-5)}
+
+
+def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(hf_tiny_dir, hf_dir)
+    weights = load_file(hf_dir / "model.safetensors")
+    del weights["transformer.h.1.mlp.c_fc.weight"]  # transformers would fill it with random numbers
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"transformer\.h\.1\.mlp\.c_fc\.weight is missing") as e:
+        train_gpt2.load_model(str(hf_dir))
+    assert "\n" not in str(e.value)
+    r = subprocess.run(
+        [sys.executable, "train_gpt2.py", "--sample-from", str(hf_dir), "--device", "cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "c_fc.weight is missing" in r.stderr
