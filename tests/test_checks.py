@@ -26,7 +26,7 @@ from support.machine import check_device
 from support.shards import check_batch_fits, check_same_data, check_same_shards, check_token_ids, find_shards
 
 # the functions whose every refusal has a case (check_fineweb_finished's need fineweb.py's own
-# manifests and journals: tests/test_ownership.py and tests/test_edges.py make them)
+# manifests and journals: tests/test_shards.py and tests/test_fineweb.py make them)
 CHECKED = ("check_args", "check_device", "check_data", "check_model_fits", "find_shards", "check_batch_fits")
 CHECKED += ("check_same_shards", "check_same_data", "check_token_ids")
 CHECKED_IN = (checks, machine, shards)  # the modules that hold them
