@@ -1,7 +1,7 @@
 """support/hf_interop.py, through real runs of train_gpt2.py: --export-hf never deletes or overwrites
 what it did not write (docs/reliability.md, rules 3 and 4), --sample-from a Hub name fails at once,
 in one line, where the Hub cannot be used (rule 8), and a transformers folder is read in exactly
-(--init-from), or refused when a weight is missing.
+(--init-from), or refused when a weight is missing or its numerics are not GPT-2's.
 
 Each refusal is a real subprocess of train_gpt2.py: exit 1, one `error:` line, no traceback, and
 a snapshot of the folder taken before equals the one taken after. Faults inside the write (a full
@@ -20,12 +20,13 @@ import urllib.error
 import numpy as np
 import pytest
 import torch
+from transformers import GPT2LMHeadModel
 
 import train_gpt2
 from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
 from support import common, hf_interop
 from support.common import GPT2_VOCAB, UserError
-from train_gpt2 import load_model
+from train_gpt2 import GPT, load_model
 
 
 def snapshot(folder):
@@ -454,7 +455,7 @@ def test_cached_hub_name_loads_without_the_network(tmp_path, hf_tiny_dir):
 
 
 # ----------------------------------------------------------------------------------------------
-# transformers' weights in: --init-from a transformers folder; a missing key is refused
+# transformers' weights in: --init-from a transformers folder; a missing key or other numerics refused
 
 
 def test_init_from_a_transformers_dir(tmp_path, hf_tiny_dir):
@@ -494,3 +495,14 @@ def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
     )
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "c_fc.weight is missing" in r.stderr
+
+
+def test_from_pretrained_reports_first_mismatch(tmp_path, hf_tiny_dir):
+    from transformers import GPT2Config
+
+    bad = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=4, n_embd=64, n_positions=128, activation_function="relu"))
+    bad.save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="activation"):
+        GPT.from_pretrained(str(tmp_path))
+    with pytest.raises(UserError, match="neither"):
+        GPT.from_pretrained(str(tmp_path / "nope"))

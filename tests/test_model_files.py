@@ -1,11 +1,15 @@
 """support/model_files.py, through real runs of train_gpt2.py: a run's folder where a model is
 expected (--sample-from, --init-from) means its newest checkpoint, said in a note; a folder with no
-model in it, or a mistyped checkpoint, is one line naming what the folder holds."""
+model in it, or a mistyped checkpoint, is one line naming what the folder holds; a checkpoint that
+is not there is one line through the command line too."""
+
+import subprocess
+import sys
 
 import torch
 
 import train_gpt2
-from helpers import read_log, tiny_args, user_error
+from helpers import ROOT, read_log, tiny_args, user_error
 
 
 def test_a_run_folder_as_the_model_means_its_newest_checkpoint(short_run, capsys):
@@ -45,3 +49,16 @@ def test_a_mistyped_checkpoint_names_the_ones_its_folder_holds(short_run, tmp_pa
     assert "ckpt_000009.pt' does not exist" in msg and msg.endswith(f"{out} holds ckpt_000002.pt, ckpt_000001.pt")
     msg = user_error(["--sample-from", tmp_path / "gtp2"])  # nothing beside it to suggest
     assert "does not exist, and is not a GPT-2 name (gpt2, " in msg and "holds" not in msg
+
+
+def test_sample_cli_bad_model_is_one_line_error(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "train_gpt2.py", "--sample-from", str(tmp_path / "missing.pt"), "--device", "cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error:")
