@@ -294,13 +294,13 @@ def refusal_sites():
             if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
         }
 
-        def names_of(iter_node):
+        def names_of(iter_node, tuples=tuples):  # this function's assignments
             node = tuples.get(iter_node.id) if isinstance(iter_node, ast.Name) else iter_node
             if isinstance(node, ast.Tuple) and all(isinstance(e, ast.Constant) for e in node.elts):
                 return [e.value for e in node.elts]
             return [None]
 
-        def visit(node, names):
+        def visit(node, names, fn=fn):  # the function whose refusals these are
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, ast.FunctionDef):
                     continue  # need itself

@@ -34,7 +34,7 @@ def test_ranks_that_do_not_join_within_the_timeout_say_so_in_one_line_each(tmp_p
     args = tiny_args(random_shards(tmp_path / "data"), tmp_path / "out", "--ddp-timeout", 1)
     codes, outputs = ranks_without_agent(args, stagger=5)
     assert codes == [1, 1], outputs
-    for rank, (stdout, stderr) in enumerate(outputs):
+    for rank, (_, stderr) in enumerate(outputs):
         said = [line for line in stderr.splitlines() if line.startswith("error: ")]
         assert said == [line for line in said if f"rank {rank} could not join the job's other ranks" in line], stderr
         assert len(said) == 1 and "pass a longer --ddp-timeout (e.g. 60)" in said[0], stderr

@@ -65,7 +65,7 @@ def argmin(values):
 
 def counts_by_hand(examples, preds, preds_norm):
     c = Counter()
-    for ex, p, pn in zip(examples, preds, preds_norm):
+    for ex, p, pn in zip(examples, preds, preds_norm, strict=True):
         for t in ("", "_" + ex["split_type"]):
             c["n" + t] += 1
             c["correct" + t] += p == ex["label"]

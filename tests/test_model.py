@@ -44,7 +44,7 @@ def test_a_loaded_checkpoint_keeps_the_tie_and_trains_it_as_one_parameter(tmp_pa
         _, loss = m(torch.arange(8).view(1, 8), torch.arange(1, 9).view(1, 8))
         loss.backward()
         opt.step()
-    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -128,7 +128,7 @@ def test_seeded_init_is_reproducible(tiny_config):
     a = GPT(tiny_config)
     torch.manual_seed(123)
     b = GPT(tiny_config)
-    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert ka == kb and torch.equal(va, vb)
 
 

@@ -273,12 +273,8 @@ def test_legitimate_sampling_settings_work(data, tmp_path, enc, flags, prompt, n
         if "--temperature" in flags:
             assert texts == [enc.decode(greedy_tokens(model, tokens, n_new))] * 2, step
         else:  # drawn among all 50257 tokens, with the run's fixed sampling seed (42)
-            draw = lambda top_k: generate(  # noqa: E731
-                model,
-                torch.tensor([tokens] * 2),
-                n_new,
-                top_k=top_k,  # noqa: E731
-                generator=torch.Generator().manual_seed(42),
+            draw = lambda top_k, model=model: generate(  # noqa: E731  (this step's model)
+                model, torch.tensor([tokens] * 2), n_new, top_k=top_k, generator=torch.Generator().manual_seed(42)
             )
             assert texts == [enc.decode(row.tolist()) for row in draw(None)], step
             assert texts != [enc.decode(row.tolist()) for row in draw(50)]  # the setting changes the draw
