@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+import train_gpt2
 from support.checkpoints import load_checkpoint
+from support.common import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -194,9 +196,6 @@ def heap_after(script, mode, args):
 
 def user_error(args):
     """train_gpt2.main(args) must stop with a one-line UserError; returns its message."""
-    import train_gpt2
-    from support.common import UserError
-
     with pytest.raises(UserError) as e:
         train_gpt2.main([str(a) for a in args])
     assert "\n" not in str(e.value)
@@ -282,8 +281,6 @@ def fail_nth_write(monkeypatch, module, suffix, n, room=1000):
 def at_step(monkeypatch, actions):
     """Run actions[step]() as training step `step` computes its learning rate (after its checkpoint,
     before its log record)."""
-    import train_gpt2
-
     real = train_gpt2.get_lr
 
     def get_lr(step, *args):
@@ -388,7 +385,7 @@ def save_tiny_hf_gpt2(path, n_embd=64, init=perturb_norms_and_biases):
     """A random transformers GPT2LMHeadModel (seed 0; 2 layers, 4 heads, n_embd wide, 128
     positions, no dropout), each parameter then changed in place by init(name, p), saved with
     save_pretrained into path; returns path."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel  # noqa: PLC0415  (after conftest sets the offline variables)
 
     torch.manual_seed(0)
     config = GPT2Config(

@@ -5,6 +5,7 @@ the prompt, the export's folder) and load no weights, sample nothing and write n
 during an export says what it left, not how to resume training."""
 
 import pytest
+from transformers import GPT2LMHeadModel
 
 import train_gpt2
 from helpers import snapshot, tiny_args, user_error
@@ -73,7 +74,6 @@ def test_sample_dry_run_refuses_what_sampling_would(short_run, tmp_path, nothing
 
 def test_ctrl_c_during_an_export_says_nothing_was_exported_not_resume(short_run, tmp_path, monkeypatch, capsys):
     """Ctrl-C while save_pretrained writes: the target is as it was, and the line says so."""
-    from transformers import GPT2LMHeadModel
 
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt

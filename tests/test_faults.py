@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 import train_gpt2
@@ -119,8 +120,6 @@ def test_training_outlives_its_closed_stdout(tmp_path):
 def hit_rank_1(tmp_path, sig, *extra):
     """torchrun 2 CPU ranks (gloo); once they are 2 steps in, send rank 1 `sig`. Returns torchrun's
     exit code, the seconds it took to exit after the signal, and its output. Never leaves a process."""
-    import psutil
-
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 100000, "--eval-every", 0, *extra)

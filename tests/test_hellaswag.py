@@ -19,6 +19,7 @@ from collections import Counter
 import pytest
 import torch
 from torch.nn import functional as F
+from transformers import GPT2LMHeadModel
 
 import hellaswag
 import train_gpt2
@@ -308,8 +309,6 @@ def parity(hf_dir, examples, enc):
     rows do not fit, so both scoring paths run), N_PLAIN examples prepared, and the plain
     one-row-per-forward losses of our model on them: the reference. The first 100 ActivityNet
     examples of the file, then 100 WikiHow ones, whose longest rows do not fit 128 positions."""
-    from transformers import GPT2LMHeadModel
-
     ours = GPT.from_pretrained(str(hf_dir)).eval()
     exs = examples[: N_PLAIN // 2] + [ex for ex in examples if ex["source_id"].startswith("wikihow")][: N_PLAIN // 2]
     with torch.no_grad():
@@ -421,8 +420,6 @@ def standalone(short_run, examples, enc):
     """A tiny checkpoint (block size 64) as hellaswag.py loads it, without train_gpt2.py (transformers'
     GPT2LMHeadModel built from its state dict), and as training scores it (our GPT); 150 examples:
     100 short ActivityNet rows, packed, and 50 WikiHow ones, many too long for the window."""
-    import train_gpt2
-
     path = str(short_run[1] / "ckpt_000002.pt")
     wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
     exs = examples[:100] + wikihow[:50]

@@ -17,10 +17,13 @@ import sys
 import time
 import urllib.error
 
+import huggingface_hub
 import numpy as np
 import pytest
 import torch
-from transformers import GPT2LMHeadModel
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import train_gpt2
 from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
@@ -75,8 +78,6 @@ def run_copy(short_run, tmp_path):
 
 def logits_match(hf_dir, ckpt):
     """The transformers model in hf_dir computes our checkpoint's logits."""
-    from transformers import GPT2LMHeadModel
-
     ours = load_model(str(ckpt)).eval()
     hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     idx = torch.randint(0, GPT2_VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -204,7 +205,6 @@ def tiny_model(short_run):
 
 def fail_save(monkeypatch, exc, after_bytes=1000):
     """save_pretrained writes config.json and part of the weights, then raises exc."""
-    from transformers import GPT2LMHeadModel
 
     def save_pretrained(self, folder, *args, **kwargs):
         with open(os.path.join(folder, "config.json"), "w") as f:
@@ -224,8 +224,6 @@ def earlier_export(model, tmp_path):
 @pytest.mark.parametrize("earlier", [False, True], ids=["new", "over_earlier_export"])
 @pytest.mark.parametrize("fault", ["disk_full", "safetensors_disk_full", "ctrl_c"])
 def test_fault_mid_write_leaves_everything_as_it_was(tiny_model, tmp_path, monkeypatch, fault, earlier):
-    from safetensors import SafetensorError
-
     target = earlier_export(tiny_model, tmp_path) if earlier else tmp_path / "new" / "hf"
     before = snapshot(tmp_path)
     exc = {
@@ -247,8 +245,6 @@ def test_fault_mid_write_leaves_everything_as_it_was(tiny_model, tmp_path, monke
 
 
 def test_sigterm_mid_write_cleans_up_like_ctrl_c(tiny_model, tmp_path, monkeypatch):
-    from transformers import GPT2LMHeadModel
-
     def save_pretrained(self, folder, *args, **kwargs):
         (open(os.path.join(folder, "model.safetensors"), "wb")).close()
         os.kill(os.getpid(), signal.SIGTERM)
@@ -264,8 +260,6 @@ def test_sigterm_mid_write_cleans_up_like_ctrl_c(tiny_model, tmp_path, monkeypat
 
 
 def test_a_file_added_during_the_write_is_not_deleted(tiny_model, tmp_path, monkeypatch):
-    from transformers import GPT2LMHeadModel
-
     target = earlier_export(tiny_model, tmp_path)
     real_save = GPT2LMHeadModel.save_pretrained
 
@@ -383,8 +377,6 @@ def test_offline_hub_name_not_cached_is_one_line(tmp_path):
 
 
 def test_transformers_offline_alone_counts_as_offline(monkeypatch):
-    import huggingface_hub
-
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "yes")
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)  # it read the flags at import
@@ -402,9 +394,6 @@ def test_unreachable_hub_is_one_line(tmp_path):
 def test_unreachable_hub_fails_before_transformers_tries(tmp_path, monkeypatch):
     """The probe has a short timeout and its failure stops there: transformers, which retries
     for half a minute, is never asked."""
-    import huggingface_hub
-    from transformers import GPT2LMHeadModel
-
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("TRANSFORMERS_OFFLINE")
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
@@ -459,8 +448,6 @@ def test_cached_hub_name_loads_without_the_network(tmp_path, hf_tiny_dir):
 
 
 def test_init_from_a_transformers_dir(tmp_path, hf_tiny_dir):
-    from transformers import GPT2LMHeadModel
-
     data = random_shards(tmp_path / "data")
     args = tiny_args(data, tmp_path / "out", "--init-from", hf_tiny_dir, "--max-steps", 1, "--eval-every", 1)
     assert train_gpt2.main(args) == 0
@@ -477,8 +464,6 @@ def test_init_from_a_transformers_dir(tmp_path, hf_tiny_dir):
 
 
 def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
-    from safetensors.torch import load_file, save_file
-
     hf_dir = tmp_path / "hf"
     shutil.copytree(hf_tiny_dir, hf_dir)
     weights = load_file(hf_dir / "model.safetensors")
@@ -498,8 +483,6 @@ def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
 
 
 def test_from_pretrained_reports_first_mismatch(tmp_path, hf_tiny_dir):
-    from transformers import GPT2Config
-
     bad = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=4, n_embd=64, n_positions=128, activation_function="relu"))
     bad.save_pretrained(tmp_path)
     with pytest.raises(UserError, match="activation"):

@@ -29,7 +29,7 @@ from benchmarks.ladder import (
 )
 from helpers import ROOT
 from support.shards import shard_path, write_shard
-from train_gpt2 import GPT, GPTConfig
+from train_gpt2 import GPT, DataLoaderLite, GPTConfig
 
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 64, "T": 32, "B": 2}
 
@@ -81,8 +81,6 @@ def test_masked_softmax_attention_is_causal_attention():
 
 def test_rung_one_computes_the_models_own_loss(shard_dir):
     """Step 0 of rung 1 (masked softmax, vocab 50,257) is the plain model's loss on the first batch."""
-    from train_gpt2 import DataLoaderLite
-
     losses = run_rungs({1: set()}, shard_dir, steps=1)
     config = GPTConfig(block_size=32, vocab_size=50257, n_layer=2, n_head=2, n_embd=64)
     model = GPT(config)

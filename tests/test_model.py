@@ -6,14 +6,16 @@ import math
 import re
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
 from helpers import ROOT, save_tiny_hf_gpt2
+from support.checkpoints import load_checkpoint
 from support.common import GPT2_VOCAB
-from train_gpt2 import GPT, GPTConfig
+from train_gpt2 import GPT, GPTConfig, model_from_checkpoint
 
 
 def test_parameter_count_and_tying():
@@ -28,11 +30,6 @@ def test_parameter_count_and_tying():
 def test_a_loaded_checkpoint_keeps_the_tie_and_trains_it_as_one_parameter(tmp_path, tiny_config):
     """model_from_checkpoint builds on the meta device and assigns the loaded tensors: the tied
     embedding / lm_head must still be one Parameter, updated once per step."""
-    from dataclasses import asdict
-
-    from support.checkpoints import load_checkpoint
-    from train_gpt2 import model_from_checkpoint
-
     torch.manual_seed(0)
     model = GPT(tiny_config)
     torch.save({"model": model.state_dict(), "model_config": asdict(tiny_config)}, tmp_path / "ckpt.pt")
@@ -52,8 +49,6 @@ def test_loading_a_checkpoint_does_not_import_torch_dynamo(tmp_path, tiny_config
     """The loaders build on the meta device; a fill there (nn.Embedding's own N(0, 1)) imports
     torch._dynamo, 1.4 s of every hellaswag.py / --sample-from start-up on a CPU. A fresh
     interpreter, as a user's would be."""
-    from dataclasses import asdict
-
     torch.save({"model": GPT(tiny_config).state_dict(), "model_config": asdict(tiny_config)}, tmp_path / "ckpt.pt")
     code = "import sys, train_gpt2; train_gpt2.load_model(sys.argv[1]); print('torch._dynamo' in sys.modules)"
     r = subprocess.run(

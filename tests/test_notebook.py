@@ -44,9 +44,9 @@ def kernel_env(tmp_path_factory):
 def run_notebook(log_path, cwd, **params):
     """Execute play.ipynb with papermill-style injected parameters; returns (executed nb, what the
     notebook's `summary` and `BASELINES` hold at the end)."""
-    import nbformat
-    from nbclient import NotebookClient
-    from nbformat.v4 import new_code_cell
+    import nbformat  # noqa: PLC0415  (optional: kernel_env skips without it)
+    from nbclient import NotebookClient  # noqa: PLC0415  (optional: kernel_env skips without it)
+    from nbformat.v4 import new_code_cell  # noqa: PLC0415  (optional: kernel_env skips without it)
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     i = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
@@ -59,7 +59,7 @@ def run_notebook(log_path, cwd, **params):
 
 
 def assert_pngs(folder):
-    from matplotlib.image import imread
+    from matplotlib.image import imread  # noqa: PLC0415  (optional: kernel_env skips without it)
 
     for name in PNGS:
         path = folder / name
@@ -201,7 +201,7 @@ def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel_env):
 
 
 def test_missing_log_is_a_clear_error(tmp_path, kernel_env):
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel_env skips without it)
 
     with pytest.raises(CellExecutionError, match="no training log at .*set log_path") as e:
         run_notebook(tmp_path / "nowhere", tmp_path)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import hellaswag
 import train_gpt2
 from helpers import ROOT, GiB, assert_one_line_error, cli, headers, random_shards, read_log, strict_records, tiny_args
 from support.common import out_of_memory_line, run_cli
@@ -237,8 +238,6 @@ def test_the_advice_is_the_marked_phases_not_the_function_names(tmp_path):
 
 
 def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_config, enc, shared_data, monkeypatch):
-    import hellaswag
-
     model = train_gpt2.GPT(tiny_config).eval()
     examples = hellaswag.load_examples(str(shared_data / "hellaswag" / "hellaswag_val.jsonl"), limit=4)
 

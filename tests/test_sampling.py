@@ -12,7 +12,7 @@ import train_gpt2
 from helpers import read_log, refused_before_step_0, tiny_args
 from support import sampling
 from support.common import GPT2_VOCAB, UserError
-from support.sampling import KVCache, decode_step, generate, next_token
+from support.sampling import KVCache, decode_step, generate, next_token, sample_text
 from train_gpt2 import GPT
 
 
@@ -172,8 +172,6 @@ def test_sampling_never_emits_padding_and_stops_at_block_size(tiny_config):
 
 
 def test_same_seed_same_text(tiny_config, enc):
-    from support.sampling import sample_text
-
     torch.manual_seed(8)
     model = GPT(tiny_config)
     a = sample_text(model, enc, "Hello", num_samples=2, max_new_tokens=10, seed=1)

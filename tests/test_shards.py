@@ -33,7 +33,7 @@ from helpers import (
 )
 from support.checkpoints import load_checkpoint
 from support.common import UserError
-from support.shards import load_shard, recorded_max_ids, shard_fingerprint
+from support.shards import fineweb_command, load_shard, recorded_max_ids, shard_fingerprint
 from train_gpt2 import DataLoaderLite
 
 # ----------------------------------------------------------------------------------------------
@@ -254,8 +254,6 @@ def test_a_folder_stopped_where_max_tokens_asked_is_finished_as_asked(tmp_path, 
 
 
 def test_fineweb_command_uses_a_glob_for_a_whole_folder_and_hub_flags(tmp_path):
-    from support.shards import fineweb_command
-
     files = [tmp_path / f"part_{i}.jsonl" for i in range(5)]
     for f in files:
         f.write_text('{"text": "x"}\n')

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import hellaswag
 import train_gpt2
 from helpers import cli, random_shards, read_log, strict_records, tiny_args, write_shard
 from support.checkpoints import load_checkpoint
@@ -171,8 +172,6 @@ def test_logged_val_loss_is_the_final_models(overfit_run):
 
 
 def test_logged_hellaswag_and_samples_are_the_final_models(overfit_run, shared_data, enc):
-    import hellaswag
-
     _, out = overfit_run
     records, _ = read_log(out)
     model = load_model(str(out / f"ckpt_{OVERFIT_STEPS:06d}.pt")).eval()
