@@ -1,7 +1,8 @@
 """Helpers the tests share, imported by name (`from helpers import ...`; pyproject.toml puts tests/
 and the repository root on pytest's path): tiny training runs and their logs, scripts run as a user
-would run them, in the background and under torchrun, tiny transformers models, and the one-line
-error checks. The fixtures are in conftest.py."""
+would run them, in the background and under torchrun, tiny transformers models, the one-line error
+checks, and faults injected into a run in the test's process (a full disk, an action at a step).
+The fixtures are in conftest.py."""
 
 import errno
 import json
