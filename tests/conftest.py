@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import train_gpt2
 from helpers import ROOT, random_shards, save_tiny_hf_gpt2, tiny_args
+from support.shards import get_tokenizer
+from train_gpt2 import GPTConfig
 
 
 def _find_shared_data():
@@ -39,8 +42,6 @@ def shared_data():
 
 @pytest.fixture(scope="session")
 def enc():
-    from support.shards import get_tokenizer
-
     return get_tokenizer()
 
 
@@ -52,8 +53,6 @@ def hf_tiny_dir(tmp_path_factory):
 
 @pytest.fixture
 def tiny_config():
-    from train_gpt2 import GPTConfig
-
     return GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)
 
 
@@ -101,9 +100,22 @@ def read_only(tmp_path):
 @pytest.fixture(scope="session")
 def short_run(tmp_path_factory):
     """Two steps with a checkpoint after each: checkpoints to break (copy them before changing)."""
-    import train_gpt2
-
     tmp = tmp_path_factory.mktemp("short")
     data = random_shards(tmp / "data")
     assert train_gpt2.main(tiny_args(data, tmp / "out", "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)) == 0
     return data, tmp / "out"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A test module's shards of random token ids (random_shards): read, never changed."""
+    return random_shards(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture
+def run4_with_val_loss(data, tmp_path):
+    """4 steps done with checkpoints after 2 and 4, val loss every 2 steps."""
+    out = tmp_path / "run"
+    args = tiny_args(data, out, "--max-steps", 4, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 2)
+    assert train_gpt2.main(args) == 0
+    return out

@@ -1,8 +1,10 @@
 """Helpers the tests share, imported by name (`from helpers import ...`; pyproject.toml puts tests/
 and the repository root on pytest's path): tiny training runs and their logs, scripts run as a user
-would run them, in the background and under torchrun, tiny transformers models, and the one-line
-error checks. The fixtures are in conftest.py."""
+would run them, in the background and under torchrun, tiny transformers models, the one-line error
+checks, and faults injected into a run in the test's process (a full disk, an action at a step).
+The fixtures are in conftest.py."""
 
+import errno
 import json
 import os
 import signal
@@ -16,7 +18,12 @@ import numpy as np
 import pytest
 import torch
 
+import train_gpt2
+from support.checkpoints import load_checkpoint
+from support.common import UserError
+
 ROOT = Path(__file__).resolve().parent.parent
+GiB = 2**30
 
 
 def write_shard(path, tokens):
@@ -42,6 +49,20 @@ def random_shards(folder, train_lengths=(600, 600), val_length=600, seed=0):
     for i, n in enumerate(train_lengths, start=1):
         write_shard(folder / f"rand_train_{i:06d}.npy", rng.integers(0, 50257, n))
     return folder
+
+
+def write_known_shards(folder, lengths, ext="npy", val_length=0):
+    """Train shards whose tokens are distinct consecutive ids, so every token names its place."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards, start = [], 0
+    if val_length:
+        write_shard(folder / f"known_val_000000.{ext}", np.arange(60000, 60000 + val_length))
+    for i, n in enumerate(lengths):
+        tokens = np.arange(start, start + n)
+        write_shard(folder / f"known_train_{i + 1:06d}.{ext}", tokens)
+        shards.append(tokens)
+        start += n
+    return shards
 
 
 def tiny_args(data_dir, out_dir, *extra):
@@ -101,6 +122,30 @@ def read_log(out_dir):
     return records, steps
 
 
+def strict_records(out):
+    """log.jsonl read by a strict JSON reader (NaN and Infinity are not JSON): a bad line fails."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def headers(out):
+    """The header records of out/log.jsonl: one per start of a run in the folder (a resume adds one)."""
+    return [r for r in read_log(out)[0] if r.get("event") == "header"]
+
+
+def run_ids(out):
+    """The run ids of the checkpoints in out: one run's folder holds one."""
+    return {load_checkpoint(str(p))["run_id"] for p in out.glob("ckpt_*.pt")}
+
+
+def same_weights(a, b):
+    """Two state dicts hold the same tensors, bit for bit."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def hangup_default():
     """preexec_fn of a child a test sends SIGHUP: SIGHUP's default action there, also when the tests
     run under nohup (which ignores SIGHUP, and a child inherits that)."""
@@ -152,9 +197,6 @@ def heap_after(script, mode, args):
 
 def user_error(args):
     """train_gpt2.main(args) must stop with a one-line UserError; returns its message."""
-    import train_gpt2
-    from support.common import UserError
-
     with pytest.raises(UserError) as e:
         train_gpt2.main([str(a) for a in args])
     assert "\n" not in str(e.value)
@@ -175,6 +217,79 @@ def snapshot(folder):
     """{relative path: bytes} of every file under folder: nothing that existed may go or change."""
     folder = Path(folder)
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def refused_before_step_0(args, out, *words):
+    """In-process: one UserError line, no step record in the log, the folder unchanged."""
+    before = snapshot(out) if out.exists() else {}
+    msg = user_error(args)
+    for word in words:
+        assert word in msg, msg
+    after = snapshot(out) if out.exists() else {}
+    assert {k: v for k, v in after.items() if k in before} == before  # nothing that existed is gone or changed
+    if (out / "log.jsonl").exists() and "log.jsonl" not in before:
+        assert not read_log(out)[1]
+    return msg
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults injected into a run in the test's process
+
+
+class FullDisk:
+    """A writable file that takes `room` bytes, then fails like a full disk (ENOSPC)."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def write(self, data):
+        text = isinstance(data, str)  # a text-mode file (the log), else bytes or an array
+        n = len(data) if text else memoryview(data).nbytes
+        if n > self.room:
+            self.f.write(data[: self.room] if text else bytes(memoryview(data).cast("B")[: self.room]))
+            self.room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= n
+        return self.f.write(data)
+
+    def __getattr__(self, name):  # flush, fileno, close, ... of the real file
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def fail_nth_write(monkeypatch, module, suffix, n, room=1000):
+    """Make the n-th file that `module` opens for writing with a name ending in `suffix` run out
+    of disk after `room` bytes. Only that module's open() is replaced."""
+    opened = []
+
+    def open_(path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        if ("w" in mode or "a" in mode) and str(path).endswith(suffix):
+            opened.append(path)
+            if len(opened) == n:
+                return FullDisk(f, room)
+        return f
+
+    monkeypatch.setattr(module, "open", open_, raising=False)
+    return opened
+
+
+def at_step(monkeypatch, actions):
+    """Run actions[step]() as training step `step` computes its learning rate (after its checkpoint,
+    before its log record)."""
+    real = train_gpt2.get_lr
+
+    def get_lr(step, *args):
+        if step in actions:
+            actions[step]()
+        return real(step, *args)
+
+    monkeypatch.setattr(train_gpt2, "get_lr", get_lr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,7 +386,7 @@ def save_tiny_hf_gpt2(path, n_embd=64, init=perturb_norms_and_biases):
     """A random transformers GPT2LMHeadModel (seed 0; 2 layers, 4 heads, n_embd wide, 128
     positions, no dropout), each parameter then changed in place by init(name, p), saved with
     save_pretrained into path; returns path."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel  # noqa: PLC0415  (after conftest sets the offline variables)
 
     torch.manual_seed(0)
     config = GPT2Config(

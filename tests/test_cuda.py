@@ -168,7 +168,7 @@ def test_resume_with_deterministic_is_bitwise(shakespeare, tmp_path):
     assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     moments = lambda c: [t for s in c["optimizer"]["state"].values() for t in (s["exp_avg"], s["exp_avg_sq"])]  # noqa: E731
-    assert all(torch.equal(x, y) for x, y in zip(moments(a), moments(b)))
+    assert all(torch.equal(x, y) for x, y in zip(moments(a), moments(b), strict=True))
 
 
 # Without --deterministic the backward's atomics reorder sums from run to run; over 4 steps of

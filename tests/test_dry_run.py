@@ -1,15 +1,16 @@
-"""--dry-run writes nothing and computes nothing expensive, for every job the command line has:
---export-hf and --sample-from make the checks their job makes before its slow part (the model
-found and readable, the prompt, the export's folder) and load no weights, sample nothing and
-write nothing. A Ctrl-C during an export says what it left, not how to resume training. (The
-training job's dry run: tests/test_limits.py.)"""
+"""--dry-run (support/dry_run.py for the jobs besides training) writes nothing and computes nothing
+expensive, for every job the command line has: training runs its start-up checks; --export-hf and
+--sample-from make the checks their job makes before its slow part (the model found and readable,
+the prompt, the export's folder) and load no weights, sample nothing and write nothing. A Ctrl-C
+during an export says what it left, not how to resume training."""
 
 import pytest
+from transformers import GPT2LMHeadModel
 
 import train_gpt2
-from helpers import snapshot, user_error
+from helpers import snapshot, tiny_args, user_error
 from support import sampling
-from support.common import run_cli, said_on_interrupt
+from support.common import run_cli
 
 
 @pytest.fixture
@@ -73,7 +74,6 @@ def test_sample_dry_run_refuses_what_sampling_would(short_run, tmp_path, nothing
 
 def test_ctrl_c_during_an_export_says_nothing_was_exported_not_resume(short_run, tmp_path, monkeypatch, capsys):
     """Ctrl-C while save_pretrained writes: the target is as it was, and the line says so."""
-    from transformers import GPT2LMHeadModel
 
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt
@@ -89,7 +89,12 @@ def test_ctrl_c_during_an_export_says_nothing_was_exported_not_resume(short_run,
     assert not target.exists() and sorted(tmp_path.iterdir()) == []
 
 
-def test_said_on_interrupt_keeps_a_message_it_has():
-    with pytest.raises(KeyboardInterrupt) as e, said_on_interrupt("the job's words"):
-        raise KeyboardInterrupt("its own words")
-    assert str(e.value) == "its own words"
+def test_dry_run_runs_the_start_up_checks_and_writes_nothing(data, tmp_path, capsys):
+    out = tmp_path / "new" / "out"
+    args = tiny_args(data, out, "--sample-every", 2, "--eval-every", 2)
+    assert train_gpt2.main(args + ["--dry-run"]) == 0
+    assert "dry run: the flags, the data, --out-dir and the sampling check are fine" in capsys.readouterr().out
+    assert not (tmp_path / "new").exists()
+    assert "--prompt" in user_error(args + ["--dry-run", "--prompt", "word " * 100])  # the sampling check ran
+    assert "does not exist" in user_error(tiny_args(tmp_path / "no_data", out, "--dry-run"))  # the data checks ran
+    assert not (tmp_path / "new").exists()

@@ -4,8 +4,8 @@ msvcrt.locking (a stand-in with Windows' semantics, on flock), and the exclusive
 where neither exists. A second holder is refused and told who holds the lock, the holder's text
 surviving the refusal; a symbolic link at the lock's name is refused and what it points to left
 untouched; a deleted lock file is seen by its holder; a folder's lock is given back only while it is
-still the holder's. The scripts' own use of it: tests/test_ownership.py, tests/test_edges.py,
-tests/test_mistakes.py, tests/test_fineweb.py, tests/test_portable.py."""
+still the holder's. The scripts' own use of it: tests/test_out_dir.py (train_gpt2.py's --out-dir),
+tests/test_fineweb.py, tests/test_portable.py."""
 
 import errno
 import os

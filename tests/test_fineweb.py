@@ -1,9 +1,12 @@
 """fineweb.py: the shards are exactly tiktoken's EOT-prefixed encoding of the input, in order;
-.bin headers are llm.c's; a killed run resumes byte-identically; bad input is a one-line error."""
+.bin headers are llm.c's; a killed run resumes byte-identically; bad input is a one-line error; a
+full disk keeps the finished shards; a folder it was killed writing, its manifest or journal lost,
+is refused by training naming the command that finishes it."""
 
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -15,7 +18,8 @@ import numpy as np
 import pytest
 
 import fineweb
-from helpers import ROOT
+import train_gpt2
+from helpers import ROOT, fail_nth_write, tiny_args, user_error
 from support import common, file_lock
 from support.common import UserError
 from support.documents import HUB_OFFLINE_VARS
@@ -982,3 +986,130 @@ def test_the_work_per_shard_does_not_grow_with_the_shards_written(tmp_path, shar
     assert early >= 2000  # the shard itself is counted: the measurement sees the writes
     expected = np.array([EOT, *enc.encode_ordinary(text.read_text())], dtype=np.uint16)
     np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path))), expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# A full disk mid-run
+
+
+def test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes(tmp_path, monkeypatch, shared_data, enc):
+    text_path = shared_data / "tinyshakespeare" / "input.txt"
+    expected = np.array([EOT] + enc.encode_ordinary(text_path.read_text()), dtype=np.uint16)  # tiktoken directly
+    out = tmp_path / "out"
+    args = ["--input", str(text_path), "--out-dir", str(out), "--shard-size", "100000", "--workers", "1"]
+    opened = fail_nth_write(monkeypatch, common, ".npy.tmp", 3)  # the third shard hits a full disk
+    with pytest.raises(UserError) as e:
+        fineweb.main(args)
+    msg = str(e.value)
+    assert len(opened) == 3 and "\n" not in msg
+    assert "No space left on device" in msg and "rerun the same command" in msg
+    # the two finished shards and their manifest are untouched; the half-written one is gone
+    manifest = json.loads((out / "edufineweb_manifest.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] == ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [*(s["file"] for s in manifest["shards"]), "edufineweb_manifest.json"]
+    )
+    np.testing.assert_array_equal(np.load(out / "edufineweb_train_000001.npy"), expected[100_000:200_000])
+
+    monkeypatch.undo()  # space freed: the same command continues after the finished shards
+    summary = fineweb.main(args)
+    assert summary["complete"] and summary["new_tokens"] == len(expected) - 200_000
+    shards = [np.load(out / f) for f in summary["files"]]
+    np.testing.assert_array_equal(np.concatenate(shards), expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# A folder fineweb.py was killed writing: finished by the command training names
+
+
+KILLED_FINEWEB = """
+import os, signal, sys
+import fineweb
+real, written = fineweb.write_shard, []
+def write_shard(path, tokens, fmt="npy"):  # SIGKILL as the 3rd shard is in place, before it is journaled
+    real(path, tokens, fmt)
+    written.append(path)
+    if len(written) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+fineweb.write_shard = write_shard
+fineweb.main(sys.argv[1:])
+"""
+
+
+@pytest.fixture
+def killed_fineweb(tmp_path, shared_data):
+    """(input, a shard folder fineweb.py was SIGKILLed writing, the same input written uninterrupted)."""
+    text = tmp_path / "tiny.txt"
+    text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:40000])
+    args = ["--input", str(text), "--shard-size", "2000", "--workers", "1"]
+    r = subprocess.run(
+        [sys.executable, "-c", KILLED_FINEWEB, *args, "--out-dir", str(tmp_path / "shards")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert (tmp_path / "shards" / ".edufineweb_manifest.journal").exists()
+    fineweb.main([*args, "--out-dir", str(tmp_path / "whole")])
+    return text, tmp_path / "shards", tmp_path / "whole"
+
+
+def same_files(a, b):
+    return snapshot(a) == snapshot(b) and len(snapshot(a)) > 3
+
+
+@pytest.mark.parametrize("manifest", ["deleted", "unreadable"])
+def test_a_fineweb_folder_with_a_journal_and_no_readable_manifest_is_refused_naming_the_command_that_finishes_it(
+    killed_fineweb, tmp_path, manifest
+):
+    text, shards, whole = killed_fineweb
+    path = shards / "edufineweb_manifest.json"
+    path.unlink() if manifest == "deleted" else path.write_text('{"config": ')
+    before = snapshot(tmp_path)
+    said = user_error(tiny_args(shards, tmp_path / "run", "--max-steps", 2, "--eval-every", 0))
+    state = "is missing" if manifest == "deleted" else "cannot be read"
+    assert said.startswith(
+        f"--data-dir {shards} is unfinished: fineweb.py's journal .edufineweb_manifest.journal is there, and its "
+        f"manifest edufineweb_manifest.json {state}, so fineweb.py never said it finished; "
+    )
+    command = said.split("`")[1]
+    assert command == f"python fineweb.py --input {text} --out-dir {shards} --shard-size 2000"
+    assert snapshot(tmp_path) == before and not (tmp_path / "run").exists()
+    if manifest == "unreadable":
+        assert f"delete the unreadable edufineweb_manifest.json, then finish it with `{command}`" in said
+        path.unlink()
+    fineweb.main(shlex.split(command)[2:])  # the command it names finishes the folder, as an uninterrupted run
+    assert same_files(shards, whole)
+    assert train_gpt2.main(tiny_args(shards, tmp_path / "run", "--max-steps", 2, "--eval-every", 0)) == 0
+
+
+@pytest.mark.parametrize("fix", ["the journal put back", "those files deleted"])
+def test_a_lost_fineweb_journal_is_said_and_either_fix_it_names_finishes_the_folder(killed_fineweb, tmp_path, fix):
+    text, shards, whole = killed_fineweb
+    journal = shards / ".edufineweb_manifest.journal"
+    kept = journal.read_bytes()
+    journal.unlink()  # a copy that skipped hidden files
+    said = user_error(tiny_args(shards, tmp_path / "run", "--max-steps", 2, "--eval-every", 0))
+    command = said.split("`")[1]  # the manifest says unfinished: the command that finishes it
+    # the folder as it was, but for the lock file the killed run left: taken and given back, so removed
+    before = {k: v for k, v in snapshot(tmp_path).items() if not k.endswith(fineweb.FOLDER_LOCK)}
+    with pytest.raises(UserError) as e:
+        fineweb.main(shlex.split(command)[2:])
+    assert snapshot(tmp_path) == before
+    assert str(e.value).startswith(
+        f"{shards} holds 2 shard file(s) after the 0 its manifest lists (edufineweb_train_000001.npy, "
+        "edufineweb_train_000002.npy), named as this configuration writes them: the journal that listed them, "
+        ".edufineweb_manifest.journal, is gone"
+    )
+    assert "move those files away" not in str(e.value)
+    assert "copy .edufineweb_manifest.journal back beside the manifest to keep them, or delete those files" in str(
+        e.value
+    )
+    if fix == "the journal put back":
+        journal.write_bytes(kept)
+    else:
+        for name in ("edufineweb_train_000001.npy", "edufineweb_train_000002.npy"):
+            (shards / name).unlink()
+    fineweb.main(shlex.split(command)[2:])
+    assert same_files(shards, whole)

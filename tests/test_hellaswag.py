@@ -1,6 +1,7 @@
 """hellaswag.py: tokens, the fast scorer (shared contexts, head at the scored positions only)
 against a plain one-row-per-forward loop, sharding, stopping, the data sources (Hub, then URL;
-network calls replaced by local data), offline detection and refusing bad data."""
+network calls replaced by local data), offline detection and refusing bad data; in training, a
+HellaSwag file it cannot use is one warning and the run goes on."""
 
 import errno
 import io
@@ -18,10 +19,12 @@ from collections import Counter
 import pytest
 import torch
 from torch.nn import functional as F
+from transformers import GPT2LMHeadModel
 
 import hellaswag
+import train_gpt2
 from hellaswag import HellaSwagDataError
-from helpers import ROOT, heap_after, save_tiny_hf_gpt2
+from helpers import ROOT, cli, heap_after, random_shards, read_log, save_tiny_hf_gpt2, tiny_args
 from support import common
 from train_gpt2 import GPT
 
@@ -63,7 +66,7 @@ def argmin(values):
 
 def counts_by_hand(examples, preds, preds_norm):
     c = Counter()
-    for ex, p, pn in zip(examples, preds, preds_norm):
+    for ex, p, pn in zip(examples, preds, preds_norm, strict=True):
         for t in ("", "_" + ex["split_type"]):
             c["n" + t] += 1
             c["correct" + t] += p == ex["label"]
@@ -116,6 +119,19 @@ def test_malformed_line_is_named(tmp_path, val_path):
     bad.write_text("\n")
     with pytest.raises(HellaSwagDataError, match="holds no examples"):
         hellaswag.load_examples(str(bad))
+
+
+@pytest.mark.parametrize("label", [4, -1, True, None], ids=["4", "-1", "bool", "missing"])
+def test_hellaswag_label_out_of_range_is_named(tmp_path, shared_data, label):
+    # a string label is refused in test_malformed_line_is_named; these are the other wrong labels
+    lines = (shared_data / "hellaswag" / "hellaswag_val.jsonl").read_text().splitlines()[:3]
+    row = json.loads(lines[1])
+    row["label"] = label
+    if label is None:
+        del row["label"]
+    (tmp_path / "h.jsonl").write_text("\n".join([lines[0], json.dumps(row), lines[2]]) + "\n")
+    with pytest.raises(hellaswag.HellaSwagDataError, match=r"h\.jsonl, line 2: label .* is not an int from 0 to 3"):
+        hellaswag.load_examples(str(tmp_path / "h.jsonl"))
 
 
 def test_cache_with_html_error_page_is_refused(tmp_path):
@@ -293,8 +309,6 @@ def parity(hf_dir, examples, enc):
     rows do not fit, so both scoring paths run), N_PLAIN examples prepared, and the plain
     one-row-per-forward losses of our model on them: the reference. The first 100 ActivityNet
     examples of the file, then 100 WikiHow ones, whose longest rows do not fit 128 positions."""
-    from transformers import GPT2LMHeadModel
-
     ours = GPT.from_pretrained(str(hf_dir)).eval()
     exs = examples[: N_PLAIN // 2] + [ex for ex in examples if ex["source_id"].startswith("wikihow")][: N_PLAIN // 2]
     with torch.no_grad():
@@ -406,8 +420,6 @@ def standalone(short_run, examples, enc):
     """A tiny checkpoint (block size 64) as hellaswag.py loads it, without train_gpt2.py (transformers'
     GPT2LMHeadModel built from its state dict), and as training scores it (our GPT); 150 examples:
     100 short ActivityNet rows, packed, and 50 WikiHow ones, many too long for the window."""
-    import train_gpt2
-
     path = str(short_run[1] / "ckpt_000002.pt")
     wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
     exs = examples[:100] + wikihow[:50]
@@ -605,3 +617,37 @@ def test_import_needs_neither_transformers_nor_the_trainer():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------------------------
+# HellaSwag in training: a file it cannot use is one warning naming training's flag, and
+# training goes on
+
+
+def test_missing_hellaswag_data_is_one_warning_not_a_crash(tmp_path, capsys):
+    data = random_shards(tmp_path / "data")
+    missing = tmp_path / "nope.jsonl"
+    args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--hellaswag-data", missing)
+    assert train_gpt2.main(args) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: HellaSwag evaluation is off") == 1 and "nope.jsonl" in err
+    records, steps = read_log(tmp_path / "out")
+    assert 0 in steps and not any("hellaswag" in r for r in records)
+
+
+def test_a_broken_hellaswag_file_warns_at_start_and_training_goes_on(data, tmp_path, capsys):
+    bad = tmp_path / "hs.jsonl"
+    bad.write_text('{"ctx": "no endings here"}\n')
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 2, "--hellaswag-every", 1, "--hellaswag-data", bad, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    assert "HellaSwag evaluation is off" in capsys.readouterr().err
+    assert sorted(read_log(out)[1]) == [0, 1]
+
+
+def test_hellaswag_warning_in_training_names_training_s_flag(data, tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path)}  # an empty HellaSwag cache; offline (conftest)
+    r = cli(*tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--eval-every", 0), env=env)
+    assert r.returncode == 0, r.stderr
+    warning = [line for line in r.stderr.splitlines() if "HellaSwag evaluation is off" in line]
+    assert len(warning) == 1 and "--hellaswag-data" in warning[0] and "pass --data " not in warning[0]

@@ -29,7 +29,7 @@ from benchmarks.ladder import (
 )
 from helpers import ROOT
 from support.shards import shard_path, write_shard
-from train_gpt2 import GPT, GPTConfig
+from train_gpt2 import GPT, DataLoaderLite, GPTConfig
 
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 64, "T": 32, "B": 2}
 
@@ -81,8 +81,6 @@ def test_masked_softmax_attention_is_causal_attention():
 
 def test_rung_one_computes_the_models_own_loss(shard_dir):
     """Step 0 of rung 1 (masked softmax, vocab 50,257) is the plain model's loss on the first batch."""
-    from train_gpt2 import DataLoaderLite
-
     losses = run_rungs({1: set()}, shard_dir, steps=1)
     config = GPTConfig(block_size=32, vocab_size=50257, n_layer=2, n_head=2, n_embd=64)
     model = GPT(config)
@@ -111,14 +109,14 @@ def test_rungs_compute_the_same_loss_within_their_precision(shard_dir):
     checks = loss_check(losses, rungs)
     assert all(agree for _, _, agree in checks.values()), checks
     # how close: flash attention is the same fp32 arithmetic in another order
-    assert max(abs(a - b) for a, b in zip(losses["5 fp32"], losses[1])) < 1e-5
+    assert max(abs(a - b) for a, b in zip(losses["5 fp32"], losses[1], strict=True)) < 1e-5
     # the padded rows start at zero: at init every logit is near 0, so the loss rises by about
     # log(1 + 47 / 50257) = 9.35e-4 at each step, whatever the optimizer
     for rung in ("6 fp32", "7 fp32"):
-        shift = [a - b for a, b in zip(losses[rung], losses["5 fp32"])]
+        shift = [a - b for a, b in zip(losses[rung], losses["5 fp32"], strict=True)]
         assert shift == pytest.approx([np.log1p(47 / 50257)] * 4, abs=1e-4), shift
     # bf16 moves the loss more than fp32's reordering, and within its tolerance
-    bf16 = max(abs(a - b) for a, b in zip(losses[3], losses[1]))
+    bf16 = max(abs(a - b) for a, b in zip(losses[3], losses[1], strict=True))
     assert 1e-6 < bf16 < LADDER_LOSS_TOL["bf16"]
     # the steps learn: the optimizer ran (losses are not all one number)
     assert len(set(losses[1])) == 4
@@ -206,7 +204,7 @@ def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
     measured = [k for k in range(1, 13) if rungs[k]["measured"]]
     assert {1, 3, 5, 6, 7, 8, 9} <= set(measured)
     median1 = rungs[1]["tok_per_sec"]["median"]
-    for prev, k in zip([None] + measured, measured):
+    for prev, k in zip([None] + measured, measured, strict=False):  # each rung and the one before
         row = rungs[k]
         # 1 warm-up + 3 measured steps of 2 micro-batches of B 2 x T 32 (rung 9: one of B 4) = 128 tokens
         assert (row["B"], row["grad_accum_steps"]) == ((4, 1) if k == 9 else (2, 2))
@@ -227,7 +225,7 @@ def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
     for k in (8, 9):
         assert rungs[k]["loss_vs_rung7_max_abs_diff"] <= rungs[k]["loss_vs_rung7_tol"] == LADDER_LOSS_TOL["bf16"]
         assert rungs[k]["loss_vs_rung7_max_abs_diff"] == max(
-            abs(a - b) for a, b in zip(rungs[k]["losses"], rungs[7]["losses"])
+            abs(a - b) for a, b in zip(rungs[k]["losses"], rungs[7]["losses"], strict=True)
         )
     assert "loss_vs_rung7_max_abs_diff" not in rungs[7]
     # the headline: the last rung measured over rung 7, said to be a CPU number
@@ -359,8 +357,8 @@ def test_project_rungs_compute_the_same_loss_as_rungs_1_and_7(shard_dir):
     for against in (1, 7):
         checks = loss_check(losses, rungs, against)
         assert all(agree for _, _, agree in checks.values()), (against, checks)
-    assert max(abs(a - b) for a, b in zip(losses["8 fp32"], losses["7 fp32"])) < 1e-5
-    assert max(abs(a - b) for a, b in zip(losses["9 fp32"], losses["8 fp32"])) < 1e-5
+    assert max(abs(a - b) for a, b in zip(losses["8 fp32"], losses["7 fp32"], strict=True)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(losses["9 fp32"], losses["8 fp32"], strict=True)) < 1e-5
     assert len(set(losses[9])) == 3  # the steps learn
 
 

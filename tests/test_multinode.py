@@ -16,6 +16,7 @@ import psutil
 import pytest
 import torch
 
+import train_gpt2
 from helpers import ROOT, free_port, random_shards, read_log, tiny_args, torchrun_command
 from support.checkpoints import load_checkpoint
 
@@ -233,8 +234,6 @@ def test_a_rank_takes_the_gpu_of_its_local_rank_not_its_global_rank(
     """On CUDA each worker takes GPU LOCAL_RANK of its own node, whatever its global RANK: node 1's
     only worker is rank 1 and must use cuda:0. This machine has no GPU: torch.cuda's answers are
     faked and the process group is not joined; the device and backend the code picks are real."""
-    import train_gpt2
-
     env = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": local_rank + 1}
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))

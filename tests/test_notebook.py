@@ -1,7 +1,9 @@
-"""play.ipynb runs headless against training logs (clean, still being written, resumed) and
-reports the numbers the log holds; the committed notebook is clean."""
+"""play.ipynb runs headless against training logs (clean, still being written, resumed; a NaN val
+loss, a read-only run folder, several runs in one log) and reports the numbers the log holds; the
+committed notebook is clean."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -42,9 +44,9 @@ def kernel_env(tmp_path_factory):
 def run_notebook(log_path, cwd, **params):
     """Execute play.ipynb with papermill-style injected parameters; returns (executed nb, what the
     notebook's `summary` and `BASELINES` hold at the end)."""
-    import nbformat
-    from nbclient import NotebookClient
-    from nbformat.v4 import new_code_cell
+    import nbformat  # noqa: PLC0415  (optional: kernel_env skips without it)
+    from nbclient import NotebookClient  # noqa: PLC0415  (optional: kernel_env skips without it)
+    from nbformat.v4 import new_code_cell  # noqa: PLC0415  (optional: kernel_env skips without it)
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     i = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
@@ -57,7 +59,7 @@ def run_notebook(log_path, cwd, **params):
 
 
 def assert_pngs(folder):
-    from matplotlib.image import imread
+    from matplotlib.image import imread  # noqa: PLC0415  (optional: kernel_env skips without it)
 
     for name in PNGS:
         path = folder / name
@@ -199,7 +201,7 @@ def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel_env):
 
 
 def test_missing_log_is_a_clear_error(tmp_path, kernel_env):
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel_env skips without it)
 
     with pytest.raises(CellExecutionError, match="no training log at .*set log_path") as e:
         run_notebook(tmp_path / "nowhere", tmp_path)
@@ -363,3 +365,49 @@ def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env
     )
     assert rows["wall time"].endswith(f"({want['step_time_s']:,.0f} s of training steps)")
     assert_pngs(log.parent)
+
+
+# ----------------------------------------------------------------------------------------------
+# Logs at their edges: a NaN val loss, a read-only run folder, several runs in one log
+
+
+def test_a_nan_val_loss_reads_back_in_play_ipynb(tmp_path, kernel_env):
+    records = clean_records()
+    records.append({"step": 50, "val_loss": "NaN"})  # as RunLog writes a non-finite val loss
+    log = write_log(tmp_path / "run", records)
+    _, out = run_notebook(log, tmp_path)
+    assert out["summary"]["best_val_loss"] == [40, 6.2]
+    assert out["summary"]["last_val_loss"][0] == 50 and math.isnan(out["summary"]["last_val_loss"][1])
+
+
+def test_play_ipynb_on_a_read_only_run_folder_prints_its_summary(tmp_path, kernel_env, read_only):
+    log = write_log(tmp_path / "run", clean_records())
+    read_only(log.parent)
+    nb, out = run_notebook(log, tmp_path)
+    assert out["summary"]["last_step"] == 49 and out["summary"]["best_val_loss"] == [40, 6.2]
+    said = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    for name in ("loss.png", "hellaswag.png", "throughput.png"):
+        assert f"could not save {name} in {log.parent} (Read-only file system)" in said
+    assert os.listdir(log.parent) == ["log.jsonl"]
+
+
+def test_play_ipynb_shows_the_last_run_and_names_the_other_runs(tmp_path, kernel_env):
+    """Run A (10 steps, no checkpoint), then another run B in the same log, killed after 5 steps
+    and restarted from step 0 by --resume: the notebook draws B's restart alone, says B restarted,
+    and names A."""
+
+    def run(run_id, steps, loss, restarted=False, val=None):
+        records = [{**header(), "run_id": run_id, "restarted": restarted}]
+        for s in range(steps):
+            records += [{"step": s, "val_loss": val}] if val is not None and s == 0 else []
+            records.append(step_record(s, loss))
+        return records
+
+    log = write_log(tmp_path / "run", run("A", 10, 9.0, val=9.5) + run("B", 5, 8.0) + run("B", 7, 7.0, True, 7.5))
+    nb, out = run_notebook(log, tmp_path)
+    s = out["summary"]
+    assert (s["run_id"], s["other_runs"], s["restarts"]) == ("B", ["A"], 1)
+    assert (s["last_step"], s["last_train_loss"], s["last_val_loss"], s["redone_steps"]) == (6, 7.0, [0, 7.5], 0)
+    said = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "the log also holds run A (10 steps, last val loss 9.5000): not shown; this is run B" in said
+    assert "restarted from step 0 1 time(s)" in said

@@ -18,7 +18,7 @@ import tiktoken
 import fineweb
 import hellaswag
 import train_gpt2
-from helpers import ROOT, assert_one_line_error, random_shards, read_log, start_run, tiny_args, wait_for_step
+from helpers import ROOT, assert_one_line_error, read_log, start_run, tiny_args, wait_for_step
 from support.out_dir import LOCK_FILE
 
 # Windows has none of these; the stand-in SIGBREAK is a signal Linux has that nothing else here uses
@@ -97,11 +97,6 @@ def run(env, *args, script="train_gpt2.py"):
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     done.pid = proc.pid
     return done
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return random_shards(tmp_path_factory.mktemp("data"))
 
 
 @pytest.mark.slow

@@ -195,7 +195,7 @@ def test_every_step_equals_the_reference_bitwise(recipe_run):
         # AdamW's moments, parameter by parameter in the optimizer's order (decayed group first)
         ref_state = optimizer.state_dict()
         assert len(ckpt["optimizer"]["param_groups"]) == len(ref_state["param_groups"]) == 2
-        for group, ref_group in zip(ckpt["optimizer"]["param_groups"], ref_state["param_groups"]):
+        for group, ref_group in zip(ckpt["optimizer"]["param_groups"], ref_state["param_groups"], strict=True):
             for key in ("lr", "betas", "eps", "weight_decay"):
                 assert group[key] == ref_group[key], (step, key)
             assert group["params"] == ref_group["params"]

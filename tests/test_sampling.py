@@ -1,12 +1,18 @@
-"""Sampling with the preallocated KV cache: the one-token decode step against recomputing the
-whole prefix (greedy and seeded top-k), no growing tensors, no padding ids, and the compiled
-decode step giving the same tokens as the eager one."""
+"""support/sampling.py: sampling with the preallocated KV cache, the one-token decode step against
+recomputing the whole prefix (greedy and seeded top-k), no growing tensors, no padding ids, the
+compiled decode step giving the same tokens as the eager one, a temperature so low that the logits
+overflow sampling greedily, and a stop request polled before every token; then, through real runs of
+train_gpt2.py, each sampling setting having its effect in training and with --sample-from, the
+model's window said where samples stop at it, and sampling exercised before step 0."""
 
 import pytest
 import torch
 
-from support.common import GPT2_VOCAB
-from support.sampling import KVCache, decode_step, generate, next_token
+import train_gpt2
+from helpers import read_log, refused_before_step_0, tiny_args
+from support import sampling
+from support.common import GPT2_VOCAB, UserError
+from support.sampling import KVCache, decode_step, generate, next_token, sample_text
 from train_gpt2 import GPT
 
 
@@ -125,3 +131,186 @@ def test_the_exponential_race_draws_from_the_softmax():
         assert counts[len(p) :].sum() == 0
         se = (p * (1 - p) / n).sqrt()
         assert ((counts[: len(p)] / n - p).abs() < 4 * se).all(), (counts / n, p)
+
+
+# ----------------------------------------------------------------------------------------------
+# The draw: a temperature too low for the logits is greedy; seeds; the window; a stop request
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-50, 1e-320])
+def test_a_temperature_so_low_that_logits_overflow_samples_greedily(temperature):
+    logits = torch.randn(4, 50304) * 30
+    noise = torch.empty(4, 50257).exponential_(generator=torch.Generator().manual_seed(0))
+    token = sampling.next_token(logits, temperature, None, noise)
+    assert torch.equal(token, logits[:, :50257].argmax(-1))
+    assert torch.equal(sampling.next_token(logits, temperature, 5, noise), token)
+
+
+def test_kv_cache_equals_recompute(tiny_config):
+    torch.manual_seed(5)
+    model = GPT(tiny_config)
+    idx = torch.randint(0, GPT2_VOCAB, (3, 5))
+    greedy_cached = generate(model, idx, 20, temperature=0, use_cache=True)
+    greedy_full = generate(model, idx, 20, temperature=0, use_cache=False)
+    assert torch.equal(greedy_cached, greedy_full)
+    a = generate(model, idx, 20, top_k=50, generator=torch.Generator().manual_seed(7), use_cache=True)
+    b = generate(model, idx, 20, top_k=50, generator=torch.Generator().manual_seed(7), use_cache=False)
+    assert torch.equal(a, b)
+    assert a.shape == (3, 25)
+
+
+def test_sampling_never_emits_padding_and_stops_at_block_size(tiny_config):
+    torch.manual_seed(6)
+    model = GPT(tiny_config)
+    with torch.no_grad():  # make the padding ids overwhelmingly likely: they must still never come out
+        model.lm_head.weight[GPT2_VOCAB:] = 5.0
+        model.transformer.ln_f.bias.fill_(1.0)
+    idx = torch.zeros(2, 1, dtype=torch.long)
+    out = generate(model, idx, 500, top_k=None, generator=torch.Generator().manual_seed(0))
+    assert out.shape[1] == tiny_config.block_size
+    assert out.max().item() < GPT2_VOCAB
+
+
+def test_same_seed_same_text(tiny_config, enc):
+    torch.manual_seed(8)
+    model = GPT(tiny_config)
+    a = sample_text(model, enc, "Hello", num_samples=2, max_new_tokens=10, seed=1)
+    b = sample_text(model, enc, "Hello", num_samples=2, max_new_tokens=10, seed=1)
+    c = sample_text(model, enc, "Hello", num_samples=2, max_new_tokens=10, seed=2)
+    assert a == b and a != c
+
+
+class Countdown:
+    """A stop request that says True from its n-th poll on; counts the polls."""
+
+    def __init__(self, n):
+        self.n, self.polls = n, 0
+
+    def __call__(self):
+        self.polls += 1
+        return self.polls >= self.n
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_polls_the_stop_request_before_every_token(tiny_config, monkeypatch, use_cache):
+    torch.manual_seed(0)
+    model = GPT(tiny_config).eval()
+    forwards = []
+    real = model.hidden_states
+    monkeypatch.setattr(model, "hidden_states", lambda *a, **k: forwards.append(1) or real(*a, **k))
+    idx = torch.randint(0, GPT2_VOCAB, (2, 3))
+    stop = Countdown(5)  # says stop before the 5th token
+    assert generate(model, idx, 50, use_cache=use_cache, stop=stop) is None
+    # the prompt's pass and 4 one-token steps, or 4 recomputes of the whole prefix
+    assert stop.polls == 5 and len(forwards) == (5 if use_cache else 4)
+    # never asked to stop: the whole sample, the same tokens as without a stop request
+    torch.manual_seed(1)
+    a = generate(model, idx, 20, use_cache=use_cache, stop=lambda: False)
+    torch.manual_seed(1)
+    assert torch.equal(a, generate(model, idx, 20, use_cache=use_cache))
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling in a run and with --sample-from: each setting has its effect, the window is said,
+# and what runs mid-training is exercised before step 0
+
+
+def greedy_tokens(model, tokens, n):
+    """tokens and the n most likely tokens after them, one at a time over the whole prefix (no
+    KV cache), at most up to the model's window."""
+    idx = torch.tensor([tokens])
+    with torch.no_grad():
+        while idx.size(1) < min(len(tokens) + n, model.config.block_size):
+            logits, _ = model(idx)
+            idx = torch.cat([idx, logits[:, -1, :50257].argmax(-1, keepdim=True)], dim=1)
+    return idx[0].tolist()
+
+
+HELLO = "Hello, I'm a language model,"  # the default --prompt
+
+
+@pytest.mark.parametrize(
+    "flags, prompt, n_new",
+    [
+        (["--temperature", 0], HELLO, 4),  # greedy: 4 new tokens (--max-new-tokens 4)
+        (["--prompt", "", "--temperature", 0], "", 4),  # unconditional: starts from <|endoftext|>
+        (["--prompt", "<|endoftext|>Once upon a time", "--temperature", 0], "Once upon a time", 4),  # typed literally
+        (["--max-new-tokens", 500, "--temperature", 0], HELLO, 64 - 8),  # beyond the 64-token window: stops there
+        (["--top-k", 0], HELLO, 4),  # no top-k filtering
+    ],
+)
+def test_legitimate_sampling_settings_work(data, tmp_path, enc, flags, prompt, n_new, capsys):
+    """Each setting has its effect: the logged samples of steps 1 and 2 are the ones computed here
+    from that step's checkpoint (greedy decoding by hand; <|endoftext|> is token 50256)."""
+    out = tmp_path / "out"
+    args = tiny_args(
+        data,
+        out,
+        "--max-steps",
+        2,
+        "--sample-every",
+        1,
+        "--num-samples",
+        2,
+        "--max-new-tokens",
+        4,
+        "--eval-every",
+        0,
+        "--ckpt-every",
+        1,
+        *flags,
+    )
+    assert train_gpt2.main(args) == 0
+    stops_early = "note: samples stop at the model's 64-token window" in capsys.readouterr().out
+    assert stops_early == (500 in flags)
+    samples = {r["step"]: r["samples"] for r in read_log(out)[0] if "samples" in r}
+    assert sorted(samples) == [1, 2]
+    tokens = ([] if prompt == HELLO else [50256]) + enc.encode_ordinary(prompt)
+    for step, texts in samples.items():
+        model = train_gpt2.load_model(str(out / f"ckpt_{step:06d}.pt")).eval()
+        if "--temperature" in flags:
+            assert texts == [enc.decode(greedy_tokens(model, tokens, n_new))] * 2, step
+        else:  # drawn among all 50257 tokens, with the run's fixed sampling seed (42)
+            draw = lambda top_k, model=model: generate(  # noqa: E731  (this step's model)
+                model, torch.tensor([tokens] * 2), n_new, top_k=top_k, generator=torch.Generator().manual_seed(42)
+            )
+            assert texts == [enc.decode(row.tolist()) for row in draw(None)], step
+            assert texts != [enc.decode(row.tolist()) for row in draw(50)]  # the setting changes the draw
+
+
+def test_sample_from_at_a_tiny_temperature_equals_greedy(short_run, capsys):
+    out = short_run[1]
+    base = ["--sample-from", out, "--num-samples", 2, "--max-new-tokens", 8, "--device", "cpu"]
+    said = {}
+    for t in (0, 1e-40):
+        assert train_gpt2.main([str(a) for a in base + ["--temperature", t]]) == 0
+        said[t] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sample ")]
+    assert said[1e-40] == said[0] and not any(line.endswith("!!!!!!!!") for line in said[0])
+
+
+def test_sample_from_says_where_samples_stop_at_the_window(short_run, enc, capsys):
+    out = short_run[1]  # a 64-token window
+    n_prompt = len(enc.encode("word " * 39 + "word"))
+    args = ["--sample-from", out, "--prompt", "word " * 39 + "word", "--num-samples", 1, "--device", "cpu"]
+    assert train_gpt2.main([str(a) for a in [*args, "--max-new-tokens", 50]]) == 0
+    said = capsys.readouterr().out
+    assert f"{64 - n_prompt} new tokens after the {n_prompt}-token prompt, not --max-new-tokens 50" in said
+    assert train_gpt2.main([str(a) for a in [*args, "--max-new-tokens", 64 - n_prompt]]) == 0
+    assert "window" not in capsys.readouterr().out  # it fits: nothing to say
+
+
+def test_a_prompt_longer_than_the_window_is_refused_at_start(data, tmp_path):
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--sample-every", 100, "--prompt", "word " * 200)
+    refused_before_step_0(args, out, "--prompt", "tokens")
+
+
+def test_sampling_is_exercised_before_step_0(data, tmp_path, monkeypatch):
+    """A sampling failure (here: the sampler raising) happens before the first step, not at step N."""
+
+    def broken(*args, **kwargs):
+        raise UserError("sampling failed")
+
+    monkeypatch.setattr(train_gpt2, "sample_text", broken)
+    out = tmp_path / "out"
+    refused_before_step_0(tiny_args(data, out, "--sample-every", 1000, "--max-steps", 3000), out, "sampling failed")

@@ -1,35 +1,20 @@
 """The training run: schedule, optimizer groups, FLOPs, gradient accumulation, a tiny overfit run
-with its evaluations and log, exact resume after SIGKILL, SIGTERM, and bad input."""
+with its evaluations, log and checkpoint, --help and --val-tokens 0. What a support/ module does in
+a run is tested in that module's file: tests/test_resume.py, test_signals.py, test_checks.py, ..."""
 
 import math
-import pathlib
-import platform
-import shutil
-import signal
-import subprocess
-import sys
+import os
 
 import numpy as np
 import pytest
 import torch
 
+import hellaswag
 import train_gpt2
-from helpers import (
-    cli,
-    hangup_default,
-    heap_after,
-    random_shards,
-    read_log,
-    signal_at_step,
-    start_run,
-    tiny_args,
-    user_error,
-    wait_for_step,
-    write_shard,
-)
+from helpers import cli, random_shards, read_log, strict_records, tiny_args, write_shard
 from support.checkpoints import load_checkpoint
 from support.sampling import sample_text
-from train_gpt2 import GPT, DataLoaderLite, GPTConfig, flops_per_token, get_lr, load_model
+from train_gpt2 import GPT, GPTConfig, flops_per_token, get_lr, load_model
 
 # ----------------------------------------------------------------------------------------------
 # schedule, optimizer, FLOPs
@@ -102,20 +87,6 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
     assert header["config"]["grad_accum_steps"] == 4
     assert first[2]["train_loss"] == pytest.approx(first[8]["train_loss"], rel=1e-6)
     assert first[2]["grad_norm"] == pytest.approx(first[8]["grad_norm"], rel=1e-5)
-
-
-@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
-def test_a_cpu_run_keeps_freed_memory_in_the_heap(tmp_path):
-    # glibc's default maps each big block on its own and unmaps it when freed: every step of a CPU
-    # run would fault its activations in again (half the step time of a small model)
-    data = random_shards(tmp_path / "data")
-    got = {
-        mode: heap_after("train_gpt2", mode, tiny_args(data, tmp_path / mode, "--max-steps", 1, "--eval-every", 0))
-        for mode in ("on", "off")
-    }
-    assert got["off"][0] >= 64  # the reference: glibc mapped the 64 MiB on its own
-    mapped, heap_after_free = got["on"]
-    assert mapped < 64 and heap_after_free >= 64, got  # from the heap, and kept there once freed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,8 +172,6 @@ def test_logged_val_loss_is_the_final_models(overfit_run):
 
 
 def test_logged_hellaswag_and_samples_are_the_final_models(overfit_run, shared_data, enc):
-    import hellaswag
-
     _, out = overfit_run
     records, _ = read_log(out)
     model = load_model(str(out / f"ckpt_{OVERFIT_STEPS:06d}.pt")).eval()
@@ -240,195 +209,22 @@ def test_checkpoint_has_plain_names_and_training_state(overfit_run):
     assert len(ckpt["rng"]) == 1 and ckpt["train_config"]["max_steps"] == OVERFIT_STEPS
 
 
-def test_missing_hellaswag_data_is_one_warning_not_a_crash(tmp_path, capsys):
-    data = random_shards(tmp_path / "data")
-    missing = tmp_path / "nope.jsonl"
-    args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--hellaswag-data", missing)
-    assert train_gpt2.main(args) == 0
-    err = capsys.readouterr().err
-    assert err.count("warning: HellaSwag evaluation is off") == 1 and "nope.jsonl" in err
-    records, steps = read_log(tmp_path / "out")
-    assert 0 in steps and not any("hellaswag" in r for r in records)
-
-
-def test_warns_when_the_run_repeats_data(tmp_path, capsys):
-    data = random_shards(tmp_path / "data", train_lengths=(100, 100))
-    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--eval-every", 0)) == 0
-    # by hand: micro-batches of 2*16 = 32 tokens; (100 - 1) // 32 = 3 per shard, 192 tokens an
-    # epoch; 6 steps of 64 tokens = 384 tokens = 2 epochs
-    err = capsys.readouterr().err
-    assert "trains on 384 tokens but the train shards hold 192 usable ones" in err and "(2.00 epochs)" in err
-    _, steps = read_log(tmp_path / "out")
-    assert [steps[s]["epoch"] for s in range(6)] == [0, 0, 0, 1, 1, 1]
-
-
-def test_init_from_a_transformers_dir(tmp_path, hf_tiny_dir):
-    from transformers import GPT2LMHeadModel
-
-    data = random_shards(tmp_path / "data")
-    args = tiny_args(data, tmp_path / "out", "--init-from", hf_tiny_dir, "--max-steps", 1, "--eval-every", 1)
-    assert train_gpt2.main(args) == 0
-    records, _ = read_log(tmp_path / "out")
-    hf_shape = {"block_size": 128, "vocab_size": 50257, "n_layer": 2, "n_head": 4, "n_embd": 64}  # not the flags
-    assert records[0]["config"]["model_config"] == hf_shape
-    # step 0's val loss is the pretrained model's: recompute it with transformers itself
-    hf = GPT2LMHeadModel.from_pretrained(hf_tiny_dir).eval()
-    val = torch.from_numpy(np.load(data / "rand_val_000000.npy")[: 256 + 1].astype(np.int64))
-    with torch.no_grad():
-        logits = hf(val[:-1].view(16, 16)).logits
-        expected = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), val[1:]).item()
-    assert records[1] == {"step": 0, "val_loss": pytest.approx(expected, rel=1e-5)}
-
-
 # ----------------------------------------------------------------------------------------------
-# resume
+# --help, and the val loss turned off
 
 
-@pytest.mark.slow
-def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
-    data = random_shards(tmp_path / "data", train_lengths=(200, 250))  # 2 epochs in 16 steps: shuffles too
-    run = lambda out, *extra: tiny_args(data, out, "--max-steps", 16, "--ckpt-every", 4, *extra)  # noqa: E731
-    ref = cli(*run(tmp_path / "ref"))
-    assert ref.returncode == 0, ref.stderr
-    assert sorted(p.name for p in (tmp_path / "ref").glob("ckpt_*")) == [f"ckpt_0000{s:02d}.pt" for s in (8, 12, 16)]
-    proc = start_run(*run(tmp_path / "b"), stdout=subprocess.DEVNULL)
-    try:
-        wait_for_step(proc, tmp_path / "b", 6)  # after the step-4 checkpoint, before the step-8 one
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    assert (tmp_path / "b" / "ckpt_000004.pt").exists() and not (tmp_path / "b" / "ckpt_000008.pt").exists()
-    (tmp_path / "b" / ".ckpt_000008.pt.tmp").write_bytes(b"half a checkpoint")  # as if killed mid-write
-    resumed = cli(*run(tmp_path / "b", "--resume"))
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resuming from" in resumed.stdout and "ckpt_000004.pt" in resumed.stdout
-    assert "removing the unfinished .ckpt_000008.pt.tmp" in resumed.stdout
-    assert not list((tmp_path / "b").glob("*.tmp"))
-    ref_records, ref_steps = read_log(tmp_path / "ref")
-    records, steps = read_log(tmp_path / "b")
-    assert sorted(steps) == list(range(16))
-    for s in range(16):  # bitwise: JSON floats round-trip exactly
-        for key in ("train_loss", "grad_norm", "lr", "epoch", "tokens"):
-            assert steps[s][key] == ref_steps[s][key], (s, key)
-    vals = lambda recs: {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}  # noqa: E731
-    assert vals(records) == vals(ref_records)
-    headers = [r for r in records if r.get("event") == "header"]
-    assert [h["resumed_from"] for h in headers] == [None, 4]  # the log was appended, not wiped
-    a, b = (load_checkpoint(str(tmp_path / run / "ckpt_000016.pt")) for run in ("ref", "b"))
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+def test_help_shows_defaults_and_the_usage_examples_intact():
+    r = cli("--help", env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0
+    assert "python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe" in r.stdout
+    assert "-T 64 \\\n        --total-batch-size 4096" in r.stdout  # a continued line stays one to copy
+    flat = " ".join(r.stdout.split())
+    for text in ("(default: 64)", "(default: 524288)", "(default: 0.0006)", "(default: 715)", "(default: log)"):
+        assert text in flat, text
 
 
-@pytest.mark.slow
-def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
-    data = random_shards(tmp_path / "data")
+def test_val_tokens_0_turns_the_val_loss_off(data, tmp_path):
     out = tmp_path / "out"
-    proc = start_run(
-        *tiny_args(data, out, "--max-steps", 300, "--eval-every", 0),
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does before exec
-    )
-    stdout, stderr = signal_at_step(proc, out, 2, signal.SIGHUP)
-    assert proc.returncode == 0, stderr
-    assert "caught" not in stdout
-    assert sorted(read_log(out)[1]) == list(range(300))
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # a scheduler; a closed terminal
-def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
-    data = random_shards(tmp_path / "data")
-    out = tmp_path / "out"
-    proc = start_run(*tiny_args(data, out, "--max-steps", 100000), preexec_fn=hangup_default)
-    stdout, stderr = signal_at_step(proc, out, 2, signum)
-    assert proc.returncode == 128 + signum, stderr
-    assert f"caught {signum.name}" in stdout and "Traceback" not in stderr
-    _, steps = read_log(out)
-    last = max(steps)
-    path = out / f"ckpt_{last + 1:06d}.pt"
-    ckpt = load_checkpoint(str(path))
-    assert ckpt["step"] == last + 1 and ckpt["optimizer"]["state"]
-    # the data position is just after the batches of the steps done: 2 micro-batches a step
-    loader = DataLoaderLite(str(data), "train", 2, 16, seed=1337)
-    for _ in range(2 * (last + 1)):
-        loader.next_batch()
-    assert ckpt["data"] == loader.state_dict()
-    model = load_model(str(path))
-    assert torch.equal(model.lm_head.weight, ckpt["model"]["lm_head.weight"])
-
-
-# ----------------------------------------------------------------------------------------------
-# bad input: one line, non-zero exit, no traceback
-
-
-def test_missing_data_folder_cli(tmp_path):
-    r = cli(*tiny_args(tmp_path / "nope", tmp_path / "out"))
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.startswith("error: ") and r.stderr.strip().count("\n") == 0
-    assert "nope" in r.stderr and "fineweb.py" in r.stderr
-
-
-def test_empty_data_folder(tmp_path):
-    (tmp_path / "empty").mkdir()
-    assert "no train shards" in user_error(tiny_args(tmp_path / "empty", tmp_path / "out"))
-
-
-def test_batch_sizes_that_do_not_divide(tmp_path):
-    data = random_shards(tmp_path / "data")
-    msg = user_error(tiny_args(data, tmp_path / "out", "--total-batch-size", 200))
-    assert "not a multiple" in msg and "2*16*1 = 32" in msg
-
-
-def test_bin_shard_with_bad_header(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    write_shard(data / "x_train_000001.bin", np.arange(1000))
-    raw = bytearray((data / "x_train_000001.bin").read_bytes())
-    raw[0:4] = (12345).to_bytes(4, "little")
-    (data / "x_train_000001.bin").write_bytes(raw)
-    assert "20240520" in user_error(tiny_args(data, tmp_path / "out"))
-    write_shard(data / "x_train_000001.bin", np.arange(1000))
-    with open(data / "x_train_000001.bin", "r+b") as f:
-        f.truncate(1024 + 900)  # the header still says 1,000 tokens
-    assert "truncated" in user_error(tiny_args(data, tmp_path / "out"))
-
-
-def test_checkpoint_from_another_config(short_run, tmp_path):
-    data, out = short_run
-    msg = user_error(tiny_args(data, tmp_path / "out", "--n-embd", 64, "--resume", out / "ckpt_000002.pt"))
-    assert "--n-embd 64 contradicts the 32" in msg and "leave --n-embd out" in msg
-
-
-def test_truncated_checkpoint(short_run, tmp_path):
-    data, out = short_run
-    raw = (out / "ckpt_000002.pt").read_bytes()
-    (tmp_path / "cut.pt").write_bytes(raw[: len(raw) // 2])
-    msg = user_error(tiny_args(data, tmp_path / "out", "--resume", tmp_path / "cut.pt"))
-    assert "cut.pt" in msg and "cannot be loaded" in msg
-
-
-def test_resume_latest_falls_back_past_a_truncated_checkpoint(short_run, tmp_path, capsys):
-    data, out = short_run
-    run = tmp_path / "run"
-    shutil.copytree(out, run)
-    raw = (run / "ckpt_000002.pt").read_bytes()
-    (run / "ckpt_000002.pt").write_bytes(raw[: len(raw) // 2])
-    assert train_gpt2.main(tiny_args(data, run, "--max-steps", 2, "--resume")) == 0
-    assert "skipping" in capsys.readouterr().err
-    records = read_log(run)[0]
-    assert [r["resumed_from"] for r in records if r.get("event") == "header"] == [None, 1]
-    first, again = [r for r in records if r.get("step") == 1 and "train_loss" in r]  # step 1, then redone
-    assert (again["train_loss"], again["grad_norm"]) == (first["train_loss"], first["grad_norm"])
-
-
-def test_pickle_carrying_code_is_refused(short_run, tmp_path):
-    data, _ = short_run
-    marker = tmp_path / "pwned"
-
-    class Evil:
-        def __reduce__(self):
-            return (pathlib.Path.touch, (marker,))
-
-    torch.save({"model": Evil(), "model_config": {}}, tmp_path / "evil.pt")
-    msg = user_error(tiny_args(data, tmp_path / "out", "--resume", tmp_path / "evil.pt"))
-    assert "evil.pt" in msg and not marker.exists()
-    torch.load(tmp_path / "evil.pt", weights_only=False)  # the file really does carry code:
-    assert marker.exists()  # loaded unsafely, it runs
+    assert train_gpt2.main(tiny_args(data, out, "--val-tokens", 0, "--eval-every", 2, "--max-steps", 2)) == 0
+    records = strict_records(out)
+    assert not any("val_loss" in x for x in records) and sorted(read_log(out)[1]) == [0, 1]

@@ -11,8 +11,7 @@ import torch
 import train_gpt2
 from helpers import assert_one_line_error, cli, random_shards, read_log, tiny_args
 from support.checkpoints import load_checkpoint
-from support.common import UserError
-from support.machine import choose_compile, compile_problem
+from support.machine import compile_problem
 
 
 @pytest.mark.slow
@@ -71,44 +70,6 @@ def broken_compiler(tmp_path):
     cxx.write_text("#!/bin/sh\nexit 1\n")
     cxx.chmod(0o755)
     return {**os.environ, "CXX": str(cxx), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor_cache")}
-
-
-def test_default_compile_that_cannot_work_is_a_note_and_eager(capsys):
-    asked = []
-
-    def broken(device):
-        asked.append(device)
-        return "InvalidCxxCompiler: No working C++ compiler found"
-
-    assert choose_compile(None, "cuda", problem=broken) is False
-    assert asked == ["cuda"]
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("note: torch.compile does not work on this cuda"), lines
-    assert "(InvalidCxxCompiler: No working C++ compiler found)" in lines[0]
-    assert choose_compile(None, "cuda", verbose=False, problem=broken) is False  # another rank: rank 0 says it
-    assert capsys.readouterr().out == ""
-
-
-def test_compile_is_checked_only_where_it_would_be_on():
-    asked = []
-    works = lambda device: asked.append(device)  # noqa: E731  (None: compile works)
-    assert choose_compile(None, "cuda", problem=works) is True
-    assert choose_compile(True, "cpu", problem=works) is True
-    assert asked == ["cuda", "cpu"]
-    assert choose_compile(None, "cpu", problem=works) is False  # off by default on a CPU (and on MPS)
-    assert choose_compile(None, "mps", problem=works) is False
-    assert choose_compile(False, "cuda", problem=works) is False
-    assert asked == ["cuda", "cpu"]
-
-
-def test_compile_asked_for_that_cannot_work_is_a_user_error():
-    with pytest.raises(UserError) as e:
-        choose_compile(True, "cpu", problem=lambda device: "InvalidCxxCompiler: No working C++ compiler found")
-    assert str(e.value) == (
-        "--compile: torch.compile does not work on this cpu (InvalidCxxCompiler: No working C++ compiler found); "
-        "run with --no-compile"
-    )
-    assert e.value.every_rank  # torchrun: rank 0 alone says it
 
 
 @pytest.mark.slow

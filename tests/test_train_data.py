@@ -1,32 +1,16 @@
-"""The training data loader: every token once per epoch across ranks, shuffling, .bin = .npy,
-memory maps, resumable position, and the fixed val budget."""
+"""The training data loader (train_gpt2.py's DataLoaderLite): every token once per epoch across
+ranks, shuffling, .bin = .npy, resumable position, and the fixed val budget. The shards it reads
+and their checks: test_shards.py."""
 
-import json
 import math
 
 import numpy as np
 import pytest
 import torch
 
-import fineweb
-from helpers import write_shard
+from helpers import write_known_shards, write_shard
 from support.common import UserError
-from support.shards import load_shard, recorded_max_ids, shard_fingerprint
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig, evaluate_val_loss
-
-
-def write_known_shards(folder, lengths, ext="npy", val_length=0):
-    """Train shards whose tokens are distinct consecutive ids, so every token names its place."""
-    folder.mkdir(parents=True, exist_ok=True)
-    shards, start = [], 0
-    if val_length:
-        write_shard(folder / f"known_val_000000.{ext}", np.arange(60000, 60000 + val_length))
-    for i, n in enumerate(lengths):
-        tokens = np.arange(start, start + n)
-        write_shard(folder / f"known_train_{i + 1:06d}.{ext}", tokens)
-        shards.append(tokens)
-        start += n
-    return shards
 
 
 def test_every_token_once_per_epoch_across_ranks(tmp_path):
@@ -97,15 +81,6 @@ def test_bin_and_npy_shards_give_the_same_batches(tmp_path):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
-def test_shards_are_memory_mapped(tmp_path):
-    write_shard(tmp_path / "s_train_000001.npy", np.arange(1000))
-    write_shard(tmp_path / "s_train_000002.bin", np.arange(1000))
-    for name in ("s_train_000001.npy", "s_train_000002.bin"):
-        tokens = load_shard(str(tmp_path / name))
-        assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
-        assert np.array_equal(tokens, np.arange(1000))
-
-
 def test_position_survives_state_dict(tmp_path):
     write_known_shards(tmp_path, [300, 400, 500])
     a = DataLoaderLite(str(tmp_path), "train", 2, 8, seed=9)
@@ -140,60 +115,3 @@ def test_val_loss_is_the_mean_over_the_budget_whatever_B(tmp_path):
     expected = total / (n_seq * T)
     for B in (1, 3, 7, 10):
         assert math.isclose(evaluate_val_loss(model, val, B, T, "cpu"), expected, rel_tol=1e-6)
-
-
-# ----------------------------------------------------------------------------------------------
-# The token-id check of a start, from fineweb.py's manifest where it can be trusted
-
-
-@pytest.fixture
-def fineweb_folder(tmp_path, shared_data):
-    """fineweb.py's shards of the first 200,000 characters of tiny shakespeare, 20,000 tokens each."""
-    text = tmp_path / "input.txt"
-    text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:200_000])
-    out = tmp_path / "shards"
-    fineweb.main(["--input", str(text), "--out-dir", str(out), "--shard-size", "20000", "--workers", "1"])
-    return out
-
-
-def manifest_shards(folder):
-    return json.loads((folder / "edufineweb_manifest.json").read_text())["shards"]
-
-
-def test_fineweb_records_each_shards_largest_id_and_fingerprint(fineweb_folder):
-    shards = manifest_shards(fineweb_folder)
-    assert len(shards) >= 3
-    for shard in shards:
-        path = fineweb_folder / shard["file"]
-        assert shard["max_id"] == int(np.load(path).max())  # read here, independently
-        assert [shard["bytes"], shard["fingerprint"]] == shard_fingerprint(str(path))[1:]
-
-
-def test_a_start_takes_the_largest_id_from_the_manifest(fineweb_folder):
-    # a record says 60,000 while the shard holds GPT-2 ids only: the refusal proves the shard's
-    # tokens were not read, the manifest's record was
-    shards = manifest_shards(fineweb_folder)
-    manifest = json.loads((fineweb_folder / "edufineweb_manifest.json").read_text())
-    manifest["shards"][1]["max_id"] = 60000
-    (fineweb_folder / "edufineweb_manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(UserError, match="token id 60000 is not below the model's vocab_size 50304"):
-        DataLoaderLite(str(fineweb_folder), "train", 2, 8, vocab_size=50304)
-    assert shards[1]["split"] == "train" and int(np.load(fineweb_folder / shards[1]["file"]).max()) < 50257
-
-
-def test_a_shard_written_again_is_read_in_full(fineweb_folder):
-    # the same size, other tokens: its fingerprint no longer matches the record, which is not trusted
-    name = manifest_shards(fineweb_folder)[2]["file"]
-    tokens = np.load(fineweb_folder / name)
-    tokens[12_345] = 50400
-    np.save(fineweb_folder / name, tokens)
-    with pytest.raises(UserError, match=f"{name}: token id 50400 is not below"):
-        DataLoaderLite(str(fineweb_folder), "train", 2, 8, vocab_size=50304)
-
-
-def test_shards_without_a_manifest_are_read_in_full(tmp_path):
-    shards = write_known_shards(tmp_path, [100, 100])  # ids 0..199, no manifest
-    assert recorded_max_ids(str(tmp_path)) == {}
-    with pytest.raises(UserError, match="token id 199 is not below the model's vocab_size 150"):
-        DataLoaderLite(str(tmp_path), "train", 2, 8, vocab_size=150)
-    assert int(shards[1].max()) == 199

@@ -1,13 +1,12 @@
-"""Every refusal in the flag and data checks (support/checks.py: check_args, check_data,
-check_model_fits; support/machine.py: check_device; support/shards.py: find_shards and the shard
-checks) has a case of its own here, with
-the one line it says; a new refusal without a case fails test_every_refusal_has_a_case. Numbers
-are refused where the code cannot use them (a --ddp-timeout c10d cannot wait, a --vocab-size no
-shard can reach, a model no memory holds), under torchrun too, and a flag argparse cannot parse is
-one `error:` line in every script, not the usage before it."""
+"""support/checks.py, with the checks of support/machine.py (check_device) and support/shards.py
+(find_shards and the shard checks) that train_gpt2.py makes before step 0: every refusal has a case
+of its own here, with the one line it says, and a new refusal without a case fails
+test_every_refusal_has_a_case. Then, through real runs: numbers refused where the code cannot use
+them (a --vocab-size no shard can reach, a seed outside numpy's range, a --ddp-timeout torch's
+clock cannot hold), flags against one another, and the data against the run's batch and budget.
+(The checks under torchrun: test_ddp.py.)"""
 
 import ast
-import importlib
 import inspect
 import os
 import re
@@ -15,17 +14,19 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 import train_gpt2
-from helpers import assert_one_line_error, cli, random_shards, ranks_without_agent, tiny_args, torchrun
+from helpers import assert_one_line_error, cli, random_shards, read_log, refused_before_step_0, tiny_args, user_error
 from support import checks, machine, shards
+from support.checkpoints import load_checkpoint
 from support.checks import check_data
 from support.common import UserError
 from support.machine import check_device
 from support.shards import check_batch_fits, check_same_data, check_same_shards, check_token_ids, find_shards
 
 # the functions whose every refusal has a case (check_fineweb_finished's need fineweb.py's own
-# manifests and journals: tests/test_ownership.py and tests/test_edges.py make them)
+# manifests and journals: tests/test_shards.py and tests/test_fineweb.py make them)
 CHECKED = ("check_args", "check_device", "check_data", "check_model_fits", "find_shards", "check_batch_fits")
 CHECKED += ("check_same_shards", "check_same_data", "check_token_ids")
 CHECKED_IN = (checks, machine, shards)  # the modules that hold them
@@ -293,13 +294,13 @@ def refusal_sites():
             if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
         }
 
-        def names_of(iter_node):
+        def names_of(iter_node, tuples=tuples):  # this function's assignments
             node = tuples.get(iter_node.id) if isinstance(iter_node, ast.Name) else iter_node
             if isinstance(node, ast.Tuple) and all(isinstance(e, ast.Constant) for e in node.elts):
                 return [e.value for e in node.elts]
             return [None]
 
-        def visit(node, names):
+        def visit(node, names, fn=fn):  # the function whose refusals these are
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, ast.FunctionDef):
                     continue  # need itself
@@ -330,7 +331,7 @@ def test_every_refusal_has_a_case(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Numbers the code cannot use, under torchrun too
+# Numbers the code cannot use
 
 
 def test_a_vocab_size_beyond_the_shards_ids_names_vocab_size_not_the_model_width(tmp_path):
@@ -344,62 +345,146 @@ def test_the_largest_vocab_size_trains(tmp_path):
     assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--vocab-size", 2**16, "--max-steps", 1)) == 0
 
 
-@pytest.mark.slow
-def test_a_ddp_timeout_c10d_cannot_wait_is_one_line_under_torchrun(tmp_path):
-    """1e-9 s passed a `> 0` check and ended in c10d's C++ traceback (the join timed out after 0 ms)."""
-    out = tmp_path / "out"
-    r = torchrun(*tiny_args(random_shards(tmp_path / "data"), out, "--ddp-timeout", 1e-9))
-    said = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
-    assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
-    assert "--ddp-timeout must be a number of seconds from 1" in said[0]
-    assert 'train_gpt2.py", line' not in r.stderr and "DistNetworkError" not in r.stderr  # no worker's traceback
-    assert not out.exists()
-
-
-@pytest.mark.slow
-def test_ranks_that_do_not_join_within_the_timeout_say_so_in_one_line_each(tmp_path):
-    """Rank 1 starts 5 s after rank 0 with --ddp-timeout 1: rank 0's join times out, and rank 1
-    then finds no one to join; each says so in one line naming --ddp-timeout, exit 1 (as torchrun
-    starts them: its environment variables, without its agent, which would end rank 1 early)."""
-    args = tiny_args(random_shards(tmp_path / "data"), tmp_path / "out", "--ddp-timeout", 1)
-    codes, outputs = ranks_without_agent(args, stagger=5)
-    assert codes == [1, 1], outputs
-    for rank, (stdout, stderr) in enumerate(outputs):
-        said = [line for line in stderr.splitlines() if line.startswith("error: ")]
-        assert said == [line for line in said if f"rank {rank} could not join the job's other ranks" in line], stderr
-        assert len(said) == 1 and "pass a longer --ddp-timeout (e.g. 60)" in said[0], stderr
-        assert "Traceback" not in stderr
-    assert not (tmp_path / "out" / "log.jsonl").exists()
-
-
 # ----------------------------------------------------------------------------------------------
-# A flag argparse cannot parse: one line in every script
-
-
-def test_a_flag_argparse_cannot_parse_is_one_line_not_the_usage(tmp_path):
-    r = cli(*tiny_args(tmp_path / "data", tmp_path / "out", "--keep-ckpts", 1.5))
-    line = assert_one_line_error(r, "argument --keep-ckpts: invalid int value: '1.5'")
-    assert line.endswith("(see python train_gpt2.py --help)") and "usage" not in r.stderr
+# Flags checked in a real run before step 0, alone and against the others
 
 
 @pytest.mark.parametrize(
-    "script, parse, argv, words",
+    "flags, words",
     [
-        ("train_gpt2.py", "parse_args", ["--keep-ckpts", "1.5"], "argument --keep-ckpts: invalid int value: '1.5'"),
-        ("train_gpt2.py", "parse_args", ["--max-st", "3"], "unrecognized arguments: --max-st 3"),
-        ("train_gpt2.py", "parse_args", ["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
-        ("train_gpt2.py", "parse_args", ["--export-hf", "x"], "argument --export-hf: expected 2 arguments"),
-        ("fineweb.py", "parse_args", ["--format", "txt"], "argument --format: invalid choice: 'txt'"),
-        ("hellaswag.py", "main", ["--limit", "ten"], "argument --limit: invalid int value: 'ten'"),
-        ("hellaswag.py", "main", ["--modle", "gpt2"], "unrecognized arguments: --modle gpt2"),
-        ("bench.py", "parse_args", ["--peak-flops", "lots"], "argument --peak-flops: invalid float value: 'lots'"),
-        ("bench.py", "parse_args", ["--tiyn"], "unrecognized arguments: --tiyn"),
+        (["--min-lr", -1e-3], ["--min-lr"]),
+        (["--min-lr", 1e-2], ["--min-lr", "--max-lr"]),  # above max-lr: the cosine would climb
+        (["--grad-clip", -1], ["--grad-clip"]),
+        (["--weight-decay", -0.1], ["--weight-decay"]),
+        (["--keep-ckpts", -1], ["--keep-ckpts"]),
+        (["--num-samples", 0], ["--num-samples"]),
+        (["--max-new-tokens", 0], ["--max-new-tokens"]),
+        (["--beta1", 1.0], ["--beta1"]),
+        (["--beta2", -0.5], ["--beta2"]),
+        (["--adam-eps", 0], ["--adam-eps"]),
+        (["--ddp-timeout", 0], ["--ddp-timeout"]),
+        (["--max-lr", "nan"], ["--max-lr", "finite"]),
+        (["--max-lr", "inf"], ["--max-lr", "finite"]),
+        (["--peak-flops", 0], ["--peak-flops"]),
+        (["--temperature", -1], ["--temperature"]),
+        (["--top-k", -5], ["--top-k"]),
+        (["--eval-every", -1], ["--eval-every"]),
+        (["--device", "tpu"], ["unknown device"]),
+        (["--init-from", "gpt2", "--resume"], ["--init-from", "--resume"]),
+        (["--max-steps", 20, "--warmup-steps", 715], None),  # explicit: allowed (the user asked for it)
     ],
 )
-def test_every_script_says_an_argparse_mistake_in_one_line(script, parse, argv, words, capsys):
-    parse = getattr(importlib.import_module(script.removesuffix(".py")), parse)
-    with pytest.raises(UserError) as e:
-        parse(argv)
-    message = str(e.value)
-    assert message.startswith(words) and message.endswith(f" (see python {script} --help)"), message
-    assert capsys.readouterr().err == ""  # no usage printed before it
+def test_bad_flags_are_refused_before_step_0(data, tmp_path, flags, words):
+    out = tmp_path / "out"
+    if words is None:
+        args = tiny_args(data, out, *flags, "--eval-every", 0, "--max-steps", 1)
+        assert train_gpt2.main(args) == 0
+        return
+    refused_before_step_0(tiny_args(data, out, *flags), out, *words)
+    assert not (out / "log.jsonl").exists()
+
+
+def test_a_forgotten_warmup_on_a_short_run_is_refused(data, tmp_path):
+    args = [a for a in tiny_args(data, tmp_path / "out", "--max-steps", 20)]
+    i = args.index("--warmup-steps")
+    del args[i : i + 2]  # the default 715 steps of warm-up stay
+    msg = refused_before_step_0(args, tmp_path / "out", "--max-steps 20", "715", "--warmup-steps")
+    assert "e-" in msg  # the peak lr it would reach
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_outside_numpys_range_is_refused_in_training(data, tmp_path, seed):
+    msg = user_error(tiny_args(data, tmp_path / "out", "--seed", seed))
+    assert "--seed must be between 0 and 4,294,967,295" in msg and not (tmp_path / "out").exists()
+
+
+def test_the_largest_seeds_work(data, tmp_path, short_run):
+    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--seed", 2**32 - 1, "--max-steps", 1)) == 0
+    sample = ["--sample-from", short_run[1], "--num-samples", 1, "--max-new-tokens", 2, "--device", "cpu"]
+    assert train_gpt2.main([str(a) for a in sample + ["--seed", -1]]) == 0  # torch's generators take it
+
+
+@pytest.mark.parametrize("timeout, ok", [(1e30, False), (1e10, False), (1e9, True)])
+def test_ddp_timeout_must_fit_torchs_clock(data, tmp_path, timeout, ok):
+    args = tiny_args(data, tmp_path / "out", "--ddp-timeout", timeout, "--dry-run")
+    if ok:
+        assert train_gpt2.main(args) == 0
+    else:
+        assert "--ddp-timeout must be a number of seconds from 1 " in user_error(args)
+
+
+def test_cuda_or_mps_that_is_not_there_is_one_line(data, tmp_path):
+    device = "mps" if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()) else None
+    if torch.cuda.is_available() and device is None:
+        pytest.skip("this machine has both CUDA and MPS")
+    r = cli(*tiny_args(data, tmp_path / "out", "--device", device or "cuda"))
+    assert_one_line_error(r, "not available")
+    assert not (tmp_path / "out").exists()
+
+
+def test_sample_from_and_export_together_are_refused(tmp_path):
+    r = cli("--sample-from", "gpt2", "--export-hf", "a.pt", tmp_path / "x")
+    assert_one_line_error(r, "--sample-from", "--export-hf")
+
+
+def test_a_typo_in_a_flag_is_refused_not_guessed(data, tmp_path):
+    r = cli(*tiny_args(data, tmp_path / "out"), "--max-st", "3")  # an abbreviation argparse would accept
+    assert_one_line_error(r, "unrecognized arguments: --max-st")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--n-layer", 3), ("--n-embd", 64), ("--block-size", 128)])
+def test_model_flags_with_init_from_are_said_not_dropped_silently(short_run, data, tmp_path, capsys, flag, value):
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--init-from", short_run[1], "--max-steps", 1, "--eval-every", 0)
+    assert train_gpt2.main(args + [flag, value]) == 0
+    note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    name = flag[2:].replace("-", "_")
+    own = {"n_layer": 2, "n_embd": 32, "block_size": 64}[name]  # short_run's model
+    assert note == [f"note: {flag} {value} is not used: --init-from {short_run[1]} brings its own shape ({name} {own})"]
+    assert load_checkpoint(str(out / "ckpt_000001.pt"))["model_config"]["n_layer"] == 2  # the loaded model's shape
+
+
+# ----------------------------------------------------------------------------------------------
+# The data against the run's batch and budget
+
+
+def test_batch_sizes_that_do_not_divide(tmp_path):
+    data = random_shards(tmp_path / "data")
+    msg = user_error(tiny_args(data, tmp_path / "out", "--total-batch-size", 200))
+    assert "not a multiple" in msg and "2*16*1 = 32" in msg
+
+
+def test_fewer_tokens_than_one_batch(tmp_path):
+    # by hand: micro-batches of B*T = 2*16 = 32 tokens, (100 - 1) // 32 = 3 per shard: 96 usable
+    # tokens, fewer than one optimizer step's --total-batch-size of 128
+    data = random_shards(tmp_path / "data", train_lengths=(100,))
+    msg = user_error(tiny_args(data, tmp_path / "out", "--total-batch-size", 128))
+    assert "96" in msg and "128" in msg
+    assert not (tmp_path / "out" / "log.jsonl").exists()
+
+
+def test_missing_val_split(tmp_path):
+    data = random_shards(tmp_path / "data")
+    os.remove(data / "rand_val_000000.npy")
+    msg = user_error(tiny_args(data, tmp_path / "out"))
+    assert "no val shard" in msg and "--eval-every 0" in msg
+    assert not (tmp_path / "out" / "log.jsonl").exists()
+    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0)) == 0  # the fix works
+
+
+def test_val_tokens_below_one_sequence_says_so(data, tmp_path):
+    msg = user_error(tiny_args(data, tmp_path / "out", "--val-tokens", 10))
+    assert "--val-tokens 10 is less than one sequence of -T 16" in msg and "--val-tokens 0" in msg
+    assert "val shard" not in msg
+
+
+def test_warns_when_the_run_repeats_data(tmp_path, capsys):
+    data = random_shards(tmp_path / "data", train_lengths=(100, 100))
+    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--eval-every", 0)) == 0
+    # by hand: micro-batches of 2*16 = 32 tokens; (100 - 1) // 32 = 3 per shard, 192 tokens an
+    # epoch; 6 steps of 64 tokens = 384 tokens = 2 epochs
+    err = capsys.readouterr().err
+    assert "trains on 384 tokens but the train shards hold 192 usable ones" in err and "(2.00 epochs)" in err
+    _, steps = read_log(tmp_path / "out")
+    assert [steps[s]["epoch"] for s in range(6)] == [0, 0, 0, 1, 1, 1]

@@ -95,7 +95,7 @@ def assert_mirrors(run, records):
     assert run["config"]["header"]["run_id"] == header["run_id"]
     expected = [r for r in records if "event" not in r]
     assert len(run["history"]) == len(expected)
-    for row, record in zip(run["history"], expected):
+    for row, record in zip(run["history"], expected, strict=True):
         assert {k.split("/")[0] for k in row} == {k for k, v in record.items() if v is not None}
         for key, value in record.items():
             if key == "samples":  # a table of text, written beside the run

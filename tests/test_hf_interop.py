@@ -1,5 +1,7 @@
-"""--export-hf never deletes or overwrites what it did not write (docs/reliability.md, rules 3 and 4), and --sample-from
-a Hub name fails at once, in one line, where the Hub cannot be used (rule 8).
+"""support/hf_interop.py, through real runs of train_gpt2.py: --export-hf never deletes or overwrites
+what it did not write (docs/reliability.md, rules 3 and 4), --sample-from a Hub name fails at once,
+in one line, where the Hub cannot be used (rule 8), and a transformers folder is read in exactly
+(--init-from), or refused when a weight is missing or its numerics are not GPT-2's.
 
 Each refusal is a real subprocess of train_gpt2.py: exit 1, one `error:` line, no traceback, and
 a snapshot of the folder taken before equals the one taken after. Faults inside the write (a full
@@ -15,14 +17,19 @@ import sys
 import time
 import urllib.error
 
+import huggingface_hub
+import numpy as np
 import pytest
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import train_gpt2
-from helpers import ROOT, assert_one_line_error, user_error
+from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
 from support import common, hf_interop
 from support.common import GPT2_VOCAB, UserError
-from train_gpt2 import load_model
+from train_gpt2 import GPT, load_model
 
 
 def snapshot(folder):
@@ -71,8 +78,6 @@ def run_copy(short_run, tmp_path):
 
 def logits_match(hf_dir, ckpt):
     """The transformers model in hf_dir computes our checkpoint's logits."""
-    from transformers import GPT2LMHeadModel
-
     ours = load_model(str(ckpt)).eval()
     hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     idx = torch.randint(0, GPT2_VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -200,7 +205,6 @@ def tiny_model(short_run):
 
 def fail_save(monkeypatch, exc, after_bytes=1000):
     """save_pretrained writes config.json and part of the weights, then raises exc."""
-    from transformers import GPT2LMHeadModel
 
     def save_pretrained(self, folder, *args, **kwargs):
         with open(os.path.join(folder, "config.json"), "w") as f:
@@ -220,8 +224,6 @@ def earlier_export(model, tmp_path):
 @pytest.mark.parametrize("earlier", [False, True], ids=["new", "over_earlier_export"])
 @pytest.mark.parametrize("fault", ["disk_full", "safetensors_disk_full", "ctrl_c"])
 def test_fault_mid_write_leaves_everything_as_it_was(tiny_model, tmp_path, monkeypatch, fault, earlier):
-    from safetensors import SafetensorError
-
     target = earlier_export(tiny_model, tmp_path) if earlier else tmp_path / "new" / "hf"
     before = snapshot(tmp_path)
     exc = {
@@ -243,8 +245,6 @@ def test_fault_mid_write_leaves_everything_as_it_was(tiny_model, tmp_path, monke
 
 
 def test_sigterm_mid_write_cleans_up_like_ctrl_c(tiny_model, tmp_path, monkeypatch):
-    from transformers import GPT2LMHeadModel
-
     def save_pretrained(self, folder, *args, **kwargs):
         (open(os.path.join(folder, "model.safetensors"), "wb")).close()
         os.kill(os.getpid(), signal.SIGTERM)
@@ -260,8 +260,6 @@ def test_sigterm_mid_write_cleans_up_like_ctrl_c(tiny_model, tmp_path, monkeypat
 
 
 def test_a_file_added_during_the_write_is_not_deleted(tiny_model, tmp_path, monkeypatch):
-    from transformers import GPT2LMHeadModel
-
     target = earlier_export(tiny_model, tmp_path)
     real_save = GPT2LMHeadModel.save_pretrained
 
@@ -379,8 +377,6 @@ def test_offline_hub_name_not_cached_is_one_line(tmp_path):
 
 
 def test_transformers_offline_alone_counts_as_offline(monkeypatch):
-    import huggingface_hub
-
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "yes")
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)  # it read the flags at import
@@ -398,9 +394,6 @@ def test_unreachable_hub_is_one_line(tmp_path):
 def test_unreachable_hub_fails_before_transformers_tries(tmp_path, monkeypatch):
     """The probe has a short timeout and its failure stops there: transformers, which retries
     for half a minute, is never asked."""
-    import huggingface_hub
-    from transformers import GPT2LMHeadModel
-
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("TRANSFORMERS_OFFLINE")
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
@@ -448,3 +441,51 @@ def test_cached_hub_name_loads_without_the_network(tmp_path, hf_tiny_dir):
     r = sample_cli("gpt2", hub_env(tmp_path), tmp_path)
     assert r.returncode == 0, r.stderr
     assert len([line for line in r.stdout.splitlines() if line.startswith("sample ")]) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers' weights in: --init-from a transformers folder; a missing key or other numerics refused
+
+
+def test_init_from_a_transformers_dir(tmp_path, hf_tiny_dir):
+    data = random_shards(tmp_path / "data")
+    args = tiny_args(data, tmp_path / "out", "--init-from", hf_tiny_dir, "--max-steps", 1, "--eval-every", 1)
+    assert train_gpt2.main(args) == 0
+    records, _ = read_log(tmp_path / "out")
+    hf_shape = {"block_size": 128, "vocab_size": 50257, "n_layer": 2, "n_head": 4, "n_embd": 64}  # not the flags
+    assert records[0]["config"]["model_config"] == hf_shape
+    # step 0's val loss is the pretrained model's: recompute it with transformers itself
+    hf = GPT2LMHeadModel.from_pretrained(hf_tiny_dir).eval()
+    val = torch.from_numpy(np.load(data / "rand_val_000000.npy")[: 256 + 1].astype(np.int64))
+    with torch.no_grad():
+        logits = hf(val[:-1].view(16, 16)).logits
+        expected = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), val[1:]).item()
+    assert records[1] == {"step": 0, "val_loss": pytest.approx(expected, rel=1e-5)}
+
+
+def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(hf_tiny_dir, hf_dir)
+    weights = load_file(hf_dir / "model.safetensors")
+    del weights["transformer.h.1.mlp.c_fc.weight"]  # transformers would fill it with random numbers
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"transformer\.h\.1\.mlp\.c_fc\.weight is missing") as e:
+        train_gpt2.load_model(str(hf_dir))
+    assert "\n" not in str(e.value)
+    r = subprocess.run(
+        [sys.executable, "train_gpt2.py", "--sample-from", str(hf_dir), "--device", "cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "c_fc.weight is missing" in r.stderr
+
+
+def test_from_pretrained_reports_first_mismatch(tmp_path, hf_tiny_dir):
+    bad = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=4, n_embd=64, n_positions=128, activation_function="relu"))
+    bad.save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="activation"):
+        GPT.from_pretrained(str(tmp_path))
+    with pytest.raises(UserError, match="neither"):
+        GPT.from_pretrained(str(tmp_path / "nope"))

@@ -1,0 +1,146 @@
+"""support/checkpoints.py, through real runs of train_gpt2.py: a checkpoint write that fails (a
+full disk, a read-only folder) stops the run in one line naming the file, leaves no partial file
+and the earlier checkpoints whole (--resume then continues exactly), and claims no earlier ones
+where there are none; weights that are not finite are never saved; pruning (--keep-ckpts) removes
+only this run's checkpoints; a truncated checkpoint, or one that carries pickled code, is refused
+when loaded."""
+
+import errno
+import math
+import os
+import pathlib
+import shutil
+
+import pytest
+import torch
+
+import train_gpt2
+from helpers import fail_nth_write, random_shards, read_log, same_weights, tiny_args, user_error
+from support import checkpoints, common
+from support.checkpoints import load_checkpoint, load_training_checkpoint
+from support.common import UserError
+
+# ----------------------------------------------------------------------------------------------
+# A checkpoint write that fails
+
+
+def read_only_on_nth_open(monkeypatch, n):
+    """The n-th checkpoint file train_gpt2 opens for writing fails as on a read-only file system."""
+    opened = []
+
+    def open_(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).endswith(".pt.tmp"):
+            opened.append(path)
+            if len(opened) == n:
+                raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(common, "open", open_, raising=False)  # common.write_atomic writes the checkpoints
+    return opened
+
+
+@pytest.mark.parametrize(
+    "fault, reason", [("disk-full", "No space left on device"), ("read-only", "Read-only file system")]
+)
+def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_path, monkeypatch, fault, reason):
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)
+    if fault == "disk-full":
+        fail_nth_write(monkeypatch, common, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
+    else:
+        read_only_on_nth_open(monkeypatch, 3)
+    msg = user_error(args)
+    assert reason in msg and "ckpt_000003.pt" in msg
+    assert sorted(os.listdir(out)) == ["ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"]  # no partial file left
+    assert max(read_log(out)[1]) == 2  # stopped at the failed write, not after more steps
+    previous = load_training_checkpoint(str(out / "ckpt_000002.pt"))
+    monkeypatch.undo()  # the disk has room again: the run continues from the previous checkpoint
+    assert (
+        train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0, "--resume")) == 0
+    )
+    ref = tmp_path / "ref"
+    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)) == 0
+    assert same_weights(previous["model"], load_checkpoint(str(ref / "ckpt_000002.pt"))["model"])
+    assert same_weights(
+        load_checkpoint(str(out / "ckpt_000004.pt"))["model"], load_checkpoint(str(ref / "ckpt_000004.pt"))["model"]
+    )
+
+
+def test_a_failed_first_checkpoint_write_does_not_claim_earlier_ones(data, tmp_path, monkeypatch):
+    def open_(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).endswith(".pt.tmp"):
+            raise OSError(28, "No space left on device", str(path))
+        return open(path, mode, *args, **kwargs)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(common, "open", open_, raising=False)
+    msg = user_error(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0))
+    assert "no checkpoint was written before this one" in msg and "intact" not in msg
+    monkeypatch.undo()  # room again: the advice, --resume, starts the run again and finishes it
+    assert (
+        train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0, "--resume")) == 0
+    )
+    assert (out / "ckpt_000004.pt").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# What is kept: finite weights only, and pruning removes only this run's checkpoints
+
+
+def test_weights_that_are_not_finite_are_never_saved(data, tmp_path, short_run):
+    """A checkpoint of non-finite weights is refused by save_training_state itself, in one line."""
+    model = train_gpt2.load_model(str(short_run[1] / "ckpt_000002.pt"))
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = math.inf
+    out = tmp_path / "out"
+    out.mkdir()
+    args, _ = train_gpt2.parse_args(tiny_args(data, out))
+    run = train_gpt2.Run(args, train_gpt2.DistInfo(False, 0, 0, 1), "cpu", None, 1, False, model=model)
+    with pytest.raises(
+        UserError, match=r"the weights after 3 steps are not finite \(transformer.h.0.mlp.c_fc.weight\)"
+    ):
+        checkpoints.save_training_state(3, run)
+    assert os.listdir(out) == []
+
+
+def test_pruning_removes_only_this_runs_checkpoints(data, tmp_path):
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)) == 0
+    # another run's checkpoint lands in the folder (copied there by hand); this run then resumes
+    other = tmp_path / "other"
+    assert train_gpt2.main(tiny_args(data, other, "--max-steps", 1, "--seed", 7, "--eval-every", 0)) == 0
+    shutil.copy(other / "ckpt_000001.pt", out / "ckpt_000000.pt")
+    foreign = (out / "ckpt_000000.pt").read_bytes()
+    args = tiny_args(data, out, "--max-steps", 5, "--ckpt-every", 1, "--keep-ckpts", 2, "--eval-every", 0, "--resume")
+    assert train_gpt2.main(args) == 0
+    names = sorted(p.name for p in out.glob("ckpt_*.pt"))
+    assert names == ["ckpt_000000.pt", "ckpt_000004.pt", "ckpt_000005.pt"]  # this run's newest 2, and theirs
+    assert (out / "ckpt_000000.pt").read_bytes() == foreign
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: a checkpoint cut short, or one that carries code, is refused
+
+
+def test_truncated_checkpoint(short_run, tmp_path):
+    data, out = short_run
+    raw = (out / "ckpt_000002.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(raw[: len(raw) // 2])
+    msg = user_error(tiny_args(data, tmp_path / "out", "--resume", tmp_path / "cut.pt"))
+    assert "cut.pt" in msg and "cannot be loaded" in msg
+
+
+def test_pickle_carrying_code_is_refused(short_run, tmp_path):
+    data, _ = short_run
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (pathlib.Path.touch, (marker,))
+
+    torch.save({"model": Evil(), "model_config": {}}, tmp_path / "evil.pt")
+    msg = user_error(tiny_args(data, tmp_path / "out", "--resume", tmp_path / "evil.pt"))
+    assert "evil.pt" in msg and not marker.exists()
+    torch.load(tmp_path / "evil.pt", weights_only=False)  # the file really does carry code:
+    assert marker.exists()  # loaded unsafely, it runs

@@ -1,0 +1,106 @@
+"""support/machine.py: the micro-batch a GPU's memory fits, from the recipe's peak measured on an
+H100 (41.2 GiB at B 64, T 1024), against numbers worked by hand (the out-of-memory advice that
+names it: test_out_of_memory.py); whether torch.compile is used (the compile check stubbed; whole
+compiled runs: test_train_compile.py); and glibc's allocator keeping freed memory on a CPU run. No
+GPU needed."""
+
+import platform
+import sys
+
+import pytest
+
+from helpers import GiB, heap_after, random_shards, tiny_args
+from support.common import UserError
+from support.machine import choose_compile, fitting_B, training_memory
+
+# ----------------------------------------------------------------------------------------------
+# The -B a GPU's memory fits
+
+# Worked by hand: the fixed part is 16 bytes (fp32 weight, gradient, AdamW's two moments) x
+# 124,475,904 parameters = 1.855 GiB; the rest of 41.2 GiB over B 64 is (41.2 - 1.855) / 64 =
+# 0.6148 GiB a row of 1,024 tokens. So B 8 needs 6.77 GiB, B 16 11.69, B 32 21.53, B 64 41.2,
+# each held against 90% of the card.
+
+
+def test_memory_estimate_is_the_measured_peak_at_B_64():
+    assert training_memory(64, 1024) == pytest.approx(41.2 * GiB)
+    assert training_memory(16, 1024) / GiB == pytest.approx(11.69, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "B, T, memory_gib, expected",
+    [
+        (64, 1024, 80, 64),  # 72 GiB usable: B 64 fits
+        (64, 1024, 40, 32),  # 36 usable < 41.2
+        (64, 1024, 24, 32),  # 21.6 usable >= 21.53
+        (64, 1024, 23.65, 16),  # 21.29 usable < 21.53: a 24 GB card as CUDA reports it
+        (64, 1024, 16, 16),  # 14.4 usable
+        (64, 1024, 8, 8),  # 7.2 usable >= 6.77
+        (48, 1024, 24, 24),  # 32 does not divide 48 (the total batch would not stay whole); 24 needs 16.61
+        (64, 2048, 24, 16),  # a row of 2,048 tokens is two of 1,024: B 16 needs 21.53
+        (64, 1024, 2, None),  # 1.8 usable: not even the fixed 1.855
+    ],
+)
+def test_memory_estimate_picks_the_largest_divisor_of_B_that_fits(B, T, memory_gib, expected):
+    assert fitting_B(B, T, memory_gib * GiB) == expected
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile: checked only where it would be on; one that cannot work is a note by default,
+# an error when asked for
+
+
+def test_default_compile_that_cannot_work_is_a_note_and_eager(capsys):
+    asked = []
+
+    def broken(device):
+        asked.append(device)
+        return "InvalidCxxCompiler: No working C++ compiler found"
+
+    assert choose_compile(None, "cuda", problem=broken) is False
+    assert asked == ["cuda"]
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("note: torch.compile does not work on this cuda"), lines
+    assert "(InvalidCxxCompiler: No working C++ compiler found)" in lines[0]
+    assert choose_compile(None, "cuda", verbose=False, problem=broken) is False  # another rank: rank 0 says it
+    assert capsys.readouterr().out == ""
+
+
+def test_compile_is_checked_only_where_it_would_be_on():
+    asked = []
+    works = lambda device: asked.append(device)  # noqa: E731  (None: compile works)
+    assert choose_compile(None, "cuda", problem=works) is True
+    assert choose_compile(True, "cpu", problem=works) is True
+    assert asked == ["cuda", "cpu"]
+    assert choose_compile(None, "cpu", problem=works) is False  # off by default on a CPU (and on MPS)
+    assert choose_compile(None, "mps", problem=works) is False
+    assert choose_compile(False, "cuda", problem=works) is False
+    assert asked == ["cuda", "cpu"]
+
+
+def test_compile_asked_for_that_cannot_work_is_a_user_error():
+    with pytest.raises(UserError) as e:
+        choose_compile(True, "cpu", problem=lambda device: "InvalidCxxCompiler: No working C++ compiler found")
+    assert str(e.value) == (
+        "--compile: torch.compile does not work on this cpu (InvalidCxxCompiler: No working C++ compiler found); "
+        "run with --no-compile"
+    )
+    assert e.value.every_rank  # torchrun: rank 0 alone says it
+
+
+# ----------------------------------------------------------------------------------------------
+# glibc's allocator keeps freed memory in the heap on a CPU run
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_a_cpu_run_keeps_freed_memory_in_the_heap(tmp_path):
+    # glibc's default maps each big block on its own and unmaps it when freed: every step of a CPU
+    # run would fault its activations in again (half the step time of a small model)
+    data = random_shards(tmp_path / "data")
+    got = {
+        mode: heap_after("train_gpt2", mode, tiny_args(data, tmp_path / mode, "--max-steps", 1, "--eval-every", 0))
+        for mode in ("on", "off")
+    }
+    assert got["off"][0] >= 64  # the reference: glibc mapped the 64 MiB on its own
+    mapped, heap_after_free = got["on"]
+    assert mapped < 64 and heap_after_free >= 64, got  # from the heap, and kept there once freed

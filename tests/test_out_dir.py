@@ -1,0 +1,322 @@
+"""support/out_dir.py, through real runs of train_gpt2.py: one run per --out-dir (a new run into
+another run's folder is refused, the user's own files there are kept, a log holding only the start
+of a run that never trained a step is no run); a running run locks its folder, a second process
+into it (a new run or --resume, plain or torchrun) is refused in one line naming the holder, and a
+killed run leaves no lock to clean; a lock file deleted or taken by another run is noticed, and one
+that is a folder or a symbolic link is named, never followed; a start that is refused or crashes
+before its first step leaves the folder as it found it. (The lock itself: test_file_lock.py.)"""
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+import train_gpt2
+from helpers import (
+    assert_one_line_error,
+    at_step,
+    cli,
+    headers,
+    random_shards,
+    read_log,
+    refused_before_step_0,
+    run_ids,
+    snapshot,
+    start_run,
+    tiny_args,
+    torchrun,
+    user_error,
+    wait_for_step,
+)
+from support.common import UserError
+from support.out_dir import LOCK_FILE, lock_out_dir
+
+# ----------------------------------------------------------------------------------------------
+# One run per folder
+
+
+@pytest.mark.parametrize("existing", ["ckpt_000004.pt", "log.jsonl"])
+def test_a_new_run_in_another_runs_out_dir_is_refused(data, tmp_path, existing):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / existing).write_bytes(b"another run's file")
+    (out / "notes.txt").write_text("the user's notes")
+    refused_before_step_0(tiny_args(data, out), out, "--out-dir", "holds another run", "--resume")
+
+
+def test_a_folder_holding_only_the_users_files_is_fine_and_kept(data, tmp_path):
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("the user's notes")
+    (out / "sub" / "ckpt_000001.pt").write_bytes(b"not in the out-dir itself")
+    before = snapshot(out)
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)) == 0
+    after = snapshot(out)
+    assert {k: after[k] for k in before} == before and "ckpt_000002.pt" in after
+
+
+def test_a_run_killed_before_its_first_step_is_not_another_run(tmp_path, capsys):
+    """SIGKILL during step 0's long val eval leaves a log with a header and no step (nothing could
+    clean up): the folder counts as empty, and the same command's retry runs there, said."""
+    data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=3_000_000)
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 1, "-B", 64, "--total-batch-size", 1024)
+    proc = start_run(*args, "--val-tokens", 2_900_000)
+    try:
+        deadline = time.time() + 120
+        log = out / "log.jsonl"
+        while time.time() < deadline and "\n" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    assert len(headers(out)) == 1 and not read_log(out)[1] and not list(out.glob("ckpt_*.pt"))
+    assert train_gpt2.main([*map(str, args), "--val-tokens", "4096"]) == 0
+    assert "holds only the start of a run that never trained a step" in capsys.readouterr().out
+    assert len(headers(out)) == 2 and sorted(read_log(out)[1]) == [0, 1]
+    assert "holds another run" in user_error([*args, "--val-tokens", 4096])  # now it holds a run: a new one is refused
+
+
+# ----------------------------------------------------------------------------------------------
+# A running run holds its folder
+
+
+@pytest.mark.parametrize("second", ["new run", "--resume"])
+def test_a_second_process_into_a_running_runs_folder_is_refused_naming_it(data, tmp_path, second):
+    out = tmp_path / "out"
+    first = start_run(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2))
+    try:
+        wait_for_step(first, out, 3)  # it has written checkpoints: a --resume would take one
+        extra = ["--resume"] if second == "--resume" else []
+        r = cli(*tiny_args(data, out, "--max-steps", 100000, *extra))
+        line = assert_one_line_error(r, f"--out-dir {out} is in use by another run (pid {first.pid} on ")
+        assert "python train_gpt2.py --data-dir" in line and "pass another --out-dir" in line
+        assert first.poll() is None  # the first run goes on, untouched
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 128 + signal.SIGTERM, err
+    assert len(headers(out)) == 1 and len(run_ids(out)) == 1  # the refused process wrote nothing
+    assert not (out / LOCK_FILE).exists()  # given back at the end
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", max(read_log(out)[1]) + 3, "--resume")) == 0  # free
+
+
+def test_lock_file_names_its_holder_while_held(data, tmp_path):
+    out = tmp_path / "out"
+    proc = start_run(*tiny_args(data, out, "--max-steps", 100000))
+    try:
+        wait_for_step(proc, out, 1)
+        holder = (out / LOCK_FILE).read_text()
+        assert holder.startswith(f"pid {proc.pid} on {socket.gethostname()}, since ")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and not (out / LOCK_FILE).exists()
+
+
+def test_a_killed_run_leaves_no_lock_to_clean_by_hand(data, tmp_path):
+    out = tmp_path / "out"
+    first = start_run(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2))
+    try:
+        wait_for_step(first, out, 3)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
+    assert (out / LOCK_FILE).exists()  # the file stays; its lock went with the process
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 8, "--resume")) == 0
+    assert sorted(read_log(out)[1]) == list(range(8)) and len(run_ids(out)) == 1
+
+
+@pytest.mark.slow
+def test_two_runs_started_at_once_into_one_new_folder_make_one_run(data, tmp_path):
+    out = tmp_path / "new" / "out"
+    args = tiny_args(data, out, "--max-steps", 300, "--ckpt-every", 100, "--eval-every", 0)
+    procs = [start_run(*args) for _ in range(2)]
+    results = [(p.communicate(timeout=300), p.returncode)[::-1] for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 1], [err[-2000:] for _, (_, err) in results]
+    _, (_, err) = next(r for r in results if r[0] == 1)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "is in use by another run" in lines[0] or "holds another run" in lines[0]  # refused while or after
+    assert len(headers(out)) == 1 and len(run_ids(out)) == 1
+    assert sorted(read_log(out)[1]) == list(range(300))
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_job_locks_once_and_a_second_job_is_refused(data, tmp_path):
+    out = tmp_path / "out"
+    job = start_run(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2), torchrun=True)
+    try:
+        wait_for_step(job, out, 3)  # both ranks train: rank 1 did not trip over rank 0's lock
+        plain = cli(*tiny_args(data, out, "--max-steps", 100000, "--resume"))
+        assert_one_line_error(plain, "is in use by another run (pid ", "(rank 0 of a torchrun job)")
+        second = torchrun(*tiny_args(data, out, "--max-steps", 100000, "--resume"))
+        said = [line for line in (second.stdout + second.stderr).splitlines() if line.startswith("error: ")]
+        assert second.returncode != 0 and len(said) == 1 and "is in use by another run" in said[0], second.stderr
+        assert job.poll() is None
+        job.send_signal(signal.SIGINT)  # torchrun passes it on: every rank stops with a checkpoint
+        job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert len(headers(out)) == 1 and len(run_ids(out)) == 1
+    assert not (out / LOCK_FILE).exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# The lock file: deleted or taken, a folder or a symbolic link at its name
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced by an empty file"])
+def test_a_deleted_lock_file_is_locked_again_and_a_resume_into_the_folder_is_refused(
+    data, tmp_path, monkeypatch, capsys, how
+):
+    out = tmp_path / "out"
+    lock, refused = out / LOCK_FILE, []
+
+    def delete():  # "a stale lock": it is not
+        lock.unlink()
+        if how != "deleted":
+            lock.write_text("")  # rm; touch: a file no one holds
+
+    def resume():  # while this run trains: `--resume` as a user runs it, or (cheaper) its lock alone
+        if how == "deleted":
+            r = cli(*tiny_args(data, out, "--max-steps", 100, "--resume"))
+            refused.append(assert_one_line_error(r))
+        else:
+            with pytest.raises(UserError) as e:
+                lock_out_dir(str(out), "start again")
+            refused.append(str(e.value))
+
+    at_step(monkeypatch, {2: delete, 4: resume})
+    assert train_gpt2.main(tiny_args(data, out, "--ckpt-every", 2)) == 0
+    assert f"--out-dir {out} is in use by another run (pid {os.getpid()} on " in refused[0]
+    assert f"warning: {lock} was deleted while this run trained: locked again" in capsys.readouterr().err
+    assert len(headers(out)) == 1 and sorted(read_log(out)[1]) == list(range(6)) and not lock.exists()
+
+
+def test_a_run_whose_lock_another_run_took_stops_and_leaves_that_runs_lock(data, tmp_path, monkeypatch):
+    """The lock file deleted and another run started into the folder before this run's next write:
+    this run stops at that write, in one line naming the other run, writes nothing more, and as it
+    exits leaves the other run's lock file in place."""
+    out = tmp_path / "out"
+    lock, other = out / LOCK_FILE, []
+
+    def another_run_starts():
+        lock.unlink()
+        other.append(lock_out_dir(str(out), "start again"))  # a new file, locked by another open file
+
+    at_step(monkeypatch, {2: another_run_starts})
+    try:
+        with pytest.raises(UserError) as e:
+            train_gpt2.main(tiny_args(data, out, "--ckpt-every", 1))
+        assert f"{lock} was deleted or replaced while this run trained, and another run holds it now (pid " in str(
+            e.value
+        )
+        assert "this run stops here and writes nothing more" in str(e.value)
+        assert sorted(read_log(out)[1]) == [0, 1]  # step 2 trained, not logged
+        assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000001.pt", "ckpt_000002.pt"]
+        assert os.path.samestat(os.fstat(other[0]), os.stat(lock))  # the other run's lock, untouched
+    finally:
+        if other:
+            os.close(other[0])
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_folder_where_the_lock_file_goes_is_named_and_moving_it_runs(data, tmp_path, resume):
+    """A .train_gpt2.lock that is a folder is not a permission problem ("make --out-dir writable"
+    would not help): the line names the folder, and once it is moved the same command runs."""
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)
+    if resume:
+        assert train_gpt2.main(args + ["--ckpt-every", 1]) == 0
+        args += ["--max-steps", 3, "--resume"]
+    (out / ".train_gpt2.lock").mkdir(parents=True)
+    msg = refused_before_step_0(args, out, f"--out-dir {out} holds a folder named .train_gpt2.lock")
+    assert msg.endswith("rename or remove that folder, then " + ("continue with --resume" if resume else "start again"))
+    assert "writable" not in msg
+    (out / ".train_gpt2.lock").rename(tmp_path / "moved")
+    assert train_gpt2.main(args) == 0
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_symlink_where_the_lock_file_goes_is_refused_and_what_it_names_is_untouched(data, tmp_path, resume):
+    """A .train_gpt2.lock that is a symbolic link is never followed: the lock would write its
+    holder's text into the file it names (here a checkpoint of another folder). One line naming the
+    link; that file as it was; the link removed, the same command runs."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)
+    assert train_gpt2.main(tiny_args(data, elsewhere, "--max-steps", 1, "--eval-every", 0)) == 0
+    target = next(elsewhere.glob("ckpt_*.pt"))
+    if resume:
+        assert train_gpt2.main(args + ["--ckpt-every", 1]) == 0
+        args += ["--max-steps", 3, "--resume"]
+    out.mkdir(exist_ok=True)
+    (out / ".train_gpt2.lock").symlink_to(target)
+    before = target.read_bytes()
+    msg = refused_before_step_0(
+        args, out, f"--out-dir {out}: {out / '.train_gpt2.lock'} is a symbolic link to {target}, where train_gpt2.py"
+    )
+    assert "\n" not in msg and msg.endswith(
+        "remove the link (not what it points to), then " + ("continue with --resume" if resume else "start again")
+    )
+    assert target.read_bytes() == before
+    (out / ".train_gpt2.lock").unlink()
+    assert train_gpt2.main(args) == 0
+    assert target.read_bytes() == before
+
+
+# ----------------------------------------------------------------------------------------------
+# A start that fails leaves the folder as it found it
+
+
+def test_a_run_refused_at_start_leaves_no_empty_out_dir(tmp_path):
+    # the folders the run would have made go again; a folder the user made (empty) stays
+    missing = tmp_path / "new" / "out"
+    user_error(tiny_args(tmp_path / "no_such_data", missing))
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    user_error(tiny_args(tmp_path / "no_such_data", mine))
+    assert mine.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def crash_at_the_first_step(monkeypatch):
+    """The first training step fails as a too-large batch does, after step 0's val loss is logged."""
+
+    def clip(*args, **kwargs):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(train_gpt2.torch.nn.utils, "clip_grad_norm_", clip)
+
+
+@pytest.mark.parametrize("folder", ["new", "the user's", "empty"])
+def test_a_start_that_crashes_before_its_first_step_leaves_the_folder_as_it_was(data, tmp_path, monkeypatch, folder):
+    out = tmp_path / "out"
+    if folder != "new":
+        out.mkdir()
+    if folder == "the user's":
+        (out / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    args = tiny_args(data, out, "--max-steps", 3)  # val loss at step 0 (--eval-every 4): logged, then the crash
+    crash_at_the_first_step(monkeypatch)
+    with pytest.raises(MemoryError):
+        train_gpt2.main(args)
+    monkeypatch.undo()
+    assert snapshot(tmp_path) == before and out.exists() == (folder != "new")
+    assert train_gpt2.main(args) == 0  # the same command again, no --resume: not "another run"
+    assert len(headers(out)) == 1 and sorted(read_log(out)[1]) == [0, 1, 2]
+
+
+def test_a_resume_that_crashes_before_its_first_step_leaves_the_log_as_it_was(data, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 1)) == 0
+    before = snapshot(out)
+    crash_at_the_first_step(monkeypatch)
+    with pytest.raises(MemoryError):
+        train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--resume"))
+    assert snapshot(out) == before

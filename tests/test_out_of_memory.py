@@ -1,0 +1,290 @@
+"""support/out_of_memory.py: running out of memory is one `error:` line saying what ran out (host
+or GPU memory), during what (the phase the script marked: the first training step, the val-loss or
+HellaSwag eval, the start-up sampling check, sampling at step N, building the model) and the flag
+to lower, with what is on disk to go on from. Under a real memory limit (RLIMIT_AS on the process)
+the advice, followed, ends in a run that trains, in the same folder. No GPU needed: the CUDA error
+and the device's size are stubbed."""
+
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hellaswag
+import train_gpt2
+from helpers import ROOT, GiB, assert_one_line_error, cli, headers, random_shards, read_log, strict_records, tiny_args
+from support.common import out_of_memory_line, run_cli
+from support.out_of_memory import hellaswag_out_of_memory, oom_phase, training_out_of_memory
+from train_gpt2 import GPTConfig, parse_args
+
+# ----------------------------------------------------------------------------------------------
+# Under a real memory limit: one line, and its advice, followed, trains
+
+
+# Runs train_gpt2.py as `python train_gpt2.py ...` does, in a process whose address space is capped
+# at what the imports map plus argv[1] MiB: an allocation past that fails as on a machine that is
+# out of memory (RLIMIT_AS; the heavy imports come first, so that they are not what fails).
+LIMITED = """
+import resource, runpy, sys
+import numpy, torch, fineweb, train_gpt2
+headroom = int(sys.argv[1]) * 2**20
+vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, vm + headroom))
+sys.argv = ["train_gpt2.py", *sys.argv[2:]]
+runpy.run_path("train_gpt2.py", run_name="__main__")
+"""
+
+
+def limited(headroom_mib, *args):
+    return subprocess.run(
+        [sys.executable, "-c", LIMITED, str(headroom_mib), *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def follow(message, args, flag):
+    """args with the advice's `flag VALUE` (its last one: `e.g. flag VALUE`, `--resume flag VALUE`) and
+    --resume when the advice says it."""
+    value = re.findall(rf"{flag} (\d+)", message)[-1]
+    i = args.index(flag) if flag in args else None
+    args = args[:i] + args[i + 2 :] if i is not None else list(args)
+    return args + [flag, value] + (["--resume"] if "--resume" in message and "--resume" not in args else [])
+
+
+@pytest.fixture(scope="module")
+def big_data(tmp_path_factory):
+    return random_shards(tmp_path_factory.mktemp("big"), train_lengths=(20000,), val_length=5000)
+
+
+@pytest.mark.slow
+def test_out_of_memory_in_the_first_step_names_B_and_lowering_it_trains(big_data, tmp_path):
+    """A 64 x 64 micro-batch (800 MB of logits) under a 400 MiB cap: one line naming -B; each -B the
+    advice names keeps the total batch, and following it ends in a run that trains."""
+    out = tmp_path / "out"
+    args = tiny_args(big_data, out, "-B", 64, "-T", 64, "--total-batch-size", 4096, "--max-steps", 2, "--eval-every", 0)
+    r = limited(400, *args)
+    line = assert_one_line_error(r, "out of host memory in the first training step", "-B 64", "lower -B (e.g. -B 32")
+    assert "4,096 tokens" in line and "Traceback" not in r.stderr
+    for _ in range(6):  # -B 32, 16, ... until it fits
+        args = follow(line, args, "-B")
+        r = limited(400, *args)
+        if r.returncode == 0:
+            break
+        line = assert_one_line_error(r, "out of host memory")
+    assert r.returncode == 0, r.stderr
+    header = [x for x in strict_records(out) if x.get("event") == "header"][-1]
+    B = header["config"]["batch_size"]
+    assert B < 64 and header["config"]["grad_accum_steps"] == 4096 // (B * 64)  # the same total batch, accumulated
+    assert sorted(read_log(out)[1]) == [0, 1]
+
+
+@pytest.mark.slow
+def test_out_of_memory_in_the_first_step_then_a_smaller_batch_in_the_same_folder(tmp_path):
+    """A real out-of-memory (an address-space cap) with the recipe's flags: the folder the run made
+    is gone again, and the same command with a smaller -B, without --resume, trains there."""
+    data = random_shards(tmp_path / "data", train_lengths=(20000,), val_length=5000)
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "-B", 64, "-T", 64, "--total-batch-size", 4096, "--max-steps", 2, "--eval-every", 0)
+    assert_one_line_error(limited(400, *args), "out of host memory in the first training step")
+    assert not out.exists()
+    r = cli(*args, "-B", 8)  # a later flag wins; without the cap: the folder is what is tested here
+    assert r.returncode == 0, r.stderr
+    assert len(headers(out)) == 1 and sorted(read_log(out)[1]) == [0, 1]
+
+
+@pytest.mark.slow
+def test_out_of_memory_while_sampling_mid_run_keeps_the_checkpoint_and_resume_continues(big_data, tmp_path):
+    """Samples of 1,000 tokens at step 2 need a KV cache the start-up check (one token) never
+    allocates: out of memory there names --num-samples and the checkpoint that stands; --resume with
+    the advice's --num-samples continues from it to the end. Many thin layers: a large KV cache per
+    token (16 layers x 64 wide: 8 KiB per sample and token) under a cheap output layer; greedy, so no
+    per-token noise is drawn. Under the 365 MiB cap 64 and 32 samples do not fit, 16 do."""
+    out = tmp_path / "out"
+    args = tiny_args(
+        big_data,
+        out,
+        "--n-layer",
+        16,
+        "--n-head",
+        4,
+        "--n-embd",
+        64,
+        "--temperature",
+        0,
+        "--block-size",
+        1024,
+        "-B",
+        1,
+        "-T",
+        16,
+        "--total-batch-size",
+        16,
+        "--max-steps",
+        4,
+        "--warmup-steps",
+        1,
+        "--eval-every",
+        0,
+        "--sample-every",
+        2,
+        "--max-new-tokens",
+        1000,
+        "--num-samples",
+        64,
+        "--ckpt-every",
+        1,
+    )
+    r = limited(365, *args)
+    line = assert_one_line_error(r, "out of host memory while sampling at step 2", "--num-samples 64")
+    assert f"{out / 'ckpt_000001.pt'} stands: continue from it with --resume --num-samples 32" in line
+    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000001.pt"]
+    for _ in range(6):
+        args = follow(line, args, "--num-samples")
+        r = limited(365, *args)
+        if r.returncode == 0:
+            break
+        line = assert_one_line_error(r, "out of host memory while sampling at step 2", "--resume --num-samples")
+    assert r.returncode == 0, r.stderr
+    records, steps = read_log(out)
+    assert sorted(steps) == [0, 1, 2, 3]
+    assert [x["resumed_from"] for x in records if x.get("event") == "header"][-1] == 1
+    samples = [x["samples"] for x in records if "samples" in x]
+    assert samples and len(samples[-1]) == int(args[args.index("--num-samples") + 1]) < 64
+
+
+def test_out_of_memory_in_the_start_up_sampling_check_leaves_nothing(data, tmp_path):
+    out = tmp_path / "out"
+    r = limited(400, *tiny_args(data, out, "--sample-every", 2, "--num-samples", 3000))
+    assert_one_line_error(
+        r, "out of host memory in the start-up sampling check", "lower --num-samples 3000 (e.g. 1500)"
+    )
+    assert not out.exists()
+
+
+def test_out_of_memory_building_a_too_wide_model_names_the_model_flags(data, tmp_path):
+    r = limited(400, *tiny_args(data, tmp_path / "out", "--n-embd", 2048, "--n-head", 1))  # 0.8 GB of weights
+    assert_one_line_error(r, "out of host memory while building the model", "--n-layer or --n-embd")
+
+
+# ----------------------------------------------------------------------------------------------
+# The advice is the innermost phase the script marked, not the functions it failed in
+
+
+def test_out_of_memory_in_the_val_loss_eval_gets_its_advice_not_the_training_steps(data, tmp_path, monkeypatch, capsys):
+    """The model's forward, which the training step calls too, runs out of memory in the val-loss eval
+    at step 2: the line is the val-loss eval's (the phase the recipe marked, whatever the functions
+    the allocation failed in are called), with the checkpoint that stands; its advice trains on."""
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--eval-every", 2, "--ckpt-every", 1)
+    real = train_gpt2.GPT.forward
+
+    def forward(self, *a, **k):  # eval mode: the val loss; ckpt_000001.pt written: past step 1
+        if not self.training and (out / "ckpt_000001.pt").exists():
+            raise MemoryError()
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(train_gpt2.GPT, "forward", forward)
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: train_gpt2.main(args), out_of_memory=training_out_of_memory)
+    line = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and line == (
+        "error: out of host memory in the val-loss eval at step 2 (it reads -B 2 rows at a time): lower -B (e.g. -B 1: "
+        f"the total batch stays 64 tokens, accumulated over more micro-steps); {out / 'ckpt_000001.pt'} stands: "
+        "continue from it with --resume -B 1"
+    )
+    monkeypatch.undo()
+    assert train_gpt2.main(follow(line, args, "-B")) == 0
+    assert sorted(read_log(out)[1]) == list(range(6))
+
+
+def test_the_advice_is_the_marked_phases_not_the_function_names(tmp_path):
+    """The innermost phase a script marked decides, and each script words its own: training's
+    HellaSwag eval around hellaswag.py's scoring; a function named as the val-loss eval inside a
+    training step; no advice outside every phase, and no mark on an error that is not memory."""
+    args, _ = train_gpt2.parse_args(["--out-dir", str(tmp_path / "out")])
+    run = SimpleNamespace(args=args, model=SimpleNamespace(config=train_gpt2.GPTConfig()), device="cpu")
+    run.autocast_dtype = None
+
+    def evaluate_val_loss(step=250, start_step=0):  # the val-loss eval's name and the loop's locals
+        raise MemoryError()
+
+    with pytest.raises(MemoryError) as raised:
+        with oom_phase("HellaSwag eval", run=run, step=250), oom_phase("scoring HellaSwag", batch_tokens=65536):
+            evaluate_val_loss()
+    assert training_out_of_memory(raised.value) == (
+        "in the HellaSwag eval at step 250: turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores "
+        "a checkpoint in less); no checkpoint was written yet: --resume --hellaswag-every 0 starts the run again"
+    )
+    assert hellaswag_out_of_memory(raised.value) == (
+        "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 32768), or use a smaller --model"
+    )
+    with pytest.raises(MemoryError) as raised, oom_phase("training step", run=run, step=250, first=False):
+        evaluate_val_loss()
+    assert training_out_of_memory(raised.value).startswith("in training step 250 (-B 64 rows of -T 1024): lower -B")
+    assert hellaswag_out_of_memory(raised.value) is None
+    with pytest.raises(MemoryError) as raised:
+        evaluate_val_loss()
+    assert training_out_of_memory(raised.value) is None
+    assert out_of_memory_line(raised.value, "host memory", training_out_of_memory) == "out of host memory (MemoryError)"
+    with pytest.raises(ValueError) as raised, oom_phase("val loss", run=run, step=250):
+        raise ValueError("not memory")
+    assert not hasattr(raised.value, "oom_phases")
+
+
+def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_config, enc, shared_data, monkeypatch):
+    model = train_gpt2.GPT(tiny_config).eval()
+    examples = hellaswag.load_examples(str(shared_data / "hellaswag" / "hellaswag_val.jsonl"), limit=4)
+
+    def hidden_states(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(model, "hidden_states", hidden_states)
+    with pytest.raises(MemoryError) as raised:
+        hellaswag.evaluate(model, hellaswag.prepare(examples, enc), "cpu")  # --batch-tokens' CPU default, 4,096
+    assert hellaswag_out_of_memory(raised.value) == (
+        "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 2048), or use a smaller --model"
+    )
+
+
+def first_step_error(tmp_path, config, autocast_dtype, *flags):
+    """The error of a run that ran out of GPU memory in its first step, as run_cli gets it."""
+    args, _ = parse_args(["--out-dir", str(tmp_path / "out"), *flags])
+    run = SimpleNamespace(
+        args=args, model=SimpleNamespace(config=config), device="cuda:0", autocast_dtype=autocast_dtype
+    )
+    with pytest.raises(torch.OutOfMemoryError) as raised, oom_phase("training step", run=run, step=0, first=True):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return raised.value
+
+
+def test_out_of_gpu_memory_names_the_B_the_memory_estimate_fits_where_it_holds(tmp_path, monkeypatch):
+    asked = []
+
+    def properties(device):
+        asked.append(device)
+        return SimpleNamespace(total_memory=int(23.65 * GiB))
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    recipe = GPTConfig(vocab_size=50304)
+    line = training_out_of_memory(first_step_error(tmp_path, recipe, torch.bfloat16))
+    assert asked == ["cuda:0"]
+    assert line == (
+        "in the first training step (-B 64 rows of -T 1024): lower -B (e.g. -B 16, which this GPU's 23.6 GiB "
+        "should fit, see docs/gpus.md: the total batch stays 524,288 tokens, accumulated over more micro-steps); "
+        "no checkpoint was written yet: --resume -B 16 starts the run again"
+    )
+    assert "e.g. -B 16, which" in training_out_of_memory(first_step_error(tmp_path, recipe, torch.float16))
+    # where the estimate does not hold, the advice halves -B: fp32 (no autocast), another model,
+    # and a -B the estimate says fits but that has just run out (an eager run, another process)
+    halved = "lower -B (e.g. -B 32: the total batch"
+    assert halved in training_out_of_memory(first_step_error(tmp_path, recipe, None))
+    wider = GPTConfig(vocab_size=50304, n_layer=24, n_head=16, n_embd=1024)
+    assert halved in training_out_of_memory(first_step_error(tmp_path, wider, torch.bfloat16))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GiB))
+    assert halved in training_out_of_memory(first_step_error(tmp_path, recipe, torch.bfloat16))

@@ -1,0 +1,373 @@
+"""support/resume.py, through real runs of train_gpt2.py: which checkpoint --resume continues from
+(the newest that loads, past a truncated or corrupt one and a half-written one's leftover; a run's
+folder; an older checkpoint of the folder's own run; a new folder, never another run's; none, when
+the run was killed before its first checkpoint and its log records the run to restart), the recipe
+it takes from that checkpoint (flags left out take its values, a contradicting one is refused
+naming both values, a longer --max-steps, a lower --max-lr or another -B is allowed and said), and
+that the resumed run is the one it continues, bit for bit."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_gpt2
+from helpers import (
+    ROOT,
+    assert_one_line_error,
+    at_step,
+    cli,
+    headers,
+    random_shards,
+    read_log,
+    run_ids,
+    snapshot,
+    start_run,
+    strict_records,
+    tiny_args,
+    user_error,
+    wait_for_step,
+)
+from support.checkpoints import load_checkpoint
+from support.common import UserError
+
+# ----------------------------------------------------------------------------------------------
+# Which checkpoint --resume continues from: the newest that loads
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
+    data = random_shards(tmp_path / "data", train_lengths=(200, 250))  # 2 epochs in 16 steps: shuffles too
+    run = lambda out, *extra: tiny_args(data, out, "--max-steps", 16, "--ckpt-every", 4, *extra)  # noqa: E731
+    ref = cli(*run(tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stderr
+    assert sorted(p.name for p in (tmp_path / "ref").glob("ckpt_*")) == [f"ckpt_0000{s:02d}.pt" for s in (8, 12, 16)]
+    proc = start_run(*run(tmp_path / "b"), stdout=subprocess.DEVNULL)
+    try:
+        wait_for_step(proc, tmp_path / "b", 6)  # after the step-4 checkpoint, before the step-8 one
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert (tmp_path / "b" / "ckpt_000004.pt").exists() and not (tmp_path / "b" / "ckpt_000008.pt").exists()
+    (tmp_path / "b" / ".ckpt_000008.pt.tmp").write_bytes(b"half a checkpoint")  # as if killed mid-write
+    resumed = cli(*run(tmp_path / "b", "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout and "ckpt_000004.pt" in resumed.stdout
+    assert "removing the unfinished .ckpt_000008.pt.tmp" in resumed.stdout
+    assert not list((tmp_path / "b").glob("*.tmp"))
+    ref_records, ref_steps = read_log(tmp_path / "ref")
+    records, steps = read_log(tmp_path / "b")
+    assert sorted(steps) == list(range(16))
+    for s in range(16):  # bitwise: JSON floats round-trip exactly
+        for key in ("train_loss", "grad_norm", "lr", "epoch", "tokens"):
+            assert steps[s][key] == ref_steps[s][key], (s, key)
+    vals = lambda recs: {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}  # noqa: E731
+    assert vals(records) == vals(ref_records)
+    headers = [r for r in records if r.get("event") == "header"]
+    assert [h["resumed_from"] for h in headers] == [None, 4]  # the log was appended, not wiped
+    a, b = (load_checkpoint(str(tmp_path / run / "ckpt_000016.pt")) for run in ("ref", "b"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_resume_latest_falls_back_past_a_truncated_checkpoint(short_run, tmp_path, capsys):
+    data, out = short_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    raw = (run / "ckpt_000002.pt").read_bytes()
+    (run / "ckpt_000002.pt").write_bytes(raw[: len(raw) // 2])
+    assert train_gpt2.main(tiny_args(data, run, "--max-steps", 2, "--resume")) == 0
+    assert "skipping" in capsys.readouterr().err
+    records = read_log(run)[0]
+    assert [r["resumed_from"] for r in records if r.get("event") == "header"] == [None, 1]
+    first, again = [r for r in records if r.get("step") == 1 and "train_loss" in r]  # step 1, then redone
+    assert (again["train_loss"], again["grad_norm"]) == (first["train_loss"], first["grad_norm"])
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint_in_one_line(short_run, tmp_path, capsys):
+    # the truncated case is the test above; here the file is whole but bytes inside a tensor changed
+    data, out = short_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    raw = bytearray((run / "ckpt_000002.pt").read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)  # zeros over the middle of a tensor
+    (run / "ckpt_000002.pt").write_bytes(raw)
+    with pytest.raises(UserError, match="corrupt"):
+        load_checkpoint(str(run / "ckpt_000002.pt"))
+    capsys.readouterr()
+    assert train_gpt2.main(tiny_args(data, run, "--max-steps", 2, "--resume", "--eval-every", 0)) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ckpt_000002.pt" in err[0] and "corrupt" in err[0], err
+    headers = [json.loads(line) for line in open(run / "log.jsonl") if '"header"' in line]
+    assert [h["resumed_from"] for h in headers] == [None, 1]
+    first, again = [r for r in read_log(run)[0] if r.get("step") == 1 and "train_loss" in r]  # step 1, then redone
+    assert (again["train_loss"], again["grad_norm"]) == (first["train_loss"], first["grad_norm"])
+
+
+def test_resume_in_a_read_only_folder_with_a_leftover_temporary_checkpoint_is_one_line(data, tmp_path, read_only):
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)) == 0
+    (out / ".ckpt_000004.pt.tmp").write_bytes(b"cut short")
+    read_only(out)
+    r = cli(*tiny_args(data, out, "--max-steps", 4, "--eval-every", 0, "--resume"))
+    assert_one_line_error(r, f"--out-dir {out}", "Read-only file system", "make --out-dir writable")
+
+
+# ----------------------------------------------------------------------------------------------
+# The recipe comes from the checkpoint: flags left out take its values, a contradiction is
+# refused, a change it allows is said
+
+
+@pytest.fixture
+def run4(data, tmp_path):
+    """4 of 8 steps done, warm-up 5, checkpoint every 2 steps."""
+    out = tmp_path / "run"
+    args = tiny_args(data, out, "--max-steps", 4, "--warmup-steps", 5, "--ckpt-every", 2, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--total-batch-size", 128), ("-T", 8), ("--weight-decay", 0.05), ("--warmup-steps", 2), ("--seed", 3)],
+)
+def test_a_contradicting_recipe_flag_on_resume_is_refused(data, run4, flag, value):
+    before = snapshot(run4)
+    msg = user_error(tiny_args(data, run4, "--max-steps", 8, "--warmup-steps", 5, "--resume", flag, value))
+    assert {"-T": "--seq-len"}.get(flag, flag) in msg
+    assert "contradicts" in msg and "leave" in msg
+    assert snapshot(run4) == before
+
+
+def test_checkpoint_from_another_config(short_run, tmp_path):
+    data, out = short_run
+    msg = user_error(tiny_args(data, tmp_path / "out", "--n-embd", 64, "--resume", out / "ckpt_000002.pt"))
+    assert "--n-embd 64 contradicts the 32" in msg and "leave --n-embd out" in msg
+
+
+def test_flags_left_out_on_resume_take_the_checkpoints_values(data, run4, tmp_path):
+    # the user forgets the recipe (--warmup-steps would be 715, -B 64, --max-lr 6e-4, ...) and
+    # takes the run on to 8 steps: steps 4-7 are the uninterrupted run's, bit for bit
+    args = tiny_args(data, run4, "--max-steps", 8, "--resume", "--eval-every", 0)
+    for flag in ("--warmup-steps", "-B", "-T", "--total-batch-size", "--max-lr"):
+        i = args.index(flag)
+        del args[i : i + 2]
+    assert train_gpt2.main(args) == 0
+    ref = tmp_path / "ref"
+    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 8, "--warmup-steps", 5, "--eval-every", 0)) == 0
+    resumed, uninterrupted = read_log(run4)[1], read_log(ref)[1]
+    assert sorted(resumed) == sorted(uninterrupted) == list(range(8))
+    for key in ("lr", "train_loss", "grad_norm"):
+        assert [resumed[s][key] for s in range(8)] == [uninterrupted[s][key] for s in range(8)], key
+
+
+def test_resume_takes_the_runs_data_and_eval_settings(data, run4, capsys):
+    # `--resume run` alone: the run's data folder and evals, not the defaults' edu_fineweb10B (which
+    # is not there) and HellaSwag every 250 steps; a setting given on resume wins from there on
+    assert train_gpt2.main(["--resume", str(run4), "--max-steps", "6", "--device", "cpu", "--sample-every", "5"]) == 0
+    assert "note: continuing with the run's --data-dir" in capsys.readouterr().out
+    records, steps = read_log(run4)
+    header = [r for r in records if r.get("event") == "header"][-1]["config"]
+    assert header["data_dir"] == str(data) and header["ckpt_every"] == 2 and header["val_tokens"] == 256
+    assert header["eval_every"] == 0 and header["hellaswag_every"] == 0 and header["sample_every"] == 5
+    assert sorted(steps) == list(range(6)) and not any("val_loss" in r for r in records)
+    assert sorted(p.name for p in run4.glob("ckpt_*.pt"))[-1] == "ckpt_000006.pt"
+
+
+def test_a_relative_data_dir_resumes_from_another_working_directory(data, tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    shutil.copytree(data, work / "shards")
+    monkeypatch.chdir(work)
+    assert train_gpt2.main(tiny_args("shards", "run", "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)) == 0
+    monkeypatch.chdir(tmp_path)
+    assert train_gpt2.main(["--resume", str(work / "run"), "--max-steps", "4", "--device", "cpu"]) == 0
+    assert sorted(read_log(work / "run")[1]) == [0, 1, 2, 3]
+
+
+def test_a_longer_max_steps_is_allowed_and_said(data, run4, capsys):
+    args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--resume", "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    assert "note: --max-steps 4 -> 6 on resume" in capsys.readouterr().out
+    records, steps = read_log(run4)
+    assert sorted(steps) == list(range(6))
+    assert records[-1]["step"] == 5
+    header = [r for r in records if r.get("event") == "header"][-1]
+    assert header["changed_on_resume"] == {"max_steps": [4, 6]} and header["resumed_from"] == 4
+
+
+def test_max_steps_below_the_checkpoint_is_refused(data, run4):
+    msg = user_error(tiny_args(data, run4, "--max-steps", 3, "--warmup-steps", 5, "--resume"))
+    assert "--max-steps 3" in msg and "4 steps" in msg
+
+
+def test_a_lower_max_lr_on_resume_is_allowed_and_said_in_output_and_header(data, run4_with_val_loss, capsys):
+    args = tiny_args(
+        data, run4_with_val_loss, "--max-steps", 6, "--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 2
+    )
+    assert train_gpt2.main(args + ["--resume", "--max-lr", 1e-3]) == 0
+    assert "note: --max-lr 0.003 -> 0.001 on resume" in capsys.readouterr().out
+    header = [x for x in strict_records(run4_with_val_loss) if x.get("event") == "header"][-1]
+    assert header["changed_on_resume"] == {"max_lr": [3e-3, 1e-3], "max_steps": [4, 6]}
+    steps = read_log(run4_with_val_loss)[1]
+    assert steps[5]["lr"] == pytest.approx(train_gpt2.get_lr(5, 1e-3, 1e-4, 2, 6))  # the new peak's schedule
+
+
+def test_tokens_count_stays_right_after_resume_with_another_B(data, run4, tmp_path, capsys):
+    args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--resume", "-B", 4, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    assert "note: --batch-size 2 -> 4 on resume" in capsys.readouterr().out
+    steps = read_log(run4)[1]
+    assert [steps[s]["tokens"] for s in range(6)] == [64 * (s + 1) for s in range(6)]
+    # one micro-batch of 4 rows instead of two of 2: the same 64 tokens a step, summed in another
+    # order, so the uninterrupted run's losses up to float rounding
+    ref = tmp_path / "ref"
+    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 6, "--warmup-steps", 5, "--eval-every", 0)) == 0
+    uninterrupted = read_log(ref)[1]
+    for s in (4, 5):
+        assert steps[s]["train_loss"] == pytest.approx(uninterrupted[s]["train_loss"], rel=1e-6, abs=0), s
+        assert steps[s]["grad_norm"] == pytest.approx(uninterrupted[s]["grad_norm"], rel=1e-5, abs=0), s
+
+
+def test_resume_with_a_run_folder_continues_that_run_in_it(data, run4, tmp_path):
+    # `--resume run` with no --out-dir: the user means that run, not a new one in ./log
+    args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--eval-every", 0)
+    i = args.index("--out-dir")
+    del args[i : i + 2]
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "train_gpt2.py"), *args, "--resume", str(run4)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "log").exists()
+    records, steps = read_log(run4)
+    assert sorted(steps) == list(range(6))
+    assert [r for r in records if r.get("event") == "header"][-1]["resumed_from"] == 4
+
+
+def test_resume_with_a_run_folder_and_another_out_dir_is_refused(data, run4, tmp_path):
+    before = snapshot(run4)
+    msg = user_error(tiny_args(data, tmp_path / "other", "--max-steps", 6, "--warmup-steps", 5, "--resume", run4))
+    assert "is a run's folder" in msg and f"--resume --out-dir {run4}" in msg
+    assert snapshot(run4) == before and not (tmp_path / "other").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# A checkpoint continues its own run: in its run's folder or a new one, never another run's
+
+
+@pytest.fixture
+def two_runs(data, tmp_path):
+    """Run A: 4 steps with checkpoints at 2 and 4; run B: another finished run of 6 steps."""
+    a, b = tmp_path / "A", tmp_path / "B"
+    common = ["--warmup-steps", 2, "--ckpt-every", 2, "--eval-every", 0]
+    assert train_gpt2.main(tiny_args(data, a, "--max-steps", 4, *common)) == 0
+    assert train_gpt2.main(tiny_args(data, b, "--max-steps", 6, "--seed", 7, *common)) == 0
+    return a, b
+
+
+@pytest.mark.parametrize("keep", ["checkpoints and log", "log only", "checkpoint only"])
+def test_resume_of_a_checkpoint_into_another_runs_folder_is_refused(data, two_runs, keep):
+    a, b = two_runs
+    if keep == "log only":
+        for p in b.glob("ckpt_*.pt"):
+            p.unlink()
+    if keep == "checkpoint only":
+        (b / "log.jsonl").unlink()
+    before = snapshot(a.parent)
+    line = user_error(tiny_args(data, b, "--max-steps", 8, "--warmup-steps", 2, "--resume", a / "ckpt_000002.pt"))
+    assert f"--resume {a / 'ckpt_000002.pt'} continues run " in line and f"--out-dir {b} holds another" in line
+    assert ("log.jsonl" in line) == (keep != "checkpoint only") and ("ckpt_000006.pt" in line) == (keep != "log only")
+    assert f"--out-dir {a} (the run's own folder)" in line
+    assert snapshot(a.parent) == before  # B's checkpoints and log untouched, nothing appended
+
+
+def test_resume_of_a_checkpoint_into_a_new_folder_continues_the_run_there(data, two_runs, tmp_path, capsys):
+    a, _ = two_runs
+    new = tmp_path / "C"
+    new.mkdir()
+    (new / "notes.txt").write_text("the user's notes")  # empty of runs: fine
+    before = snapshot(a)
+    args = ["--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2]
+    assert train_gpt2.main(tiny_args(data, new, *args, "--resume", a / "ckpt_000002.pt")) == 0
+    assert f"note: run {load_checkpoint(str(a / 'ckpt_000002.pt'))['run_id']} continues from" in capsys.readouterr().out
+    assert snapshot(a) == before
+    # the same steps as the run continued in its own folder from that checkpoint
+    own = tmp_path / "own"
+    shutil.copytree(a, own)
+    (own / "ckpt_000004.pt").unlink()
+    assert train_gpt2.main(tiny_args(data, own, *args, "--resume")) == 0
+    moved, in_place = read_log(new)[1], read_log(own)[1]
+    assert sorted(moved) == [2, 3, 4, 5]
+    assert [moved[s]["train_loss"] for s in moved] == [in_place[s]["train_loss"] for s in moved]
+    assert run_ids(new) == run_ids(a) and (new / "notes.txt").read_text() == "the user's notes"
+
+
+def test_an_older_checkpoint_of_the_folders_own_run_resumes_there(data, two_runs):
+    a, _ = two_runs
+    args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2)
+    assert train_gpt2.main([*map(str, args), "--resume", str(a / "ckpt_000002.pt")]) == 0
+    assert [h["resumed_from"] for h in headers(a)] == [None, 2] and len(run_ids(a)) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# A run killed before its first checkpoint is restarted as the run its log records
+
+
+class Killed(BaseException):
+    """The process dies here (a spot instance reclaimed): nothing after it runs in the loop."""
+
+
+def killed_before_its_first_checkpoint(data, out, monkeypatch, *flags):
+    """A run of 6 steps, killed as step 3 trains: steps 0-2 in its log, no checkpoint."""
+    at_step(monkeypatch, {3: lambda: (_ for _ in ()).throw(Killed())})
+    with pytest.raises(Killed):
+        train_gpt2.main(tiny_args(data, out, "--ckpt-every", 0, *flags))
+    monkeypatch.undo()
+    assert sorted(read_log(out)[1]) == [0, 1, 2] and not list(out.glob("ckpt_*.pt"))
+
+
+def test_resume_with_no_checkpoint_restarts_the_run_its_log_records_with_its_recipe(
+    data, tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "out"
+    killed_before_its_first_checkpoint(data, out, monkeypatch, "--seed", 5, "--max-lr", 2e-3)
+    # the spot script's command: --resume, and nothing of the recipe (the defaults are GPT-2 124M's)
+    assert train_gpt2.main(["--resume", "--out-dir", str(out), "--device", "cpu"]) == 0
+    said = capsys.readouterr().out
+    first, again = headers(out)
+    assert f"run {first['run_id']}, which its log.jsonl records 3 steps of (it stopped before its first" in said
+    assert again["run_id"] == first["run_id"] and again["restarted"] and again["resumed_from"] is None
+    assert not first["restarted"]
+    for name in ("model_config", "seed", "max_lr", "total_batch_size", "max_steps", "data_dir", "val_tokens"):
+        assert again["config"][name] == first["config"][name], name
+    records, steps = read_log(out)
+    assert sorted(steps) == list(range(6))
+    before = [r for r in records[: records.index(again)] if "train_loss" in r]
+    assert [r["train_loss"] for r in before] == [steps[s]["train_loss"] for s in (0, 1, 2)]  # the same run again
+
+
+@pytest.mark.parametrize(
+    "flag, value, refused", [("--n-layer", 3, True), ("--seed", 6, True), ("--max-steps", 8, False)]
+)
+def test_a_restart_refuses_a_flag_that_contradicts_the_recorded_recipe(
+    data, tmp_path, monkeypatch, flag, value, refused
+):
+    out = tmp_path / "out"
+    killed_before_its_first_checkpoint(data, out, monkeypatch)
+    run_id = headers(out)[0]["run_id"]
+    args = ["--resume", "--out-dir", str(out), "--device", "cpu", flag, str(value)]
+    if refused:
+        with pytest.raises(UserError) as e:
+            train_gpt2.main(args)
+        assert f"{flag} {value} contradicts the " in str(e.value) and f"that run {run_id} was trained with" in str(e)
+        assert len(headers(out)) == 1  # nothing appended
+    else:
+        assert train_gpt2.main(args) == 0
+        assert sorted(read_log(out)[1]) == list(range(8)) and headers(out)[-1]["run_id"] == run_id

@@ -1,0 +1,329 @@
+"""support/shards.py, mostly through real runs of train_gpt2.py: the GPT-2 tokenizer the shards
+hold ids of; a data folder that is missing, empty or a text file; shards that are truncated or have
+a wrong header, and shards memory-mapped; every shard smaller than one batch; token ids past the
+model's vocabulary (taken from fineweb.py's manifest where it can be trusted); a folder fineweb.py
+has not finished, refused naming the command that finishes it; and a checkpoint continued only on
+the shards its run started on (moved shards are the same data). Each refusal is one line before
+step 0."""
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fineweb
+import train_gpt2
+from helpers import (
+    ROOT,
+    assert_one_line_error,
+    cli,
+    headers,
+    random_shards,
+    read_log,
+    snapshot,
+    tiny_args,
+    user_error,
+    write_known_shards,
+    write_shard,
+)
+from support.checkpoints import load_checkpoint
+from support.common import UserError
+from support.shards import fineweb_command, load_shard, recorded_max_ids, shard_fingerprint
+from train_gpt2 import DataLoaderLite
+
+# ----------------------------------------------------------------------------------------------
+# The tokenizer
+
+
+def test_tokenizer(enc):
+    assert enc.encode("Hello, I'm a language model,") == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    assert enc.eot_token == 50256
+
+
+def test_tokenizer_missing_cache_is_one_line_error(tmp_path):
+    code = (
+        "import support.common, support.shards, sys\ntry:\n    support.shards.get_tokenizer()\n"
+        "except support.common.UserError as e:\n    print(e); sys.exit(3)"
+    )
+    env = {"PATH": "/usr/bin:/bin", "TIKTOKEN_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path)}
+    # an empty cache dir and no network (unroutable proxy) make the load fail fast
+    env["HTTPS_PROXY"] = env["HTTP_PROXY"] = "http://127.0.0.1:9"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr
+    assert "TIKTOKEN_CACHE_DIR" in r.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding and reading the shards
+
+
+def test_missing_data_folder_cli(tmp_path):
+    r = cli(*tiny_args(tmp_path / "nope", tmp_path / "out"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ") and r.stderr.strip().count("\n") == 0
+    assert "nope" in r.stderr and "fineweb.py" in r.stderr
+
+
+def test_empty_data_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert "no train shards" in user_error(tiny_args(tmp_path / "empty", tmp_path / "out"))
+
+
+def test_a_text_file_as_data_dir_points_to_fineweb(tmp_path):
+    text = tmp_path / "input.txt"
+    text.write_text("First Citizen: Before we proceed any further, hear me speak.\n")
+    msg = user_error(tiny_args(text, tmp_path / "out"))
+    assert "is a file, not a folder of shards" in msg and f"fineweb.py --input {text}" in msg
+    assert text.read_text().startswith("First Citizen") and not (tmp_path / "out").exists()
+
+
+def test_bin_shard_with_bad_header(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "x_train_000001.bin", np.arange(1000))
+    raw = bytearray((data / "x_train_000001.bin").read_bytes())
+    raw[0:4] = (12345).to_bytes(4, "little")
+    (data / "x_train_000001.bin").write_bytes(raw)
+    assert "20240520" in user_error(tiny_args(data, tmp_path / "out"))
+    write_shard(data / "x_train_000001.bin", np.arange(1000))
+    with open(data / "x_train_000001.bin", "r+b") as f:
+        f.truncate(1024 + 900)  # the header still says 1,000 tokens
+    assert "truncated" in user_error(tiny_args(data, tmp_path / "out"))
+
+
+def test_truncated_npy_shard(tmp_path):
+    data = random_shards(tmp_path / "data")
+    raw = (data / "rand_train_000001.npy").read_bytes()
+    (data / "rand_train_000001.npy").write_bytes(raw[: len(raw) - 100])  # the header still says 600 tokens
+    msg = user_error(tiny_args(data, tmp_path / "out"))
+    assert "rand_train_000001.npy" in msg and "cannot read" in msg
+
+
+def test_shards_are_memory_mapped(tmp_path):
+    write_shard(tmp_path / "s_train_000001.npy", np.arange(1000))
+    write_shard(tmp_path / "s_train_000002.bin", np.arange(1000))
+    for name in ("s_train_000001.npy", "s_train_000002.bin"):
+        tokens = load_shard(str(tmp_path / name))
+        assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
+        assert np.array_equal(tokens, np.arange(1000))
+
+
+def test_shards_smaller_than_one_batch_name_the_largest_and_the_fix(tmp_path):
+    # 150 tokens in all, but a batch (B 2 x T 32, + 1 for the targets: 65) is cut from one shard
+    data = random_shards(tmp_path / "data", train_lengths=(40, 50, 60))
+    msg = user_error(tiny_args(data, tmp_path / "out", "-T", 32))
+    assert "the largest train shard" in msg and "holds 60 tokens, fewer than the 65" in msg
+    assert "--shard-size" in msg and "--batch-size" in msg
+
+
+# ----------------------------------------------------------------------------------------------
+# Token ids below the model's vocabulary, from fineweb.py's manifest where it can be trusted
+
+
+def test_token_ids_outside_the_vocab(tmp_path):
+    data = random_shards(tmp_path / "data")
+    tokens = np.load(data / "rand_train_000002.npy")
+    tokens[123] = 50400  # fits in uint16, but the model's embedding has 50304 rows
+    write_shard(data / "rand_train_000002.npy", tokens)
+    msg = user_error(tiny_args(data, tmp_path / "out"))
+    assert "rand_train_000002.npy" in msg and "50400" in msg and "50304" in msg
+    assert not (tmp_path / "out" / "log.jsonl").exists()
+
+
+def test_token_ids_outside_the_vocab_in_val(tmp_path):
+    data = random_shards(tmp_path / "data")
+    tokens = np.load(data / "rand_val_000000.npy")
+    tokens[5] = 60000
+    write_shard(data / "rand_val_000000.npy", tokens)
+    msg = user_error(tiny_args(data, tmp_path / "out"))
+    assert "rand_val_000000.npy" in msg and "60000" in msg
+
+
+@pytest.fixture
+def fineweb_folder(tmp_path, shared_data):
+    """fineweb.py's shards of the first 200,000 characters of tiny shakespeare, 20,000 tokens each."""
+    text = tmp_path / "input.txt"
+    text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:200_000])
+    out = tmp_path / "shards"
+    fineweb.main(["--input", str(text), "--out-dir", str(out), "--shard-size", "20000", "--workers", "1"])
+    return out
+
+
+def manifest_shards(folder):
+    return json.loads((folder / "edufineweb_manifest.json").read_text())["shards"]
+
+
+def test_fineweb_records_each_shards_largest_id_and_fingerprint(fineweb_folder):
+    shards = manifest_shards(fineweb_folder)
+    assert len(shards) >= 3
+    for shard in shards:
+        path = fineweb_folder / shard["file"]
+        assert shard["max_id"] == int(np.load(path).max())  # read here, independently
+        assert [shard["bytes"], shard["fingerprint"]] == shard_fingerprint(str(path))[1:]
+
+
+def test_a_start_takes_the_largest_id_from_the_manifest(fineweb_folder):
+    # a record says 60,000 while the shard holds GPT-2 ids only: the refusal proves the shard's
+    # tokens were not read, the manifest's record was
+    shards = manifest_shards(fineweb_folder)
+    manifest = json.loads((fineweb_folder / "edufineweb_manifest.json").read_text())
+    manifest["shards"][1]["max_id"] = 60000
+    (fineweb_folder / "edufineweb_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="token id 60000 is not below the model's vocab_size 50304"):
+        DataLoaderLite(str(fineweb_folder), "train", 2, 8, vocab_size=50304)
+    assert shards[1]["split"] == "train" and int(np.load(fineweb_folder / shards[1]["file"]).max()) < 50257
+
+
+def test_a_shard_written_again_is_read_in_full(fineweb_folder):
+    # the same size, other tokens: its fingerprint no longer matches the record, which is not trusted
+    name = manifest_shards(fineweb_folder)[2]["file"]
+    tokens = np.load(fineweb_folder / name)
+    tokens[12_345] = 50400
+    np.save(fineweb_folder / name, tokens)
+    with pytest.raises(UserError, match=f"{name}: token id 50400 is not below"):
+        DataLoaderLite(str(fineweb_folder), "train", 2, 8, vocab_size=50304)
+
+
+def test_shards_without_a_manifest_are_read_in_full(tmp_path):
+    shards = write_known_shards(tmp_path, [100, 100])  # ids 0..199, no manifest
+    assert recorded_max_ids(str(tmp_path)) == {}
+    with pytest.raises(UserError, match="token id 199 is not below the model's vocab_size 150"):
+        DataLoaderLite(str(tmp_path), "train", 2, 8, vocab_size=150)
+    assert int(shards[1].max()) == 199
+
+
+# ----------------------------------------------------------------------------------------------
+# Data is finished only if fineweb.py said so
+
+
+@pytest.fixture
+def tiny_text(tmp_path, shared_data):
+    """The first 40,000 characters of tiny shakespeare as its own input file."""
+    text = tmp_path / "tiny.txt"
+    text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:40000])
+    return text
+
+
+def test_a_folder_fineweb_has_not_finished_is_refused_naming_the_command(tmp_path, tiny_text, monkeypatch):
+    shards = tmp_path / "shards"
+    args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1"]
+    real, written = fineweb.write_shard, []
+
+    def write_then_stop(path, tokens, fmt="npy"):  # stopped (Ctrl-C, a kill) after 3 shards
+        real(path, tokens, fmt)
+        written.append(path)
+        if len(written) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(fineweb, "write_shard", write_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        fineweb.main(args)
+    monkeypatch.undo()
+    out = tmp_path / "run"
+    before = snapshot(tmp_path)
+    r = cli(*tiny_args(shards, out, "--max-steps", 2))
+    line = assert_one_line_error(r, f"--data-dir {shards} is unfinished", "fineweb.py has not written all")
+    command = line.split("`")[1]
+    assert command == f"python fineweb.py --input {tiny_text} --out-dir {shards} --shard-size 2000"
+    assert snapshot(tmp_path) == before and not out.exists()
+    # the command it names finishes the folder, as fineweb.py's own uninterrupted run would write it;
+    # its `python` is the one running the tests, whatever is first on PATH
+    argv = shlex.split(command)
+    assert argv[0] == "python"
+    done = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    whole = tmp_path / "whole"
+    fineweb.main(["--input", str(tiny_text), "--out-dir", str(whole), "--shard-size", "2000", "--workers", "1"])
+    names = sorted(p.name for p in whole.iterdir())
+    assert sorted(p.name for p in shards.iterdir()) == names
+    assert all((shards / n).read_bytes() == (whole / n).read_bytes() for n in names)
+    assert train_gpt2.main(tiny_args(shards, out, "--max-steps", 2)) == 0
+
+
+def test_a_folder_stopped_where_max_tokens_asked_is_finished_as_asked(tmp_path, tiny_text):
+    shards = tmp_path / "shards"
+    args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1"]
+    summary = fineweb.main([*args, "--max-tokens", "5000"])
+    assert not summary["complete"] and summary["tokens"] == 5000
+    assert train_gpt2.main(tiny_args(shards, tmp_path / "run", "--max-steps", 2, "--eval-every", 0)) == 0
+
+
+def test_fineweb_command_uses_a_glob_for_a_whole_folder_and_hub_flags(tmp_path):
+    files = [tmp_path / f"part_{i}.jsonl" for i in range(5)]
+    for f in files:
+        f.write_text('{"text": "x"}\n')
+    config = {"source": {"input": [{"path": str(f)} for f in files]}, "shard_size": 100_000_000, "prefix": "p"}
+    assert fineweb_command(config, "d") == f"python fineweb.py --input '{tmp_path}/*.jsonl' --out-dir d --prefix p"
+    files[-1].unlink()  # the glob would miss nothing but the folder no longer holds all: name them
+    assert fineweb_command(config, "d").count("part_") == 5
+    hub = {"source": {"dataset": "HuggingFaceFW/fineweb", "name": None, "split": "train"}, "shard_size": 10}
+    assert (
+        fineweb_command(hub, "d")
+        == "python fineweb.py --dataset HuggingFaceFW/fineweb --name '' --out-dir d --shard-size 10"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# A run's data is the data it started on
+
+
+@pytest.fixture
+def run_on(tmp_path):
+    """(data folder, run folder) of 2 steps on its own random shards, checkpoints at 1 and 2."""
+    data = random_shards(tmp_path / "data", train_lengths=(600, 600), val_length=600, seed=3)
+    out = tmp_path / "run"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)) == 0
+    return data, out
+
+
+def regenerate(data, lengths, val_length=600, seed=3):
+    shutil.rmtree(data)
+    random_shards(data, train_lengths=lengths, val_length=val_length, seed=seed)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda d: regenerate(d, (700, 500)), "rand_train_000001.npy is 1,528 bytes, the run's was 1,328"),
+        (lambda d: regenerate(d, (600, 600), seed=4), "rand_train_000001.npy holds other tokens than the run's"),
+        (lambda d: regenerate(d, (600, 600, 600)), "rand_train_000003.npy is new"),
+        (lambda d: (d / "rand_train_000002.npy").unlink(), "rand_train_000002.npy is missing"),
+        (lambda d: write_shard(d / "rand_val_000000.npy", range(900)), "rand_val_000000.npy is 1,928 bytes"),
+    ],
+    ids=["another-shard-size", "other-tokens", "a-shard-added", "a-shard-removed", "another-val-set"],
+)
+def test_resume_on_other_data_is_refused_naming_the_first_shard(run_on, change, words):
+    data, out = run_on
+    change(data)
+    before = snapshot(out)
+    line = user_error(tiny_args(data, out, "--max-steps", 4, "--resume"))
+    assert f"--data-dir {data} is not the data " in line and words in line
+    assert f"--init-from {out / 'ckpt_000002.pt'} in a new --out-dir" in line
+    assert snapshot(out) == before
+    # the way out it names: a new run from those weights, on the data as it is now
+    fresh = out.parent / "fresh"
+    assert train_gpt2.main(tiny_args(data, fresh, "--max-steps", 2, "--init-from", out / "ckpt_000002.pt")) == 0
+    assert headers(fresh)[0]["config"]["init_from"] == str(out / "ckpt_000002.pt")
+
+
+def test_the_same_shards_in_another_folder_are_the_same_data(run_on, tmp_path):
+    data, out = run_on
+    moved = tmp_path / "moved"
+    shutil.copytree(data, moved)
+    shutil.rmtree(data)
+    assert train_gpt2.main(tiny_args(moved, out, "--max-steps", 4, "--resume")) == 0
+    assert sorted(read_log(out)[1]) == [0, 1, 2, 3]
+
+
+def test_the_checkpoint_records_each_shards_size_and_sampled_bytes(run_on):
+    data, out = run_on
+    identity = load_checkpoint(str(out / "ckpt_000002.pt"))["data_identity"]
+    assert [name for name, _, _ in identity["train"]] == ["rand_train_000001.npy", "rand_train_000002.npy"]
+    assert [name for name, _, _ in identity["val"]] == ["rand_val_000000.npy"]
+    for name, size, _ in identity["train"] + identity["val"]:
+        assert size == os.path.getsize(data / name)

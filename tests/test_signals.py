@@ -1,0 +1,212 @@
+"""support/signals.py, through real runs of train_gpt2.py (started in the background as a user
+starts it, or in the test's process): SIGTERM and SIGHUP stop a run at the next step boundary with
+a usable checkpoint (under nohup a hangup is ignored, as asked); Ctrl-C during start-up, or a
+second one, is one line and exit 130; a stop during a long val or HellaSwag eval, or while the run
+samples, comes within seconds (a token), with a checkpoint and no half record; and the interrupt's
+line says what the folder holds to continue from. (Under torchrun: test_train_ddp.py.)"""
+
+import json
+import signal
+import time
+
+import pytest
+import torch
+
+import train_gpt2
+from helpers import at_step, hangup_default, headers, random_shards, read_log, signal_at_step, start_run, tiny_args
+from support import sampling
+from support.checkpoints import load_checkpoint
+from train_gpt2 import DataLoaderLite, load_model
+
+# ----------------------------------------------------------------------------------------------
+# SIGTERM and SIGHUP: a checkpoint at the next step boundary
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # a scheduler; a closed terminal
+def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    proc = start_run(*tiny_args(data, out, "--max-steps", 100000), preexec_fn=hangup_default)
+    stdout, stderr = signal_at_step(proc, out, 2, signum)
+    assert proc.returncode == 128 + signum, stderr
+    assert f"caught {signum.name}" in stdout and "Traceback" not in stderr
+    _, steps = read_log(out)
+    last = max(steps)
+    path = out / f"ckpt_{last + 1:06d}.pt"
+    ckpt = load_checkpoint(str(path))
+    assert ckpt["step"] == last + 1 and ckpt["optimizer"]["state"]
+    # the data position is just after the batches of the steps done: 2 micro-batches a step
+    loader = DataLoaderLite(str(data), "train", 2, 16, seed=1337)
+    for _ in range(2 * (last + 1)):
+        loader.next_batch()
+    assert ckpt["data"] == loader.state_dict()
+    model = load_model(str(path))
+    assert torch.equal(model.lm_head.weight, ckpt["model"]["lm_head.weight"])
+
+
+@pytest.mark.slow
+def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    proc = start_run(
+        *tiny_args(data, out, "--max-steps", 300, "--eval-every", 0),
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does before exec
+    )
+    stdout, stderr = signal_at_step(proc, out, 2, signal.SIGHUP)
+    assert proc.returncode == 0, stderr
+    assert "caught" not in stdout
+    assert sorted(read_log(out)[1]) == list(range(300))
+
+
+# ----------------------------------------------------------------------------------------------
+# Ctrl-C is prompt and clean
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])
+def test_ctrl_c_during_start_up_is_one_line(data, tmp_path, delay):
+    proc = start_run(*tiny_args(data, tmp_path / "out", "--max-steps", 100000, "--warmup-steps", 1))
+    time.sleep(delay)  # importing torch, building the model, reading the data, or the first steps
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    said = [line for line in err.strip().splitlines() if not line.startswith("warning: this run trains on")]
+    assert "Traceback" not in err and len(said) <= 1, err
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(data, tmp_path):
+    proc = start_run(
+        *tiny_args(
+            data, tmp_path / "out", "--max-steps", 100000, "--warmup-steps", 1, "--eval-every", 1, "--val-tokens", 512
+        )
+    )
+    for line in proc.stdout:
+        if line.startswith("step     2/"):
+            break
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    said = [line for line in err.strip().splitlines() if not line.startswith("warning: this run trains on")]
+    assert "Traceback" not in err and len(said) <= 1, err
+
+
+@pytest.mark.parametrize("ckpt_every", [0, 1])
+def test_a_second_ctrl_c_says_what_the_folder_holds_to_continue_from(data, tmp_path, monkeypatch, ckpt_every):
+    out = tmp_path / "out"
+
+    def ctrl_c_twice():
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+
+    at_step(monkeypatch, {3: ctrl_c_twice})
+    with pytest.raises(KeyboardInterrupt) as e:
+        train_gpt2.main(tiny_args(data, out, "--ckpt-every", ckpt_every))
+    monkeypatch.undo()
+    said = str(e.value)  # read as run_cli reads it, once main has ended
+    if ckpt_every:
+        assert (
+            said == f"interrupted: continue from its newest checkpoint, ckpt_000003.pt, with --resume --out-dir {out}"
+        )
+    else:
+        assert said.startswith("interrupted before the run's first checkpoint: no checkpoint to continue from; ")
+        assert "continue from its newest checkpoint" not in said
+    # what it says works: --resume --out-dir continues (or restarts) the same run to its end
+    assert train_gpt2.main(["--resume", "--out-dir", str(out), "--device", "cpu"]) == 0
+    assert sorted(read_log(out)[1]) == list(range(6)) and len({h["run_id"] for h in headers(out)}) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Every signal is honoured within one step's time, evals and sampling included
+
+
+def ctrl_c_during_step_0_eval(proc, out, delay):
+    """Ctrl-C `delay` s into step 0's evaluation (it starts right after log.jsonl appears), then a
+    clean exit 130 with no traceback. -> (stderr, seconds the stop took)."""
+    deadline = time.time() + 120
+    while not (out / "log.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(delay)
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    return err, time.time() - t0
+
+
+def test_ctrl_c_during_a_long_val_eval_stops_promptly_with_a_checkpoint(tmp_path):
+    data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=3_000_000)  # an eval of minutes
+    out = tmp_path / "out"
+    proc = start_run(
+        *tiny_args(
+            data,
+            out,
+            "--max-steps",
+            100,
+            "--warmup-steps",
+            1,
+            "--eval-every",
+            1,
+            "--val-tokens",
+            2_900_000,
+            "-B",
+            64,
+            "--total-batch-size",
+            1024,
+        )
+    )
+    err, waited = ctrl_c_during_step_0_eval(proc, out, delay=11)  # past the first progress line (every 10 s)
+    assert waited < 60, f"the stop request waited {waited:.0f} s for the eval"  # the whole eval takes minutes
+    assert (out / "ckpt_000000.pt").exists() and "val_loss" not in (out / "log.jsonl").read_text()
+    assert "val loss: batch " in err  # the long eval said where it was
+
+
+def test_ctrl_c_during_an_in_training_hellaswag_eval_stops_promptly_with_a_checkpoint(tmp_path, shared_data):
+    # the full HellaSwag set with the padded 50,304-wide head: an eval of about a minute on 2 cores
+    data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=2000)
+    out = tmp_path / "out"
+    proc = start_run(
+        *tiny_args(
+            data,
+            out,
+            "--max-steps",
+            100,
+            "--warmup-steps",
+            1,
+            "--eval-every",
+            0,
+            "--hellaswag-every",
+            1,
+            "--hellaswag-data",
+            shared_data / "hellaswag" / "hellaswag_val.jsonl",
+        )
+    )
+    err, waited = ctrl_c_during_step_0_eval(proc, out, delay=3)
+    assert waited < 20, f"the stop request waited {waited:.0f} s for the HellaSwag eval"
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert (out / "ckpt_000000.pt").exists() and not any("hellaswag" in r for r in records)
+
+
+def test_sigterm_while_a_run_samples_stops_it_within_a_token_with_a_checkpoint(data, tmp_path, monkeypatch):
+    """SIGTERM arrives at the 3rd token of step 2's samples (40 tokens each): the run stops there, with
+    step 2's checkpoint, and logs no half samples."""
+    out, tokens = tmp_path / "out", []
+    real = sampling.decode_step
+
+    def decode_step(*args):
+        tokens.append(1)
+        if len(tokens) == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(sampling, "decode_step", decode_step)
+    args = tiny_args(data, out, "--sample-every", 2, "--max-new-tokens", 40, "--max-steps", 6, "--eval-every", 0)
+    assert train_gpt2.main(args) == 128 + signal.SIGTERM
+    # the start-up check draws 1 token (no decode step); step 2's samples stop at the signal
+    assert len(tokens) == 3
+    records, steps = read_log(out)
+    assert sorted(steps) == [0, 1] and not [r for r in records if "samples" in r]
+    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000002.pt"]
+    assert train_gpt2.main([*args, "--resume"]) == 0  # and it continues from there
+    assert sorted(read_log(out)[1]) == list(range(6))
+    assert [r["step"] for r in read_log(out)[0] if "samples" in r] == [4, 6]
