@@ -59,6 +59,7 @@ from support.run_log import RunLog
 from support.sampling import encode_prompt, note_if_samples_stop_early, print_samples, sample_text
 from support.shards import (
     check_batch_fits,
+    check_batch_ids,
     check_same_shards,
     check_token_ids,
     find_shards,
@@ -306,7 +307,7 @@ class DataLoaderLite:
         self, data_dir, split, B, T, rank=0, world_size=1, shuffle=True, seed=1337, vocab_size=None, device="cpu"
     ):
         self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
-        self.shuffle, self.seed, self.device = shuffle, seed, device
+        self.shuffle, self.seed, self.device, self.vocab_size = shuffle, seed, device, vocab_size
         self.chunk = B * T * world_size
         self.shards = find_shards(data_dir, split, required=True)
         sizes, recorded = [], recorded_max_ids(data_dir)  # the ids fineweb.py saw: no need to read those shards
@@ -326,7 +327,8 @@ class DataLoaderLite:
 
     def set_position(self, epoch, shard, pos):
         self.epoch, self.shard, self.pos = epoch, shard, pos
-        self.tokens = load_shard(self.shards[self.shard_order(epoch)[shard]])
+        self.path = self.shards[self.shard_order(epoch)[shard]]
+        self.tokens = load_shard(self.path)
 
     def next_batch(self):
         while self.pos + self.chunk + 1 > len(self.tokens):  # on to the next shard with a whole chunk
@@ -336,7 +338,8 @@ class DataLoaderLite:
                 self.set_position(self.epoch + 1, 0, 0)
         B, T = self.B, self.T
         start = self.pos + self.rank * B * T
-        buf = torch.from_numpy(self.tokens[start : start + B * T + 1].astype(np.int64))  # copies B*T+1 only
+        tokens = check_batch_ids(self.tokens[start : start + B * T + 1], self.vocab_size, self.path, start)
+        buf = torch.from_numpy(tokens.astype(np.int64))  # copies B*T+1 only
         self.pos += self.chunk
         if torch.device(self.device).type == "cuda":  # pinned: the copy overlaps the GPU's work
             buf = buf.pin_memory().to(self.device, non_blocking=True)
@@ -359,8 +362,7 @@ def load_val_tokens(data_dir, n_tokens, vocab_size=None):
     parts, have = [], 0
     for path in find_shards(data_dir, "val") if n_tokens > 0 else []:
         tokens = load_shard(path)[: n_tokens + 1 - have]
-        check_token_ids(tokens, vocab_size, path)
-        parts.append(tokens)
+        parts.append(check_batch_ids(tokens, vocab_size, path, 0))
         have += len(tokens)
         if have == n_tokens + 1:
             break

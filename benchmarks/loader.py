@@ -11,7 +11,7 @@ import numpy as np
 import psutil
 
 from benchmarks.report import comparison
-from benchmarks.settings import TARGETS, TRAIN_CONFIGS
+from benchmarks.settings import TARGETS, TRAIN_CONFIGS, VOCAB
 from benchmarks.timing import log, stats, timed
 from support.shards import data_identity, find_shards, shard_fingerprint, shard_path, write_shard
 from train_gpt2 import DataLoaderLite
@@ -41,7 +41,8 @@ def bench_loader(s, device_type, tmp):
     log(f"  loader: wrote {s['shards']} shards of {s['shard_tokens']:,} tokens in {time.perf_counter() - t0:.1f}s")
     gc.collect()
     anon0, file0 = rss_mib()
-    loader = DataLoaderLite(data_dir, "train", B, T, shuffle=False)  # on the CPU: the loader's own cost
+    # on the CPU: the loader's own cost, with the check of every batch's ids that training makes
+    loader = DataLoaderLite(data_dir, "train", B, T, shuffle=False, vocab_size=VOCAB)
     calls = loader.batches_per_epoch + 2  # through every shard and on into the next epoch
     times, switch_times = np.empty(calls), []
     anon_peak, file_peak = anon0, file0

@@ -1,7 +1,7 @@
 """Token shards on disk, torch-free (numpy and tiktoken): the GPT-2 tokenizer they hold ids of, their
 format and names (fineweb.py writes them, train_gpt2.py memory-maps them), and the checks a run
 makes on them before step 0 (finished, not mixed, ids below the vocabulary, the same data a
-checkpoint was trained on)."""
+checkpoint was trained on), and on every batch's ids as it is read (check_batch_ids)."""
 
 import glob
 import hashlib
@@ -138,7 +138,9 @@ def check_fineweb_finished(data_dir):
     a folder holding fineweb.py's journal (.{prefix}_manifest.journal: fineweb.py started it) whose
     manifest is deleted or unreadable is refused too, with the command its journal's first line
     (the manifest as it began) gives. Shards with no journal (llm.c's, the user's own) are not
-    fineweb.py's to judge."""
+    fineweb.py's to judge. A manifest that says finished is believed only if every shard it lists is
+    there with the size it records (listed_but_not_there): a copy cut short, or another finished
+    run's manifest copied into a half-written folder, is refused like an unfinished folder."""
     names, readable = os.listdir(data_dir), set()
     for name in sorted(n for n in names if n.endswith("_manifest.json")):
         try:
@@ -149,6 +151,12 @@ def check_fineweb_finished(data_dir):
         except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
             continue  # not fineweb.py's manifest
         readable.add(name)
+        if finished and (damage := listed_but_not_there(data_dir, manifest["shards"])):
+            raise UserError(
+                f"--data-dir {data_dir} is unfinished: its {name} lists {damage}, so the folder is not the one "
+                f"fineweb.py finished (a copy cut short, or another folder's manifest); finish it with `{command}` "
+                f"(it rewrites that shard and those after it), then start the run"
+            )
         if not finished:
             raise UserError(
                 f"--data-dir {data_dir} is unfinished: its {name} says fineweb.py has not written all of its "
@@ -175,6 +183,20 @@ def check_fineweb_finished(data_dir):
             f"{name} {state}, so fineweb.py never said it finished; {first}finish it with `{command}` (it "
             f"rebuilds the manifest from the journal), then start the run"
         )
+
+
+def listed_but_not_there(data_dir, shards):
+    """What is wrong with the first shard a manifest lists that is not on disk as recorded (missing,
+    or of another size than fineweb.py wrote), or None: a manifest is believed only for its shards."""
+    for shard in shards:
+        file, size = shard["file"], int(shard["bytes"])
+        path = os.path.join(data_dir, file)
+        if not os.path.isfile(path):
+            missing = sum(not os.path.isfile(os.path.join(data_dir, s["file"])) for s in shards)
+            return f"{file}, which is not there ({missing} of its {len(shards)} shards are missing)"
+        if os.path.getsize(path) != size:
+            return f"{file} as {size:,} bytes, but it is {os.path.getsize(path):,}"
+    return None
 
 
 def fineweb_command(config, data_dir):
@@ -268,7 +290,7 @@ def recorded_max_ids(data_dir):
             continue  # not fineweb.py's manifest, or one from before it recorded ids: the shards are read
         for file, (size, digest, max_id) in records.items():
             path = os.path.join(data_dir, file)
-            if os.path.isfile(path) and shard_fingerprint(path)[1:] == [size, digest]:
+            if os.path.isfile(path) and shard_fingerprint(path)[1:] == [size, digest]:  # the size, then sampled bytes
                 known[path] = max_id
     return known
 
@@ -284,3 +306,18 @@ def check_token_ids(tokens, vocab_size, path, max_id=None):
             f"{path}: token id {top} is not below the model's vocab_size {vocab_size}: "
             f"written with another tokenizer? rewrite it with fineweb.py"
         )
+
+
+def check_batch_ids(tokens, vocab_size, path, start):
+    """The tokens a batch (or the val set) reads, from position `start` of the shard at path, returned
+    as they are once no id in them is past the vocabulary. The start check trusts a manifest's record
+    for ids its fingerprint does not sample: an id written between them is caught here, in one line
+    before the step that would crash on it (an IndexError, a device assert on CUDA, hours in). A max
+    over B*T uint16 ids on the CPU: next to nothing (benchmarks/loader.py times it)."""
+    if vocab_size is None or not len(tokens) or int(tokens.max()) < vocab_size:
+        return tokens
+    at = int(np.argmax(tokens >= vocab_size))
+    raise UserError(
+        f"{path} holds token id {int(tokens[at])} at position {start + at:,}, past --vocab-size {vocab_size}: "
+        f"the shard is damaged or from another tokenizer; rerun fineweb.py into a new folder"
+    )

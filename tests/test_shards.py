@@ -1,8 +1,10 @@
 """support/shards.py, mostly through real runs of train_gpt2.py: the GPT-2 tokenizer the shards
 hold ids of; a data folder that is missing, empty or a text file; shards that are truncated or have
 a wrong header, and shards memory-mapped; every shard smaller than one batch; token ids past the
-model's vocabulary (taken from fineweb.py's manifest where it can be trusted); a folder fineweb.py
-has not finished, refused naming the command that finishes it; and a checkpoint continued only on
+model's vocabulary (taken from fineweb.py's manifest where it can be trusted), and in every batch
+and the val set as they are read (an id between the fingerprint's sampled blocks); a folder
+fineweb.py has not finished, or whose manifest lists shards missing or of another size, refused
+naming the command that finishes it; and a checkpoint continued only on
 the shards its run started on (moved shards are the same data). Each refusal is one line before
 step 0."""
 
@@ -195,6 +197,133 @@ def test_shards_without_a_manifest_are_read_in_full(tmp_path):
     with pytest.raises(UserError, match="token id 199 is not below the model's vocab_size 150"):
         DataLoaderLite(str(tmp_path), "train", 2, 8, vocab_size=150)
     assert int(shards[1].max()) == 199
+
+
+# ----------------------------------------------------------------------------------------------
+# Data is checked where it is read, not only where it is sampled: every batch's ids, and the val set's
+
+
+@pytest.fixture
+def big_shards(tmp_path, shared_data):
+    """fineweb.py's shards of 300,000 characters of tiny shakespeare, 40,000 tokens each: big enough
+    that the fingerprint's sampled blocks leave bytes between them."""
+    text = tmp_path / "input.txt"
+    text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:300_000])
+    out = tmp_path / "big"
+    fineweb.main(["--input", str(text), "--out-dir", str(out), "--shard-size", "40000", "--workers", "1"])
+    return out
+
+
+def unsampled_position(path, at_least=1024):
+    """The first token index (from at_least on) whose two bytes shard_fingerprint does not read,
+    found from the file's size and the fingerprint's layout (16 blocks of 4096 bytes spread evenly
+    between the first and the last)."""
+    size, block, blocks = os.path.getsize(path), 4096, 16
+    last = max(0, size - block)
+    read = [(last * i // (blocks + 1), last * i // (blocks + 1) + block) for i in range(blocks + 2)]
+    offset = np.load(path, mmap_mode="r").offset
+    for i in range(at_least, (size - offset) // 2):
+        b = offset + 2 * i
+        if not any(lo < b + 2 and b < hi for lo, hi in read):
+            return i
+    raise AssertionError(f"{path}: every byte is sampled")
+
+
+def put_unsampled_id(path, token_id, position=None):
+    """token_id written at a token the fingerprint does not read; its record stays trusted."""
+    before = shard_fingerprint(str(path))
+    position = unsampled_position(str(path)) if position is None else position
+    tokens = np.load(path)
+    tokens[position] = token_id
+    np.save(path, tokens)
+    assert shard_fingerprint(str(path)) == before  # the manifest's max_id is still believed
+    return position
+
+
+def big_train_shards(folder):
+    return [folder / s["file"] for s in manifest_shards(folder) if s["split"] == "train" and s["tokens"] == 40000]
+
+
+def test_a_bad_id_between_the_sampled_blocks_stops_the_run_at_its_batch(big_shards, tmp_path):
+    # -B 16 -T 64: step 1 reads tokens 1,024..2,048 of its shard, over the fingerprint's first gap
+    shards = big_train_shards(big_shards)
+    assert shards
+    positions = {p.name: put_unsampled_id(p, 50400) for p in shards}
+    assert all(1024 <= i < 2048 for i in positions.values())
+    args = tiny_args(big_shards, tmp_path / "out", "-B", 16, "-T", 64, "--total-batch-size", 1024, "--max-steps", 3)
+    line = assert_one_line_error(cli(*args, "--eval-every", 0), "holds token id 50400 at position")
+    name = line.split(" holds ")[0].rsplit("/", 1)[1]
+    assert f"{name} holds token id 50400 at position {positions[name]:,}, past --vocab-size 50304" in line
+    assert "rerun fineweb.py into a new folder" in line and "IndexError" not in line
+
+
+@pytest.mark.parametrize("token_id, refused", [(50303, False), (50304, True), (65535, True)])
+def test_every_batch_is_checked_up_to_the_last_id_of_the_vocabulary(big_shards, token_id, refused):
+    path = big_train_shards(big_shards)[0]
+    at = put_unsampled_id(path, token_id)
+    loader = DataLoaderLite(str(big_shards), "train", 4, 64, shuffle=False, vocab_size=50304)  # the start passes
+    batches = range(loader.batches_per_epoch)
+    if not refused:
+        assert max(int(loader.next_batch()[0].max()) for _ in batches) == 50303
+        return
+    with pytest.raises(UserError) as e:
+        for _ in batches:
+            loader.next_batch()
+    assert str(e.value).startswith(f"{path} holds token id {token_id} at position {at:,}, past --vocab-size 50304")
+    assert loader.pos <= at <= loader.pos + 256  # stopped at the batch that holds it (its targets too)
+
+
+@pytest.mark.parametrize("position", [None, 0, 4095])
+def test_a_bad_id_in_the_val_set_is_refused_naming_its_position(big_shards, tmp_path, position):
+    path = big_shards / "edufineweb_val_000000.npy"
+    at = put_unsampled_id(path, 60000) if position is None else position
+    if position is not None:
+        tokens = np.load(path)
+        tokens[at] = 60000
+        np.save(path, tokens)
+    msg = user_error(tiny_args(big_shards, tmp_path / "out", "--val-tokens", 4096))
+    assert msg.startswith(f"{path} holds token id 60000 at position {at:,}, past --vocab-size 50304")
+    assert not (tmp_path / "out" / "log.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# A manifest is believed only for the shards it lists that are on disk with the sizes it records
+
+
+@pytest.mark.parametrize("kept", [0, 1, 3])
+def test_a_manifest_copied_into_a_half_written_folder_is_not_finished(fineweb_folder, tmp_path, kept):
+    listed = manifest_shards(fineweb_folder)
+    assert len(listed) > 3
+    half = tmp_path / "half"
+    half.mkdir()
+    shutil.copy(fineweb_folder / "edufineweb_manifest.json", half)
+    for shard in listed[:kept]:
+        shutil.copy(fineweb_folder / shard["file"], half)
+    r = cli(*tiny_args(half, tmp_path / "out", "--max-steps", 2))
+    missing = len(listed) - kept
+    line = assert_one_line_error(
+        r,
+        f"--data-dir {half} is unfinished",
+        f"lists {listed[kept]['file']}, which is not there",
+        f"({missing} of its {len(listed)} shards are missing)",
+    )
+    command = shlex.split(line.split("`")[1])
+    assert command[:2] == ["python", "fineweb.py"] and command[command.index("--out-dir") + 1] == str(half)
+    fineweb.main([*command[2:], "--workers", "1"])  # the command it names finishes the folder
+    assert all((half / s["file"]).read_bytes() == (fineweb_folder / s["file"]).read_bytes() for s in listed)
+    assert DataLoaderLite(str(half), "train", 2, 8, vocab_size=50304).batches_per_epoch > 0
+
+
+@pytest.mark.parametrize("change", ["truncated", "grown", "val truncated"])
+def test_a_shard_of_another_size_than_its_manifest_records_is_refused(fineweb_folder, tmp_path, change):
+    shard = manifest_shards(fineweb_folder)[0 if change.startswith("val") else 2]
+    path = fineweb_folder / shard["file"]
+    data = path.read_bytes()
+    path.write_bytes(data[:-2000] if "truncated" in change else data + bytes(2000))
+    size = os.path.getsize(path)
+    r = cli(*tiny_args(fineweb_folder, tmp_path / "out", "--max-steps", 2))
+    assert_one_line_error(r, f"lists {shard['file']} as {shard['bytes']:,} bytes, but it is {size:,}", "fineweb.py")
+    assert str(path) not in recorded_max_ids(str(fineweb_folder))  # nor is its recorded largest id believed
 
 
 # ----------------------------------------------------------------------------------------------
