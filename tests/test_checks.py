@@ -23,12 +23,19 @@ from support.checkpoints import load_checkpoint
 from support.checks import check_data
 from support.common import UserError
 from support.machine import check_device
-from support.shards import check_batch_fits, check_same_data, check_same_shards, check_token_ids, find_shards
+from support.shards import (
+    check_batch_fits,
+    check_batch_ids,
+    check_same_data,
+    check_same_shards,
+    check_token_ids,
+    find_shards,
+)
 
 # the functions whose every refusal has a case (check_fineweb_finished's need fineweb.py's own
 # manifests and journals: tests/test_shards.py and tests/test_fineweb.py make them)
 CHECKED = ("check_args", "check_device", "check_data", "check_model_fits", "find_shards", "check_batch_fits")
-CHECKED += ("check_same_shards", "check_same_data", "check_token_ids")
+CHECKED += ("check_same_shards", "check_same_data", "check_token_ids", "check_batch_ids")
 CHECKED_IN = (checks, machine, shards)  # the modules that hold them
 
 
@@ -254,6 +261,11 @@ CASES = {
         lambda tmp: check_token_ids(np.array([5], dtype=np.uint16), 50257, "s.npy", max_id=50300),
         "s.npy: token id 50300 is not below the model's vocab_size 50257: written with another tokenizer? rewrite "
         "it with fineweb.py",
+    ),
+    "a batch's token id past the vocabulary": (
+        lambda tmp: check_batch_ids(np.array([5, 50303, 50304, 60000], dtype=np.uint16), 50304, "s.npy", 1_234_565),
+        "s.npy holds token id 50304 at position 1,234,567, past --vocab-size 50304: the shard is damaged or from "
+        "another tokenizer; rerun fineweb.py into a new folder",
     ),
 }
 
