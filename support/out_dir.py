@@ -5,6 +5,7 @@ found it."""
 import json
 import os
 import re
+import shlex
 import sys
 
 from support import file_lock
@@ -51,6 +52,7 @@ def claim_out_dir(out_dir, resume):
     _claim.update(checkpoints=_file_stats(checkpoint_paths(out_dir)))
     names = os.listdir(out_dir)
     theirs = sorted(n for n in names if re.fullmatch(r"ckpt_\d+\.pt", n))
+    check_log_header(log)
     runs, unreadable = log_runs(log)
     if os.path.lexists(log) and (theirs or runs or unreadable):
         theirs = sorted([*theirs, "log.jsonl"])
@@ -68,6 +70,34 @@ def claim_out_dir(out_dir, resume):
                 os.remove(os.path.join(out_dir, name))
             except OSError as e:  # a read-only folder: the run could write nothing there either
                 raise disk_error(e, f"to --out-dir {out_dir} (removing {name})", "continue with --resume") from None
+
+
+def check_log_header(log):
+    """A log.jsonl whose first line is not a run's header (cut short, garbage, blank, no run_id)
+    while later lines record steps would have this run's records appended after steps of no known
+    run (two runs in one log, play.ipynb drawing "run None"): refused in one line naming the `mv`
+    that sets it aside. A log of a header alone, or no step, is left to claim_out_dir."""
+    try:
+        with open(log, "rb") as f:
+            first, _, rest = f.read().partition(b"\n")
+    except OSError:  # none, a folder, unreadable: claim_out_dir's to judge
+        return
+    try:
+        header = json.loads(first)
+    except ValueError:
+        header = None
+    if isinstance(header, dict) and header.get("event") == "header" and header.get("run_id"):
+        return
+    if not any(_is_step_record(line) for line in rest.split(b"\n")):
+        return
+    aside = f"{log}.bad"
+    n = 1
+    while os.path.lexists(aside):
+        aside, n = f"{log}.bad{n}", n + 1
+    raise UserError(
+        f"{log}: its first line is not a run's header (damaged?): move it aside "
+        f"(mv {shlex.quote(log)} {shlex.quote(aside)}) and continue with --resume, or pass a new --out-dir"
+    )
 
 
 def lock_out_dir(out_dir, then):

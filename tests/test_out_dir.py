@@ -6,9 +6,11 @@ killed run leaves no lock to clean; a lock file deleted or taken by another run 
 that is a folder or a symbolic link is named, never followed; a start that is refused or crashes
 before its first step leaves the folder as it found it. (The lock itself: test_file_lock.py.)"""
 
+import json
 import os
 import signal
 import socket
+import subprocess
 import time
 
 import pytest
@@ -320,3 +322,42 @@ def test_a_resume_that_crashes_before_its_first_step_leaves_the_log_as_it_was(da
     with pytest.raises(MemoryError):
         train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--resume"))
     assert snapshot(out) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# A damaged log is refused, not appended to
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "no run_id"])
+def test_a_log_whose_header_is_damaged_is_refused_and_moving_it_aside_resumes(data, tmp_path, damage):
+    """A log.jsonl whose first line is not a run's header while later lines hold steps would get a
+    second run appended after them: refused in one line, before anything is written; the advised
+    `mv` then `--resume` continues the run into a fresh log."""
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2)) == 0
+    log = out / "log.jsonl"
+    first, rest = log.read_text().split("\n", 1)
+    header = json.loads(first)
+    broken = {
+        "truncated": first[: len(first) // 2],
+        "garbage": "\x00\x00\x00\x00 not json",
+        "empty": "",
+        "no run_id": json.dumps({k: v for k, v in header.items() if k != "run_id"}),
+    }[damage]
+    log.write_text(broken + "\n" + rest)
+    for args in (tiny_args(data, out, "--max-steps", 6, "--resume"), tiny_args(data, out, "--max-steps", 6)):
+        msg = refused_before_step_0(args, out, f"{log}: its first line is not a run's header (damaged?)")
+    assert f"mv {log} {log}.bad" in msg and "--resume" in msg
+    subprocess.run(f"mv {log} {log}.bad", shell=True, check=True)  # the advice, as given
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 6, "--resume")) == 0
+    assert sorted(read_log(out)[1]) == [4, 5] and {h["run_id"] for h in headers(out)} == {header["run_id"]}
+
+
+def test_a_log_of_only_a_header_is_still_no_run(data, tmp_path):
+    """The start of a run that never trained a step (its header alone) is not a damaged log."""
+    first, out = tmp_path / "first", tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, first, "--max-steps", 1)) == 0
+    out.mkdir()
+    (out / "log.jsonl").write_text((first / "log.jsonl").read_text().split("\n", 1)[0] + "\n")
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2)) == 0
+    assert sorted(read_log(out)[1]) == [0, 1]
