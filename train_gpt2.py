@@ -51,7 +51,7 @@ from support.dry_run import dry_run_job
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
 from support.machine import choose_compile, keep_freed_memory, peak_flops, pick_device, set_deterministic
 from support.model_files import find_model
-from support.out_dir import claim_out_dir, missing_folders, release_out_dir, remove_made_folders
+from support.out_dir import check_not_data_folder, claim_out_dir, missing_folders, release_out_dir, remove_made_folders
 from support.out_of_memory import oom_phase, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, grad_scaler, loss_scale, pick_dtype
 from support.resume import report_resume, restore_training_state, resume_checkpoint
@@ -767,6 +767,7 @@ def parse_args(argv=None):
     again = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))
     given = {name for name, value in vars(again).items() if value is not unset}
     if args.resume not in (None, "latest") and os.path.isdir(args.resume):  # --resume <a run's folder>
+        check_not_data_folder(args.resume, f"--resume {args.resume}")
         if "out_dir" in given and os.path.realpath(args.out_dir) != os.path.realpath(args.resume):
             raise UserError(
                 f"--resume {args.resume} is a run's folder, --out-dir {args.out_dir} another: continue that "

@@ -9,6 +9,7 @@ import torch
 
 from support.common import GPT2_VOCAB, UserError, same_on_every_rank
 from support.machine import TRAIN_BYTES_PER_PARAMETER
+from support.out_dir import data_dir_problem
 from support.shards import MAX_VOCAB_SIZE
 from support.wandb_log import wandb_problem
 
@@ -111,6 +112,9 @@ def check_args(args, world_size, given=frozenset()):
         need(problem is None, problem)
     elif getattr(args, "wandb_run_name", None) and not args.resume:  # on --resume the run's project counts
         need(False, f"--wandb-run-name {args.wandb_run_name} names a wandb run: pass --wandb-project too")
+    if not (getattr(args, "sample_from", None) or getattr(args, "export_hf", None)):  # a training run's folders
+        problem = data_dir_problem(args.data_dir, args.out_dir)
+        need(problem is None, problem)
 
 
 def check_init_shape(args, given, config, master_process=True):

@@ -5,10 +5,12 @@ found it."""
 import json
 import os
 import re
+import shlex
 import sys
 
 from support import file_lock
 from support.common import UserError, disk_error
+from support.shards import SHARD_NAME
 
 
 def checkpoint_paths(out_dir):
@@ -39,6 +41,7 @@ def claim_out_dir(out_dir, resume):
     pruned instead of its own and its log drawn as one curve with theirs, so it is refused. The
     folder is locked for this process's life (lock_out_dir), and what it holds is noted, so that a
     start that fails leaves it as it was (release_out_dir). Rank 0 alone claims it."""
+    check_not_data_folder(out_dir, f"--out-dir {out_dir}")
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -51,6 +54,7 @@ def claim_out_dir(out_dir, resume):
     _claim.update(checkpoints=_file_stats(checkpoint_paths(out_dir)))
     names = os.listdir(out_dir)
     theirs = sorted(n for n in names if re.fullmatch(r"ckpt_\d+\.pt", n))
+    check_log_header(log)
     runs, unreadable = log_runs(log)
     if os.path.lexists(log) and (theirs or runs or unreadable):
         theirs = sorted([*theirs, "log.jsonl"])
@@ -68,6 +72,73 @@ def claim_out_dir(out_dir, resume):
                 os.remove(os.path.join(out_dir, name))
             except OSError as e:  # a read-only folder: the run could write nothing there either
                 raise disk_error(e, f"to --out-dir {out_dir} (removing {name})", "continue with --resume") from None
+
+
+def check_log_header(log):
+    """A log.jsonl whose first line is not a run's header (cut short, garbage, blank, no run_id)
+    while later lines record steps would have this run's records appended after steps of no known
+    run (two runs in one log, play.ipynb drawing "run None"): refused in one line naming the `mv`
+    that sets it aside. A log of a header alone, or no step, is left to claim_out_dir."""
+    try:
+        with open(log, "rb") as f:
+            first, _, rest = f.read().partition(b"\n")
+    except OSError:  # none, a folder, unreadable: claim_out_dir's to judge
+        return
+    try:
+        header = json.loads(first)
+    except ValueError:
+        header = None
+    if isinstance(header, dict) and header.get("event") == "header" and header.get("run_id"):
+        return
+    if not any(_is_step_record(line) for line in rest.split(b"\n")):
+        return
+    aside = f"{log}.bad"
+    n = 1
+    while os.path.lexists(aside):
+        aside, n = f"{log}.bad{n}", n + 1
+    raise UserError(
+        f"{log}: its first line is not a run's header (damaged?): move it aside "
+        f"(mv {shlex.quote(log)} {shlex.quote(aside)}) and continue with --resume, or pass a new --out-dir"
+    )
+
+
+def data_files(folder):
+    """The token shards and fineweb.py manifests (and journals) in folder: what makes it a data folder."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [n for n in names if SHARD_NAME.fullmatch(n) or re.fullmatch(r"\.?.+_manifest\.(json|journal)", n)]
+
+
+def check_not_data_folder(folder, said):
+    """A data folder is never a run's folder: a run's log, lock and checkpoints written among the
+    shards (or a data folder pruned as a run's) mix the two. said: the flag and folder, as given."""
+    found = data_files(folder)
+    if found:
+        raise UserError(
+            f"{said} holds token shards or a fineweb manifest ({', '.join(found[:2])}): a data folder is never a "
+            f"run's: pass it as --data-dir, and another --out-dir for the run"
+        )
+
+
+def data_dir_problem(data_dir, out_dir):
+    """A run's folder is never a data folder: --data-dir the --out-dir, or a folder that holds a
+    run's checkpoints or log, is refused (check_args), before anything is written. None if fine."""
+    if os.path.realpath(data_dir) == os.path.realpath(out_dir):
+        return (
+            f"--data-dir and --out-dir are the same folder {data_dir}: a data folder is never a run's folder: "
+            f"pass another --out-dir for the run"
+        )
+    found = [os.path.basename(p) for p in checkpoint_paths(data_dir)[:2]]
+    if os.path.lexists(os.path.join(data_dir, "log.jsonl")):
+        found.append("log.jsonl")
+    if found:
+        return (
+            f"--data-dir {data_dir} holds a run's files ({', '.join(found)}): a run's folder is not a data folder: "
+            f"move the shards to a folder of their own and pass it as --data-dir"
+        )
+    return None
 
 
 def lock_out_dir(out_dir, then):

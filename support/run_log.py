@@ -52,7 +52,7 @@ class RunLog:
 
     def __init__(self, out_dir, enabled, max_steps):
         self.path, self.file, self.max_steps = os.path.join(out_dir, "log.jsonl"), None, max_steps
-        self.out_dir, self.wandb = out_dir, None
+        self.out_dir, self.wandb, self.first = out_dir, None, None
         if not enabled:
             return
         try:
@@ -77,23 +77,70 @@ class RunLog:
             folder = os.environ.get("WANDB_DIR") or self.out_dir  # wandb's files beside the run's, unless set
             self.wandb = WandbMirror(config["wandb_project"], name, run_id, folder)
             RunLog.mirrored.append(self)
-        self({**record, "changed_on_resume": changes or None, "versions": versions(), "config": config})
+        record = {**record, "changed_on_resume": changes or None, "versions": versions(), "config": config}
+        self.first = record
+        self(record)
 
     def __call__(self, record):
         if self.file is None:
             return
         check_out_dir_held()  # the folder is still this run's (its lock file deleted: locked again, or stop)
-        try:
-            self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
-            self.file.flush()
-        except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
-            raise disk_error(e, self.path, "continue with --resume") from None
+        self.follow_path()
+        self.write(record)
         self.print(record)
         if self.wandb is not None and self.wandb.error is None:
             self.wandb(record)
         elif self.wandb is not None:  # wandb failed: said once, and the run goes on without it
             error, self.wandb = self.wandb.error, None
             self.warn(f"wandb stopped ({error}): the run goes on; log.jsonl holds every record")
+
+    def write(self, record):
+        try:
+            self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
+            raise disk_error(e, self.path, "continue with --resume") from None
+
+    def follow_path(self):
+        """Before each record: log.jsonl must still be the file this run writes (same device and
+        inode; two stat calls). Deleted, renamed or replaced (a log-rotation tool, a cleanup), the
+        records would go on into a file no one sees: so it is written again at its path, with a
+        fresh header of the same run ("reopened") that resume and play.ipynb read as this run,
+        said in one warning; a path that cannot be written stops the run in one line."""
+        try:
+            mine = os.fstat(self.file.fileno())
+            try:
+                now = os.stat(self.path)
+            except FileNotFoundError:
+                now = None
+            if now is not None and os.path.samestat(mine, now):
+                return
+            self.file.close()
+            self.file = open(self.path, "a")
+            if self.file.tell() > 0:
+                with open(self.path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        self.file.write("\n")
+        except OSError as e:
+            self.file = None  # nothing more is written, the console has the error
+            if os.path.isdir(self.path):
+                raise UserError(
+                    f"{self.path} was replaced by a folder while this run trained: move that folder aside, "
+                    f"then continue with --resume"
+                ) from None
+            raise disk_error(e, self.path, "continue with --resume") from None
+        how = "deleted" if mine.st_nlink == 0 else "renamed or replaced"  # no link left: deleted
+        before = "gone with it" if how == "deleted" else "where it went"
+        print(
+            f"warning: {self.path} was {how} while this run trained: written again at its path from here on, "
+            f"after a header of the same run (the records before are {before})",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.first is not None:
+            self.write({**self.first, "restarted": False, "reopened": how})
+        self.write({"event": "warning", "warning": f"{self.path} was {how}: written again from here on"})
 
     def warn(self, message):
         """A warning on the console and in the log, as a record of its own."""

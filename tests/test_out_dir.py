@@ -6,9 +6,11 @@ killed run leaves no lock to clean; a lock file deleted or taken by another run 
 that is a folder or a symbolic link is named, never followed; a start that is refused or crashes
 before its first step leaves the folder as it found it. (The lock itself: test_file_lock.py.)"""
 
+import json
 import os
 import signal
 import socket
+import subprocess
 import time
 
 import pytest
@@ -320,3 +322,89 @@ def test_a_resume_that_crashes_before_its_first_step_leaves_the_log_as_it_was(da
     with pytest.raises(MemoryError):
         train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--resume"))
     assert snapshot(out) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# A damaged log is refused, not appended to
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "no run_id"])
+def test_a_log_whose_header_is_damaged_is_refused_and_moving_it_aside_resumes(data, tmp_path, damage):
+    """A log.jsonl whose first line is not a run's header while later lines hold steps would get a
+    second run appended after them: refused in one line, before anything is written; the advised
+    `mv` then `--resume` continues the run into a fresh log."""
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2)) == 0
+    log = out / "log.jsonl"
+    first, rest = log.read_text().split("\n", 1)
+    header = json.loads(first)
+    broken = {
+        "truncated": first[: len(first) // 2],
+        "garbage": "\x00\x00\x00\x00 not json",
+        "empty": "",
+        "no run_id": json.dumps({k: v for k, v in header.items() if k != "run_id"}),
+    }[damage]
+    log.write_text(broken + "\n" + rest)
+    for args in (tiny_args(data, out, "--max-steps", 6, "--resume"), tiny_args(data, out, "--max-steps", 6)):
+        msg = refused_before_step_0(args, out, f"{log}: its first line is not a run's header (damaged?)")
+    assert f"mv {log} {log}.bad" in msg and "--resume" in msg
+    subprocess.run(f"mv {log} {log}.bad", shell=True, check=True)  # the advice, as given
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 6, "--resume")) == 0
+    assert sorted(read_log(out)[1]) == [4, 5] and {h["run_id"] for h in headers(out)} == {header["run_id"]}
+
+
+def test_a_log_of_only_a_header_is_still_no_run(data, tmp_path):
+    """The start of a run that never trained a step (its header alone) is not a damaged log."""
+    first, out = tmp_path / "first", tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, first, "--max-steps", 1)) == 0
+    out.mkdir()
+    (out / "log.jsonl").write_text((first / "log.jsonl").read_text().split("\n", 1)[0] + "\n")
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2)) == 0
+    assert sorted(read_log(out)[1]) == [0, 1]
+
+
+# ----------------------------------------------------------------------------------------------
+# A data folder is never a run's folder, and a run's folder never a data folder
+
+
+def test_resume_of_a_shard_folder_says_it_is_one_and_writes_nothing_there(tmp_path):
+    shards = random_shards(tmp_path / "shards")
+    before = snapshot(shards)
+    for extra in (["--data-dir", shards], ["--out-dir", tmp_path / "out"]):  # --data-dir the same folder, or not
+        args = [*tiny_args(shards, tmp_path / "out", "--max-steps", 2), "--resume", shards, *extra]
+        msg = refused_before_step_0(args, shards, f"--resume {shards} holds token shards")
+        assert "a run's folder" not in msg and "--data-dir" in msg
+        assert snapshot(shards) == before  # no log, no lock, no checkpoint
+
+
+@pytest.mark.parametrize("holds", ["shards", "a fineweb manifest"])
+@pytest.mark.parametrize("resume", [False, True])
+def test_an_out_dir_that_is_a_data_folder_is_refused(data, tmp_path, holds, resume):
+    folder = tmp_path / "folder"
+    if holds == "shards":
+        random_shards(folder)
+    else:
+        folder.mkdir()
+        (folder / "edu_fineweb_manifest.json").write_text(json.dumps({"complete": True}))
+    args = tiny_args(data, folder, "--max-steps", 2, *(["--resume"] if resume else []))
+    before = snapshot(folder)
+    refused_before_step_0(args, folder, f"--out-dir {folder} holds", "data folder", "another --out-dir")
+    assert snapshot(folder) == before
+
+
+def test_the_same_folder_for_data_and_out_is_refused(tmp_path):
+    shards = random_shards(tmp_path / "shards")
+    before = snapshot(shards)
+    refused_before_step_0(tiny_args(shards, shards, "--max-steps", 2), shards, "data folder")
+    assert snapshot(shards) == before
+
+
+@pytest.mark.parametrize("run_file", ["ckpt_000002.pt", "log.jsonl"])
+def test_a_data_dir_that_holds_a_runs_files_is_refused(data, tmp_path, run_file):
+    """Shards beside a run's log or checkpoints: a run's folder is not a data folder."""
+    shards = random_shards(tmp_path / "shards")
+    (shards / run_file).write_bytes(b"")
+    out = tmp_path / "out"
+    msg = refused_before_step_0(tiny_args(shards, out, "--max-steps", 2), shards, f"--data-dir {shards}", run_file)
+    assert "run's folder" in msg
+    assert not out.exists()

@@ -3,11 +3,16 @@ disk) stops the run at once in one line naming the log and --resume, the checkpo
 logged before it whole. (The log read back by strict JSON readers: a NaN val loss in
 test_divergence.py, play.ipynb in test_notebook.py.)"""
 
+import json
 import os
 
-from helpers import fail_nth_write, random_shards, read_log, tiny_args, user_error
+import pytest
+
+import train_gpt2
+from helpers import at_step, fail_nth_write, random_shards, read_log, tiny_args, user_error
 from support import run_log
 from support.checkpoints import load_training_checkpoint
+from support.out_dir import log_runs
 
 
 def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
@@ -21,3 +26,61 @@ def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
     # stopped at once: the checkpoints on disk are those of the steps before the failed record
     assert sorted(os.listdir(out))[-2:] == [f"ckpt_{last + 1:06d}.pt", "log.jsonl"]
     load_training_checkpoint(str(out / f"ckpt_{last + 1:06d}.pt"))
+
+
+# ----------------------------------------------------------------------------------------------
+# log.jsonl deleted, renamed or replaced while the run trains (a log-rotation tool, a cleanup)
+
+
+@pytest.mark.parametrize("how", ["deleted", "renamed", "replaced by an empty file"])
+def test_a_log_deleted_renamed_or_replaced_mid_run_is_written_again_at_its_path(
+    data, tmp_path, monkeypatch, capsys, how
+):
+    """The run notices at its next record that log.jsonl is no longer the file it writes (same
+    device and inode), says so in one warning line, and writes the log again at its path: a fresh
+    header with the same run_id, then every later record."""
+    out = tmp_path / "out"
+    log = out / "log.jsonl"
+
+    def rotate():
+        if how == "deleted":
+            log.unlink()
+        elif how == "renamed":
+            log.rename(out / "log.jsonl.1")
+        else:
+            log.rename(out / "log.jsonl.1")
+            log.write_text("")  # logrotate's `create`
+
+    at_step(monkeypatch, {3: rotate})
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 6)) == 0
+    err = capsys.readouterr().err
+    assert sum(line.startswith("warning:") and "log.jsonl" in line for line in err.splitlines()) == 1
+    assert f"warning: {log} was {'deleted' if how == 'deleted' else 'renamed or replaced'}" in err
+    records, steps = read_log(out)
+    assert sorted(steps) == [3, 4, 5]  # the records from step 3 on, none lost
+    heads = [r for r in records if r.get("event") == "header"]
+    assert len(heads) == 1 and heads[0]["reopened"] and heads[0]["config"]
+    assert records[0] is heads[0]  # the header comes first: resume and play.ipynb read it as the run
+    if how != "deleted":
+        old, old_steps = read_log_file(out / "log.jsonl.1")
+        assert sorted(old_steps) == [0, 1, 2] and old[0]["run_id"] == heads[0]["run_id"]
+    assert log_runs(str(log)) == ([heads[0]["run_id"]], False)
+
+
+def test_a_log_path_that_cannot_be_written_again_stops_in_one_line(data, tmp_path, monkeypatch):
+    """log.jsonl deleted and a folder put at its name: the run stops at its next record in one line."""
+    out = tmp_path / "out"
+    log = out / "log.jsonl"
+
+    def block():
+        log.unlink()
+        log.mkdir()
+
+    at_step(monkeypatch, {3: block})
+    msg = user_error(tiny_args(data, out, "--max-steps", 6))
+    assert str(log) in msg and "--resume" in msg
+
+
+def read_log_file(path):
+    records = [json.loads(line) for line in open(path) if line.strip()]
+    return records, {r["step"]: r for r in records if "train_loss" in r}
