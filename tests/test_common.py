@@ -1,8 +1,9 @@
 """support/common.py: atomic writes are durable (write_atomic fsyncs the temporary file before the
 rename and the folder after it; write_dir_atomic fsyncs every file and folder it wrote before the
 swap and the parent after it; seen through os.fsync and os.replace themselves, by the identity
-(device, inode) of what each fsync reached: a write that skips one fails here); a failed write's
-line says "make room" only when the disk is full; run_cli prints a mistake as one `error:` line (a
+(device, inode) of what each fsync reached: a write that skips one fails here), and write_atomic
+never writes through, nor renames over, a symbolic link, nor into a file a hard link shares; a
+failed write's line says "make room" only when the disk is full; run_cli prints a mistake as one `error:` line (a
 flag argparse cannot parse too, in every script) and an interrupt as its own words; and the
 one-line out-of-memory report tells GPU memory from host memory."""
 

@@ -4,7 +4,9 @@ of a run that never trained a step is no run); a running run locks its folder, a
 into it (a new run or --resume, plain or torchrun) is refused in one line naming the holder, and a
 killed run leaves no lock to clean; a lock file deleted or taken by another run is noticed, and one
 that is a folder or a symbolic link is named, never followed; a start that is refused or crashes
-before its first step leaves the folder as it found it. (The lock itself: test_file_lock.py.)"""
+before its first step leaves the folder as it found it; a symbolic link at a name the run writes
+(the log, a checkpoint, a checkpoint's temporary file) is refused before step 0, never followed.
+(The lock itself: test_file_lock.py.)"""
 
 import json
 import os

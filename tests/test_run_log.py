@@ -1,6 +1,7 @@
 """support/run_log.py, through a real run of train_gpt2.py: a log.jsonl write that fails (a full
 disk) stops the run at once in one line naming the log and --resume, the checkpoints of the steps
-logged before it whole. (The log read back by strict JSON readers: a NaN val loss in
+logged before it whole; log.jsonl is never opened through a symbolic link, at start or when a
+link replaces it mid-run. (The log read back by strict JSON readers: a NaN val loss in
 test_divergence.py, play.ipynb in test_notebook.py.)"""
 
 import json
