@@ -177,12 +177,16 @@ def state_of(path):
     return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
 
 
+@pytest.mark.parametrize("nofollow", [True, False], ids=["O_NOFOLLOW", "no O_NOFOLLOW"])
 @pytest.mark.parametrize("at", ["the temporary file's name", "the final name"])
 @pytest.mark.parametrize("to", ["a file", "nothing"])
-def test_write_atomic_refuses_a_symlink_and_leaves_it_and_its_target_alone(tmp_path, at, to):
+def test_write_atomic_refuses_a_symlink_and_leaves_it_and_its_target_alone(tmp_path, monkeypatch, at, to, nofollow):
     """A link at the hidden temporary name would have the write go into the file it names (or
     create one where a dangling link points); one at the final name would be deleted by the rename.
-    Both are refused (LinkedName, one line naming the link and its target); nothing is written."""
+    Both are refused (LinkedName, one line naming the link and its target); nothing is written.
+    Without O_NOFOLLOW (Windows) O_EXCL alone keeps the temporary file's open off a link."""
+    if not nofollow:
+        monkeypatch.setattr(common, "NOFOLLOW", 0)
     folder, target = tmp_path / "run", tmp_path / "mine.txt"
     folder.mkdir()
     if to == "a file":

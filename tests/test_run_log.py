@@ -13,7 +13,7 @@ import pytest
 
 import train_gpt2
 from helpers import at_step, fail_nth_write, random_shards, read_log, tiny_args, user_error
-from support import run_log
+from support import common, run_log
 from support.checkpoints import load_training_checkpoint
 from support.common import LinkedName
 from support.out_dir import log_runs
@@ -99,10 +99,14 @@ def state_of(path):
     return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
 
 
+@pytest.mark.parametrize("nofollow", [True, False], ids=["O_NOFOLLOW", "no O_NOFOLLOW"])
 @pytest.mark.parametrize("to", ["a file", "nothing"])
-def test_a_run_log_is_never_opened_through_a_symlink(tmp_path, to):
-    """RunLog opens log.jsonl with O_NOFOLLOW: a link at its name, to a file or to nothing, is
-    refused in one line (LinkedName), the file it names untouched and none made where it points."""
+def test_a_run_log_is_never_opened_through_a_symlink(tmp_path, monkeypatch, to, nofollow):
+    """RunLog opens log.jsonl with O_NOFOLLOW (without it, Windows, after a check): a link at its
+    name, to a file or to nothing, is refused in one line (LinkedName), the file it names untouched
+    and none made where it points."""
+    if not nofollow:
+        monkeypatch.setattr(common, "NOFOLLOW", 0)
     out, target = tmp_path / "out", tmp_path / "mine.txt"
     out.mkdir()
     if to == "a file":
