@@ -23,6 +23,7 @@ import concurrent.futures
 import json
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -35,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from support import file_lock
-from support.common import ArgumentParser, UserError, default_workers, run_cli, write_atomic
+from support.common import ArgumentParser, UserError, default_workers, no_follow, refuse_link, run_cli, write_atomic
 from support.documents import check_inputs, check_online, describe_inputs, expand_inputs, hub_documents, local_documents
 from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_fingerprint, shard_path, write_shard
 
@@ -196,7 +197,7 @@ def append_journal(path, entry, base=None):
     the journal remains (a killed run's), the journal alone still says how the folder was written
     and what it holds, for the same command to finish it and for training to name that command."""
     new = not os.path.exists(journal_path(path))
-    with open(journal_path(path), "ab") as f:
+    with open(journal_path(path), "ab", opener=no_follow) as f:  # never through a link at its name
         if new and base is not None:
             f.write((json.dumps({"manifest": base}) + "\n").encode())
         f.write((json.dumps(entry) + "\n").encode())
@@ -303,8 +304,18 @@ def _short(value, width=60):
 def save_manifest(path, manifest):
     """The manifest written whole (atomically); its journal, now folded into it, is removed."""
     write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    if os.path.exists(journal_path(path)):
+    if os.path.exists(journal_path(path)) and not os.path.islink(journal_path(path)):  # a link: not ours to remove
         os.remove(journal_path(path))
+
+
+def check_no_links(out_dir, prefix):
+    """Before anything is written: no name this run writes in out_dir (the manifest, its journal,
+    this prefix's shards, their temporary files) is a symbolic link, which a write would follow
+    out of the folder, or its rename delete: one line naming it (support.common.LinkedName)."""
+    ours = re.compile(rf"\.?{re.escape(prefix)}_(manifest\.json|manifest\.journal|(train|val)_\d+\.(npy|bin))(\.tmp)?")
+    for name in sorted(os.listdir(out_dir)):
+        if ours.fullmatch(name):
+            refuse_link(os.path.join(out_dir, name))
 
 
 def foreign_shards(out_dir, prefix, fmt, started):
@@ -420,6 +431,7 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
 def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, lock):
     shard_size, prefix, fmt = config["shard_size"], config["prefix"], config["format"]
     manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
+    check_no_links(out_dir, prefix)
     had_manifest = os.path.exists(manifest_path)
     manifest = load_manifest(manifest_path, config)
     shards = manifest["shards"]

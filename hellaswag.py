@@ -191,7 +191,8 @@ def download(cache_path):
             f"cannot download HellaSwag ({'; '.join(errors)}); pass --data path/to/hellaswag_val.jsonl"
         )
     os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
-    write_atomic(cache_path, lambda f: f.write(text.encode("utf-8")))  # a cut download never leaves a partial cache
+    # a cut download never leaves a partial cache; a link at its name is refused (no flag to name: any caller's)
+    write_atomic(cache_path, lambda f: f.write(text.encode("utf-8")), elsewhere=None)
 
 
 def load_examples(path=None, cache_dir=None, limit=None):

@@ -28,7 +28,8 @@ def run_id_of(path):
 def save_checkpoint(ckpt, out_dir, keep):
     """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
     real name), then delete this run's checkpoints beyond the newest `keep`: another run's
-    files are never touched."""
+    files are never touched, nor a symbolic link at a checkpoint's name (write_atomic refuses one
+    at the name it writes)."""
     check_out_dir_held()  # the folder is still this run's (its lock file deleted: locked again, or stop)
     path = os.path.join(out_dir, f"ckpt_{ckpt['step']:06d}.pt")
     try:
@@ -51,8 +52,8 @@ def save_checkpoint(ckpt, out_dir, keep):
         health = checkpoint_health(out_dir)
         kept = [path for path, good in health[:keep] if good] or [path for path, good in health if good][:1]
         for old in found[keep:]:
-            if old not in kept and run_id_of(old) == ckpt["run_id"]:
-                os.remove(old)
+            if old not in kept and not os.path.islink(old) and run_id_of(old) == ckpt["run_id"]:
+                os.remove(old)  # a link at its name is no file this run wrote: kept
     return path
 
 

@@ -1,6 +1,7 @@
 """What every script shares, torch-free so that fineweb.py starts without loading torch: the error
 type and the command-line wrapper that prints it as one line (a Ctrl-C as its own words), atomic
-writes of files and folders and a failed write's one line, the offline probe, the one-line
+writes of files and folders and a failed write's one line, opening a file without following a
+symbolic link at its name, the offline probe, the one-line
 out-of-memory report, a run log's records, the default thread count."""
 
 import argparse
@@ -9,6 +10,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -83,21 +85,79 @@ def fsync_tree(folder):
         fsync_dir(root)
 
 
-def write_atomic(path, write, mode="wb"):
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # an open of a symbolic link fails; 0 where the OS lacks it
+
+
+class LinkedName(UserError):
+    """A symbolic link stands at the name of a file the program writes itself (its log, a
+    checkpoint, a shard, a manifest, their temporary files): writing would reach the file the link
+    names, outside the folder, and replacing it would delete a link the program did not make. So
+    it is refused, naming the link, where it points and the `rm` that removes the link alone.
+    elsewhere: the flag that names another folder (None: none to name)."""
+
+    def __init__(self, path, elsewhere="--out-dir"):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        other = f", or use another {elsewhere}" if elsewhere else ""
+        super().__init__(
+            f"{path} is a symbolic link (to {target}): this run writes that file itself and never through a link: "
+            f"remove the link (rm {shlex.quote(os.fspath(path))}; what it points to is kept){other}"
+        )
+        self.path, self.target = os.fspath(path), target
+
+
+def refuse_link(path, elsewhere="--out-dir"):
+    """Raise LinkedName if path is a symbolic link (to anything, or to nothing)."""
+    if os.path.islink(path):
+        raise LinkedName(path, elsewhere)
+
+
+def no_follow(path, flags, elsewhere="--out-dir"):
+    """An opener for open(): os.open that never follows a symbolic link at path (O_NOFOLLOW, or
+    where the OS lacks it a check just before), refusing one as LinkedName."""
+    if not NOFOLLOW:
+        refuse_link(path, elsewhere)
+    try:
+        return os.open(path, flags | NOFOLLOW, 0o666)
+    except OSError:
+        refuse_link(path, elsewhere)  # ELOOP on Linux, EMLINK or EFTYPE elsewhere: the link, named
+        raise
+
+
+def _new_file(path, flags, elsewhere):
+    """An opener that creates path afresh (O_CREAT | O_EXCL, which no symbolic link passes, dangling
+    or not, and O_NOFOLLOW): a link there is refused; a file there (a killed write's, or a hard
+    link) loses that name first, so that what another name of it holds is never overwritten."""
+    try:
+        return os.open(path, flags | os.O_EXCL | NOFOLLOW, 0o666)
+    except FileExistsError:
+        refuse_link(path, elsewhere)
+        os.remove(path)
+        return os.open(path, flags | os.O_EXCL | NOFOLLOW, 0o666)
+
+
+def write_atomic(path, write, mode="wb", elsewhere="--out-dir"):
     """write(f) into a hidden temporary file beside path, fsync it, then rename it over path and
     fsync the folder: readers and a resumed run see the whole old file or the whole new one, never
     half of one, and after a crash (a power cut) still one of them. The temporary file is removed
-    on any failure, a full disk and Ctrl-C included."""
+    on any failure, a full disk and Ctrl-C included. A symbolic link at either name is refused
+    (LinkedName; elsewhere: the flag for another folder): never written through, never replaced."""
     tmp = os.path.join(os.path.dirname(path) or ".", "." + os.path.basename(path) + ".tmp")
+    refuse_link(path, elsewhere)  # renamed over, a link would be deleted, and not by the one who made it
+    made = False
     try:
-        with open(tmp, mode) as f:
+        with open(tmp, mode, opener=lambda name, flags: _new_file(name, flags, elsewhere)) as f:
+            made = True
             write(f)
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it count
+        refuse_link(path, elsewhere)  # one put there while this wrote
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(path) or ".")  # the rename itself on disk: a crash now keeps the new file
     except BaseException:
-        if os.path.exists(tmp):  # a full disk: give back the space the partial file holds
+        if made and os.path.lexists(tmp) and not os.path.islink(tmp):  # a full disk: give back the space it holds
             os.remove(tmp)
         raise
 

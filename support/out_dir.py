@@ -9,7 +9,7 @@ import shlex
 import sys
 
 from support import file_lock
-from support.common import UserError, disk_error
+from support.common import UserError, disk_error, no_follow, refuse_link
 from support.shards import SHARD_NAME
 
 
@@ -48,6 +48,7 @@ def claim_out_dir(out_dir, resume):
         raise UserError(f"cannot create --out-dir {out_dir}: {e.strerror}") from None
     if _claim:  # an earlier run of this process that did not end through main: its hold goes first
         release_out_dir()
+    check_no_links(out_dir)
     fd = lock_out_dir(out_dir, "continue with --resume" if resume else "start again")
     log = os.path.join(out_dir, "log.jsonl")
     _claim.update(out_dir=out_dir, fd=fd, log=os.path.getsize(log) if os.path.isfile(log) else None)
@@ -72,6 +73,19 @@ def claim_out_dir(out_dir, resume):
                 os.remove(os.path.join(out_dir, name))
             except OSError as e:  # a read-only folder: the run could write nothing there either
                 raise disk_error(e, f"to --out-dir {out_dir} (removing {name})", "continue with --resume") from None
+
+
+WRITTEN_NAMES = re.compile(r"log\.jsonl|ckpt_\d+\.pt|\.ckpt_\d+\.pt\.tmp")  # besides LOCK_FILE: lock_out_dir's
+
+
+def check_no_links(out_dir):
+    """Before anything is written: no name this run writes (or removes, as a killed write's
+    temporary file) in out_dir is a symbolic link, a checkpoint's name of a later step included, for
+    the log would be appended to the file a link names, outside the folder, and a checkpoint's
+    rename would delete a link the run did not make (support.common.LinkedName, one line)."""
+    for name in sorted(os.listdir(out_dir)):
+        if WRITTEN_NAMES.fullmatch(name):
+            refuse_link(os.path.join(out_dir, name))
 
 
 def check_log_header(log):
@@ -243,16 +257,16 @@ def undo_failed_start(claim):
     if _file_stats(checkpoint_paths(out_dir)) != claim["checkpoints"] or not os.path.isfile(log):
         return
     try:
-        with open(log, "rb") as f:
+        with open(log, "rb+", opener=no_follow) as f:  # a link put at its name is not this run's log
             f.seek(before or 0)
             added = [line for line in f.read().split(b"\n") if line.strip()]
-        if any(_is_step_record(line) for line in added):
-            return
+            if any(_is_step_record(line) for line in added):
+                return
+            if before is not None:
+                f.truncate(before)
         if before is None:
             os.remove(log)
-        else:
-            os.truncate(log, before)
-    except OSError:
+    except (OSError, UserError):
         pass  # a read-only or vanished folder: nothing this run could have changed either
 
 

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import torch
 
-from support.common import UserError, disk_error
+from support.common import LinkedName, UserError, disk_error, no_follow
 from support.out_dir import check_out_dir_held, log_runs
 from support.wandb_log import WandbMirror
 
@@ -56,14 +56,25 @@ class RunLog:
         if not enabled:
             return
         try:
-            self.file = open(self.path, "a")
-            if self.file.tell() > 0:
-                with open(self.path, "rb") as f:
-                    f.seek(-1, os.SEEK_END)
-                    if f.read(1) != b"\n":  # a line cut short by a kill: start ours on a fresh line
-                        self.file.write("\n")
+            self.file = self.open()
         except OSError as e:
             raise disk_error(e, self.path, "start again") from None
+
+    def open(self):
+        """log.jsonl opened for appending, never through a symbolic link at its name (LinkedName):
+        the records would go into the file it names, outside the run's folder. A last line cut short
+        by a kill is ended first, so that ours starts on a fresh line."""
+        file = open(self.path, "a", opener=no_follow)
+        try:
+            if file.tell() > 0:
+                with open(self.path, "rb", opener=no_follow) as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        file.write("\n")
+        except BaseException:
+            file.close()
+            raise
+        return file
 
     def header(self, run_id, device_name, resumed_from, changes, config):
         """The run's first record (and a resumed run's first in its turn): what ran, where, with what.
@@ -110,18 +121,16 @@ class RunLog:
         try:
             mine = os.fstat(self.file.fileno())
             try:
-                now = os.stat(self.path)
+                now = os.lstat(self.path)  # the name itself: a link to this very file is a link still
             except FileNotFoundError:
                 now = None
             if now is not None and os.path.samestat(mine, now):
                 return
             self.file.close()
-            self.file = open(self.path, "a")
-            if self.file.tell() > 0:
-                with open(self.path, "rb") as f:
-                    f.seek(-1, os.SEEK_END)
-                    if f.read(1) != b"\n":
-                        self.file.write("\n")
+            self.file = None
+            self.file = self.open()
+        except LinkedName:
+            raise  # a link put at its name: refused, in its own words
         except OSError as e:
             self.file = None  # nothing more is written, the console has the error
             if os.path.isdir(self.path):

@@ -2,20 +2,23 @@
 full disk, a read-only folder) stops the run in one line naming the file, leaves no partial file
 and the earlier checkpoints whole (--resume then continues exactly), and claims no earlier ones
 where there are none; weights that are not finite are never saved; pruning (--keep-ckpts) removes
-only this run's checkpoints; a truncated checkpoint, or one that carries pickled code, is refused
-when loaded."""
+only this run's checkpoints, never a symbolic link; a link put at the next checkpoint's name or
+its temporary file's mid-run is refused and left alone; a truncated checkpoint, or one that
+carries pickled code, is refused when loaded."""
 
 import errno
 import math
 import os
 import pathlib
+import re
 import shutil
+import subprocess
 
 import pytest
 import torch
 
 import train_gpt2
-from helpers import fail_nth_write, random_shards, read_log, same_weights, tiny_args, user_error
+from helpers import at_step, fail_nth_write, random_shards, read_log, same_weights, tiny_args, user_error
 from support import checkpoints, common
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.common import UserError
@@ -144,3 +147,59 @@ def test_pickle_carrying_code_is_refused(short_run, tmp_path):
     assert "evil.pt" in msg and not marker.exists()
     torch.load(tmp_path / "evil.pt", weights_only=False)  # the file really does carry code:
     assert marker.exists()  # loaded unsafely, it runs
+
+
+# ----------------------------------------------------------------------------------------------
+# A symbolic link at a checkpoint's name, put there while the run trains
+
+
+def state_of(path):
+    """A file's bytes and mtime (nanoseconds), or None where there is none."""
+    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
+
+
+@pytest.mark.parametrize("name", ["ckpt_000004.pt", ".ckpt_000004.pt.tmp"])
+@pytest.mark.parametrize("to", ["a file", "nothing"])
+def test_a_symlink_put_at_the_next_checkpoints_name_mid_run_is_refused_and_left_alone(
+    data, tmp_path, monkeypatch, name, to
+):
+    """The start refuses links at the names a run writes (test_out_dir.py); one made later, at the
+    next checkpoint's name or its temporary file's, is refused at that write in one line naming
+    it: the temporary file is never opened through it (O_CREAT | O_EXCL | O_NOFOLLOW), the rename
+    never replaces it. The link and the file it names stay as they were, the checkpoint before
+    whole; the advised `rm`, then --resume, finishes the run."""
+    out, target = tmp_path / "out", tmp_path / "mine.txt"
+    if to == "a file":
+        target.write_bytes(b"the user's file\n")
+    link = out / name
+    at_step(monkeypatch, {3: lambda: link.symlink_to(target)})
+    args = tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 2, "--eval-every", 0)
+    msg = user_error(args)
+    monkeypatch.undo()
+    assert msg.startswith(f"{link} is a symbolic link (to {target}): this run writes that file itself"), msg
+    assert os.readlink(link) == str(target) and state_of(target) == (
+        (b"the user's file\n", target.stat().st_mtime_ns) if to == "a file" else None
+    )
+    before = state_of(target)
+    assert sorted(p.name for p in out.glob("*ckpt*")) == sorted([name, "ckpt_000002.pt"])
+    load_training_checkpoint(str(out / "ckpt_000002.pt"))  # whole
+    subprocess.run(f"rm {re.search(r'[(]rm (.+?); ', msg)[1]}", shell=True, check=True)
+    assert train_gpt2.main(args + ["--resume"]) == 0
+    assert state_of(target) == before and (out / "ckpt_000006.pt").exists()
+
+
+def test_pruning_never_removes_a_symlink_at_an_old_checkpoints_name(data, tmp_path, monkeypatch):
+    """--keep-ckpts removes this run's own old checkpoints; a link put at one's name (here to that
+    very checkpoint, moved out) is no file the run wrote: it stays, and what it names too."""
+    out, moved = tmp_path / "out", tmp_path / "moved.pt"
+
+    def relink():
+        os.replace(out / "ckpt_000002.pt", moved)
+        (out / "ckpt_000002.pt").symlink_to(moved)
+
+    at_step(monkeypatch, {2: relink})
+    args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--keep-ckpts", 1, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    assert (out / "ckpt_000002.pt").is_symlink() and moved.exists()
+    # 1 pruned; 3 kept too as the newest known good one (4 has no step after it yet)
+    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000003.pt", "ckpt_000004.pt"]

@@ -1,8 +1,9 @@
 """support/common.py: atomic writes are durable (write_atomic fsyncs the temporary file before the
 rename and the folder after it; write_dir_atomic fsyncs every file and folder it wrote before the
 swap and the parent after it; seen through os.fsync and os.replace themselves, by the identity
-(device, inode) of what each fsync reached: a write that skips one fails here); a failed write's
-line says "make room" only when the disk is full; run_cli prints a mistake as one `error:` line (a
+(device, inode) of what each fsync reached: a write that skips one fails here), and write_atomic
+never writes through, nor renames over, a symbolic link, nor into a file a hard link shares; a
+failed write's line says "make room" only when the disk is full; run_cli prints a mistake as one `error:` line (a
 flag argparse cannot parse too, in every script) and an interrupt as its own words; and the
 one-line out-of-memory report tells GPU memory from host memory."""
 
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -164,3 +166,51 @@ def test_gpu_out_of_memory_reads_as_gpu_memory_with_the_allocators_size():
     wrapped = RuntimeError("compile failed")
     wrapped.__cause__ = MemoryError()
     assert common.memory_kind(wrapped) == "host memory"
+
+
+# ----------------------------------------------------------------------------------------------
+# write_atomic never follows a symbolic link, nor replaces one
+
+
+def state_of(path):
+    """A file's bytes and mtime (nanoseconds), or None where there is none."""
+    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
+
+
+@pytest.mark.parametrize("nofollow", [True, False], ids=["O_NOFOLLOW", "no O_NOFOLLOW"])
+@pytest.mark.parametrize("at", ["the temporary file's name", "the final name"])
+@pytest.mark.parametrize("to", ["a file", "nothing"])
+def test_write_atomic_refuses_a_symlink_and_leaves_it_and_its_target_alone(tmp_path, monkeypatch, at, to, nofollow):
+    """A link at the hidden temporary name would have the write go into the file it names (or
+    create one where a dangling link points); one at the final name would be deleted by the rename.
+    Both are refused (LinkedName, one line naming the link and its target); nothing is written.
+    Without O_NOFOLLOW (Windows) O_EXCL alone keeps the temporary file's open off a link."""
+    if not nofollow:
+        monkeypatch.setattr(common, "NOFOLLOW", 0)
+    folder, target = tmp_path / "run", tmp_path / "mine.txt"
+    folder.mkdir()
+    if to == "a file":
+        target.write_bytes(b"the user's file\n")
+    path = folder / "ckpt_000001.pt"
+    link = folder / ".ckpt_000001.pt.tmp" if at == "the temporary file's name" else path
+    link.symlink_to(target)
+    before = state_of(target)
+    time.sleep(0.01)  # a write would move the mtime
+    with pytest.raises(common.LinkedName) as e:
+        write_atomic(str(path), lambda f: f.write(b"new"))
+    assert str(e.value).startswith(f"{link} is a symbolic link (to {target}): ") and "\n" not in str(e.value)
+    assert state_of(target) == before and os.readlink(link) == str(target)
+    assert sorted(os.listdir(folder)) == [link.name]  # nothing made beside it, the link kept
+
+
+def test_write_atomic_writes_no_file_a_leftover_temporary_name_shares(tmp_path):
+    """A file at the temporary name that is a hard link (another name of a file of the user's):
+    write_atomic makes its own file, the other name's bytes stay."""
+    folder, theirs = tmp_path / "run", tmp_path / "theirs.txt"
+    folder.mkdir()
+    theirs.write_bytes(b"the user's file\n")
+    os.link(theirs, folder / ".out.json.tmp")
+    before = state_of(theirs)
+    write_atomic(str(folder / "out.json"), lambda f: f.write(b"new"))
+    assert (folder / "out.json").read_bytes() == b"new" and state_of(theirs) == before
+    assert sorted(os.listdir(folder)) == ["out.json"]

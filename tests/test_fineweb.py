@@ -1113,3 +1113,67 @@ def test_a_lost_fineweb_journal_is_said_and_either_fix_it_names_finishes_the_fol
             (shards / name).unlink()
     fineweb.main(shlex.split(command)[2:])
     assert same_files(shards, whole)
+
+
+def state_of(path):
+    """A file's bytes and mtime (nanoseconds), or None where there is none."""
+    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
+
+
+def names_and_bytes(folder):
+    """{name: its bytes, or ("link", where it points)} of folder's entries, links not followed."""
+    return {p.name: ("link", os.readlink(p)) if p.is_symlink() else p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize(
+    "name, resume, to",
+    [
+        ("edufineweb_manifest.json", False, "a file"),
+        (".edufineweb_manifest.journal", False, "a file"),
+        (".edufineweb_manifest.journal", False, "nothing"),
+        ("edufineweb_val_000000.npy", False, "nothing"),
+        (".edufineweb_train_000002.npy.tmp", False, "a file"),  # a shard's temporary file
+        ("edufineweb_manifest.json", True, "the manifest, moved out"),
+        (".edufineweb_manifest.journal", True, "a file"),
+        ("edufineweb_train_000002.npy", True, "a file"),  # the next shard the resume writes
+        (".edufineweb_manifest.json.tmp", True, "nothing"),
+    ],
+)
+def test_a_symlink_at_a_name_fineweb_writes_is_refused_and_what_it_names_is_untouched(
+    tmp_path, shared_data, name, resume, to
+):
+    """Rule 26: the manifest, its journal, this prefix's shards and their temporary files are never
+    written, appended to or removed through a symbolic link at their names, fresh or resumed: one
+    line naming the link and where it points, before anything is written; the folder, the link
+    and the file it names as they were (none made where it points). The `rm` the line advises
+    removes the link alone, and the same command then writes the folder a fresh run writes."""
+    tiny_shards(tmp_path, shared_data, "fresh")
+    out, target = tmp_path / "out", tmp_path / "elsewhere" / "mine"
+    target.parent.mkdir()
+    out.mkdir()
+    if resume:
+        tiny_shards(tmp_path, shared_data, extra=["--max-shards", "2"])  # to be continued
+    if to == "the manifest, moved out":
+        os.replace(out / name, target)
+    elif to == "a file":
+        target.write_bytes(b"the user's file\n")
+    (out / name).symlink_to(target)
+    before, state = names_and_bytes(out), state_of(target)
+    time.sleep(0.01)  # a write would move the mtime
+    args = ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"]
+    code, _, err = run_cli([*args, "--shard-size", "100000", "--workers", "1"], tmp_path)
+    link = os.path.join("out", name)
+    assert_one_line_error(
+        code,
+        err,
+        rf"^error: {re.escape(link)} is a symbolic link \(to {re.escape(str(target))}\): this run writes that file "
+        rf"itself and never through a link: remove the link \(rm {re.escape(link)}; what it points to is kept\), "
+        r"or use another --out-dir$",
+    )
+    assert names_and_bytes(out) == before and state_of(target) == state  # the link in it
+    subprocess.run(f"rm {link}", shell=True, check=True, cwd=tmp_path)  # the advice, as typed
+    if to == "the manifest, moved out":  # the user's own move, undone: the manifest is what it was
+        os.replace(target, out / name)
+        state = None
+    tiny_shards(tmp_path, shared_data)
+    assert file_bytes(out) == file_bytes(tmp_path / "fresh") and state_of(target) == state

@@ -4,10 +4,13 @@ of a run that never trained a step is no run); a running run locks its folder, a
 into it (a new run or --resume, plain or torchrun) is refused in one line naming the holder, and a
 killed run leaves no lock to clean; a lock file deleted or taken by another run is noticed, and one
 that is a folder or a symbolic link is named, never followed; a start that is refused or crashes
-before its first step leaves the folder as it found it. (The lock itself: test_file_lock.py.)"""
+before its first step leaves the folder as it found it; a symbolic link at a name the run writes
+(the log, a checkpoint, a checkpoint's temporary file) is refused before step 0, never followed.
+(The lock itself: test_file_lock.py.)"""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,7 +36,7 @@ from helpers import (
     wait_for_step,
 )
 from support.common import UserError
-from support.out_dir import LOCK_FILE, lock_out_dir
+from support.out_dir import LOCK_FILE, lock_out_dir, undo_failed_start
 
 # ----------------------------------------------------------------------------------------------
 # One run per folder
@@ -408,3 +411,81 @@ def test_a_data_dir_that_holds_a_runs_files_is_refused(data, tmp_path, run_file)
     msg = refused_before_step_0(tiny_args(shards, out, "--max-steps", 2), shards, f"--data-dir {shards}", run_file)
     assert "run's folder" in msg
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# A symbolic link at a name the run writes is never followed, nor replaced
+
+
+def state_of(path):
+    """A file's bytes and mtime (nanoseconds), or None where there is none: what a refusal must leave."""
+    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
+
+
+def rm_from(msg):
+    """The `rm` a LinkedName message advises, as written there (shell-quoted)."""
+    return re.search(r"\(rm (.+?); what it points to is kept\)", msg)[1]
+
+
+@pytest.mark.parametrize(
+    "name, resume, to",
+    [
+        ("log.jsonl", False, "a file"),
+        ("log.jsonl", True, "a file"),
+        ("log.jsonl", False, "nothing"),
+        ("log.jsonl", True, "nothing"),
+        ("ckpt_000002.pt", False, "a file"),  # the checkpoint this run writes
+        ("ckpt_000003.pt", False, "nothing"),
+        ("ckpt_000009.pt", True, "a file"),  # a later step's name, one this run would reach in time
+        (".ckpt_000001.pt.tmp", False, "a file"),  # a checkpoint's temporary file
+        (".ckpt_000003.pt.tmp", True, "nothing"),
+    ],
+)
+def test_a_symlink_at_a_name_the_run_writes_is_refused_before_step_0_and_its_target_untouched(
+    data, tmp_path, name, resume, to
+):
+    """Rule 26: log.jsonl, a checkpoint (of any step) or a checkpoint's temporary file that is a
+    symbolic link is refused at start in one line naming the link and where it points: the log
+    would be appended to the file it names, a dangling one would create a file outside the folder,
+    and a checkpoint's rename would delete the link. Nothing is written or removed, the link
+    included; the `rm` the line advises removes the link alone, and the same command then runs."""
+    out, target = tmp_path / "out", tmp_path / "elsewhere" / "mine.txt"
+    args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)
+    if resume:
+        assert train_gpt2.main(args) == 0
+        args += ["--max-steps", 3, "--resume"]
+    out.mkdir(exist_ok=True)
+    target.parent.mkdir()
+    if to == "a file":
+        target.write_bytes(b"the user's file, not a log\n" if not resume or name != "log.jsonl" else b"")
+        if resume and name == "log.jsonl":  # the run's own log, moved elsewhere and linked back
+            os.replace(out / "log.jsonl", target)
+    elif resume and name == "log.jsonl":
+        (out / "log.jsonl").unlink()
+    link = out / name
+    link.symlink_to(target)
+    before, folder = state_of(target), sorted(os.listdir(out))
+    time.sleep(0.01)  # a write would move the mtime
+    msg = user_error(args)
+    assert msg.startswith(f"{link} is a symbolic link (to {target}): this run writes that file itself"), msg
+    assert msg.endswith("what it points to is kept), or use another --out-dir"), msg
+    assert state_of(target) == before and sorted(os.listdir(out)) == folder  # no file made where a dangling one points
+    assert link.is_symlink() and os.readlink(link) == str(target)  # the user's link stays
+    assert not (out / LOCK_FILE).exists()
+    subprocess.run(f"rm {rm_from(msg)}", shell=True, check=True)  # the advice, as a user types it
+    assert not os.path.lexists(link) and state_of(target) == before
+    assert train_gpt2.main(args) == 0
+    assert state_of(target) == before
+
+
+@pytest.mark.parametrize("before", [None, 10])
+def test_undoing_a_failed_start_never_truncates_or_removes_a_link_at_the_logs_name(tmp_path, before):
+    """A start that failed cuts log.jsonl back to what it held (rule 20); a link put at its name
+    since is not the run's log: the file it names keeps its bytes, the link stays."""
+    out, target = tmp_path / "out", tmp_path / "mine.txt"
+    out.mkdir()
+    target.write_bytes(b'{"event": "header", "run_id": "x"}\n' + b"the user's text\n")
+    (out / "log.jsonl").symlink_to(target)
+    state = state_of(target)
+    undo_failed_start({"out_dir": str(out), "log": before, "checkpoints": {}})
+    assert state_of(target) == state and (out / "log.jsonl").is_symlink()

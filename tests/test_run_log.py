@@ -1,17 +1,21 @@
 """support/run_log.py, through a real run of train_gpt2.py: a log.jsonl write that fails (a full
 disk) stops the run at once in one line naming the log and --resume, the checkpoints of the steps
-logged before it whole. (The log read back by strict JSON readers: a NaN val loss in
+logged before it whole; log.jsonl is never opened through a symbolic link, at start or when a
+link replaces it mid-run. (The log read back by strict JSON readers: a NaN val loss in
 test_divergence.py, play.ipynb in test_notebook.py.)"""
 
 import json
 import os
+import re
+import subprocess
 
 import pytest
 
 import train_gpt2
 from helpers import at_step, fail_nth_write, random_shards, read_log, tiny_args, user_error
-from support import run_log
+from support import common, run_log
 from support.checkpoints import load_training_checkpoint
+from support.common import LinkedName
 from support.out_dir import log_runs
 
 
@@ -84,3 +88,68 @@ def test_a_log_path_that_cannot_be_written_again_stops_in_one_line(data, tmp_pat
 def read_log_file(path):
     records = [json.loads(line) for line in open(path) if line.strip()]
     return records, {r["step"]: r for r in records if "train_loss" in r}
+
+
+# ----------------------------------------------------------------------------------------------
+# log.jsonl is never written through a symbolic link
+
+
+def state_of(path):
+    """A file's bytes and mtime (nanoseconds), or None where there is none."""
+    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
+
+
+@pytest.mark.parametrize("nofollow", [True, False], ids=["O_NOFOLLOW", "no O_NOFOLLOW"])
+@pytest.mark.parametrize("to", ["a file", "nothing"])
+def test_a_run_log_is_never_opened_through_a_symlink(tmp_path, monkeypatch, to, nofollow):
+    """RunLog opens log.jsonl with O_NOFOLLOW (without it, Windows, after a check): a link at its
+    name, to a file or to nothing, is refused in one line (LinkedName), the file it names untouched
+    and none made where it points."""
+    if not nofollow:
+        monkeypatch.setattr(common, "NOFOLLOW", 0)
+    out, target = tmp_path / "out", tmp_path / "mine.txt"
+    out.mkdir()
+    if to == "a file":
+        target.write_bytes(b"the user's file\n")
+    (out / "log.jsonl").symlink_to(target)
+    before = state_of(target)
+    with pytest.raises(LinkedName) as e:
+        run_log.RunLog(str(out), True, 6)
+    assert str(e.value).startswith(f"{out / 'log.jsonl'} is a symbolic link (to {target})")
+    assert state_of(target) == before and (out / "log.jsonl").is_symlink()
+
+
+@pytest.mark.parametrize("to", ["a file of the user's", "the run's own log, moved out", "nothing"])
+def test_a_log_replaced_by_a_symlink_mid_run_stops_the_run_and_what_it_names_is_untouched(
+    data, tmp_path, monkeypatch, to
+):
+    """log.jsonl replaced by a link while the run trains: the run does not write its records
+    through it (nor on into the file it moved to): it stops at its next record in one line naming
+    the link; the `rm` it advises, then --resume, finishes the run."""
+    out, target = tmp_path / "out", tmp_path / "elsewhere.jsonl"
+    log = out / "log.jsonl"
+
+    def relink():
+        if to == "the run's own log, moved out":
+            os.replace(log, target)
+        else:
+            log.unlink()
+            if to == "a file of the user's":
+                target.write_bytes(b"the user's file\n")
+        log.symlink_to(target)
+
+    at_step(monkeypatch, {3: relink})
+    args = tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 2)
+    msg = user_error(args)
+    assert msg.startswith(f"{log} is a symbolic link (to {target}): this run writes that file itself"), msg
+    before = state_of(target)
+    if to == "the run's own log, moved out":
+        assert max(read_log_file(target)[1]) == 2  # its records up to the move, none after it
+    elif to == "a file of the user's":
+        assert before[0] == b"the user's file\n"
+    else:
+        assert before is None  # no file made where the link points
+    monkeypatch.undo()
+    subprocess.run(f"rm {re.search(r'[(]rm (.+?); ', msg)[1]}", shell=True, check=True)
+    assert train_gpt2.main(args + ["--resume"]) == 0
+    assert state_of(target) == before and max(read_log(out)[1]) == 5
