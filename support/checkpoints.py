@@ -1,6 +1,6 @@
 """Checkpoint files as plain dicts: a run's training state written atomically, pruned to this run's
-newest few (keeping one known good), loaded without running code, and the random-number state they
-carry."""
+newest few (keeping one known good), loaded without running code, the random-number state they
+carry, and which files in a run's folder are the run's own (to write over, to resume from)."""
 
 import json
 import os

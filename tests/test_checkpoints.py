@@ -2,8 +2,9 @@
 full disk, a read-only folder) stops the run in one line naming the file, leaves no partial file
 and the earlier checkpoints whole (--resume then continues exactly), and claims no earlier ones
 where there are none; weights that are not finite are never saved; pruning (--keep-ckpts) removes
-only this run's checkpoints; a truncated checkpoint, or one that carries pickled code, is refused
-when loaded."""
+only this run's checkpoints; a file put at a checkpoint's name mid-run is kept and the run stops;
+a truncated checkpoint, or one that carries pickled code, is refused when loaded, the latter said
+to be no train_gpt2.py checkpoint, pointing to what loads."""
 
 import errno
 import math

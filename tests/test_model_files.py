@@ -1,5 +1,6 @@
 """support/model_files.py, through real runs of train_gpt2.py: a run's folder where a model is
-expected (--sample-from, --init-from) means its newest checkpoint, said in a note; a folder with no
+expected (--sample-from, --init-from, --export-hf, hellaswag.py -m) means its newest checkpoint, said in
+a note, as --resume takes it (past a damaged one, another run's, a misnamed one); a folder with no
 model in it, or a mistyped checkpoint, is one line naming what the folder holds; a checkpoint that
 is not there is one line through the command line too."""
 

@@ -1,6 +1,7 @@
 """support/resume.py, through real runs of train_gpt2.py: which checkpoint --resume continues from
-(the newest that loads, past a truncated or corrupt one and a half-written one's leftover; a run's
-folder; an older checkpoint of the folder's own run; a new folder, never another run's; none, when
+(the newest of the folder's run that loads, past a truncated or corrupt one, another run's, a
+misnamed one and a half-written one's leftover; a run's folder; an older checkpoint of the
+folder's own run; a new folder, never another run's; never writing over a file not the run's; none, when
 the run was killed before its first checkpoint and its log records the run to restart), the recipe
 it takes from that checkpoint (flags left out take its values, a contradicting one is refused
 naming both values, a longer --max-steps, a lower --max-lr or another -B is allowed and said), and
