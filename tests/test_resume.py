@@ -32,6 +32,7 @@ from helpers import (
     start_run,
     strict_records,
     tiny_args,
+    torchrun,
     user_error,
     wait_for_step,
 )
@@ -467,3 +468,15 @@ def test_resume_into_a_folder_whose_log_is_not_a_runs_leaves_it_alone(data, tmp_
     advised_mv(msg)
     assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == [0, 1]
     assert (out / "log.jsonl.aside").read_text() == "the user's notes, not a run's log\n"
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_file_not_the_runs_is_said_once_and_kept(data, two_runs):
+    a, _ = two_runs
+    (a / "ckpt_000005.pt").write_bytes(b"the user's own bytes")
+    before = snapshot(a)
+    r = torchrun(*tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--resume"))
+    said = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
+    assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
+    assert said[0].startswith(f"error: {a / 'ckpt_000005.pt'} is not this run's") and "(mv " in said[0]
+    assert snapshot(a) == before  # rank 0 decided before anything was written, and every rank stopped
