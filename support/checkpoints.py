@@ -160,7 +160,8 @@ def newest_of_its_run(out_dir, load, then):
     message = f"none of the {len(paths)} checkpoints in {out_dir} can be loaded: see the warnings above"
     if others:
         message = (
-            f"none of the {len(paths)} checkpoints in {out_dir} is its run's, whole: see the warnings above; {then}"
+            f"none of the {len(paths)} checkpoints in {out_dir} is one of the folder's run that loads and holds the "
+            f"step its name says: see the warnings above; {then}"
         )
     raise UserError(message)
 

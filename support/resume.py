@@ -44,10 +44,10 @@ def find_resume_checkpoint(resume, out_dir):
 
 
 def check_names(args, given, found, restart):
-    """Rule 2 at start, on rank 0: the files at the names this run may write are its own
-    (support.checkpoints.check_names_to_write): the checkpoints of the steps from the one it resumes
-    at to its last (--max-steps as given, else the run's), and its log."""
-    if found is None:  # a new run or a restart: claim_out_dir refused any checkpoint already
+    """At start, on rank 0 (docs/reliability.md rule 27): the files at the names this run may write
+    are its own (support.checkpoints.check_names_to_write): the checkpoints of the steps from the one
+    it resumes at to its last (--max-steps as given, else the run's), and its log."""
+    if found is None:  # a new run (claim_out_dir refused any checkpoint) or a restart (the folder holds none)
         run_id, steps = (restart or {}).get("run_id"), range(0)
     else:
         last = args.max_steps if "max_steps" in given else found.get("train_config", {}).get("max_steps", 0)
