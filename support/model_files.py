@@ -5,7 +5,7 @@ shape read without its weights."""
 import json
 import os
 
-from support.checkpoints import load_checkpoint
+from support.checkpoints import load_checkpoint, newest_of_its_run
 from support.common import GPT2_VOCAB, HF_NAMES, UserError
 from support.hf_interop import check_hub_reachable, hub_name_is_cached
 from support.out_dir import checkpoint_paths
@@ -16,13 +16,16 @@ HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_mode
 
 def find_model(spec):
     """("transformers", name or folder) or ("checkpoint", file) for a model given on the command
-    line; a training run's folder means its newest checkpoint, said in a note."""
+    line; a training run's folder means its newest checkpoint, said in a note: as --resume takes
+    it, the newest of the folder's run that loads and holds the step its name says (one passed
+    over is said in a warning: support.checkpoints.newest_of_its_run)."""
     if spec not in HF_NAMES and os.path.isdir(spec) and not os.path.exists(os.path.join(spec, "config.json")):
-        found = checkpoint_paths(spec)
-        if not found:
+        then = "name the checkpoint file to use instead of the folder"
+        newest, _ = newest_of_its_run(spec, lambda path: load_checkpoint(path, mmap=True), then)
+        if newest is None:
             raise UserError(f"{spec} holds neither a transformers model (config.json) nor our checkpoints (ckpt_*.pt)")
-        print(f"{spec} is a training run's folder: using its newest checkpoint, {found[0]}")
-        spec = found[0]
+        print(f"{spec} is a training run's folder: using its newest checkpoint, {newest}")
+        spec = newest
     if spec in HF_NAMES or os.path.isdir(spec):
         return "transformers", spec
     if os.path.isfile(spec):

@@ -21,6 +21,44 @@ def checkpoint_paths(out_dir):
     return [os.path.join(out_dir, n) for _, n in sorted(found, reverse=True)]
 
 
+def checkpoint_path(out_dir, step):
+    """The name the checkpoint of `step` steps done is written under."""
+    return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
+
+
+def step_of_name(path):
+    """The step a checkpoint's file name says (ckpt_000009.pt: 9), None for another name."""
+    m = re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(path))
+    return int(m.group(1)) if m else None
+
+
+def aside_name(path, tag):
+    """A name not taken beside path, path.TAG (then path.TAG1, ...): where an `mv` the user is
+    told to run sets a file aside without overwriting anything."""
+    aside, n = f"{path}.{tag}", 1
+    while os.path.lexists(aside):
+        aside, n = f"{path}.{tag}{n}", n + 1
+    return aside
+
+
+def move_aside(path, tag):
+    """The `mv` command that sets path aside to a name not taken (aside_name), quoted for the shell."""
+    return f"mv {shlex.quote(path)} {shlex.quote(aside_name(path, tag))}"
+
+
+def unfinished_write(path):
+    """Whether the file at a checkpoint's temporary name is what a write of this program cut short
+    leaves there: empty, or the beginning of the zip torch.save writes (a regular file)."""
+    try:
+        if not os.path.isfile(path):
+            return False
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return b"PK\x03\x04".startswith(head)
+
+
 def missing_folders(path):
     """The folders of path that do not exist yet, deepest first: those os.makedirs would create."""
     path, missing = os.path.abspath(path), []
@@ -68,6 +106,13 @@ def claim_out_dir(out_dir, resume):
         print(f"note: {log} holds only the start of a run that never trained a step: this run's records follow it")
     for name in names:  # a checkpoint write of this run cut short by a kill: never complete
         if re.fullmatch(r"\.ckpt_\d+\.pt\.tmp", name):
+            path = os.path.join(out_dir, name)
+            if not unfinished_write(path):  # not what a write of ours leaves: someone's file, kept
+                raise UserError(
+                    f"{path} is not a checkpoint write of train_gpt2.py's cut short (not the start of torch.save's "
+                    f"zip), and this run writes its checkpoints through that name: move it aside "
+                    f"({move_aside(path, 'aside')}), then run the same command again"
+                )
             print(f"removing the unfinished {name}")
             try:
                 os.remove(os.path.join(out_dir, name))
@@ -106,13 +151,9 @@ def check_log_header(log):
         return
     if not any(_is_step_record(line) for line in rest.split(b"\n")):
         return
-    aside = f"{log}.bad"
-    n = 1
-    while os.path.lexists(aside):
-        aside, n = f"{log}.bad{n}", n + 1
     raise UserError(
         f"{log}: its first line is not a run's header (damaged?): move it aside "
-        f"(mv {shlex.quote(log)} {shlex.quote(aside)}) and continue with --resume, or pass a new --out-dir"
+        f"({move_aside(log, 'bad')}) and continue with --resume, or pass a new --out-dir"
     )
 
 

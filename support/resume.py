@@ -2,12 +2,17 @@
 from it, the changes it allows, and the optimizer, data position and RNG state it restores."""
 
 import os
-import sys
 import time
 
 import torch.distributed as dist
 
-from support.checkpoints import load_training_checkpoint, run_id_of, set_rng_state
+from support.checkpoints import (
+    check_names_to_write,
+    load_training_checkpoint,
+    newest_of_its_run,
+    run_id_of,
+    set_rng_state,
+)
 from support.common import UserError, log_records, same_on_every_rank
 from support.ddp import fence
 from support.out_dir import checkpoint_paths, log_runs
@@ -16,19 +21,16 @@ from support.shards import check_same_data, data_identity
 
 def find_resume_checkpoint(resume, out_dir):
     """(path, checkpoint, run to restart) for --resume: the given file, or for 'latest' the newest
-    checkpoint in out_dir that loads; one that does not (cut short, corrupt) is reported and the
-    previous one tried. With no checkpoint at all, the run starts from step 0: the run the folder's
-    log records (run_to_restart), if it records one, else a new run."""
+    checkpoint of the folder's run in out_dir that loads and holds the step its name says
+    (support.checkpoints.newest_of_its_run: one cut short or corrupt, another run's, or a misnamed
+    one is said in a warning and passed over). With no checkpoint at all, the run starts from step
+    0: the run the folder's log records (run_to_restart), if it records one, else a new run."""
     if resume != "latest":
         return resume, load_training_checkpoint(resume), None
-    paths = checkpoint_paths(out_dir)
-    for path in paths:
-        try:
-            return path, load_training_checkpoint(path), None
-        except UserError as e:
-            print(f"warning: skipping {path}: {e}", file=sys.stderr)
-    if paths:
-        raise UserError(f"none of the {len(paths)} checkpoints in {out_dir} can be loaded: see the warnings above")
+    then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
+    path, ckpt = newest_of_its_run(out_dir, load_training_checkpoint, then)
+    if path is not None:
+        return path, ckpt, None
     restart = run_to_restart(out_dir)
     if restart is None:
         print(f"no checkpoint in {out_dir} to resume from: starting a new run")
@@ -39,6 +41,18 @@ def find_resume_checkpoint(resume, out_dir):
             f"recipe its log records"
         )
     return None, None, restart
+
+
+def check_names(args, given, found, restart):
+    """At start, on rank 0 (docs/reliability.md rule 27): the files at the names this run may write
+    are its own (support.checkpoints.check_names_to_write): the checkpoints of the steps from the one
+    it resumes at to its last (--max-steps as given, else the run's), and its log."""
+    if found is None:  # a new run (claim_out_dir refused any checkpoint) or a restart (the folder holds none)
+        run_id, steps = (restart or {}).get("run_id"), range(0)
+    else:
+        last = args.max_steps if "max_steps" in given else found.get("train_config", {}).get("max_steps", 0)
+        run_id, steps = found.get("run_id"), range(found["step"], max(last, found["step"]) + 1)
+    check_names_to_write(args.out_dir, run_id, steps)
 
 
 def run_to_restart(out_dir):
@@ -199,10 +213,12 @@ def resume_checkpoint(args, given, ddp, master_process, claim=None):
         try:
             if claim is not None:
                 claim()
+            found = None
             if args.resume:
                 picked[0], found, picked[2] = find_resume_checkpoint(args.resume, args.out_dir)
                 if found is not None:
                     check_resume_target(args, picked[0], found)
+            check_names(args, given, found, picked[2])
         except UserError as e:
             picked[1] = str(e)
     if ddp:

@@ -398,3 +398,8 @@ def save_tiny_hf_gpt2(path, n_embd=64, init=perturb_norms_and_biases):
             init(name, p)
     model.save_pretrained(path)
     return path
+
+
+def state_of(path):
+    """A file's bytes and mtime (nanoseconds), or None where there is none: what a refusal must leave."""
+    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None

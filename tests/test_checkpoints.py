@@ -3,8 +3,10 @@ full disk, a read-only folder) stops the run in one line naming the file, leaves
 and the earlier checkpoints whole (--resume then continues exactly), and claims no earlier ones
 where there are none; weights that are not finite are never saved; pruning (--keep-ckpts) removes
 only this run's checkpoints, never a symbolic link; a link put at the next checkpoint's name or
-its temporary file's mid-run is refused and left alone; a truncated checkpoint, or one that
-carries pickled code, is refused when loaded."""
+its temporary file's mid-run is refused and left alone, and a file put at a checkpoint's name
+mid-run is kept and the run stops;
+a truncated checkpoint, or one that carries pickled code, is refused when loaded, the latter said
+to be no train_gpt2.py checkpoint, pointing to what loads."""
 
 import errno
 import math
@@ -14,11 +16,22 @@ import re
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 
 import train_gpt2
-from helpers import at_step, fail_nth_write, random_shards, read_log, same_weights, tiny_args, user_error
+from helpers import (
+    at_step,
+    fail_nth_write,
+    headers,
+    random_shards,
+    read_log,
+    same_weights,
+    state_of,
+    tiny_args,
+    user_error,
+)
 from support import checkpoints, common
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.common import UserError
@@ -153,11 +166,6 @@ def test_pickle_carrying_code_is_refused(short_run, tmp_path):
 # A symbolic link at a checkpoint's name, put there while the run trains
 
 
-def state_of(path):
-    """A file's bytes and mtime (nanoseconds), or None where there is none."""
-    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
-
-
 @pytest.mark.parametrize("name", ["ckpt_000004.pt", ".ckpt_000004.pt.tmp"])
 @pytest.mark.parametrize("to", ["a file", "nothing"])
 def test_a_symlink_put_at_the_next_checkpoints_name_mid_run_is_refused_and_left_alone(
@@ -203,3 +211,33 @@ def test_pruning_never_removes_a_symlink_at_an_old_checkpoints_name(data, tmp_pa
     assert (out / "ckpt_000002.pt").is_symlink() and moved.exists()
     # 1 pruned; 3 kept too as the newest known good one (4 has no step after it yet)
     assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000003.pt", "ckpt_000004.pt"]
+
+
+@pytest.mark.parametrize("spec", ["a numpy scalar", "an object"])
+def test_a_refused_pickle_says_what_the_file_is_not_and_what_works(tmp_path, hf_tiny_dir, spec):
+    # a file torch.load(weights_only=True) refuses: one line saying it is no train_gpt2.py
+    # checkpoint, never torch's "weights_only=False will likely succeed" for a file no one vouched for
+    path = tmp_path / "model.pt"
+    torch.save({"model": np.float64(1.0) if spec == "a numpy scalar" else pathlib.PurePath("x")}, path)
+    args = ["--prompt", "Hi", "--num-samples", "1", "--max-new-tokens", "2", "--device", "cpu"]
+    msg = user_error(["--sample-from", path, *args])
+    assert msg.startswith(f"{path} is not a checkpoint written by train_gpt2.py (or is one of an older format)")
+    assert "weights_only" not in msg and "\x1b" not in msg  # torch's advice and its terminal colours
+    assert "a transformers GPT-2 as its folder (config.json beside its weights, as save_pretrained writes it)" in msg
+    assert train_gpt2.main(["--sample-from", str(hf_tiny_dir), *args]) == 0  # the advice: such a folder loads
+
+
+def test_a_file_put_at_a_checkpoint_name_mid_run_is_not_overwritten(data, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 2, "--eval-every", 0)
+    theirs = out / "ckpt_000004.pt"
+    at_step(monkeypatch, {3: lambda: theirs.write_bytes(b"the user's file, put there after the start")})
+    msg = user_error(args)
+    assert msg.startswith(f"{theirs} was put there while this run trained and is not this run's (it is not a")
+    assert f"continue with --resume (from {out / 'ckpt_000002.pt'})" in msg
+    assert theirs.read_bytes() == b"the user's file, put there after the start" and max(read_log(out)[1]) == 3
+    monkeypatch.undo()
+    subprocess.run(re.search(r"\((mv [^)]+)\)", msg).group(1), shell=True, check=True)  # the advice
+    assert train_gpt2.main([*map(str, args), "--resume"]) == 0
+    assert sorted(read_log(out)[1]) == list(range(6)) and len({h["run_id"] for h in headers(out)}) == 1
+    assert (out / "ckpt_000004.pt.aside").read_bytes() == b"the user's file, put there after the start"

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from helpers import ROOT, assert_one_line_error, cli, tiny_args
+from helpers import ROOT, assert_one_line_error, cli, state_of, tiny_args
 from support import common
 from support.common import UserError, out_of_memory_line, said_on_interrupt, write_atomic, write_dir_atomic
 
@@ -170,11 +170,6 @@ def test_gpu_out_of_memory_reads_as_gpu_memory_with_the_allocators_size():
 
 # ----------------------------------------------------------------------------------------------
 # write_atomic never follows a symbolic link, nor replaces one
-
-
-def state_of(path):
-    """A file's bytes and mtime (nanoseconds), or None where there is none."""
-    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
 
 
 @pytest.mark.parametrize("nofollow", [True, False], ids=["O_NOFOLLOW", "no O_NOFOLLOW"])

@@ -19,7 +19,7 @@ import pytest
 
 import fineweb
 import train_gpt2
-from helpers import ROOT, fail_nth_write, tiny_args, user_error
+from helpers import ROOT, fail_nth_write, state_of, tiny_args, user_error
 from support import common, file_lock
 from support.common import UserError
 from support.documents import HUB_OFFLINE_VARS
@@ -1113,11 +1113,6 @@ def test_a_lost_fineweb_journal_is_said_and_either_fix_it_names_finishes_the_fol
             (shards / name).unlink()
     fineweb.main(shlex.split(command)[2:])
     assert same_files(shards, whole)
-
-
-def state_of(path):
-    """A file's bytes and mtime (nanoseconds), or None where there is none."""
-    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
 
 
 def names_and_bytes(folder):

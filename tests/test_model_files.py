@@ -1,13 +1,18 @@
 """support/model_files.py, through real runs of train_gpt2.py: a run's folder where a model is
-expected (--sample-from, --init-from) means its newest checkpoint, said in a note; a folder with no
+expected (--sample-from, --init-from, --export-hf, hellaswag.py -m) means its newest checkpoint, said in
+a note, as --resume takes it (past a damaged one, another run's, a misnamed one); a folder with no
 model in it, or a mistyped checkpoint, is one line naming what the folder holds; a checkpoint that
 is not there is one line through the command line too."""
 
+import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
+from transformers import GPT2LMHeadModel
 
+import hellaswag
 import train_gpt2
 from helpers import ROOT, read_log, tiny_args, user_error
 
@@ -62,3 +67,55 @@ def test_sample_cli_bad_model_is_one_line_error(tmp_path):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error:")
+
+
+@pytest.fixture
+def damaged_newest(short_run, tmp_path):
+    """A copy of a run's folder whose newest checkpoint (ckpt_000002.pt) is cut short."""
+    out = tmp_path / "run"
+    shutil.copytree(short_run[1], out)
+    raw = (out / "ckpt_000002.pt").read_bytes()
+    (out / "ckpt_000002.pt").write_bytes(raw[: len(raw) // 2])
+    return out
+
+
+def skipped(err):
+    """The one warning line a loader prints for a checkpoint it passes over."""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("warning: skipping ") and "ckpt_000002.pt" in line, line
+    return line
+
+
+def test_every_loader_of_a_run_folder_falls_back_past_a_cut_short_newest_checkpoint(damaged_newest, tmp_path, capsys):
+    # as --resume does: the newest that loads, ckpt_000001.pt, said in one warning naming the file passed over
+    out, older = damaged_newest, damaged_newest / "ckpt_000001.pt"
+    capsys.readouterr()
+    args = ["--prompt", "Hi", "--num-samples", "1", "--max-new-tokens", "4", "--device", "cpu"]
+    assert train_gpt2.main(["--sample-from", str(out), *args]) == 0
+    said = capsys.readouterr()
+    assert "cannot be loaded safely" in skipped(said.err) and f"using its newest checkpoint, {older}" in said.out
+    assert train_gpt2.main(["--sample-from", str(older), *args]) == 0
+    assert said.out.splitlines()[1:] == capsys.readouterr().out.splitlines()  # the same samples
+    assert train_gpt2.main(["--export-hf", str(out), str(tmp_path / "hf")]) == 0
+    skipped(capsys.readouterr().err)
+    exported = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").state_dict()["lm_head.weight"]
+    ours = train_gpt2.load_model(str(older)).state_dict()["lm_head.weight"]
+    assert torch.equal(exported, ours[: len(exported)])  # the export drops the padded vocabulary's rows
+    capsys.readouterr()
+    model = hellaswag.load_model(str(out), "cpu")  # hellaswag.py -m
+    skipped(capsys.readouterr().err)
+    assert torch.equal(model.state_dict()["lm_head.weight"], ours)  # hellaswag.py keeps the vocabulary as it is
+
+
+def test_a_loader_passes_over_another_runs_checkpoint_in_a_run_folder(short_run, data, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(short_run[1], out)
+    other = tmp_path / "other"
+    assert train_gpt2.main(tiny_args(data, other, "--max-steps", 1, "--seed", 7, "--eval-every", 0)) == 0
+    shutil.copy(other / "ckpt_000001.pt", out / "ckpt_000009.pt")  # the newest name, another run
+    capsys.readouterr()
+    weights = train_gpt2.load_model(str(out)).state_dict()["lm_head.weight"]
+    said = capsys.readouterr()
+    assert "ckpt_000009.pt: it holds run " in said.err and "not this folder's run" in said.err
+    assert said.out.strip().endswith(f"using its newest checkpoint, {out / 'ckpt_000002.pt'}")
+    assert torch.equal(weights, train_gpt2.load_model(str(out / "ckpt_000002.pt")).state_dict()["lm_head.weight"])

@@ -30,6 +30,7 @@ from helpers import (
     run_ids,
     snapshot,
     start_run,
+    state_of,
     tiny_args,
     torchrun,
     user_error,
@@ -417,11 +418,6 @@ def test_a_data_dir_that_holds_a_runs_files_is_refused(data, tmp_path, run_file)
 # A symbolic link at a name the run writes is never followed, nor replaced
 
 
-def state_of(path):
-    """A file's bytes and mtime (nanoseconds), or None where there is none: what a refusal must leave."""
-    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
-
-
 def rm_from(msg):
     """The `rm` a LinkedName message advises, as written there (shell-quoted)."""
     return re.search(r"\(rm (.+?); what it points to is kept\)", msg)[1]
@@ -489,3 +485,25 @@ def test_undoing_a_failed_start_never_truncates_or_removes_a_link_at_the_logs_na
     state = state_of(target)
     undo_failed_start({"out_dir": str(out), "log": before, "checkpoints": {}})
     assert state_of(target) == state and (out / "log.jsonl").is_symlink()
+
+
+# A leftover at a checkpoint's temporary name is removed only when a write of this program left it
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_users_file_at_a_temporary_checkpoint_name_is_kept_and_named(data, tmp_path, resume):
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)) == 0
+    if not resume:
+        for path in out.iterdir():
+            path.unlink()
+    tmp = out / ".ckpt_000004.pt.tmp"
+    tmp.write_text("the user's file, not a checkpoint write cut short")
+    args = tiny_args(
+        data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0, *(["--resume"] if resume else [])
+    )
+    msg = refused_before_step_0(args, out, f"{tmp} is not a checkpoint write of train_gpt2.py's cut short")
+    assert tmp.read_text() == "the user's file, not a checkpoint write cut short"
+    subprocess.run(re.search(r"\((mv [^)]+)\)", msg).group(1), shell=True, check=True)  # the advice
+    assert train_gpt2.main(args) == 0 and (out / "ckpt_000004.pt").exists()
+    assert (out / ".ckpt_000004.pt.tmp.aside").read_text() == "the user's file, not a checkpoint write cut short"

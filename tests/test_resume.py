@@ -1,12 +1,14 @@
 """support/resume.py, through real runs of train_gpt2.py: which checkpoint --resume continues from
-(the newest that loads, past a truncated or corrupt one and a half-written one's leftover; a run's
-folder; an older checkpoint of the folder's own run; a new folder, never another run's; none, when
+(the newest of the folder's run that loads, past a truncated or corrupt one, another run's, a
+misnamed one and a half-written one's leftover; a run's folder; an older checkpoint of the
+folder's own run; a new folder, never another run's; never writing over a file not the run's; none, when
 the run was killed before its first checkpoint and its log records the run to restart), the recipe
 it takes from that checkpoint (flags left out take its values, a contradicting one is refused
 naming both values, a longer --max-steps, a lower --max-lr or another -B is allowed and said), and
 that the resumed run is the one it continues, bit for bit."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -24,11 +26,13 @@ from helpers import (
     headers,
     random_shards,
     read_log,
+    refused_before_step_0,
     run_ids,
     snapshot,
     start_run,
     strict_records,
     tiny_args,
+    torchrun,
     user_error,
     wait_for_step,
 )
@@ -54,7 +58,7 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert (tmp_path / "b" / "ckpt_000004.pt").exists() and not (tmp_path / "b" / "ckpt_000008.pt").exists()
-    (tmp_path / "b" / ".ckpt_000008.pt.tmp").write_bytes(b"half a checkpoint")  # as if killed mid-write
+    (tmp_path / "b" / ".ckpt_000008.pt.tmp").write_bytes(b"PK\x03\x04half")  # torch.save's zip, killed mid-write
     resumed = cli(*run(tmp_path / "b", "--resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout and "ckpt_000004.pt" in resumed.stdout
@@ -111,7 +115,7 @@ def test_resume_skips_a_corrupt_newest_checkpoint_in_one_line(short_run, tmp_pat
 def test_resume_in_a_read_only_folder_with_a_leftover_temporary_checkpoint_is_one_line(data, tmp_path, read_only):
     out = tmp_path / "out"
     assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)) == 0
-    (out / ".ckpt_000004.pt.tmp").write_bytes(b"cut short")
+    (out / ".ckpt_000004.pt.tmp").write_bytes(b"PK\x03\x04cut short")
     read_only(out)
     r = cli(*tiny_args(data, out, "--max-steps", 4, "--eval-every", 0, "--resume"))
     assert_one_line_error(r, f"--out-dir {out}", "Read-only file system", "make --out-dir writable")
@@ -371,3 +375,108 @@ def test_a_restart_refuses_a_flag_that_contradicts_the_recorded_recipe(
     else:
         assert train_gpt2.main(args) == 0
         assert sorted(read_log(out)[1]) == list(range(8)) and headers(out)[-1]["run_id"] == run_id
+
+
+# ----------------------------------------------------------------------------------------------
+# A run folder holds one run, and a run writes over nothing it did not write
+
+
+def advised_mv(msg):
+    """The `mv` command a message advises, run as the user would paste it into a shell."""
+    command = re.search(r"\((mv [^)]+)\)", msg).group(1)
+    subprocess.run(command, shell=True, check=True)
+    return command
+
+
+@pytest.mark.parametrize("kind", ["a user's file", "another run's checkpoint", "this run's, renamed"])
+def test_a_file_not_the_runs_at_a_checkpoint_name_it_would_write_stops_resume_before_step_0(data, two_runs, kind):
+    a, b = two_runs  # A: checkpoints 2 and 4 of 4 steps
+    target = a / "ckpt_000005.pt"
+    if kind == "a user's file":
+        target.write_bytes(b"the user's own bytes")
+    elif kind == "another run's checkpoint":
+        shutil.copy(b / "ckpt_000004.pt", target)
+    else:
+        (a / "ckpt_000002.pt").rename(target)  # holds step 2
+    mine = target.read_bytes()
+    args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2, "--resume")
+    why = {
+        "a user's file": "it is not a checkpoint train_gpt2.py can load",
+        "another run's checkpoint": f"it holds run {load_checkpoint(str(b / 'ckpt_000004.pt'))['run_id']}, not this",
+        "this run's, renamed": "it holds step 2, not the 5 its name says",
+    }[kind]
+    msg = refused_before_step_0(args, a, f"{target} is not this run's ({why}", "may write its step 5 checkpoint")
+    assert target.read_bytes() == mine and len(headers(a)) == 1
+    advised_mv(msg)  # the advice, then the same command: the run goes on, the file kept aside
+    assert train_gpt2.main(args) == 0
+    assert (a / "ckpt_000005.pt.aside").read_bytes() == mine and sorted(read_log(a)[1]) == list(range(6))
+    assert [h["resumed_from"] for h in headers(a)] == [None, 4] and len({h["run_id"] for h in headers(a)}) == 1
+
+
+@pytest.mark.parametrize("kind", ["another run's checkpoint", "this run's, renamed"])
+def test_a_newest_checkpoint_not_the_folders_own_is_passed_over_in_one_line(data, two_runs, capsys, kind):
+    a, b = two_runs
+    newest = a / "ckpt_000050.pt"  # the newest name, past this run's last step
+    shutil.copy(b / "ckpt_000006.pt" if kind == "another run's checkpoint" else a / "ckpt_000002.pt", newest)
+    theirs, own = newest.read_bytes(), load_checkpoint(str(a / "ckpt_000004.pt"))["run_id"]
+    capsys.readouterr()
+    args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2, "--resume")
+    assert train_gpt2.main(args) == 0
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    why = {
+        "another run's checkpoint": f"it holds run {load_checkpoint(str(newest))['run_id']}, not this folder's run "
+        f"{own} (which its log.jsonl records)",
+        "this run's, renamed": "it holds step 2, not the 50 its name says",
+    }[kind]
+    assert line == f"warning: skipping {newest}: {why}"
+    assert [h["resumed_from"] for h in headers(a)] == [None, 4] and {h["run_id"] for h in headers(a)} == {own}
+    assert newest.read_bytes() == theirs and sorted(read_log(a)[1]) == list(range(6))
+
+
+def test_a_folder_with_none_of_its_runs_checkpoints_left_is_refused(data, two_runs, tmp_path):
+    a, b = two_runs
+    for path in a.glob("ckpt_*.pt"):
+        path.unlink()
+    shutil.copy(b / "ckpt_000006.pt", a / "ckpt_000006.pt")  # only another run's checkpoint is left
+    args = ["--max-steps", 8, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2]
+    msg = refused_before_step_0(tiny_args(data, a, *args, "--resume"), a, f"none of the 1 checkpoints in {a}")
+    assert msg.endswith("pass it as --resume CKPT with a new --out-dir")
+    assert len(headers(a)) == 1
+    # the advice: that run continues in a folder of its own
+    assert train_gpt2.main(tiny_args(data, tmp_path / "new", *args, "--resume", a / "ckpt_000006.pt")) == 0
+    assert sorted(read_log(tmp_path / "new")[1]) == [6, 7] and run_ids(tmp_path / "new") == run_ids(b)
+
+
+def test_a_folder_with_no_log_and_checkpoints_of_two_runs_is_refused_naming_both(data, two_runs):
+    a, b = two_runs
+    (a / "log.jsonl").unlink()
+    shutil.copy(b / "ckpt_000006.pt", a / "ckpt_000006.pt")
+    args = tiny_args(data, a, "--max-steps", 8, "--warmup-steps", 2, "--eval-every", 0, "--resume")
+    msg = refused_before_step_0(args, a, "holds checkpoints of two runs and no log.jsonl")
+    for run_id in (*run_ids(b), load_checkpoint(str(a / "ckpt_000004.pt"))["run_id"]):
+        assert f"run {run_id}" in msg
+    assert not (a / "log.jsonl").exists()
+
+
+def test_resume_into_a_folder_whose_log_is_not_a_runs_leaves_it_alone(data, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "log.jsonl").write_text("the user's notes, not a run's log\n")
+    args = tiny_args(data, out, "--max-steps", 2, "--resume")
+    msg = refused_before_step_0(args, out, f"{out / 'log.jsonl'} is not this run's (its first line is not a run's")
+    assert (out / "log.jsonl").read_text() == "the user's notes, not a run's log\n"
+    advised_mv(msg)
+    assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == [0, 1]
+    assert (out / "log.jsonl.aside").read_text() == "the user's notes, not a run's log\n"
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_file_not_the_runs_is_said_once_and_kept(data, two_runs):
+    a, _ = two_runs
+    (a / "ckpt_000005.pt").write_bytes(b"the user's own bytes")
+    before = snapshot(a)
+    r = torchrun(*tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--resume"))
+    said = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
+    assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
+    assert said[0].startswith(f"error: {a / 'ckpt_000005.pt'} is not this run's") and "(mv " in said[0]
+    assert snapshot(a) == before  # rank 0 decided before anything was written, and every rank stopped

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 import train_gpt2
-from helpers import at_step, fail_nth_write, random_shards, read_log, tiny_args, user_error
+from helpers import at_step, fail_nth_write, random_shards, read_log, state_of, tiny_args, user_error
 from support import common, run_log
 from support.checkpoints import load_training_checkpoint
 from support.common import LinkedName
@@ -92,11 +92,6 @@ def read_log_file(path):
 
 # ----------------------------------------------------------------------------------------------
 # log.jsonl is never written through a symbolic link
-
-
-def state_of(path):
-    """A file's bytes and mtime (nanoseconds), or None where there is none."""
-    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
 
 
 @pytest.mark.parametrize("nofollow", [True, False], ids=["O_NOFOLLOW", "no O_NOFOLLOW"])
