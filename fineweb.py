@@ -422,6 +422,11 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
     manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
     had_manifest = os.path.exists(manifest_path)
     manifest = load_manifest(manifest_path, config)
+    # this run's stop flags, written with the manifest (and so in its journal's first line): the command
+    # that finishes a folder this run leaves unfinished (support.shards.fineweb_command) stops where it asked
+    stop_at = {k: v for k, v in (("max_tokens", max_tokens), ("max_shards", max_shards)) if v is not None}
+    if stop_at:
+        manifest["stop_at"] = stop_at
     shards = manifest["shards"]
     # training reads every *_train_* / *_val_* file of the folder: refuse to mix ours with others',
     # and never delete them (a run of another --prefix, or shards whose manifest was deleted)

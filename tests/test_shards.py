@@ -374,6 +374,36 @@ def test_a_folder_fineweb_has_not_finished_is_refused_naming_the_command(tmp_pat
     assert train_gpt2.main(tiny_args(shards, out, "--max-steps", 2)) == 0
 
 
+@pytest.mark.parametrize("stop", [["--max-tokens", "7000"], ["--max-shards", "3"]])
+def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(tmp_path, tiny_text, monkeypatch, stop):
+    shards = tmp_path / "shards"
+    args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1", *stop]
+    real, written = fineweb.write_shard, []
+
+    def write_then_stop(path, tokens, fmt="npy"):  # killed after 2 of the shards it was asked for
+        real(path, tokens, fmt)
+        written.append(path)
+        if len(written) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(fineweb, "write_shard", write_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        fineweb.main(args)
+    monkeypatch.undo()
+    line = assert_one_line_error(cli(*tiny_args(shards, tmp_path / "run", "--max-steps", 2)), "is unfinished")
+    command = line.split("`")[1]
+    assert command == f"python fineweb.py --input {tiny_text} --out-dir {shards} --shard-size 2000 {' '.join(stop)}"
+    done = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    asked = tmp_path / "asked"  # the run as it was asked, uninterrupted: the same files, not the whole input
+    summary = fineweb.main([*args[:3], str(asked), *args[4:]])
+    assert not summary["complete"] and summary["tokens"] in (6000, 7000)
+    names = sorted(p.name for p in asked.iterdir())
+    assert sorted(p.name for p in shards.iterdir()) == names
+    assert all((shards / n).read_bytes() == (asked / n).read_bytes() for n in names)
+    assert train_gpt2.main(tiny_args(shards, tmp_path / "run", "--max-steps", 2, "--eval-every", 0)) == 0
+
+
 def test_a_folder_stopped_where_max_tokens_asked_is_finished_as_asked(tmp_path, tiny_text):
     shards = tmp_path / "shards"
     args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1"]
