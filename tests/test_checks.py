@@ -416,6 +416,9 @@ def test_a_forgotten_warmup_on_a_short_run_is_refused(data, tmp_path):
     del args[i : i + 2]  # the default 715 steps of warm-up stay
     msg = refused_before_step_0(args, tmp_path / "out", "--max-steps 20", "715", "--warmup-steps")
     assert "e-" in msg  # the peak lr it would reach
+    fix = msg.split("(e.g. ")[1].rstrip(")").split()  # the warm-up it names: the run reaches --max-lr
+    assert train_gpt2.main([*args, *fix, "--eval-every", 0]) == 0
+    assert max(r["lr"] for r in read_log(tmp_path / "out")[1].values()) == pytest.approx(3e-3)
 
 
 def warmup_notes(capsys):
