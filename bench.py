@@ -148,18 +148,30 @@ def parse_args(argv=None):
     )
     p.add_argument("--out", default="bench.json", help="the JSON results (default bench.json)")
     args = p.parse_args(argv)
-    args.named = bool(args.only)  # sections asked for by name: each must run
-    args.only = args.only.split(",") if args.only else list(SECTIONS)
-    args.configs = args.configs.split(",") if args.configs else None
-    for name in args.only:
-        if name not in SECTIONS:
-            raise UserError(f"--only {name}: unknown section, choose from {', '.join(SECTIONS)}")
-    for name in args.configs or []:
-        if name not in TRAIN_CONFIGS:
-            raise UserError(f"--configs {name}: unknown config, choose from {', '.join(TRAIN_CONFIGS)}")
+    args.named = args.only is not None  # sections asked for by name: each must run
+    args.only = named_list("--only", args.only, SECTIONS, "section", "run them all") or list(SECTIONS)
+    args.configs = named_list("--configs", args.configs, tuple(TRAIN_CONFIGS), "config", "use the run size's own")
     if args.tiny and args.quick:
         raise UserError("--tiny and --quick are two sizes of run: pass one")
     return args
+
+
+def named_list(flag, value, choices, what, default):
+    """The names a comma-separated flag gives (spaces around them ignored), each one of choices; None
+    when the flag is left out. An empty name (--only '', a stray comma) is refused, not read as no
+    choice at all: --only '' would otherwise run every section, the opposite of what it says."""
+    if value is None:
+        return None
+    names = [name.strip() for name in value.split(",")]
+    if "" in names:
+        raise UserError(
+            f"{flag} {value!r} names an empty {what}: pass names separated by commas from {','.join(choices)} "
+            f"(e.g. {flag} {','.join(choices[:2])}), or leave {flag} out to {default}"
+        )
+    for name in names:
+        if name not in choices:
+            raise UserError(f"{flag} {name}: unknown {what}, choose from {', '.join(choices)}")
+    return names
 
 
 def is_bench_report(path):

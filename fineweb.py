@@ -434,6 +434,11 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
     check_no_links(out_dir, prefix)
     had_manifest = os.path.exists(manifest_path)
     manifest = load_manifest(manifest_path, config)
+    # this run's stop flags, written with the manifest (and so in its journal's first line): the command
+    # that finishes a folder this run leaves unfinished (support.shards.fineweb_command) stops where it asked
+    stop_at = {k: v for k, v in (("max_tokens", max_tokens), ("max_shards", max_shards)) if v is not None}
+    if stop_at:
+        manifest["stop_at"] = stop_at
     shards = manifest["shards"]
     # training reads every *_train_* / *_val_* file of the folder: refuse to mix ours with others',
     # and never delete them (a run of another --prefix, or shards whose manifest was deleted)
@@ -602,6 +607,10 @@ def _positive_int(s):
     return value
 
 
+# the smallest shard: one GPT-2 context (block_size 1,024) and the token after it, the longest sequence
+# train_gpt2.py cuts from a shard (a batch never spans two)
+MIN_SHARD_SIZE = 1025
+
 HUB_DEFAULTS = dict(dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train")
 
 
@@ -631,7 +640,10 @@ def parse_args(argv=None):
     )
     out.add_argument("--prefix", default="edufineweb", help="shard name prefix (default %(default)s)")
     out.add_argument(
-        "--shard-size", type=_positive_int, default=100_000_000, help="tokens per shard (default %(default)s)"
+        "--shard-size",
+        type=_positive_int,
+        default=100_000_000,
+        help=f"tokens per shard, at least {MIN_SHARD_SIZE} (default %(default)s)",
     )
     out.add_argument(
         "--format", choices=("npy", "bin"), default="npy", help="npy (np.save) or bin (llm.c header + uint16)"
@@ -675,6 +687,13 @@ def check_args(args):
         raise UserError(
             f"--prefix {prefix!r}: a shard name prefix is a plain name (not empty, no '/', no leading '.'), "
             f"e.g. edufineweb; the folder is --out-dir"
+        )
+    if args.shard_size < MIN_SHARD_SIZE:
+        raise UserError(
+            f"--shard-size {args.shard_size:,} is too small: a shard must hold one GPT-2 context of 1,024 tokens and "
+            f"its next-token target ({MIN_SHARD_SIZE:,}), for train_gpt2.py cuts each sequence from one shard; pass "
+            f"at least {MIN_SHARD_SIZE}, e.g. --shard-size 100000 for a small text like README's Shakespeare (the "
+            f"default, 100,000,000, suits FineWeb)"
         )
     # the shard is built in memory (2 bytes a token) before it is written: 1e13 would ask for 18 TiB
     memory = memory_bytes()
@@ -734,10 +753,15 @@ def main(argv=None):
             f"{state}: {where}; this run wrote {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate:,.0f} tokens/s)"
         )
     if s["complete"] and s["shards"] == 1:  # shard 0 is val: train_gpt2.py would find no train shard
+        smaller = max(MIN_SHARD_SIZE, s["tokens"] // 10)  # about a tenth of the input, the rest in train shards
+        fix = (
+            f"write smaller shards into another --out-dir, e.g. --shard-size {smaller}"
+            if smaller < s["tokens"]
+            else f"add input: even the smallest --shard-size, {MIN_SHARD_SIZE}, puts all of it in the val shard"
+        )
         print(
             f"note: there is no train shard: the whole input ({s['tokens']:,} tokens) is smaller than one "
-            f"--shard-size ({args.shard_size:,}), so it is all in the val shard {s['files'][0]}; for training, "
-            f"write smaller shards into another --out-dir, e.g. --shard-size {max(1, s['tokens'] // 10)}",
+            f"--shard-size ({args.shard_size:,}), so it is all in the val shard {s['files'][0]}; for training, {fix}",
             file=sys.stderr,
         )
     return s

@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
 from support.checkpoints import load_checkpoint, save_training_state
-from support.checks import check_args, check_data, check_init_shape, check_model_fits
+from support.checks import check_args, check_data, check_init_shape, check_model_fits, warmup_note
 from support.common import ArgumentParser, UserError, first_line, run_cli, said_on_interrupt
 from support.ddp import join_process_group
 from support.divergence import NonFiniteGuard
@@ -564,6 +564,8 @@ def start_run(args, given):
         print(f"total batch {args.total_batch_size:,} tokens = B {B} x T {T} x {ddp_world_size} ranks", end="")
         print(f" x {grad_accum_steps} accumulation steps")
         report_resume(changes, taken)
+        if (note := warmup_note(args)) is not None:
+            print(note)
     run = Run(args, dist_info, device, autocast_dtype, grad_accum_steps, use_compile)
     run.scaler = grad_scaler(precision["dtype"], device_type)
     return run, ckpt_path, ckpt, changes, precision

@@ -94,11 +94,11 @@ def check_args(args, world_size, given=frozenset()):
         f"--init-from {args.init_from} starts a new run, --resume continues one: pass one of them",
     )
     if not args.resume and "warmup_steps" not in given:  # on resume the checkpoint's value counts
-        last_lr = args.max_lr * args.max_steps / args.warmup_steps if args.warmup_steps else args.max_lr
         need(
             args.warmup_steps < args.max_steps,
             f"--max-steps {args.max_steps} ends inside the default {args.warmup_steps}-step warm-up (lr would "
-            f"never pass {last_lr:.1e}): pass --warmup-steps below --max-steps",
+            f"never pass {last_warmup_lr(args):.1e}): pass --warmup-steps below --max-steps "
+            f"(e.g. --warmup-steps {fitting_warmup(args.max_steps)})",
         )
     micro = args.batch_size * args.seq_len * world_size
     need(
@@ -115,6 +115,32 @@ def check_args(args, world_size, given=frozenset()):
     if not (getattr(args, "sample_from", None) or getattr(args, "export_hf", None)):  # a training run's folders
         problem = data_dir_problem(args.data_dir, args.out_dir)
         need(problem is None, problem)
+
+
+def last_warmup_lr(args):
+    """The lr of a run's last step (max_steps - 1) while it is still warming up."""
+    return args.max_lr * args.max_steps / args.warmup_steps if args.warmup_steps else args.max_lr
+
+
+def fitting_warmup(max_steps):
+    """A warm-up that ends inside max_steps, to name in advice: about a tenth of the run, at least
+    one step (none for a one-step run)."""
+    return min(max(1, max_steps // 10), max_steps - 1)
+
+
+def warmup_note(args):
+    """A note when --max-steps ends inside an asked-for warm-up, else None. It is not refused: a run
+    may be the first part of a longer one, continued by --resume with a larger --max-steps (the
+    warm-up's lr does not depend on --max-steps, so the parts train as one run would). But the lr
+    then never reaches --max-lr, which a run meant whole should hear at start."""
+    if args.warmup_steps < args.max_steps:
+        return None
+    return (
+        f"note: --max-steps {args.max_steps} ends inside the {args.warmup_steps}-step warm-up (--warmup-steps): "
+        f"the lr climbs to {last_warmup_lr(args):.1e}, never to --max-lr {args.max_lr:.1e}; fine for the start "
+        f"of a longer run continued with --resume and a larger --max-steps, else pass --warmup-steps "
+        f"{fitting_warmup(args.max_steps)}"
+    )
 
 
 def check_init_shape(args, given, config, master_process=True):

@@ -86,7 +86,9 @@ def acquire(path):
     with O_CREAT | O_EXCL, so of two processes one alone makes it; one left by a killed process is
     taken over when its text names a pid on this host that no longer runs (write_holder's text
     must begin "pid N" and say "on HOSTNAME,"); one of another host is refused, naming the file to
-    delete once its run has ended. That takeover is not atomic: two processes that find the same
+    delete once its run has ended; one whose pid runs is refused, naming the command that shows
+    what that pid runs now (a pid is reused: after a reboot it may be any process) and the file to
+    delete if it is not the holder. That takeover is not atomic: two processes that find the same
     stale file in the same instant can both take it."""
     if fcntl is None and msvcrt is None:
         return _acquire_exclusive_file(path)
@@ -139,8 +141,15 @@ def _acquire_exclusive_file(path):
             if not match or match[2] != socket.gethostname():  # another host's, or it is just starting
                 starting = not match and time.time() - os.fstat(fd).st_mtime < 60
                 raise Held(holder, None if starting else f"if no run is using it, delete {path}")
-            if _alive(int(match[1])):
+            pid = int(match[1])
+            if pid == os.getpid():  # this process's own lock
                 raise Held(holder)
+            if _alive(pid):  # that run, or a process that took its pid since (after a reboot, say)
+                raise Held(
+                    holder,
+                    f"if `ps -p {pid} -o args=` does not show that command, pid {pid} is another process now (the "
+                    f"pid reused, or the file copied from another run's folder) and no run holds it: delete {path}",
+                )
             same = held(fd, path)
         finally:
             os.close(fd)

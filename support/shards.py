@@ -147,7 +147,7 @@ def check_fineweb_finished(data_dir):
             with open(os.path.join(data_dir, name), encoding="utf-8") as f:
                 manifest = json.load(f)
             config, finished = manifest["config"], manifest["complete"] or manifest.get("limit") is not None
-            command = fineweb_command(config, data_dir)
+            command = fineweb_command(config, data_dir, manifest.get("stop_at"))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
             continue  # not fineweb.py's manifest
         readable.add(name)
@@ -170,7 +170,8 @@ def check_fineweb_finished(data_dir):
         state = "cannot be read" if name in names else "is missing"
         try:
             with open(os.path.join(data_dir, journal), encoding="utf-8") as f:
-                command = fineweb_command(json.loads(f.readline())["manifest"]["config"], data_dir)
+                base = json.loads(f.readline())["manifest"]
+                command = fineweb_command(base["config"], data_dir, base.get("stop_at"))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
             raise UserError(
                 f"--data-dir {data_dir} is unfinished: fineweb.py's journal {journal} is there, and its manifest "
@@ -199,9 +200,11 @@ def listed_but_not_there(data_dir, shards):
     return None
 
 
-def fineweb_command(config, data_dir):
+def fineweb_command(config, data_dir, stop_at=None):
     """The fineweb.py command that writes (and, rerun, finishes) the shards a manifest's config
-    describes into data_dir: its flags that differ from fineweb.py's defaults."""
+    describes into data_dir: its flags that differ from fineweb.py's defaults, and the --max-tokens /
+    --max-shards its run stopped at (stop_at, the manifest's record of them), so that it finishes the
+    folder as that run was asked to, not with the whole input."""
     source, command = config["source"], ["python", "fineweb.py"]
     if "input" in source:
         paths = [entry["path"] if isinstance(entry, dict) else entry[0] for entry in source["input"]]
@@ -220,6 +223,8 @@ def fineweb_command(config, data_dir):
     for key, default in defaults.items():  # fineweb.py's defaults
         if config.get(key, default) != default:
             command += [f"--{key.replace('_', '-')}", str(config[key])]
+    for key, value in sorted((stop_at or {}).items()):
+        command += [f"--{key.replace('_', '-')}", str(int(value))]
     return shlex.join(command)
 
 

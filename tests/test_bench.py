@@ -104,6 +104,24 @@ def test_unknown_section_is_a_one_line_error(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("flag, value", [("--only", ""), ("--only", "train,"), ("--configs", "")])
+def test_an_empty_name_is_refused_naming_the_choices_not_read_as_all(flag, value):
+    with pytest.raises(UserError) as e:
+        parse_args([flag, value])
+    said = str(e.value)
+    assert said.startswith(f"{flag} {value!r} names an empty ") and f"leave {flag} out" in said
+    example = said.split("(e.g. ")[1].split(")")[0].split()  # the comma list it gives parses as those names
+    fixed = parse_args(example)
+    names = fixed.only if flag == "--only" else fixed.configs
+    assert names == example[1].split(",") and len(names) == 2 and fixed.named == (flag == "--only")
+
+
+def test_only_empty_is_one_line_and_measures_nothing(tmp_path):
+    r = run_bench("--tiny", "--only", "", "--out", tmp_path / "b.json", cwd=tmp_path)
+    assert_one_line_error(r, "--only '' names an empty section", "ceiling,loader,fineweb,sample,train,ladder,hellaswag")
+    assert os.listdir(tmp_path) == []
+
+
 def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "bench.py", "--tiny", "--out", str(tmp_path / "b.json")],

@@ -167,7 +167,7 @@ CASES = {
     "--max-steps inside the default warm-up": (
         lambda tmp: train_gpt2.main(no_warmup("--max-steps", 20)),
         "--max-steps 20 ends inside the default 715-step warm-up (lr would never pass 8.4e-05): pass "
-        "--warmup-steps below --max-steps",
+        "--warmup-steps below --max-steps (e.g. --warmup-steps 2)",
     ),
     "--total-batch-size 100": (
         train("--total-batch-size", 100),
@@ -397,7 +397,7 @@ def test_the_largest_vocab_size_trains(tmp_path):
         (["--eval-every", -1], ["--eval-every"]),
         (["--device", "tpu"], ["unknown device"]),
         (["--init-from", "gpt2", "--resume"], ["--init-from", "--resume"]),
-        (["--max-steps", 20, "--warmup-steps", 715], None),  # explicit: allowed (the user asked for it)
+        (["--max-steps", 20, "--warmup-steps", 715], None),  # explicit: a note (test_a_run_that_ends_inside...)
     ],
 )
 def test_bad_flags_are_refused_before_step_0(data, tmp_path, flags, words):
@@ -416,6 +416,44 @@ def test_a_forgotten_warmup_on_a_short_run_is_refused(data, tmp_path):
     del args[i : i + 2]  # the default 715 steps of warm-up stay
     msg = refused_before_step_0(args, tmp_path / "out", "--max-steps 20", "715", "--warmup-steps")
     assert "e-" in msg  # the peak lr it would reach
+    fix = msg.split("(e.g. ")[1].rstrip(")").split()  # the warm-up it names: the run reaches --max-lr
+    assert train_gpt2.main([*args, *fix, "--eval-every", 0]) == 0
+    assert max(r["lr"] for r in read_log(tmp_path / "out")[1].values()) == pytest.approx(3e-3)
+
+
+def warmup_notes(capsys):
+    return [line for line in capsys.readouterr().out.splitlines() if "warm-up" in line]
+
+
+def test_a_run_that_ends_inside_its_warm_up_is_said_and_the_advised_warm_up_reaches_max_lr(data, tmp_path, capsys):
+    # asked for, not refused: the first part of a longer run (test_resume.py's run4) is one
+    args = tiny_args(data, tmp_path / "out", "--max-steps", 3, "--warmup-steps", 10, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    [note] = warmup_notes(capsys)
+    assert note.startswith("note: --max-steps 3 ends inside the 10-step warm-up (--warmup-steps): the lr climbs to ")
+    assert "9.0e-04, never to --max-lr 3.0e-03" in note and "--resume and a larger --max-steps" in note
+    lrs = [r["lr"] for _, r in sorted(read_log(tmp_path / "out")[1].items())]
+    assert max(lrs) == pytest.approx(3e-3 * 3 / 10)  # what it says: the lr never reaches --max-lr
+    fix = note.split("else pass ")[1].split()  # the fix it names: the lr reaches --max-lr, and nothing is said
+    args = tiny_args(data, tmp_path / "fixed", "--max-steps", 3, *fix, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    assert warmup_notes(capsys) == []
+    lrs = [r["lr"] for _, r in sorted(read_log(tmp_path / "fixed")[1].items())]
+    assert lrs[int(fix[1])] == pytest.approx(3e-3)
+
+
+def test_a_resume_whose_max_steps_still_ends_inside_the_warm_up_is_said(data, tmp_path, capsys):
+    out = tmp_path / "out"
+    common = ["--warmup-steps", 5, "--ckpt-every", 2, "--eval-every", 0]
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, *common)) == 0
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--resume", *common)) == 0
+    assert [n.split(":")[1] for n in warmup_notes(capsys)] == [
+        " --max-steps 2 ends inside the 5-step warm-up (--warmup-steps)",
+        " --max-steps 4 ends inside the 5-step warm-up (--warmup-steps)",
+    ]
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 8, "--resume", *common)) == 0  # past it: the whole run
+    assert warmup_notes(capsys) == []
+    assert max(r["lr"] for r in read_log(out)[1].values()) == pytest.approx(3e-3)
 
 
 @pytest.mark.parametrize("seed", [-1, 2**32])
@@ -462,7 +500,7 @@ def test_a_typo_in_a_flag_is_refused_not_guessed(data, tmp_path):
 @pytest.mark.parametrize("flag, value", [("--n-layer", 3), ("--n-embd", 64), ("--block-size", 128)])
 def test_model_flags_with_init_from_are_said_not_dropped_silently(short_run, data, tmp_path, capsys, flag, value):
     out = tmp_path / "out"
-    args = tiny_args(data, out, "--init-from", short_run[1], "--max-steps", 1, "--eval-every", 0)
+    args = tiny_args(data, out, "--init-from", short_run[1], "--max-steps", 1, "--warmup-steps", 0, "--eval-every", 0)
     assert train_gpt2.main(args + [flag, value]) == 0
     note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
     name = flag[2:].replace("-", "_")

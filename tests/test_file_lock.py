@@ -17,7 +17,8 @@ import time
 import pytest
 
 from support import file_lock
-from support.out_dir import LOCK_FILE
+from support.common import UserError
+from support.out_dir import LOCK_FILE, lock_out_dir
 
 
 @pytest.fixture
@@ -48,13 +49,44 @@ def test_exclusive_file_lock_of_a_killed_run_on_this_host_is_taken_over(exclusiv
         os.close(fd)
 
 
+def live_pid_fix(pid, path):
+    return (
+        f"if `ps -p {pid} -o args=` does not show that command, pid {pid} is another process now (the pid reused, "
+        f"or the file copied from another run's folder) and no run holds it: delete {path}"
+    )
+
+
 def test_exclusive_file_lock_of_a_live_process_is_refused(exclusive_file):
     holder = f"pid {os.getppid()} (rank 0 of a torchrun job) on {socket.gethostname()}, since 2026-11-25: python x.py"
     exclusive_file.write_text(holder)
     with pytest.raises(file_lock.Held) as held:
         file_lock.acquire(str(exclusive_file))
-    assert held.value.holder == holder and held.value.fix is None
+    assert held.value.holder == holder and held.value.fix == live_pid_fix(os.getppid(), exclusive_file)
     assert exclusive_file.read_text() == holder
+
+
+def test_a_lock_naming_a_live_unrelated_process_says_how_to_tell_and_what_to_do(exclusive_file):
+    # a pid taken since by another process (a reboot), the lock file of a killed run still there
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        out = exclusive_file.parent
+        since = "since 2026-11-25 12:00:00"
+        exclusive_file.write_text(
+            f"pid {other.pid} on {socket.gethostname()}, {since}: python train_gpt2.py --out-dir {out}"
+        )
+        with pytest.raises(UserError) as e:  # as train_gpt2.py says it
+            lock_out_dir(str(out), "rerun the same command")
+        said = str(e.value)
+        assert said.startswith(f"--out-dir {out} is in use by another run (pid {other.pid} on ")
+        assert said.endswith(f"({live_pid_fix(other.pid, exclusive_file)})")
+        shows = subprocess.run(said.split("`")[1], shell=True, capture_output=True, text=True)  # how to tell
+        assert shows.returncode == 0 and shows.stdout.split() == ["sleep", "60"]  # not that command
+        os.remove(said.rsplit("delete ", 1)[1][:-1])  # what to do
+        fd = file_lock.acquire(str(exclusive_file))
+        os.close(fd)
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_exclusive_file_lock_of_another_host_is_refused_naming_the_file(exclusive_file):

@@ -204,14 +204,14 @@ def test_txt_and_jsonl_globs_in_order_with_text_field(tmp_path, enc):
     rows = [
         {"content": "caf\u00e9 \u2603 <|endoftext|> is plain text here", "id": 1},
         {"content": "", "id": 2},
-        {"content": "x " * 40, "id": 3},
+        {"content": "x " * 2500, "id": 3},
     ]
     (src / "c.jsonl").write_text(json.dumps(rows[0]) + "\n\n" + "\n".join(json.dumps(r) for r in rows[1:]) + "\n")
     docs = ["first file, sorted before b", "second file\r\nkeeps its CRLF\n"] + [r["content"] for r in rows]
     expected = np.array([t for d in docs for t in [EOT, *enc.encode_ordinary(d)]], dtype=np.uint16)
 
     out = tmp_path / "out"
-    # shards of 7 tokens: documents split across shards, the long one across several
+    # shards of the smallest size, 1,025 tokens: documents split across shards, the long one across several
     fineweb.main(
         [
             "--input",
@@ -222,11 +222,11 @@ def test_txt_and_jsonl_globs_in_order_with_text_field(tmp_path, enc):
             "--out-dir",
             str(out),
             "--shard-size",
-            "7",
+            "1025",
         ]
     )
     shards = ordered(read_shards(out))
-    assert all(len(s) == 7 for s in shards[:-1]) and 0 < len(shards[-1]) <= 7
+    assert len(shards) == 3 and all(len(s) == 1025 for s in shards[:-1]) and 0 < len(shards[-1]) <= 1025
     np.testing.assert_array_equal(np.concatenate(shards), expected)
     manifest = json.loads((out / "edufineweb_manifest.json").read_text())
     assert sum(s["documents"] for s in manifest["shards"]) == len(docs)
@@ -396,20 +396,20 @@ def test_unwritable_out_dir(tmp_path):
 def test_manifest_from_other_config_or_corrupt(tmp_path):
     (tmp_path / "doc.txt").write_text("hello world, " * 20)
     args = ["--input", str(tmp_path / "doc.txt"), "--out-dir", str(tmp_path / "out"), "--workers", "1"]
-    fineweb.main([*args, "--shard-size", "10"])
+    fineweb.main([*args, "--shard-size", "1025"])
     before = file_bytes(tmp_path / "out")
-    with pytest.raises(UserError, match=r"different configuration \(shard_size 10 there, 20 now\)"):
-        fineweb.main([*args, "--shard-size", "20"])
+    with pytest.raises(UserError, match=r"different configuration \(shard_size 1025 there, 2000 now\)"):
+        fineweb.main([*args, "--shard-size", "2000"])
     with pytest.raises(UserError, match=r"different configuration \(format 'npy' there, 'bin' now\)"):
-        fineweb.main([*args, "--shard-size", "10", "--format", "bin"])
+        fineweb.main([*args, "--shard-size", "1025", "--format", "bin"])
     with (tmp_path / "doc.txt").open("a") as f:
         f.write("one more line")  # the input changed: skipping by document count would be wrong
     with pytest.raises(UserError, match=r"--input .*doc.txt changed since the shards in .* were written from it"):
-        fineweb.main([*args, "--shard-size", "10"])
+        fineweb.main([*args, "--shard-size", "1025"])
     assert file_bytes(tmp_path / "out") == before  # refused without touching anything
     (tmp_path / "out" / "edufineweb_manifest.json").write_text("{not json")
     with pytest.raises(UserError, match="not a readable manifest"):
-        fineweb.main([*args, "--shard-size", "10"])
+        fineweb.main([*args, "--shard-size", "1025"])
 
 
 def test_missing_shard_is_redone(tmp_path, shared_data):
@@ -512,6 +512,11 @@ def test_cli_prints_one_line_and_exits_1(tmp_path):
         (["--shard-size", "1.5"], r"argument --shard-size: '1.5' is not a whole number"),
         (["--shard-size", "1e999"], r"'1e999' is not a whole number"),
         (["--shard-size", "0"], r"'0' must be at least 1"),
+        (["--shard-size", "1"], r"^--shard-size 1 is too small: a shard must hold one GPT-2 context of 1,024 tokens"),
+        (
+            ["--shard-size", "1024"],
+            r"^--shard-size 1,024 is too small: .*; pass at least 1025, e.g. --shard-size 100000 ",
+        ),
         (["--format", "bin", "--shard-size", "3e9", "--workers", "1"], r"a .bin shard holds at most 2,147,483,647"),
         (["--max-tokens", "nan"], r"'nan' is not a whole number"),
         (["--max-tokens", "-5"], r"'-5' must be at least 1"),
@@ -536,6 +541,18 @@ def test_every_flag_is_checked_before_any_work(tmp_path, monkeypatch, flags, mes
         fineweb.main(["--input", str(tmp_path / "doc.txt"), "--out-dir", str(tmp_path / "out"), *flags])
     assert "\n" not in str(e.value)
     assert snapshot(tmp_path) == before  # not even the out-dir was made
+
+
+def test_a_shard_too_small_for_one_sequence_is_refused_and_the_size_it_names_works(tmp_path, shared_data):
+    text = shared_data / "tinyshakespeare" / "input.txt"
+    code, _, err = run_cli(["--input", str(text), "--out-dir", "out", "--shard-size", "1"], tmp_path)
+    assert_one_line_error(code, err, r"^error: --shard-size 1 is too small: .*pass at least 1025")
+    line = err.splitlines()[-1]
+    assert os.listdir(tmp_path) == []  # not a file a token: nothing written
+    fix = re.search(r"e\.g\. (--shard-size \d+) for a small text like README's Shakespeare", line).group(1).split()
+    code, _, err = run_cli(["--input", str(text), "--out-dir", "out", *fix, "--workers", "1"], tmp_path)
+    assert code == 0 and "no train shard" not in err, err
+    assert sorted(p.name for p in (tmp_path / "out").glob("*_train_*.npy"))[-1] == "edufineweb_train_000003.npy"
 
 
 def test_empty_flags_and_hub_flags(tmp_path):
@@ -571,6 +588,15 @@ def test_input_smaller_than_one_shard_says_so(tmp_path, shared_data):
         ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path
     )
     assert out.startswith("nothing to do") and "no train shard" in err  # and again on a rerun
+
+
+def test_input_within_the_smallest_shard_is_told_to_add_input(tmp_path):
+    # no --shard-size (at least 1,025) leaves any of 1,000 tokens for a train shard: none is named
+    (tmp_path / "doc.txt").write_text("x" + " x" * 998)
+    code, out, err = run_cli(["--input", "doc.txt", "--out-dir", "out", "--workers", "1"], tmp_path)
+    assert code == 0 and out.startswith("done: 1,000 tokens"), err
+    assert "no train shard" in err and "add input: even the smallest --shard-size, 1025, puts all of it" in err
+    assert "e.g. --shard-size" not in err
 
 
 @pytest.mark.parametrize(
@@ -897,7 +923,7 @@ def test_one_input_named_twice_is_read_once(tmp_path, shared_data, enc, how):
         shutil.copy(src / "a.txt", tmp_path / "copy.txt")
         second = str(tmp_path / "copy.txt")
     code, _, err = run_cli(
-        ["--input", str(src / "a.txt"), second, "--out-dir", "out", "--shard-size", "1000"], tmp_path
+        ["--input", str(src / "a.txt"), second, "--out-dir", "out", "--shard-size", "1025"], tmp_path
     )
     assert code == 0, err
     assert "it is read once" in err
@@ -932,7 +958,7 @@ def test_text_that_is_not_utf8_is_refused_naming_the_file_and_the_conversion_wor
     assert subprocess.run(command, shell=True, cwd=tmp_path).returncode == 0
     converted = tmp_path / f"doc.utf8{suffix}"
     code, _, err = run_cli(
-        ["--input", converted.name, "--out-dir", "out", "--shard-size", "50", "--workers", "1"], tmp_path
+        ["--input", converted.name, "--out-dir", "out", "--shard-size", "1025", "--workers", "1"], tmp_path
     )
     assert code == 0, err
     expected = np.array([EOT, *enc.encode_ordinary(UTF16_TEXT)], dtype=np.uint16)
@@ -955,7 +981,9 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_first_document(tmp_path, enc,
     text = "First words of the file.\nSecond line."
     content = text if suffix == ".txt" else json.dumps({"text": text}) + "\n"
     (tmp_path / f"doc{suffix}").write_bytes(b"\xef\xbb\xbf" + content.encode())
-    fineweb.main(["--input", str(tmp_path / f"doc{suffix}"), "--out-dir", str(tmp_path / "out"), "--shard-size", "5"])
+    fineweb.main(
+        ["--input", str(tmp_path / f"doc{suffix}"), "--out-dir", str(tmp_path / "out"), "--shard-size", "1025"]
+    )
     expected = np.array([EOT, *enc.encode_ordinary(text)], dtype=np.uint16)
     np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path / "out"))), expected)
 
@@ -978,8 +1006,8 @@ def test_the_work_per_shard_does_not_grow_with_the_shards_written(tmp_path, shar
 
     monkeypatch.setattr(fineweb, "write_shard", write_shard)
     text = shared_data / "tinyshakespeare" / "input.txt"
-    summary = fineweb.main(["--input", str(text), "--out-dir", str(tmp_path), "--shard-size", "1000", "--workers", "1"])
-    assert summary["shards"] == 339 and summary["complete"]
+    summary = fineweb.main(["--input", str(text), "--out-dir", str(tmp_path), "--shard-size", "1025", "--workers", "1"])
+    assert summary["shards"] == 330 and summary["complete"]  # 338,025 tokens and an EOT
     per_shard = np.diff(marks)
     early, late = np.median(per_shard[15:25]), np.median(per_shard[295:305])
     assert abs(late - early) < 200, (early, late)

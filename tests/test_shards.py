@@ -12,6 +12,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -372,6 +373,58 @@ def test_a_folder_fineweb_has_not_finished_is_refused_naming_the_command(tmp_pat
     assert sorted(p.name for p in shards.iterdir()) == names
     assert all((shards / n).read_bytes() == (whole / n).read_bytes() for n in names)
     assert train_gpt2.main(tiny_args(shards, out, "--max-steps", 2)) == 0
+
+
+SIGKILLED_FINEWEB = """
+import os, signal, sys
+import fineweb
+real, written = fineweb.write_shard, []
+def write_shard(path, tokens, fmt="npy"):  # SIGKILL as the 2nd shard is in place
+    real(path, tokens, fmt)
+    written.append(path)
+    if len(written) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+fineweb.write_shard = write_shard
+fineweb.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("stop", [["--max-tokens", "7000"], ["--max-shards", "3"]])
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGKILL, manifest deleted"])
+def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(
+    tmp_path, tiny_text, monkeypatch, stop, how
+):
+    shards = tmp_path / "shards"
+    args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1", *stop]
+    if how == "Ctrl-C":  # the manifest made whole as the run stops
+        real, written = fineweb.write_shard, []
+
+        def write_then_stop(path, tokens, fmt="npy"):  # stopped after 2 of the shards it was asked for
+            real(path, tokens, fmt)
+            written.append(path)
+            if len(written) == 2:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(fineweb, "write_shard", write_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            fineweb.main(args)
+        monkeypatch.undo()
+    else:  # the journal alone says how the folder began: its first line
+        r = subprocess.run([sys.executable, "-c", SIGKILLED_FINEWEB, *args], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == -signal.SIGKILL, r.stderr
+        (shards / "edufineweb_manifest.json").unlink()
+    line = assert_one_line_error(cli(*tiny_args(shards, tmp_path / "run", "--max-steps", 2)), "is unfinished")
+    command = line.split("`")[1]
+    assert command == f"python fineweb.py --input {tiny_text} --out-dir {shards} --shard-size 2000 {' '.join(stop)}"
+    done = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    asked = tmp_path / "asked"  # the run as it was asked, uninterrupted: the same files, not the whole input
+    summary = fineweb.main([*args[:3], str(asked), *args[4:]])
+    assert not summary["complete"] and summary["tokens"] in (6000, 7000)
+    names = sorted(p.name for p in asked.iterdir())
+    assert sorted(p.name for p in shards.iterdir()) == names
+    assert all((shards / n).read_bytes() == (asked / n).read_bytes() for n in names)
+    assert train_gpt2.main(tiny_args(shards, tmp_path / "run", "--max-steps", 2, "--eval-every", 0)) == 0
 
 
 def test_a_folder_stopped_where_max_tokens_asked_is_finished_as_asked(tmp_path, tiny_text):
