@@ -331,7 +331,9 @@ def _is_step_record(line):
 def log_runs(path):
     """(the ids of the runs log.jsonl records a trained or skipped step of, in order; whether it
     holds a line that is not a record of ours). A start that failed before its first step (its
-    header, perhaps a step-0 eval) is no run. A last line cut short by a kill is passed over."""
+    header, perhaps a step-0 eval) is no run. A line cut short (by a kill, a full disk, a log cut in
+    place) after a record of ours is passed over where it is the last line or the next is a run's
+    header: the start, or the reopen, that ended it on its own line (RunLog.open)."""
     try:
         with open(path, "rb") as f:
             lines = f.read().split(b"\n")
@@ -339,16 +341,19 @@ def log_runs(path):
         return [], False
     except OSError:  # a folder named log.jsonl, an unreadable file: someone's
         return [], True
-    runs, current, records = [], None, 0
-    for i, line in enumerate(lines):
+    runs, current, records, cut = [], None, 0, False
+    for line in lines:
         line = line.strip()
         if not line:
             continue
         if not (line.startswith(b"{") and line.endswith(b"}")):
-            if i == len(lines) - 1 and records:
-                continue  # the last line, cut short by a kill
+            if not records or cut:
+                return runs, True
+            cut = True  # ours cut short, if the last line or a header follows
+            continue
+        if cut and b'"header"' not in line:
             return runs, True
-        records += 1
+        records, cut = records + 1, False
         if b'"header"' in line:
             try:
                 record = json.loads(line)

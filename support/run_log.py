@@ -53,6 +53,7 @@ class RunLog:
     def __init__(self, out_dir, enabled, max_steps):
         self.path, self.file, self.max_steps = os.path.join(out_dir, "log.jsonl"), None, max_steps
         self.out_dir, self.wandb, self.first = out_dir, None, None
+        self.size = 0  # log.jsonl's size after this run's last record: a smaller one was cut in place
         if not enabled:
             return
         try:
@@ -109,6 +110,7 @@ class RunLog:
         try:
             self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
             self.file.flush()
+            self.size = os.fstat(self.file.fileno()).st_size
         except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
             raise disk_error(e, self.path, "continue with --resume") from None
 
@@ -117,7 +119,9 @@ class RunLog:
         inode; two stat calls). Deleted, renamed or replaced (a log-rotation tool, a cleanup), the
         records would go on into a file no one sees: so it is written again at its path, with a
         fresh header of the same run ("reopened") that resume and play.ipynb read as this run,
-        said in one warning; a path that cannot be written stops the run in one line."""
+        said in one warning; a path that cannot be written stops the run in one line. The same file
+        cut short in place (logrotate's copytruncate, `: > log.jsonl`) gets the header too: the
+        records after it would otherwise begin a log with no run's header, refused at the next start."""
         try:
             mine = os.fstat(self.file.fileno())
             try:
@@ -125,6 +129,12 @@ class RunLog:
             except FileNotFoundError:
                 now = None
             if now is not None and os.path.samestat(mine, now):
+                if mine.st_size >= self.size:
+                    return
+                self.file.close()  # reopened: open() ends a last line cut mid-record before ours
+                self.file = None
+                self.file = self.open()
+                self.said_reopened("cut short in place", "the records before are in the copy, if one was made")
                 return
             self.file.close()
             self.file = None
@@ -140,10 +150,14 @@ class RunLog:
                 ) from None
             raise disk_error(e, self.path, "continue with --resume") from None
         how = "deleted" if mine.st_nlink == 0 else "renamed or replaced"  # no link left: deleted
-        before = "gone with it" if how == "deleted" else "where it went"
+        self.said_reopened(how, "the records before are " + ("gone with it" if how == "deleted" else "where it went"))
+
+    def said_reopened(self, how, before):
+        """After follow_path found the log gone or cut: said on the console, then the run's header
+        again ("reopened": how) and a warning record, so the file reads as this run from here on."""
         print(
             f"warning: {self.path} was {how} while this run trained: written again at its path from here on, "
-            f"after a header of the same run (the records before are {before})",
+            f"after a header of the same run ({before})",
             file=sys.stderr,
             flush=True,
         )

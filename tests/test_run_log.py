@@ -7,6 +7,7 @@ test_divergence.py, play.ipynb in test_notebook.py.)"""
 import json
 import os
 import re
+import shutil
 import subprocess
 
 import pytest
@@ -69,6 +70,40 @@ def test_a_log_deleted_renamed_or_replaced_mid_run_is_written_again_at_its_path(
         old, old_steps = read_log_file(out / "log.jsonl.1")
         assert sorted(old_steps) == [0, 1, 2] and old[0]["run_id"] == heads[0]["run_id"]
     assert log_runs(str(log)) == ([heads[0]["run_id"]], False)
+
+
+@pytest.mark.parametrize("cut_to", ["nothing", "mid-record"])
+def test_a_log_cut_short_in_place_mid_run_gets_the_runs_header_again_and_resumes(
+    data, tmp_path, monkeypatch, capsys, cut_to
+):
+    """logrotate's copytruncate (copy, then cut the same file to 0 bytes) or a cut mid-record keeps
+    the file's inode, so the identity check alone passes: the run notices the size fell below what
+    it wrote, says so once, and writes its header again, so that the log still begins as a run's
+    and --resume continues it (a log whose first line is a step is refused as damaged)."""
+    out = tmp_path / "out"
+    log = out / "log.jsonl"
+
+    def copytruncate():
+        shutil.copy(log, out / "log.jsonl.1")
+        with open(log, "r+b") as f:
+            f.truncate(0 if cut_to == "nothing" else len(f.readline()) + 7)
+
+    at_step(monkeypatch, {3: copytruncate})
+    args = tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 3)
+    assert train_gpt2.main(args) == 0
+    err = capsys.readouterr().err
+    assert sum(line.startswith("warning:") and "log.jsonl" in line for line in err.splitlines()) == 1
+    assert f"warning: {log} was cut short in place while this run trained" in err
+    lines = log.read_text().splitlines()
+    if cut_to == "mid-record":  # the old header, the cut record ended on its own line, then ours
+        assert json.loads(lines[0])["event"] == "header" and len(lines[1]) == 7
+        lines = lines[2:]
+    records = [json.loads(line) for line in lines]
+    assert records[0]["event"] == "header" and records[0]["reopened"] == "cut short in place"
+    assert sorted(r["step"] for r in records if "train_loss" in r) == [3, 4, 5]
+    monkeypatch.undo()
+    assert train_gpt2.main([*map(str, args), "--max-steps", "8", "--resume"]) == 0
+    assert log_runs(str(log)) == ([records[0]["run_id"]], False)
 
 
 def test_a_log_path_that_cannot_be_written_again_stops_in_one_line(data, tmp_path, monkeypatch):
