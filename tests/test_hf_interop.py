@@ -21,6 +21,7 @@ import huggingface_hub
 import numpy as np
 import pytest
 import torch
+import transformers
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
@@ -260,15 +261,33 @@ def test_pipeline_greedy_continuation_is_the_models_own(short_run, tmp_path, enc
     assert len(continued) >= 5  # continuations of many tokens, not one repeated
 
 
-def test_export_without_tiktokens_files_writes_nothing(short_run, tmp_path):
+@pytest.mark.parametrize("dry_run", [False, True], ids=["export", "dry_run"])
+def test_export_without_tiktokens_files_writes_nothing(short_run, tmp_path, dry_run):
     # offline with no cached gpt2 files (a proxy that refuses stands in for no network): one line
-    # before the slow part, and no folder
+    # before the slow part, and no folder; --dry-run finds it too
     (tmp_path / "empty_cache").mkdir()
     env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")}
     env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9", NO_PROXY="")
-    r = export_cli(short_run[1] / "ckpt_000002.pt", tmp_path / "hf", tmp_path, env=env)
+    cmd = [sys.executable, str(ROOT / "train_gpt2.py"), "--export-hf", str(short_run[1] / "ckpt_000002.pt")]
+    cmd += [str(tmp_path / "hf"), *(["--dry-run"] if dry_run else [])]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert_one_line_error(r, "tiktoken's gpt2 encoding", "TIKTOKEN_CACHE_DIR")
     assert sorted(os.listdir(tmp_path)) == ["empty_cache"]
+
+
+def test_a_tokenizer_transformers_builds_wrong_is_refused(tiny_model, tmp_path, monkeypatch):
+    # a transformers that reads GPT2TokenizerFast's arguments otherwise (4.x takes vocab_file=)
+    # builds a tokenizer without GPT-2's merges: refused in one line, nothing written
+    real_init = transformers.GPT2TokenizerFast.__init__
+
+    def init_without_merges(self, vocab=None, merges=None, **kwargs):
+        real_init(self, vocab=vocab, merges=[], **kwargs)
+
+    monkeypatch.setattr(transformers.GPT2TokenizerFast, "__init__", init_without_merges)
+    with pytest.raises(UserError, match=r"did not build GPT-2's tokenizer.*pip install -U transformers") as e:
+        tiny_model.export_hf(tmp_path / "hf")
+    assert "\n" not in str(e.value)
+    assert os.listdir(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------------------------
