@@ -44,9 +44,12 @@ def harness(shakespeare_export, shared_data, tmp_path_factory, enc):
     (tmp / "tasks").mkdir()
     own_yaml = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "hellaswag", "hellaswag.yaml")
     data = {"/path/to/hellaswag_val.jsonl": tmp / "hellaswag_val.jsonl"}
-    (tmp / "tasks" / "completion.yaml").write_text(docs_yaml("hellaswag_completion", **data))
+    completion = docs_yaml("hellaswag_completion", **data)
     own = docs_yaml("hellaswag_local", **data, **{"/path/to/lm_eval/tasks/hellaswag/hellaswag.yaml": own_yaml})
-    (tmp / "tasks" / "own.yaml").write_text(own)
+    for name, text in (("completion", completion), ("own", own)):
+        # datasets' copy of the rows in tmp, not in the user's ~/.cache/huggingface (a new one a run)
+        text = text.replace("\n  data_files:", f"\n  cache_dir: {tmp / 'datasets_cache'}\n  data_files:", 1)
+        (tmp / "tasks" / f"{name}.yaml").write_text(text)
     out = lm_eval.simple_evaluate(
         model="hf",
         model_args=f"pretrained={export},dtype=float32",
