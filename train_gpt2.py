@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hellaswag
 from support.checkpoints import load_checkpoint, save_training_state
 from support.checks import check_args, check_data, check_init_shape, check_model_fits, warmup_note
-from support.common import ArgumentParser, UserError, first_line, run_cli, said_on_interrupt
+from support.common import GPT2_VOCAB, ArgumentParser, UserError, first_line, run_cli, said_on_interrupt
 from support.ddp import join_process_group
 from support.divergence import NonFiniteGuard
 from support.dry_run import dry_run_job
@@ -237,7 +237,7 @@ class GPT(nn.Module):
 
     def export_hf(self, out_dir):
         """Write this model as a transformers GPT2LMHeadModel directory (vocab trimmed to 50257,
-        tied embeddings); out_dir must be new, empty or an earlier export."""
+        tied embeddings) with GPT-2's tokenizer; out_dir must be new, empty or an earlier export."""
         save_hf_gpt2(asdict(self.config), self.state_dict(), out_dir)
 
 
@@ -788,7 +788,7 @@ def main(argv=None):
         check_args(args, 1, given | {"warmup_steps"})  # the sampling settings; training's do not matter here
         if args.dry_run:  # the device, the model, the prompt, the export's folder; nothing loaded or written
             pick_device(args.device)
-            return dry_run_job(args, get_tokenizer() if args.sample_from else None)
+            return dry_run_job(args, get_tokenizer())  # an export writes the tokenizer too
     if args.sample_from:
         device, _ = pick_device(args.device)
         model = load_model(args.sample_from, device)
@@ -798,8 +798,11 @@ def main(argv=None):
     if args.export_hf:
         ckpt_path, out_dir = args.export_hf
         with said_on_interrupt(f"interrupted: nothing was exported ({out_dir} is as it was); run the command again"):
-            load_model(ckpt_path).export_hf(out_dir)
-        print(f"wrote a transformers GPT-2 directory to {out_dir}")
+            model = load_model(ckpt_path)
+            model.export_hf(out_dir)
+        padding = model.config.vocab_size - GPT2_VOCAB
+        rows = f"; its {padding} padding rows of the vocabulary left out" if padding else ""
+        print(f"wrote a transformers GPT-2 directory to {out_dir}: the model and GPT-2's tokenizer{rows}")
         return 0
     previous = {s: signal.getsignal(s) for s in StopRequest.SIGNALS}  # train() replaces them
     made = missing_folders(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else []  # rank 0 makes it

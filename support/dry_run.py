@@ -21,7 +21,7 @@ def nearest_folder(path):
 def dry_run_job(args, enc):
     """--dry-run of --sample-from or --export-hf (the flags already checked): every check the job
     makes before its slow part, then a line saying so. No weights are loaded, nothing is sampled
-    or written. enc: the tokenizer (sampling only; None for an export)."""
+    or written. enc: tiktoken's gpt2 (the prompt's; an export writes it beside the weights)."""
     if args.sample_from:
         config = model_config_of(args.sample_from)
         tokens = encode_prompt(enc, args.prompt, config["block_size"])

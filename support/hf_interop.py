@@ -1,7 +1,8 @@
-"""transformers' GPT-2: names it may fetch, folders an export may replace, and its weight layout,
-as state dict in, state dict out, or as its GPT2LMHeadModel built from a name, a folder or our
-checkpoint."""
+"""transformers' GPT-2: names it may fetch, folders an export may replace, its weight layout (state
+dict in, state dict out, or its GPT2LMHeadModel built from a name, a folder or our checkpoint), and
+GPT-2's tokenizer files written from tiktoken's encoding."""
 
+import itertools
 import json
 import os
 import re
@@ -12,12 +13,18 @@ import urllib.request
 import torch
 
 from support.common import GPT2_VOCAB, HF_NAMES, UserError, first_line, offline_var, write_dir_atomic
+from support.shards import get_tokenizer
 
 EXPORT_MARK = "train_gpt2.py --export-hf"  # config.json's "exported_by": a folder export_hf may replace
 
 
-# everything save_pretrained writes for a GPT2LMHeadModel (shards and their index for big models)
-EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
+# everything an export writes: save_pretrained's files for a GPT2LMHeadModel (shards and their index
+# for big models), GPT-2's vocab.json and merges.txt, and what a tokenizer's save_pretrained adds
+# (transformers 4 writes special_tokens_map.json too)
+EXPORT_FILES = re.compile(
+    r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
+    r"|vocab\.json|merges\.txt|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json"
+)
 
 
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -214,13 +221,80 @@ def hf_model_from_checkpoint(ckpt, path):
     return hf.eval()
 
 
+# ----------------------------------------------------------------------------------------------
+# GPT-2's tokenizer, beside the weights of an export
+
+
+def byte_stand_ins():
+    """GPT-2's printable stand-in for each byte, which vocab.json and merges.txt spell tokens with:
+    the 188 bytes that print as a Latin-1 character keep it, the other 68 (controls, space, soft
+    hyphen, ...) take chr(256), chr(257), ... in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    others = (b for b in range(256) if b not in printable)
+    stand_in = {b: chr(256 + i) for i, b in enumerate(others)}
+    return [chr(b) if b in printable else stand_in[b] for b in range(256)]
+
+
+def gpt2_bpe(enc):
+    """(vocab, merges) of tiktoken's gpt2 encoding as GPT-2's vocab.json and merges.txt hold them:
+    {token in stand-in characters: id} with <|endoftext|>, and the 50,000 merges in rank order, the
+    i-th the pair whose merge is token 256 + i (a token's id is its rank). A token's pair is what
+    byte-pair merging its own bytes with the merges ranked before it leaves: exactly two pieces."""
+    chars = byte_stand_ins()
+
+    def spell(token):
+        return "".join(chars[b] for b in token)
+
+    ranks = {enc.decode_single_token_bytes(i): i for i in range(enc.n_vocab) if i != enc.eot_token}
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])[256:]:
+        parts = [bytes([b]) for b in token]
+        while True:
+            pairs = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(itertools.pairwise(parts))]
+            best, i = min(pairs)
+            if best >= rank:  # no merge ranked before this token's own
+                break
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) != 2 or rank != 256 + len(merges):
+            raise ValueError(f"token {rank} of tiktoken's {enc.name} is not one merge of earlier tokens")
+        merges.append((spell(parts[0]), spell(parts[1])))
+    vocab = {spell(token): rank for token, rank in ranks.items()}
+    vocab["<|endoftext|>"] = enc.eot_token
+    return vocab, merges
+
+
+def save_gpt2_tokenizer(enc, folder, model_max_length):
+    """GPT-2's tokenizer in folder, from tiktoken's gpt2 encoding enc (no download): vocab.json and
+    merges.txt (OpenAI's encoder.json and vocab.bpe, as transformers names them), and transformers'
+    tokenizer.json and tokenizer_config.json (<|endoftext|> 50256 as end of text, bos and unk as in
+    GPT-2's own; no pad token). It is checked against enc on a probe string before it is written."""
+    from transformers import GPT2TokenizerFast  # noqa: PLC0415  2 s to import: only the export needs it
+    from transformers import __version__ as transformers_version  # noqa: PLC0415  as above
+
+    vocab, merges = gpt2_bpe(enc)
+    tok = GPT2TokenizerFast(vocab=vocab, merges=merges, model_max_length=model_max_length)
+    probe = "Hello world,\n\n  naïve 東京 🤖 3.14<|endoftext|>"
+    if len(tok) != enc.n_vocab or tok.encode(probe) != enc.encode(probe, allowed_special="all"):
+        raise UserError(
+            f"transformers {transformers_version} did not build GPT-2's tokenizer from its vocabulary and "
+            f"merges: pip install -U transformers, then export again"
+        )
+    with open(os.path.join(folder, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(vocab, f)
+    with open(os.path.join(folder, "merges.txt"), "w", encoding="utf-8", newline="\n") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    tok.save_pretrained(folder)
+
+
 def save_hf_gpt2(config, sd, out_dir):
     """Write a model (config dict, our state dict) as a transformers GPT2LMHeadModel directory
-    (vocab trimmed to 50257, tied embeddings). out_dir must be new, empty or an earlier export
-    (check_export_target)."""
+    (vocab trimmed to 50257, tied embeddings) with GPT-2's tokenizer: every model this repo trains
+    reads tiktoken's gpt2 ids (fineweb.py's shards), and the rows of a larger --vocab-size past
+    50257 are padding. out_dir must be new, empty or an earlier export (check_export_target)."""
     if config["vocab_size"] < GPT2_VOCAB:
         raise UserError(f"vocab_size {config['vocab_size']} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")
     given, out_dir = out_dir, check_export_target(out_dir)  # refuse before the slow part
+    enc = get_tokenizer()  # offline without its files: one line, before anything is written
     from transformers import GPT2LMHeadModel  # noqa: PLC0415  2 s to import: only the export needs it, after its checks
     from transformers.utils import logging as hf_logging  # noqa: PLC0415  as above
 
@@ -228,11 +302,16 @@ def save_hf_gpt2(config, sd, out_dir):
     sd_hf = hf.state_dict()
     for k, v in state_dict_to_hf(sd).items():
         sd_hf[k].copy_(v)
+
+    def write(folder):
+        hf.save_pretrained(folder)
+        save_gpt2_tokenizer(enc, folder, config["block_size"])
+
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # its bar on stderr would bury a one-line error
     try:
         # checked again just before the swap: a file put there meanwhile is not ours to delete
-        write_dir_atomic(out_dir, hf.save_pretrained, "the export", recheck=lambda: check_export_target(given))
+        write_dir_atomic(out_dir, write, "the export", recheck=lambda: check_export_target(given))
     finally:
         if bar:
             hf_logging.enable_progress_bar()

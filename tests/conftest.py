@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train_gpt2
-from helpers import ROOT, random_shards, save_tiny_hf_gpt2, tiny_args
+from helpers import ROOT, random_shards, save_tiny_hf_gpt2, tiny_args, write_shard
 from support.shards import get_tokenizer
 from train_gpt2 import GPTConfig
 
@@ -104,6 +104,23 @@ def short_run(tmp_path_factory):
     data = random_shards(tmp / "data")
     assert train_gpt2.main(tiny_args(data, tmp / "out", "--max-steps", 2, "--ckpt-every", 1, "--eval-every", 0)) == 0
     return data, tmp / "out"
+
+
+@pytest.fixture(scope="session")
+def shakespeare_export(tmp_path_factory, shared_data, enc):
+    """(checkpoint, its --export-hf folder) of a tiny model (tiny_args: 2 layers, 32 wide, vocabulary
+    padded to 50,304; block size 128, which holds every HellaSwag ending, as lm-eval requires)
+    trained 40 steps on Tiny Shakespeare: real text, real tokens. Read, never changed."""
+    tmp = tmp_path_factory.mktemp("shakespeare")
+    tokens = [enc.eot_token] + enc.encode_ordinary((shared_data / "tinyshakespeare" / "input.txt").read_text())
+    (tmp / "data").mkdir()
+    write_shard(tmp / "data" / "ts_val_000000.npy", tokens[:4096])
+    write_shard(tmp / "data" / "ts_train_000001.npy", tokens[4096:])
+    args = tiny_args(tmp / "data", tmp / "run", "--block-size", 128, "--max-steps", 40, "--warmup-steps", 4)
+    assert train_gpt2.main([*args, "--ckpt-every", 40, "--eval-every", 0]) == 0
+    ckpt = tmp / "run" / "ckpt_000040.pt"
+    assert train_gpt2.main(["--export-hf", str(ckpt), str(tmp / "hf")]) == 0
+    return ckpt, tmp / "hf"
 
 
 @pytest.fixture(scope="module")

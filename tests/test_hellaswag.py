@@ -588,6 +588,20 @@ def test_cli_prints_accuracy(hf_dir, small, val_path):
     assert f"indomain  n={c['n_indomain']:<5} acc {c['correct_indomain'] / c['n_indomain']:.4f}" in r.stdout
 
 
+def test_cli_on_an_export_prints_its_checkpoints_numbers(shakespeare_export, val_path):
+    # the export leaves out the checkpoint's 47 padding rows, a small share of its softmax: the
+    # same predictions here, on 300 examples
+    ckpt, export = shakespeare_export
+    printed = {}
+    for model in (ckpt, export):
+        r = run_cli("-m", model, "-d", "cpu", "--data", val_path, "--limit", 300)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(f"HellaSwag {model}: 300 examples, float32\n")
+        printed[model] = r.stdout.splitlines()[1:]
+    assert printed[ckpt] == printed[export]
+    assert printed[ckpt][0].startswith("acc      0.") and printed[ckpt][1].startswith("acc_norm 0.")
+
+
 def test_cli_bad_data_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0, "split_type": "indomain"}\nnot json\n')

@@ -21,14 +21,16 @@ import huggingface_hub
 import numpy as np
 import pytest
 import torch
+import transformers
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
 
 import train_gpt2
 from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
 from support import common, hf_interop
 from support.common import GPT2_VOCAB, UserError
+from support.sampling import generate
 from train_gpt2 import GPT, load_model
 
 
@@ -167,12 +169,23 @@ def test_new_empty_and_earlier_export_folders(run_copy, tmp_path):
     nested = tmp_path / "exports" / "a" / "b"
     r = export_cli(run_copy / "ckpt_000001.pt", nested, tmp_path)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == f"wrote a transformers GPT-2 directory to {nested}"
+    rows = "its 47 padding rows of the vocabulary left out"  # the checkpoint's 50,304 rows, 50,257 exported
+    assert (
+        r.stdout.strip() == f"wrote a transformers GPT-2 directory to {nested}: the model and GPT-2's tokenizer; {rows}"
+    )
     assert logits_match(nested, run_copy / "ckpt_000001.pt")
     after = snapshot(tmp_path)
     assert {k: v for k, v in after.items() if k in before} == before  # nothing that was there changed
     assert all(k.startswith("exports") for k in set(after) - set(before))
-    assert sorted(os.listdir(nested)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(nested)) == [
+        "config.json",
+        "generation_config.json",
+        "merges.txt",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.json",
+    ]
     assert oct(os.stat(nested).st_mode & 0o777) == oct(os.stat(nested.parent).st_mode & 0o777)  # not mkdtemp's 0700
 
     # the same folder again, from the other checkpoint: an earlier export is replaced
@@ -192,6 +205,89 @@ def test_new_empty_and_earlier_export_folders(run_copy, tmp_path):
         assert train_gpt2.main(["--export-hf", str(run_copy / "ckpt_000002.pt"), str(target)]) == 0
         assert logits_match(target, run_copy / "ckpt_000002.pt")
     assert {"ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"} <= set(os.listdir(run_copy))
+
+
+# ----------------------------------------------------------------------------------------------
+# The export in transformers' own tools: AutoTokenizer, AutoModelForCausalLM, pipeline, offline
+
+TEXTS = [
+    "Hello world",
+    " leading space, trailing space ",
+    "two  spaces,   three,\ttab\tand\u00a0no-break",
+    "lines\nand\n\nblank lines\r\nwith CRLF\n",
+    "digits 1234567890, 3.14159, 1e-5, 2026-11-26, $1,000.00",
+    "non-ASCII: naïve café, Straße, Ωμέγα, Москва, 東京, 한국어, عربى, हिन्दी",
+    "emoji 🤖👍🏽👩‍👩‍👧 and ✓ ✗ ∑ ∞",
+    "code: def f(x):\n    return x**2  # it's, we'll, they've, I'm, you'd",
+    "",
+]
+
+
+def test_export_holds_gpt2s_own_bpe_files(shakespeare_export, shared_data):
+    # written from tiktoken's ranks: OpenAI's encoder.json and vocab.bpe, byte for byte
+    export = shakespeare_export[1]
+    assert (export / "vocab.json").read_bytes() == (shared_data / "gpt2_bpe" / "encoder.json").read_bytes()
+    assert (export / "merges.txt").read_bytes() == (shared_data / "gpt2_bpe" / "vocab.bpe").read_bytes()
+
+
+def test_autotokenizer_on_an_export_is_tiktokens_gpt2(shakespeare_export, shared_data, enc):
+    texts = TEXTS + [(shared_data / "tinyshakespeare" / "input.txt").read_text()[:20000]]
+    export = shakespeare_export[1]
+    for use_fast in (True, False):
+        tok = AutoTokenizer.from_pretrained(export, use_fast=use_fast)
+        assert len(tok) == GPT2_VOCAB and tok.model_max_length == 128  # the model's window
+        assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id) == ("<|endoftext|>", 50256, 50256)
+        for text in texts:
+            ids = tok(text)["input_ids"]
+            assert ids == enc.encode_ordinary(text), text
+            assert tok.decode(ids) == text
+        assert tok("<|endoftext|>")["input_ids"] == [enc.eot_token]  # a special token, as tiktoken allows it
+
+
+def test_pipeline_greedy_continuation_is_the_models_own(short_run, tmp_path, enc):
+    ckpt = short_run[1] / "ckpt_000002.pt"
+    train_gpt2.load_model(str(ckpt)).export_hf(tmp_path / "hf")
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")).__name__ == "GPT2LMHeadModel"
+    pipe = pipeline("text-generation", model=str(tmp_path / "hf"), device="cpu")
+    model, continued = load_model(str(ckpt)).eval(), set()
+    for prompt in ("Hello, I'm a language model,", "ROMEO:\n", "naïve 東京 🤖"):
+        out = pipe(prompt, max_new_tokens=24, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
+        # our own greedy decode of the checkpoint (the plain one: the whole prefix every token)
+        idx = torch.tensor([enc.encode(prompt)])
+        ours = generate(model, idx, 24, temperature=0.0, use_cache=False)[0].tolist()
+        assert out == ours
+        assert pipe(prompt, max_new_tokens=24, do_sample=False)[0]["generated_text"] == enc.decode(ours)
+        continued |= set(ours[idx.size(1) :])
+    assert len(continued) >= 5  # continuations of many tokens, not one repeated
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["export", "dry_run"])
+def test_export_without_tiktokens_files_writes_nothing(short_run, tmp_path, dry_run):
+    # offline with no cached gpt2 files (a proxy that refuses stands in for no network): one line
+    # before the slow part, and no folder; --dry-run finds it too
+    (tmp_path / "empty_cache").mkdir()
+    env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")}
+    env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9", NO_PROXY="")
+    cmd = [sys.executable, str(ROOT / "train_gpt2.py"), "--export-hf", str(short_run[1] / "ckpt_000002.pt")]
+    cmd += [str(tmp_path / "hf"), *(["--dry-run"] if dry_run else [])]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert_one_line_error(r, "tiktoken's gpt2 encoding", "TIKTOKEN_CACHE_DIR")
+    assert sorted(os.listdir(tmp_path)) == ["empty_cache"]
+
+
+def test_a_tokenizer_transformers_builds_wrong_is_refused(tiny_model, tmp_path, monkeypatch):
+    # a transformers that reads GPT2TokenizerFast's arguments otherwise (4.x takes vocab_file=)
+    # builds a tokenizer without GPT-2's merges: refused in one line, nothing written
+    real_init = transformers.GPT2TokenizerFast.__init__
+
+    def init_without_merges(self, vocab=None, merges=None, **kwargs):
+        real_init(self, vocab=vocab, merges=[], **kwargs)
+
+    monkeypatch.setattr(transformers.GPT2TokenizerFast, "__init__", init_without_merges)
+    with pytest.raises(UserError, match=r"did not build GPT-2's tokenizer.*pip install -U transformers") as e:
+        tiny_model.export_hf(tmp_path / "hf")
+    assert "\n" not in str(e.value)
+    assert os.listdir(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------------------------
