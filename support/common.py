@@ -196,6 +196,10 @@ def write_dir_atomic(out_dir, write, what, recheck=None):
         os.umask(umask)
         os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777 if os.path.isdir(out_dir) else 0o777 & ~umask)
         write(tmp)
+        for name in os.listdir(tmp):  # a file some writer made private (safetensors' 0600) gets a new file's mode
+            path = os.path.join(tmp, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                os.chmod(path, 0o666 & ~umask)
         fsync_tree(tmp)  # what write() wrote (save_pretrained does not fsync) on disk before the swap
         if recheck:
             recheck()

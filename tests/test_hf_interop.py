@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -228,6 +229,16 @@ def test_export_holds_gpt2s_own_bpe_files(shakespeare_export, shared_data):
     export = shakespeare_export[1]
     assert (export / "vocab.json").read_bytes() == (shared_data / "gpt2_bpe" / "encoder.json").read_bytes()
     assert (export / "merges.txt").read_bytes() == (shared_data / "gpt2_bpe" / "vocab.bpe").read_bytes()
+
+
+def test_every_exported_file_has_a_new_files_mode(shakespeare_export):
+    # safetensors writes model.safetensors private (0600): a teammate reading the export on a shared
+    # machine could not load the weights while every other file read fine
+    umask = os.umask(0)
+    os.umask(umask)
+    export = shakespeare_export[1]
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in export.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
 
 
 def test_autotokenizer_on_an_export_is_tiktokens_gpt2(shakespeare_export, shared_data, enc):
