@@ -208,7 +208,10 @@ def save_checkpoint(ckpt, out_dir, keep):
         kept = [path for path, good in health[:keep] if good] or [path for path, good in health if good][:1]
         for old in found[keep:]:
             if old not in kept and not os.path.islink(old) and run_id_of(old) == ckpt["run_id"]:
-                os.remove(old)  # a link at its name is no file this run wrote: kept
+                try:
+                    os.remove(old)  # a link at its name is no file this run wrote: kept
+                except OSError as e:  # another user's file in a shared (sticky) folder: kept, the run goes on
+                    print(f"warning: could not remove {old} ({e.strerror}): kept", file=sys.stderr, flush=True)
     return path
 
 

@@ -41,6 +41,23 @@ def strict_json(value):
     return value
 
 
+def someone_elses(path, out_dir):
+    """The line for a run's file this user may not write in a folder it may (a run another user
+    started, in a shared folder): whose it is, and the copy this user can continue as its own."""
+    try:
+        import pwd  # noqa: PLC0415  POSIX only: the owner's name where the platform has one
+
+        owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
+    except (ImportError, KeyError, OSError):
+        owner = "another user"
+    mine = os.path.abspath(out_dir).rstrip(os.sep) + "_mine"
+    return (
+        f"{path} belongs to {owner} and this user may not write it: the run is {owner}'s to continue; to continue "
+        f"it as yours, copy its folder to one of your own and resume there (cp -r {out_dir} {mine} && "
+        f"python train_gpt2.py --resume --out-dir {mine})"
+    )
+
+
 class RunLog:
     """log.jsonl: one JSON record per line, appended, never wiped, so a resumed run continues
     the same file (play.ipynb keeps the last record of each step). Each record is also printed
@@ -58,6 +75,10 @@ class RunLog:
             return
         try:
             self.file = self.open()
+        except PermissionError as e:
+            if os.path.isfile(self.path) and os.access(out_dir, os.W_OK):
+                raise UserError(someone_elses(self.path, out_dir)) from None
+            raise disk_error(e, self.path, "start again") from None
         except OSError as e:
             raise disk_error(e, self.path, "start again") from None
 

@@ -196,6 +196,27 @@ def test_a_symlink_put_at_the_next_checkpoints_name_mid_run_is_refused_and_left_
     assert state_of(target) == before and (out / "ckpt_000006.pt").exists()
 
 
+def test_a_checkpoint_pruning_cannot_remove_is_kept_and_the_run_goes_on(data, tmp_path, monkeypatch, capsys):
+    """In a shared folder with the sticky bit, another user's old checkpoint cannot be removed: that
+    is no reason to stop a run hours in. It is kept, said in one warning, and training goes on."""
+    out = tmp_path / "out"
+    remove = os.remove
+
+    def refuse(path):
+        if os.path.basename(path) == "ckpt_000001.pt":
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        remove(path)
+
+    monkeypatch.setattr(checkpoints.os, "remove", refuse)
+    args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--keep-ckpts", 1, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    assert (
+        f"warning: could not remove {out / 'ckpt_000001.pt'} (Operation not permitted): kept" in capsys.readouterr().err
+    )
+    # 2 pruned; 3 kept too as the newest known good one (4 has no step after it yet)
+    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000001.pt", "ckpt_000003.pt", "ckpt_000004.pt"]
+
+
 def test_pruning_never_removes_a_symlink_at_an_old_checkpoints_name(data, tmp_path, monkeypatch):
     """--keep-ckpts removes this run's own old checkpoints; a link put at one's name (here to that
     very checkpoint, moved out) is no file the run wrote: it stays, and what it names too."""

@@ -4,20 +4,27 @@ logged before it whole; log.jsonl is never opened through a symbolic link, at st
 link replaces it mid-run. (The log read back by strict JSON readers: a NaN val loss in
 test_divergence.py, play.ipynb in test_notebook.py.)"""
 
+import errno
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
+try:
+    import pwd  # POSIX only: the owner's name, as the message gives it
+except ImportError:
+    pwd = None
+
 import train_gpt2
-from helpers import at_step, fail_nth_write, random_shards, read_log, state_of, tiny_args, user_error
+from helpers import ROOT, at_step, fail_nth_write, random_shards, read_log, state_of, tiny_args, user_error
 from support import common, run_log
 from support.checkpoints import load_training_checkpoint
 from support.common import LinkedName
-from support.out_dir import log_runs
+from support.out_dir import LOCK_FILE, log_runs
 
 
 def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
@@ -104,6 +111,36 @@ def test_a_log_cut_short_in_place_mid_run_gets_the_runs_header_again_and_resumes
     monkeypatch.undo()
     assert train_gpt2.main([*map(str, args), "--max-steps", "8", "--resume"]) == 0
     assert log_runs(str(log)) == ([records[0]["run_id"]], False)
+
+
+def test_a_log_of_another_user_in_a_writable_folder_names_its_owner_and_the_copy_that_resumes(
+    data, tmp_path, monkeypatch
+):
+    """A shared folder: the run another user started is theirs (its log.jsonl not writable by this
+    user, who may still write the folder). One line names the owner and the copy this user can
+    continue as its own; that copy, made as the line says, resumes. (Run as root, the tests cannot
+    be refused by permissions: the refusal is simulated, the advice is run for real.)"""
+    out = tmp_path / "run"
+    args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+
+    def not_mine(self):
+        raise PermissionError(errno.EACCES, "Permission denied", self.path)
+
+    monkeypatch.setattr(run_log.RunLog, "open", not_mine)
+    msg = user_error([*args, "--max-steps", 4, "--resume"])
+    monkeypatch.undo()
+    owner = pwd.getpwuid(os.getuid()).pw_name if pwd else "another user"
+    mine = f"{out}_mine"
+    assert msg == (
+        f"{out / 'log.jsonl'} belongs to {owner} and this user may not write it: the run is {owner}'s to continue; "
+        f"to continue it as yours, copy its folder to one of your own and resume there (cp -r {out} {mine} && "
+        f"python train_gpt2.py --resume --out-dir {mine})"
+    )
+    assert not (out / LOCK_FILE).exists() and len(read_log(out)[1]) == 2  # the folder as it was
+    command = re.search(r"\((cp -r .+)\)$", msg)[1].replace("python train_gpt2.py", f"{sys.executable} train_gpt2.py")
+    subprocess.run(f"{command} --max-steps 4", shell=True, check=True, cwd=ROOT, capture_output=True)
+    assert sorted(read_log(mine)[1]) == [0, 1, 2, 3] and (tmp_path / "run_mine" / "ckpt_000004.pt").exists()
 
 
 def test_a_log_path_that_cannot_be_written_again_stops_in_one_line(data, tmp_path, monkeypatch):
