@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import fineweb
 import train_gpt2
 from support.checkpoints import load_checkpoint
 from support.common import UserError
@@ -403,3 +404,33 @@ def save_tiny_hf_gpt2(path, n_embd=64, init=perturb_norms_and_biases):
 def state_of(path):
     """A file's bytes and mtime (nanoseconds), or None where there is none: what a refusal must leave."""
     return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
+
+
+def fineweb_stopped_after(monkeypatch, n, args):
+    """fineweb.main(args) stopped by Ctrl-C (a KeyboardInterrupt) as its n-th shard is in place:
+    the manifest made whole as the run stops, as a user's Ctrl-C leaves it."""
+    real, written = fineweb.write_shard, []
+
+    def write_then_stop(path, tokens, fmt="npy"):
+        real(path, tokens, fmt)
+        written.append(path)
+        if len(written) == n:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(fineweb, "write_shard", write_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        fineweb.main(args)
+    monkeypatch.undo()
+
+
+def fineweb_killed_after(n, args):
+    """fineweb.py run with args in a process SIGKILLed as its n-th shard is in place (before it is
+    journaled): what a kill leaves, with no handler of ours running."""
+    script = (
+        "import os, signal, sys\nimport fineweb\nreal, written = fineweb.write_shard, []\n"
+        "def write_shard(path, tokens, fmt='npy'):\n    real(path, tokens, fmt)\n    written.append(path)\n"
+        f"    if len(written) == {n}:\n        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "fineweb.write_shard = write_shard\nfineweb.main(sys.argv[1:])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr

@@ -19,7 +19,7 @@ import pytest
 
 import fineweb
 import train_gpt2
-from helpers import ROOT, fail_nth_write, state_of, tiny_args, user_error
+from helpers import ROOT, fail_nth_write, fineweb_killed_after, state_of, tiny_args, user_error
 from support import common, file_lock
 from support.common import UserError
 from support.documents import HUB_OFFLINE_VARS
@@ -1050,34 +1050,13 @@ def test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes(tmp_path, m
 # A folder fineweb.py was killed writing: finished by the command training names
 
 
-KILLED_FINEWEB = """
-import os, signal, sys
-import fineweb
-real, written = fineweb.write_shard, []
-def write_shard(path, tokens, fmt="npy"):  # SIGKILL as the 3rd shard is in place, before it is journaled
-    real(path, tokens, fmt)
-    written.append(path)
-    if len(written) == 3:
-        os.kill(os.getpid(), signal.SIGKILL)
-fineweb.write_shard = write_shard
-fineweb.main(sys.argv[1:])
-"""
-
-
 @pytest.fixture
 def killed_fineweb(tmp_path, shared_data):
     """(input, a shard folder fineweb.py was SIGKILLed writing, the same input written uninterrupted)."""
     text = tmp_path / "tiny.txt"
     text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:40000])
     args = ["--input", str(text), "--shard-size", "2000", "--workers", "1"]
-    r = subprocess.run(
-        [sys.executable, "-c", KILLED_FINEWEB, *args, "--out-dir", str(tmp_path / "shards")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == -signal.SIGKILL, r.stderr
+    fineweb_killed_after(3, [*args, "--out-dir", str(tmp_path / "shards")])
     assert (tmp_path / "shards" / ".edufineweb_manifest.journal").exists()
     fineweb.main([*args, "--out-dir", str(tmp_path / "whole")])
     return text, tmp_path / "shards", tmp_path / "whole"

@@ -12,7 +12,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -25,6 +24,8 @@ from helpers import (
     ROOT,
     assert_one_line_error,
     cli,
+    fineweb_killed_after,
+    fineweb_stopped_after,
     headers,
     random_shards,
     read_log,
@@ -342,18 +343,7 @@ def tiny_text(tmp_path, shared_data):
 def test_a_folder_fineweb_has_not_finished_is_refused_naming_the_command(tmp_path, tiny_text, monkeypatch):
     shards = tmp_path / "shards"
     args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1"]
-    real, written = fineweb.write_shard, []
-
-    def write_then_stop(path, tokens, fmt="npy"):  # stopped (Ctrl-C, a kill) after 3 shards
-        real(path, tokens, fmt)
-        written.append(path)
-        if len(written) == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(fineweb, "write_shard", write_then_stop)
-    with pytest.raises(KeyboardInterrupt):
-        fineweb.main(args)
-    monkeypatch.undo()
+    fineweb_stopped_after(monkeypatch, 3, args)  # Ctrl-C after 3 shards
     out = tmp_path / "run"
     before = snapshot(tmp_path)
     r = cli(*tiny_args(shards, out, "--max-steps", 2))
@@ -375,20 +365,6 @@ def test_a_folder_fineweb_has_not_finished_is_refused_naming_the_command(tmp_pat
     assert train_gpt2.main(tiny_args(shards, out, "--max-steps", 2)) == 0
 
 
-SIGKILLED_FINEWEB = """
-import os, signal, sys
-import fineweb
-real, written = fineweb.write_shard, []
-def write_shard(path, tokens, fmt="npy"):  # SIGKILL as the 2nd shard is in place
-    real(path, tokens, fmt)
-    written.append(path)
-    if len(written) == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-fineweb.write_shard = write_shard
-fineweb.main(sys.argv[1:])
-"""
-
-
 @pytest.mark.parametrize("stop", [["--max-tokens", "7000"], ["--max-shards", "3"]])
 @pytest.mark.parametrize("how", ["Ctrl-C", "SIGKILL, manifest deleted"])
 def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(
@@ -397,21 +373,9 @@ def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(
     shards = tmp_path / "shards"
     args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1", *stop]
     if how == "Ctrl-C":  # the manifest made whole as the run stops
-        real, written = fineweb.write_shard, []
-
-        def write_then_stop(path, tokens, fmt="npy"):  # stopped after 2 of the shards it was asked for
-            real(path, tokens, fmt)
-            written.append(path)
-            if len(written) == 2:
-                raise KeyboardInterrupt
-
-        monkeypatch.setattr(fineweb, "write_shard", write_then_stop)
-        with pytest.raises(KeyboardInterrupt):
-            fineweb.main(args)
-        monkeypatch.undo()
+        fineweb_stopped_after(monkeypatch, 2, args)  # after 2 of the shards it was asked for
     else:  # the journal alone says how the folder began: its first line
-        r = subprocess.run([sys.executable, "-c", SIGKILLED_FINEWEB, *args], cwd=ROOT, capture_output=True, text=True)
-        assert r.returncode == -signal.SIGKILL, r.stderr
+        fineweb_killed_after(2, args)
         (shards / "edufineweb_manifest.json").unlink()
     line = assert_one_line_error(cli(*tiny_args(shards, tmp_path / "run", "--max-steps", 2)), "is unfinished")
     command = line.split("`")[1]
