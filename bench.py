@@ -86,7 +86,7 @@ from importlib import metadata
 import torch
 
 from benchmarks.ceiling import bench_ceiling
-from benchmarks.gpu_check import DEFAULT_BUDGET_S, GpuCheck, run_gpu_check
+from benchmarks.gpu_check import DEFAULT_BUDGET_S, GpuCheck, run_gpu_check, write_report
 from benchmarks.hellaswag_eval import bench_hellaswag, find_hellaswag_data
 from benchmarks.ladder import bench_ladder
 from benchmarks.loader import bench_loader
@@ -306,9 +306,6 @@ def gpu_check(args, argv, s, device, device_type):
         "commit": commit(),
     }
 
-    def write(r):
-        write_atomic(args.out, lambda f: f.write((json.dumps(r, indent=1) + "\n").encode()), elsewhere="--out")
-
     with tempfile.TemporaryDirectory(prefix="bench_gpu_check_") as tmp:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor_cache")  # first compiles, timed
         if True in s["compile"]:
@@ -316,7 +313,7 @@ def gpu_check(args, argv, s, device, device_type):
             if why:
                 raise UserError(f"torch.compile does not work on this {device_type} ({why}): pass --no-compile")
         check = GpuCheck(s, device, device_type, args.tiny, tmp, png, args.peak_flops)
-        run_gpu_check(check, report, args.budget_s, write)
+        run_gpu_check(check, report, args.budget_s, lambda r: write_report(args.out, r))
     for item in report["items"]:
         why = item.get("why") or item.get("error") or ""
         print(f"{item['name']}: {item['status']}" + (f" ({why})" if why else ""))

@@ -36,6 +36,7 @@ from benchmarks.ladder import (
 )
 from benchmarks.settings import ROOT
 from benchmarks.timing import log, stats
+from support.common import write_atomic
 from support.shards import shard_path, write_shard
 
 DEFAULT_BUDGET_S = 480.0  # a 15-minute spell less the machine's start (2-4 min) and a margin
@@ -122,9 +123,15 @@ def run_items(items, report, budget_s, write, clock=time.monotonic):
     return report
 
 
+def write_report(path, report):
+    """The report as JSON at path, atomically: a reader, or a machine taken back mid-write, sees the
+    whole previous report or the whole new one."""
+    write_atomic(path, lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()), elsewhere="--out")
+
+
 def run_killable(cmd, timeout, env=None):
     """(returncode or None when it ran past timeout, stdout, stderr) of cmd in a session of its own,
-    so that a timeout ends its children too (pytest's and train_gpt2.py's own subprocesses)."""
+    so that a timeout, or Ctrl-C here, ends its children too (pytest's and train_gpt2.py's own)."""
     proc = subprocess.Popen(
         [str(c) for c in cmd],
         cwd=ROOT,
@@ -134,16 +141,23 @@ def run_killable(cmd, timeout, env=None):
         text=True,
         start_new_session=True,
     )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
+
+    def kill():
         if hasattr(os, "killpg"):
             os.killpg(proc.pid, signal.SIGKILL)
         else:
             proc.kill()
+
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        kill()
         out, err = proc.communicate()
         return None, out, err
+    except BaseException:  # Ctrl-C reaches this process only (the child has a session of its own)
+        kill()
+        raise
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,8 +195,9 @@ def cuda_tier(tmp, timeout):
     result = {"command": " ".join(cmd[1:4]), "returncode": rc}
     if rc is not None and os.path.exists(xml):
         result["tests"] = junit_tests(xml)
-    else:  # cut off at the budget: the outcomes pytest printed so far, without their durations
-        result["timed_out_after_s"] = timeout
+    else:  # cut off at the budget, or pytest stopped before its report: the outcomes it printed so far
+        if rc is None:
+            result["timed_out_after_s"] = timeout
         result["tests"] = {name: {"outcome": o.lower(), "seconds": None} for name, o in VERBOSE_LINE.findall(out)}
     outcomes = [t["outcome"] for t in result["tests"].values()]
     result["summary"] = {o: outcomes.count(o) for o in sorted(set(outcomes))}
