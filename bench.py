@@ -291,9 +291,10 @@ def commit():
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
-def gpu_check(args, argv, s, device, device_type):
+def gpu_check(args, argv, s, device, device_type, started):
     """--gpu-check: the items of benchmarks/gpu_check.py within --budget-s, the JSON (and ladder.png
-    beside it) rewritten after each, so that a spell cut short keeps what it measured."""
+    beside it) rewritten after each, so that a spell cut short keeps what it measured. --budget-s
+    counts from started, main's start: the compile check before the items is in it."""
     if device_type != "cuda" and not args.tiny:
         raise UserError(
             f"--gpu-check on {device_type} runs a GPU's sizes (the 124M model at B 64): pass --tiny for toy sizes"
@@ -313,10 +314,12 @@ def gpu_check(args, argv, s, device, device_type):
             if why:
                 raise UserError(f"torch.compile does not work on this {device_type} ({why}): pass --no-compile")
         check = GpuCheck(s, device, device_type, args.tiny, tmp, png, args.peak_flops)
-        run_gpu_check(check, report, args.budget_s, lambda r: write_report(args.out, r))
+        run_gpu_check(check, report, args.budget_s, lambda r: write_report(args.out, r), started)
     for item in report["items"]:
         why = item.get("why") or item.get("error") or ""
-        print(f"{item['name']}: {item['status']}" + (f" ({why})" if why else ""))
+        summary = item.get("result", {}).get("summary")  # the CUDA tier's tests: {outcome: count}
+        counts = ", ".join(f"{n} {outcome}" for outcome, n in summary.items()) if summary else ""
+        print(f"{item['name']}: {item['status']}" + (f" ({why or counts})" if why or counts else ""))
     if "ladder" in report:
         print(f"\n{report['ladder']['table']}")
         if report["ladder"]["headline"]:
@@ -328,6 +331,7 @@ def gpu_check(args, argv, s, device, device_type):
 
 
 def main(argv=None):
+    started = time.monotonic()
     args = parse_args(argv)
     shared = find_shared_data()
     if shared is not None and (shared / "tiktoken_cache").is_dir():
@@ -340,7 +344,7 @@ def main(argv=None):
     if device_type == "cuda" and peak is None:
         raise UserError(f"no peak FLOP/s known for {torch.cuda.get_device_name(device)}: pass --peak-flops")
     if args.gpu_check:
-        return gpu_check(args, argv, s, device, device_type)
+        return gpu_check(args, argv, s, device, device_type, started)
     png = check_out(args.out, "ladder" in args.only)
     data, skipped = plan(args, shared)
 

@@ -9,6 +9,7 @@ starts only if its estimate fits the time left of --budget-s; one that does not 
 skipped, with why. Every token it trains on is random (a shard it writes to a temporary folder):
 the numbers are speeds and loss checks, not learning."""
 
+import gc
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import torch
 
 from benchmarks.ladder import (
     LADDER_REFERENCE,
@@ -75,12 +77,13 @@ class Item:
     not_here: Callable[[], str] = lambda: None  # why it cannot run on this device, or None
 
 
-def run_items(items, report, budget_s, write, clock=time.monotonic):
-    """Run items in order, each only if its estimate fits what is left of budget_s; after every item
+def run_items(items, report, budget_s, write, clock=time.monotonic, started=None):
+    """Run items in order, each only if its estimate fits what is left of budget_s (counted from
+    started, a clock() reading; None: now); after every item
     (run, skipped, failed or not for this device) its entry goes into report["items"], its name
     leaves report["to_do"], and write(report) saves it. A failing item is recorded with its error
     and the next one runs. -> report."""
-    t0 = clock()
+    t0 = clock() if started is None else started
     report["budget_s"] = budget_s
     report["items"], report["to_do"] = [], [item.name for item in items]
     write(report)
@@ -390,6 +393,10 @@ class GpuCheck:
             self.rung_7_plus["loss_check"] = (
                 "none: it trains on other batches than rung 7 (B 64 rows a step, rung 7 B x its micro-batches)"
             )
+        torch._dynamo.reset()  # this item's graphs and their GPU memory go before the next item's rungs
+        gc.collect()
+        if self.device_type == "cuda":
+            torch.cuda.empty_cache()
         rows = {row["rung"]: row for row in rung_rows(self.setup, self.measured)}
         result = {"rungs": [rows[r] for r in rungs]}
         if plus:
@@ -459,9 +466,11 @@ class GpuCheck:
         return max(1.0, self.deadline - time.monotonic())
 
 
-def run_gpu_check(check, report, budget_s, write):
-    """Run check's items within budget_s, writing the report (with the ladder so far) after each."""
-    check.deadline = time.monotonic() + budget_s
+def run_gpu_check(check, report, budget_s, write, started=None):
+    """Run check's items within budget_s from started (a time.monotonic() reading; None: now),
+    writing the report (with the ladder so far) after each."""
+    started = time.monotonic() if started is None else started
+    check.deadline = started + budget_s
 
     def write_with_ladder(r):
         ladder = check.ladder_report(r)
@@ -469,4 +478,4 @@ def run_gpu_check(check, report, budget_s, write):
             r["ladder"] = ladder
         write(r)
 
-    return run_items(check.items(), report, budget_s, write_with_ladder)
+    return run_items(check.items(), report, budget_s, write_with_ladder, started=started)

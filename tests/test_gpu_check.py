@@ -75,6 +75,15 @@ def test_items_run_in_order_and_one_whose_estimate_does_not_fit_is_skipped_with_
     assert json.loads(out.read_text()) == report  # the file holds the final report
 
 
+def test_the_budget_counts_from_the_start_given(tmp_path):
+    """What ran before the items (torch's import, the compile check) is spent from the budget too."""
+    out, clock, seen = tmp_path / "check.json", Clock(), {}
+    items = [stub_item("a", clock, 60, 1, out, seen), stub_item("b", clock, 40, 1, out, seen)]
+    report = run_items(items, {"command": "python bench.py"}, 100, lambda r: write_report(out, r), clock, clock() - 50)
+    assert [e["status"] for e in report["items"]] == ["skipped", "done"]
+    assert report["items"][0]["why"].endswith("is more than the 50 s left of --budget-s 100")
+
+
 def test_the_json_is_whole_after_every_item_and_holds_the_items_before(tmp_path):
     """Each item reads the file as it stands when it starts: exactly the items before it, the rest
     still to do (what a run killed at that moment leaves)."""
