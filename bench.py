@@ -280,10 +280,16 @@ def skipped_parts(report):
 
 
 def commit():
-    """The checkout's commit (with "+changes" where files differ from it), or None without git."""
+    """The checkout's commit (with "+changes" where tracked files differ from it), or None without git."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(  # tracked files only: the JSON this run writes may lie in the checkout
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if head.returncode != 0:

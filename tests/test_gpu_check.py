@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from bench import parse_args
 from benchmarks.gpu_check import GUESS, GpuCheck, Item, junit_tests, run_items, write_report
@@ -230,6 +231,10 @@ def test_tiny_gpu_check_on_a_cpu_runs_every_item_a_cpu_can(tmp_path):
     assert list(items) == ITEM_NAMES and report["to_do"] == []
     assert [e["status"] for e in report["items"]] == ["done"] * 4 + ["not run on this device"]
     assert sorted(os.listdir(tmp_path)) == ["check.json", "ladder.png"]
+    assert report["machine"]["torch"] == torch.__version__
+    if (ROOT / ".git").exists():  # the commit it ran, as git names it
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        assert report["commit"] in (head, head + "+changes")
 
     # the CUDA tier: pytest's outcome for every test in the file, skipped here without CUDA
     tier = items["cuda_tier"]["result"]
