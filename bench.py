@@ -50,6 +50,7 @@ Usage:
     python bench.py --only ladder    # the speed-up ladder: table, bench.json and ladder.png (~4 min on 2 CPU cores)
     python bench.py --device cuda    # on a GPU (the recipe's B 64 at the gpt2 config where memory allows)
     python bench.py --tiny           # seconds: every section on toy sizes (the smoke test runs this)
+    python bench.py --gpu-check --budget-s 480 --out docs/gpu/h100.json   # a GPU spell: see docs/gpus.md
 FineWeb documents and HellaSwag data come from --docs / --hellaswag-data, else from shared/data
 beside the repository when it is there.
 
@@ -74,6 +75,7 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not 
 import argparse
 import gc
 import json
+import math
 import platform
 import re
 import subprocess
@@ -84,6 +86,7 @@ from importlib import metadata
 import torch
 
 from benchmarks.ceiling import bench_ceiling
+from benchmarks.gpu_check import DEFAULT_BUDGET_S, GpuCheck, run_gpu_check, write_report
 from benchmarks.hellaswag_eval import bench_hellaswag, find_hellaswag_data
 from benchmarks.ladder import bench_ladder
 from benchmarks.loader import bench_loader
@@ -147,7 +150,29 @@ def parse_args(argv=None):
         "--hellaswag-data", default=None, help="a HellaSwag jsonl (default: shared/data, else hellaswag.py's cache)"
     )
     p.add_argument("--out", default="bench.json", help="the JSON results (default bench.json)")
+    p.add_argument(
+        "--gpu-check",
+        action="store_true",
+        help="the GPU path in one short spell instead of the sections: the CUDA tier, the recipe, the ladder "
+        "(benchmarks/gpu_check.py); its JSON rewritten after each item",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="--gpu-check: seconds it may take; an item whose estimate does not fit is skipped "
+        f"(default {DEFAULT_BUDGET_S:g})",
+    )
     args = p.parse_args(argv)
+    if args.budget_s is not None and not args.gpu_check:
+        raise UserError("--budget-s is the time of --gpu-check: pass --gpu-check too, or leave --budget-s out")
+    if args.budget_s is not None and not (args.budget_s > 0 and math.isfinite(args.budget_s)):
+        raise UserError(f"--budget-s {args.budget_s:g}: pass a number of seconds above 0, e.g. --budget-s 480")
+    if args.gpu_check:
+        for flag, given in (("--only", args.only), ("--configs", args.configs), ("--quick", args.quick or None)):
+            if given is not None:
+                raise UserError(f"--gpu-check runs its own items: leave {flag} out (or run without --gpu-check)")
+        args.budget_s = args.budget_s or DEFAULT_BUDGET_S
     args.named = args.only is not None  # sections asked for by name: each must run
     args.only = named_list("--only", args.only, SECTIONS, "section", "run them all") or list(SECTIONS)
     args.configs = named_list("--configs", args.configs, tuple(TRAIN_CONFIGS), "config", "use the run size's own")
@@ -254,7 +279,65 @@ def skipped_parts(report):
     return out
 
 
+def commit():
+    """The checkout's commit (with "+changes" where tracked files differ from it), or None without git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(  # tracked files only: the JSON this run writes may lie in the checkout
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def gpu_check(args, argv, s, device, device_type, started):
+    """--gpu-check: the items of benchmarks/gpu_check.py within --budget-s, the JSON (and ladder.png
+    beside it) rewritten after each, so that a spell cut short keeps what it measured. --budget-s
+    counts from started, main's start: the compile check before the items is in it."""
+    if device_type != "cuda" and not args.tiny:
+        raise UserError(
+            f"--gpu-check on {device_type} runs a GPU's sizes (the 124M model at B 64): pass --tiny for toy sizes"
+        )
+    png = check_out(args.out, ladder=True)
+    report = {
+        "command": " ".join(["python", "bench.py", *(sys.argv[1:] if argv is None else argv)]),
+        "mode": "gpu-check" + (" tiny" if args.tiny else ""),
+        "machine": machine(device, device_type),
+        "commit": commit(),
+    }
+
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_check_") as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor_cache")  # first compiles, timed
+        if True in s["compile"]:
+            why = compile_problem_apart(device, tmp)
+            if why:
+                raise UserError(f"torch.compile does not work on this {device_type} ({why}): pass --no-compile")
+        check = GpuCheck(s, device, device_type, args.tiny, tmp, png, args.peak_flops)
+        run_gpu_check(check, report, args.budget_s, lambda r: write_report(args.out, r), started)
+    for item in report["items"]:
+        why = item.get("why") or item.get("error") or ""
+        summary = item.get("result", {}).get("summary")  # the CUDA tier's tests: {outcome: count}
+        counts = ", ".join(f"{n} {outcome}" for outcome, n in summary.items()) if summary else ""
+        print(f"{item['name']}: {item['status']}" + (f" ({why or counts})" if why or counts else ""))
+    if "ladder" in report:
+        print(f"\n{report['ladder']['table']}")
+        if report["ladder"]["headline"]:
+            print(f"\n{report['ladder']['headline']['text']}")
+    print(f"\nwrote {args.out}")
+    if any(item["status"] == "failed" for item in report["items"]):
+        return 1
+    return report
+
+
 def main(argv=None):
+    started = time.monotonic()
     args = parse_args(argv)
     shared = find_shared_data()
     if shared is not None and (shared / "tiktoken_cache").is_dir():
@@ -266,6 +349,8 @@ def main(argv=None):
     peak = args.peak_flops or (peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None)
     if device_type == "cuda" and peak is None:
         raise UserError(f"no peak FLOP/s known for {torch.cuda.get_device_name(device)}: pass --peak-flops")
+    if args.gpu_check:
+        return gpu_check(args, argv, s, device, device_type, started)
     png = check_out(args.out, "ladder" in args.only)
     data, skipped = plan(args, shared)
 

@@ -365,12 +365,13 @@ def ladder_png(result, path):
     labels = [str(r["rung"]) for r in rows]
     ours = [r["tok_per_sec"]["median"] if r["measured"] else 0 for r in rows]
     ref = [r["reference_tok_per_sec"] or 0 for r in rows]
-    ours1 = rows[0]["tok_per_sec"]["median"]
+    first = next(r for r in rows if r["measured"])  # rung 1 in the ladder section
+    ours1 = first["tok_per_sec"]["median"]
     x = np.arange(len(rows))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, scale, title in ((axes[0], False, "tok/s"), (axes[1], True, "speed-up over rung 1")):
+    for ax, scale, title in ((axes[0], False, "tok/s"), (axes[1], True, f"speed-up over rung {first['rung']}")):
         mine = [v / ours1 if scale else v for v in ours]
-        theirs = [v / ref[0] if scale else v for v in ref]
+        theirs = [v / (first["reference_tok_per_sec"] or ref[0]) if scale else v for v in ref]
         ax.bar(x - 0.2, mine, 0.4, label=f"ours: {result['device']}")
         ax.bar(x + 0.2, theirs, 0.4, label="reference: A100")
         for i, r in enumerate(rows):
@@ -421,14 +422,18 @@ def ladder_table(result):
             loss7 = f"{r['loss_vs_rung7_max_abs_diff']:.2g} (≤ {r['loss_vs_rung7_tol']:g}){ok}"
         note = f"; {r['note']}" if r.get("note") else ""
         ms = r["step_ms"]["median"]
+        vs1 = "" if r.get("vs_rung1") is None else f"{r['vs_rung1']:.2f}x"
         lines.append(
             f"| {r['rung']} | {change}{note} | {fmt_stats(r['tok_per_sec'], 'tok/s')} | {ms:,.1f} ms | {prev} "
-            f"| {r['vs_rung1']:.2f}x | {ref} | {loss} | {loss7} |"
+            f"| {vs1} | {ref} | {loss} | {loss7} |"
         )
     return "\n".join(lines)
 
 
-def bench_ladder(s, device, device_type, device_name, tmp, png):
+def ladder_setup(s, device, device_type, tmp):
+    """What every rung of a run shares, settled once before any rung runs: the config and its B
+    (halved on CUDA until rung 1 fits), rung 9's micro-batch factor, a shard of random token ids
+    in tmp, the base weights, rung 3's half dtype, and {rung: why it does not run here}."""
     if device_type == "cpu":  # as a CPU training run does
         keep_freed_memory()
     name, c = ladder_config(s["ladder_config"], device_type)
@@ -452,13 +457,11 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
         f"{accum} micro-batches a step (rung 9: one of B {B * accum})"
     )
     log(f"  ladder on {device}: {config_text}")
-    before = torch.get_float32_matmul_precision()
     torch._dynamo.reset()
 
     skipped = {}
     if not tf32_has_effect(base_state, c, data_dir, device):
         skipped[2] = "no effect on this device (fp32 logits bitwise the same with TF32 allowed)"
-    half = ladder_half(device_type)  # rung 3 runs fp16 on a GPU without native bf16, and says so
     why = compile_unavailable(s, device)
     if why:
         skipped[4] = why
@@ -473,102 +476,153 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
         for rung in (11, 12):
             if 4 in skipped:
                 skipped[rung] = f"a compile setting, and this run has no compile (rung 4: {skipped[4]})"
+    half = ladder_half(device_type)  # rung 3 runs fp16 on a GPU without native bf16, and says so
+    return dict(
+        name=name, c=c, B=B, T=T, accum=accum, data_dir=data_dir, base_state=base_state, half=half,
+        skipped=skipped, config_text=config_text,
+    )  # fmt: skip
 
-    contenders, losses, changes, previous, last = {}, {}, {}, {}, None
-    for rung, _, _ in LADDER_RUNGS:
+
+def measure_rungs(setup, rungs, device, device_type, warmup, rounds):
+    """The chosen rungs (less the skipped ones) interleaved in rounds of their own, from the same
+    weights on the same batches. -> {rung: {"seconds": per measured round, "first_s", "losses",
+    "changes", "peak_bytes", "group": the rungs measured alongside}}."""
+    c, B, accum, skipped = setup["c"], setup["B"], setup["accum"], setup["skipped"]
+    contenders, losses, changes = {}, {}, {}
+    for rung in rungs:
         if rung in skipped:
             continue
         changes[rung] = change_set(rung, skipped)
         micro, n = (B * accum, 1) if "bigger_B" in changes[rung] else (B, accum)
-        step, losses[rung] = ladder_step(changes[rung], base_state, c, micro, data_dir, device, device_type, n)
+        step, losses[rung] = ladder_step(
+            changes[rung], setup["base_state"], c, micro, setup["data_dir"], device, device_type, n
+        )
         contenders[f"rung {rung}"] = step
-        previous[rung], last = last, rung
-    warmup, rounds = s["ladder_rounds" if device_type == "cpu" else "ladder_rounds_cuda"]
+    before = torch.get_float32_matmul_precision()
     try:
-        times, first = interleave(contenders, warmup, rounds, device_type, f"ladder {name} B{B} T{T}")
+        times, first = interleave(contenders, warmup, rounds, device_type, f"ladder {setup['name']} B{B} T{c['T']}")
     finally:
         torch.set_float32_matmul_precision(before)
-    checks, checks7 = loss_check(losses, changes), loss_check(losses, changes, against=7)
-    tok = {k: rates(accum * B * T, times[f"rung {k}"]) for k in losses}
+    group = tuple(losses)
+    out = {
+        rung: dict(
+            seconds=times[f"rung {rung}"],
+            first_s=first[f"rung {rung}"],
+            losses=losses[rung],
+            changes=changes[rung],
+            peak_bytes=contenders[f"rung {rung}"].peak_bytes,
+            group=group,
+        )
+        for rung in losses
+    }
+    del contenders
+    gc.collect()
+    return out
 
-    rungs = []
+
+def rung_rows(setup, measured, not_run=None):
+    """A row for every rung of LADDER_RUNGS: a measured one's tok/s, ms per step, its ratio over the
+    rung before it in its own rounds (paired), over rung 1, its compile time and its losses checked
+    against rung 1's and (from rung 8) rung 7's where those were measured; an unmeasured one's why
+    (setup's skipped, else not_run's, else "not run")."""
+    B, T, accum, half, skipped = setup["B"], setup["T"], setup["accum"], setup["half"], setup["skipped"]
+    not_run = not_run or {}
+    losses = {k: m["losses"] for k, m in measured.items()}
+    changes = {k: m["changes"] for k, m in measured.items()}
+    checks = loss_check(losses, changes) if 1 in losses else {}
+    checks7 = loss_check(losses, changes, against=7) if 7 in losses else {}
+    tok = {k: rates(accum * B * T, m["seconds"]) for k, m in measured.items()}
+    rows = []
     for rung, what, change in LADDER_RUNGS:
         ref_tok, ref_ms = LADDER_REFERENCE.get(rung, (None, None))  # none past the reference's rung 7
         if change == "bf16" and half == torch.float16:
             what = "fp16 autocast + GradScaler (this GPU has no native bf16)"
         row = {"rung": rung, "change": what, "reference_tok_per_sec": ref_tok, "reference_ms": ref_ms}
-        if rung in skipped:
-            rungs.append({**row, "measured": False, "note": skipped[rung]})
+        if rung not in measured:
+            rows.append({**row, "measured": False, "note": skipped.get(rung) or not_run.get(rung, "not run")})
             continue
-        secs = times[f"rung {rung}"]
-        diff, tol, agree = checks[rung]
-        row.update(measured=True, note="", tok_per_sec=stats(tok[rung]), step_ms=stats([1e3 * t for t in secs]))
-        row.update(vs_rung1=stats(tok[rung])["median"] / stats(tok[1])["median"], previous=previous[rung])
-        if previous[rung] is not None:
-            p = previous[rung]
-            row["vs_previous"] = stats(tok[rung])["median"] / stats(tok[p])["median"]
-            row["vs_previous_paired"] = stats([a / b for a, b in zip(tok[rung], tok[p], strict=True)])
-        if "compile" in changes[rung]:  # the first step's time over a later one's
-            row["compile_s"] = first[f"rung {rung}"] - statistics.median(secs)
-        row.update(losses=losses[rung], loss_precision=ladder_precision(changes[rung], half), loss_max_abs_diff=diff)
-        row.update(loss_tol=tol, losses_agree=agree)
+        m = measured[rung]
+        earlier = [k for k in m["group"] if k < rung]
+        previous = earlier[-1] if earlier else None
+        row.update(measured=True, note="", tok_per_sec=stats(tok[rung]), step_ms=stats([1e3 * t for t in m["seconds"]]))
+        row.update(vs_rung1=stats(tok[rung])["median"] / stats(tok[1])["median"] if 1 in tok else None)
+        row["previous"] = previous
+        if previous is not None:
+            row["vs_previous"] = stats(tok[rung])["median"] / stats(tok[previous])["median"]
+            row["vs_previous_paired"] = stats([a / b for a, b in zip(tok[rung], tok[previous], strict=True)])
+        if "compile" in m["changes"]:  # the first step's time over a later one's
+            row["compile_s"] = m["first_s"] - statistics.median(m["seconds"])
+        row.update(losses=m["losses"], loss_precision=ladder_precision(m["changes"], half))
+        diff, tol, agree = checks.get(rung, (None, None, True))
+        row.update(loss_max_abs_diff=diff, loss_tol=tol, losses_agree=agree)
         row.update(
-            B=B * accum if "bigger_B" in changes[rung] else B,
-            grad_accum_steps=1 if "bigger_B" in changes[rung] else accum,
+            B=B * accum if "bigger_B" in m["changes"] else B,
+            grad_accum_steps=1 if "bigger_B" in m["changes"] else accum,
         )
-        if contenders[f"rung {rung}"].peak_bytes is not None:
-            row["peak_memory_gib"] = contenders[f"rung {rung}"].peak_bytes / 2**30
-        if rung > 7:  # this project's rungs: against build-nanogpt's end point too
+        if m["peak_bytes"] is not None:
+            row["peak_memory_gib"] = m["peak_bytes"] / 2**30
+        if rung > 7 and rung in checks7:  # this project's rungs: against build-nanogpt's end point too
             diff7, tol7, agree7 = checks7[rung]
             row.update(loss_vs_rung7_max_abs_diff=diff7, loss_vs_rung7_tol=tol7, losses_agree=agree and agree7)
-        rungs.append(row)
-    del contenders
+        rows.append(row)
+    return rows
+
+
+def rung_7_plus(setup, device, device_type, warmup, rounds, rung1_tok=None):
+    """The recipe's B 64 (CUDA, the gpt2 config): rung 7 at B 64 against rung 7 at B 16, interleaved
+    in rounds of their own. -> its row (not measured, with why, elsewhere or where B 64 does not fit)."""
+    row = {"rung": "7+", "change": "the recipe's B 64", "reference_tok_per_sec": None, "reference_ms": None}
+    if not (device_type == "cuda" and setup["name"] == "gpt2"):
+        return {**row, "measured": False, "note": "CUDA and the gpt2 config only"}
+    c, B, T, skipped, base_state = setup["c"], setup["B"], setup["T"], setup["skipped"], setup["base_state"]
+    torch.cuda.empty_cache()
+    ch = change_set(7, skipped)
+    probe = ladder_model(ch, base_state, c, device)
+    fits = fits_in_memory([probe], 64, T, setup["half"] if "bf16" in ch else None, device)
+    del probe
+    torch.cuda.empty_cache()
+    if not fits:
+        return {**row, "measured": False, "note": "B 64 does not fit in this GPU's memory"}
+    b16, _ = ladder_step(ch, base_state, c, B, setup["data_dir"], device, device_type)
+    b64, _ = ladder_step(ch, base_state, c, 64, setup["data_dir"], device, device_type)
+    before = torch.get_float32_matmul_precision()
+    try:
+        t2, first2 = interleave({"B16": b16, "B64": b64}, warmup, rounds, device_type, "ladder rung 7, B 16 and 64")
+    finally:
+        torch.set_float32_matmul_precision(before)
+    tok16, tok64 = rates(B * T, t2["B16"]), rates(64 * T, t2["B64"])
+    row.update(
+        measured=True,
+        note="against rung 7 at B 16 in rounds of their own",
+        tok_per_sec=stats(tok64),
+        step_ms=stats([1e3 * t for t in t2["B64"]]),
+        previous=7,
+        vs_previous=stats(tok64)["median"] / stats(tok16)["median"],
+        vs_previous_paired=stats([a / b for a, b in zip(tok64, tok16, strict=True)]),
+        vs_rung1=stats(tok64)["median"] / rung1_tok if rung1_tok else None,
+    )
+    if "compile" in ch:
+        row["compile_s"] = first2["B64"] - statistics.median(t2["B64"])
+    if b64.peak_bytes is not None:
+        row["peak_memory_gib"] = b64.peak_bytes / 2**30
+    del b16, b64
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench_ladder(s, device, device_type, device_name, tmp, png):
+    setup = ladder_setup(s, device, device_type, tmp)
+    c, B = setup["c"], setup["B"]
+    before = torch.get_float32_matmul_precision()
+    warmup, rounds = s["ladder_rounds" if device_type == "cpu" else "ladder_rounds_cuda"]
+    measured = measure_rungs(setup, [rung for rung, _, _ in LADDER_RUNGS], device, device_type, warmup, rounds)
+    rungs = rung_rows(setup, measured)
+    del measured
     gc.collect()
 
     # the recipe's B 64 (CUDA): rung 7 at B 64 against rung 7 at B 16, interleaved on their own (row after rung 7's)
     after7 = next(i for i, r in enumerate(rungs) if r["rung"] == 7) + 1
-    if device_type == "cuda" and name == "gpt2":
-        row = {"rung": "7+", "change": "the recipe's B 64", "reference_tok_per_sec": None, "reference_ms": None}
-        torch.cuda.empty_cache()
-        ch = change_set(7, skipped)
-        probe = ladder_model(ch, base_state, c, device)
-        fits = fits_in_memory([probe], 64, T, half if "bf16" in ch else None, device)
-        del probe
-        torch.cuda.empty_cache()
-        if fits:
-            b16, _ = ladder_step(ch, base_state, c, B, data_dir, device, device_type)
-            b64, _ = ladder_step(ch, base_state, c, 64, data_dir, device, device_type)
-            t2, first2 = interleave({"B16": b16, "B64": b64}, warmup, rounds, device_type, "ladder rung 7, B 16 and 64")
-            tok16, tok64 = rates(B * T, t2["B16"]), rates(64 * T, t2["B64"])
-            row.update(
-                measured=True,
-                note="against rung 7 at B 16 in rounds of their own",
-                tok_per_sec=stats(tok64),
-                step_ms=stats([1e3 * t for t in t2["B64"]]),
-                previous=7,
-                vs_previous=stats(tok64)["median"] / stats(tok16)["median"],
-                vs_previous_paired=stats([a / b for a, b in zip(tok64, tok16, strict=True)]),
-                vs_rung1=stats(tok64)["median"] / rungs[0]["tok_per_sec"]["median"],
-            )
-            if "compile" in ch:
-                row["compile_s"] = first2["B64"] - statistics.median(t2["B64"])
-            del b16, b64
-            torch.cuda.empty_cache()
-        else:
-            row.update(measured=False, note="B 64 does not fit in this GPU's memory")
-        rungs.insert(after7, row)
-    else:
-        rungs.insert(
-            after7,
-            {
-                "rung": "7+",
-                "change": "the recipe's B 64",
-                "reference_tok_per_sec": None,
-                "reference_ms": None,
-                "measured": False,
-                "note": "CUDA and the gpt2 config only",
-            },
-        )
+    rungs.insert(after7, rung_7_plus(setup, device, device_type, warmup, rounds, rungs[0]["tok_per_sec"]["median"]))
     torch._dynamo.reset()
     torch.set_float32_matmul_precision(before)
 
@@ -584,7 +638,7 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
     }
     n_gpus = torch.cuda.device_count() if device_type == "cuda" else 0
     if n_gpus > 1:
-        r8 = ladder_ddp(n_gpus, c, B, 40, data_dir, os.path.join(tmp, "ladder_ddp"), device_type)
+        r8 = ladder_ddp(n_gpus, c, B, 40, setup["data_dir"], os.path.join(tmp, "ladder_ddp"), device_type)
         rung7_tok = next(r for r in rungs if r["rung"] == 7)["tok_per_sec"]["median"]
         row.update(
             measured=True,
@@ -603,21 +657,9 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
         row.update(measured=False, note=f"{visible}; it needs 2 or more")
     rungs.append(row)
 
-    result = {
-        "config_name": name,
-        "config": {**c, "vocab_size": "50257 (rungs 1-5), 50304 (from 6)", "grad_accum_steps": accum},
-        "config_text": config_text,
-        "device": device_name,
-        "steps_per_rung": warmup + rounds,
-        "lr": LADDER_LR,
-        "loss_tolerance": {**LADDER_LOSS_TOL, "padded_vocab_allowance": LADDER_PAD_ALLOWANCE},
-        "losses_agree": all(r.get("losses_agree", True) for r in rungs),
-        "rungs": rungs,
-    }
-    result["headline"] = ladder_headline(rungs, device_type)
+    result = ladder_result(setup, rungs, device_name, device_type, warmup + rounds)
     if not result["losses_agree"]:
         log("  ladder: WARNING: a rung's loss differs from rung 1's or 7's beyond its tolerance (see the table)")
-    result["table"] = ladder_table(result)
     try:
         ladder_png(result, png)
         result["png"] = png
@@ -625,6 +667,24 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
         result["png"] = None
         log(f"  ladder: no picture ({e}): pip install matplotlib")
     return result, []
+
+
+def ladder_result(setup, rungs, device_name, device_type, steps_per_rung):
+    """The ladder's JSON: its config, the rows, whether every loss agrees, the headline and the table."""
+    result = {
+        "config_name": setup["name"],
+        "config": {**setup["c"], "vocab_size": "50257 (rungs 1-5), 50304 (from 6)", "grad_accum_steps": setup["accum"]},
+        "config_text": setup["config_text"],
+        "device": device_name,
+        "steps_per_rung": steps_per_rung,
+        "lr": LADDER_LR,
+        "loss_tolerance": {**LADDER_LOSS_TOL, "padded_vocab_allowance": LADDER_PAD_ALLOWANCE},
+        "losses_agree": all(r.get("losses_agree", True) for r in rungs),
+        "rungs": rungs,
+    }
+    result["headline"] = ladder_headline(rungs, device_type)
+    result["table"] = ladder_table(result)
+    return result
 
 
 def ladder_accum(base_state, c, B, device, device_type):
@@ -644,9 +704,12 @@ def ladder_accum(base_state, c, B, device, device_type):
 
 
 def ladder_headline(rungs, device_type):
-    """The final measured rung over rung 7 (build-nanogpt's configuration), ratio of median tok/s."""
+    """The final measured rung over rung 7 (build-nanogpt's configuration), ratio of median tok/s;
+    None while rung 7 is not measured."""
     measured = [r for r in rungs if r["measured"] and isinstance(r["rung"], int)]
-    final, seven = measured[-1], next(r for r in rungs if r["rung"] == 7)
+    final, seven = measured[-1] if measured else None, next(r for r in rungs if r["rung"] == 7)
+    if not seven["measured"]:
+        return None
     ratio = final["tok_per_sec"]["median"] / seven["tok_per_sec"]["median"]
     where = "" if device_type == "cuda" else f" ({device_type.upper()}: not a GPU measurement)"
     return {

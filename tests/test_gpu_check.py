@@ -1,0 +1,297 @@
+"""bench.py --gpu-check: items run in order within --budget-s, one whose estimate does not fit is
+skipped and says why, the JSON is whole after every item (also when the run is killed), and the
+tiny run on a CPU goes through every item a CPU can run. No speed is asserted: CI machines vary."""
+
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from bench import parse_args
+from benchmarks.gpu_check import GUESS, GpuCheck, Item, junit_tests, run_items, write_report
+from benchmarks.settings import RUNS
+from helpers import ROOT, assert_one_line_error
+from support.common import UserError
+
+ITEM_NAMES = ["cuda_tier", "recipe", "ladder_7_to_10", "ladder_1_to_6", "ladder_11_12"]
+
+
+def run_bench(*args, cwd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(ROOT / "bench.py"), *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+class Clock:
+    """A clock the stub items move on by the seconds they say they take."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def stub_item(name, clock, estimate_s, takes_s, out, seen, fail=False):
+    """An item that, when it runs, reads the report as saved so far (into seen[name]), then takes
+    takes_s on the clock; fail: it raises after that."""
+
+    def run():
+        seen[name] = json.loads(out.read_text())
+        clock.now += takes_s
+        if fail:
+            raise RuntimeError(f"{name} broke")
+        return {"value": name}
+
+    return Item(name, f"the {name} item", lambda: (estimate_s, "a stub's"), run)
+
+
+def test_items_run_in_order_and_one_whose_estimate_does_not_fit_is_skipped_with_why(tmp_path):
+    out, clock, seen = tmp_path / "check.json", Clock(), {}
+    items = [
+        stub_item("a", clock, 10, 30, out, seen),  # 100 s left: runs, leaves 70
+        stub_item("b", clock, 80, 5, out, seen),  # 80 > 70: skipped
+        stub_item("c", clock, 70, 20, out, seen),  # 70 <= 70: runs, leaves 50
+        stub_item("d", clock, 60, 1, out, seen),  # 60 > 50: skipped
+    ]
+    report = run_items(items, {"command": "python bench.py --gpu-check"}, 100, lambda r: write_report(out, r), clock)
+    assert [(e["name"], e["status"]) for e in report["items"]] == [
+        ("a", "done"),
+        ("b", "skipped"),
+        ("c", "done"),
+        ("d", "skipped"),
+    ]
+    assert set(seen) == {"a", "c"}  # a skipped item never ran
+    b, d = report["items"][1], report["items"][3]
+    assert b["why"] == "its estimate, 80 s (a stub's), is more than the 70 s left of --budget-s 100"
+    assert d["why"] == "its estimate, 60 s (a stub's), is more than the 50 s left of --budget-s 100"
+    assert [e.get("seconds") for e in report["items"]] == [30, None, 20, None]
+    assert report["items"][0]["result"] == {"value": "a"} and report["to_do"] == []
+    assert json.loads(out.read_text()) == report  # the file holds the final report
+
+
+def test_the_budget_counts_from_the_start_given(tmp_path):
+    """What ran before the items (torch's import, the compile check) is spent from the budget too."""
+    out, clock, seen = tmp_path / "check.json", Clock(), {}
+    items = [stub_item("a", clock, 60, 1, out, seen), stub_item("b", clock, 40, 1, out, seen)]
+    report = run_items(items, {"command": "python bench.py"}, 100, lambda r: write_report(out, r), clock, clock() - 50)
+    assert [e["status"] for e in report["items"]] == ["skipped", "done"]
+    assert report["items"][0]["why"].endswith("is more than the 50 s left of --budget-s 100")
+
+
+def test_the_json_is_whole_after_every_item_and_holds_the_items_before(tmp_path):
+    """Each item reads the file as it stands when it starts: exactly the items before it, the rest
+    still to do (what a run killed at that moment leaves)."""
+    out, clock, seen = tmp_path / "check.json", Clock(), {}
+    names = ["one", "two", "three"]
+    items = [stub_item(name, clock, 1, 1, out, seen) for name in names]
+    run_items(items, {"command": "python bench.py --gpu-check"}, 100, lambda r: write_report(out, r), clock)
+    for k, name in enumerate(names):
+        saved = seen[name]
+        assert [e["name"] for e in saved["items"]] == names[:k]
+        assert saved["to_do"] == names[k:]
+        assert all(e["status"] == "done" for e in saved["items"])
+    assert sorted(os.listdir(tmp_path)) == ["check.json"]  # no temporary file left beside it
+
+
+def test_a_failing_item_is_recorded_and_the_next_one_runs(tmp_path):
+    out, clock, seen = tmp_path / "check.json", Clock(), {}
+    items = [stub_item("a", clock, 1, 2, out, seen, fail=True), stub_item("b", clock, 1, 1, out, seen)]
+    report = run_items(items, {"command": "python bench.py --gpu-check"}, 100, lambda r: write_report(out, r), clock)
+    a, b = report["items"]
+    assert a["status"] == "failed" and a["error"] == "RuntimeError: a broke" and "raise RuntimeError" in a["traceback"]
+    assert a["seconds"] == 2 and b["status"] == "done"
+    assert json.loads(out.read_text())["items"][0]["error"] == "RuntimeError: a broke"
+
+
+def test_an_item_not_for_this_device_is_listed_as_such_whatever_the_budget(tmp_path):
+    out, clock, seen = tmp_path / "check.json", Clock(), {}
+    item = stub_item("gpu", clock, 10_000, 1, out, seen)
+    item.not_here = lambda: "CUDA only"
+    report = run_items([item], {"command": "python bench.py --gpu-check"}, 1, lambda r: write_report(out, r), clock)
+    assert report["items"][0] == {
+        "name": "gpu",
+        "what": "the gpu item",
+        "status": "not run on this device",
+        "why": "CUDA only",
+    }
+    assert seen == {}
+
+
+def test_estimates_use_the_first_compile_this_run_timed(tmp_path):
+    """Before any compile is timed, a default; after, the first one timed (a later one does not
+    replace it); max-autotune's rungs count 7 compiles each."""
+    s = {**RUNS["full"], "compile": [False, True]}
+    check = GpuCheck(s, "cuda", "cuda", False, str(tmp_path), str(tmp_path / "ladder.png"))
+    g = GUESS["cuda"]
+    est, how = check.estimate_recipe()
+    assert est == 2 * (g["start_s"] + g["compile_s"]) + 25 * g["recipe_step_s"]
+    assert "a default until one is timed" in how
+    check.timed_compile(100.0, "the recipe's step 0")
+    check.timed_compile(5.0, "ladder rung 7")
+    est, how = check.estimate_recipe()
+    assert est == 2 * (g["start_s"] + 100) + 25 * g["recipe_step_s"] and "timed in the recipe's step 0" in how
+    est11, how11 = check.estimate_ladder((11, 12), compiles_each=7)
+    assert how11.startswith("14 compiles x 100 s") and est11 > 14 * 100
+    # compile off: no compile counted
+    off = GpuCheck({**s, "compile": [False]}, "cuda", "cuda", False, str(tmp_path), str(tmp_path / "ladder.png"))
+    assert off.compile_estimate() == (0.0, "compile off")
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--gpu-check", "--budget-s", "0"], ["--budget-s 0: pass a number of seconds above 0"]),
+        (["--gpu-check", "--budget-s", "-5"], ["--budget-s -5: pass a number of seconds above 0"]),
+        (["--gpu-check", "--budget-s", "nan"], ["--budget-s nan: pass a number of seconds above 0"]),
+        (["--budget-s", "60"], ["--budget-s is the time of --gpu-check: pass --gpu-check too"]),
+        (["--gpu-check", "--only", "ladder"], ["--gpu-check runs its own items: leave --only out"]),
+        (["--gpu-check", "--quick"], ["leave --quick out"]),
+        (["--gpu-check", "--configs", "gpt2"], ["leave --configs out"]),
+    ],
+)
+def test_gpu_check_flags_are_checked_before_anything_runs(argv, words):
+    with pytest.raises(UserError) as e:
+        parse_args(argv)
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_gpu_check_default_budget():
+    assert (
+        parse_args(["--gpu-check"]).budget_s == 480 and parse_args(["--gpu-check", "--budget-s", "60"]).budget_s == 60
+    )
+
+
+def test_gpu_check_on_a_cpu_without_tiny_is_refused(tmp_path):
+    r = run_bench("--gpu-check", "--device", "cpu", "--out", tmp_path / "check.json", cwd=tmp_path)
+    assert_one_line_error(r, "--gpu-check on cpu runs a GPU's sizes", "pass --tiny")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_tiny_budget_skips_every_item_and_says_why(tmp_path):
+    out = tmp_path / "check.json"
+    r = run_bench("--gpu-check", "--tiny", "--device", "cpu", "--budget-s", 1, "--out", out, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("python bench.py --gpu-check") and report["budget_s"] == 1
+    items = report["items"]
+    assert [e["name"] for e in items] == ITEM_NAMES and report["to_do"] == []
+    for e in items[:4]:
+        assert e["status"] == "skipped" and "result" not in e, e
+        assert e["why"].startswith(f"its estimate, {e['estimate_s']:.0f} s (") and "of --budget-s 1" in e["why"]
+        assert f"{e['name']}: skipped ({e['why']})" in r.stdout
+    assert items[4]["status"] == "not run on this device" and items[4]["why"].startswith("CUDA only")
+    assert "ladder" not in report and sorted(os.listdir(tmp_path)) == ["check.json"]
+
+
+def test_junit_outcomes_are_read_per_test(tmp_path):
+    """pytest's own junit XML for a file with a pass, a failure and a skip."""
+    (tmp_path / "test_three.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    assert 1 == 2, 'one is not two'\n"
+        "@pytest.mark.skip(reason='not here')\ndef test_skipped():\n    pass\n"
+    )
+    xml = tmp_path / "out.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "test_three.py"]
+    subprocess.run(cmd, cwd=tmp_path, capture_output=True, timeout=120)
+    tests = junit_tests(xml)
+    assert {name: t["outcome"] for name, t in tests.items()} == {
+        "test_three::test_ok": "passed",
+        "test_three::test_bad": "failed",
+        "test_three::test_skipped": "skipped",
+    }
+    assert "one is not two" in tests["test_three::test_bad"]["message"]
+    assert tests["test_three::test_skipped"]["message"] == "not here"
+    assert all(t["seconds"] >= 0 for t in tests.values())
+
+
+def cuda_test_names():
+    """The test functions of tests/test_cuda.py, read from its source."""
+    tree = ast.parse((ROOT / "tests" / "test_cuda.py").read_text())
+    return {
+        f"tests.test_cuda::{n.name}" for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
+    }
+
+
+@pytest.mark.slow
+def test_tiny_gpu_check_on_a_cpu_runs_every_item_a_cpu_can(tmp_path):
+    out = tmp_path / "check.json"
+    r = run_bench("--gpu-check", "--tiny", "--device", "cpu", "--budget-s", 600, "--out", out, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    items = {e["name"]: e for e in report["items"]}
+    assert list(items) == ITEM_NAMES and report["to_do"] == []
+    assert [e["status"] for e in report["items"]] == ["done"] * 4 + ["not run on this device"]
+    assert sorted(os.listdir(tmp_path)) == ["check.json", "ladder.png"]
+    assert report["machine"]["torch"] == torch.__version__
+    if (ROOT / ".git").exists():  # the commit it ran, as git names it
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        assert report["commit"] in (head, head + "+changes")
+
+    # the CUDA tier: pytest's outcome for every test in the file, skipped here without CUDA
+    tier = items["cuda_tier"]["result"]
+    assert set(tier["tests"]) == cuda_test_names()
+    assert {t["outcome"] for t in tier["tests"].values()} == {"skipped"}
+    assert all("needs a CUDA GPU" in t["message"] for t in tier["tests"].values())
+
+    # the recipe: train_gpt2.py's own log read back; fp16 with its loss scale
+    recipe, fp16 = items["recipe"]["result"]["recipe"], items["recipe"]["result"]["float16"]
+    assert "random token ids" in items["recipe"]["result"]["data"]
+    assert (recipe["dtype"], recipe["steps"], fp16["dtype"], fp16["steps"]) == ("bfloat16", 6, "float16", 3)
+    assert recipe["losses_finite"] and fp16["losses_finite"] and len(recipe["losses"]) == 6
+    assert fp16["loss_scales"] == [65536.0] * 3  # GradScaler's first scale, no overflow at this size
+    assert recipe["tok_per_sec"]["n"] == 4 and recipe["tok_per_sec"]["median"] > 0  # 6 steps, the first 2 dropped
+    assert recipe["step0_ms"] > 0 and recipe["peak_memory_gib"] is None  # no GPU memory on a CPU
+
+    # the ladder: 7-9 against rung 7, then 1-6, the rungs a CPU cannot run say why
+    rows = {row["rung"]: row for row in report["ladder"]["rungs"]}
+    for k in (7, 8, 9, 1, 3, 5, 6):
+        assert rows[k]["measured"], k
+    for k in (8, 9):
+        diff = max(abs(a - b) for a, b in zip(rows[k]["losses"], rows[7]["losses"], strict=True))
+        assert rows[k]["loss_vs_rung7_max_abs_diff"] == diff <= rows[k]["loss_vs_rung7_tol"]
+    assert rows[7]["loss_max_abs_diff"] == max(
+        abs(a - b) for a, b in zip(rows[7]["losses"], rows[1]["losses"], strict=True)
+    )
+    for k in (10, 11, 12):
+        assert not rows[k]["measured"] and rows[k]["note"].startswith("CUDA only")
+    assert not rows["7+"]["measured"] and report["ladder"]["losses_agree"]
+    assert [row["rung"] for row in items["ladder_7_to_10"]["result"]["rungs"]] == [7, "7+", 8, 9, 10]
+    assert report["ladder"]["table"] in r.stdout and report["ladder"]["headline"]["text"] in r.stdout
+    assert (tmp_path / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_an_item_leaves_a_whole_json_of_the_items_before(tmp_path):
+    """SIGKILL (a machine taken back) once the JSON holds 2 items: it still parses, and holds items
+    1..N in order (N >= 2), the rest still to do."""
+    out = tmp_path / "check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    cmd = [sys.executable, str(ROOT / "bench.py"), "--gpu-check", "--tiny", "--device", "cpu", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and len(json.loads(out.read_text())["items"]) >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    report = json.loads(out.read_text())
+    n = len(report["items"])
+    assert n >= 2 and [e["name"] for e in report["items"]] == ITEM_NAMES[:n]
+    assert report["to_do"] == ITEM_NAMES[n:]
+    assert report["items"][0]["status"] == report["items"][1]["status"] == "done"
+    assert report["items"][1]["result"]["recipe"]["losses_finite"]
