@@ -2,7 +2,6 @@
 newest few (keeping one known good), loaded without running code, the random-number state they
 carry, and which files in a run's folder are the run's own (to write over, to resume from)."""
 
-import json
 import os
 import pickle
 import random
@@ -18,7 +17,15 @@ import torch.distributed as dist
 from support.common import UserError, disk_error, first_line, refuse_link, write_atomic
 from support.ddp import fence
 from support.divergence import check_finite_state, checkpoint_health
-from support.out_dir import check_out_dir_held, checkpoint_path, checkpoint_paths, log_runs, move_aside, step_of_name
+from support.out_dir import (
+    check_out_dir_held,
+    checkpoint_path,
+    checkpoint_paths,
+    log_runs,
+    move_aside,
+    run_header,
+    step_of_name,
+)
 
 
 def checkpoint_header(path):
@@ -55,15 +62,7 @@ def not_this_runs(path, run_id, step=None):
     if step is None:
         with open(path, "rb") as f:
             first = f.readline()
-        try:
-            header = json.loads(first) if first else {"event": "header"}
-        except ValueError:
-            header = None
-        return (
-            None
-            if isinstance(header, dict) and header.get("event") == "header"
-            else "its first line is not a run's header"
-        )
+        return None if not first or run_header(first) else "its first line is not a run's header"
     held = checkpoint_header(path)
     if held is None or "step" not in held:
         if damaged_of_run(path, run_id):  # this run's own, damaged on disk or cut short in a copy

@@ -133,6 +133,15 @@ def check_no_links(out_dir):
             refuse_link(os.path.join(out_dir, name))
 
 
+def run_header(line):
+    """The run's header record a log.jsonl line holds (a dict with "event": "header"), else None."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and record.get("event") == "header" else None
+
+
 def check_log_header(log):
     """A log.jsonl whose first line is not a run's header (cut short, garbage, blank, no run_id)
     while later lines record steps would have this run's records appended after steps of no known
@@ -143,11 +152,7 @@ def check_log_header(log):
             first, _, rest = f.read().partition(b"\n")
     except OSError:  # none, a folder, unreadable: claim_out_dir's to judge
         return
-    try:
-        header = json.loads(first)
-    except ValueError:
-        header = None
-    if isinstance(header, dict) and header.get("event") == "header" and header.get("run_id"):
+    if (run_header(first) or {}).get("run_id"):
         return
     if not any(_is_step_record(line) for line in rest.split(b"\n")):
         return
