@@ -1,8 +1,9 @@
 """Token shards on disk, torch-free (numpy and tiktoken): the GPT-2 tokenizer they hold ids of, their
-format and names (fineweb.py writes them, train_gpt2.py memory-maps them), and the checks a run
+format and names (fineweb.py writes them, train_gpt2.py reads them), and the checks a run
 makes on them before step 0 (finished, not mixed, ids below the vocabulary, the same data a
 checkpoint was trained on), and on every batch's ids as it is read (check_batch_ids)."""
 
+import functools
 import glob
 import hashlib
 import json
@@ -17,16 +18,60 @@ from support.common import UserError, first_line, same_on_every_rank, write_atom
 
 EOT = 50256  # <|endoftext|>: every document starts with it
 
+# --- the tokenizer: GPT-2's, built from OpenAI's vocab.bpe, shipped in support/gpt2_bpe/ -------------
+GPT2_BPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_bpe", "vocab.bpe")
+GPT2_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+# GPT-2's split of text into the pieces BPE encodes apart (contractions, letters, digits, other
+# symbols, each with one leading space; runs of spaces) as its encoder.py writes it, with possessive
+# quantifiers (++), which give back nothing they matched, and a last \s for its \s+, which can only
+# match one space there: the same pieces, found faster
+GPT2_SPLIT = r"""'(?:s|t|re|ve|m|ll|d)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s+(?!\S)|\s"""
 
-def get_tokenizer():
-    """tiktoken's gpt2 encoding. Offline machines point TIKTOKEN_CACHE_DIR at a cache of it."""
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # network errors, hash mismatches: all mean the same thing to the user
+
+def byte_stand_ins():
+    """GPT-2's printable stand-in for each byte, which vocab.bpe (and vocab.json) spell tokens with:
+    the 188 bytes that print as a Latin-1 character keep it, the other 68 (controls, space, soft
+    hyphen, ...) take chr(256), chr(257), ... in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    others = (b for b in range(256) if b not in printable)
+    stand_in = {b: chr(256 + i) for i, b in enumerate(others)}
+    return [chr(b) if b in printable else stand_in[b] for b in range(256)]
+
+
+def read_gpt2_bpe():
+    """GPT-2's byte-pair tokens from the shipped vocab.bpe: ({spelling: token bytes} in id order, the
+    merges as (first, second) spellings), a spelling being the token's bytes in stand-in characters.
+    Ids 0-255 are the bytes in their stand-ins' order (the printable ones first), and the i-th merge
+    of the file makes token 256 + i, the two spellings joined."""
+    with open(GPT2_BPE, "rb") as f:
+        raw = f.read()
+    if hashlib.sha256(raw).hexdigest() != GPT2_BPE_SHA256:  # edited, or its line ends converted (.gitattributes)
         raise UserError(
-            f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}); offline, set TIKTOKEN_CACHE_DIR "
-            f"to a folder holding its cached vocab.bpe and encoder.json"
-        ) from None
+            f"{GPT2_BPE} is not OpenAI's GPT-2 vocab.bpe (its sha256 differs): restore it with "
+            f"`git checkout -- support/gpt2_bpe/vocab.bpe`"
+        )
+    chars = byte_stand_ins()
+    tokens = {chars[b]: bytes([b]) for b in sorted(range(256), key=chars.__getitem__)}
+    words = raw.decode("utf-8").split()  # "#version: 0.2", then a pair a line; no stand-in is a space
+    merges = list(zip(words[2::2], words[3::2], strict=True))
+    for first, second in merges:
+        tokens[first + second] = tokens[first] + tokens[second]
+    return tokens, merges
+
+
+@functools.cache
+def get_tokenizer():
+    """GPT-2's tokenizer (tiktoken's "gpt2", the same ids), built from the shipped vocab.bpe: no
+    download, no cache folder, offline as online; <|endoftext|> is id 50256."""
+    tokens, _ = read_gpt2_bpe()
+    ranks = {token: rank for rank, token in enumerate(tokens.values())}
+    return tiktoken.Encoding(
+        "gpt2",
+        pat_str=GPT2_SPLIT,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOT},
+        explicit_n_vocab=EOT + 1,
+    )
 
 
 # --- the format ----------------------------------------------------------------------------------

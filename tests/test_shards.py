@@ -16,7 +16,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
+import tiktoken
 
 import fineweb
 import train_gpt2
@@ -35,6 +37,7 @@ from helpers import (
     write_known_shards,
     write_shard,
 )
+from support import shards
 from support.checkpoints import load_checkpoint
 from support.common import UserError
 from support.shards import fineweb_command, load_shard, recorded_max_ids, shard_fingerprint
@@ -49,17 +52,71 @@ def test_tokenizer(enc):
     assert enc.eot_token == 50256
 
 
-def test_tokenizer_missing_cache_is_one_line_error(tmp_path):
-    code = (
-        "import support.common, support.shards, sys\ntry:\n    support.shards.get_tokenizer()\n"
-        "except support.common.UserError as e:\n    print(e); sys.exit(3)"
+UNICODE = [
+    " leading space, trailing space ",
+    "two  spaces,   three,\ttab\tand\u00a0no-break, trailing\n\n  ",
+    "lines\nand\n\nblank lines\r\nwith CRLF\n",
+    "digits 1234567890, 3.14159, 1e-5, 2026-11-26, $1,000.00; it's, we'll, they've, I'm, you'd, 'S",
+    "non-ASCII: naïve café, Straße, Ωμέγα, Москва, 東京, 한국어, عربى, हिन्दी, \u00ad soft hyphen",
+    "emoji 🤖👍🏽👩\u200d👩\u200d👧 and ✓ ✗ ∑ ∞, a lone surrogate-free \U0001f600",
+    "controls \x00\x01\x1b[0m\x7f\x85",
+    "",
+]
+
+
+def test_tokenizer_is_tiktokens_gpt2(enc, shared_data):
+    """The tokenizer built from the shipped vocab.bpe against tiktoken's own gpt2 (from the shared
+    cache): every token's bytes, and the encoding and decoding of all of Tiny Shakespeare, the
+    FineWeb sample and unicode edge cases, <|endoftext|> as a special token and as text."""
+    reference = tiktoken.get_encoding("gpt2")  # conftest points TIKTOKEN_CACHE_DIR at shared/data
+    assert (enc.n_vocab, enc.eot_token, enc.max_token_value) == (reference.n_vocab, reference.eot_token, 50256)
+    assert [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)] == [
+        reference.decode_single_token_bytes(i) for i in range(reference.n_vocab)
+    ]
+    texts = [(shared_data / "tinyshakespeare" / "input.txt").read_text(), *UNICODE]
+    for path in sorted((shared_data / "fineweb_sample").glob("*.parquet")):
+        texts += pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    assert len(texts) == 1 + len(UNICODE) + 1000
+    ours = enc.encode_ordinary_batch(texts)
+    assert ours == reference.encode_ordinary_batch(texts)
+    assert [enc.decode(ids) for ids in ours] == texts
+    special = "a<|endoftext|>b <|endoftext|>"
+    assert enc.encode(special, allowed_special="all") == reference.encode(special, allowed_special="all")
+    assert enc.encode(special, allowed_special="all").count(50256) == 2
+    assert enc.encode_ordinary(special) == reference.encode_ordinary(special) and 50256 not in enc.encode_ordinary(
+        special
     )
-    env = {"PATH": "/usr/bin:/bin", "TIKTOKEN_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path)}
-    # an empty cache dir and no network (unroutable proxy) make the load fail fast
-    env["HTTPS_PROXY"] = env["HTTP_PROXY"] = "http://127.0.0.1:9"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 3, r.stderr
-    assert "TIKTOKEN_CACHE_DIR" in r.stdout
+    with pytest.raises(ValueError, match="disallowed special token"):
+        enc.encode(special)  # as tiktoken's: a special token in text is refused unless allowed
+
+
+def test_fineweb_tokenizes_offline_without_tiktokens_files(tmp_path, enc):
+    """fineweb.py with no tiktoken cache (an empty TIKTOKEN_CACHE_DIR) and no network (a proxy that
+    refuses): the tokenizer is the shipped file, and the shard holds GPT-2's tokens."""
+    text = "First Citizen:\nBefore we proceed any further, hear me speak. naïve 東京 🤖\n" * 100
+    (tmp_path / "input.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "empty_cache").mkdir()
+    env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"), "NO_PROXY": ""}
+    env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
+    cmd = [sys.executable, str(ROOT / "fineweb.py"), "--input", "input.txt", "--out-dir", "shards"]
+    r = subprocess.run(
+        [*cmd, "--shard-size", "100000"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(tmp_path / "empty_cache") == []
+    tokens = np.load(tmp_path / "shards" / "edufineweb_val_000000.npy").tolist()
+    assert tokens == [50256, *tiktoken.get_encoding("gpt2").encode_ordinary(text)]  # tiktoken's own, from shared/data
+
+
+def test_a_changed_vocab_bpe_is_refused_naming_the_git_command(tmp_path, monkeypatch):
+    # line ends converted to CRLF (a Windows checkout without .gitattributes) would change every merge
+    crlf = tmp_path / "vocab.bpe"
+    crlf.write_bytes(open(shards.GPT2_BPE, "rb").read().replace(b"\n", b"\r\n"))
+    monkeypatch.setattr(shards, "GPT2_BPE", str(crlf))
+    with pytest.raises(
+        UserError, match=r"is not OpenAI's GPT-2 vocab.bpe .* `git checkout -- support/gpt2_bpe/vocab.bpe`"
+    ):
+        shards.read_gpt2_bpe()
 
 
 # ----------------------------------------------------------------------------------------------
