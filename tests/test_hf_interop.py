@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
 
+import hellaswag
 import train_gpt2
 from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
 from support import common, hf_interop
@@ -573,6 +574,45 @@ def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
     )
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "c_fc.weight is missing" in r.stderr
+
+
+class RunsCode:
+    """Pickled as a call of os.system: unpickling it would run the command."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_a_pytorch_model_bin_that_pickles_code_is_refused_and_nothing_runs(tmp_path, hf_tiny_dir, shared_data):
+    """hellaswag.py -m, --sample-from and --init-from on a transformers folder whose
+    pytorch_model.bin would run `touch MARKER` when unpickled: one line that refuses it and points
+    to safetensors, never to weights_only=False; the marker is never made."""
+    hf_dir, marker = tmp_path / "hf", tmp_path / "MARKER"
+    shutil.copytree(hf_tiny_dir, hf_dir)
+    weights = load_file(hf_dir / "model.safetensors")
+    weights["transformer.wte.weight"] = RunsCode(f"touch {marker}")
+    torch.save(weights, hf_dir / "pytorch_model.bin")
+    (hf_dir / "model.safetensors").unlink()
+    data = random_shards(tmp_path / "data")
+    commands = {
+        "--sample-from": lambda: train_gpt2.main(["--sample-from", str(hf_dir), "--device", "cpu"]),
+        "--init-from": lambda: train_gpt2.main(tiny_args(data, tmp_path / "out", "--init-from", hf_dir)),
+        "hellaswag.py -m": lambda: hellaswag.main(
+            ["-m", str(hf_dir), "--data", str(shared_data / "hellaswag" / "hellaswag_val.jsonl"), "--limit", "4"]
+        ),
+    }
+    for name, run in commands.items():
+        with pytest.raises(UserError) as e:
+            run()
+        message = str(e.value)
+        assert message.startswith(f"{hf_dir}: its pytorch_model.bin holds more than tensors (GLOBAL "), name
+        assert "nothing in it ran; use the model as safetensors (model.safetensors" in message, name
+        assert "\n" not in message and "weights_only" not in message, name
+        assert not marker.exists(), name
+    assert not (tmp_path / "out").exists()
 
 
 def test_from_pretrained_reports_first_mismatch(tmp_path, hf_tiny_dir):
