@@ -66,9 +66,10 @@ def check_hub_reachable(name, timeout=3.0):
         ) from None
 
 
-def check_export_target(out_dir):
+def check_export_target(out_dir, staging=None):
     """The absolute folder export_hf may write: a new one, an empty one, or an earlier export (only
-    save_pretrained's plain files, config.json marked EXPORT_MARK), which is replaced."""
+    save_pretrained's plain files, config.json marked EXPORT_MARK), which is replaced. staging: the
+    export's own hidden folder, inside out_dir where that is a mount point (write_dir_atomic)."""
     given = str(out_dir)
     if os.path.islink(given) and not os.path.exists(given):
         raise UserError(f"--export-hf target {given} is a symbolic link to nothing: name a new folder")
@@ -76,7 +77,7 @@ def check_export_target(out_dir):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         example = os.path.splitext(given)[0] + "_hf"
         raise UserError(f"--export-hf target {given} is a file, not a folder: name a new folder, e.g. {example}")
-    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    names = sorted(set(os.listdir(out_dir)) - {os.path.basename(staging or "")}) if os.path.isdir(out_dir) else []
     foreign = [
         n
         for n in names
@@ -283,7 +284,7 @@ def save_hf_gpt2(config, sd, out_dir):
     hf_logging.disable_progress_bar()  # its bar on stderr would bury a one-line error
     try:
         # checked again just before the swap: a file put there meanwhile is not ours to delete
-        write_dir_atomic(out_dir, write, "the export", recheck=lambda: check_export_target(given))
+        write_dir_atomic(out_dir, write, "the export", recheck=lambda staging: check_export_target(given, staging))
     finally:
         if bar:
             hf_logging.enable_progress_bar()

@@ -431,6 +431,37 @@ def test_real_full_disk_cli(short_run, small_disk, tmp_path):
     assert snapshot(small_disk) == before
 
 
+@pytest.fixture
+def mount_point(tmp_path):
+    """An empty tmpfs mounted at tmp_path/export, as `docker -v host:/export` or a tmpfs gives a folder
+    that no rename can replace; skipped where mounting is not allowed."""
+    mnt = tmp_path / "export"
+    mnt.mkdir()
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_an_export_into_a_mount_point_is_written_into_it(short_run, mount_point, capsys):
+    """The dry run says it can, the export is written into the mount point, and an export over it
+    replaces that export's files (one the new export does not write is gone): nothing of ours left."""
+    ckpt, ckpt_1 = short_run[1] / "ckpt_000002.pt", short_run[1] / "ckpt_000001.pt"
+    assert train_gpt2.main(["--export-hf", str(ckpt), str(mount_point), "--dry-run"]) == 0
+    assert f"can be exported to {mount_point}; nothing was written" in capsys.readouterr().out
+    assert os.listdir(mount_point) == []
+    assert train_gpt2.main(["--export-hf", str(ckpt), str(mount_point)]) == 0
+    assert os.path.ismount(mount_point) and logits_match(mount_point, ckpt)
+    written = sorted(os.listdir(mount_point))
+    assert "model.safetensors" in written and not [n for n in written if n.startswith(".")]
+    (mount_point / "special_tokens_map.json").write_text("{}")  # an earlier export's file this one does not write
+    assert train_gpt2.main(["--export-hf", str(ckpt_1), str(mount_point)]) == 0
+    assert sorted(os.listdir(mount_point)) == written and logits_match(mount_point, ckpt_1)
+
+
 # ----------------------------------------------------------------------------------------------
 # --sample-from a Hub name without the Hub: one line at once, and a cached model still loads
 
