@@ -139,7 +139,13 @@ def shard_path(out_dir, prefix, index, fmt="npy"):
 
 def find_shards(data_dir, split, required=False):
     """The {prefix}_{split}_{index}.npy (or .bin) shards in data_dir, in name order."""
-    if os.path.isfile(data_dir):  # a text file or one shard where the folder of shards goes
+    if os.path.isfile(data_dir) and os.path.splitext(data_dir)[1] in (".npy", ".bin"):  # one shard
+        folder = os.path.dirname(data_dir) or "."
+        raise UserError(
+            f"--data-dir {data_dir} is a token shard, not the folder of shards: pass the folder that holds it, "
+            f"--data-dir {shlex.quote(folder)}"
+        )
+    if os.path.isfile(data_dir):  # a text file where the folder of shards goes
         raise UserError(
             f"--data-dir {data_dir} is a file, not a folder of shards: pass the folder that holds the "
             f"shards, or tokenize a text file with `python fineweb.py --input {data_dir} --out-dir DIR` "

@@ -143,6 +143,17 @@ def test_a_text_file_as_data_dir_points_to_fineweb(tmp_path):
     assert text.read_text().startswith("First Citizen") and not (tmp_path / "out").exists()
 
 
+def test_a_shard_as_data_dir_names_its_folder_and_that_command_works(tmp_path):
+    data = random_shards(tmp_path / "data")
+    args = tiny_args(data / "rand_train_000001.npy", tmp_path / "out", "--max-steps", 1, "--eval-every", 0)
+    msg = user_error(args)
+    assert msg.startswith(f"--data-dir {data / 'rand_train_000001.npy'} is a token shard, not the folder")
+    advice = msg.split("pass the folder that holds it, ")[1]
+    assert advice == f"--data-dir {data}"
+    fixed = args[: args.index("--data-dir")] + shlex.split(advice) + args[args.index("--data-dir") + 2 :]
+    assert train_gpt2.main([str(a) for a in fixed]) == 0  # the advice, as given, runs
+
+
 def test_bin_shard_with_bad_header(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
