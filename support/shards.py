@@ -158,11 +158,29 @@ def find_shards(data_dir, split, required=False):
     if len({os.path.splitext(n)[1] for n in names}) > 1:
         raise UserError(f"{data_dir} holds both .npy and .bin {split} shards: keep one format")
     if required and not names:
-        raise UserError(
-            f"no {split} shards (*_{split}_NNNNNN.npy or .bin) in {data_dir}: write them with "
-            f"`python fineweb.py` or pass --data-dir"
-        )
+        fix = stopped_in_the_val_shard(data_dir) or "write them with `python fineweb.py` or pass --data-dir"
+        raise UserError(f"no {split} shards (*_{split}_NNNNNN.npy or .bin) in {data_dir}: {fix}")
     return [os.path.join(data_dir, n) for n in names]
+
+
+def stopped_in_the_val_shard(data_dir):
+    """Why data_dir has no train shard when fineweb.py stopped at --max-shards 1 or --max-tokens
+    within shard 0 (the val shard), with the command that adds train shards; else None."""
+    for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
+        try:
+            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+                manifest = json.load(f)
+            stop_at, shards = manifest.get("stop_at") or {}, manifest["shards"]
+            if stop_at and len(shards) == 1:
+                flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in sorted(stop_at.items()))
+                command = fineweb_command(manifest["config"], data_dir, {"max_shards": 2})
+                return (
+                    f"fineweb.py stopped at {flags} within shard 0, which is held out for validation; add a "
+                    f"train shard with `{command}`"
+                )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+            continue  # not fineweb.py's manifest
+    return None
 
 
 def shard_fingerprint(path, blocks=16, block=4096):

@@ -143,6 +143,27 @@ def test_a_text_file_as_data_dir_points_to_fineweb(tmp_path):
     assert text.read_text().startswith("First Citizen") and not (tmp_path / "out").exists()
 
 
+def test_max_shards_1_says_there_is_no_train_shard_and_the_command_that_adds_one(tmp_path, capsys, shared_data):
+    (tmp_path / "input.txt").write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:20000])
+    data = tmp_path / "data"
+    fineweb.main(
+        ["--input", str(tmp_path / "input.txt"), "--out-dir", str(data), "--shard-size", "2000", "--max-shards", "1"]
+    )
+    note = capsys.readouterr().err.strip().splitlines()[-1]
+    assert note.startswith("note: there is no train shard: this run stopped within shard 0, edufineweb_val_000000.npy")
+    assert note.endswith("run it again with --max-shards 2 (it adds a train shard)")
+    args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0)
+    msg = user_error(args)
+    assert msg.startswith(
+        f"no train shards (*_train_NNNNNN.npy or .bin) in {data}: fineweb.py stopped at --max-shards 1"
+    )
+    command = msg.split("add a train shard with `")[1].rstrip("`")
+    assert shlex.split(command)[:2] == ["python", "fineweb.py"] and "--max-shards 2" in command
+    fineweb.main(shlex.split(command)[2:])  # the command, as given
+    assert (data / "edufineweb_train_000001.npy").is_file()
+    assert train_gpt2.main(args) == 0
+
+
 def test_a_shard_as_data_dir_names_its_folder_and_that_command_works(tmp_path):
     data = random_shards(tmp_path / "data")
     args = tiny_args(data / "rand_train_000001.npy", tmp_path / "out", "--max-steps", 1, "--eval-every", 0)
