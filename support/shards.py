@@ -102,8 +102,8 @@ def write_shard(path, tokens, fmt="npy"):
 
 
 def load_shard(path):
-    """The tokens of one .npy or .bin shard as a read-only, memory-mapped uint16 array. Pages are
-    read from disk only when a batch slices them: switching to a 100M-token shard copies nothing."""
+    """The tokens of one .npy or .bin shard as a read-only, memory-mapped uint16 array: pages are read
+    from disk only where they are looked at, so the checks of every shard at start stay cheap."""
     try:
         if path.endswith(".bin"):
             header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
@@ -124,6 +124,38 @@ def load_shard(path):
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
         raise UserError(f"{path}: a token shard is a 1-D uint16 array, this one is {tokens.ndim}-D {tokens.dtype}")
     return tokens
+
+
+class ShardFile:
+    """A token shard the loader trains on, held open and read a slice at a time (shard[a:b] is a uint16
+    array), not memory-mapped: a shard cut short under a running run (truncate, a copy over it) would
+    kill the process at a read through a map (SIGBUS, exit 135, no message, every step since the last
+    checkpoint lost); a read comes back short instead, and says so in one line. Held open, it reads
+    the file as it was opened, as a map does: a shard renamed over it is not read."""
+
+    def __init__(self, path):
+        tokens = load_shard(path)  # its checks; its length and where its tokens start
+        self.path, self.offset, self.length = path, getattr(tokens, "offset", 0), len(tokens)
+        self.file = open(path, "rb")  # closed with the object: the loader drops it at its next shard
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):  # a slice, as the loader takes them
+        start, stop, _ = index.indices(self.length)
+        self.file.seek(self.offset + 2 * start)
+        data = self.file.read(2 * max(0, stop - start))
+        if len(data) < 2 * max(0, stop - start):
+            raise UserError(
+                f"{self.path} was cut short while this run read it ({self.length:,} tokens when opened, "
+                f"{os.fstat(self.file.fileno()).st_size:,} bytes now): restore it (rerun the fineweb.py that "
+                f"wrote it), then continue with --resume"
+            )
+        return np.frombuffer(data, dtype=np.uint16)
+
+    def __del__(self):
+        if getattr(self, "file", None):
+            self.file.close()
 
 
 # --- the names: {prefix}_{split}_{index}.npy (or .bin), shard 0 the val split -------------------
