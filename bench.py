@@ -340,8 +340,6 @@ def main(argv=None):
     started = time.monotonic()
     args = parse_args(argv)
     shared = find_shared_data()
-    if shared is not None and (shared / "tiktoken_cache").is_dir():
-        os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(shared / "tiktoken_cache"))  # offline machines
     s = settings(args)
     device, device_type = pick_device(args.device)
     if device_type == "cuda":

@@ -764,6 +764,13 @@ def main(argv=None):
             f"--shard-size ({args.shard_size:,}), so it is all in the val shard {s['files'][0]}; for training, {fix}",
             file=sys.stderr,
         )
+    elif s["shards"] == 1:  # stopped by --max-shards 1 or --max-tokens within shard 0, the val shard
+        instead = " and no --max-tokens" if args.max_tokens else ""
+        print(
+            f"note: there is no train shard: this run stopped within shard 0, {s['files'][0]}, which is held out "
+            f"for validation; for training, run it again with --max-shards 2{instead} (it adds a train shard)",
+            file=sys.stderr,
+        )
     return s
 
 

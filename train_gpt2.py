@@ -58,6 +58,7 @@ from support.resume import report_resume, restore_training_state, resume_checkpo
 from support.run_log import RunLog
 from support.sampling import encode_prompt, note_if_samples_stop_early, print_samples, sample_text
 from support.shards import (
+    ShardFile,
     check_batch_fits,
     check_batch_ids,
     check_same_shards,
@@ -328,7 +329,7 @@ class DataLoaderLite:
     def set_position(self, epoch, shard, pos):
         self.epoch, self.shard, self.pos = epoch, shard, pos
         self.path = self.shards[self.shard_order(epoch)[shard]]
-        self.tokens = load_shard(self.path)
+        self.tokens = ShardFile(self.path)  # read, not mapped: a shard cut short mid-run is one line, no SIGBUS
 
     def next_batch(self):
         while self.pos + self.chunk + 1 > len(self.tokens):  # on to the next shard with a whole chunk
@@ -361,7 +362,7 @@ def load_val_tokens(data_dir, n_tokens, vocab_size=None):
     None when there is no val shard, or n_tokens is 0 (no val loss)."""
     parts, have = [], 0
     for path in find_shards(data_dir, "val") if n_tokens > 0 else []:
-        tokens = load_shard(path)[: n_tokens + 1 - have]
+        tokens = ShardFile(path)[: n_tokens + 1 - have]  # read into memory, not mapped
         parts.append(check_batch_ids(tokens, vocab_size, path, 0))
         have += len(tokens)
         if have == n_tokens + 1:

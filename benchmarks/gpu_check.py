@@ -132,20 +132,46 @@ def write_report(path, report):
     write_atomic(path, lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()), elsewhere="--out")
 
 
+# Each child runs under this watcher, which reads a pipe whose other end only bench.py holds: when
+# bench.py ends in any way, kill -9 included, the pipe closes and the watcher ends the child and all
+# it started (their session; where os.killpg is missing, as on Windows, the child alone).
+WATCHER = """\
+import os, signal, subprocess, sys, threading
+child = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL)
+def end_with_bench():
+    while os.read(0, 1):  # b"": the pipe's other end is closed
+        pass
+    if hasattr(os, "killpg"):
+        os.killpg(0, signal.SIGKILL)
+    child.kill()
+    os._exit(1)
+threading.Thread(target=end_with_bench, daemon=True).start()
+code = child.wait()
+sys.exit(code if code >= 0 else 128 - code)  # a child killed by signal N: 128 + N, as a shell says it
+"""
+
+
 def run_killable(cmd, timeout, env=None):
     """(returncode or None when it ran past timeout, stdout, stderr) of cmd in a session of its own,
-    so that a timeout, or Ctrl-C here, ends its children too (pytest's and train_gpt2.py's own)."""
-    proc = subprocess.Popen(
-        [str(c) for c in cmd],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    under WATCHER, so that a timeout, Ctrl-C here or this process killed ends its children too
+    (pytest's and train_gpt2.py's own)."""
+    read_end, write_end = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WATCHER, *[str(c) for c in cmd]],
+            cwd=ROOT,
+            env=env,
+            stdin=read_end,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    finally:
+        os.close(read_end)
 
     def kill():
+        os.close(write_end)  # the watcher ends the child, on every platform
         if hasattr(os, "killpg"):
             os.killpg(proc.pid, signal.SIGKILL)
         else:
@@ -153,6 +179,7 @@ def run_killable(cmd, timeout, env=None):
 
     try:
         out, err = proc.communicate(timeout=timeout)
+        os.close(write_end)
         return proc.returncode, out, err
     except subprocess.TimeoutExpired:
         kill()

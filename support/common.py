@@ -171,10 +171,14 @@ def disk_error(e, what, then):
 
 def write_dir_atomic(out_dir, write, what, recheck=None):
     """write(tmp) fills a hidden folder beside out_dir, which then takes out_dir's place (a folder
-    already there is renamed aside first and deleted last: the caller checked it may go). On any
-    failure, a full disk, Ctrl-C and SIGTERM included, the hidden folders and the parents this
-    made are removed and out_dir is as it was. recheck(), if given, runs right before the swap."""
+    already there is renamed aside first and deleted last: the caller checked it may go). A mount
+    point (`docker -v host:dir`, a tmpfs) cannot be renamed: the hidden folder is made inside it,
+    and its files take the places of those there (a file of the earlier folder not written again
+    is deleted). On any failure, a full disk, Ctrl-C and SIGTERM included, the hidden folders and
+    the parents this made are removed and out_dir is as it was. recheck(tmp), if given, runs right
+    before the swap (tmp: the hidden folder, which is inside a mount point)."""
     parent = os.path.dirname(out_dir)
+    into = os.path.ismount(out_dir)
     made = []  # parent folders this call creates, deepest first
     d = parent
     while not os.path.isdir(d):
@@ -189,7 +193,7 @@ def write_dir_atomic(out_dir, write, what, recheck=None):
     previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp_", dir=parent)
+        tmp = tempfile.mkdtemp(prefix=".tmp_", dir=out_dir if into else parent)
         # mkdtemp makes it private (0700): give it the mode of the folder it replaces, or else
         # the one os.mkdir would give a new folder
         umask = os.umask(0)
@@ -202,7 +206,18 @@ def write_dir_atomic(out_dir, write, what, recheck=None):
                 os.chmod(path, 0o666 & ~umask)
         fsync_tree(tmp)  # what write() wrote (save_pretrained does not fsync) on disk before the swap
         if recheck:
-            recheck()
+            recheck(tmp)
+        if into:
+            earlier = set(os.listdir(out_dir)) - {os.path.basename(tmp)}
+            for name in os.listdir(tmp):
+                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+                earlier.discard(name)
+            os.rmdir(tmp)
+            tmp = None
+            for name in earlier:
+                os.remove(os.path.join(out_dir, name))
+            fsync_dir(out_dir)
+            return
         if os.path.isdir(out_dir) and os.listdir(out_dir):
             old = os.path.join(parent, f".old_{os.getpid()}_{os.path.basename(out_dir)}")
             os.replace(out_dir, old)

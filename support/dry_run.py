@@ -33,7 +33,8 @@ def dry_run_job(args, enc):
     if config["vocab_size"] < GPT2_VOCAB:
         raise UserError(f"vocab_size {config['vocab_size']} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")
     target = check_export_target(out_dir)
-    folder = nearest_folder(target if os.path.exists(target) else os.path.dirname(target))
+    # where the export writes, as write_dir_atomic does: into a mount point, else beside the folder
+    folder = target if os.path.ismount(target) else nearest_folder(os.path.dirname(target))
     if not os.access(folder, os.W_OK):
         raise UserError(
             f"cannot write the export to {out_dir}: {folder} is not writable; choose a folder you can write to"

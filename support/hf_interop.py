@@ -1,11 +1,12 @@
 """transformers' GPT-2: names it may fetch, folders an export may replace, its weight layout (state
 dict in, state dict out, or its GPT2LMHeadModel built from a name, a folder or our checkpoint), and
-GPT-2's tokenizer files written from tiktoken's encoding."""
+GPT-2's tokenizer files written from the shipped vocab.bpe."""
 
-import itertools
 import json
 import os
+import pickle
 import re
+import shutil
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -13,7 +14,7 @@ import urllib.request
 import torch
 
 from support.common import GPT2_VOCAB, HF_NAMES, UserError, first_line, offline_var, write_dir_atomic
-from support.shards import get_tokenizer
+from support.shards import GPT2_BPE, get_tokenizer, read_gpt2_bpe
 
 EXPORT_MARK = "train_gpt2.py --export-hf"  # config.json's "exported_by": a folder export_hf may replace
 
@@ -65,9 +66,10 @@ def check_hub_reachable(name, timeout=3.0):
         ) from None
 
 
-def check_export_target(out_dir):
+def check_export_target(out_dir, staging=None):
     """The absolute folder export_hf may write: a new one, an empty one, or an earlier export (only
-    save_pretrained's plain files, config.json marked EXPORT_MARK), which is replaced."""
+    save_pretrained's plain files, config.json marked EXPORT_MARK), which is replaced. staging: the
+    export's own hidden folder, inside out_dir where that is a mount point (write_dir_atomic)."""
     given = str(out_dir)
     if os.path.islink(given) and not os.path.exists(given):
         raise UserError(f"--export-hf target {given} is a symbolic link to nothing: name a new folder")
@@ -75,7 +77,7 @@ def check_export_target(out_dir):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         example = os.path.splitext(given)[0] + "_hf"
         raise UserError(f"--export-hf target {given} is a file, not a folder: name a new folder, e.g. {example}")
-    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    names = sorted(set(os.listdir(out_dir)) - {os.path.basename(staging or "")}) if os.path.isdir(out_dir) else []
     foreign = [
         n
         for n in names
@@ -153,6 +155,13 @@ def load_hf_model(name_or_dir):
         )
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load transformers GPT-2 from {name_or_dir!r}: {first_line(e)}") from None
+    except pickle.UnpicklingError as e:  # torch.load(weights_only=True) stopped at a pickled object: none ran
+        found = re.search(r"GLOBAL \S+", str(e))
+        held = f" ({found.group(0)})" if found else ""
+        raise UserError(
+            f"{name_or_dir}: its pytorch_model.bin holds more than tensors{held}, which loading would run as code: "
+            f"refused, and nothing in it ran; use the model as safetensors (model.safetensors: tensors only)"
+        ) from None
     if info["missing_keys"]:  # transformers fills them with random numbers and only warns
         missing = sorted(info["missing_keys"])
         more = f" ({len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -225,53 +234,18 @@ def hf_model_from_checkpoint(ckpt, path):
 # GPT-2's tokenizer, beside the weights of an export
 
 
-def byte_stand_ins():
-    """GPT-2's printable stand-in for each byte, which vocab.json and merges.txt spell tokens with:
-    the 188 bytes that print as a Latin-1 character keep it, the other 68 (controls, space, soft
-    hyphen, ...) take chr(256), chr(257), ... in byte order."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
-    others = (b for b in range(256) if b not in printable)
-    stand_in = {b: chr(256 + i) for i, b in enumerate(others)}
-    return [chr(b) if b in printable else stand_in[b] for b in range(256)]
-
-
-def gpt2_bpe(enc):
-    """(vocab, merges) of tiktoken's gpt2 encoding as GPT-2's vocab.json and merges.txt hold them:
-    {token in stand-in characters: id} with <|endoftext|>, and the 50,000 merges in rank order, the
-    i-th the pair whose merge is token 256 + i (a token's id is its rank). A token's pair is what
-    byte-pair merging its own bytes with the merges ranked before it leaves: exactly two pieces."""
-    chars = byte_stand_ins()
-
-    def spell(token):
-        return "".join(chars[b] for b in token)
-
-    ranks = {enc.decode_single_token_bytes(i): i for i in range(enc.n_vocab) if i != enc.eot_token}
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])[256:]:
-        parts = [bytes([b]) for b in token]
-        while True:
-            pairs = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(itertools.pairwise(parts))]
-            best, i = min(pairs)
-            if best >= rank:  # no merge ranked before this token's own
-                break
-            parts[i : i + 2] = [parts[i] + parts[i + 1]]
-        if len(parts) != 2 or rank != 256 + len(merges):
-            raise ValueError(f"token {rank} of tiktoken's {enc.name} is not one merge of earlier tokens")
-        merges.append((spell(parts[0]), spell(parts[1])))
-    vocab = {spell(token): rank for token, rank in ranks.items()}
-    vocab["<|endoftext|>"] = enc.eot_token
-    return vocab, merges
-
-
 def save_gpt2_tokenizer(enc, folder, model_max_length):
-    """GPT-2's tokenizer in folder, from tiktoken's gpt2 encoding enc (no download): vocab.json and
-    merges.txt (OpenAI's encoder.json and vocab.bpe, as transformers names them), and transformers'
+    """GPT-2's tokenizer in folder, from the shipped vocab.bpe (no download): vocab.json and merges.txt
+    (OpenAI's encoder.json and vocab.bpe, as transformers names them), and transformers'
     tokenizer.json and tokenizer_config.json (<|endoftext|> 50256 as end of text, bos and unk as in
-    GPT-2's own; no pad token). It is checked against enc on a probe string before it is written."""
+    GPT-2's own; no pad token). It is checked against enc, our gpt2 encoding, on a probe string
+    before it is written."""
     from transformers import GPT2TokenizerFast  # noqa: PLC0415  2 s to import: only the export needs it
     from transformers import __version__ as transformers_version  # noqa: PLC0415  as above
 
-    vocab, merges = gpt2_bpe(enc)
+    tokens, merges = read_gpt2_bpe()
+    vocab = {spelling: rank for rank, spelling in enumerate(tokens)}
+    vocab["<|endoftext|>"] = enc.eot_token
     tok = GPT2TokenizerFast(vocab=vocab, merges=merges, model_max_length=model_max_length)
     probe = "Hello world,\n\n  naïve 東京 🤖 3.14<|endoftext|>"
     if len(tok) != enc.n_vocab or tok.encode(probe) != enc.encode(probe, allowed_special="all"):
@@ -281,8 +255,7 @@ def save_gpt2_tokenizer(enc, folder, model_max_length):
         )
     with open(os.path.join(folder, "vocab.json"), "w", encoding="utf-8") as f:
         json.dump(vocab, f)
-    with open(os.path.join(folder, "merges.txt"), "w", encoding="utf-8", newline="\n") as f:
-        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    shutil.copyfile(GPT2_BPE, os.path.join(folder, "merges.txt"))
     tok.save_pretrained(folder)
 
 
@@ -294,7 +267,7 @@ def save_hf_gpt2(config, sd, out_dir):
     if config["vocab_size"] < GPT2_VOCAB:
         raise UserError(f"vocab_size {config['vocab_size']} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")
     given, out_dir = out_dir, check_export_target(out_dir)  # refuse before the slow part
-    enc = get_tokenizer()  # offline without its files: one line, before anything is written
+    enc = get_tokenizer()
     from transformers import GPT2LMHeadModel  # noqa: PLC0415  2 s to import: only the export needs it, after its checks
     from transformers.utils import logging as hf_logging  # noqa: PLC0415  as above
 
@@ -311,7 +284,7 @@ def save_hf_gpt2(config, sd, out_dir):
     hf_logging.disable_progress_bar()  # its bar on stderr would bury a one-line error
     try:
         # checked again just before the swap: a file put there meanwhile is not ours to delete
-        write_dir_atomic(out_dir, write, "the export", recheck=lambda: check_export_target(given))
+        write_dir_atomic(out_dir, write, "the export", recheck=lambda staging: check_export_target(given, staging))
     finally:
         if bar:
             hf_logging.enable_progress_bar()

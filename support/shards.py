@@ -1,8 +1,9 @@
 """Token shards on disk, torch-free (numpy and tiktoken): the GPT-2 tokenizer they hold ids of, their
-format and names (fineweb.py writes them, train_gpt2.py memory-maps them), and the checks a run
+format and names (fineweb.py writes them, train_gpt2.py reads them), and the checks a run
 makes on them before step 0 (finished, not mixed, ids below the vocabulary, the same data a
 checkpoint was trained on), and on every batch's ids as it is read (check_batch_ids)."""
 
+import functools
 import glob
 import hashlib
 import json
@@ -17,16 +18,60 @@ from support.common import UserError, first_line, same_on_every_rank, write_atom
 
 EOT = 50256  # <|endoftext|>: every document starts with it
 
+# --- the tokenizer: GPT-2's, built from OpenAI's vocab.bpe, shipped in support/gpt2_bpe/ -------------
+GPT2_BPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_bpe", "vocab.bpe")
+GPT2_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+# GPT-2's split of text into the pieces BPE encodes apart (contractions, letters, digits, other
+# symbols, each with one leading space; runs of spaces) as its encoder.py writes it, with possessive
+# quantifiers (++), which give back nothing they matched, and a last \s for its \s+, which can only
+# match one space there: the same pieces, found faster
+GPT2_SPLIT = r"""'(?:s|t|re|ve|m|ll|d)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s+(?!\S)|\s"""
 
-def get_tokenizer():
-    """tiktoken's gpt2 encoding. Offline machines point TIKTOKEN_CACHE_DIR at a cache of it."""
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # network errors, hash mismatches: all mean the same thing to the user
+
+def byte_stand_ins():
+    """GPT-2's printable stand-in for each byte, which vocab.bpe (and vocab.json) spell tokens with:
+    the 188 bytes that print as a Latin-1 character keep it, the other 68 (controls, space, soft
+    hyphen, ...) take chr(256), chr(257), ... in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    others = (b for b in range(256) if b not in printable)
+    stand_in = {b: chr(256 + i) for i, b in enumerate(others)}
+    return [chr(b) if b in printable else stand_in[b] for b in range(256)]
+
+
+def read_gpt2_bpe():
+    """GPT-2's byte-pair tokens from the shipped vocab.bpe: ({spelling: token bytes} in id order, the
+    merges as (first, second) spellings), a spelling being the token's bytes in stand-in characters.
+    Ids 0-255 are the bytes in their stand-ins' order (the printable ones first), and the i-th merge
+    of the file makes token 256 + i, the two spellings joined."""
+    with open(GPT2_BPE, "rb") as f:
+        raw = f.read()
+    if hashlib.sha256(raw).hexdigest() != GPT2_BPE_SHA256:  # edited, or its line ends converted (.gitattributes)
         raise UserError(
-            f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}); offline, set TIKTOKEN_CACHE_DIR "
-            f"to a folder holding its cached vocab.bpe and encoder.json"
-        ) from None
+            f"{GPT2_BPE} is not OpenAI's GPT-2 vocab.bpe (its sha256 differs): restore it with "
+            f"`git checkout -- support/gpt2_bpe/vocab.bpe`"
+        )
+    chars = byte_stand_ins()
+    tokens = {chars[b]: bytes([b]) for b in sorted(range(256), key=chars.__getitem__)}
+    words = raw.decode("utf-8").split()  # "#version: 0.2", then a pair a line; no stand-in is a space
+    merges = list(zip(words[2::2], words[3::2], strict=True))
+    for first, second in merges:
+        tokens[first + second] = tokens[first] + tokens[second]
+    return tokens, merges
+
+
+@functools.cache
+def get_tokenizer():
+    """GPT-2's tokenizer (tiktoken's "gpt2", the same ids), built from the shipped vocab.bpe: no
+    download, no cache folder, offline as online; <|endoftext|> is id 50256."""
+    tokens, _ = read_gpt2_bpe()
+    ranks = {token: rank for rank, token in enumerate(tokens.values())}
+    return tiktoken.Encoding(
+        "gpt2",
+        pat_str=GPT2_SPLIT,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOT},
+        explicit_n_vocab=EOT + 1,
+    )
 
 
 # --- the format ----------------------------------------------------------------------------------
@@ -57,8 +102,8 @@ def write_shard(path, tokens, fmt="npy"):
 
 
 def load_shard(path):
-    """The tokens of one .npy or .bin shard as a read-only, memory-mapped uint16 array. Pages are
-    read from disk only when a batch slices them: switching to a 100M-token shard copies nothing."""
+    """The tokens of one .npy or .bin shard as a read-only, memory-mapped uint16 array: pages are read
+    from disk only where they are looked at, so the checks of every shard at start stay cheap."""
     try:
         if path.endswith(".bin"):
             header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
@@ -81,6 +126,38 @@ def load_shard(path):
     return tokens
 
 
+class ShardFile:
+    """A token shard the loader trains on, held open and read a slice at a time (shard[a:b] is a uint16
+    array), not memory-mapped: a shard cut short under a running run (truncate, a copy over it) would
+    kill the process at a read through a map (SIGBUS, exit 135, no message, every step since the last
+    checkpoint lost); a read comes back short instead, and says so in one line. Held open, it reads
+    the file as it was opened, as a map does: a shard renamed over it is not read."""
+
+    def __init__(self, path):
+        tokens = load_shard(path)  # its checks; its length and where its tokens start
+        self.path, self.offset, self.length = path, getattr(tokens, "offset", 0), len(tokens)
+        self.file = open(path, "rb")  # closed with the object: the loader drops it at its next shard
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):  # a slice, as the loader takes them
+        start, stop, _ = index.indices(self.length)
+        self.file.seek(self.offset + 2 * start)
+        data = self.file.read(2 * max(0, stop - start))
+        if len(data) < 2 * max(0, stop - start):
+            raise UserError(
+                f"{self.path} was cut short while this run read it ({self.length:,} tokens when opened, "
+                f"{os.fstat(self.file.fileno()).st_size:,} bytes now): restore it (rerun the fineweb.py that "
+                f"wrote it), then continue with --resume"
+            )
+        return np.frombuffer(data, dtype=np.uint16)
+
+    def __del__(self):
+        if getattr(self, "file", None):
+            self.file.close()
+
+
 # --- the names: {prefix}_{split}_{index}.npy (or .bin), shard 0 the val split -------------------
 
 SHARD_NAME = re.compile(r".+_(train|val)_\d+\.(npy|bin)")  # what find_shards reads
@@ -94,7 +171,13 @@ def shard_path(out_dir, prefix, index, fmt="npy"):
 
 def find_shards(data_dir, split, required=False):
     """The {prefix}_{split}_{index}.npy (or .bin) shards in data_dir, in name order."""
-    if os.path.isfile(data_dir):  # a text file or one shard where the folder of shards goes
+    if os.path.isfile(data_dir) and os.path.splitext(data_dir)[1] in (".npy", ".bin"):  # one shard
+        folder = os.path.dirname(data_dir) or "."
+        raise UserError(
+            f"--data-dir {data_dir} is a token shard, not the folder of shards: pass the folder that holds it, "
+            f"--data-dir {shlex.quote(folder)}"
+        )
+    if os.path.isfile(data_dir):  # a text file where the folder of shards goes
         raise UserError(
             f"--data-dir {data_dir} is a file, not a folder of shards: pass the folder that holds the "
             f"shards, or tokenize a text file with `python fineweb.py --input {data_dir} --out-dir DIR` "
@@ -107,11 +190,29 @@ def find_shards(data_dir, split, required=False):
     if len({os.path.splitext(n)[1] for n in names}) > 1:
         raise UserError(f"{data_dir} holds both .npy and .bin {split} shards: keep one format")
     if required and not names:
-        raise UserError(
-            f"no {split} shards (*_{split}_NNNNNN.npy or .bin) in {data_dir}: write them with "
-            f"`python fineweb.py` or pass --data-dir"
-        )
+        fix = stopped_in_the_val_shard(data_dir) or "write them with `python fineweb.py` or pass --data-dir"
+        raise UserError(f"no {split} shards (*_{split}_NNNNNN.npy or .bin) in {data_dir}: {fix}")
     return [os.path.join(data_dir, n) for n in names]
+
+
+def stopped_in_the_val_shard(data_dir):
+    """Why data_dir has no train shard when fineweb.py stopped at --max-shards 1 or --max-tokens
+    within shard 0 (the val shard), with the command that adds train shards; else None."""
+    for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
+        try:
+            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+                manifest = json.load(f)
+            stop_at, shards = manifest.get("stop_at") or {}, manifest["shards"]
+            if stop_at and len(shards) == 1:
+                flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in sorted(stop_at.items()))
+                command = fineweb_command(manifest["config"], data_dir, {"max_shards": 2})
+                return (
+                    f"fineweb.py stopped at {flags} within shard 0, which is held out for validation; add a "
+                    f"train shard with `{command}`"
+                )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+            continue  # not fineweb.py's manifest
+    return None
 
 
 def shard_fingerprint(path, blocks=16, block=4096):

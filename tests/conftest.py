@@ -1,5 +1,6 @@
 """The fixtures, and the tests' environment, set here at import: the offline data in
-../shared/data, the tokenizer cache, no network. The helpers the tests share are in helpers.py."""
+../shared/data, tiktoken's cache (for the reference tokenizer), no network. The helpers the tests
+share are in helpers.py."""
 
 import os
 import shutil
@@ -27,7 +28,8 @@ def _find_shared_data():
 
 
 SHARED_DATA = _find_shared_data()
-# tiktoken reads its gpt2 files from here instead of downloading them; subprocesses inherit it
+# tiktoken.get_encoding("gpt2"), the reference the shipped tokenizer is tested against, reads its
+# files from here instead of downloading them; the scripts need none (support/gpt2_bpe/)
 os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_DATA / "tiktoken_cache")
 # never reach for the network in tests
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -214,6 +214,13 @@ CASES = {
             f"and pass --data-dir DIR"
         ),
     ),
+    "--data-dir a shard": (
+        lambda tmp: find_shards(folder(tmp, "d", "x_train_000001.npy") + "/x_train_000001.npy", "train"),
+        lambda tmp: (
+            f"--data-dir {tmp}/d/x_train_000001.npy is a token shard, not the folder of shards: pass the folder "
+            f"that holds it, --data-dir {tmp}/d"
+        ),
+    ),
     "--data-dir missing": (
         lambda tmp: find_shards(str(tmp / "none"), "train"),
         lambda tmp: f"data folder {tmp}/none does not exist: write shards with fineweb.py or pass --data-dir",

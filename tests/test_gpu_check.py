@@ -295,3 +295,62 @@ def test_a_run_killed_after_an_item_leaves_a_whole_json_of_the_items_before(tmp_
     assert report["to_do"] == ITEM_NAMES[n:]
     assert report["items"][0]["status"] == report["items"][1]["status"] == "done"
     assert report["items"][1]["result"]["recipe"]["losses_finite"]
+
+
+# a child of --gpu-check that starts a grandchild, each holding a lock on a file of its own (its pid
+# in it) while it lives; the grandchild then says it is ready, and both sleep
+HOLD = """
+import fcntl, os, subprocess, sys, time
+held = open(sys.argv[1], "w")
+fcntl.flock(held, fcntl.LOCK_EX)
+held.write(str(os.getpid()))
+held.flush()
+if len(sys.argv) > 3:
+    subprocess.Popen([sys.executable, "-c", sys.argv[2], *sys.argv[3:]])
+else:
+    open(sys.argv[2], "w").close()
+time.sleep(120)
+"""
+
+KILLED_MID_ITEM = """
+import sys
+from benchmarks.gpu_check import run_killable
+run_killable([sys.executable, "-c", *sys.argv[1:]], timeout=120)
+"""
+
+
+def test_kill_9_of_bench_ends_its_child_and_what_that_started(tmp_path):
+    """bench.py --gpu-check killed with -9 while an item's child (pytest, train_gpt2.py) runs: the
+    child and its own child end too, within seconds, not at their end (each holds a file lock
+    while it lives: the lock is free once it has ended)."""
+    fcntl = pytest.importorskip("fcntl")  # the locks that tell a process has ended: POSIX
+    locks, ready = [tmp_path / "child.lock", tmp_path / "grandchild.lock"], tmp_path / "ready"
+    child = [HOLD, locks[0], HOLD, locks[1], ready]  # the child starts the grandchild
+    bench = subprocess.Popen([sys.executable, "-c", KILLED_MID_ITEM, *map(str, child)], cwd=ROOT)
+    living = []
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert time.monotonic() < deadline and bench.poll() is None, "the child never started"
+            time.sleep(0.05)
+        bench.send_signal(signal.SIGKILL)
+        bench.wait(timeout=30)
+
+        def still_running():
+            pids = []
+            for lock in locks:
+                with open(lock) as f:
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        pids.append(int(lock.read_text()))
+            return pids
+
+        deadline = time.monotonic() + 15  # the child would sleep 120 s
+        while (living := still_running()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert living == [], "still running after bench.py was killed"
+    finally:
+        bench.kill()
+        for pid in living:  # this test's own sleepers, by their pids
+            os.kill(pid, signal.SIGKILL)

@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
 
+import hellaswag
 import train_gpt2
 from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
 from support import common, hf_interop
@@ -225,7 +226,7 @@ TEXTS = [
 
 
 def test_export_holds_gpt2s_own_bpe_files(shakespeare_export, shared_data):
-    # written from tiktoken's ranks: OpenAI's encoder.json and vocab.bpe, byte for byte
+    # written from the shipped vocab.bpe: OpenAI's encoder.json and vocab.bpe, byte for byte
     export = shakespeare_export[1]
     assert (export / "vocab.json").read_bytes() == (shared_data / "gpt2_bpe" / "encoder.json").read_bytes()
     assert (export / "merges.txt").read_bytes() == (shared_data / "gpt2_bpe" / "vocab.bpe").read_bytes()
@@ -270,20 +271,6 @@ def test_pipeline_greedy_continuation_is_the_models_own(short_run, tmp_path, enc
         assert pipe(prompt, max_new_tokens=24, do_sample=False)[0]["generated_text"] == enc.decode(ours)
         continued |= set(ours[idx.size(1) :])
     assert len(continued) >= 5  # continuations of many tokens, not one repeated
-
-
-@pytest.mark.parametrize("dry_run", [False, True], ids=["export", "dry_run"])
-def test_export_without_tiktokens_files_writes_nothing(short_run, tmp_path, dry_run):
-    # offline with no cached gpt2 files (a proxy that refuses stands in for no network): one line
-    # before the slow part, and no folder; --dry-run finds it too
-    (tmp_path / "empty_cache").mkdir()
-    env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")}
-    env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9", NO_PROXY="")
-    cmd = [sys.executable, str(ROOT / "train_gpt2.py"), "--export-hf", str(short_run[1] / "ckpt_000002.pt")]
-    cmd += [str(tmp_path / "hf"), *(["--dry-run"] if dry_run else [])]
-    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
-    assert_one_line_error(r, "tiktoken's gpt2 encoding", "TIKTOKEN_CACHE_DIR")
-    assert sorted(os.listdir(tmp_path)) == ["empty_cache"]
 
 
 def test_a_tokenizer_transformers_builds_wrong_is_refused(tiny_model, tmp_path, monkeypatch):
@@ -444,6 +431,37 @@ def test_real_full_disk_cli(short_run, small_disk, tmp_path):
     assert snapshot(small_disk) == before
 
 
+@pytest.fixture
+def mount_point(tmp_path):
+    """An empty tmpfs mounted at tmp_path/export, as `docker -v host:/export` or a tmpfs gives a folder
+    that no rename can replace; skipped where mounting is not allowed."""
+    mnt = tmp_path / "export"
+    mnt.mkdir()
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_an_export_into_a_mount_point_is_written_into_it(short_run, mount_point, capsys):
+    """The dry run says it can, the export is written into the mount point, and an export over it
+    replaces that export's files (one the new export does not write is gone): nothing of ours left."""
+    ckpt, ckpt_1 = short_run[1] / "ckpt_000002.pt", short_run[1] / "ckpt_000001.pt"
+    assert train_gpt2.main(["--export-hf", str(ckpt), str(mount_point), "--dry-run"]) == 0
+    assert f"can be exported to {mount_point}; nothing was written" in capsys.readouterr().out
+    assert os.listdir(mount_point) == []
+    assert train_gpt2.main(["--export-hf", str(ckpt), str(mount_point)]) == 0
+    assert os.path.ismount(mount_point) and logits_match(mount_point, ckpt)
+    written = sorted(os.listdir(mount_point))
+    assert "model.safetensors" in written and not [n for n in written if n.startswith(".")]
+    (mount_point / "special_tokens_map.json").write_text("{}")  # an earlier export's file this one does not write
+    assert train_gpt2.main(["--export-hf", str(ckpt_1), str(mount_point)]) == 0
+    assert sorted(os.listdir(mount_point)) == written and logits_match(mount_point, ckpt_1)
+
+
 # ----------------------------------------------------------------------------------------------
 # --sample-from a Hub name without the Hub: one line at once, and a cached model still loads
 
@@ -587,6 +605,45 @@ def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
     )
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "c_fc.weight is missing" in r.stderr
+
+
+class RunsCode:
+    """Pickled as a call of os.system: unpickling it would run the command."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_a_pytorch_model_bin_that_pickles_code_is_refused_and_nothing_runs(tmp_path, hf_tiny_dir, shared_data):
+    """hellaswag.py -m, --sample-from and --init-from on a transformers folder whose
+    pytorch_model.bin would run `touch MARKER` when unpickled: one line that refuses it and points
+    to safetensors, never to weights_only=False; the marker is never made."""
+    hf_dir, marker = tmp_path / "hf", tmp_path / "MARKER"
+    shutil.copytree(hf_tiny_dir, hf_dir)
+    weights = load_file(hf_dir / "model.safetensors")
+    weights["transformer.wte.weight"] = RunsCode(f"touch {marker}")
+    torch.save(weights, hf_dir / "pytorch_model.bin")
+    (hf_dir / "model.safetensors").unlink()
+    data = random_shards(tmp_path / "data")
+    commands = {
+        "--sample-from": lambda: train_gpt2.main(["--sample-from", str(hf_dir), "--device", "cpu"]),
+        "--init-from": lambda: train_gpt2.main(tiny_args(data, tmp_path / "out", "--init-from", hf_dir)),
+        "hellaswag.py -m": lambda: hellaswag.main(
+            ["-m", str(hf_dir), "--data", str(shared_data / "hellaswag" / "hellaswag_val.jsonl"), "--limit", "4"]
+        ),
+    }
+    for name, run in commands.items():
+        with pytest.raises(UserError) as e:
+            run()
+        message = str(e.value)
+        assert message.startswith(f"{hf_dir}: its pytorch_model.bin holds more than tensors (GLOBAL "), name
+        assert "nothing in it ran; use the model as safetensors (model.safetensors" in message, name
+        assert "\n" not in message and "weights_only" not in message, name
+        assert not marker.exists(), name
+    assert not (tmp_path / "out").exists()
 
 
 def test_from_pretrained_reports_first_mismatch(tmp_path, hf_tiny_dir):

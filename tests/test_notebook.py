@@ -200,6 +200,32 @@ def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel_env):
     assert_pngs(path.parent)
 
 
+def test_a_record_whose_step_is_not_a_number_is_passed_over_and_named(tmp_path, kernel_env):
+    records = clean_records()
+    records.insert(5, {"step": "3", "train_loss": 1.0})  # a hand-edited or foreign record: line 6
+    records.insert(9, {"step": 7, "train_loss": "low"})  # line 10
+    log = write_log(tmp_path / "run", records)
+    nb, out = run_notebook(log, tmp_path)
+    s = out["summary"]
+    assert s["passed_over"] == ["line 6 (step '3')", "line 10 (step 7)"]
+    assert (s["last_step"], s["best_val_loss"], s["tokens"]) == (49, [40, 6.2], 50 * 1024)  # the rest as it is
+    said = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "passed over, a step or a value not a number: line 6 (step '3'), line 10 (step 7)" in said
+    assert_pngs(log.parent)
+
+
+@pytest.mark.parametrize("records", [[], [header()]], ids=["empty", "header_only"])
+def test_an_empty_log_is_said_in_one_line_and_draws_nothing(tmp_path, kernel_env, records):
+    from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel_env skips without it)
+
+    log = write_log(tmp_path / "run", records)
+    with pytest.raises(CellExecutionError) as e:
+        run_notebook(log, tmp_path)
+    line = f"NothingToDraw: {log} holds no step or eval record yet: nothing to draw; run this again once the run"
+    assert line in str(e.value) and "Traceback" not in str(e.value) and "Cell In" not in str(e.value)
+    assert os.listdir(log.parent) == ["log.jsonl"]  # no blank figure saved
+
+
 def test_missing_log_is_a_clear_error(tmp_path, kernel_env):
     from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel_env skips without it)
 

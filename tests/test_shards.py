@@ -16,7 +16,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
+import tiktoken
 
 import fineweb
 import train_gpt2
@@ -35,9 +37,10 @@ from helpers import (
     write_known_shards,
     write_shard,
 )
+from support import shards
 from support.checkpoints import load_checkpoint
 from support.common import UserError
-from support.shards import fineweb_command, load_shard, recorded_max_ids, shard_fingerprint
+from support.shards import ShardFile, fineweb_command, load_shard, recorded_max_ids, shard_fingerprint
 from train_gpt2 import DataLoaderLite
 
 # ----------------------------------------------------------------------------------------------
@@ -49,17 +52,71 @@ def test_tokenizer(enc):
     assert enc.eot_token == 50256
 
 
-def test_tokenizer_missing_cache_is_one_line_error(tmp_path):
-    code = (
-        "import support.common, support.shards, sys\ntry:\n    support.shards.get_tokenizer()\n"
-        "except support.common.UserError as e:\n    print(e); sys.exit(3)"
+UNICODE = [
+    " leading space, trailing space ",
+    "two  spaces,   three,\ttab\tand\u00a0no-break, trailing\n\n  ",
+    "lines\nand\n\nblank lines\r\nwith CRLF\n",
+    "digits 1234567890, 3.14159, 1e-5, 2026-11-26, $1,000.00; it's, we'll, they've, I'm, you'd, 'S",
+    "non-ASCII: naïve café, Straße, Ωμέγα, Москва, 東京, 한국어, عربى, हिन्दी, \u00ad soft hyphen",
+    "emoji 🤖👍🏽👩\u200d👩\u200d👧 and ✓ ✗ ∑ ∞, a lone surrogate-free \U0001f600",
+    "controls \x00\x01\x1b[0m\x7f\x85",
+    "",
+]
+
+
+def test_tokenizer_is_tiktokens_gpt2(enc, shared_data):
+    """The tokenizer built from the shipped vocab.bpe against tiktoken's own gpt2 (from the shared
+    cache): every token's bytes, and the encoding and decoding of all of Tiny Shakespeare, the
+    FineWeb sample and unicode edge cases, <|endoftext|> as a special token and as text."""
+    reference = tiktoken.get_encoding("gpt2")  # conftest points TIKTOKEN_CACHE_DIR at shared/data
+    assert (enc.n_vocab, enc.eot_token, enc.max_token_value) == (reference.n_vocab, reference.eot_token, 50256)
+    assert [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)] == [
+        reference.decode_single_token_bytes(i) for i in range(reference.n_vocab)
+    ]
+    texts = [(shared_data / "tinyshakespeare" / "input.txt").read_text(), *UNICODE]
+    for path in sorted((shared_data / "fineweb_sample").glob("*.parquet")):
+        texts += pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    assert len(texts) == 1 + len(UNICODE) + 1000
+    ours = enc.encode_ordinary_batch(texts)
+    assert ours == reference.encode_ordinary_batch(texts)
+    assert [enc.decode(ids) for ids in ours] == texts
+    special = "a<|endoftext|>b <|endoftext|>"
+    assert enc.encode(special, allowed_special="all") == reference.encode(special, allowed_special="all")
+    assert enc.encode(special, allowed_special="all").count(50256) == 2
+    assert enc.encode_ordinary(special) == reference.encode_ordinary(special) and 50256 not in enc.encode_ordinary(
+        special
     )
-    env = {"PATH": "/usr/bin:/bin", "TIKTOKEN_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path)}
-    # an empty cache dir and no network (unroutable proxy) make the load fail fast
-    env["HTTPS_PROXY"] = env["HTTP_PROXY"] = "http://127.0.0.1:9"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 3, r.stderr
-    assert "TIKTOKEN_CACHE_DIR" in r.stdout
+    with pytest.raises(ValueError, match="disallowed special token"):
+        enc.encode(special)  # as tiktoken's: a special token in text is refused unless allowed
+
+
+def test_fineweb_tokenizes_offline_without_tiktokens_files(tmp_path, enc):
+    """fineweb.py with no tiktoken cache (an empty TIKTOKEN_CACHE_DIR) and no network (a proxy that
+    refuses): the tokenizer is the shipped file, and the shard holds GPT-2's tokens."""
+    text = "First Citizen:\nBefore we proceed any further, hear me speak. naïve 東京 🤖\n" * 100
+    (tmp_path / "input.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "empty_cache").mkdir()
+    env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"), "NO_PROXY": ""}
+    env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
+    cmd = [sys.executable, str(ROOT / "fineweb.py"), "--input", "input.txt", "--out-dir", "shards"]
+    r = subprocess.run(
+        [*cmd, "--shard-size", "100000"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(tmp_path / "empty_cache") == []
+    tokens = np.load(tmp_path / "shards" / "edufineweb_val_000000.npy").tolist()
+    assert tokens == [50256, *tiktoken.get_encoding("gpt2").encode_ordinary(text)]  # tiktoken's own, from shared/data
+
+
+def test_a_changed_vocab_bpe_is_refused_naming_the_git_command(tmp_path, monkeypatch):
+    # line ends converted to CRLF (a Windows checkout without .gitattributes) would change every merge
+    crlf = tmp_path / "vocab.bpe"
+    crlf.write_bytes(open(shards.GPT2_BPE, "rb").read().replace(b"\n", b"\r\n"))
+    monkeypatch.setattr(shards, "GPT2_BPE", str(crlf))
+    with pytest.raises(
+        UserError, match=r"is not OpenAI's GPT-2 vocab.bpe .* `git checkout -- support/gpt2_bpe/vocab.bpe`"
+    ):
+        shards.read_gpt2_bpe()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,6 +141,38 @@ def test_a_text_file_as_data_dir_points_to_fineweb(tmp_path):
     msg = user_error(tiny_args(text, tmp_path / "out"))
     assert "is a file, not a folder of shards" in msg and f"fineweb.py --input {text}" in msg
     assert text.read_text().startswith("First Citizen") and not (tmp_path / "out").exists()
+
+
+def test_max_shards_1_says_there_is_no_train_shard_and_the_command_that_adds_one(tmp_path, capsys, shared_data):
+    (tmp_path / "input.txt").write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:20000])
+    data = tmp_path / "data"
+    fineweb.main(
+        ["--input", str(tmp_path / "input.txt"), "--out-dir", str(data), "--shard-size", "2000", "--max-shards", "1"]
+    )
+    note = capsys.readouterr().err.strip().splitlines()[-1]
+    assert note.startswith("note: there is no train shard: this run stopped within shard 0, edufineweb_val_000000.npy")
+    assert note.endswith("run it again with --max-shards 2 (it adds a train shard)")
+    args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0)
+    msg = user_error(args)
+    assert msg.startswith(
+        f"no train shards (*_train_NNNNNN.npy or .bin) in {data}: fineweb.py stopped at --max-shards 1"
+    )
+    command = msg.split("add a train shard with `")[1].rstrip("`")
+    assert shlex.split(command)[:2] == ["python", "fineweb.py"] and "--max-shards 2" in command
+    fineweb.main(shlex.split(command)[2:])  # the command, as given
+    assert (data / "edufineweb_train_000001.npy").is_file()
+    assert train_gpt2.main(args) == 0
+
+
+def test_a_shard_as_data_dir_names_its_folder_and_that_command_works(tmp_path):
+    data = random_shards(tmp_path / "data")
+    args = tiny_args(data / "rand_train_000001.npy", tmp_path / "out", "--max-steps", 1, "--eval-every", 0)
+    msg = user_error(args)
+    assert msg.startswith(f"--data-dir {data / 'rand_train_000001.npy'} is a token shard, not the folder")
+    advice = msg.split("pass the folder that holds it, ")[1]
+    assert advice == f"--data-dir {data}"
+    fixed = args[: args.index("--data-dir")] + shlex.split(advice) + args[args.index("--data-dir") + 2 :]
+    assert train_gpt2.main([str(a) for a in fixed]) == 0  # the advice, as given, runs
 
 
 def test_bin_shard_with_bad_header(tmp_path):
@@ -115,6 +204,49 @@ def test_shards_are_memory_mapped(tmp_path):
         tokens = load_shard(str(tmp_path / name))
         assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
         assert np.array_equal(tokens, np.arange(1000))
+        # the loader's: read from the file, a slice at a time
+        shard = ShardFile(str(tmp_path / name))
+        assert len(shard) == 1000 and np.array_equal(shard[990:1005], np.arange(990, 1000))
+
+
+CUT_SHORT = """
+import os, sys
+from support.common import UserError
+from train_gpt2 import DataLoaderLite, load_val_tokens
+data = sys.argv[1]
+loader = DataLoaderLite(data, "train", 4, 64, shuffle=False)
+val = load_val_tokens(data, 8000)
+loader.next_batch()
+for path in (loader.path, os.path.join(data, "s_val_000000.npy")):
+    os.truncate(path, 4096)  # cut short while the run reads it: one page left
+print(int(val.astype("int64").sum()), flush=True)  # the val set, after its shard was cut
+try:
+    while True:
+        loader.next_batch()
+except UserError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+def test_a_shard_cut_short_while_the_run_reads_it_is_one_line_not_a_bus_error(tmp_path):
+    """A shard truncated under a running run: a memory map's read past the new end would end the
+    process with SIGBUS (exit 135, no word); the loader reads instead, and says so in one line. The
+    val set, read at start, is not touched."""
+    rng = np.random.default_rng(0)
+    val, train = rng.integers(0, 50257, 10_000), rng.integers(0, 50257, 100_000)
+    write_shard(tmp_path / "s_val_000000.npy", val)
+    write_shard(tmp_path / "s_train_000001.npy", train)
+    r = subprocess.run(
+        [sys.executable, "-c", CUT_SHORT, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
+    said = r.stdout.strip().splitlines()
+    assert said[0] == str(int(val[:8001].sum()))
+    assert said[1].startswith(f"{tmp_path / 's_train_000001.npy'} was cut short while this run read it (100,000 tokens")
+    assert said[1].endswith(
+        "4,096 bytes now): restore it (rerun the fineweb.py that wrote it), then continue with --resume"
+    )
 
 
 def test_shards_smaller_than_one_batch_name_the_largest_and_the_fix(tmp_path):

@@ -83,6 +83,9 @@ def test_a_signal_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path, signu
     last = max(steps)
     ckpt = __import__("train_gpt2").load_checkpoint(str(out / f"ckpt_{last + 1:06d}.pt"))
     assert ckpt["step"] == last + 1 and ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2
+    # what README says the user sees: the checkpoint written, then torchrun's own traceback and exit 1
+    assert f"wrote {out / f'ckpt_{last + 1:06d}.pt'}" in stdout
+    assert proc.returncode == 1 and f"SignalException: Process {proc.pid} got signal: {int(signum)}" in stderr
     resumed = cli(*tiny_args(data, out, "--max-steps", last + 3, "--resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert max(read_log(out)[1]) == last + 2
