@@ -36,8 +36,17 @@ import numpy as np
 from tqdm import tqdm
 
 from support import file_lock
-from support.common import ArgumentParser, UserError, default_workers, no_follow, refuse_link, run_cli, write_atomic
-from support.documents import check_inputs, check_online, describe_inputs, expand_inputs, hub_documents, local_documents
+from support.cli import ArgumentParser, UserError, run_cli
+from support.documents import (
+    check_inputs,
+    check_online,
+    default_workers,
+    describe_inputs,
+    expand_inputs,
+    hub_documents,
+    local_documents,
+)
+from support.files import no_follow, refuse_link, write_atomic
 from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_fingerprint, shard_path, write_shard
 
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
@@ -311,7 +320,7 @@ def save_manifest(path, manifest):
 def check_no_links(out_dir, prefix):
     """Before anything is written: no name this run writes in out_dir (the manifest, its journal,
     this prefix's shards, their temporary files) is a symbolic link, which a write would follow
-    out of the folder, or its rename delete: one line naming it (support.common.LinkedName)."""
+    out of the folder, or its rename delete: one line naming it (support.files.LinkedName)."""
     ours = re.compile(rf"\.?{re.escape(prefix)}_(manifest\.json|manifest\.journal|(train|val)_\d+\.(npy|bin))(\.tmp)?")
     for name in sorted(os.listdir(out_dir)):
         if ours.fullmatch(name):

@@ -62,11 +62,13 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from support.checkpoints import load_checkpoint
-from support.common import ArgumentParser, UserError, first_line, offline_var, run_cli, unreachable, write_atomic
+from support.cli import ArgumentParser, UserError, first_line, run_cli
 from support.ddp import fence
+from support.device import keep_freed_memory, pick_device
+from support.files import write_atomic
 from support.hf_interop import hf_model_from_checkpoint, load_hf_model
-from support.machine import keep_freed_memory, pick_device
 from support.model_files import find_model
+from support.offline import offline_var, unreachable
 from support.out_of_memory import hellaswag_out_of_memory, oom_phase
 from support.precision import AUTOCAST_DTYPES, pick_dtype
 from support.shards import get_tokenizer

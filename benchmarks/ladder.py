@@ -19,8 +19,8 @@ from benchmarks.report import fmt_stats
 from benchmarks.settings import ROOT, TRAIN_CONFIGS
 from benchmarks.timing import interleave, log, rates, stats
 from benchmarks.train import fits_in_memory, train_step_fn
-from support.common import write_atomic
-from support.machine import compile_problem, keep_freed_memory
+from support.device import compile_problem, keep_freed_memory
+from support.files import write_atomic
 from support.precision import pick_dtype
 from support.shards import shard_path, write_shard
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig

@@ -14,7 +14,8 @@ import sys
 import urllib.parse
 import urllib.request
 
-from support.common import UserError, default_workers, first_line, offline_var, unreachable
+from support.cli import UserError, first_line
+from support.offline import offline_var, unreachable
 
 INPUT_TYPES = (".txt", ".jsonl", ".parquet")
 
@@ -91,6 +92,11 @@ def file_digest(path):
             return hashlib.file_digest(f, "sha256").hexdigest()
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def default_workers():
+    """The cores this process may run on (its affinity where the OS has one): the default thread count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def describe_inputs(paths, workers=None):

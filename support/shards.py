@@ -13,9 +13,11 @@ import shlex
 import numpy as np
 import tiktoken
 
-from support.common import UserError, first_line, same_on_every_rank, write_atomic
+from support.cli import UserError, first_line, same_on_every_rank
+from support.files import write_atomic
 
 EOT = 50256  # <|endoftext|>: every document starts with it
+GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding and are never sampled
 
 
 def get_tokenizer():

@@ -21,7 +21,7 @@ import torch
 import fineweb
 import train_gpt2
 from support.checkpoints import load_checkpoint
-from support.common import UserError
+from support.cli import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -162,7 +162,7 @@ def cli(*args, script="train_gpt2.py", timeout=300, **kwargs):
 
 # After a script's main() on the CPU, in the same interpreter: how many MiB of a live 64 MiB tensor
 # glibc mapped on its own (mmap) and how many MiB the heap still holds once it is freed. "off"
-# stands in glibc's defaults for the script's keep_freed_memory (support.machine's), as the reference
+# stands in glibc's defaults for the script's keep_freed_memory (support.device's), as the reference
 # a check must tell apart from "on" (the script as it is).
 MALLOC_PROBE = """
 import ctypes, importlib, sys, torch

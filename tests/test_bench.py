@@ -16,7 +16,7 @@ import tiktoken
 import hellaswag
 from bench import parse_args, plan
 from helpers import ROOT, assert_one_line_error, snapshot
-from support.common import UserError
+from support.cli import UserError
 
 
 def run_bench(*args, cwd, env=None):

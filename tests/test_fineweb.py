@@ -20,8 +20,9 @@ import pytest
 import fineweb
 import train_gpt2
 from helpers import ROOT, fail_nth_write, fineweb_killed_after, state_of, tiny_args, user_error
-from support import common, file_lock
-from support.common import UserError
+from support import file_lock, offline
+from support import files as support_files
+from support.cli import UserError
 from support.documents import HUB_OFFLINE_VARS
 from support.shards import EOT
 
@@ -434,7 +435,7 @@ def online(monkeypatch):
     for var in HUB_OFFLINE_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(
-        common.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})()
+        offline.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})()
     )
 
 
@@ -474,7 +475,7 @@ def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, 
         monkeypatch.setenv(var, value)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the Hub was asked"))
     tried = []
-    monkeypatch.setattr(common.socket, "create_connection", lambda *a, **k: tried.append(a) or connect(*a, **k))
+    monkeypatch.setattr(offline.socket, "create_connection", lambda *a, **k: tried.append(a) or connect(*a, **k))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("the user's")
     before = snapshot(tmp_path)
@@ -1025,7 +1026,7 @@ def test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes(tmp_path, m
     expected = np.array([EOT] + enc.encode_ordinary(text_path.read_text()), dtype=np.uint16)  # tiktoken directly
     out = tmp_path / "out"
     args = ["--input", str(text_path), "--out-dir", str(out), "--shard-size", "100000", "--workers", "1"]
-    opened = fail_nth_write(monkeypatch, common, ".npy.tmp", 3)  # the third shard hits a full disk
+    opened = fail_nth_write(monkeypatch, support_files, ".npy.tmp", 3)  # the third shard hits a full disk
     with pytest.raises(UserError) as e:
         fineweb.main(args)
     msg = str(e.value)

@@ -17,7 +17,7 @@ from bench import parse_args
 from benchmarks.gpu_check import GUESS, GpuCheck, Item, junit_tests, run_items, write_report
 from benchmarks.settings import RUNS
 from helpers import ROOT, assert_one_line_error
-from support.common import UserError
+from support.cli import UserError
 
 ITEM_NAMES = ["cuda_tier", "recipe", "ladder_7_to_10", "ladder_1_to_6", "ladder_11_12"]
 

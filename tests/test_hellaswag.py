@@ -25,7 +25,7 @@ import hellaswag
 import train_gpt2
 from hellaswag import HellaSwagDataError
 from helpers import ROOT, cli, heap_after, random_shards, read_log, save_tiny_hf_gpt2, tiny_args
-from support import common
+from support import offline
 from train_gpt2 import GPT
 
 
@@ -257,7 +257,7 @@ def test_offline_variable_fails_at_once(tmp_path, monkeypatch, var):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv(var, "1")
     monkeypatch.setattr(urllib.request, "urlopen", never)
-    monkeypatch.setattr(common.socket, "create_connection", never)
+    monkeypatch.setattr(offline.socket, "create_connection", never)
     monkeypatch.setattr(hellaswag, "_fetch_from_hub", never)
     with pytest.raises(HellaSwagDataError, match=f"{var} is set.*pass --data path/to/hellaswag_val.jsonl"):
         hellaswag.load_examples(cache_dir=str(tmp_path / "c"))
@@ -275,7 +275,7 @@ def test_no_network_fails_after_one_quick_probe(tmp_path, monkeypatch):
         probes.append((address, timeout))
         raise OSError("Network is unreachable")
 
-    monkeypatch.setattr(common.socket, "create_connection", create_connection)
+    monkeypatch.setattr(offline.socket, "create_connection", create_connection)
     monkeypatch.setattr(urllib.request, "urlopen", never)
     monkeypatch.setattr(hellaswag, "_fetch_from_hub", never)
     with pytest.raises(HellaSwagDataError, match="no network.*pass --data path/to/hellaswag_val.jsonl"):

@@ -29,9 +29,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 import train_gpt2
 from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
-from support import common, hf_interop
-from support.common import GPT2_VOCAB, UserError
+from support import files, hf_interop
+from support.cli import UserError
 from support.sampling import generate
+from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT, load_model
 
 
@@ -393,7 +394,7 @@ def test_failed_rename_puts_the_earlier_export_back(tiny_model, tmp_path, monkey
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(common.os, "replace", replace)
+    monkeypatch.setattr(files.os, "replace", replace)
     with pytest.raises(UserError, match="Invalid cross-device link"):
         tiny_model.export_hf(target)
     assert snapshot(tmp_path) == before
@@ -403,7 +404,7 @@ def test_unwritable_parent_is_one_line(tiny_model, tmp_path, monkeypatch):
     def mkdtemp(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(common.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(files.tempfile, "mkdtemp", mkdtemp)
     with pytest.raises(UserError, match="Permission denied"):
         tiny_model.export_hf(tmp_path / "a" / "b" / "hf")
     assert os.listdir(tmp_path) == []  # the parents it made are removed again

@@ -36,7 +36,7 @@ from helpers import (
     write_shard,
 )
 from support.checkpoints import load_checkpoint
-from support.common import UserError
+from support.cli import UserError
 from support.shards import fineweb_command, load_shard, recorded_max_ids, shard_fingerprint
 from train_gpt2 import DataLoaderLite
 
@@ -51,8 +51,8 @@ def test_tokenizer(enc):
 
 def test_tokenizer_missing_cache_is_one_line_error(tmp_path):
     code = (
-        "import support.common, support.shards, sys\ntry:\n    support.shards.get_tokenizer()\n"
-        "except support.common.UserError as e:\n    print(e); sys.exit(3)"
+        "import support.cli, support.shards, sys\ntry:\n    support.shards.get_tokenizer()\n"
+        "except support.cli.UserError as e:\n    print(e); sys.exit(3)"
     )
     env = {"PATH": "/usr/bin:/bin", "TIKTOKEN_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path)}
     # an empty cache dir and no network (unroutable proxy) make the load fail fast
