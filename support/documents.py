@@ -7,7 +7,6 @@ import codecs
 import concurrent.futures
 import glob
 import hashlib
-import json
 import os
 import shlex
 import sys
@@ -15,6 +14,7 @@ import urllib.parse
 import urllib.request
 
 from support.cli import UserError, first_line
+from support.files import jsonl_rows
 from support.offline import offline_var, unreachable
 
 INPUT_TYPES = (".txt", ".jsonl", ".parquet")
@@ -133,15 +133,7 @@ def read_documents(path, text_field):
             yield text
         elif path.endswith(".jsonl"):
             with open(path, encoding="utf-8-sig") as f:
-                for lineno, line in enumerate(f, 1):
-                    if "\0" in line:
-                        raise UserError(f"{path} line {lineno} holds NUL characters: not UTF-8 text (UTF-16? binary?)")
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise UserError(f"{path} line {lineno} is not valid JSON ({e.msg})") from None
+                for lineno, row in jsonl_rows(f, path):
                     if not isinstance(row, dict) or text_field not in row:
                         raise UserError(
                             f"{path} line {lineno} has no {text_field!r} field: choose one with --text-field"

@@ -195,17 +195,32 @@ def write_dir_atomic(out_dir, write, what, recheck=None):
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
+def jsonl_rows(lines, source, error=UserError):
+    """(line number, row) of each line of jsonl text that is not blank. A line that is not JSON, or
+    that holds a NUL character (UTF-16 or a binary file read as UTF-8), raises error naming source
+    and the line; with error None it is passed over (a line of our own log cut short by a kill)."""
+    for lineno, line in enumerate(lines, 1):
+        if "\0" in line:
+            problem = "holds NUL characters: not UTF-8 text (UTF-16? binary?)"
+        elif not line.strip():
+            continue
+        else:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                problem = f"is not valid JSON ({e.msg})"
+            else:
+                yield lineno, row
+                continue
+        if error is not None:
+            raise error(f"{source} line {lineno} {problem}")
+
+
 def log_records(path):
     """The records (dicts) of a run's log.jsonl in order; a line cut short by a kill is passed over.
     Nothing when the file is missing or cannot be read."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a line cut short by a kill
-                if isinstance(record, dict):
-                    yield record
+            yield from (record for _, record in jsonl_rows(f, path, error=None) if isinstance(record, dict))
     except OSError:
         return

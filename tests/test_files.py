@@ -3,7 +3,7 @@ rename and the folder after it; write_dir_atomic fsyncs every file and folder it
 swap and the parent after it; seen through os.fsync and os.replace themselves, by the identity
 (device, inode) of what each fsync reached: a write that skips one fails here), and write_atomic
 never writes through, nor renames over, a symbolic link, nor into a file a hard link shares; a
-failed write's line says "make room" only when the disk is full."""
+failed write's line says "make room" only when the disk is full; jsonl_rows names a bad line."""
 
 import json
 import os
@@ -13,7 +13,8 @@ import pytest
 
 from helpers import assert_one_line_error, cli, state_of, tiny_args
 from support import files
-from support.files import write_atomic, write_dir_atomic
+from support.cli import UserError
+from support.files import jsonl_rows, write_atomic, write_dir_atomic
 
 # ----------------------------------------------------------------------------------------------
 # Atomic writes are durable
@@ -136,3 +137,16 @@ def test_write_atomic_writes_no_file_a_leftover_temporary_name_shares(tmp_path):
     write_atomic(str(folder / "out.json"), lambda f: f.write(b"new"))
     assert (folder / "out.json").read_bytes() == b"new" and state_of(theirs) == before
     assert sorted(os.listdir(folder)) == ["out.json"]
+
+
+# ----------------------------------------------------------------------------------------------
+# jsonl read line by line
+
+
+def test_jsonl_rows_names_the_first_bad_line_or_passes_bad_lines_over():
+    lines = ['{"a": 1}\n', "\n", '{"a": 2\n', "x\0y\n", "[3]\n"]
+    with pytest.raises(UserError, match=r"^f line 3 is not valid JSON \(Expecting ',' delimiter\)$"):
+        list(jsonl_rows(lines, "f"))
+    with pytest.raises(UserError, match=r"^f line 2 holds NUL characters: not UTF-8 text \(UTF-16\? binary\?\)$"):
+        list(jsonl_rows([lines[0], lines[3]], "f"))
+    assert list(jsonl_rows(lines, "f", error=None)) == [(1, {"a": 1}), (5, [3])]  # as log_records reads our log
