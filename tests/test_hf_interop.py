@@ -8,7 +8,6 @@ a snapshot of the folder taken before equals the one taken after. Faults inside 
 disk, Ctrl-C, SIGTERM, a failed rename) are injected with monkeypatch."""
 
 import errno
-import hashlib
 import os
 import shutil
 import signal
@@ -28,31 +27,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
 
 import train_gpt2
-from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
+from helpers import ROOT, assert_one_line_error, random_shards, read_log, snapshot, tiny_args, user_error
 from support import files, hf_interop
 from support.cli import UserError
 from support.sampling import generate
 from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT, load_model
-
-
-def snapshot(folder):
-    """Every entry under folder, hidden ones too: a file's bytes hash and mode, a folder's mode, a
-    link's target. Stricter than helpers.snapshot (files only): an empty temporary folder left
-    behind, a parent folder made and not removed, or a replaced link all show here."""
-    state = {}
-    for dirpath, dirnames, filenames in os.walk(folder):
-        for name in dirnames + filenames:
-            path = os.path.join(dirpath, name)
-            rel = os.path.relpath(path, folder)
-            if os.path.islink(path):
-                state[rel] = ("link", os.readlink(path))
-            elif os.path.isdir(path):
-                state[rel] = ("dir", os.stat(path).st_mode)
-            else:
-                with open(path, "rb") as f:
-                    state[rel] = ("file", os.stat(path).st_mode, hashlib.sha256(f.read()).hexdigest())
-    return state
 
 
 def export_cli(ckpt, target, cwd, env=None):

@@ -7,8 +7,6 @@ logits. No speed is asserted: CI machines vary."""
 import json
 import os
 import statistics
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,7 +25,7 @@ from benchmarks.ladder import (
     ladder_step,
     loss_check,
 )
-from helpers import ROOT
+from helpers import cli
 from support.shards import shard_path, write_shard
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig
 
@@ -152,9 +150,7 @@ def test_compiled_rung_matches_eager(shard_dir):
 @pytest.mark.slow
 def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
     out = tmp_path / "bench.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(ROOT / "bench.py"), "--tiny", "--only", "ladder", "--out", str(out)]
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # 14 rows, 7 run
+    r = cli("--tiny", "--only", "ladder", "--out", out, script="bench.py", cwd=tmp_path, timeout=600)  # 14 rows, 7 run
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert list(report["sections"]) == ["ladder"] and report["rows"] == []
