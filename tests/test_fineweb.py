@@ -324,51 +324,6 @@ def test_pool_reads_only_a_bounded_amount_ahead(enc):
     assert pulled <= (4 * 2 + 1) * 10  # 4 * workers batches in flight, and the one being read
 
 
-def _bad_parquet(tmp_path):
-    path = tmp_path / "bad.parquet"
-    path.write_bytes(b"this is not parquet")
-    return [str(path)]
-
-
-@pytest.mark.parametrize(
-    "make_args, message",
-    [
-        (lambda tmp, data: [str(tmp / "nothing*.parquet")], "no files match"),
-        (lambda tmp, data: [str(tmp / "missing.txt")], "does not exist"),
-        (lambda tmp, data: [str(tmp)], "is a directory"),
-        (lambda tmp, data: [str(data / "reference" / "reference_numbers.json")], "unknown file type"),
-        (lambda tmp, data: _bad_parquet(tmp), "not a readable parquet file"),
-        (
-            lambda tmp, data: [str(data / "fineweb_sample" / "batch_000001.parquet"), "--text-field", "body"],
-            "has no 'body' column",
-        ),
-    ],
-    ids=["glob-matches-nothing", "missing-file", "directory", "unknown-type", "not-parquet", "missing-column"],
-)
-def test_bad_input_is_one_line_error(tmp_path, shared_data, make_args, message):
-    with pytest.raises(UserError, match=message) as e:
-        fineweb.main(["--input", *make_args(tmp_path, shared_data), "--out-dir", str(tmp_path / "out")])
-    assert "\n" not in str(e.value)
-    assert not (tmp_path / "out").exists()  # checked before anything is written
-
-
-@pytest.mark.parametrize(
-    "content, message",
-    [
-        (b'{"text": "fine"}\n{"text": "broken\n', "line 2 is not valid JSON"),
-        (b'{"text": "fine"}\n{"body": "no text"}\n', "line 2 has no 'text' field"),
-        (b'{"text": "fine"}\n{"text": null}\n', "line 2: the text is NoneType"),
-        (b'{"text": "caf\xe9 latin-1"}\n', "not UTF-8"),
-    ],
-    ids=["bad-json", "missing-field", "null-text", "not-utf8"],
-)
-def test_bad_jsonl_is_one_line_error(tmp_path, content, message):
-    (tmp_path / "docs.jsonl").write_bytes(content)
-    with pytest.raises(UserError, match=message) as e:
-        fineweb.main(["--input", str(tmp_path / "docs.jsonl"), "--out-dir", str(tmp_path / "out"), "--workers", "1"])
-    assert "\n" not in str(e.value)
-
-
 def test_unwritable_out_dir(tmp_path):
     (tmp_path / "doc.txt").write_text("hello")
     (tmp_path / "a_file").write_text("")
@@ -419,19 +374,6 @@ def online(monkeypatch):
     monkeypatch.setattr(
         offline.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})()
     )
-
-
-def test_hub_dataset_that_cannot_be_opened(tmp_path, monkeypatch):
-    datasets = pytest.importorskip("datasets")
-
-    def not_found(path, **kwargs):  # what datasets raises for a name the Hub does not have
-        raise FileNotFoundError(f"Dataset '{path}' doesn't exist on the Hub or cannot be accessed.")
-
-    monkeypatch.setattr(datasets, "load_dataset", not_found)
-    online(monkeypatch)
-    with pytest.raises(UserError, match="cannot open no-such-user/no-such-dataset .*doesn't exist on the Hub"):
-        fineweb.main(["--dataset", "no-such-user/no-such-dataset", "--out-dir", str(tmp_path / "out")])
-    assert not (tmp_path / "out").exists()
 
 
 def unreachable(*args, **kwargs):
@@ -951,18 +893,6 @@ def test_binary_and_nul_text_are_refused(tmp_path):
     r = cli("--input", "late.txt", "--out-dir", "out2", script="fineweb.py", cwd=tmp_path)
     assert_one_line_error(r, match=r"late\.txt holds NUL characters")
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
-
-
-@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
-def test_a_utf8_byte_order_mark_is_not_part_of_the_first_document(tmp_path, enc, suffix):
-    text = "First words of the file.\nSecond line."
-    content = text if suffix == ".txt" else json.dumps({"text": text}) + "\n"
-    (tmp_path / f"doc{suffix}").write_bytes(b"\xef\xbb\xbf" + content.encode())
-    fineweb.main(
-        ["--input", str(tmp_path / f"doc{suffix}"), "--out-dir", str(tmp_path / "out"), "--shard-size", "1025"]
-    )
-    expected = np.array([EOT, *enc.encode_ordinary(text)], dtype=np.uint16)
-    np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path / "out"))), expected)
 
 
 def test_the_work_per_shard_does_not_grow_with_the_shards_written(tmp_path, shared_data, enc, monkeypatch):
