@@ -14,6 +14,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks import ladder
 from benchmarks.chunked_loss import chunked_cross_entropy
 from benchmarks.ladder import (
     LADDER_LOSS_TOL,
@@ -145,6 +146,26 @@ def test_compiled_rung_matches_eager(shard_dir):
     finally:
         torch._dynamo.reset()
     assert losses[4] == pytest.approx(losses[1], abs=LADDER_LOSS_TOL["fp32"])
+
+
+def test_the_rungs_a_run_cannot_have_are_skipped_by_what_their_rows_need(monkeypatch):
+    """Without compile, rung 4 is skipped, and on CUDA its settings (rungs 11 and 12) with it; on a
+    CPU those and rung 10 are CUDA only."""
+    monkeypatch.setattr(ladder, "tf32_has_effect", lambda *args: True)
+    monkeypatch.setattr(ladder, "compile_unavailable", lambda s, device: "no compiler")
+    monkeypatch.setattr(ladder, "cudnn_attention_unavailable", lambda device: None)
+    no_compile = "a compile setting, and this run has no compile (rung 4: no compiler)"
+    assert ladder.skipped_rungs({}, None, None, None, "cuda", "cuda") == {
+        4: "no compiler",
+        11: no_compile,
+        12: no_compile,
+    }
+    assert ladder.skipped_rungs({}, None, None, None, "cpu", "cpu") == {
+        4: "no compiler",
+        10: "CUDA only (cuDNN's attention backend)",
+        11: "CUDA only (autotunes the GPU's GEMM and Triton kernels)",
+        12: "CUDA only (CUDA graphs)",
+    }
 
 
 @pytest.mark.slow
