@@ -327,10 +327,10 @@ def torchrun(*args, nproc=2, wrap=None, timeout=300, **kwargs):
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
-def start_run(*args, torchrun=False, **kwargs):
-    """train_gpt2.py started in the background as a user would, under a 2-rank torchrun with
-    torchrun=True; its output piped as text unless kwargs (Popen's) say otherwise. The Popen."""
-    command = torchrun_command(*args) if torchrun else [sys.executable, "train_gpt2.py", *map(str, args)]
+def start_run(*args, torchrun=False, script="train_gpt2.py", **kwargs):
+    """A script (train_gpt2.py, or under a 2-rank torchrun with torchrun=True) started in the
+    background as a user would; its output piped as text unless kwargs (Popen's) say otherwise. The Popen."""
+    command = torchrun_command(*args) if torchrun else [sys.executable, str(ROOT / script), *map(str, args)]
     options = {"cwd": ROOT, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     return subprocess.Popen(command, **{**options, **kwargs})
 

@@ -6,8 +6,6 @@ import math
 import os
 import signal
 import stat
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,7 +13,7 @@ import tiktoken
 
 import hellaswag
 from bench import parse_args, plan
-from helpers import ROOT, assert_one_line_error, cli, snapshot
+from helpers import assert_one_line_error, cli, snapshot, start_run
 from support.cli import UserError
 
 
@@ -116,13 +114,7 @@ def test_only_empty_is_one_line_and_measures_nothing(tmp_path):
 
 
 def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "bench.py", "--tiny", "--out", str(tmp_path / "b.json")],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_run("--tiny", "--out", tmp_path / "b.json", script="bench.py")
     time.sleep(0.3)  # inside `import torch` (about 1 s here)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -11,7 +11,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -20,12 +19,12 @@ import pytest
 import fineweb
 import train_gpt2
 from helpers import (
-    ROOT,
     assert_one_line_error,
     cli,
     fail_nth_write,
     fineweb_killed_after,
     snapshot,
+    start_run,
     state_of,
     tiny_args,
     user_error,
@@ -112,19 +111,8 @@ def shards_listed(path):
 @pytest.fixture(scope="session")
 def parquet_run(tmp_path_factory, shared_data):
     """One uninterrupted run over the parquet sample, shared by the tests that compare against it."""
-    out = tmp_path_factory.mktemp("parquet_run") / "shards"
-    fineweb.main(
-        [
-            "--input",
-            str(shared_data / "fineweb_sample" / "*.parquet"),
-            "--out-dir",
-            str(out),
-            "--shard-size",
-            str(SHARD),
-            "--workers",
-            "2",
-        ]
-    )
+    out, docs = tmp_path_factory.mktemp("parquet_run") / "shards", str(shared_data / "fineweb_sample" / "*.parquet")
+    fineweb.main(["--input", docs, "--out-dir", str(out), "--shard-size", str(SHARD), "--workers", "2"])
     return out
 
 
@@ -140,39 +128,19 @@ def test_parquet_sample_is_tiktoken_encoding_in_order(parquet_run, parquet_token
 
 
 def test_tinyshakespeare_is_one_document(tmp_path, shared_data, enc):
-    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()
-    expected = np.array([EOT] + enc.encode_ordinary(text), dtype=np.uint16)
+    text = shared_data / "tinyshakespeare" / "input.txt"
+    expected = np.array([EOT] + enc.encode_ordinary(text.read_text()), dtype=np.uint16)
     assert len(expected) == 338_025 + 1
-    fineweb.main(
-        [
-            "--input",
-            str(shared_data / "tinyshakespeare" / "input.txt"),
-            "--out-dir",
-            str(tmp_path),
-            "--shard-size",
-            str(SHARD),
-        ]
-    )
+    fineweb.main(["--input", str(text), "--out-dir", str(tmp_path), "--shard-size", str(SHARD)])
     shards = ordered(read_shards(tmp_path))
     assert [len(s) for s in shards] == [SHARD, SHARD, SHARD, 38_026]
     np.testing.assert_array_equal(np.concatenate(shards), expected)
 
 
 def test_bin_format_has_llmc_header_and_same_tokens(tmp_path, shared_data, enc):
-    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()
-    expected = np.array([EOT] + enc.encode_ordinary(text), dtype=np.uint16)
-    fineweb.main(
-        [
-            "--input",
-            str(shared_data / "tinyshakespeare" / "input.txt"),
-            "--out-dir",
-            str(tmp_path),
-            "--shard-size",
-            "150000",
-            "--format",
-            "bin",
-        ]
-    )
+    text = shared_data / "tinyshakespeare" / "input.txt"
+    expected = np.array([EOT] + enc.encode_ordinary(text.read_text()), dtype=np.uint16)
+    fineweb.main(["--input", str(text), "--out-dir", str(tmp_path), "--shard-size", "150000", "--format", "bin"])
     shards = read_shards(tmp_path, "bin")  # checks magic, version, count, zero padding and file size
     assert list(shards) == ["edufineweb_train_000001.bin", "edufineweb_train_000002.bin", "edufineweb_val_000000.bin"]
     assert [len(s) for s in ordered(shards)] == [150_000, 150_000, 38_026]
@@ -195,19 +163,8 @@ def test_txt_and_jsonl_globs_in_order_with_text_field(tmp_path, enc):
 
     out = tmp_path / "out"
     # shards of the smallest size, 1,025 tokens: documents split across shards, the long one across several
-    fineweb.main(
-        [
-            "--input",
-            str(src / "*.txt"),
-            str(src / "c.jsonl"),
-            "--text-field",
-            "content",
-            "--out-dir",
-            str(out),
-            "--shard-size",
-            "1025",
-        ]
-    )
+    inputs = ["--input", str(src / "*.txt"), str(src / "c.jsonl"), "--text-field", "content"]
+    fineweb.main([*inputs, "--out-dir", str(out), "--shard-size", "1025"])
     shards = ordered(read_shards(out))
     assert len(shards) == 3 and all(len(s) == 1025 for s in shards[:-1]) and 0 < len(shards[-1]) <= 1025
     np.testing.assert_array_equal(np.concatenate(shards), expected)
@@ -219,13 +176,8 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, parquet_copies):
     # the sample four times over (6.4M tokens, 129 shards) and one worker: the kill lands mid-run
     files, tokens = parquet_copies
     args = ["--input", *files, "--out-dir", "out", "--shard-size", "50000"]
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "fineweb.py"), *args, "--workers", "1"],
-        cwd=tmp_path,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    options = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "start_new_session": True}
+    proc = start_run(*args, "--workers", "1", script="fineweb.py", cwd=tmp_path, **options)
     manifest_path = tmp_path / "out" / "edufineweb_manifest.json"
     deadline = time.time() + 120
     try:
@@ -413,12 +365,7 @@ def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, 
 
 
 def test_cli_prints_one_line_and_exits_1(tmp_path):
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "fineweb.py"), "--input", "missing.txt"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
+    r = cli("--input", "missing.txt", script="fineweb.py", cwd=tmp_path)
     assert r.returncode == 1
     assert r.stderr == "error: --input missing.txt does not exist\n"
     assert not (tmp_path / "edu_fineweb10B").exists()
@@ -639,13 +586,7 @@ def test_second_run_into_the_same_folder_is_refused(tmp_path, shared_data):
 
 def test_two_real_runs_at_once(tmp_path, parquet_copies):
     args = ["--input", *parquet_copies[0][:30], "--out-dir", "out", "--shard-size", "50000", "--workers", "1"]
-    first = subprocess.Popen(
-        [sys.executable, str(ROOT / "fineweb.py"), *args],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first = start_run(*args, script="fineweb.py", cwd=tmp_path)
     try:
         manifest = tmp_path / "out" / "edufineweb_manifest.json"
         deadline = time.time() + 60
@@ -744,14 +685,7 @@ def test_ctrl_c_is_prompt_and_clean_then_resumes(tmp_path, sample_x2, when):
     # rule 7: SIGINT ends the run within seconds with one line and no traceback, leaves no .tmp
     # file, keeps the finished shards, and the same command then continues to the same bytes
     args, fresh = sample_x2
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "fineweb.py"), *args, "--out-dir", "out"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_run(*args, "--out-dir", "out", script="fineweb.py", cwd=tmp_path, start_new_session=True)
     manifest = tmp_path / "out" / "edufineweb_manifest.json"
     shards = {"start-up": None, "first-shard": 0, "mid-run": 8}[when]
     deadline = time.time() + 60

@@ -24,7 +24,17 @@ from transformers import GPT2LMHeadModel
 import hellaswag
 import train_gpt2
 from hellaswag import HellaSwagDataError
-from helpers import ROOT, assert_one_line_error, cli, heap_after, random_shards, read_log, save_tiny_hf_gpt2, tiny_args
+from helpers import (
+    ROOT,
+    assert_one_line_error,
+    cli,
+    heap_after,
+    random_shards,
+    read_log,
+    save_tiny_hf_gpt2,
+    start_run,
+    tiny_args,
+)
 from support import offline
 from train_gpt2 import GPT
 
@@ -561,13 +571,7 @@ def test_on_a_cpu_hellaswag_py_keeps_freed_memory_as_training_does(short_run, va
 @pytest.mark.parametrize("delay", [0.3, 1.5])
 def test_ctrl_c_while_it_starts_is_one_line(short_run, val_path, delay):
     # importing torch, tokenizing or loading the model: one line, exit 130, never a traceback
-    proc = subprocess.Popen(
-        [sys.executable, "hellaswag.py", "-m", str(short_run[1]), "--data", str(val_path), "-d", "cpu"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_run("-m", short_run[1], "--data", val_path, "-d", "cpu", script="hellaswag.py")
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -24,14 +24,7 @@ ALLOWED_SCRIPT_IMPORTS = {
     "benchmarks": {"train_gpt2", "hellaswag", "fineweb"},
 }
 # fineweb.py starts without torch, and so do the support modules the data side shares with it
-TORCH_FREE = (
-    "fineweb.py",
-    "support/cli.py",
-    "support/files.py",
-    "support/offline.py",
-    "support/documents.py",
-    "support/shards.py",
-)
+TORCH_FREE = ("fineweb.py", *(f"support/{name}.py" for name in ("cli", "files", "offline", "documents", "shards")))
 
 
 class Import(NamedTuple):
