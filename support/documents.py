@@ -1,7 +1,7 @@
 """Where fineweb.py's documents come from: local .txt, .jsonl and .parquet files (their names
 expanded, their encoding checked before any work, their content fingerprinted for the manifest) or
-a Hugging Face dataset streamed from the Hub, each as an iterator of strings; torch-free, as
-fineweb.py is."""
+a Hugging Face dataset streamed from the Hub, each as an iterator of strings; and the threads that
+read and tokenize them by default (default_workers); torch-free, as fineweb.py is."""
 
 import codecs
 import concurrent.futures
