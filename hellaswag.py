@@ -62,11 +62,13 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from support.checkpoints import load_checkpoint
-from support.common import ArgumentParser, UserError, first_line, offline_var, run_cli, unreachable, write_atomic
+from support.cli import ArgumentParser, UserError, first_line, run_cli
 from support.ddp import fence
+from support.device import keep_freed_memory, pick_device
+from support.files import jsonl_rows, write_atomic
 from support.hf_interop import hf_model_from_checkpoint, load_hf_model
-from support.machine import keep_freed_memory, pick_device
 from support.model_files import find_model
+from support.offline import offline_var, unreachable
 from support.out_of_memory import hellaswag_out_of_memory, oom_phase
 from support.precision import AUTOCAST_DTYPES, pick_dtype
 from support.shards import get_tokenizer
@@ -95,13 +97,7 @@ class HellaSwagDataError(UserError):
 def parse_rows(lines, source):
     """jsonl lines -> list of examples; the first bad line raises an error that names it."""
     examples = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            ex = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise HellaSwagDataError(f"{source}, line {lineno}: not JSON ({e.msg})") from None
+    for lineno, ex in jsonl_rows(lines, source, HellaSwagDataError):
         problem = None
         if not isinstance(ex, dict):
             problem = "not a JSON object"
@@ -116,7 +112,7 @@ def parse_rows(lines, source):
         elif not isinstance(ex.get("split_type"), str):
             problem = "no split_type string"
         if problem:
-            raise HellaSwagDataError(f"{source}, line {lineno}: {problem}")
+            raise HellaSwagDataError(f"{source} line {lineno}: {problem}")
         examples.append(ex)
     return examples
 

@@ -44,12 +44,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hellaswag
 from support.checkpoints import load_checkpoint, save_training_state
 from support.checks import check_args, check_data, check_init_shape, check_model_fits, warmup_note
-from support.common import GPT2_VOCAB, ArgumentParser, UserError, first_line, run_cli, said_on_interrupt
+from support.cli import ArgumentParser, UserError, first_line, run_cli, said_on_interrupt
 from support.ddp import join_process_group
+from support.device import choose_compile, keep_freed_memory, pick_device, set_deterministic
 from support.divergence import NonFiniteGuard
 from support.dry_run import dry_run_job
+from support.gpu import peak_flops
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
-from support.machine import choose_compile, keep_freed_memory, peak_flops, pick_device, set_deterministic
 from support.model_files import find_model
 from support.out_dir import check_not_data_folder, claim_out_dir, missing_folders, release_out_dir, remove_made_folders
 from support.out_of_memory import oom_phase, training_out_of_memory
@@ -58,6 +59,7 @@ from support.resume import report_resume, restore_training_state, resume_checkpo
 from support.run_log import RunLog
 from support.sampling import encode_prompt, note_if_samples_stop_early, print_samples, sample_text
 from support.shards import (
+    GPT2_VOCAB,
     ShardFile,
     check_batch_fits,
     check_batch_ids,

@@ -14,9 +14,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from support.common import UserError, disk_error, first_line, refuse_link, write_atomic
+from support.cli import UserError, first_line
 from support.ddp import fence
 from support.divergence import check_finite_state, checkpoint_health
+from support.files import disk_error, refuse_link, write_atomic
 from support.out_dir import (
     check_out_dir_held,
     checkpoint_path,

@@ -7,10 +7,10 @@ import sys
 
 import torch
 
-from support.common import GPT2_VOCAB, UserError, same_on_every_rank
-from support.machine import TRAIN_BYTES_PER_PARAMETER
+from support.cli import UserError, same_on_every_rank
+from support.gpu import TRAIN_BYTES_PER_PARAMETER
 from support.out_dir import data_dir_problem
-from support.shards import MAX_VOCAB_SIZE
+from support.shards import GPT2_VOCAB, MAX_VOCAB_SIZE
 from support.wandb_log import wandb_problem
 
 MAX_DDP_TIMEOUT = 1e9  # seconds: torch turns --ddp-timeout into int64 nanoseconds (larger ones overflow)

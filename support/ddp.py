@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from support.common import UserError, first_line
+from support.cli import UserError, first_line
 
 
 def join_process_group(backend, ddp_timeout):

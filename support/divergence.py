@@ -8,7 +8,8 @@ import re
 
 import torch
 
-from support.common import UserError, log_records, same_on_every_rank
+from support.cli import UserError, same_on_every_rank
+from support.files import log_records
 from support.out_dir import checkpoint_paths
 
 MAX_BAD_STEPS = 3  # non-finite steps in a row: one is skipped as a bad batch, this many mean the run diverged

@@ -4,10 +4,11 @@ without loading weights, sampling or writing."""
 
 import os
 
-from support.common import GPT2_VOCAB, UserError
+from support.cli import UserError
 from support.hf_interop import check_export_target
 from support.model_files import model_config_of
 from support.sampling import encode_prompt, note_if_samples_stop_early
+from support.shards import GPT2_VOCAB
 
 
 def nearest_folder(path):

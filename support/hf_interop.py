@@ -13,9 +13,12 @@ import urllib.request
 
 import torch
 
-from support.common import GPT2_VOCAB, HF_NAMES, UserError, first_line, offline_var, write_dir_atomic
-from support.shards import GPT2_BPE, get_tokenizer, read_gpt2_bpe
+from support.cli import UserError, first_line
+from support.files import write_dir_atomic
+from support.offline import offline_var
+from support.shards import GPT2_BPE, GPT2_VOCAB, get_tokenizer, read_gpt2_bpe
 
+HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 EXPORT_MARK = "train_gpt2.py --export-hf"  # config.json's "exported_by": a folder export_hf may replace
 
 

@@ -6,9 +6,10 @@ import json
 import os
 
 from support.checkpoints import load_checkpoint, newest_of_its_run
-from support.common import GPT2_VOCAB, HF_NAMES, UserError
-from support.hf_interop import check_hub_reachable, hub_name_is_cached
+from support.cli import UserError
+from support.hf_interop import HF_NAMES, check_hub_reachable, hub_name_is_cached
 from support.out_dir import checkpoint_paths
+from support.shards import GPT2_VOCAB
 
 GPT2_BLOCK_SIZE = 1024  # n_positions of every OpenAI GPT-2 (gpt2 .. gpt2-xl)
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")

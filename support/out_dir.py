@@ -9,7 +9,8 @@ import shlex
 import sys
 
 from support import file_lock
-from support.common import UserError, disk_error, no_follow, refuse_link
+from support.cli import UserError
+from support.files import disk_error, no_follow, refuse_link
 from support.shards import SHARD_NAME
 
 
@@ -127,7 +128,7 @@ def check_no_links(out_dir):
     """Before anything is written: no name this run writes (or removes, as a killed write's
     temporary file) in out_dir is a symbolic link, a checkpoint's name of a later step included, for
     the log would be appended to the file a link names, outside the folder, and a checkpoint's
-    rename would delete a link the run did not make (support.common.LinkedName, one line)."""
+    rename would delete a link the run did not make (support.files.LinkedName, one line)."""
     for name in sorted(os.listdir(out_dir)):
         if WRITTEN_NAMES.fullmatch(name):
             refuse_link(os.path.join(out_dir, name))

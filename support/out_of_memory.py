@@ -11,8 +11,8 @@ phase inside it), and run_cli's out_of_memory hook (training_out_of_memory,
 hellaswag_out_of_memory) words the innermost phase its script knows. The advice depends on the
 marks alone, never on the names of the functions or variables the allocation failed in."""
 
-from support.common import memory_kind
-from support.machine import GiB, fitting_B, gpu_memory_of
+from support.cli import memory_kind
+from support.gpu import GiB, fitting_B, gpu_memory_of
 from support.out_dir import checkpoint_paths
 
 

@@ -13,8 +13,9 @@ from support.checkpoints import (
     run_id_of,
     set_rng_state,
 )
-from support.common import UserError, log_records, same_on_every_rank
+from support.cli import UserError, same_on_every_rank
 from support.ddp import fence
+from support.files import log_records
 from support.out_dir import checkpoint_paths, log_runs
 from support.shards import check_same_data, data_identity
 

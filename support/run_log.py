@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import torch
 
-from support.common import LinkedName, UserError, disk_error, no_follow
+from support.cli import UserError
+from support.files import LinkedName, disk_error, no_follow
 from support.out_dir import check_out_dir_held, log_runs
 from support.wandb_log import WandbMirror
 

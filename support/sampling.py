@@ -8,7 +8,8 @@ import math
 import torch
 from torch.nn import functional as F
 
-from support.common import GPT2_VOCAB, UserError
+from support.cli import UserError
+from support.shards import GPT2_VOCAB
 
 # --- The KV cache: what the model's attention asks when it is given one ------------------------
 

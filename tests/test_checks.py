@@ -1,4 +1,4 @@
-"""support/checks.py, with the checks of support/machine.py (check_device) and support/shards.py
+"""support/checks.py, with the checks of support/device.py (check_device) and support/shards.py
 (find_shards and the shard checks) that train_gpt2.py makes before step 0: every refusal has a case
 of its own here, with the one line it says, and a new refusal without a case fails
 test_every_refusal_has_a_case. Then, through real runs: numbers refused where the code cannot use
@@ -18,11 +18,11 @@ import torch
 
 import train_gpt2
 from helpers import assert_one_line_error, cli, random_shards, read_log, refused_before_step_0, tiny_args, user_error
-from support import checks, machine, shards
+from support import checks, device, shards
 from support.checkpoints import load_checkpoint
 from support.checks import check_data
-from support.common import UserError
-from support.machine import check_device
+from support.cli import UserError
+from support.device import check_device
 from support.shards import (
     check_batch_fits,
     check_batch_ids,
@@ -36,7 +36,7 @@ from support.shards import (
 # manifests and journals: tests/test_shards.py and tests/test_fineweb.py make them)
 CHECKED = ("check_args", "check_device", "check_data", "check_model_fits", "find_shards", "check_batch_fits")
 CHECKED += ("check_same_shards", "check_same_data", "check_token_ids", "check_batch_ids")
-CHECKED_IN = (checks, machine, shards)  # the modules that hold them
+CHECKED_IN = (checks, device, shards)  # the modules that hold them
 
 
 def no_warmup(*extra):

@@ -10,7 +10,7 @@ from transformers import GPT2LMHeadModel
 import train_gpt2
 from helpers import snapshot, tiny_args, user_error
 from support import sampling
-from support.common import run_cli
+from support.cli import run_cli
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from support import file_lock
-from support.common import UserError
+from support.cli import UserError
 from support.out_dir import LOCK_FILE, lock_out_dir
 
 

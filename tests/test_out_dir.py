@@ -36,7 +36,7 @@ from helpers import (
     user_error,
     wait_for_step,
 )
-from support.common import UserError
+from support.cli import UserError
 from support.out_dir import LOCK_FILE, lock_out_dir, undo_failed_start
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 import hellaswag
 import train_gpt2
 from helpers import ROOT, GiB, assert_one_line_error, cli, headers, random_shards, read_log, strict_records, tiny_args
-from support.common import out_of_memory_line, run_cli
+from support.cli import out_of_memory_line, run_cli
 from support.out_of_memory import hellaswag_out_of_memory, oom_phase, training_out_of_memory
 from train_gpt2 import GPTConfig, parse_args
 

@@ -37,7 +37,7 @@ from helpers import (
     wait_for_step,
 )
 from support.checkpoints import load_checkpoint
-from support.common import UserError
+from support.cli import UserError
 
 # ----------------------------------------------------------------------------------------------
 # Which checkpoint --resume continues from: the newest that loads

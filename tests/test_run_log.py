@@ -21,9 +21,9 @@ except ImportError:
 
 import train_gpt2
 from helpers import ROOT, at_step, fail_nth_write, random_shards, read_log, state_of, tiny_args, user_error
-from support import common, run_log
+from support import files, run_log
 from support.checkpoints import load_training_checkpoint
-from support.common import LinkedName
+from support.files import LinkedName
 from support.out_dir import LOCK_FILE, log_runs
 
 
@@ -173,7 +173,7 @@ def test_a_run_log_is_never_opened_through_a_symlink(tmp_path, monkeypatch, to, 
     name, to a file or to nothing, is refused in one line (LinkedName), the file it names untouched
     and none made where it points."""
     if not nofollow:
-        monkeypatch.setattr(common, "NOFOLLOW", 0)
+        monkeypatch.setattr(files, "NOFOLLOW", 0)
     out, target = tmp_path / "out", tmp_path / "mine.txt"
     out.mkdir()
     if to == "a file":

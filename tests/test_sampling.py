@@ -11,8 +11,9 @@ import torch
 import train_gpt2
 from helpers import read_log, refused_before_step_0, tiny_args
 from support import sampling
-from support.common import GPT2_VOCAB, UserError
+from support.cli import UserError
 from support.sampling import KVCache, decode_step, generate, next_token, sample_text
+from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT
 
 
