@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import torch
 
-from support.common import LinkedName, UserError, disk_error, no_follow
-from support.out_dir import check_out_dir_held, log_runs
+from support.common import UserError, disk_error, no_follow
+from support.out_dir import log_runs
 from support.wandb_log import WandbMirror
 
 
@@ -70,7 +70,6 @@ class RunLog:
     def __init__(self, out_dir, enabled, max_steps):
         self.path, self.file, self.max_steps = os.path.join(out_dir, "log.jsonl"), None, max_steps
         self.out_dir, self.wandb, self.first = out_dir, None, None
-        self.size = 0  # log.jsonl's size after this run's last record: a smaller one was cut in place
         if not enabled:
             return
         try:
@@ -117,8 +116,6 @@ class RunLog:
     def __call__(self, record):
         if self.file is None:
             return
-        check_out_dir_held()  # the folder is still this run's (its lock file deleted: locked again, or stop)
-        self.follow_path()
         self.write(record)
         self.print(record)
         if self.wandb is not None and self.wandb.error is None:
@@ -128,63 +125,27 @@ class RunLog:
             self.warn(f"wandb stopped ({error}): the run goes on; log.jsonl holds every record")
 
     def write(self, record):
+        line = json.dumps(strict_json(record), allow_nan=False) + "\n"
         try:
-            self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+            if os.fstat(self.file.fileno()).st_nlink == 0:  # deleted since the last record
+                line = self.reopen() + line
+            self.file.write(line)
             self.file.flush()
-            self.size = os.fstat(self.file.fileno()).st_size
         except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
-            raise disk_error(e, self.path, "continue with --resume") from None
-
-    def follow_path(self):
-        """Before each record: log.jsonl must still be the file this run writes (same device and
-        inode; two stat calls). Deleted, renamed or replaced (a log-rotation tool, a cleanup), the
-        records would go on into a file no one sees: so it is written again at its path, with a
-        fresh header of the same run ("reopened") that resume and play.ipynb read as this run,
-        said in one warning; a path that cannot be written stops the run in one line. The same file
-        cut short in place (logrotate's copytruncate, `: > log.jsonl`) gets the header too: the
-        records after it would otherwise begin a log with no run's header, refused at the next start."""
-        try:
-            mine = os.fstat(self.file.fileno())
-            try:
-                now = os.lstat(self.path)  # the name itself: a link to this very file is a link still
-            except FileNotFoundError:
-                now = None
-            if now is not None and os.path.samestat(mine, now):
-                if mine.st_size >= self.size:
-                    return
-                self.file.close()  # reopened: open() ends a last line cut mid-record before ours
-                self.file = None
-                self.file = self.open()
-                self.said_reopened("cut short in place", "the records before are in the copy, if one was made")
-                return
-            self.file.close()
             self.file = None
-            self.file = self.open()
-        except LinkedName:
-            raise  # a link put at its name: refused, in its own words
-        except OSError as e:
-            self.file = None  # nothing more is written, the console has the error
-            if os.path.isdir(self.path):
-                raise UserError(
-                    f"{self.path} was replaced by a folder while this run trained: move that folder aside, "
-                    f"then continue with --resume"
-                ) from None
             raise disk_error(e, self.path, "continue with --resume") from None
-        how = "deleted" if mine.st_nlink == 0 else "renamed or replaced"  # no link left: deleted
-        self.said_reopened(how, "the records before are " + ("gone with it" if how == "deleted" else "where it went"))
 
-    def said_reopened(self, how, before):
-        """After follow_path found the log gone or cut: said on the console, then the run's header
-        again ("reopened": how) and a warning record, so the file reads as this run from here on."""
-        print(
-            f"warning: {self.path} was {how} while this run trained: written again at its path from here on, "
-            f"after a header of the same run ({before})",
-            file=sys.stderr,
-            flush=True,
-        )
-        if self.first is not None:
-            self.write({**self.first, "restarted": False, "reopened": how})
-        self.write({"event": "warning", "warning": f"{self.path} was {how}: written again from here on"})
+    def reopen(self):
+        """log.jsonl deleted while the run trains (by a user, or with its folder: noticed at the next
+        record, one fstat each): written again at its path from here on, said in one warning. Returns
+        the line to put first: the run's header again ("reopened"), which resume and play.ipynb read
+        as the same run."""
+        self.file.close()
+        self.file = None  # nothing more is written if a link stands at the name
+        self.file = self.open()
+        print(f"warning: {self.path} was deleted while this run trained: written again from here on", file=sys.stderr)
+        header = {**self.first, "restarted": False, "reopened": "deleted"} if self.first else None
+        return json.dumps(strict_json(header)) + "\n" if header else ""
 
     def warn(self, message):
         """A warning on the console and in the log, as a record of its own."""
