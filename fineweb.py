@@ -332,7 +332,9 @@ def lock_folder(out_dir):
     lock train_gpt2.py holds its --out-dir with): a second fineweb.py into the same folder would
     interleave its shards with this one's, and is refused in one line naming the holder. Returns the
     descriptor for unlock_folder; None where the file system has no locks (said in a warning)."""
-    return file_lock.lock_folder(out_dir, FOLDER_LOCK, "fineweb.py", "rerun the same command")
+    return file_lock.lock_folder(
+        out_dir, FOLDER_LOCK, "fineweb.py", "rerun the same command", "pass an --out-dir of your own"
+    )
 
 
 def unlock_folder(out_dir, lock):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from support.common import UserError, disk_error, first_line, write_atomic
 from support.ddp import fence
 from support.divergence import check_finite_state, checkpoint_health
-from support.out_dir import checkpoint_path, checkpoint_paths, move_aside, not_this_runs, run_id_of
+from support.out_dir import checkpoint_path, checkpoint_paths, folder_gone, move_aside, not_this_runs, run_id_of
 
 
 def save_checkpoint(ckpt, out_dir, keep):
@@ -26,7 +26,7 @@ def save_checkpoint(ckpt, out_dir, keep):
     the name since the start's check (support.out_dir.check_names_to_write) that is not this run's
     is kept, not replaced: one lstat, and a read of the pickled part only when a file is there (the
     run's own, rewritten when a signal comes at the step it resumed from); write_atomic refuses a
-    symbolic link at the name."""
+    symbolic link at the name. A folder moved or deleted meanwhile is said as such."""
     path = checkpoint_path(out_dir, ckpt["step"])
     why = not_this_runs(path, ckpt["run_id"], ckpt["step"])
     if why:
@@ -43,6 +43,8 @@ def save_checkpoint(ckpt, out_dir, keep):
         cause = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write
         if not isinstance(cause, OSError):
             raise  # not the disk: a bug, keep its traceback
+        if gone := folder_gone(out_dir):
+            raise UserError(gone) from None
         earlier = [p for p in checkpoint_paths(out_dir) if p != path]
         then = (
             f"continue with --resume (from {earlier[0]}, intact)"

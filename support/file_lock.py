@@ -2,10 +2,11 @@
 flock where fcntl exists, msvcrt.locking on Windows. lock_folder and unlock_folder are the one code
 path by which train_gpt2.py holds its --out-dir and fineweb.py its shards folder. Why this and not
 the filelock package: docs/reliability.md, "The folder lock". A lock file is never opened through a
-symbolic link."""
+symbolic link, nor written through a second name."""
 
 import errno
 import os
+import shlex
 import socket
 import sys
 import time
@@ -114,13 +115,32 @@ def holder_text(note=""):
     return f"pid {os.getpid()}{note} on {socket.gethostname()}, since {since}: {command}"
 
 
-def lock_folder(folder, name, who, then, note=""):
+def not_yours(path, advice):
+    """The line for a file or folder this user may not write because another user owns it: whose it
+    is, and advice; None where it is this user's (or the platform has no owners)."""
+    try:
+        uid = os.stat(path).st_uid
+    except OSError:
+        return None
+    if not hasattr(os, "getuid") or uid == os.getuid():
+        return None
+    try:
+        import pwd  # noqa: PLC0415  POSIX only: the owner's name
+
+        whose = pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        whose = f"user {uid}"
+    return f"{path} belongs to {whose} and this user may not write it: {advice}"
+
+
+def lock_folder(folder, name, who, then, theirs, note=""):
     """Lock folder for this process's life through its file `name`, whose text then names this
     process (holder_text(note)) for a refused one to show. Returns the descriptor, to keep open and
     give to unlock_folder; None where nothing can lock (said in a warning). Every refusal is one
     UserError line worded here for both scripts, before anything is written: the folder in use by
-    another `who` (naming it); a symbolic link or a folder at `name`; else a disk error. then: what
-    to do once the cause is gone."""
+    another `who` (naming it); a symbolic link, a second name (a hard link) or a folder at `name`;
+    a folder of another user's (`theirs`: what to do then); else a disk error. then: what to do once
+    the cause is gone."""
     path = os.path.join(folder, name)
     try:
         fd = acquire(path)
@@ -141,7 +161,16 @@ def lock_folder(folder, name, who, then, note=""):
                 f"--out-dir {folder} holds a folder named {name}, the name of its lock file: rename or remove that "
                 f"folder, then {then}"
             ) from None
+        denied = path if os.path.lexists(path) else folder  # another user's lock file, or folder
+        if isinstance(e, PermissionError) and (line := not_yours(denied, theirs)):
+            raise UserError(line) from None
         raise disk_error(e, f"to --out-dir {folder} (its lock file {name})", then) from None
+    if os.fstat(fd).st_nlink > 1:  # a hard link: its text would overwrite the file's other name
+        os.close(fd)
+        raise UserError(
+            f"{path} has a second name (a hard link), and a lock never writes through one: remove this name "
+            f"(rm {shlex.quote(path)}; the other keeps its bytes), then {then}"
+        )
     try:
         write_holder(fd, holder_text(note))
     except OSError:

@@ -107,6 +107,10 @@ def claim_out_dir(out_dir, resume):
     folder is locked for this process's life (support.file_lock.lock_folder: flock, which the OS
     releases when the process ends, a SIGKILL included), and what it holds is noted, so that a
     start that fails leaves it as it was (release_out_dir). Rank 0 alone claims it."""
+    if not out_dir:
+        raise UserError(
+            "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
+        )
     check_not_data_folder(out_dir, f"--out-dir {out_dir}")
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -116,7 +120,7 @@ def claim_out_dir(out_dir, resume):
         release_out_dir()
     then = "continue with --resume" if resume else "start again"
     note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
-    fd = file_lock.lock_folder(out_dir, LOCK_FILE, "run", then, note)
+    fd = file_lock.lock_folder(out_dir, LOCK_FILE, "run", then, copy_advice(out_dir), note)
     log = os.path.join(out_dir, "log.jsonl")
     _claim.update(out_dir=out_dir, fd=fd, log=os.path.getsize(log) if os.path.isfile(log) else None)
     _claim.update(checkpoints=set(checkpoint_paths(out_dir)))
@@ -142,20 +146,61 @@ def claim_out_dir(out_dir, resume):
 def check_names_at_start(out_dir):
     """At start, with the folder held: each name in out_dir a run writes is a file it may write
     over or remove. A symbolic link is refused (support.common.LinkedName), never followed: the log
-    would be appended to the file it names, a rename would delete it. So is a file at a
-    checkpoint's temporary name that is not what a write of this program cut short leaves there
-    (empty, or the zip's start), named with the `mv` that sets it aside."""
+    would be appended to the file it names, a rename would delete it. So is what is no file (a
+    folder, a FIFO a start would wait on), a file at a checkpoint's name that is no zip as
+    torch.save writes (a user's text: no run to continue), and one at a checkpoint's temporary name
+    that is not what a write of this program cut short leaves there (empty, or the zip's start),
+    each named with the `mv` that sets it aside."""
     for name in sorted(os.listdir(out_dir)):
         if not written_by_runs(name):
             continue
         path = os.path.join(out_dir, name)
         refuse_link(path)
-        if step_of_name(name, temporary=True) is not None and not ZIP.startswith(zip_head(path)):
-            raise UserError(
-                f"{path} is not a checkpoint write of train_gpt2.py's cut short (not the start of torch.save's zip), "
-                f"and this run writes its checkpoints through that name: move it aside ({move_aside(path, 'aside')}), "
-                f"then run the same command again"
-            )
+        if not os.path.isfile(path):
+            what = "is not a file (a folder, a FIFO or a device)"
+        elif step_of_name(name) is not None and zip_head(path) != ZIP:
+            what = "is no checkpoint of train_gpt2.py (not the zip torch.save writes)"
+        elif step_of_name(name, temporary=True) is not None and not ZIP.startswith(zip_head(path)):
+            what = "is not a checkpoint write of train_gpt2.py's cut short (not the start of torch.save's zip)"
+        else:
+            continue
+        raise UserError(
+            f"{path} {what}, and this run writes a file by that name: move it aside ({move_aside(path, 'aside')}), "
+            f"then run the same command again"
+        )
+
+
+def copy_advice(out_dir):
+    """For a run in another user's folder: the copy this user can continue as its own."""
+    mine = os.path.abspath(out_dir).rstrip(os.sep) + "_mine"
+    return (
+        f"the run is theirs to continue; to continue it as yours, copy its folder to one of your own and resume "
+        f"there (cp -r {shlex.quote(out_dir)} {shlex.quote(mine)} && python train_gpt2.py --resume --out-dir "
+        f"{shlex.quote(mine)})"
+    )
+
+
+def folder_gone(out_dir):
+    """The line for a run whose --out-dir was moved or deleted while it trained, saying where to
+    resume from (None while it is there). Moved, its lock file lives on under the new name (which
+    Linux's /proc tells); deleted, nothing is left to resume from."""
+    if os.path.isdir(out_dir):
+        return None
+    fd, links, where = _claim.get("fd"), None, "<its new path>"
+    try:
+        links = os.fstat(fd).st_nlink
+        where = shlex.quote(os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")))
+    except (OSError, TypeError):  # no lock held (TypeError: fd None), or no /proc
+        pass
+    if links == 0:
+        return f"--out-dir {out_dir} was deleted while this run trained, its checkpoints with it: start the run again"
+    how, then = (
+        ("moved", "continue it where it went") if links else ("moved or deleted", "if it was moved, continue it")
+    )
+    return (
+        f"--out-dir {out_dir} was {how} while this run trained: this run stops here; {then} (its checkpoints are "
+        f"there): python train_gpt2.py --resume --out-dir {where}"
+    )
 
 
 def release_out_dir():

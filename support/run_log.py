@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from support.common import UserError, disk_error, no_follow
-from support.out_dir import log_runs
+from support.file_lock import not_yours
+from support.out_dir import copy_advice, folder_gone, log_runs
 from support.wandb_log import WandbMirror
 
 
@@ -41,23 +42,6 @@ def strict_json(value):
     return value
 
 
-def someone_elses(path, out_dir):
-    """The line for a run's file this user may not write in a folder it may (a run another user
-    started, in a shared folder): whose it is, and the copy this user can continue as its own."""
-    try:
-        import pwd  # noqa: PLC0415  POSIX only: the owner's name where the platform has one
-
-        owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
-    except (ImportError, KeyError, OSError):
-        owner = "another user"
-    mine = os.path.abspath(out_dir).rstrip(os.sep) + "_mine"
-    return (
-        f"{path} belongs to {owner} and this user may not write it: the run is {owner}'s to continue; to continue "
-        f"it as yours, copy its folder to one of your own and resume there (cp -r {out_dir} {mine} && "
-        f"python train_gpt2.py --resume --out-dir {mine})"
-    )
-
-
 class RunLog:
     """log.jsonl: one JSON record per line, appended, never wiped, so a resumed run continues
     the same file (play.ipynb keeps the last record of each step). Each record is also printed
@@ -75,9 +59,8 @@ class RunLog:
         try:
             self.file = self.open()
         except PermissionError as e:
-            if os.path.isfile(self.path) and os.access(out_dir, os.W_OK):
-                raise UserError(someone_elses(self.path, out_dir)) from None
-            raise disk_error(e, self.path, "start again") from None
+            theirs = not_yours(self.path, copy_advice(out_dir))  # a shared folder: a run another user started
+            raise (UserError(theirs) if theirs else disk_error(e, self.path, "start again")) from None
         except OSError as e:
             raise disk_error(e, self.path, "start again") from None
 
@@ -139,9 +122,11 @@ class RunLog:
         """log.jsonl deleted while the run trains (by a user, or with its folder: noticed at the next
         record, one fstat each): written again at its path from here on, said in one warning. Returns
         the line to put first: the run's header again ("reopened"), which resume and play.ipynb read
-        as the same run."""
+        as the same run. A folder moved or deleted stops the run in one line saying where to resume."""
         self.file.close()
-        self.file = None  # nothing more is written if a link stands at the name
+        self.file = None  # nothing more is written if the folder is gone or a link stands at the name
+        if gone := folder_gone(self.out_dir):
+            raise UserError(gone)
         self.file = self.open()
         print(f"warning: {self.path} was deleted while this run trained: written again from here on", file=sys.stderr)
         header = {**self.first, "restarted": False, "reopened": "deleted"} if self.first else None

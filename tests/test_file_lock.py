@@ -20,7 +20,7 @@ from support.out_dir import LOCK_FILE
 
 def lock_folder(folder, note=""):
     """file_lock.lock_folder on folder's .x.lock, as a script calls it."""
-    return file_lock.lock_folder(str(folder), ".x.lock", "run", "start again", note)
+    return file_lock.lock_folder(str(folder), ".x.lock", "run", "start again", "use a folder of your own", note)
 
 
 class WindowsLikeMsvcrt:

@@ -2,25 +2,32 @@
 another run's folder is refused, the user's own files there are kept, a log holding only the start
 of a run that never trained a step is no run); a running run locks its folder, a second process
 into it (a new run or --resume, plain or torchrun) is refused in one line naming the holder, and a
-killed run leaves no lock to clean; a lock file that is a folder or a symbolic link is named,
-never written through; a start that is refused or crashes before its first step leaves the
+killed run leaves no lock to clean; a lock file that is a folder, a symbolic link or a hard link is
+named, never written through; a start that is refused or crashes before its first step leaves the
 folder as it found it; a symbolic link at a name the run writes (the log, a checkpoint, a
-checkpoint's temporary file) is refused before step 0, never followed. (The lock itself:
+checkpoint's temporary file) is refused before step 0, never followed; what a user trips on there
+(a text file at a checkpoint's name, a FIFO at the log's, `--out-dir ''`, the folder moved or
+deleted mid-run, another user's folder) is one line whose advice works. (The lock itself:
 test_file_lock.py.)"""
 
+import errno
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
 
 import train_gpt2
 from helpers import (
+    ROOT,
     assert_one_line_error,
+    at_step,
     cli,
     headers,
     random_shards,
@@ -35,6 +42,7 @@ from helpers import (
     user_error,
     wait_for_step,
 )
+from support import file_lock
 from support.out_dir import LOCK_FILE, undo_failed_start
 
 # ----------------------------------------------------------------------------------------------
@@ -45,7 +53,7 @@ from support.out_dir import LOCK_FILE, undo_failed_start
 def test_a_new_run_in_another_runs_out_dir_is_refused(data, tmp_path, existing):
     out = tmp_path / "out"
     out.mkdir()
-    (out / existing).write_bytes(b"another run's file")
+    (out / existing).write_bytes(b"PK\x03\x04 another run's file")  # begins as a checkpoint's zip
     (out / "notes.txt").write_text("the user's notes")
     refused_before_step_0(tiny_args(data, out), out, "--out-dir", "holds another run", "--resume")
 
@@ -446,3 +454,116 @@ def test_a_users_file_at_a_temporary_checkpoint_name_is_kept_and_named(data, tmp
     subprocess.run(re.search(r"\((mv [^)]+)\)", msg).group(1), shell=True, check=True)  # the advice
     assert train_gpt2.main(args) == 0 and (out / "ckpt_000004.pt").exists()
     assert (out / ".ckpt_000004.pt.tmp.aside").read_text() == "the user's file, not a checkpoint write cut short"
+
+
+# ----------------------------------------------------------------------------------------------
+# What a user trips on at a run's folder (issue 47): each said in one line whose advice works
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_users_text_at_a_checkpoints_name_is_no_checkpoint_and_setting_it_aside_runs(data, tmp_path, resume):
+    """A user's text file named ckpt_000006.pt is no run to continue with --resume: it is said to be
+    no checkpoint of this program, with the `mv` that sets it aside; that, then the same command, runs."""
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
+    if resume:
+        assert train_gpt2.main(args) == 0
+        args += ["--max-steps", 4, "--resume"]
+    out.mkdir(exist_ok=True)
+    mine = out / "ckpt_000006.pt"
+    mine.write_text("my notes on the run\n")
+    msg = refused_before_step_0(args, out, f"{mine} is no checkpoint of train_gpt2.py", "move it aside (mv ")
+    assert "another run" not in msg and "--resume" not in msg
+    subprocess.run(re.search(r"\((mv [^)]+)\)", msg)[1], shell=True, check=True)  # the advice, as given
+    assert train_gpt2.main(args) == 0
+    assert (out / "ckpt_000006.pt.aside").read_text() == "my notes on the run\n"
+
+
+def test_a_fifo_at_the_logs_name_is_refused_at_once_not_waited_on(data, tmp_path):
+    """A start must not wait on a file: a FIFO at log.jsonl (whose open blocks until someone writes
+    to it) is named in one line at once, with the `mv` that sets it aside."""
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "log.jsonl")
+    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)
+    line = assert_one_line_error(cli(*args, timeout=120), f"{out / 'log.jsonl'} is not a file", "(mv ")
+    subprocess.run(re.search(r"\((mv [^)]+)\)", line)[1], shell=True, check=True)
+    assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == [0, 1]
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_hard_link_at_the_lock_files_name_is_refused_and_the_file_it_shares_kept(data, tmp_path, dry_run):
+    """A lock never writes through a second name: a hard link at .train_gpt2.lock (sharing a user's
+    file) is refused in one line, the user's bytes as they were; the `rm` it names, then the same
+    command, runs, and the user's file stays as it was."""
+    out, notes = tmp_path / "out", tmp_path / "notes.txt"
+    out.mkdir()
+    notes.write_text("the user's notes\n")
+    os.link(notes, out / LOCK_FILE)
+    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 0, *(["--dry-run"] if dry_run else []))
+    msg = user_error(args)
+    assert msg.startswith(f"{out / LOCK_FILE} has a second name (a hard link)")
+    assert notes.read_text() == "the user's notes\n"
+    subprocess.run(re.search(r"\((rm [^;]+);", msg)[1], shell=True, check=True)
+    assert train_gpt2.main(args) == 0 and notes.read_text() == "the user's notes\n"
+
+
+def test_an_empty_out_dir_is_refused_by_name(data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    msg = user_error(tiny_args(data, "", "--max-steps", 2))
+    assert msg.startswith("--out-dir '' names no folder") and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("how", ["moved", "deleted"])
+def test_a_run_folder_moved_or_deleted_mid_run_says_so_and_where_to_resume(data, tmp_path, monkeypatch, how):
+    """`mv RUN RUN_old` or `rm -rf RUN` while the run trains: it stops in one line saying what
+    happened to the folder (not to its lock file) and what to do: continue where the folder went,
+    which the advised command does, or start again."""
+    out, moved = tmp_path / "run", tmp_path / "run_old"
+    at_step(monkeypatch, {3: lambda: out.rename(moved) if how == "moved" else shutil.rmtree(out)})
+    args = tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 2, "--eval-every", 0)
+    msg = user_error(args)
+    monkeypatch.undo()
+    if how == "deleted":
+        assert (
+            msg == f"--out-dir {out} was deleted while this run trained, its checkpoints with it: start the run again"
+        )
+        assert train_gpt2.main(args) == 0  # the advice
+        return
+    assert msg.startswith(f"--out-dir {out} was moved while this run trained: this run stops here")
+    assert msg.endswith(f"python train_gpt2.py --resume --out-dir {moved}")
+    command = msg.rsplit(": ", 1)[1].replace("python ", f"{sys.executable} ", 1)
+    subprocess.run(command, shell=True, check=True, cwd=ROOT, capture_output=True)
+    assert sorted(read_log(moved)[1]) == list(range(6)) and not out.exists()
+
+
+@pytest.mark.parametrize("theirs", ["the folder", "the lock file of their live run"])
+def test_another_users_run_folder_names_its_owner_and_the_copy_that_resumes(data, tmp_path, monkeypatch, theirs):
+    """Another user's run folder (not writable to this user), or one where another user's run is
+    live (its lock file not writable): whose it is, and the copy this user can continue as its own,
+    never "make --out-dir writable". (Run as root, the tests cannot be refused by permissions: the
+    refusal is simulated, the ownership and the advice are real.)"""
+    nobody = pytest.importorskip("pwd").getpwnam("nobody")
+    out = tmp_path / "run"
+    args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    owned = out if theirs == "the folder" else out / LOCK_FILE
+    if owned.name == LOCK_FILE:
+        owned.write_text("pid 1 on another-host, since 2026-01-01 00:00:00: python train_gpt2.py")
+    os.chown(owned, nobody.pw_uid, nobody.pw_gid)
+
+    def denied(path):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(file_lock, "acquire", denied)
+    msg = user_error([*args, "--max-steps", 4, "--resume"])
+    monkeypatch.undo()
+    mine = f"{out}_mine"
+    assert msg == (
+        f"{owned} belongs to nobody and this user may not write it: the run is theirs to continue; to continue it "
+        f"as yours, copy its folder to one of your own and resume there (cp -r {out} {mine} && python train_gpt2.py "
+        f"--resume --out-dir {mine})"
+    )
+    command = re.search(r"\((cp -r .+)\)$", msg)[1].replace("python train_gpt2.py", f"{sys.executable} train_gpt2.py")
+    subprocess.run(f"{command} --max-steps 4", shell=True, check=True, cwd=ROOT, capture_output=True)
+    assert sorted(read_log(mine)[1]) == [0, 1, 2, 3]

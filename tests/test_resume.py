@@ -401,8 +401,8 @@ def test_a_file_not_the_runs_at_a_checkpoint_name_it_would_write_stops_resume_be
     mine = target.read_bytes()
     args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2, "--resume")
     theirs = load_checkpoint(str(b / "ckpt_000004.pt"))["run_id"]
-    said = {
-        "a user's file": "is not this run's (it is not a checkpoint train_gpt2.py can load",
+    said = {  # a file that is no zip is no checkpoint at all (test_out_dir.py); the others are checkpoints
+        "a user's file": "is no checkpoint of train_gpt2.py (not the zip torch.save writes), and this run writes",
         "another run's checkpoint": f"is not this run's (it holds run {theirs}, not this",
         "this run's, renamed": "is not this run's (it holds step 2, not the 5 its name says), and this run may write "
         "its step 5 checkpoint",
@@ -480,5 +480,5 @@ def test_under_torchrun_a_file_not_the_runs_is_said_once_and_kept(data, two_runs
     r = torchrun(*tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--resume"))
     said = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
     assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
-    assert said[0].startswith(f"error: {a / 'ckpt_000005.pt'} is not this run's") and "(mv " in said[0]
+    assert said[0].startswith(f"error: {a / 'ckpt_000005.pt'} is no checkpoint of train_gpt2.py") and "(mv " in said[0]
     assert snapshot(a) == before  # rank 0 decided before anything was written, and every rank stopped

@@ -13,11 +13,6 @@ import sys
 
 import pytest
 
-try:
-    import pwd  # POSIX only: the owner's name, as the message gives it
-except ImportError:
-    pwd = None
-
 import train_gpt2
 from helpers import ROOT, at_step, fail_nth_write, random_shards, read_log, state_of, tiny_args, user_error
 from support import common, run_log
@@ -69,9 +64,11 @@ def test_a_log_of_another_user_in_a_writable_folder_names_its_owner_and_the_copy
     user, who may still write the folder). One line names the owner and the copy this user can
     continue as its own; that copy, made as the line says, resumes. (Run as root, the tests cannot
     be refused by permissions: the refusal is simulated, the advice is run for real.)"""
+    nobody = pytest.importorskip("pwd").getpwnam("nobody")
     out = tmp_path / "run"
     args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
     assert train_gpt2.main(args) == 0
+    os.chown(out / "log.jsonl", nobody.pw_uid, nobody.pw_gid)
 
     def not_mine(self):
         raise PermissionError(errno.EACCES, "Permission denied", self.path)
@@ -79,10 +76,9 @@ def test_a_log_of_another_user_in_a_writable_folder_names_its_owner_and_the_copy
     monkeypatch.setattr(run_log.RunLog, "open", not_mine)
     msg = user_error([*args, "--max-steps", 4, "--resume"])
     monkeypatch.undo()
-    owner = pwd.getpwuid(os.getuid()).pw_name if pwd else "another user"
     mine = f"{out}_mine"
     assert msg == (
-        f"{out / 'log.jsonl'} belongs to {owner} and this user may not write it: the run is {owner}'s to continue; "
+        f"{out / 'log.jsonl'} belongs to nobody and this user may not write it: the run is theirs to continue; "
         f"to continue it as yours, copy its folder to one of your own and resume there (cp -r {out} {mine} && "
         f"python train_gpt2.py --resume --out-dir {mine})"
     )
