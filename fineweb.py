@@ -337,72 +337,17 @@ FOLDER_LOCK = ".fineweb.lock"  # in --out-dir while a run writes there; its text
 
 
 def lock_folder(out_dir):
-    """An exclusive lock on out_dir for this run: a second fineweb.py into the same folder would
-    interleave its shards with this one's. The lock train_gpt2.py holds its --out-dir with
-    (support.file_lock.lock_folder, on FOLDER_LOCK), released when the process ends, a kill included;
-    a second run is refused in one line naming the holder, as is a symbolic link at FOLDER_LOCK.
-    Returns the descriptor to give to keep_folder and unlock_folder; None where the file system has
-    no locks (said in a warning)."""
-    try:
-        return file_lock.lock_folder(out_dir, FOLDER_LOCK)
-    except file_lock.Held as e:
-        holder = e.holder or "a process that is just starting"
-        raise UserError(
-            f"another fineweb.py is writing to {out_dir}: wait for it to finish, or use another --out-dir "
-            f"(it is {holder}" + (f"; {e.fix})" if e.fix else ")")
-        ) from None
-    except file_lock.Symlink as e:
-        raise UserError(
-            f"--out-dir {out_dir}: {e}, where fineweb.py keeps its lock file; a lock file is never written "
-            f"through a link: remove the link (not what it points to), then rerun the same command"
-        ) from None
-    except file_lock.NoLocks as e:
-        print(
-            f"warning: cannot lock --out-dir {out_dir} ({e}): a second fineweb.py started into it would not be stopped",
-            file=sys.stderr,
-        )
-        return None
-    except OSError as e:
-        if os.path.isdir(os.path.join(out_dir, FOLDER_LOCK)):
-            raise UserError(
-                f"--out-dir {out_dir} holds a folder named {FOLDER_LOCK}, where fineweb.py keeps its lock file: "
-                f"rename or remove that folder, then rerun the same command"
-            ) from None
-        raise UserError(
-            f"cannot write to --out-dir {out_dir} (its lock file {FOLDER_LOCK}: {e.strerror or e})"
-        ) from None
-
-
-def keep_folder(out_dir, lock):
-    """Before each shard: out_dir must still be this run's (support.file_lock.keep_folder; lock is
-    {"fd": lock_folder's descriptor}). Its FOLDER_LOCK deleted or replaced by a file no one holds:
-    locked again, said in a warning, and the run goes on. Held by another fineweb.py meanwhile (or
-    not lockable again): this run stops in one line and writes nothing more there, its manifest
-    included (lock["lost"])."""
-    fd = lock.get("fd")
-    if fd is None or lock.get("lost"):
-        return
-    path = os.path.join(out_dir, FOLDER_LOCK)
-    why = "leave it in place: it is no stale lock, the OS frees it when its run ends"
-    try:
-        new = file_lock.keep_folder(fd, out_dir, FOLDER_LOCK)
-    except (file_lock.Held, file_lock.Symlink, file_lock.NoLocks, OSError) as e:
-        lock["lost"] = True
-        if isinstance(e, file_lock.Held):
-            now = f"another fineweb.py holds it now ({e.holder or 'a process that is just starting'})"
-        else:
-            now = f"it cannot be locked again ({getattr(e, 'strerror', None) or e})"
-        raise UserError(
-            f"{path} was deleted or replaced while this run wrote shards, and {now}: this run stops here and writes "
-            f"nothing more to {out_dir}, so that one fineweb.py alone writes there ({why})"
-        ) from None
-    if new != fd:
-        lock["fd"] = new
-        print(f"warning: {path} was deleted while this run wrote shards: locked again ({why})", file=sys.stderr)
+    """An exclusive lock on out_dir for this run (support.file_lock.lock_folder, on FOLDER_LOCK, the
+    lock train_gpt2.py holds its --out-dir with): a second fineweb.py into the same folder would
+    interleave its shards with this one's, and is refused in one line naming the holder. Returns the
+    descriptor for unlock_folder; None where the file system has no locks (said in a warning)."""
+    return file_lock.lock_folder(
+        out_dir, FOLDER_LOCK, "fineweb.py", "rerun the same command", "pass an --out-dir of your own"
+    )
 
 
 def unlock_folder(out_dir, lock):
-    """Give lock_folder's lock back (its file removed while still this run's); lock as keep_folder's."""
+    """Give lock_folder's lock back (its file removed while still this run's); lock: {"fd": its descriptor}."""
     fd = lock.pop("fd", None)
     if fd is not None:
         file_lock.unlock_folder(fd, out_dir, FOLDER_LOCK)
@@ -427,7 +372,7 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror or e}") from None
     lock = {"fd": lock_folder(out_dir)}
     try:
-        return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, lock)
+        return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards)
     except UserError:
         unlock_folder(out_dir, lock)
         if created and not os.listdir(out_dir):
@@ -437,7 +382,7 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
         unlock_folder(out_dir, lock)
 
 
-def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, lock):
+def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards):
     shard_size, prefix = config["shard_size"], config["prefix"]
     manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
     check_no_links(out_dir, prefix)
@@ -470,7 +415,7 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
     if shards:
         print(f"resuming after {shards[-1]['file']}: {pos:,} tokens already in {len(shards)} shards", file=sys.stderr)
 
-    writer = ShardWriter(out_dir, config, manifest, manifest_path, lock)
+    writer = ShardWriter(out_dir, config, manifest, manifest_path)
     documents = open_documents(writer.docs_done)  # before the bar: a dataset that cannot be opened is just an error
     t0, pos0 = time.time(), pos
     try:
@@ -481,8 +426,8 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
             f"free space (or fix the folder's permissions) and rerun the same command to resume"
         ) from None
     finally:
-        # stopped by an error or Ctrl-C: the manifest made whole, unless the folder is another run's now
-        if not lock.get("lost") and os.path.exists(journal_path(manifest_path)):
+        # stopped by an error or Ctrl-C: the manifest made whole
+        if os.path.exists(journal_path(manifest_path)):
             try:
                 save_manifest(manifest_path, manifest)
             except OSError:
@@ -523,9 +468,9 @@ class ShardWriter:
     claimed in the manifest before its file exists, and its entry journaled after the rename, so the
     manifest never names a file that is not there."""
 
-    def __init__(self, out_dir, config, manifest, manifest_path, lock):
+    def __init__(self, out_dir, config, manifest, manifest_path):
         self.out_dir, self.prefix, self.fmt = out_dir, config["prefix"], config["format"]
-        self.manifest, self.manifest_path, self.lock = manifest, manifest_path, lock
+        self.manifest, self.manifest_path = manifest, manifest_path
         self.shards = manifest["shards"]
         self.docs_done = sum(s["documents"] for s in self.shards)  # documents whose every token is in a finished shard
         self.shard_start_doc = self.docs_done  # the current shard's first document, by global index
@@ -545,7 +490,6 @@ class ShardWriter:
         """The tokens added since the last shard, written as the next shard and listed. end_doc: the
         index of the first document that does not end in it; carry: that document's tokens in it."""
         manifest, shards, tokens = self.manifest, self.shards, self.buf[: self.fill]
-        keep_folder(self.out_dir, self.lock)  # the folder still this run's before each shard and its manifest entry
         if manifest["started"] <= len(shards):  # claim the name before the file exists (see load_manifest)
             manifest["started"] = len(shards) + 1
             save_manifest(self.manifest_path, manifest)

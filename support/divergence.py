@@ -4,13 +4,12 @@ trained without a NaN or inf, and what to do then (go on from one with a lower -
 
 import math
 import os
-import re
 
 import torch
 
 from support.cli import UserError, same_on_every_rank
 from support.files import log_records
-from support.out_dir import checkpoint_paths
+from support.out_dir import checkpoint_header, checkpoint_path, checkpoint_paths, step_of_name
 
 MAX_BAD_STEPS = 3  # non-finite steps in a row: one is skipped as a bad batch, this many mean the run diverged
 
@@ -49,9 +48,10 @@ class NonFiniteGuard:
         if self.master_process:
             print(f"step {step:5d} | loss {loss} | norm {norm} | skipped ({self.in_a_row} in a row)")
         if self.in_a_row == MAX_BAD_STEPS:  # the weights and optimizer state are still those of the last good step
-            path = self.checkpoint(step + 1) or os.path.join(self.out_dir, f"ckpt_{step + 1:06d}.pt")
+            path = self.checkpoint(step + 1) or checkpoint_path(self.out_dir, step + 1)
             first = step + 1 - MAX_BAD_STEPS
-            max_lr = self.max_lr or train_config_of(path).get("max_lr", math.nan)
+            flags = (checkpoint_header(path) or {}).get("train_config") or {}  # the flags it was saved with
+            max_lr = self.max_lr or flags.get("max_lr", math.nan)
             # the same weights failed on every batch: the weights (a learning rate too high), not the data
             raise same_on_every_rank(
                 UserError(
@@ -62,15 +62,6 @@ class NonFiniteGuard:
                 )
             )
         return True
-
-
-def train_config_of(path):
-    """The flags a checkpoint was saved with ({} if it cannot be read); mmap reads only the small
-    pickled part, not the tensors."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("train_config") or {}
-    except Exception:
-        return {}
 
 
 def check_finite_state(step, run):
@@ -95,11 +86,7 @@ def checkpoint_health(out_dir):
     for record in log_records(os.path.join(out_dir, "log.jsonl")):
         if any(k in record for k in ("train_loss", "scaler_skipped", "skipped")):
             trained[record.get("step")] = "skipped" not in record
-    health = []
-    for path in checkpoint_paths(out_dir):
-        step = int(re.findall(r"\d+", os.path.basename(path))[-1])
-        health.append((path, trained.get(step, False)))
-    return health
+    return [(path, trained.get(step_of_name(path), False)) for path in checkpoint_paths(out_dir)]
 
 
 def diverged_max_lr(out_dir, since_step):
@@ -124,7 +111,7 @@ def diverged_advice(out_dir, max_lr):
     (checkpoint_health) with an --max-lr below the one that diverged from it (diverged_max_lr; else
     max_lr, this run's), an allowed change on --resume; with none, start anew."""
     good = [path for path, known_good in checkpoint_health(out_dir) if known_good]
-    since = int(re.findall(r"\d+", os.path.basename(good[0]))[-1]) if good else 0
+    since = step_of_name(good[0]) if good else 0
     max_lr = diverged_max_lr(out_dir, since) or max_lr
     if good:
         return (

@@ -1,121 +1,19 @@
-"""What --resume continues from and with: the checkpoint it picks, the recipe and settings it takes
-from it, the changes it allows, and the optimizer, data position and RNG state it restores."""
+"""What --resume continues with: the recipe and settings it takes from the checkpoint (which one:
+support.out_dir.pick_checkpoint), the changes it allows, and the optimizer, data position and RNG
+state it restores."""
 
 import os
 import time
 
 import torch.distributed as dist
 
-from support.checkpoints import (
-    check_names_to_write,
-    load_training_checkpoint,
-    newest_of_its_run,
-    run_id_of,
-    set_rng_state,
-)
+from support.checkpoints import load_training_checkpoint, set_rng_state
 from support.cli import UserError, same_on_every_rank
 from support.ddp import fence
-from support.files import log_records
-from support.out_dir import checkpoint_paths, log_runs
+from support.out_dir import pick_checkpoint
 from support.shards import check_same_data, data_identity
 
-
-def find_resume_checkpoint(resume, out_dir):
-    """(path, checkpoint, run to restart) for --resume: the given file, or for 'latest' the newest
-    checkpoint of the folder's run in out_dir that loads and holds the step its name says
-    (support.checkpoints.newest_of_its_run: one cut short or corrupt, another run's, or a misnamed
-    one is said in a warning and passed over). With no checkpoint at all, the run starts from step
-    0: the run the folder's log records (run_to_restart), if it records one, else a new run."""
-    if resume != "latest":
-        return resume, load_training_checkpoint(resume), None
-    then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
-    path, ckpt = newest_of_its_run(out_dir, load_training_checkpoint, then)
-    if path is not None:
-        return path, ckpt, None
-    restart = run_to_restart(out_dir)
-    if restart is None:
-        print(f"no checkpoint in {out_dir} to resume from: starting a new run")
-    else:
-        print(
-            f"note: no checkpoint in {out_dir}: run {restart['run_id']}, which its log.jsonl records "
-            f"{restart['steps']} steps of (it stopped before its first checkpoint), restarts from step 0 with the "
-            f"recipe its log records"
-        )
-    return None, None, restart
-
-
-def check_names(args, given, found, restart):
-    """At start, on rank 0 (docs/reliability.md rule 27): the files at the names this run may write
-    are its own (support.checkpoints.check_names_to_write): the checkpoints of the steps from the one
-    it resumes at to its last (--max-steps as given, else the run's), and its log."""
-    if found is None:  # a new run (claim_out_dir refused any checkpoint) or a restart (the folder holds none)
-        run_id, steps = (restart or {}).get("run_id"), range(0)
-    else:
-        last = args.max_steps if "max_steps" in given else found.get("train_config", {}).get("max_steps", 0)
-        run_id, steps = found.get("run_id"), range(found["step"], max(last, found["step"]) + 1)
-    check_names_to_write(args.out_dir, run_id, steps)
-
-
-def run_to_restart(out_dir):
-    """The run out_dir/log.jsonl records steps of (the last one, if several) when the folder holds no
-    checkpoint: a run stopped before its first checkpoint (a spot instance lost in its first
-    --ckpt-every steps), which --resume starts again from step 0 as the same run, with the recipe its
-    last header records, rather than as a new run with the default flags appended to its log.
-    {"run_id", "config", "steps"} or None; a log that records a run but not its recipe is refused."""
-    path = os.path.join(out_dir, "log.jsonl")
-    runs, _ = log_runs(path)
-    if not runs:
-        return None
-    config, steps, current = None, set(), None
-    for record in log_records(path):
-        if record.get("event") == "header":
-            current = record.get("run_id")
-            if current == runs[-1]:
-                config = record.get("config")
-        elif current == runs[-1] and ("train_loss" in record or "skipped" in record):
-            steps.add(record.get("step"))
-    if not isinstance(config, dict):
-        raise UserError(
-            f"--resume: {out_dir} holds no checkpoint, and its log.jsonl records run {runs[-1]} but not the recipe "
-            f"it was started with: start it again with its flags and a new --out-dir"
-        )
-    return {"run_id": runs[-1], "config": config, "steps": len(steps)}
-
-
 _restart = {}  # the run_id of the run this process restarts (resume_checkpoint), for restore_training_state
-
-
-def other_runs(out_dir, run_id, skip=None):
-    """The files in out_dir of runs other than run_id: checkpoints (one whose run cannot be read
-    counts) and log.jsonl when it records another run's steps or is not our log."""
-    runs, unreadable = log_runs(os.path.join(out_dir, "log.jsonl"))
-    found = ["log.jsonl"] if unreadable or any(r != run_id for r in runs) else []
-    for path in checkpoint_paths(out_dir):
-        if not (skip and os.path.realpath(path) == os.path.realpath(skip)) and run_id_of(path) != run_id:
-            found.append(os.path.basename(path))
-    return found
-
-
-def check_resume_target(args, path, ckpt):
-    """--resume CKPT continues CKPT's run in --out-dir: refused, before anything is written, when
-    that folder holds another run (its checkpoints would be overwritten, pruned, and its log mixed
-    with this one's); a folder new to the run is fine, and said."""
-    if args.resume == "latest":  # the folder's own newest checkpoint: its run is the folder's
-        return
-    run_id, out_dir, folder = ckpt.get("run_id", path), args.out_dir, os.path.dirname(path) or "."
-    others = other_runs(out_dir, run_id, skip=path)
-    if others:
-        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
-        raise UserError(
-            f"--resume {path} continues run {run_id}, but --out-dir {out_dir} holds another run "
-            f"({', '.join(others[:3])}{more}): its checkpoints would be overwritten and its log mixed with this "
-            f"run's; pass a new or empty --out-dir, or --out-dir {folder} (the run's own folder)"
-        )
-    if os.path.realpath(folder) != os.path.realpath(out_dir) and not checkpoint_paths(out_dir):
-        print(
-            f"note: run {run_id} continues from {path} in --out-dir {out_dir}; its log and checkpoints up to "
-            f"step {ckpt.get('step')} stay in {folder}"
-        )
 
 
 # value, so `--resume` alone continues the run as it was; a flag given with another value is a
@@ -214,12 +112,8 @@ def resume_checkpoint(args, given, ddp, master_process, claim=None):
         try:
             if claim is not None:
                 claim()
-            found = None
-            if args.resume:
-                picked[0], found, picked[2] = find_resume_checkpoint(args.resume, args.out_dir)
-                if found is not None:
-                    check_resume_target(args, picked[0], found)
-            check_names(args, given, found, picked[2])
+            max_steps = args.max_steps if "max_steps" in given else None  # else the checkpoint's
+            picked[0], _, picked[2] = pick_checkpoint(args.resume, args.out_dir, max_steps, load_training_checkpoint)
         except UserError as e:
             picked[1] = str(e)
     if ddp:

@@ -143,6 +143,17 @@ def test_a_target_that_is_not_a_folder_is_refused(run_copy, tmp_path, kind):
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_an_empty_export_folder_name_is_refused_by_name_not_read_as_the_current_folder(
+    run_copy, tmp_path, monkeypatch, dry_run
+):
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)  # an empty folder: '' read as it would be written into
+    msg = user_error(["--export-hf", run_copy / "ckpt_000002.pt", "", *(["--dry-run"] if dry_run else [])])
+    assert msg.startswith("--export-hf CKPT '' names no folder") and os.listdir(here) == []
+
+
 # ----------------------------------------------------------------------------------------------
 # What it may write: a new folder, an empty one, an earlier export (replaced), through a link
 

@@ -1,4 +1,4 @@
-"""support/resume.py, through real runs of train_gpt2.py: which checkpoint --resume continues from
+"""--resume, through real runs of train_gpt2.py: which checkpoint it continues from (support/out_dir.py)
 (the newest of the folder's run that loads, past a truncated or corrupt one, another run's, a
 misnamed one and a half-written one's leftover; a run's folder; an older checkpoint of the
 folder's own run; a new folder, never another run's; never writing over a file not the run's; none, when
@@ -400,12 +400,14 @@ def test_a_file_not_the_runs_at_a_checkpoint_name_it_would_write_stops_resume_be
         (a / "ckpt_000002.pt").rename(target)  # holds step 2
     mine = target.read_bytes()
     args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2, "--resume")
-    why = {
-        "a user's file": "it is not a checkpoint train_gpt2.py can load",
-        "another run's checkpoint": f"it holds run {load_checkpoint(str(b / 'ckpt_000004.pt'))['run_id']}, not this",
-        "this run's, renamed": "it holds step 2, not the 5 its name says",
+    theirs = load_checkpoint(str(b / "ckpt_000004.pt"))["run_id"]
+    said = {  # a file that is no zip is no checkpoint at all (test_out_dir.py); the others are checkpoints
+        "a user's file": "is no checkpoint of train_gpt2.py (not the zip torch.save writes), and this run writes",
+        "another run's checkpoint": f"is not this run's (it holds run {theirs}, not this",
+        "this run's, renamed": "is not this run's (it holds step 2, not the 5 its name says), and this run may write "
+        "its step 5 checkpoint",
     }[kind]
-    msg = refused_before_step_0(args, a, f"{target} is not this run's ({why}", "may write its step 5 checkpoint")
+    msg = refused_before_step_0(args, a, f"{target} {said}")
     assert target.read_bytes() == mine and len(headers(a)) == 1
     advised_mv(msg)  # the advice, then the same command: the run goes on, the file kept aside
     assert train_gpt2.main(args) == 0
@@ -478,5 +480,5 @@ def test_under_torchrun_a_file_not_the_runs_is_said_once_and_kept(data, two_runs
     r = torchrun(*tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--resume"))
     said = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
     assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
-    assert said[0].startswith(f"error: {a / 'ckpt_000005.pt'} is not this run's") and "(mv " in said[0]
+    assert said[0].startswith(f"error: {a / 'ckpt_000005.pt'} is no checkpoint of train_gpt2.py") and "(mv " in said[0]
     assert snapshot(a) == before  # rank 0 decided before anything was written, and every rank stopped
