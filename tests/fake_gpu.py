@@ -12,8 +12,8 @@ What the program sees, without a way to tell it from a GPU:
 - autocast and GradScaler on "cuda" run as the CPU's, a cuda Generator is a CPU one, an NCCL
   process group is gloo (and DDP's device_ids are dropped for the CPU module);
 - torch.set_float32_matmul_precision refuses a value torch only warns about.
-torch's own code keeps seeing the CPU build: is_available() and device_count() answer as the GPU
-only to the project's files, so that torch's compiler never takes a CUDA path it cannot run here.
+torch's own code keeps seeing the CPU build: is_available(), is_initialized() and device_count()
+answer as the GPU only to the project's files, so that torch's compiler keeps to its CPU path.
 
 What the program asked of the GPU is kept in FakeGPU.asked, [(function, its arguments)], and
 FakeGPU.switches() (matmul precision, cuDNN and SDPA switches, deterministic algorithms); the lines
