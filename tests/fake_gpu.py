@@ -181,11 +181,9 @@ class FakeGPU:
         if when is None or times == 0 or not when(func, args, kwargs):
             return
         self.oom = (when, None if times is None else times - 1)
-        total = self.memory / GiB
-        raise torch.OutOfMemoryError(
+        raise torch.OutOfMemoryError(  # CUDA's words
             f"CUDA out of memory. Tried to allocate 2.00 GiB. GPU {self.current} has a total capacity of "
-            f"{total:.2f} GiB of which 1.02 GiB is free. Of the allocated memory {total - 1.5:.2f} GiB is "
-            f"allocated by PyTorch, and 20.00 MiB is reserved by PyTorch but unallocated."
+            f"{self.memory / GiB:.2f} GiB of which 1.02 GiB is free."
         )
 
     # --- torch.cuda, as a GPU answers ------------------------------------------------------------
@@ -229,17 +227,14 @@ class FakeGPU:
             get_device_name=of_device(self.name),
             get_device_capability=of_device(self.capability),
             get_device_properties=of_device(self.properties),
-            current_device=lambda: self.current,
             set_device=set_device,
             synchronize=recorded("synchronize"),
             empty_cache=lambda: self.record("empty_cache"),
             # the fake cannot measure GPU memory: its statistics are zeros, their asking recorded
             max_memory_allocated=recorded("max_memory_allocated", 0),
-            memory_allocated=recorded("memory_allocated", 0),
             reset_peak_memory_stats=recorded("reset_peak_memory_stats"),
             get_rng_state=of_device(self.generator.get_state),
             set_rng_state=set_rng_state,
-            manual_seed=seed,
             manual_seed_all=seed,  # what torch.manual_seed calls
         )
 
