@@ -27,7 +27,7 @@ from benchmarks import gpu_check
 from fake_gpu import GPUS, LINES_RUN, ROOT, SCANNED, faked
 from helpers import free_port, read_log, refused_before_step_0, tiny_args, write_shard
 from support.checkpoints import load_checkpoint
-from support.common import UserError, run_cli
+from support.cli import UserError, run_cli
 from support.out_of_memory import training_out_of_memory
 
 # the tiny run every test here shares: val loss at 2 and 4, HellaSwag, a sample and a checkpoint at 4
