@@ -188,15 +188,13 @@ def sample_text(
     return None if out is None else [enc.decode(row.tolist()) for row in out]
 
 
-def print_samples(model, enc, args):
-    """--sample-from: samples of --prompt with the sampling flags, printed one per line."""
+def print_samples(model, enc, prompt, max_new_tokens, **settings):
+    """--sample-from: samples of prompt, printed one per line; settings: sample_text's (num_samples,
+    temperature, top_k, seed)."""
     block_size = model.config.block_size
-    tokens = encode_prompt(enc, args.prompt, block_size)
-    note_if_samples_stop_early(len(tokens), args.max_new_tokens, block_size)
-    top_k = args.top_k or None  # 0: all
-    texts = sample_text(
-        model, enc, enc.decode(tokens), args.num_samples, args.max_new_tokens, args.temperature, top_k, args.seed
-    )
+    tokens = encode_prompt(enc, prompt, block_size)
+    note_if_samples_stop_early(len(tokens), max_new_tokens, block_size)
+    texts = sample_text(model, enc, enc.decode(tokens), max_new_tokens=max_new_tokens, **settings)
     for i, text in enumerate(texts):
         print(f"sample {i}: {text}")
 
