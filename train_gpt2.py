@@ -2,8 +2,8 @@ r"""
 Reproduce GPT-2 (124M) pretraining on FineWeb-Edu, in one readable file.
 
 Top to bottom, in the order of the recipe: the model, the device and its precision, the data
-(memory-mapped token shards), the learning-rate schedule, the val loss, the processes (DDP),
-and the training loop; the command line at the end. What keeps a run safe without changing
+(memory-mapped token shards), the learning-rate schedule, the val loss, and the training loop
+(one process per GPU under torchrun: DDP); the command line at the end. What keeps a run safe without changing
 what it computes (flag checks, checkpoint files, resume, signals, the log) is in support/, one
 module per concern.
 
@@ -43,40 +43,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
 from support.checkpoints import all_rng_states, load_checkpoint, save_training_state
-from support.checks import (
-    ABOVE_ZERO,
-    AMOUNT,
-    COUNT,
-    DDP_SECONDS,
-    FINITE,
-    FRACTION,
-    POSITIVE,
-    check_args,
-    check_data,
-    check_init_shape,
-    check_model_fits,
-)
-from support.common import (
-    GPT2_VOCAB,
-    ArgumentParser,
-    UserError,
-    first_line,
-    run_cli,
-    said_on_interrupt,
-    same_on_every_rank,
-)
-from support.ddp import join_process_group
+from support.checks import Number, check_args, check_data, check_init_shape, check_model_fits
+from support.common import GPT2_VOCAB, ArgumentParser, UserError, run_cli, said_on_interrupt, same_on_every_rank
+from support.ddp import setup_distributed
 from support.divergence import NonFiniteGuard
-from support.dry_run import dry_run_export, dry_run_sample
+from support.dry_run import dry_run_job
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
 from support.machine import choose_compile, keep_freed_memory, peak_flops, pick_device, set_deterministic
 from support.model_files import find_model
-from support.out_dir import check_not_data_folder, missing_folders, release_out_dir, remove_made_folders
+from support.out_dir import missing_folders, release_out_dir, remove_made_folders
 from support.out_of_memory import forget_phases, oom_phase, training_out_of_memory
-from support.precision import AUTOCAST_DTYPES, grad_scaler, loss_scale, pick_dtype
-from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint
+from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
+from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
 from support.run_log import RunLog
-from support.sampling import encode_prompt, note_if_samples_stop_early, print_samples, sample_text
+from support.sampling import check_sampling, log_samples, print_samples
 from support.shards import (
     check_batch_fits,
     check_batch_ids,
@@ -226,13 +206,12 @@ class GPT(nn.Module):
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        if verbose:
-            print(f"decayed tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
-            print(f"non-decayed tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
         # the fused kernel updates every tensor in one launch instead of a chain of small ones
         # (torch has it for cuda, mps and cpu, every device pick_device allows)
         fused = device_type in ("cuda", "mps", "cpu")
         if verbose:
+            print(f"decayed tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
+            print(f"non-decayed tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
             print(f"using fused AdamW: {fused}")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
 
@@ -260,6 +239,9 @@ class GPT(nn.Module):
         """Write this model as a transformers GPT2LMHeadModel directory (vocab trimmed to 50257,
         tied embeddings) with GPT-2's tokenizer; out_dir must be new, empty or an earlier export."""
         save_hf_gpt2(asdict(self.config), self.state_dict(), out_dir)
+        padding = self.config.vocab_size - GPT2_VOCAB
+        rows = f"; its {padding} padding rows of the vocabulary left out" if padding else ""
+        print(f"wrote a transformers GPT-2 directory to {out_dir}: the model and GPT-2's tokenizer{rows}")
 
 
 def flops_per_token(config, T):
@@ -287,24 +269,20 @@ def model_from_checkpoint(ckpt, path):
     try:
         config = GPTConfig(**ckpt["model_config"])
     except TypeError as e:
-        raise UserError(f"checkpoint {path}: its model_config is not a GPT config ({first_line(e)})") from None
+        raise UserError(f"checkpoint {path}: its model_config is not a GPT config ({e})") from None
     return GPT.from_state_dict(config, ckpt["model"], f"checkpoint {path}")
 
 
 # --- Device and precision: TF32 and bf16 autocast on CUDA, torch.compile --------------------------
 
 
-def autocast(device_type, dtype):
-    """Autocast to dtype (bf16 or fp16) when it is set, a no-op otherwise."""
-    return torch.autocast(device_type=device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-
-
 def set_precision_and_seeds(args, device, world_size, grad_accum_steps, master_process):
-    """bf16 (fp16) autocast, TF32 and compile on CUDA; the seeds, and --deterministic's kernels;
-    rank 0 says how the run computes. -> (that, for the log: {"grad_accum_steps", "world_size", "dtype",
-    "dtype_reason", "compile"}; how a batch runs: {"device", "autocast_dtype" (None: fp32), "B", "T",
-    "total_batch_size"}, which the evals and the out-of-memory advice for -B read too)."""
+    """bf16 (fp16) autocast, TF32 and compile on CUDA, the seeds, --deterministic; rank 0 says how the
+    run computes. -> (that, for the log; how a batch runs: device, autocast dtype (None: fp32), B, T
+    and the total batch, which the evals and the out-of-memory advice for -B read too)."""
     device_type = torch.device(device).type
+    if device_type == "cpu":
+        keep_freed_memory()  # faster steps for small models: see its docstring
     dtype, why = pick_dtype(args.dtype, device_type)
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the matmuls autocast leaves in fp32
@@ -314,14 +292,12 @@ def set_precision_and_seeds(args, device, world_size, grad_accum_steps, master_p
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
     use_compile = choose_compile(args.compile, device_type, verbose=master_process)
+    B, T = args.batch_size, args.seq_len
     if master_process:
         print(f"device {device} x {world_size} | dtype {dtype} ({why}) | compile {use_compile}")
-        print(
-            f"total batch {args.total_batch_size:,} tokens = B {args.batch_size} x T {args.seq_len} x {world_size} "
-            f"ranks x {grad_accum_steps} accumulation steps"
-        )
+        print(f"total batch {args.total_batch_size:,} tokens = B {B} x T {T} x {world_size} x {grad_accum_steps} steps")
     setup = dict(grad_accum_steps=grad_accum_steps, world_size=world_size, dtype=dtype, dtype_reason=why)
-    batch = dict(device=device, autocast_dtype=AUTOCAST_DTYPES[dtype], B=args.batch_size, T=args.seq_len)
+    batch = dict(device=device, autocast_dtype=AUTOCAST_DTYPES[dtype], B=B, T=T)
     return {**setup, "compile": use_compile}, {**batch, "total_batch_size": args.total_batch_size}
 
 
@@ -406,8 +382,7 @@ def load_val_tokens(data_dir, n_tokens, vocab_size=None):
 
 
 def load_data(args, config, ddp_rank, ddp_world_size, device, master_process):
-    """(the train loader, the val set or None): this rank's slices of every batch, the shards in an
-    order drawn from the seed each epoch; every shard is checked now, and the data against the run."""
+    """(the train loader of this rank's slices, the val set or None), checked against the run now."""
     oom_phase("reading the data", val_tokens=args.val_tokens)
     order = dict(rank=ddp_rank, world_size=ddp_world_size, shuffle=not args.no_shuffle, seed=args.seed)
     B, T, data_dir, vocab_size = args.batch_size, args.seq_len, args.data_dir, config.vocab_size
@@ -473,27 +448,6 @@ def evaluate_val_loss(
     return None if interrupted else loss_sum / (n_seq * T)
 
 
-# --- Processes: one per GPU under torchrun (DDP), each with its rank ------------------------------
-
-
-def setup_distributed(device, ddp_timeout):
-    """(ddp, ddp_rank, ddp_local_rank, ddp_world_size, device): torchrun sets RANK, LOCAL_RANK and
-    WORLD_SIZE; each process takes GPU LOCAL_RANK of its node and joins the others (within
-    ddp_timeout seconds). Without torchrun, one process: rank 0 of 1."""
-    ddp = "RANK" in os.environ
-    ddp_rank, ddp_local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    ddp_world_size = int(os.environ.get("WORLD_SIZE", 1))
-    device, device_type = pick_device(device)
-    if ddp and device_type == "cuda":
-        device = f"cuda:{ddp_local_rank}"
-        torch.cuda.set_device(device)
-    if ddp:  # a rank that freezes (not dies: torchrun sees that) fails the others' collectives after this
-        join_process_group("nccl" if device_type == "cuda" else "gloo", ddp_timeout)
-    if device_type == "cpu":
-        keep_freed_memory()  # faster steps for small models: see its docstring
-    return ddp, ddp_rank, ddp_local_rank, ddp_world_size, device
-
-
 # --- The training run: the model, the side evaluations, and the loop -----------------------------
 
 
@@ -517,29 +471,21 @@ def build_model(args, given, ckpt, ckpt_path, device, master_process):
 
 
 def prepare_side_evals(args, model, autocast_dtype, master_process, ddp):
-    """(HellaSwag's examples, sample_text's settings), each None when off. Both are tokenized now
-    and one sample token drawn: a bad prompt or sampling setting fails at start, not at the first
-    sample step hours in."""
+    """(HellaSwag's examples, sample_text's settings; None: off), both made and checked at start."""
     enc = get_tokenizer() if args.hellaswag_every > 0 or args.sample_every > 0 else None
     examples, sampling = None, None
     if args.hellaswag_every > 0:  # None after a warning: a run never dies for want of its side evaluation
         examples = hellaswag.load_for_run(args.hellaswag_data, args.hellaswag_limit, enc, master_process, ddp)
-    if args.sample_every > 0:
-        tokens = encode_prompt(enc, args.prompt, model.config.block_size)
-        if master_process:
-            note_if_samples_stop_early(len(tokens), args.max_new_tokens, model.config.block_size)
-        # sample_text's fixed seed: the same noise at every sample step, so samples show what was learned
-        sampling = dict(enc=enc, prompt=enc.decode(tokens), num_samples=args.num_samples)
-        sampling.update(temperature=args.temperature, top_k=args.top_k or None)  # top_k None (--top-k 0): all
-        oom_phase("sampling check", num_samples=args.num_samples)
-        with autocast(next(model.parameters()).device.type, autocast_dtype):  # every rank samples, here and in the loop
-            sample_text(model, max_new_tokens=1, **sampling)
+    if args.sample_every > 0:  # sample_text's settings; top_k None (--top-k 0): all tokens
+        settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
+        sampling = check_sampling(
+            model, enc, args.prompt, args.max_new_tokens, autocast_dtype, master_process, **settings
+        )
     return examples, sampling
 
 
 def log_val_loss(step, model, val_tokens, log, out_dir, batch, **ranks):
-    """The val loss after `step` updates, logged; None when a stop signal cut it short. batch: how a
-    batch runs (-B rows of -T at a time); ranks: each one's share, and the stop to poll."""
+    """The val loss after `step` updates, -B rows of -T at a time, logged; None if a stop cut it short."""
     oom_phase("val loss", step=step, out_dir=out_dir, **batch)
     B, T, device, autocast_dtype = batch["B"], batch["T"], batch["device"], batch["autocast_dtype"]
     val_loss = evaluate_val_loss(model, val_tokens, B, T, device, autocast_dtype, progress=ranks["rank"] == 0, **ranks)
@@ -549,32 +495,17 @@ def log_val_loss(step, model, val_tokens, log, out_dir, batch, **ranks):
 
 
 def log_hellaswag(step, model, examples, log, out_dir, batch, **ranks):
-    """HellaSwag's accuracy after `step` updates, every rank its share, logged unless a stop signal
-    cut it short."""
+    """HellaSwag's accuracy after `step` updates, each rank its share; logged unless a stop cut it short."""
     oom_phase("HellaSwag eval", step=step, out_dir=out_dir)
     result = hellaswag.evaluate_all_ranks(model, examples, batch["device"], batch["autocast_dtype"], **ranks)
     if result is not None:
         log({"step": step, **result})
 
 
-def log_samples(step, model, sampling, max_new_tokens, log, out_dir, batch, should_stop):
-    """Samples of the prompt after `step` updates (every rank samples, rank 0 logs them), unless a
-    stop signal cut them short."""
-    oom_phase(
-        "sampling", step=step, out_dir=out_dir, num_samples=sampling["num_samples"], max_new_tokens=max_new_tokens
-    )
-    with autocast(torch.device(batch["device"]).type, batch["autocast_dtype"]):
-        samples = sample_text(model, max_new_tokens=max_new_tokens, stop=should_stop, **sampling)
-    if samples is not None:
-        log({"step": step, "samples": samples})
-
-
 def open_log(args, master_process, run_id, resumed_from, changes, batch, min_lr, **setup):
-    """The run's log (support/run_log.py) with its header written: the flags, the model's config,
-    min_lr and how the run computes (setup: grad_accum_steps, world_size, dtype, compile), where;
-    resumed_from: the step its checkpoint holds (never 0: a checkpoint follows a step), or None
-    (a new run, a restart). -> (the log, MFU per token/s: a token's FLOPs over one GPU's peak,
-    per GPU; None where the peak is unknown)."""
+    """(The run's log, its header written: the flags, the model, how the run computes; MFU per token/s,
+    a token's FLOPs over one GPU's peak, per GPU, or None). resumed_from: the step its checkpoint
+    holds (never 0: a checkpoint follows a step), or None (a new run, a restart)."""
     device, config, flops = batch["device"], batch["config"], flops_per_token(batch["config"], batch["T"])
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or device
     log = RunLog(args.out_dir, master_process, args.max_steps)
@@ -585,8 +516,7 @@ def open_log(args, master_process, run_id, resumed_from, changes, batch, min_lr,
 
 
 def step_record(t0, device_type, total_batch_size, mfu_per_token, record):
-    """The log record of a training step: record (step, loss, lr, norm, ...) and its speed, timed from
-    t0 to when the GPU has done the step's work, with its MFU where mfu_per_token is known."""
+    """A training step's log record: record and its speed, from t0 to when the GPU has done the step."""
     if device_type == "cuda":
         torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
     dt = time.perf_counter() - t0
@@ -596,9 +526,8 @@ def step_record(t0, device_type, total_batch_size, mfu_per_token, record):
 
 
 def gradients(model, optimizer, scaler, train_loader, grad_accum_steps, grad_clip, batch):
-    """One batch's gradients, accumulated over grad_accum_steps micro-batches and clipped to a norm
-    of grad_clip (0: not clipped); -> (the batch's mean loss over every rank, the norm before
-    clipping, {"loss_scale": the scale they were computed at} in fp16, else {})."""
+    """One batch's gradients over grad_accum_steps micro-batches, clipped to grad_clip (0: not); -> (its
+    mean loss over every rank, the norm before clipping, {"loss_scale": the one used} in fp16, else {})."""
     optimizer.zero_grad(set_to_none=True)
     device, autocast_dtype, ddp = batch["device"], batch["autocast_dtype"], isinstance(model, DDP)
     loss_accum = torch.zeros((), device=device)
@@ -714,8 +643,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def command_line():
     """(the parser, {flag: its role on --resume}): each flag is added through the group of its role,
-    support/resume.py's RECIPE or RUN_SETTING, or None for the job's and the machine's flags, which
-    a checkpoint never sets. Each number flag's type refuses what the code cannot use."""
+    support/resume.py's RECIPE or RUN_SETTING, or None (a checkpoint never sets the job's and the
+    machine's); each number flag's type refuses what the code cannot use."""
     p = ArgumentParser(prog="train_gpt2.py", description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     roles = {}
 
@@ -733,48 +662,46 @@ def command_line():
     add("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
     add("--dtype", default="auto", choices=("auto", *AUTOCAST_DTYPES), help="auto: see the README")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (None: on for CUDA)")
-    add("--peak-flops", type=ABOVE_ZERO, help="the device's peak FLOP/s, for MFU (None: a table of GPUs)")
-    add("--ddp-timeout", type=DDP_SECONDS, default=1800, help="seconds a rank waits for the others before failing")
+    add("--peak-flops", type=Number.ABOVE_ZERO, help="the device's peak FLOP/s, for MFU (None: a table of GPUs)")
+    add("--ddp-timeout", type=Number.DDP_SECONDS, default=1800, help="seconds a rank waits for the others")
     add = group("model (the recipe: with --resume, the checkpoint's; another value is refused)", RECIPE)
-    add("--n-layer", type=POSITIVE, default=12)
-    add("--n-head", type=POSITIVE, default=12)
-    add("--n-embd", type=POSITIVE, default=768)
+    add("--n-layer", type=Number.POSITIVE, default=12)
+    add("--n-head", type=Number.POSITIVE, default=12)
+    add("--n-embd", type=Number.POSITIVE, default=768)
     add("--vocab-size", type=int, default=50304, help="50257 padded to a multiple of 128: faster matmuls")
-    add("--block-size", type=POSITIVE, default=1024, help="the model's context length")
+    add("--block-size", type=Number.POSITIVE, default=1024, help="the model's context length")
     add = group(
-        "batch, optimizer and schedule (the recipe: with --resume, the checkpoint's; another value is refused, "
-        "but for -B, --max-steps, --max-lr and --min-lr, which are said)",
-        RECIPE,
+        "batch, optimizer, schedule (the recipe too; on --resume -B, --max-steps and the lr may change)", RECIPE
     )
-    add("--batch-size", "-B", type=POSITIVE, default=64, help="micro-batch rows per GPU (B)")
-    add("--seq-len", "-T", type=POSITIVE, default=1024, help="tokens per row (T)")
-    add("--total-batch-size", type=POSITIVE, default=524288, help="tokens per optimizer step (2**19)")
-    add("--max-steps", type=POSITIVE, default=19073, help="10B tokens / 524,288")
-    add("--warmup-steps", type=COUNT, default=715, help="linear warm-up steps")
-    add("--max-lr", type=ABOVE_ZERO, default=6e-4, help="peak learning rate")
-    add("--min-lr", type=FINITE, default=None, help="the lr the cosine ends at (None: 0.1 * max-lr)")
-    add("--weight-decay", type=AMOUNT, default=0.1, help="AdamW's, on matrices and embeddings only")
-    add("--beta1", type=FRACTION, default=0.9, help="AdamW beta1")
-    add("--beta2", type=FRACTION, default=0.95, help="AdamW beta2")
-    add("--adam-eps", type=ABOVE_ZERO, default=1e-8, help="AdamW epsilon")
-    add("--grad-clip", type=AMOUNT, default=1.0, help="max global grad norm; 0 turns clipping off")
+    add("--batch-size", "-B", type=Number.POSITIVE, default=64, help="micro-batch rows per GPU (B)")
+    add("--seq-len", "-T", type=Number.POSITIVE, default=1024, help="tokens per row (T)")
+    add("--total-batch-size", type=Number.POSITIVE, default=524288, help="tokens per optimizer step (2**19)")
+    add("--max-steps", type=Number.POSITIVE, default=19073, help="10B tokens / 524,288")
+    add("--warmup-steps", type=Number.COUNT, default=715, help="linear warm-up steps")
+    add("--max-lr", type=Number.ABOVE_ZERO, default=6e-4, help="peak learning rate")
+    add("--min-lr", type=Number.FINITE, default=None, help="the lr the cosine ends at (None: 0.1 * max-lr)")
+    add("--weight-decay", type=Number.AMOUNT, default=0.1, help="AdamW's, on matrices and embeddings only")
+    add("--beta1", type=Number.FRACTION, default=0.9, help="AdamW beta1")
+    add("--beta2", type=Number.FRACTION, default=0.95, help="AdamW beta2")
+    add("--adam-eps", type=Number.ABOVE_ZERO, default=1e-8, help="AdamW epsilon")
+    add("--grad-clip", type=Number.AMOUNT, default=1.0, help="max global grad norm; 0 turns clipping off")
     add("--seed", type=int, default=1337, help="model init, shard order")
     add("--no-shuffle", action="store_true", help="read the shards in name order every epoch")
     add = group("data, evaluation, sampling, checkpoints (with --resume: the run's unless given)", RUN_SETTING)
     add("--data-dir", default="edu_fineweb10B", help="folder of *_train_*/*_val_* .npy or .bin shards")
-    add("--eval-every", type=COUNT, default=250, help="val loss every N steps (0: never)")
-    add("--val-tokens", type=COUNT, default=10_485_760, help="val loss over this many tokens (any GPU count)")
-    add("--hellaswag-every", type=COUNT, default=250, help="HellaSwag every N steps (0: never)")
-    add("--hellaswag-limit", type=POSITIVE, default=None, help="only the first N HellaSwag examples")
+    add("--eval-every", type=Number.COUNT, default=250, help="val loss every N steps (0: never)")
+    add("--val-tokens", type=Number.COUNT, default=10_485_760, help="val loss over this many tokens (any GPU count)")
+    add("--hellaswag-every", type=Number.COUNT, default=250, help="HellaSwag every N steps (0: never)")
+    add("--hellaswag-limit", type=Number.POSITIVE, default=None, help="only the first N HellaSwag examples")
     add("--hellaswag-data", help="a local HellaSwag jsonl (None: hellaswag.py's cache or download)")
-    add("--sample-every", type=COUNT, default=250, help="print samples every N steps (0: never)")
+    add("--sample-every", type=Number.COUNT, default=250, help="print samples every N steps (0: never)")
     add("--prompt", default="Hello, I'm a language model,", help="'' starts from <|endoftext|>")
-    add("--num-samples", type=POSITIVE, default=4)
-    add("--max-new-tokens", type=POSITIVE, default=32)
-    add("--temperature", type=AMOUNT, default=1.0, help="0: greedy")
-    add("--top-k", type=COUNT, default=50, help="sample among the k likeliest tokens (0: all)")
-    add("--ckpt-every", type=COUNT, default=1000, help="checkpoint every N steps, and at the end")
-    add("--keep-ckpts", type=COUNT, default=3, help="keep this run's newest N checkpoints (0: all)")
+    add("--num-samples", type=Number.POSITIVE, default=4)
+    add("--max-new-tokens", type=Number.POSITIVE, default=32)
+    add("--temperature", type=Number.AMOUNT, default=1.0, help="0: greedy")
+    add("--top-k", type=Number.COUNT, default=50, help="sample among the k likeliest tokens (0: all)")
+    add("--ckpt-every", type=Number.COUNT, default=1000, help="checkpoint every N steps, and at the end")
+    add("--keep-ckpts", type=Number.COUNT, default=3, help="keep this run's newest N checkpoints (0: all)")
     add("--deterministic", action="store_true", help="CUDA kernels that rerun and resume bitwise equal")
     add("--wandb-project", metavar="NAME", help="log to this wandb project too (pip install wandb)")
     add("--wandb-run-name", metavar="NAME", help="the wandb run's name (None: the --out-dir folder's)")
@@ -793,54 +720,31 @@ def parse_args(argv=None):
     given = {name for name, value in vars(args).items() if value is not unset}
     for name in roles.keys() - given:
         setattr(args, name, p.get_default(name))
-    if args.resume not in (None, "latest") and os.path.isdir(args.resume):  # --resume <a run's folder>
-        check_not_data_folder(args.resume, f"--resume {args.resume}")
-        if "out_dir" in given and os.path.realpath(args.out_dir) != os.path.realpath(args.resume):
-            raise UserError(
-                f"--resume {args.resume} is a run's folder, --out-dir {args.out_dir} another: continue that "
-                f"run with --resume --out-dir {args.resume}, or name the checkpoint to start from"
-            )
-        args.out_dir, args.resume = args.resume, "latest"  # continue it where it is
-        given.add("out_dir")
-    return args, frozenset(given)
+    return args, frozenset(resume_folder(args, given))
 
 
 def main(argv=None):
     args, given = parse_args(argv)
     forget_phases()  # a start of its own: no phase of an earlier main() in this process is in progress
-    if args.sample_from and args.export_hf:
-        raise UserError("--sample-from and --export-hf are two different jobs: pass one")
     if args.sample_from or args.export_hf:
         check_args(args, 1)  # the sampling settings; training's do not matter here
         if args.dry_run:  # the device, the model, the prompt, the export's folder; nothing loaded or written
             pick_device(args.device)
-            enc = get_tokenizer()  # an export writes the tokenizer too
-            if args.sample_from:
-                return dry_run_sample(args.sample_from, enc, args.prompt, args.max_new_tokens)
-            return dry_run_export(*args.export_hf)
+            return dry_run_job(args.sample_from, args.export_hf, get_tokenizer(), args.prompt, args.max_new_tokens)
     if args.sample_from:
-        device, _ = pick_device(args.device)
-        model = load_model(args.sample_from, device)
-        oom_phase("sample-from", num_samples=args.num_samples, max_new_tokens=args.max_new_tokens)
+        model = load_model(args.sample_from, pick_device(args.device)[0])
         settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
-        print_samples(model, get_tokenizer(), args.prompt, args.max_new_tokens, seed=args.seed, **settings)
-        return 0
+        return print_samples(model, get_tokenizer(), args.prompt, args.max_new_tokens, seed=args.seed, **settings)
     if args.export_hf:
         ckpt_path, out_dir = args.export_hf
         with said_on_interrupt(f"interrupted: nothing was exported ({out_dir} is as it was); run the command again"):
-            model = load_model(ckpt_path)
-            model.export_hf(out_dir)
-        padding = model.config.vocab_size - GPT2_VOCAB
-        rows = f"; its {padding} padding rows of the vocabulary left out" if padding else ""
-        print(f"wrote a transformers GPT-2 directory to {out_dir}: the model and GPT-2's tokenizer{rows}")
+            load_model(ckpt_path).export_hf(out_dir)
         return 0
-    previous = {s: signal.getsignal(s) for s in StopRequest.SIGNALS}  # train() replaces them
     made = missing_folders(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else []  # rank 0 makes it
     try:
         return train(args, given)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        StopRequest.release()  # the signal handlers train() replaced
         release_out_dir()  # the lock; a start that failed leaves the folder as it found it
         remove_made_folders(made)  # a run refused at start leaves no empty --out-dir behind
         if dist.is_initialized():

@@ -31,21 +31,24 @@ def flag_type(kind, ok, says):
     return parse
 
 
-COUNT = flag_type(int, lambda n: n >= 0, "0 or more")  # steps, tokens, checkpoints: 0 is never / none
-POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")  # sizes and counts the code divides or loops by
-AMOUNT = flag_type(float, lambda x: x >= 0, "0 or more")  # weight decay, clip, temperature: 0 turns it off
-ABOVE_ZERO = flag_type(float, lambda x: x > 0, "above 0")
-FRACTION = flag_type(float, lambda x: 0 <= x < 1, "in [0, 1)")  # AdamW's betas
-FINITE = flag_type(float, lambda x: True, "finite")
-# c10d counts the timeout in whole milliseconds (below 1 ms it is 0, and every wait fails at once),
-# the ranks of a job take about a second to join even on one machine, and torch turns the seconds
-# into int64 nanoseconds, which larger ones overflow
-DDP_SECONDS = flag_type(
-    float,
-    lambda x: 1 <= x <= 1e9,
-    "a number of seconds from 1 (the ranks take about a second to join) to 1e+09 (about 31 years: torch "
-    "counts it in nanoseconds)",
-)
+class Number:
+    """The types of train_gpt2.py's number flags (flag_type), each beside its flag in command_line."""
+
+    COUNT = flag_type(int, lambda n: n >= 0, "0 or more")  # steps, tokens, checkpoints: 0 is never / none
+    POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")  # sizes and counts the code divides or loops by
+    AMOUNT = flag_type(float, lambda x: x >= 0, "0 or more")  # weight decay, clip, temperature: 0 turns it off
+    ABOVE_ZERO = flag_type(float, lambda x: x > 0, "above 0")
+    FRACTION = flag_type(float, lambda x: 0 <= x < 1, "in [0, 1)")  # AdamW's betas
+    FINITE = flag_type(float, lambda x: True, "finite")
+    # c10d counts the timeout in whole milliseconds (below 1 ms it is 0, and every wait fails at
+    # once), the ranks of a job take about a second to join even on one machine, and torch turns the
+    # seconds into int64 nanoseconds, which larger ones overflow
+    DDP_SECONDS = flag_type(
+        float,
+        lambda x: 1 <= x <= 1e9,
+        "a number of seconds from 1 (the ranks take about a second to join) to 1e+09 (about 31 years: torch "
+        "counts it in nanoseconds)",
+    )
 
 
 def check_args(args, world_size, given=frozenset(), warmup_lr=None):
@@ -57,6 +60,7 @@ def check_args(args, world_size, given=frozenset(), warmup_lr=None):
         if not ok:
             raise same_on_every_rank(UserError(message))
 
+    need(not (args.sample_from and args.export_hf), "--sample-from and --export-hf are two different jobs: pass one")
     need(
         args.min_lr is None or 0 <= args.min_lr <= args.max_lr,
         f"--min-lr {args.min_lr} must be between 0 and --max-lr {args.max_lr}",

@@ -18,19 +18,17 @@ def nearest_folder(path):
     return path
 
 
-def dry_run_sample(model, enc, prompt, max_new_tokens):
-    """--dry-run of --sample-from (the flags already checked): the model found and readable, the
-    prompt (enc: tiktoken's gpt2) fits it; no weights are loaded, nothing is sampled."""
-    config = model_config_of(model)
-    tokens = encode_prompt(enc, prompt, config["block_size"])
-    note_if_samples_stop_early(len(tokens), max_new_tokens, config["block_size"])
-    print(f"dry run: {model}, the prompt and the sampling flags are fine; nothing was sampled")
-    return 0
-
-
-def dry_run_export(ckpt_path, out_dir):
-    """--dry-run of --export-hf: the checkpoint readable and exportable, the folder one the export
-    may be written to; no weights are loaded, nothing is written."""
+def dry_run_job(sample_from, export_hf, enc, prompt, max_new_tokens):
+    """--dry-run of --sample-from MODEL or --export-hf (CKPT, DIR) (the flags already checked): every
+    check the job makes before its slow part, then a line saying so. No weights are loaded, nothing
+    is sampled or written. enc: tiktoken's gpt2 (the prompt's; an export writes it beside the weights)."""
+    if sample_from:
+        config = model_config_of(sample_from)
+        tokens = encode_prompt(enc, prompt, config["block_size"])
+        note_if_samples_stop_early(len(tokens), max_new_tokens, config["block_size"])
+        print(f"dry run: {sample_from}, the prompt and the sampling flags are fine; nothing was sampled")
+        return 0
+    ckpt_path, out_dir = export_hf
     config = model_config_of(ckpt_path)
     if config["vocab_size"] < GPT2_VOCAB:
         raise UserError(f"vocab_size {config['vocab_size']} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")

@@ -16,7 +16,7 @@ from support.checkpoints import (
 )
 from support.common import UserError, log_records, same_on_every_rank
 from support.ddp import fence
-from support.out_dir import checkpoint_paths, claim_out_dir, log_runs
+from support.out_dir import check_not_data_folder, checkpoint_paths, claim_out_dir, log_runs
 from support.out_of_memory import oom_phase
 from support.shards import check_same_data
 
@@ -134,6 +134,21 @@ ALLOWED_CHANGES = {
     "max_lr": "the schedule goes on from here with the new peak (after a divergence: from an earlier checkpoint)",
     "min_lr": "the cosine ends at the new floor",
 }
+
+
+def resume_folder(args, given):
+    """--resume <a run's folder> continues that run where it is: args become --out-dir that folder
+    and --resume its newest checkpoint. Returns the flags given, --out-dir among them then."""
+    if args.resume in (None, "latest") or not os.path.isdir(args.resume):
+        return given
+    check_not_data_folder(args.resume, f"--resume {args.resume}")
+    if "out_dir" in given and os.path.realpath(args.out_dir) != os.path.realpath(args.resume):
+        raise UserError(
+            f"--resume {args.resume} is a run's folder, --out-dir {args.out_dir} another: continue that "
+            f"run with --resume --out-dir {args.resume}, or name the checkpoint to start from"
+        )
+    args.out_dir, args.resume = args.resume, "latest"  # continue it where it is
+    return given | {"out_dir"}
 
 
 def reconcile_resume(args, given, roles, ckpt, ckpt_path):

@@ -18,13 +18,22 @@ class StopRequest:
     SIGNALS = tuple(
         getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT", "SIGBREAK") if hasattr(signal, name)
     )
+    replaced = {}  # signal -> the handler a StopRequest replaced, which release() puts back
 
     def __init__(self, out_dir=None):
         self.signum, self.out_dir = 0, out_dir
         for s in self.SIGNALS:
             if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN:
                 continue  # started under nohup: hangups are to be ignored, and are
+            StopRequest.replaced.setdefault(s, signal.getsignal(s))
             signal.signal(s, self.on_signal)
+
+    @classmethod
+    def release(cls):
+        """The handlers from before the run, back: the process goes on without it (a test, a notebook)."""
+        for signum, handler in cls.replaced.items():
+            signal.signal(signum, handler)
+        cls.replaced.clear()
 
     def on_signal(self, signum, frame):
         if self.signum:

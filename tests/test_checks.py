@@ -123,6 +123,10 @@ TYPE_CASES = {
 }
 
 CASES = {
+    "--sample-from with --export-hf": (
+        sample("--export-hf", "ckpt.pt", "hf"),
+        "--sample-from and --export-hf are two different jobs: pass one",
+    ),
     "--min-lr -1e-3": (train("--min-lr", -1e-3), "--min-lr -0.001 must be between 0 and --max-lr 0.003"),
     "--min-lr above --max-lr": (train("--min-lr", 1e-2), "--min-lr 0.01 must be between 0 and --max-lr 0.003"),
     "--seed -1": (train("--seed", -1), "--seed must be between 0 and 4,294,967,295, not -1"),
