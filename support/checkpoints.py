@@ -26,6 +26,7 @@ from support.out_dir import (
     step_of_name,
 )
 from support.out_of_memory import oom_phase
+from support.signals import StopRequest
 
 
 def checkpoint_header(path):
@@ -223,10 +224,16 @@ def save_training_state(ckpt, out_dir, keep, master_process, ddp):
     oom_phase("writing the checkpoint", step=ckpt["step"], out_dir=out_dir)
     check_finite_state(ckpt, out_dir)
     path = None
-    if master_process:
-        path = save_checkpoint(ckpt, out_dir, keep)
-        print(f"wrote {path}")
-    fence(ddp)
+    with StopRequest.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):
+        if master_process:
+            try:
+                path = save_checkpoint(ckpt, out_dir, keep)
+            except RuntimeError as e:  # torch.save's writer wraps a stop signal raised inside it: a stop
+                if isinstance(e.__context__, KeyboardInterrupt):
+                    raise e.__context__ from None
+                raise
+            print(f"wrote {path}")
+        fence(ddp)
     return path
 
 
