@@ -2,10 +2,10 @@ r"""
 Reproduce GPT-2 (124M) pretraining on FineWeb-Edu, in one readable file.
 
 Top to bottom, in the order of the recipe: the model, the device and its precision, the data
-(memory-mapped token shards), the learning-rate schedule, the val loss, and the training loop
-(one process per GPU under torchrun: DDP); the command line at the end. What keeps a run safe without changing
-what it computes (flag checks, checkpoint files, resume, signals, the log) is in support/, one
-module per concern.
+(memory-mapped token shards), the learning-rate schedule, the val loss, and the training loop (a
+process per GPU under torchrun: DDP); the command line at the end. What keeps a run safe without
+changing what it computes (flag checks, checkpoint files, resume, signals, the log) is in
+support/, one module per concern.
 
 Usage:
     python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe

@@ -97,7 +97,8 @@ def _sampling(step, out_dir, num_samples, max_new_tokens):
     return then_resume(f"while sampling at step {step}", flag, f"{fix} or --max-new-tokens {max_new_tokens}", out_dir)
 
 
-# each phase train_gpt2.py marks -> the line for it, from the values the phase carries
+# each phase train_gpt2.py (and the support functions it calls) marks -> the line for it, from the
+# values the phase carries
 TRAINING_ADVICE = {
     "loading the checkpoint": lambda: "while loading the checkpoint: free memory for it",
     "building the model": _building,
@@ -125,7 +126,8 @@ TRAINING_ADVICE = {
 
 def training_out_of_memory(e=None):
     """For run_cli: in which phase train_gpt2.py ran out of memory (the first step, an eval,
-    sampling, ...), the flag to lower, and the checkpoint to go on from; None before its first."""
+    sampling, ...), the flag to lower, and the checkpoint to go on from; None before its first.
+    e, the error, is run_cli's to pass: the phase marked last is the one it left."""
     phase, values = latest_phase(TRAINING_ADVICE)
     return None if phase is None else TRAINING_ADVICE[phase](**values)
 
