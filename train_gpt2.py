@@ -292,13 +292,13 @@ def set_precision_and_seeds(args, device, world_size, grad_accum_steps, master_p
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
     use_compile = choose_compile(args.compile, device_type, verbose=master_process)
-    B, T = args.batch_size, args.seq_len
+    B, T, total = args.batch_size, args.seq_len, args.total_batch_size
     if master_process:
         print(f"device {device} x {world_size} | dtype {dtype} ({why}) | compile {use_compile}")
-        print(f"total batch {args.total_batch_size:,} tokens = B {B} x T {T} x {world_size} x {grad_accum_steps} steps")
+        print(f"total batch {total:,} tokens = B {B} x T {T} x {world_size} ranks x {grad_accum_steps} micro-steps")
     setup = dict(grad_accum_steps=grad_accum_steps, world_size=world_size, dtype=dtype, dtype_reason=why)
     batch = dict(device=device, autocast_dtype=AUTOCAST_DTYPES[dtype], B=B, T=T)
-    return {**setup, "compile": use_compile}, {**batch, "total_batch_size": args.total_batch_size}
+    return {**setup, "compile": use_compile}, {**batch, "total_batch_size": total}
 
 
 # --- Data: token shards on disk, memory-mapped (their format: support/shards.py) ------------------
