@@ -480,37 +480,35 @@ def ending_losses(
     config = _unwrap(model).config
     block_size = getattr(config, "block_size", None) or config.n_positions
     hidden, lm_head, packs = _trunk(model)
-    with oom_phase("scoring HellaSwag", batch_tokens=batch_tokens):  # its advice: a smaller --batch-tokens
-        batches, n_tokens = _batches(prepared, share, block_size, packs, batch_tokens, device)
-        sum_loss = torch.zeros(4 * len(share), device=device)
-        head_chunk = HEAD_CHUNK.get(device_type, 2048)
-        t0 = t_print = time.time()
-        for n_done, b in enumerate(batches):
-            if should_stop is not None and should_stop():
-                return None
-            # not cuDNN attention (an H100's default): it builds a plan for every new shape, and each
-            # batch has its own: seconds of a first eval
-            with (
-                torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None),
-                sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
-            ):
-                if "seg" in b:  # packed: a token sees the context and its own ending, causally
-                    seg, W = b["seg"], b["seg"].size(1)
-                    mask = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == 0)  # (B, W, W): query, key
-                    mask &= torch.ones(W, W, dtype=torch.bool, device=seg.device).tril()
-                    h = hidden(b["idx"], pos=b["pos"], mask=mask[:, None])
-                else:
-                    h = hidden(b["idx"])
-                h = h.flatten(0, 1)[b["gather"]]
-                for s in range(0, h.size(0), head_chunk):
-                    logits = lm_head(h[s : s + head_chunk])
-                    loss = F.cross_entropy(logits.float(), b["targets"][s : s + head_chunk], reduction="none")
-                    sum_loss.index_add_(0, b["slots"][s : s + head_chunk], loss)
-            if progress and time.time() - t_print > 10:
-                t_print = time.time()
-                print(
-                    f"hellaswag: batch {n_done + 1}/{len(batches)}, {t_print - t0:.0f} s", file=sys.stderr, flush=True
-                )
+    oom_phase("scoring HellaSwag", batch_tokens=batch_tokens)  # its advice: a smaller --batch-tokens
+    batches, n_tokens = _batches(prepared, share, block_size, packs, batch_tokens, device)
+    sum_loss = torch.zeros(4 * len(share), device=device)
+    head_chunk = HEAD_CHUNK.get(device_type, 2048)
+    t0 = t_print = time.time()
+    for n_done, b in enumerate(batches):
+        if should_stop is not None and should_stop():
+            return None
+        # not cuDNN attention (an H100's default): it builds a plan for every new shape, and each
+        # batch has its own: seconds of a first eval
+        with (
+            torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None),
+            sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
+        ):
+            if "seg" in b:  # packed: a token sees the context and its own ending, causally
+                seg, W = b["seg"], b["seg"].size(1)
+                mask = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == 0)  # (B, W, W): query, key
+                mask &= torch.ones(W, W, dtype=torch.bool, device=seg.device).tril()
+                h = hidden(b["idx"], pos=b["pos"], mask=mask[:, None])
+            else:
+                h = hidden(b["idx"])
+            h = h.flatten(0, 1)[b["gather"]]
+            for s in range(0, h.size(0), head_chunk):
+                logits = lm_head(h[s : s + head_chunk])
+                loss = F.cross_entropy(logits.float(), b["targets"][s : s + head_chunk], reduction="none")
+                sum_loss.index_add_(0, b["slots"][s : s + head_chunk], loss)
+        if progress and time.time() - t_print > 10:
+            t_print = time.time()
+            print(f"hellaswag: batch {n_done + 1}/{len(batches)}, {t_print - t0:.0f} s", file=sys.stderr, flush=True)
     return sum_loss.view(-1, 4).cpu(), n_tokens
 
 

@@ -8,7 +8,6 @@ import random
 import re
 import sys
 import zipfile
-from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -19,6 +18,8 @@ from support.ddp import fence
 from support.divergence import check_finite_state, checkpoint_health
 from support.files import disk_error, write_atomic
 from support.out_dir import checkpoint_path, checkpoint_paths, folder_gone, move_aside, not_this_runs, run_id_of
+from support.out_of_memory import oom_phase
+from support.signals import StopRequest
 
 
 def save_checkpoint(ckpt, out_dir, keep):
@@ -75,28 +76,26 @@ def prune(out_dir, keep, run_id):
                 print(f"warning: could not remove {old} ({e.strerror}): kept", file=sys.stderr, flush=True)
 
 
-def save_training_state(step, run):
-    """Rank 0 writes the checkpoint of `step` steps done: the weights and model config, and all
-    that continues the run as if it never stopped: the optimizer, the data position, every rank's
-    RNG state, fp16's loss scaler, the flags (train_config), the run's id and its last val loss. `run`
-    is the training script's Run (model, optimizer, loader, args, dist_info, device, run_id, val_loss,
-    scaler)."""
-    dist_info, args = run.dist_info, run.args
-    check_finite_state(step, run)
-    rng = all_rng_states(run.device.split(":")[0], dist_info.ddp, dist_info.ddp_world_size)
-    if dist_info.master_process:
-        ckpt = {"model": run.model.state_dict(), "model_config": asdict(run.model.config), "step": step}
-        ckpt.update(optimizer=run.optimizer.state_dict(), data=run.loader.state_dict(), rng=rng)
-        ckpt.update(data_identity=getattr(run.loader, "identity", None))  # the shards the run started on
-        if getattr(run, "scaler", None) is not None and run.scaler.is_enabled():  # fp16: the scale and its growth
-            ckpt.update(scaler=run.scaler.state_dict())
-        # an absolute --data-dir: `--resume` from another working directory reads the same data
-        ckpt.update(train_config={**vars(args), "data_dir": os.path.abspath(args.data_dir)})
-        ckpt.update(world_size=dist_info.ddp_world_size, run_id=run.run_id, val_loss=run.val_loss)
-        path = save_checkpoint(ckpt, args.out_dir, args.keep_ckpts)
-        print(f"wrote {path}")
-    fence(dist_info.ddp)  # the other ranks wait for the write here, not in a collective that times out
-    return path if dist_info.master_process else None
+def save_training_state(ckpt, out_dir, keep, master_process, ddp):
+    """Every rank calls it; rank 0 writes ckpt, the training state as one plain dict (train_gpt2.py
+    gathers it where it checkpoints), to out_dir (save_checkpoint: atomic, pruned to this run's
+    newest `keep`) while the other ranks wait in the fence, not in a collective that times out.
+    Weights or a val loss that are not finite are never saved (check_finite_state). Returns the
+    path written on rank 0, else None."""
+    oom_phase("writing the checkpoint", step=ckpt["step"], out_dir=out_dir)
+    check_finite_state(ckpt, out_dir)
+    path = None
+    with StopRequest.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):
+        if master_process:
+            try:
+                path = save_checkpoint(ckpt, out_dir, keep)
+            except RuntimeError as e:  # torch.save's writer wraps a stop signal raised inside it: a stop
+                if isinstance(e.__context__, KeyboardInterrupt):
+                    raise e.__context__ from None
+                raise
+            print(f"wrote {path}")
+        fence(ddp)
+    return path
 
 
 def load_checkpoint(path, mmap=False):

@@ -21,7 +21,7 @@ def test_a_ddp_timeout_c10d_cannot_wait_is_one_line_under_torchrun(tmp_path):
     r = torchrun(*tiny_args(random_shards(tmp_path / "data"), out, "--ddp-timeout", 1e-9))
     said = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
     assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
-    assert "--ddp-timeout must be a number of seconds from 1" in said[0]
+    assert "--ddp-timeout: must be a number of seconds from 1" in said[0]
     assert 'train_gpt2.py", line' not in r.stderr and "DistNetworkError" not in r.stderr  # no worker's traceback
     assert not out.exists()
 

@@ -4,7 +4,8 @@ misnamed one and a half-written one's leftover; a run's folder; an older checkpo
 folder's own run; a new folder, never another run's; never writing over a file not the run's; none, when
 the run was killed before its first checkpoint and its log records the run to restart), the recipe
 it takes from that checkpoint (flags left out take its values, a contradicting one is refused
-naming both values, a longer --max-steps, a lower --max-lr or another -B is allowed and said), and
+naming both values, a longer --max-steps, another --max-lr or -B is allowed and said, as the
+README says), and
 that the resumed run is the one it continues, bit for bit."""
 
 import json
@@ -38,6 +39,7 @@ from helpers import (
 )
 from support.checkpoints import load_checkpoint
 from support.cli import UserError
+from support.resume import ALLOWED_CHANGES
 
 # ----------------------------------------------------------------------------------------------
 # Which checkpoint --resume continues from: the newest that loads
@@ -218,6 +220,28 @@ def test_a_lower_max_lr_on_resume_is_allowed_and_said_in_output_and_header(data,
     assert header["changed_on_resume"] == {"max_lr": [3e-3, 1e-3], "max_steps": [4, 6]}
     steps = read_log(run4_with_val_loss)[1]
     assert steps[5]["lr"] == pytest.approx(train_gpt2.get_lr(5, 1e-3, 1e-4, 2, 6))  # the new peak's schedule
+
+
+def test_a_higher_max_lr_on_resume_is_allowed_and_said_too(data, run4_with_val_loss, capsys):
+    """The lr goes either way on --resume (lower: the way on after a divergence; higher: a run found
+    lr-bound), said in the output and the header, as the README says."""
+    args = tiny_args(data, run4_with_val_loss, "--max-steps", 6, "--warmup-steps", 2, "--ckpt-every", 2)
+    assert train_gpt2.main(args + ["--resume", "--max-lr", 6e-3, "--eval-every", 2]) == 0
+    assert "note: --max-lr 0.003 -> 0.006 on resume" in capsys.readouterr().out
+    header = [x for x in strict_records(run4_with_val_loss) if x.get("event") == "header"][-1]
+    assert header["changed_on_resume"] == {"max_lr": [3e-3, 6e-3], "max_steps": [4, 6]}
+    assert read_log(run4_with_val_loss)[1][5]["lr"] == pytest.approx(train_gpt2.get_lr(5, 6e-3, 6e-4, 2, 6))
+
+
+def test_the_readme_names_the_changes_resume_allows_and_only_those():
+    """README's Resume section and support.resume.ALLOWED_CHANGES say one thing: the sentence that
+    lists the changes --resume allows names each flag the code takes with a note, and no other."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Resume") :]
+    [sentence] = [s for s in re.split(r"(?<=\.)\s+", section.replace("\n", " ")) if "allowed and said" in s]
+    named = set(re.findall(r"`(-B|--[a-z-]+)`", sentence))
+    allowed = {"-B" if name == "batch_size" else "--" + name.replace("_", "-") for name in ALLOWED_CHANGES}
+    assert named == allowed, sentence
 
 
 def test_tokens_count_stays_right_after_resume_with_another_B(data, run4, tmp_path, capsys):

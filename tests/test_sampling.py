@@ -312,6 +312,6 @@ def test_sampling_is_exercised_before_step_0(data, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise UserError("sampling failed")
 
-    monkeypatch.setattr(train_gpt2, "sample_text", broken)
+    monkeypatch.setattr(sampling, "sample_text", broken)
     out = tmp_path / "out"
     refused_before_step_0(tiny_args(data, out, "--sample-every", 1000, "--max-steps", 3000), out, "sampling failed")
