@@ -4,10 +4,13 @@ would run them, in the background and under torchrun, tiny transformers models, 
 checks, and faults injected into a run in the test's process (a full disk, an action at a step).
 The fixtures are in conftest.py."""
 
+import contextlib
 import errno
+import io
 import json
 import os
 import re
+import runpy
 import signal
 import socket
 import subprocess
@@ -154,11 +157,37 @@ def hangup_default():
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
-def cli(*args, script="train_gpt2.py", cwd=ROOT, timeout=300, **kwargs):
-    """Run one of the scripts (or, with script "-c", python -c's code) as a user would, in cwd;
-    returns the CompletedProcess."""
-    command = [sys.executable, script if script == "-c" else str(ROOT / script), *map(str, args)]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, **kwargs)
+def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **kwargs):
+    """Run one of the scripts as a user would, in cwd; the CompletedProcess. In this process by
+    default: the script's file run as __main__ (runpy), so its own run_cli reports what main(argv)
+    raised, stdout and stderr captured, and what it changed in this process (the environment, the
+    folder, signal handlers, torch's settings) put back. With process=True, an env (Popen's) or
+    script "-c" (python -c's code): a python process of its own."""
+    argv = [str(a) for a in args]
+    if process or script == "-c" or "env" in kwargs:
+        command = [sys.executable, script if script == "-c" else str(ROOT / script), *argv]
+        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, **kwargs)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s}
+    environ, folder, argv0 = dict(os.environ), os.getcwd(), sys.argv
+    torch_state = torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    try:
+        os.chdir(cwd)
+        sys.argv = [str(ROOT / script), *argv]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (e.code is not None)
+    finally:
+        os.chdir(folder)
+        sys.argv = argv0
+        os.environ.clear()
+        os.environ.update(environ)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        torch.use_deterministic_algorithms(torch_state[0])
+        torch.set_float32_matmul_precision(torch_state[1])
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 # After a script's main() on the CPU, in the same interpreter: how many MiB of a live 64 MiB tensor
