@@ -72,45 +72,11 @@ def write_known_shards(folder, lengths, ext="npy", val_length=0):
 
 def tiny_args(data_dir, out_dir, *extra):
     """A 2-layer, 32-wide model on the CPU; later flags override earlier ones."""
-    return [
-        "--data-dir",
-        str(data_dir),
-        "--out-dir",
-        str(out_dir),
-        "--device",
-        "cpu",
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "32",
-        "--block-size",
-        "64",
-        "-B",
-        "2",
-        "-T",
-        "16",
-        "--total-batch-size",
-        "64",
-        "--max-steps",
-        "6",
-        "--warmup-steps",
-        "3",
-        "--max-lr",
-        "3e-3",
-        "--eval-every",
-        "4",
-        "--val-tokens",
-        "256",
-        "--hellaswag-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--ckpt-every",
-        "0",
-        *map(str, extra),
-    ]
+    model = "--device cpu --n-layer 2 --n-head 2 --n-embd 32 --block-size 64 -B 2 -T 16 --total-batch-size 64"
+    schedule = "--max-steps 6 --warmup-steps 3 --max-lr 3e-3 --eval-every 4 --val-tokens 256 --hellaswag-every 0"
+    quiet = "--sample-every 0 --ckpt-every 0"
+    flags = f"{model} {schedule} {quiet}".split()
+    return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), *flags, *map(str, extra)]
 
 
 def read_log(out_dir):

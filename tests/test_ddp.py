@@ -66,24 +66,9 @@ def test_a_short_ddp_timeout_survives_slow_checkpoints_and_long_samples(data, tm
     """Rank 0 writes checkpoints alone (8 s each here) and samples take seconds: with --ddp-timeout 3
     a healthy job finishes, because the other rank waits in the fence, and every rank samples."""
     out = tmp_path / "out"
-    args = tiny_args(
-        data,
-        out,
-        "--max-steps",
-        4,
-        "--ckpt-every",
-        2,
-        "--eval-every",
-        2,
-        "--sample-every",
-        2,
-        "--num-samples",
-        256,
-        "--max-new-tokens",
-        48,
-        "--ddp-timeout",
-        3,
-    )
+    flags = "--max-steps 4 --ckpt-every 2 --eval-every 2 --sample-every 2 --num-samples 256 --max-new-tokens 48"
+    flags += " --ddp-timeout 3"
+    args = tiny_args(data, out, *flags.split())
     t0 = time.time()
     r = torchrun(*args, wrap=SLOW_DISK)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

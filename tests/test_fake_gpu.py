@@ -172,19 +172,8 @@ def test_out_of_memory_on_a_16_gb_gpu_names_the_B_it_fits(fake_gpu, tmp_path, ca
     (tmp_path / "data").mkdir()
     write_shard(tmp_path / "data" / "ids_train_000001.npy", np.arange(70_000) % 256)
     recipe = ("--n-layer", 12, "--n-head", 12, "--n-embd", 768, "--block-size", 1024)
-    args = tiny_args(
-        tmp_path / "data",
-        tmp_path / "out",
-        *recipe,
-        "-B",
-        64,
-        "-T",
-        1024,
-        "--total-batch-size",
-        65536,
-        "--max-steps",
-        1,
-    )
+    flags = "-B 64 -T 1024 --total-batch-size 65536 --max-steps 1"
+    args = tiny_args(tmp_path / "data", tmp_path / "out", *flags.split(), *recipe)
     fake = fake_gpu("A4000")
     fake.out_of_memory(lambda func, args, kwargs: func is F.embedding)  # the forward's first op
     with pytest.raises(SystemExit) as e:

@@ -277,50 +277,11 @@ def real_run(tmp_path_factory, shared_data, enc):
     np.save(data / "edufineweb_val_000000.npy", tokens[:2048])
     np.save(data / "edufineweb_train_000001.npy", tokens[2048:])
     out = tmp_path_factory.mktemp("run")
-    args = [
-        "--data-dir",
-        data,
-        "--out-dir",
-        out,
-        "--device",
-        "cpu",
-        "--n-layer",
-        2,
-        "--n-head",
-        2,
-        "--n-embd",
-        32,
-        "--block-size",
-        64,
-        "-B",
-        4,
-        "-T",
-        32,
-        "--total-batch-size",
-        128,
-        "--max-steps",
-        12,
-        "--warmup-steps",
-        2,
-        "--max-lr",
-        3e-3,
-        "--eval-every",
-        4,
-        "--val-tokens",
-        512,
-        "--hellaswag-every",
-        6,
-        "--hellaswag-limit",
-        8,
-        "--hellaswag-data",
-        shared_data / "hellaswag" / "hellaswag_val.jsonl",
-        "--sample-every",
-        0,
-        "--ckpt-every",
-        6,
-        "--keep-ckpts",
-        0,
-    ]
+    flags = "--device cpu --n-layer 2 --n-head 2 --n-embd 32 --block-size 64 -B 4 -T 32 --total-batch-size 128"
+    flags += " --max-steps 12 --warmup-steps 2 --max-lr 3e-3 --eval-every 4 --val-tokens 512 --hellaswag-every 6"
+    flags += " --hellaswag-limit 8 --sample-every 0 --ckpt-every 6 --keep-ckpts 0"
+    hellaswag = shared_data / "hellaswag" / "hellaswag_val.jsonl"
+    args = ["--data-dir", data, "--out-dir", out, *flags.split(), "--hellaswag-data", hellaswag]
     assert train_gpt2.main(list(map(str, args))) == 0
     first = (out / "log.jsonl").read_text()
     assert train_gpt2.main([*map(str, args), "--resume", str(out / "ckpt_000006.pt")]) == 0

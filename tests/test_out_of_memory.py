@@ -114,40 +114,9 @@ def test_out_of_memory_while_sampling_mid_run_keeps_the_checkpoint_and_resume_co
     token (16 layers x 64 wide: 8 KiB per sample and token) under a cheap output layer; greedy, so no
     per-token noise is drawn. Under the 365 MiB cap 64 and 32 samples do not fit, 16 do."""
     out = tmp_path / "out"
-    args = tiny_args(
-        big_data,
-        out,
-        "--n-layer",
-        16,
-        "--n-head",
-        4,
-        "--n-embd",
-        64,
-        "--temperature",
-        0,
-        "--block-size",
-        1024,
-        "-B",
-        1,
-        "-T",
-        16,
-        "--total-batch-size",
-        16,
-        "--max-steps",
-        4,
-        "--warmup-steps",
-        1,
-        "--eval-every",
-        0,
-        "--sample-every",
-        2,
-        "--max-new-tokens",
-        1000,
-        "--num-samples",
-        64,
-        "--ckpt-every",
-        1,
-    )
+    flags = "--n-layer 16 --n-head 4 --n-embd 64 --temperature 0 --block-size 1024 -B 1 -T 16 --total-batch-size 16"
+    flags += " --max-steps 4 --warmup-steps 1 --eval-every 0 --sample-every 2 --max-new-tokens 1000 --num-samples 64"
+    args = tiny_args(big_data, out, *flags.split(), "--ckpt-every", 1)
     r = limited(365, *args)
     line = assert_one_line_error(r, "out of host memory while sampling at step 2", "--num-samples 64")
     assert f"{out / 'ckpt_000001.pt'} stands: continue from it with --resume --num-samples 32" in line

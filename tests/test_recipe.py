@@ -101,45 +101,12 @@ def recipe_run(tmp_path_factory):
 
 
 def recipe_args(data, out, *extra):
-    return tiny_args(
-        data,
-        out,
-        "--seed",
-        SEED,
-        "--no-shuffle",
-        "--max-steps",
-        STEPS,
-        "--warmup-steps",
-        WARMUP,
-        "--max-lr",
-        MAX_LR,
-        "--min-lr",
-        MIN_LR,
-        "--weight-decay",
-        WEIGHT_DECAY,
-        "--beta1",
-        BETAS[0],
-        "--beta2",
-        BETAS[1],
-        "--adam-eps",
-        EPS,
-        "--grad-clip",
-        GRAD_CLIP,
-        "-B",
-        B,
-        "-T",
-        T,
-        "--total-batch-size",
-        TOTAL,
-        "--ckpt-every",
-        1,
-        "--keep-ckpts",
-        0,
-        "--eval-every",
-        0,
-        *[f"--{k.replace('_', '-')}={v}" for k, v in CONFIG.items()],
-        *extra,
-    )
+    schedule = f"--seed {SEED} --no-shuffle --max-steps {STEPS} --warmup-steps {WARMUP} --max-lr {MAX_LR}"
+    optimizer = f"--min-lr {MIN_LR} --weight-decay {WEIGHT_DECAY} --beta1 {BETAS[0]} --beta2 {BETAS[1]}"
+    optimizer += f" --adam-eps {EPS} --grad-clip {GRAD_CLIP}"
+    rest = f"-B {B} -T {T} --total-batch-size {TOTAL} --ckpt-every 1 --keep-ckpts 0 --eval-every 0"
+    config = [f"--{k.replace('_', '-')}={v}" for k, v in CONFIG.items()]
+    return tiny_args(data, out, *f"{schedule} {optimizer} {rest}".split(), *config, *extra)
 
 
 def checkpoint(out, step):

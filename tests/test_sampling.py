@@ -244,23 +244,8 @@ def test_legitimate_sampling_settings_work(data, tmp_path, enc, flags, prompt, n
     """Each setting has its effect: the logged samples of steps 1 and 2 are the ones computed here
     from that step's checkpoint (greedy decoding by hand; <|endoftext|> is token 50256)."""
     out = tmp_path / "out"
-    args = tiny_args(
-        data,
-        out,
-        "--max-steps",
-        2,
-        "--sample-every",
-        1,
-        "--num-samples",
-        2,
-        "--max-new-tokens",
-        4,
-        "--eval-every",
-        0,
-        "--ckpt-every",
-        1,
-        *flags,
-    )
+    run = "--max-steps 2 --sample-every 1 --num-samples 2 --max-new-tokens 4 --eval-every 0 --ckpt-every 1"
+    args = tiny_args(data, out, *run.split(), *flags)
     assert train_gpt2.main(args) == 0
     stops_early = "note: samples stop at the model's 64-token window" in capsys.readouterr().out
     assert stops_early == (500 in flags)

@@ -5,9 +5,11 @@ second one, is one line and exit 130; a stop during a long val or HellaSwag eval
 samples, comes within seconds (a token), with a checkpoint and no half record; and the interrupt's
 line says what the folder holds to continue from. (Under torchrun: test_train_ddp.py.)"""
 
+import itertools
 import json
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from helpers import at_step, hangup_default, headers, random_shards, read_log, s
 from support import sampling
 from support.checkpoints import load_checkpoint
 from support.cli import run_cli
+from support.signals import StopRequest
 from train_gpt2 import DataLoaderLite, load_model
 
 # ----------------------------------------------------------------------------------------------
@@ -172,72 +175,41 @@ def test_ctrl_c_again_while_the_stop_checkpoint_is_written(data, tmp_path, monke
 # Every signal is honoured within one step's time, evals and sampling included
 
 
-def ctrl_c_during_step_0_eval(proc, out, delay):
-    """Ctrl-C `delay` s into step 0's evaluation (it starts right after log.jsonl appears), then a
-    clean exit 130 with no traceback. -> (stderr, seconds the stop took)."""
-    deadline = time.time() + 120
-    while not (out / "log.jsonl").exists() and time.time() < deadline:
-        time.sleep(0.1)
-    time.sleep(delay)
-    t0 = time.time()
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err
-    return err, time.time() - t0
+def ctrl_c_at_the_third_poll(monkeypatch, args):
+    """train_gpt2.main(args) run as the command runs it (run_cli), with a Ctrl-C as the run polls its
+    stop request for the 3rd time (the 2nd batch of step 0's eval), each eval batch 11 s apart on the
+    run's clock. -> (stderr, how many times the run polled): the stop is honoured at that poll."""
+    polls, real = [], StopRequest.__call__
+
+    def poll(self):
+        polls.append(signal.raise_signal(signal.SIGINT) if len(polls) == 2 else None)
+        return real(self)
+
+    monkeypatch.setattr(StopRequest, "__call__", poll)
+    clock = itertools.count(step=11)
+    monkeypatch.setattr(train_gpt2, "time", SimpleNamespace(time=lambda: next(clock), perf_counter=time.perf_counter))
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: train_gpt2.main(args))
+    monkeypatch.undo()
+    assert e.value.code == 130
+    return len(polls)
 
 
-def test_ctrl_c_during_a_long_val_eval_stops_promptly_with_a_checkpoint(tmp_path):
-    data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=3_000_000)  # an eval of minutes
-    out = tmp_path / "out"
-    proc = start_run(
-        *tiny_args(
-            data,
-            out,
-            "--max-steps",
-            100,
-            "--warmup-steps",
-            1,
-            "--eval-every",
-            1,
-            "--val-tokens",
-            2_900_000,
-            "-B",
-            64,
-            "--total-batch-size",
-            1024,
-        )
-    )
-    err, waited = ctrl_c_during_step_0_eval(proc, out, delay=11)  # past the first progress line (every 10 s)
-    assert waited < 60, f"the stop request waited {waited:.0f} s for the eval"  # the whole eval takes minutes
-    assert (out / "ckpt_000000.pt").exists() and "val_loss" not in (out / "log.jsonl").read_text()
-    assert "val loss: batch " in err  # the long eval said where it was
-
-
-def test_ctrl_c_during_an_in_training_hellaswag_eval_stops_promptly_with_a_checkpoint(tmp_path, shared_data):
-    # the full HellaSwag set with the padded 50,304-wide head: an eval of about a minute on 2 cores
-    data = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=2000)
-    out = tmp_path / "out"
-    proc = start_run(
-        *tiny_args(
-            data,
-            out,
-            "--max-steps",
-            100,
-            "--warmup-steps",
-            1,
-            "--eval-every",
-            0,
-            "--hellaswag-every",
-            1,
-            "--hellaswag-data",
-            shared_data / "hellaswag" / "hellaswag_val.jsonl",
-        )
-    )
-    err, waited = ctrl_c_during_step_0_eval(proc, out, delay=3)
-    assert waited < 20, f"the stop request waited {waited:.0f} s for the HellaSwag eval"
+@pytest.mark.parametrize("evaluation", ["val loss", "HellaSwag"])
+def test_ctrl_c_during_a_long_eval_stops_it_at_the_next_batch_with_a_checkpoint(
+    evaluation, tmp_path, shared_data, monkeypatch, capsys
+):
+    """An eval of minutes at 124M (the val loss of 2.9M tokens, the whole HellaSwag set): Ctrl-C
+    during it is honoured between two of its batches, the run stops with step 0's checkpoint, and
+    the eval logs no half result; a long val eval says where it is."""
+    data, out = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=5000), tmp_path / "out"
+    hellaswag = ("--hellaswag-every", 1, "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl")
+    flags = ("--eval-every", 1, "--val-tokens", 4096) if evaluation == "val loss" else ("--eval-every", 0, *hellaswag)
+    polls = ctrl_c_at_the_third_poll(monkeypatch, tiny_args(data, out, "--max-steps", 100, *flags))
+    assert polls == 3  # no batch after the one the Ctrl-C came in, nor anything else
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    assert (out / "ckpt_000000.pt").exists() and not any("hellaswag" in r for r in records)
+    assert (out / "ckpt_000000.pt").exists() and not any("val_loss" in r or "hellaswag" in r for r in records)
+    assert evaluation == "HellaSwag" or "val loss: batch 2/" in capsys.readouterr().err
 
 
 def test_sigterm_while_a_run_samples_stops_it_within_a_token_with_a_checkpoint(data, tmp_path, monkeypatch):

@@ -66,21 +66,8 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
     first = {}
     for B in (2, 8):
         out = tmp_path / f"B{B}"
-        args = tiny_args(
-            tmp_path / "data",
-            out,
-            "-B",
-            B,
-            "--total-batch-size",
-            128,
-            "--max-steps",
-            1,
-            "--warmup-steps",
-            1,
-            "--eval-every",
-            0,
-            "--no-shuffle",
-        )
+        flags = f"-B {B} --total-batch-size 128 --max-steps 1 --warmup-steps 1 --eval-every 0 --no-shuffle"
+        args = tiny_args(tmp_path / "data", out, *flags.split())
         assert train_gpt2.main(args) == 0
         first[B] = read_log(out)[1][0]
     header = read_log(tmp_path / "B2")[0][0]
@@ -105,40 +92,10 @@ def overfit_run(tmp_path_factory, shared_data, enc):
     write_shard(data / "ts_train_000001.npy", train[: len(train) // 2])
     write_shard(data / "ts_train_000002.npy", train[len(train) // 2 :])
     out = tmp_path_factory.mktemp("overfit")
-    args = tiny_args(
-        data,
-        out,
-        "--max-steps",
-        OVERFIT_STEPS,
-        "--warmup-steps",
-        10,
-        "--max-lr",
-        1e-2,
-        "-B",
-        4,
-        "-T",
-        32,
-        "--total-batch-size",
-        128,
-        "--eval-every",
-        75,
-        "--val-tokens",
-        1024,
-        "--hellaswag-every",
-        OVERFIT_STEPS,
-        "--hellaswag-limit",
-        8,
-        "--hellaswag-data",
-        shared_data / "hellaswag" / "hellaswag_val.jsonl",
-        "--sample-every",
-        OVERFIT_STEPS,
-        "--num-samples",
-        2,
-        "--max-new-tokens",
-        12,
-        "--peak-flops",
-        1e12,
-    )
+    flags = f"--max-steps {OVERFIT_STEPS} --warmup-steps 10 --max-lr 0.01 -B 4 -T 32 --total-batch-size 128"
+    flags += f" --eval-every 75 --val-tokens 1024 --hellaswag-every {OVERFIT_STEPS} --hellaswag-limit 8"
+    flags += f" --sample-every {OVERFIT_STEPS} --num-samples 2 --max-new-tokens 12 --peak-flops 1e12"
+    args = tiny_args(data, out, *flags.split(), "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl")
     assert train_gpt2.main(args) == 0
     return data, out
 

@@ -18,28 +18,9 @@ def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, share
     hellaswag = shared_data / "hellaswag" / "hellaswag_val.jsonl"
 
     def args(out):
-        return tiny_args(
-            data,
-            out,
-            "--total-batch-size",
-            128,
-            "--max-steps",
-            5,
-            "--eval-every",
-            5,
-            "--hellaswag-every",
-            5,
-            "--hellaswag-limit",
-            6,
-            "--hellaswag-data",
-            hellaswag,
-            "--sample-every",
-            5,
-            "--num-samples",
-            1,
-            "--max-new-tokens",
-            4,
-        )
+        flags = "--total-batch-size 128 --max-steps 5 --eval-every 5 --hellaswag-every 5 --hellaswag-limit 6"
+        flags += " --sample-every 5 --num-samples 1 --max-new-tokens 4"
+        return tiny_args(data, out, *flags.split(), "--hellaswag-data", hellaswag)
 
     ddp = torchrun(*args(tmp_path / "ddp"))
     assert ddp.returncode == 0, ddp.stderr[-3000:]
