@@ -33,28 +33,8 @@ SMALL_BATCH = ("-B", 4, "-T", 1024, "--total-batch-size", 8192)
 
 def gpu_args(data_dir, out_dir, *extra):
     """train_gpt2.py's defaults (cuda, bf16, compile) at a small batch; later flags win."""
-    return [
-        "--data-dir",
-        data_dir,
-        "--out-dir",
-        out_dir,
-        *SMALL_BATCH,
-        "--max-steps",
-        8,
-        "--warmup-steps",
-        4,
-        "--max-lr",
-        1e-3,
-        "--eval-every",
-        0,
-        "--hellaswag-every",
-        0,
-        "--sample-every",
-        0,
-        "--ckpt-every",
-        0,
-        *extra,
-    ]
+    flags = "--max-steps 8 --warmup-steps 4 --max-lr 1e-3 --eval-every 0 --hellaswag-every 0 --sample-every 0"
+    return ["--data-dir", data_dir, "--out-dir", out_dir, *SMALL_BATCH, *flags.split(), "--ckpt-every", 0, *extra]
 
 
 def run(*command, env=None, timeout=600):
@@ -108,27 +88,10 @@ def test_compiled_bf16_124m_loss_falls(run_124m):
 def test_torchrun_one_rank_over_nccl(shakespeare, run_124m, tmp_path, shared_data):
     """DDP with one rank (NCCL, compile, bf16) trains as the plain run and evaluates too."""
     out = tmp_path / "ddp"
+    flags = "--max-steps 20 --eval-every 20 --val-tokens 16384 --hellaswag-every 20 --hellaswag-limit 40"
+    flags += " --sample-every 20 --num-samples 2 --max-new-tokens 8"
     args = gpu_args(
-        shakespeare,
-        out,
-        "--max-steps",
-        20,
-        "--eval-every",
-        20,
-        "--val-tokens",
-        16384,
-        "--hellaswag-every",
-        20,
-        "--hellaswag-limit",
-        40,
-        "--hellaswag-data",
-        shared_data / "hellaswag" / "hellaswag_val.jsonl",
-        "--sample-every",
-        20,
-        "--num-samples",
-        2,
-        "--max-new-tokens",
-        8,
+        shakespeare, out, *flags.split(), "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl"
     )
     r = run(*torchrun_command(*args, nproc=1), env={"NCCL_DEBUG": "VERSION"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -194,23 +157,8 @@ BF16_LOSS_ATOL, BF16_NORM_RTOL = 0.01, 0.05
 
 
 # a 4-layer, 256-wide model, eager, at 2 micro-steps of B 4 x T 256
-SMALL_EAGER = (
-    "--n-layer",
-    4,
-    "--n-head",
-    4,
-    "--n-embd",
-    256,
-    "--block-size",
-    256,
-    "-B",
-    4,
-    "-T",
-    256,
-    "--total-batch-size",
-    2048,
-    "--no-compile",
-)
+SMALL_EAGER = tuple("--n-layer 4 --n-head 4 --n-embd 256 --block-size 256 -B 4 -T 256 --total-batch-size 2048".split())
+SMALL_EAGER += ("--no-compile",)
 
 
 def test_bf16_autocast_steps_stay_close_to_fp32(shakespeare, tmp_path):
@@ -345,19 +293,9 @@ def test_greedy_samples_cuda_fp32_equal_the_cpu(eval_model, enc, fp32_exact):
 
 def test_bench_tiny_on_cuda(tmp_path, shared_data):
     out = tmp_path / "bench.json"
-    r = run(
-        sys.executable,
-        ROOT / "bench.py",
-        "--tiny",
-        "--device",
-        "cuda",
-        "--out",
-        out,
-        "--hellaswag-data",
-        shared_data / "hellaswag" / "hellaswag_val.jsonl",
-        "--only",
-        "ceiling,loader,train,hellaswag,sample",  # fineweb tokenizes on the CPU: test_bench's
-    )
+    hellaswag = ("--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl")
+    only = ("--only", "ceiling,loader,train,hellaswag,sample")  # fineweb tokenizes on the CPU: test_bench's
+    r = run(sys.executable, ROOT / "bench.py", "--tiny", "--device", "cuda", "--out", out, *hellaswag, *only)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["machine"]["device"] == torch.cuda.get_device_name(0)
