@@ -11,6 +11,7 @@ import json
 import os
 import re
 import runpy
+import shlex
 import signal
 import socket
 import subprocess
@@ -154,6 +155,21 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
         torch.use_deterministic_algorithms(torch_state[0])
         torch.set_float32_matmul_precision(torch_state[1])
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def as_typed(command, *extra, cwd=ROOT):
+    """A command a message advises, run as the user types it: its `python SCRIPT ...` parts (joined by
+    &&) through cli() with `extra` flags added, the others by the shell. The CompletedProcess of the
+    last part run (the first to fail)."""
+    for part in command.split(" && "):
+        argv = shlex.split(part)
+        if argv[0] == "python":
+            r = cli(*argv[2:], *extra, script=argv[1], cwd=cwd)
+        else:
+            r = subprocess.run(part, shell=True, cwd=cwd, capture_output=True, text=True)
+        if r.returncode != 0:
+            break
+    return r
 
 
 # After a script's main() on the CPU, in the same interpreter: how many MiB of a live 64 MiB tensor

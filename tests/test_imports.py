@@ -96,38 +96,8 @@ def import_graph(root):
     return project, external
 
 
-def strongly_connected(graph):
-    """The strongly connected components of graph ({node: its successors}), as sets (Tarjan's)."""
-    index, low, stack, on_stack, components = {}, {}, [], set(), []
-
-    def connect(node):
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for succ in graph.get(node, ()):
-            if succ not in index:
-                connect(succ)
-                low[node] = min(low[node], low[succ])
-            elif succ in on_stack:
-                low[node] = min(low[node], index[succ])
-        if low[node] == index[node]:
-            component = set()
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.add(member)
-                if member == node:
-                    break
-            components.append(component)
-
-    for node in sorted(graph):
-        if node not in index:
-            connect(node)
-    return components
-
-
-def shortest_path(graph, start, goal, within):
-    """The nodes of a shortest path start -> ... -> goal through the nodes of `within`."""
+def shortest_path(graph, start, goal):
+    """The nodes of a shortest path start -> ... -> goal in graph ({node: its successors}), or None (BFS)."""
     came_from, queue = {start: None}, deque([start])
     while queue:
         node = queue.popleft()
@@ -138,10 +108,10 @@ def shortest_path(graph, start, goal, within):
                 node = came_from[node]
             return path[::-1]
         for succ in sorted(graph.get(node, ())):
-            if succ in within and succ not in came_from:
+            if succ not in came_from:
                 came_from[succ] = node
                 queue.append(succ)
-    raise AssertionError(f"no path {start} -> {goal}")
+    return None
 
 
 def find_cycles(graph):
@@ -149,14 +119,14 @@ def find_cycles(graph):
     node, sorted: for every edge that lies on a cycle, the shortest cycle through it. An empty list
     where the graph has none."""
     cycles = set()
-    for component in strongly_connected(graph):
-        for node in component:
-            for succ in graph.get(node, ()):
-                if succ in component:
-                    ring = [node, *shortest_path(graph, succ, node, component)][:-1]
-                    first = ring.index(min(ring))
-                    ring = ring[first:] + ring[:first]
-                    cycles.add((*ring, ring[0]))
+    for node, successors in graph.items():
+        for succ in successors:
+            back = shortest_path(graph, succ, node)
+            if back is not None:
+                ring = [node, *back][:-1]
+                first = ring.index(min(ring))
+                ring = ring[first:] + ring[:first]
+                cycles.add((*ring, ring[0]))
     return sorted(list(cycle) for cycle in cycles)
 
 

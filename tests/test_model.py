@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from helpers import ROOT, save_tiny_hf_gpt2
+from helpers import ROOT, cli, save_tiny_hf_gpt2
 from support.checkpoints import load_checkpoint
 from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT, GPTConfig, model_from_checkpoint
@@ -183,13 +183,7 @@ def test_export_roundtrip_padded_vocab_after_training(tmp_path, tiny_config):
 
 
 def test_sample_cli_from_local_hf_dir(hf_tiny_dir):
-    r = subprocess.run(
-        [sys.executable, "train_gpt2.py", "--sample-from", str(hf_tiny_dir), "--device", "cpu"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = cli("--sample-from", hf_tiny_dir, "--device", "cpu")
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("sample ")]
     assert len(lines) == 4

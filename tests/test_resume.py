@@ -13,7 +13,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -265,13 +264,7 @@ def test_resume_with_a_run_folder_continues_that_run_in_it(data, run4, tmp_path)
     args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--eval-every", 0)
     i = args.index("--out-dir")
     del args[i : i + 2]
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "train_gpt2.py"), *args, "--resume", str(run4)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = cli(*args, "--resume", run4, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert not (tmp_path / "log").exists()
     records, steps = read_log(run4)

@@ -24,6 +24,7 @@ import fineweb
 import train_gpt2
 from helpers import (
     ROOT,
+    as_typed,
     assert_one_line_error,
     cli,
     fineweb_killed_after,
@@ -485,9 +486,8 @@ def test_a_folder_fineweb_has_not_finished_is_refused_naming_the_command(tmp_pat
     assert snapshot(tmp_path) == before and not out.exists()
     # the command it names finishes the folder, as fineweb.py's own uninterrupted run would write it;
     # its `python` is the one running the tests, whatever is first on PATH
-    argv = shlex.split(command)
-    assert argv[0] == "python"
-    done = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert shlex.split(command)[0] == "python"
+    done = as_typed(command)
     assert done.returncode == 0, done.stderr
     whole = tmp_path / "whole"
     fineweb.main(["--input", str(tiny_text), "--out-dir", str(whole), "--shard-size", "2000", "--workers", "1"])
@@ -512,7 +512,7 @@ def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(
     line = assert_one_line_error(cli(*tiny_args(shards, tmp_path / "run", "--max-steps", 2)), "is unfinished")
     command = line.split("`")[1]
     assert command == f"python fineweb.py --input {tiny_text} --out-dir {shards} --shard-size 2000 {' '.join(stop)}"
-    done = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True)
+    done = as_typed(command)
     assert done.returncode == 0, done.stderr
     asked = tmp_path / "asked"  # the run as it was asked, uninterrupted: the same files, not the whole input
     summary = fineweb.main([*args[:3], str(asked), *args[4:]])

@@ -7,7 +7,6 @@ read back from their .wandb files with wandb's own protobuf messages."""
 
 import json
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import train_gpt2
-from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, torchrun, user_error
+from helpers import assert_one_line_error, cli, random_shards, read_log, tiny_args, torchrun, user_error
 from support import run_log
 
 wandb = pytest.importorskip("wandb")  # an optional dependency (requirements-dev.txt)
@@ -163,16 +162,12 @@ def test_resume_continues_the_same_wandb_run(tmp_path, offline, monkeypatch):
     assert new["id"] != first["id"] and new["id"] == read_log(tmp_path / "new")[0][0]["run_id"]
 
 
-def test_flag_without_the_package_is_one_line_at_start(tmp_path):
+def test_flag_without_the_package_is_one_line_at_start(tmp_path, monkeypatch):
     """wandb is optional: missing (a None in sys.modules makes its import fail), the flag is
     refused before anything runs, and a run without the flag never needs it."""
     data, out = random_shards(tmp_path / "data"), tmp_path / "out"
-    script = "import sys; sys.modules['wandb'] = None; import train_gpt2; from support.cli import run_cli; "
-    script += "run_cli(train_gpt2.main)"
-
-    def run(*extra):
-        command = [sys.executable, "-c", script, *map(str, tiny_args(data, out, "--max-steps", 1, *extra))]
-        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    run = lambda *extra: cli(*tiny_args(data, out, "--max-steps", 1, *extra))  # noqa: E731
 
     line = assert_one_line_error(run("--wandb-project", "tiny"), "--wandb-project", "pip install wandb")
     assert "--wandb-project ''" in line  # what a --resume that would take the run's project needs
