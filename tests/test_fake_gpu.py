@@ -339,12 +339,21 @@ def cuda_only_places():
     ]
 
 
+RAN = []  # the tests of this file that ran in this process (a pytest-xdist worker runs some of them)
+
+
+@pytest.fixture(autouse=True)
+def ran_here(request):
+    yield
+    RAN.append(request.node.nodeid)
+
+
 @pytest.mark.slow
 def test_every_cuda_only_place_runs_under_the_fake(request, tmp_path):
-    """Last in this file: the lines the tests above ran under the fake, and for those of them this
-    pytest run left out (the quick tier, in CI's slow run), the lines a pytest run of them reports."""
-    items = request.session.items
-    ran = [i.nodeid for i in items[: items.index(request.node)] if i.module is request.module]
+    """Last in this file: the lines the tests of this file ran under the fake in this process, and
+    for those it did not run (the quick tier, in CI's slow run; another pytest-xdist worker's), the
+    lines a pytest run of them reports."""
+    ran = list(RAN)
     lines = {(path, line) for path, line in LINES_RUN}
     left_out = ["--deselect", request.node.nodeid] + [a for nodeid in ran for a in ("--deselect", nodeid)]
     report = tmp_path / "lines"
