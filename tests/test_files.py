@@ -47,20 +47,13 @@ def identity(path):
     return st.st_dev, st.st_ino
 
 
-def test_write_atomic_fsyncs_the_file_before_the_rename(tmp_path, calls):
+def test_write_atomic_fsyncs_the_file_before_the_rename_and_the_folder_after(tmp_path, calls):
     path = tmp_path / "ckpt.pt"
     path.write_bytes(b"old")
     write_atomic(str(path), lambda f: f.write(b"new"))
     assert path.read_bytes() == b"new"
-    renames = [i for i, call in enumerate(calls) if call[0] == "replace" and call[2] == str(path)]
-    assert len(renames) == 1
-    assert ("fsync", identity(path)) in calls[: renames[0]]  # the new file's inode, before its rename
-
-
-def test_write_atomic_fsyncs_the_folder_after_the_rename(tmp_path, calls):
-    path = tmp_path / "manifest.json"
-    write_atomic(str(path), lambda f: f.write(b"{}"))
-    (rename,) = [i for i, call in enumerate(calls) if call[0] == "replace"]
+    (rename,) = [i for i, call in enumerate(calls) if call[0] == "replace" and call[2] == str(path)]
+    assert ("fsync", identity(path)) in calls[:rename]  # the new file's inode, before its rename
     assert ("fsync", identity(tmp_path)) in calls[rename + 1 :]  # the rename is an entry of the folder
 
 
