@@ -138,6 +138,14 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
     environ, folder, argv0 = dict(os.environ), os.getcwd(), sys.argv
     torch_state = torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()
     out, err, code = io.StringIO(), io.StringIO(), 0
+
+    def overran(signum, frame):
+        raise TimeoutError(f"{script} {' '.join(argv)} did not end within {timeout} s")
+
+    alarm = hasattr(signal, "SIGALRM")  # a run that a bug keeps going fails, as a process's timeout does
+    if alarm:
+        handlers[signal.SIGALRM] = signal.signal(signal.SIGALRM, overran)
+        signal.alarm(timeout)
     try:
         os.chdir(cwd)
         sys.argv = [str(ROOT / script), *argv]
@@ -146,6 +154,8 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (e.code is not None)
     finally:
+        if alarm:
+            signal.alarm(0)
         os.chdir(folder)
         sys.argv = argv0
         os.environ.clear()

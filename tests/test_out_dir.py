@@ -101,7 +101,7 @@ def test_a_second_process_into_a_running_runs_folder_is_refused_naming_it(data, 
     try:
         wait_for_step(first, out, 3)  # it has written checkpoints: a --resume would take one
         extra = ["--resume"] if second == "--resume" else []
-        r = cli(*tiny_args(data, out, "--max-steps", 100000, *extra))
+        r = cli(*tiny_args(data, out, "--max-steps", 100000, *extra), timeout=60)
         line = assert_one_line_error(r, f"--out-dir {out} is in use by another run (pid {first.pid} on ")
         assert "python train_gpt2.py --data-dir" in line and "pass another --out-dir" in line
         assert first.poll() is None  # the first run goes on, untouched
@@ -163,7 +163,7 @@ def test_under_torchrun_the_job_locks_once_and_a_second_job_is_refused(data, tmp
     job = start_run(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2), torchrun=True)
     try:
         wait_for_step(job, out, 3)  # both ranks train: rank 1 did not trip over rank 0's lock
-        plain = cli(*tiny_args(data, out, "--max-steps", 100000, "--resume"))
+        plain = cli(*tiny_args(data, out, "--max-steps", 100000, "--resume"), timeout=60)
         assert_one_line_error(plain, "is in use by another run (pid ", "(rank 0 of a torchrun job)")
         second = torchrun(*tiny_args(data, out, "--max-steps", 100000, "--resume"))
         said = [line for line in (second.stdout + second.stderr).splitlines() if line.startswith("error: ")]
