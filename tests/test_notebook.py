@@ -157,15 +157,17 @@ def test_clean_log_summary_baselines_and_pngs(tmp_path, kernel_env, shared_data)
     assert stderr_of(nb) == ""
 
 
-def test_log_still_being_written(tmp_path, kernel_env):
-    # the writer is midway through step 50's record: no newline yet
+def test_log_still_being_written_with_a_nan_val_loss(tmp_path, kernel_env):
+    # a NaN val loss at step 50 (as RunLog writes a non-finite one), then the writer is midway
+    # through step 50's record: no newline yet
     partial = json.dumps(step_record(50, 5.0))[:40]
-    log = write_log(tmp_path / "run", clean_records(), tail=partial)
+    log = write_log(tmp_path / "run", [*clean_records(), {"step": 50, "val_loss": "NaN"}], tail=partial)
     _, out = run_notebook(tmp_path / "run", tmp_path)  # the run folder works as well as the file
     s = out["summary"]
     assert s["partial_last_line"] is True
     assert s["skipped_lines"] == 0
     assert s["last_step"] == 49 and s["tokens"] == 50 * 1024
+    assert s["best_val_loss"] == [40, 6.2] and s["last_val_loss"][0] == 50 and math.isnan(s["last_val_loss"][1])
     assert_pngs(log.parent)
 
 
@@ -355,16 +357,7 @@ def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env
 
 
 # ----------------------------------------------------------------------------------------------
-# Logs at their edges: a NaN val loss, a read-only run folder, several runs in one log
-
-
-def test_a_nan_val_loss_reads_back_in_play_ipynb(tmp_path, kernel_env):
-    records = clean_records()
-    records.append({"step": 50, "val_loss": "NaN"})  # as RunLog writes a non-finite val loss
-    log = write_log(tmp_path / "run", records)
-    _, out = run_notebook(log, tmp_path)
-    assert out["summary"]["best_val_loss"] == [40, 6.2]
-    assert out["summary"]["last_val_loss"][0] == 50 and math.isnan(out["summary"]["last_val_loss"][1])
+# Logs at their edges: a read-only run folder, several runs in one log
 
 
 def test_play_ipynb_on_a_read_only_run_folder_prints_its_summary(tmp_path, kernel_env, read_only):
