@@ -23,7 +23,8 @@ def test_tiny_bench_writes_table_and_json(tmp_path, shared_data):
     out = tmp_path / "bench.json"
     docs = shared_data / "fineweb_sample" / "*.parquet"
     hellaswag = shared_data / "hellaswag" / "hellaswag_val.jsonl"
-    r = cli("--tiny", "--out", out, "--docs", docs, "--hellaswag-data", hellaswag, script="bench.py", cwd=tmp_path)
+    args = ("--tiny", "--out", out, "--docs", docs, "--hellaswag-data", hellaswag)
+    r = cli(*args, script="bench.py", cwd=tmp_path, process=True)  # the loader's memory: a fresh process's
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["table"] in r.stdout  # the printed table is the one saved
