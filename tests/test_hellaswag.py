@@ -658,9 +658,9 @@ def test_a_broken_hellaswag_file_warns_at_start_and_training_goes_on(data, tmp_p
     assert sorted(read_log(out)[1]) == [0, 1]
 
 
-def test_hellaswag_warning_in_training_names_training_s_flag(data, tmp_path):
-    env = {**os.environ, "HOME": str(tmp_path)}  # an empty HellaSwag cache; offline (conftest)
-    r = cli(*tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--eval-every", 0), env=env)
+def test_hellaswag_warning_in_training_names_training_s_flag(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(tmp_path / "cache"))  # empty; offline (conftest)
+    r = cli(*tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--eval-every", 0))
     assert r.returncode == 0, r.stderr
     warning = [line for line in r.stderr.splitlines() if "HellaSwag evaluation is off" in line]
     assert len(warning) == 1 and "--hellaswag-data" in warning[0] and "pass --data " not in warning[0]

@@ -3,7 +3,6 @@ with its evaluations, log and checkpoint, --help and --val-tokens 0. What a supp
 a run is tested in that module's file: tests/test_resume.py, test_signals.py, test_checks.py, ..."""
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -170,8 +169,9 @@ def test_checkpoint_has_plain_names_and_training_state(overfit_run):
 # --help, and the val loss turned off
 
 
-def test_help_shows_defaults_and_the_usage_examples_intact():
-    r = cli("--help", env={**os.environ, "COLUMNS": "200"})
+def test_help_shows_defaults_and_the_usage_examples_intact(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the width argparse wraps the help at
+    r = cli("--help")
     assert r.returncode == 0
     assert "python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe" in r.stdout
     assert "-T 64 \\\n        --total-batch-size 4096" in r.stdout  # a continued line stays one to copy
