@@ -90,7 +90,7 @@ from benchmarks.gpu_check import DEFAULT_BUDGET_S, GpuCheck, run_gpu_check, writ
 from benchmarks.hellaswag_eval import bench_hellaswag, find_hellaswag_data
 from benchmarks.ladder import bench_ladder
 from benchmarks.loader import bench_loader
-from benchmarks.report import table
+from benchmarks.report import missed, table
 from benchmarks.sample import bench_sample
 from benchmarks.settings import ROOT, TRAIN_CONFIGS, find_shared_data, settings
 from benchmarks.timing import log
@@ -361,6 +361,9 @@ def main(argv=None):
         "sections": {},
         "rows": [],
     }
+    load, cores = report["machine"]["load_average_at_start"], report["machine"]["cpu_cores"]
+    if load and load[0] > cores:  # torch's threads then wait for cores: small ops slow down the most
+        log(f"note: load average {load[0]:.1f} on {cores} cores: other processes share them; the run takes longer")
     t_start = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         # an empty inductor cache: the compile times are those of a first compile, not of a cache hit
@@ -415,6 +418,9 @@ def main(argv=None):
     if report["rows"]:
         print()
         print(report["table"])
+        if missed(report["rows"]):
+            print("\nA **no** is a target this machine did not meet; what each one means here:")
+            print("\n".join(missed(report["rows"])))
     if "ladder" in report["sections"]:
         ladder = report["sections"]["ladder"]
         print(f"\nspeed-up ladder on {ladder['device']}, {ladder['config_text']}:\n")
