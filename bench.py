@@ -45,7 +45,7 @@ as `--sample-from` runs) have glibc's default.
 
 Usage:
     python bench.py                  # everything: ~17 min on 2 idle CPU cores; table on stdout, JSON to bench.json
-    python bench.py --quick          # small models, eager only, fewer rounds: < 5 min on 2 CPU cores
+    python bench.py --quick          # small models, eager only, fewer rounds: 3 min on 2 cores at load 2
     python bench.py --only train --configs gpt2 --out gpt2.json     # one section, one config
     python bench.py --only ladder    # the speed-up ladder: table, bench.json and ladder.png (~4 min on 2 CPU cores)
     python bench.py --device cuda    # on a GPU (the recipe's B 64 at the gpt2 config where memory allows)
@@ -125,7 +125,10 @@ def machine(device, device_type):
 def parse_args(argv=None):
     p = ArgumentParser(prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--quick", action="store_true", help="small models, eager only, fewer rounds (< 5 min on 2 CPU cores)"
+        "--quick",
+        action="store_true",
+        help="small models, eager only, fewer rounds (3.0 min on 2 CPU cores at load 2.1; far longer where other "
+        "processes keep the cores busy: small ops wait for them)",
     )
     p.add_argument("--tiny", action="store_true", help="toy sizes everywhere: a smoke run of seconds")
     p.add_argument("--only", default=None, help=f"comma-separated sections to run: {','.join(SECTIONS)}")
