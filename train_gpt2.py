@@ -11,12 +11,13 @@ Usage:
     python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe
     python train_gpt2.py                                   # the same on one GPU (or CPU: slow)
     python train_gpt2.py --resume                          # continue from the newest log/ckpt_*.pt
-    python train_gpt2.py --data-dir shards --n-layer 2 --n-head 4 --n-embd 64 -B 8 -T 64 \
-        --total-batch-size 4096 --max-steps 200 --warmup-steps 20 --max-lr 1e-3 --eval-every 50 \
-        --hellaswag-every 0 --sample-every 100 --val-tokens 16384         # a tiny run on a laptop
+    python train_gpt2.py @configs/laptop.txt               # a tiny run on a laptop: a preset's flags
+    python train_gpt2.py @configs/laptop.txt --dtype bfloat16 \
+        --max-steps 400 --out-dir log_tiny400              # flags typed after (or before) a preset win
     python train_gpt2.py --sample-from gpt2                      # sample from OpenAI GPT-2
     python train_gpt2.py --sample-from log --prompt "Hello,"     # from a run's newest checkpoint
     python train_gpt2.py --export-hf log/ckpt_019073.pt gpt2_ours  # our checkpoint -> transformers dir
+The recipe's flags are the defaults; configs/gpu8.txt and configs/gpu1.txt write them out.
 """
 
 import os
@@ -44,7 +45,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hellaswag
 from support.checkpoints import load_checkpoint, save_training_state
 from support.checks import check_args, check_data, check_init_shape, check_model_fits, warmup_note
-from support.common import GPT2_VOCAB, ArgumentParser, UserError, first_line, run_cli, said_on_interrupt
+from support.common import (
+    GPT2_VOCAB,
+    ArgumentParser,
+    UserError,
+    first_line,
+    run_cli,
+    said_on_interrupt,
+    same_on_every_rank,
+)
 from support.ddp import join_process_group
 from support.divergence import NonFiniteGuard
 from support.dry_run import dry_run_job
@@ -54,6 +63,7 @@ from support.model_files import find_model
 from support.out_dir import check_not_data_folder, claim_out_dir, missing_folders, release_out_dir, remove_made_folders
 from support.out_of_memory import oom_phase, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, grad_scaler, loss_scale, pick_dtype
+from support.presets import expand_presets
 from support.resume import report_resume, restore_training_state, resume_checkpoint
 from support.run_log import RunLog
 from support.sampling import encode_prompt, note_if_samples_stop_early, print_samples, sample_text
@@ -763,7 +773,11 @@ def parse_args(argv=None):
     g.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
     g.add_argument("--export-hf", nargs=2, metavar=("CKPT", "DIR"), help="write our checkpoint as a transformers dir")
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    args = p.parse_args(argv)
+    try:  # every rank of a torchrun job reads the same command line: a mistake in it is said once
+        argv = expand_presets(argv, p)  # @configs/laptop.txt: its flags, then the typed ones (which win)
+        args = p.parse_args(argv)
+    except UserError as e:
+        raise same_on_every_rank(e) from None
     # parsed again onto a namespace that already holds every name: argparse fills in no defaults
     # there, so the names whose value changed are the flags the command line gave
     unset = object()
