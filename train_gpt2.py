@@ -599,14 +599,19 @@ def train(args, given=frozenset()):
 
     # --- data --------------------------------------------------------------------------------
     vocab_size = config.vocab_size
-    with oom_phase("reading the data", run=run):
-        # this rank's slices of every batch, the shards in an order drawn from the seed each epoch
-        order = dict(rank=ddp_rank, world_size=ddp_world_size, shuffle=not args.no_shuffle, seed=args.seed)
-        run.loader = train_loader = DataLoaderLite(
-            args.data_dir, "train", B, T, **order, vocab_size=vocab_size, device=device
-        )
-        run.val_tokens = load_val_tokens(args.data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
-    check_data(args, train_loader.tokens_per_epoch, run.val_tokens, master_process)
+    try:  # the ranks of a node read the same folder: a mistake in it is said once a node
+        with oom_phase("reading the data", run=run):
+            # this rank's slices of every batch, the shards in an order drawn from the seed each epoch
+            order = dict(rank=ddp_rank, world_size=ddp_world_size, shuffle=not args.no_shuffle, seed=args.seed)
+            run.loader = train_loader = DataLoaderLite(
+                args.data_dir, "train", B, T, **order, vocab_size=vocab_size, device=device
+            )
+            run.val_tokens = (
+                load_val_tokens(args.data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
+            )
+        check_data(args, train_loader.tokens_per_epoch, run.val_tokens, master_process)
+    except UserError as e:
+        raise e if e.every_rank else same_on_every_rank(e, node=True) from None
 
     # --- optimizer and schedule ------------------------------------------------------------------
     betas, min_lr = (args.beta1, args.beta2), args.min_lr if args.min_lr is not None else 0.1 * args.max_lr
