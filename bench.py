@@ -5,7 +5,7 @@ Shared machines drift: absolute times move, ratios taken back to back hold. So e
 runs its contenders interleaved (A B A B ...), drops the warm-up rounds, and reports medians with
 min-max; a ratio is the ratio of the medians, with the min-max of the per-round (paired) ratios.
 On a CPU, from the train section on, glibc's malloc keeps freed memory, as training and
-hellaswag.py run there (support.machine.keep_freed_memory); the sections before it (sample among them,
+hellaswag.py run there (support.device.keep_freed_memory); the sections before it (sample among them,
 as `--sample-from` runs) have glibc's default.
 
   ceiling    fp32 and bf16 GFLOP/s of a large square torch.mm: what this device can do with the
@@ -15,12 +15,12 @@ as `--sample-from` runs) have glibc's default.
              GPT.configure_optimizers, against transformers' GPT2LMHeadModel (sdpa attention, plain
              torch AdamW) with the same config, batch, precision and data (train_gpt2's loader feeds
              both the same micro-batches); on a CPU first that setting itself: glibc's malloc
-             keeping freed memory (support.machine.keep_freed_memory) against its default.
+             keeping freed memory (support.device.keep_freed_memory) against its default.
              Configs small (6 layers, 384 wide, T 256, B 8) and gpt2 (124M, T 1024, B 1 on CPU;
              on a GPU the recipe's 64 where memory allows, else 32, 16, ... per precision); fp32
              and bf16 autocast; eager and torch.compile (compile time: cold, from an empty
              inductor cache). MFU: against the matmul ceiling measured in the same rounds on a
-             CPU, against the datasheet peak (support.machine.PEAK_FLOPS, --peak-flops) on a GPU
+             CPU, against the datasheet peak (support.gpu.PEAK_FLOPS, --peak-flops) on a GPU
   ladder     build-nanogpt's speed-up ladder, one change per rung (fp32, TF32, bf16 autocast,
              torch.compile, flash attention, vocab padded to 50,304, fused AdamW with parameter
              groups), then this project's rungs 8-12 (chunked LM-head loss, a larger micro-batch;
@@ -96,8 +96,10 @@ from benchmarks.settings import ROOT, TRAIN_CONFIGS, find_shared_data, settings
 from benchmarks.timing import log
 from benchmarks.tokenizer import bench_fineweb, find_documents
 from benchmarks.train import bench_train
-from support.common import ArgumentParser, UserError, run_cli, write_atomic
-from support.machine import keep_freed_memory, peak_flops, pick_device
+from support.cli import ArgumentParser, UserError, run_cli
+from support.device import keep_freed_memory, pick_device
+from support.files import write_atomic
+from support.gpu import peak_flops
 
 # sample comes before train: from train on, glibc's malloc keeps freed memory (see the docstring)
 SECTIONS = ("ceiling", "loader", "fineweb", "sample", "train", "ladder", "hellaswag")
@@ -259,10 +261,10 @@ def plan(args, shared):
 
 
 def compile_problem_apart(device, tmp):
-    """support.machine.compile_problem(device) (why torch.compile does not work on it, or None),
+    """support.device.compile_problem(device) (why torch.compile does not work on it, or None),
     asked in a process of its own with its inductor cache in tmp: this process's first compile
     (the train section times it) stays a first one."""
-    code = "import sys; from support.machine import compile_problem; print(compile_problem(sys.argv[1]) or '')"
+    code = "import sys; from support.device import compile_problem; print(compile_problem(sys.argv[1]) or '')"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "compile_probe")}
     r = subprocess.run([sys.executable, "-c", code, str(device)], cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:  # the check itself failed: its last line says how

@@ -36,8 +36,17 @@ import numpy as np
 from tqdm import tqdm
 
 from support import file_lock
-from support.common import ArgumentParser, UserError, default_workers, no_follow, refuse_link, run_cli, write_atomic
-from support.documents import check_inputs, check_online, describe_inputs, expand_inputs, hub_documents, local_documents
+from support.cli import ArgumentParser, UserError, run_cli
+from support.documents import (
+    check_inputs,
+    check_online,
+    default_workers,
+    describe_inputs,
+    expand_inputs,
+    hub_documents,
+    local_documents,
+)
+from support.files import no_follow, refuse_link, write_atomic
 from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_fingerprint, shard_path, write_shard
 
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
@@ -311,7 +320,7 @@ def save_manifest(path, manifest):
 def check_no_links(out_dir, prefix):
     """Before anything is written: no name this run writes in out_dir (the manifest, its journal,
     this prefix's shards, their temporary files) is a symbolic link, which a write would follow
-    out of the folder, or its rename delete: one line naming it (support.common.LinkedName)."""
+    out of the folder, or its rename delete: one line naming it (support.files.LinkedName)."""
     ours = re.compile(rf"\.?{re.escape(prefix)}_(manifest\.json|manifest\.journal|(train|val)_\d+\.(npy|bin))(\.tmp)?")
     for name in sorted(os.listdir(out_dir)):
         if ours.fullmatch(name):
@@ -328,72 +337,17 @@ FOLDER_LOCK = ".fineweb.lock"  # in --out-dir while a run writes there; its text
 
 
 def lock_folder(out_dir):
-    """An exclusive lock on out_dir for this run: a second fineweb.py into the same folder would
-    interleave its shards with this one's. The lock train_gpt2.py holds its --out-dir with
-    (support.file_lock.lock_folder, on FOLDER_LOCK), released when the process ends, a kill included;
-    a second run is refused in one line naming the holder, as is a symbolic link at FOLDER_LOCK.
-    Returns the descriptor to give to keep_folder and unlock_folder; None where the file system has
-    no locks (said in a warning)."""
-    try:
-        return file_lock.lock_folder(out_dir, FOLDER_LOCK)
-    except file_lock.Held as e:
-        holder = e.holder or "a process that is just starting"
-        raise UserError(
-            f"another fineweb.py is writing to {out_dir}: wait for it to finish, or use another --out-dir "
-            f"(it is {holder}" + (f"; {e.fix})" if e.fix else ")")
-        ) from None
-    except file_lock.Symlink as e:
-        raise UserError(
-            f"--out-dir {out_dir}: {e}, where fineweb.py keeps its lock file; a lock file is never written "
-            f"through a link: remove the link (not what it points to), then rerun the same command"
-        ) from None
-    except file_lock.NoLocks as e:
-        print(
-            f"warning: cannot lock --out-dir {out_dir} ({e}): a second fineweb.py started into it would not be stopped",
-            file=sys.stderr,
-        )
-        return None
-    except OSError as e:
-        if os.path.isdir(os.path.join(out_dir, FOLDER_LOCK)):
-            raise UserError(
-                f"--out-dir {out_dir} holds a folder named {FOLDER_LOCK}, where fineweb.py keeps its lock file: "
-                f"rename or remove that folder, then rerun the same command"
-            ) from None
-        raise UserError(
-            f"cannot write to --out-dir {out_dir} (its lock file {FOLDER_LOCK}: {e.strerror or e})"
-        ) from None
-
-
-def keep_folder(out_dir, lock):
-    """Before each shard: out_dir must still be this run's (support.file_lock.keep_folder; lock is
-    {"fd": lock_folder's descriptor}). Its FOLDER_LOCK deleted or replaced by a file no one holds:
-    locked again, said in a warning, and the run goes on. Held by another fineweb.py meanwhile (or
-    not lockable again): this run stops in one line and writes nothing more there, its manifest
-    included (lock["lost"])."""
-    fd = lock.get("fd")
-    if fd is None or lock.get("lost"):
-        return
-    path = os.path.join(out_dir, FOLDER_LOCK)
-    why = "leave it in place: it is no stale lock, the OS frees it when its run ends"
-    try:
-        new = file_lock.keep_folder(fd, out_dir, FOLDER_LOCK)
-    except (file_lock.Held, file_lock.Symlink, file_lock.NoLocks, OSError) as e:
-        lock["lost"] = True
-        if isinstance(e, file_lock.Held):
-            now = f"another fineweb.py holds it now ({e.holder or 'a process that is just starting'})"
-        else:
-            now = f"it cannot be locked again ({getattr(e, 'strerror', None) or e})"
-        raise UserError(
-            f"{path} was deleted or replaced while this run wrote shards, and {now}: this run stops here and writes "
-            f"nothing more to {out_dir}, so that one fineweb.py alone writes there ({why})"
-        ) from None
-    if new != fd:
-        lock["fd"] = new
-        print(f"warning: {path} was deleted while this run wrote shards: locked again ({why})", file=sys.stderr)
+    """An exclusive lock on out_dir for this run (support.file_lock.lock_folder, on FOLDER_LOCK, the
+    lock train_gpt2.py holds its --out-dir with): a second fineweb.py into the same folder would
+    interleave its shards with this one's, and is refused in one line naming the holder. Returns the
+    descriptor for unlock_folder; None where the file system has no locks (said in a warning)."""
+    return file_lock.lock_folder(
+        out_dir, FOLDER_LOCK, "fineweb.py", "rerun the same command", "pass an --out-dir of your own"
+    )
 
 
 def unlock_folder(out_dir, lock):
-    """Give lock_folder's lock back (its file removed while still this run's); lock as keep_folder's."""
+    """Give lock_folder's lock back (its file removed while still this run's); lock: {"fd": its descriptor}."""
     fd = lock.pop("fd", None)
     if fd is not None:
         file_lock.unlock_folder(fd, out_dir, FOLDER_LOCK)
@@ -418,7 +372,7 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror or e}") from None
     lock = {"fd": lock_folder(out_dir)}
     try:
-        return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, lock)
+        return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards)
     except UserError:
         unlock_folder(out_dir, lock)
         if created and not os.listdir(out_dir):
@@ -428,8 +382,8 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
         unlock_folder(out_dir, lock)
 
 
-def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, lock):
-    shard_size, prefix, fmt = config["shard_size"], config["prefix"], config["format"]
+def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards):
+    shard_size, prefix = config["shard_size"], config["prefix"]
     manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
     check_no_links(out_dir, prefix)
     had_manifest = os.path.exists(manifest_path)
@@ -440,8 +394,52 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
     if stop_at:
         manifest["stop_at"] = stop_at
     shards = manifest["shards"]
-    # training reads every *_train_* / *_val_* file of the folder: refuse to mix ours with others',
-    # and never delete them (a run of another --prefix, or shards whose manifest was deleted)
+    check_no_foreign_shards(out_dir, config, manifest, manifest_path, had_manifest)
+
+    # --max-shards is a token limit too: max_shards full shards
+    limit = min(max_tokens or float("inf"), max_shards * shard_size if max_shards else float("inf"))
+    pos = sum(s["tokens"] for s in shards)  # tokens written so far
+    summary = dict(out_dir=out_dir, new_tokens=0, seconds=0.0)
+    if manifest["complete"] or pos >= limit:
+        marked = manifest["complete"] or manifest.get("limit") is not None
+        if not marked:
+            manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
+        if not marked or os.path.exists(journal_path(manifest_path)):
+            save_manifest(manifest_path, manifest)
+        return _summary(summary, shards, nothing_to_do=True, complete=manifest["complete"])
+    if shards and shards[-1]["tokens"] < shard_size:
+        pos -= shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone in full
+    manifest.pop("limit", None)  # unfinished until this run reaches the end or its own limit
+    if had_manifest:
+        save_manifest(manifest_path, manifest)  # the list as this run starts from it, its journal folded in
+    if shards:
+        print(f"resuming after {shards[-1]['file']}: {pos:,} tokens already in {len(shards)} shards", file=sys.stderr)
+
+    writer = ShardWriter(out_dir, config, manifest, manifest_path)
+    documents = open_documents(writer.docs_done)  # before the bar: a dataset that cannot be opened is just an error
+    t0, pos0 = time.time(), pos
+    try:
+        pos = _write_shards(writer, tokenize_batches(documents, workers), pos, limit, had_manifest)
+    except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
+        raise UserError(
+            f"cannot write to {out_dir} ({e.strerror or e}): the shards finished before are kept; "
+            f"free space (or fix the folder's permissions) and rerun the same command to resume"
+        ) from None
+    finally:
+        # stopped by an error or Ctrl-C: the manifest made whole
+        if os.path.exists(journal_path(manifest_path)):
+            try:
+                save_manifest(manifest_path, manifest)
+            except OSError:
+                pass  # the disk is full: the journal still holds every finished shard, for the rerun
+    summary.update(new_tokens=pos - pos0, seconds=time.time() - t0)
+    return _summary(summary, shards, nothing_to_do=False, complete=manifest["complete"])
+
+
+def check_no_foreign_shards(out_dir, config, manifest, manifest_path, had_manifest):
+    """Training reads every *_train_* / *_val_* file of the folder: refuse to mix ours with others',
+    and never delete them (a run of another --prefix, or shards whose manifest was deleted)."""
+    prefix, fmt, shards = config["prefix"], config["format"], manifest["shards"]
     foreign = foreign_shards(out_dir, prefix, fmt, manifest["started"])
     following = [
         os.path.basename(shard_path(out_dir, prefix, manifest["started"] + i, fmt)) for i in range(len(foreign))
@@ -464,83 +462,90 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
             f"use another --out-dir, or move those files away"
         )
 
-    # --max-shards is a token limit too: max_shards full shards
-    limit = min(max_tokens or float("inf"), max_shards * shard_size if max_shards else float("inf"))
-    pos = sum(s["tokens"] for s in shards)  # tokens written so far
-    summary = dict(out_dir=out_dir, new_tokens=0, seconds=0.0)
-    if manifest["complete"] or pos >= limit:
-        marked = manifest["complete"] or manifest.get("limit") is not None
-        if not marked:
-            manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
-        if not marked or os.path.exists(journal_path(manifest_path)):
-            save_manifest(manifest_path, manifest)
-        return _summary(summary, shards, nothing_to_do=True, complete=manifest["complete"])
-    if shards and shards[-1]["tokens"] < shard_size:
-        pos -= shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone in full
-    manifest.pop("limit", None)  # unfinished until this run reaches the end or its own limit
-    if had_manifest:
-        save_manifest(manifest_path, manifest)  # the list as this run starts from it, its journal folded in
-    if shards:
-        print(f"resuming after {shards[-1]['file']}: {pos:,} tokens already in {len(shards)} shards", file=sys.stderr)
 
-    docs_done = sum(s["documents"] for s in shards)  # documents whose every token is in a finished shard
-    skip_tokens = shards[-1]["carry"] if shards else 0  # tokens of the next document already written
-    shard_start_doc = docs_done  # the current shard's first document, by global index
-    batch_first_doc = docs_done  # the current batch's first document
-    buf = np.empty(shard_size, dtype=np.uint16)
-    fill = 0
+class ShardWriter:
+    """The shard being filled, and the manifest that lists the finished ones: each shard's name is
+    claimed in the manifest before its file exists, and its entry journaled after the rename, so the
+    manifest never names a file that is not there."""
 
-    def finish_shard(end_doc, carry):
-        nonlocal fill, shard_start_doc
-        keep_folder(out_dir, lock)  # the folder still this run's before each shard and its manifest entry
+    def __init__(self, out_dir, config, manifest, manifest_path):
+        self.out_dir, self.prefix, self.fmt = out_dir, config["prefix"], config["format"]
+        self.manifest, self.manifest_path = manifest, manifest_path
+        self.shards = manifest["shards"]
+        self.docs_done = sum(s["documents"] for s in self.shards)  # documents whose every token is in a finished shard
+        self.shard_start_doc = self.docs_done  # the current shard's first document, by global index
+        self.buf = np.empty(config["shard_size"], dtype=np.uint16)
+        self.fill = 0
+
+    def room(self):
+        """Tokens the shard being filled still takes."""
+        return len(self.buf) - self.fill
+
+    def add(self, tokens):
+        """tokens (no more than room()) into the shard being filled."""
+        self.buf[self.fill : self.fill + len(tokens)] = tokens
+        self.fill += len(tokens)
+
+    def finish_shard(self, end_doc, carry):
+        """The tokens added since the last shard, written as the next shard and listed. end_doc: the
+        index of the first document that does not end in it; carry: that document's tokens in it."""
+        manifest, shards, tokens = self.manifest, self.shards, self.buf[: self.fill]
         if manifest["started"] <= len(shards):  # claim the name before the file exists (see load_manifest)
             manifest["started"] = len(shards) + 1
-            save_manifest(manifest_path, manifest)
-        path = shard_path(out_dir, prefix, len(shards), fmt)
-        write_shard(path, buf[:fill], fmt)
+            save_manifest(self.manifest_path, manifest)
+        path = shard_path(self.out_dir, self.prefix, len(shards), self.fmt)
+        write_shard(path, tokens, self.fmt)
         shard = dict(
             file=os.path.basename(path),
             split="val" if len(shards) == 0 else "train",
-            tokens=fill,
+            tokens=self.fill,
             bytes=os.path.getsize(path),
             # what a training start checks instead of reading the shard: its largest id, trusted while
             # the shard still has this fingerprint (support.shards.recorded_max_ids)
-            max_id=int(buf[:fill].max()),
+            max_id=int(tokens.max()),
             fingerprint=shard_fingerprint(path)[2],
-            documents=end_doc - shard_start_doc,  # documents that end in this shard
+            documents=end_doc - self.shard_start_doc,  # documents that end in this shard
             carry=carry,  # tokens of the next document (split across shards) already in this one
         )
         shards.append(shard)
         manifest["started"] = max(manifest["started"], len(shards) + 1)  # and claims the next name
         # after the rename: the manifest never names a file not there
         entry = {"index": len(shards) - 1, "shard": shard, "started": manifest["started"]}
-        append_journal(manifest_path, entry, base={**manifest, "shards": shards[:-1]})
-        fill, shard_start_doc = 0, end_doc
+        append_journal(self.manifest_path, entry, base={**manifest, "shards": shards[:-1]})
+        self.fill, self.shard_start_doc = 0, end_doc
 
-    def drop_stale_shards():
+    def drop_stale_shards(self):
         """Our own shards past the list's end (left by a redo that stopped sooner): training must not read them."""
-        for i in range(len(shards), manifest["started"]):
-            path = shard_path(out_dir, prefix, i, fmt)
+        for i in range(len(self.shards), self.manifest["started"]):
+            path = shard_path(self.out_dir, self.prefix, i, self.fmt)
             if os.path.exists(path):
                 os.remove(path)
-        manifest["started"] = len(shards)
-        save_manifest(manifest_path, manifest)
+        self.manifest["started"] = len(self.shards)
+        save_manifest(self.manifest_path, self.manifest)
 
-    documents = open_documents(docs_done)  # before the bar: a dataset that cannot be opened is just an error
-    t0, pos0 = time.time(), pos
-    bar = tqdm(total=None if limit == float("inf") else limit, initial=pos, unit="tok", unit_scale=True, desc=out_dir)
-    stream = tokenize_batches(documents, workers)
+
+def _write_shards(writer, stream, pos, limit, had_manifest):
+    """The tokenized documents (stream, from tokenize_batches) into shards, from token pos up to
+    limit or the end of the input (the last shard partial, the manifest marked complete); returns
+    the tokens written by then."""
+    manifest, shards = writer.manifest, writer.shards
+    skip_tokens = shards[-1]["carry"] if shards else 0  # tokens of the next document already written
+    batch_first_doc = docs_done = writer.docs_done  # the current batch's first document
+    pos0 = pos
+    bar = tqdm(
+        total=None if limit == float("inf") else limit, initial=pos, unit="tok", unit_scale=True, desc=writer.out_dir
+    )
     try:
         for tokens, lengths in stream:
             ends = np.cumsum(lengths)  # end of each document in this batch's tokens
             i, skip_tokens = skip_tokens, 0
             while i < len(tokens) and pos < limit:
-                n = min(shard_size - fill, len(tokens) - i, limit - pos)
-                buf[fill : fill + n] = tokens[i : i + n]
-                fill, i, pos = fill + n, i + n, pos + n
-                if fill == shard_size or pos == limit:
+                n = min(writer.room(), len(tokens) - i, limit - pos)
+                writer.add(tokens[i : i + n])
+                i, pos = i + n, pos + n
+                if writer.room() == 0 or pos == limit:
                     done = int(np.searchsorted(ends, i, side="right"))  # documents of this batch fully written
-                    finish_shard(batch_first_doc + done, i - (int(ends[done - 1]) if done else 0))
+                    writer.finish_shard(batch_first_doc + done, i - (int(ends[done - 1]) if done else 0))
             batch_first_doc += len(lengths)
             bar.update(pos - bar.n)
             bar.set_postfix(docs=batch_first_doc, shards=len(shards), refresh=False)
@@ -548,35 +553,23 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
                 break
         else:  # the input is exhausted: write the last, partial shard
             if not shards and pos == pos0 + batch_first_doc - docs_done:  # nothing, or only the EOTs of empty texts
-                if not had_manifest and os.path.exists(manifest_path):
-                    os.remove(manifest_path)  # ours, from this run: nothing is left behind
+                if not had_manifest and os.path.exists(writer.manifest_path):
+                    os.remove(writer.manifest_path)  # ours, from this run: nothing is left behind
                 n = batch_first_doc - docs_done
                 raise UserError(
                     (f"the input's {n:,} documents are all empty" if n else "no documents in the input")
                     + ": nothing to tokenize, no shard written"
                 )
-            if fill:
-                finish_shard(batch_first_doc, 0)
+            if writer.fill:
+                writer.finish_shard(batch_first_doc, 0)
             manifest["complete"] = True
         if not manifest["complete"]:
             manifest["limit"] = int(limit)  # stopped where --max-tokens / --max-shards asked: training may use it
-        drop_stale_shards()
-    except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
-        raise UserError(
-            f"cannot write to {out_dir} ({e.strerror or e}): the shards finished before are kept; "
-            f"free space (or fix the folder's permissions) and rerun the same command to resume"
-        ) from None
+        writer.drop_stale_shards()
     finally:
         stream.close()  # stops the worker pool, also on an early stop or an error
         bar.close()
-        # stopped by an error or Ctrl-C: the manifest made whole, unless the folder is another run's now
-        if not lock.get("lost") and os.path.exists(journal_path(manifest_path)):
-            try:
-                save_manifest(manifest_path, manifest)
-            except OSError:
-                pass  # the disk is full: the journal still holds every finished shard, for the rerun
-    summary.update(new_tokens=pos - pos0, seconds=time.time() - t0)
-    return _summary(summary, shards, nothing_to_do=False, complete=manifest["complete"])
+    return pos
 
 
 def _summary(summary, shards, **extra):

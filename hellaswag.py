@@ -62,11 +62,13 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from support.checkpoints import load_checkpoint
-from support.common import ArgumentParser, UserError, first_line, offline_var, run_cli, unreachable, write_atomic
+from support.cli import ArgumentParser, UserError, first_line, run_cli
 from support.ddp import fence
+from support.device import keep_freed_memory, pick_device
+from support.files import jsonl_rows, write_atomic
 from support.hf_interop import hf_model_from_checkpoint, load_hf_model
-from support.machine import keep_freed_memory, pick_device
 from support.model_files import find_model
+from support.offline import offline_var, unreachable
 from support.out_of_memory import hellaswag_out_of_memory, oom_phase
 from support.precision import AUTOCAST_DTYPES, pick_dtype
 from support.shards import get_tokenizer
@@ -95,13 +97,7 @@ class HellaSwagDataError(UserError):
 def parse_rows(lines, source):
     """jsonl lines -> list of examples; the first bad line raises an error that names it."""
     examples = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            ex = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise HellaSwagDataError(f"{source}, line {lineno}: not JSON ({e.msg})") from None
+    for lineno, ex in jsonl_rows(lines, source, HellaSwagDataError):
         problem = None
         if not isinstance(ex, dict):
             problem = "not a JSON object"
@@ -116,7 +112,7 @@ def parse_rows(lines, source):
         elif not isinstance(ex.get("split_type"), str):
             problem = "no split_type string"
         if problem:
-            raise HellaSwagDataError(f"{source}, line {lineno}: {problem}")
+            raise HellaSwagDataError(f"{source} line {lineno}: {problem}")
         examples.append(ex)
     return examples
 
@@ -484,37 +480,35 @@ def ending_losses(
     config = _unwrap(model).config
     block_size = getattr(config, "block_size", None) or config.n_positions
     hidden, lm_head, packs = _trunk(model)
-    with oom_phase("scoring HellaSwag", batch_tokens=batch_tokens):  # its advice: a smaller --batch-tokens
-        batches, n_tokens = _batches(prepared, share, block_size, packs, batch_tokens, device)
-        sum_loss = torch.zeros(4 * len(share), device=device)
-        head_chunk = HEAD_CHUNK.get(device_type, 2048)
-        t0 = t_print = time.time()
-        for n_done, b in enumerate(batches):
-            if should_stop is not None and should_stop():
-                return None
-            # not cuDNN attention (an H100's default): it builds a plan for every new shape, and each
-            # batch has its own: seconds of a first eval
-            with (
-                torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None),
-                sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
-            ):
-                if "seg" in b:  # packed: a token sees the context and its own ending, causally
-                    seg, W = b["seg"], b["seg"].size(1)
-                    mask = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == 0)  # (B, W, W): query, key
-                    mask &= torch.ones(W, W, dtype=torch.bool, device=seg.device).tril()
-                    h = hidden(b["idx"], pos=b["pos"], mask=mask[:, None])
-                else:
-                    h = hidden(b["idx"])
-                h = h.flatten(0, 1)[b["gather"]]
-                for s in range(0, h.size(0), head_chunk):
-                    logits = lm_head(h[s : s + head_chunk])
-                    loss = F.cross_entropy(logits.float(), b["targets"][s : s + head_chunk], reduction="none")
-                    sum_loss.index_add_(0, b["slots"][s : s + head_chunk], loss)
-            if progress and time.time() - t_print > 10:
-                t_print = time.time()
-                print(
-                    f"hellaswag: batch {n_done + 1}/{len(batches)}, {t_print - t0:.0f} s", file=sys.stderr, flush=True
-                )
+    oom_phase("scoring HellaSwag", batch_tokens=batch_tokens)  # its advice: a smaller --batch-tokens
+    batches, n_tokens = _batches(prepared, share, block_size, packs, batch_tokens, device)
+    sum_loss = torch.zeros(4 * len(share), device=device)
+    head_chunk = HEAD_CHUNK.get(device_type, 2048)
+    t0 = t_print = time.time()
+    for n_done, b in enumerate(batches):
+        if should_stop is not None and should_stop():
+            return None
+        # not cuDNN attention (an H100's default): it builds a plan for every new shape, and each
+        # batch has its own: seconds of a first eval
+        with (
+            torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None),
+            sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
+        ):
+            if "seg" in b:  # packed: a token sees the context and its own ending, causally
+                seg, W = b["seg"], b["seg"].size(1)
+                mask = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == 0)  # (B, W, W): query, key
+                mask &= torch.ones(W, W, dtype=torch.bool, device=seg.device).tril()
+                h = hidden(b["idx"], pos=b["pos"], mask=mask[:, None])
+            else:
+                h = hidden(b["idx"])
+            h = h.flatten(0, 1)[b["gather"]]
+            for s in range(0, h.size(0), head_chunk):
+                logits = lm_head(h[s : s + head_chunk])
+                loss = F.cross_entropy(logits.float(), b["targets"][s : s + head_chunk], reduction="none")
+                sum_loss.index_add_(0, b["slots"][s : s + head_chunk], loss)
+        if progress and time.time() - t_print > 10:
+            t_print = time.time()
+            print(f"hellaswag: batch {n_done + 1}/{len(batches)}, {t_print - t0:.0f} s", file=sys.stderr, flush=True)
     return sum_loss.view(-1, 4).cpu(), n_tokens
 
 

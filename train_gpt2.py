@@ -2,22 +2,20 @@ r"""
 Reproduce GPT-2 (124M) pretraining on FineWeb-Edu, in one readable file.
 
 Top to bottom, in the order of the recipe: the model, the device and its precision, the data
-(memory-mapped token shards), the learning-rate schedule, the val loss, the processes (DDP),
-and the training loop; the command line at the end. What keeps a run safe without changing
-what it computes (flag checks, checkpoint files, resume, signals, the log) is in support/, one
-module per concern.
+(memory-mapped token shards), the learning-rate schedule, the val loss, and the training loop (a
+process per GPU under torchrun: DDP); the command line at the end. What keeps a run safe without
+changing what it computes (flag checks, checkpoint files, resume, signals, the log) is in
+support/, one module per concern.
 
 Usage:
     python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe
     python train_gpt2.py                                   # the same on one GPU (or CPU: slow)
     python train_gpt2.py --resume                          # continue from the newest log/ckpt_*.pt
-    python train_gpt2.py @configs/laptop.txt               # a tiny run on a laptop: a preset's flags
     python train_gpt2.py @configs/laptop.txt --dtype bfloat16 \
-        --max-steps 400 --out-dir log_tiny400              # flags typed after (or before) a preset win
+        --max-steps 400                     # a tiny run on a laptop: a preset's flags (configs/), typed ones win
     python train_gpt2.py --sample-from gpt2                      # sample from OpenAI GPT-2
     python train_gpt2.py --sample-from log --prompt "Hello,"     # from a run's newest checkpoint
     python train_gpt2.py --export-hf log/ckpt_019073.pt gpt2_ours  # our checkpoint -> transformers dir
-The recipe's flags are the defaults; configs/gpu8.txt and configs/gpu1.txt write them out.
 """
 
 import os
@@ -43,36 +41,31 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
-from support.checkpoints import load_checkpoint, save_training_state
-from support.checks import check_args, check_data, check_init_shape, check_model_fits, warmup_note
-from support.common import (
-    GPT2_VOCAB,
-    ArgumentParser,
-    UserError,
-    first_line,
-    run_cli,
-    said_on_interrupt,
-    same_on_every_rank,
-)
-from support.ddp import join_process_group
+from support.checkpoints import all_rng_states, load_checkpoint, save_training_state
+from support.checks import Number, check_args, check_data, check_init_shape, check_model_fits
+from support.cli import ArgumentParser, UserError, run_cli, said_on_interrupt, said_once_a_node, same_on_every_rank
+from support.ddp import setup_distributed
+from support.device import choose_compile, keep_freed_memory, pick_device, set_deterministic
 from support.divergence import NonFiniteGuard
 from support.dry_run import dry_run_job
+from support.gpu import peak_flops
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
-from support.machine import choose_compile, keep_freed_memory, peak_flops, pick_device, set_deterministic
 from support.model_files import find_model
-from support.out_dir import check_not_data_folder, claim_out_dir, missing_folders, release_out_dir, remove_made_folders
-from support.out_of_memory import oom_phase, training_out_of_memory
-from support.precision import AUTOCAST_DTYPES, grad_scaler, loss_scale, pick_dtype
+from support.out_dir import missing_folders, release_out_dir, remove_made_folders
+from support.out_of_memory import forget_phases, oom_phase, training_out_of_memory
+from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
 from support.presets import expand_presets
-from support.resume import report_resume, restore_training_state, resume_checkpoint
+from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
 from support.run_log import RunLog
-from support.sampling import encode_prompt, note_if_samples_stop_early, print_samples, sample_text
+from support.sampling import check_sampling, log_samples, print_samples
 from support.shards import (
+    GPT2_VOCAB,
     ShardFile,
     check_batch_fits,
     check_batch_ids,
     check_same_shards,
     check_token_ids,
+    data_identity,
     find_shards,
     get_tokenizer,
     load_shard,
@@ -216,13 +209,12 @@ class GPT(nn.Module):
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        if verbose:
-            print(f"decayed tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
-            print(f"non-decayed tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
         # the fused kernel updates every tensor in one launch instead of a chain of small ones
         # (torch has it for cuda, mps and cpu, every device pick_device allows)
         fused = device_type in ("cuda", "mps", "cpu")
         if verbose:
+            print(f"decayed tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
+            print(f"non-decayed tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
             print(f"using fused AdamW: {fused}")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
 
@@ -250,6 +242,9 @@ class GPT(nn.Module):
         """Write this model as a transformers GPT2LMHeadModel directory (vocab trimmed to 50257,
         tied embeddings) with GPT-2's tokenizer; out_dir must be new, empty or an earlier export."""
         save_hf_gpt2(asdict(self.config), self.state_dict(), out_dir)
+        padding = self.config.vocab_size - GPT2_VOCAB
+        rows = f"; its {padding} padding rows of the vocabulary left out" if padding else ""
+        print(f"wrote a transformers GPT-2 directory to {out_dir}: the model and GPT-2's tokenizer{rows}")
 
 
 def flops_per_token(config, T):
@@ -277,20 +272,20 @@ def model_from_checkpoint(ckpt, path):
     try:
         config = GPTConfig(**ckpt["model_config"])
     except TypeError as e:
-        raise UserError(f"checkpoint {path}: its model_config is not a GPT config ({first_line(e)})") from None
+        raise UserError(f"checkpoint {path}: its model_config is not a GPT config ({e})") from None
     return GPT.from_state_dict(config, ckpt["model"], f"checkpoint {path}")
 
 
 # --- Device and precision: TF32 and bf16 autocast on CUDA, torch.compile --------------------------
 
 
-def autocast(device_type, dtype):
-    """Autocast to dtype (bf16 or fp16) when it is set, a no-op otherwise."""
-    return torch.autocast(device_type=device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-
-
-def set_precision_and_seeds(args, device_type):
-    """({"dtype", "dtype_reason"}, autocast dtype or None, compile?): bf16 (fp16) autocast, compile on CUDA."""
+def set_precision_and_seeds(args, device, world_size, grad_accum_steps, master_process):
+    """bf16 (fp16) autocast, TF32 and compile on CUDA, the seeds, --deterministic; rank 0 says how the
+    run computes. -> (that, for the log; how a batch runs: device, autocast dtype (None: fp32), B, T
+    and the total batch, which the evals and the out-of-memory advice for -B read too)."""
+    device_type = torch.device(device).type
+    if device_type == "cpu":
+        keep_freed_memory()  # faster steps for small models: see its docstring
     dtype, why = pick_dtype(args.dtype, device_type)
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the matmuls autocast leaves in fp32
@@ -299,8 +294,14 @@ def set_precision_and_seeds(args, device_type):
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
-    use_compile = choose_compile(args.compile, device_type, verbose=os.environ.get("RANK", "0") == "0")
-    return {"dtype": dtype, "dtype_reason": why}, AUTOCAST_DTYPES[dtype], use_compile
+    use_compile = choose_compile(args.compile, device_type, verbose=master_process)
+    B, T, total = args.batch_size, args.seq_len, args.total_batch_size
+    if master_process:
+        print(f"device {device} x {world_size} | dtype {dtype} ({why}) | compile {use_compile}")
+        print(f"total batch {total:,} tokens = B {B} x T {T} x {world_size} ranks x {grad_accum_steps} micro-steps")
+    setup = dict(grad_accum_steps=grad_accum_steps, world_size=world_size, dtype=dtype, dtype_reason=why)
+    batch = dict(device=device, autocast_dtype=AUTOCAST_DTYPES[dtype], B=B, T=T)
+    return {**setup, "compile": use_compile}, {**batch, "total_batch_size": total}
 
 
 # --- Data: token shards on disk, memory-mapped (their format: support/shards.py) ------------------
@@ -329,6 +330,7 @@ class DataLoaderLite:
         self.batches_per_epoch = sum(max(0, (n - 1) // self.chunk) for n in sizes)  # a batch never spans two shards
         check_batch_fits(self.batches_per_epoch, sizes, self.chunk, data_dir, split)
         self.tokens_per_epoch = self.batches_per_epoch * self.chunk
+        self.identity = data_identity(data_dir)  # the folder's shards: a checkpoint records them, --resume checks
         self.set_position(0, 0, 0)
 
     def shard_order(self, epoch):
@@ -382,14 +384,31 @@ def load_val_tokens(data_dir, n_tokens, vocab_size=None):
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+def load_data(args, config, ddp_rank, ddp_world_size, device, master_process):
+    """(the train loader of this rank's slices, the val set or None), checked against the run now."""
+    oom_phase("reading the data", val_tokens=args.val_tokens)
+    order = dict(rank=ddp_rank, world_size=ddp_world_size, shuffle=not args.no_shuffle, seed=args.seed)
+    B, T, data_dir, vocab_size = args.batch_size, args.seq_len, args.data_dir, config.vocab_size
+    with said_once_a_node():  # the ranks of a node read the same folder: a mistake in it is said once
+        train_loader = DataLoaderLite(data_dir, "train", B, T, **order, vocab_size=vocab_size, device=device)
+        val_tokens = load_val_tokens(data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
+        check_data(args, train_loader.tokens_per_epoch, val_tokens, master_process)
+    return train_loader, val_tokens
+
+
 # --- Schedule -------------------------------------------------------------------------------------
 
 
+def warmup_lr(step, max_lr, warmup_steps):
+    """The lr of warm-up step `step`: linear up to max_lr. Step 0 already gets max_lr / warmup_steps:
+    a step at lr 0 would be a wasted step."""
+    return max_lr * (step + 1) / warmup_steps
+
+
 def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
-    """Linear warmup to max_lr, then cosine decay to min_lr at max_steps, min_lr after.
-    Step 0 already gets max_lr / warmup_steps: a step at lr 0 would be a wasted step."""
+    """Linear warmup to max_lr, then cosine decay to min_lr at max_steps, min_lr after."""
     if step < warmup_steps:
-        return max_lr * (step + 1) / warmup_steps
+        return warmup_lr(step, max_lr, warmup_steps)
     if step >= max_steps:
         return min_lr
     decay_ratio = (step - warmup_steps) / (max_steps - warmup_steps)  # 0 .. 1
@@ -433,67 +452,12 @@ def evaluate_val_loss(
     return None if interrupted else loss_sum / (n_seq * T)
 
 
-# --- Processes: one per GPU under torchrun (DDP), each with its rank ------------------------------
+# --- The training run: the model, the side evaluations, and the loop -----------------------------
 
 
-@dataclass
-class DistInfo:
-    """Who this process is in the job; torchrun sets RANK, LOCAL_RANK and WORLD_SIZE."""
-
-    ddp: bool
-    ddp_rank: int
-    ddp_local_rank: int
-    ddp_world_size: int
-
-    @property
-    def master_process(self):  # the one process that prints, logs and writes checkpoints
-        return self.ddp_rank == 0
-
-
-def setup_distributed(args, given):
-    """(DistInfo, device, device_type): the flags checked, then the process group joined."""
-    env = os.environ
-    dist_info = DistInfo(
-        "RANK" in env, int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    )
-    device, device_type = pick_device(args.device)
-    if dist_info.ddp and device_type == "cuda":
-        device = f"cuda:{dist_info.ddp_local_rank}"
-        torch.cuda.set_device(device)
-    check_args(args, dist_info.ddp_world_size, given)  # before any process starts waiting on another
-    if dist_info.ddp:  # a rank that freezes (not dies: torchrun sees that) fails the others' collectives after this
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        join_process_group(backend, args.ddp_timeout)
-    return dist_info, device, device_type
-
-
-# --- The training run: the model, the data, the side evaluations, and the loop --------------------
-
-
-@dataclass
-class Run:
-    """A training run's parts, as the loop, the evaluations, the checkpoints and the out-of-memory
-    advice (support/out_of_memory.py) share them."""
-
-    args: argparse.Namespace
-    dist_info: DistInfo
-    device: str
-    autocast_dtype: torch.dtype
-    grad_accum_steps: int
-    use_compile: bool
-    scaler: torch.amp.GradScaler = None  # fp16's loss scaling; disabled (a no-op) for bf16 and fp32
-    model: nn.Module = None  # the raw module: evaluation, sampling and checkpoints never go through compile or DDP
-    optimizer: torch.optim.Optimizer = None
-    loader: DataLoaderLite = None
-    run_id: str = None
-    val_tokens: np.ndarray = None
-    val_loss: float = None
-    hellaswag_examples: hellaswag.Prepared = None  # tokenized once; None: no HellaSwag eval
-    sampling: dict = None  # sample_text's tokenizer, prompt (checked) and sampling flags; None: no samples
-
-
-def build_model(args, ckpt, ckpt_path, device, master_process):
+def build_model(args, given, ckpt, ckpt_path, device, master_process):
     """The checkpoint's model on --resume, else a new one from the model flags or --init-from."""
+    oom_phase("building the model", init_from=args.init_from, resume=bool(args.resume))
     if ckpt is not None:
         model = model_from_checkpoint(ckpt, ckpt_path)
     elif args.init_from == "scratch":
@@ -502,6 +466,7 @@ def build_model(args, ckpt, ckpt_path, device, master_process):
         model = GPT(GPTConfig(**shape))
     else:
         model = load_model(args.init_from)
+        check_init_shape(args, given, asdict(model.config), master_process)  # model flags given too: a note
     if args.seq_len > model.config.block_size:
         raise UserError(f"--seq-len {args.seq_len} is longer than the model's block_size {model.config.block_size}")
     if master_process:
@@ -509,328 +474,281 @@ def build_model(args, ckpt, ckpt_path, device, master_process):
     return model.to(device)
 
 
-def prepare_side_evals(run, enc):
-    """Tokenize HellaSwag and the prompt, and draw one sample token, now: a bad prompt or
-    sampling setting fails at start, not at the first sample step hours in."""
-    args, dist_info, block_size = run.args, run.dist_info, run.model.config.block_size
+def prepare_side_evals(args, model, autocast_dtype, master_process, ddp):
+    """(HellaSwag's examples, sample_text's settings; None: off), both made and checked at start."""
+    enc = get_tokenizer() if args.hellaswag_every > 0 or args.sample_every > 0 else None
+    examples, sampling = None, None
     if args.hellaswag_every > 0:  # None after a warning: a run never dies for want of its side evaluation
-        run.hellaswag_examples = hellaswag.load_for_run(
-            args.hellaswag_data, args.hellaswag_limit, enc, dist_info.master_process, dist_info.ddp
-        )
-    if args.sample_every > 0:
-        tokens = encode_prompt(enc, args.prompt, block_size)
-        if dist_info.master_process:
-            note_if_samples_stop_early(len(tokens), args.max_new_tokens, block_size)
-        # sample_text's fixed seed: the same noise at every sample step, so samples show what was learned
+        examples = hellaswag.load_for_run(args.hellaswag_data, args.hellaswag_limit, enc, master_process, ddp)
+    if args.sample_every > 0:  # sample_text's settings; top_k None (--top-k 0): all tokens
         settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
-        run.sampling = dict(enc=enc, prompt=enc.decode(tokens), **settings)  # top_k None (--top-k 0): all tokens
-        # every rank samples, here and in run_evals: none waits alone in a collective meanwhile
-        with oom_phase("sampling check", run=run), autocast(torch.device(run.device).type, run.autocast_dtype):
-            sample_text(run.model, max_new_tokens=1, **run.sampling)
+        sampling = check_sampling(
+            model, enc, args.prompt, args.max_new_tokens, autocast_dtype, master_process, **settings
+        )
+    return examples, sampling
 
 
-def run_evals(step, run, stop, log):
-    """Val loss, HellaSwag and samples when their cadence (or the last step) says so. Each polls
-    stop: a stop signal cuts it short, and nothing of it is logged."""
-    args, dist_info = run.args, run.dist_info
-    due = lambda every: every > 0 and (step % every == 0 or step == args.max_steps)  # noqa: E731
-    # both evals: on the run's device and precision, each rank its share (the sums reduced), polling stop
-    shared = dict(device=run.device, autocast_dtype=run.autocast_dtype, should_stop=stop)
-    shared.update(rank=dist_info.ddp_rank, world_size=dist_info.ddp_world_size)
-    if run.val_tokens is not None and due(args.eval_every):
-        with oom_phase("val loss", run=run, step=step):
-            B, T, progress = args.batch_size, args.seq_len, dist_info.master_process
-            val_loss = evaluate_val_loss(run.model, run.val_tokens, B=B, T=T, progress=progress, **shared)
-        if val_loss is not None:
-            run.val_loss = val_loss
-            log({"step": step, "val_loss": val_loss})
-    if run.hellaswag_examples is not None and due(args.hellaswag_every) and not stop():
-        with oom_phase("HellaSwag eval", run=run, step=step):
-            result = hellaswag.evaluate_all_ranks(run.model, run.hellaswag_examples, **shared)
-        if result is not None:
-            log({"step": step, **result})
-    if due(args.sample_every) and step > 0 and not stop():  # every rank samples, rank 0 logs them
-        with oom_phase("sampling", run=run, step=step), autocast(torch.device(run.device).type, run.autocast_dtype):
-            samples = sample_text(run.model, max_new_tokens=args.max_new_tokens, stop=stop, **run.sampling)
-        if samples is not None:
-            log({"step": step, "samples": samples})
+def log_val_loss(step, model, val_tokens, log, out_dir, batch, **ranks):
+    """The val loss after `step` updates, -B rows of -T at a time, logged; None if a stop cut it short."""
+    oom_phase("val loss", step=step, out_dir=out_dir, **batch)
+    B, T, device, autocast_dtype = batch["B"], batch["T"], batch["device"], batch["autocast_dtype"]
+    val_loss = evaluate_val_loss(model, val_tokens, B, T, device, autocast_dtype, progress=ranks["rank"] == 0, **ranks)
+    if val_loss is not None:
+        log({"step": step, "val_loss": val_loss})
+    return val_loss
 
 
-def start_run(args, given):
-    """The processes, device and precision, and on --resume the checkpoint with what it decides;
-    -> (Run, the checkpoint's path and contents or None, the allowed changes, the dtype and why)."""
-    dist_info, device, device_type = setup_distributed(args, given)
-    if device_type == "cpu":
-        keep_freed_memory()  # faster steps for small models: see its docstring
-    claim = lambda: claim_out_dir(args.out_dir, args.resume)  # noqa: E731  (rank 0's, in resume_checkpoint)
-    with oom_phase("loading the checkpoint"):
-        ckpt_path, ckpt, changes, taken = resume_checkpoint(args, given, dist_info.ddp, dist_info.master_process, claim)
-    check_args(args, dist_info.ddp_world_size, given)  # again: the checkpoint's recipe with this run's changes
-    B, T, ddp_world_size = args.batch_size, args.seq_len, dist_info.ddp_world_size
-    grad_accum_steps = args.total_batch_size // (B * T * ddp_world_size)
-    precision, autocast_dtype, use_compile = set_precision_and_seeds(args, device_type)
-    if dist_info.master_process:
-        dtype = f"{precision['dtype']} ({precision['dtype_reason']})"
-        print(f"device {device} x {ddp_world_size} | dtype {dtype} | compile {use_compile}")
-        print(f"total batch {args.total_batch_size:,} tokens = B {B} x T {T} x {ddp_world_size} ranks", end="")
-        print(f" x {grad_accum_steps} accumulation steps")
-        report_resume(changes, taken)
-        if (note := warmup_note(args)) is not None:
-            print(note)
-    run = Run(args, dist_info, device, autocast_dtype, grad_accum_steps, use_compile)
-    run.scaler = grad_scaler(precision["dtype"], device_type)
-    return run, ckpt_path, ckpt, changes, precision
+def log_hellaswag(step, model, examples, log, out_dir, batch, **ranks):
+    """HellaSwag's accuracy after `step` updates, each rank its share; logged unless a stop cut it short."""
+    oom_phase("HellaSwag eval", step=step, out_dir=out_dir)
+    result = hellaswag.evaluate_all_ranks(model, examples, batch["device"], batch["autocast_dtype"], **ranks)
+    if result is not None:
+        log({"step": step, **result})
+
+
+def open_log(args, master_process, run_id, resumed_from, changes, batch, min_lr, **setup):
+    """(The run's log, its header written: the flags, the model, how the run computes; MFU per token/s,
+    a token's FLOPs over one GPU's peak, per GPU, or None). resumed_from: the step its checkpoint
+    holds (never 0: a checkpoint follows a step), or None (a new run, a restart)."""
+    device, config, flops = batch["device"], batch["config"], flops_per_token(batch["config"], batch["T"])
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or device
+    log = RunLog(args.out_dir, master_process, args.max_steps)
+    header = {**vars(args), **setup, "model_config": asdict(config), "min_lr": min_lr, "flops_per_token": flops}
+    log.header(run_id, name, resumed_from, changes, header)
+    peak = args.peak_flops or (peak_flops(name) if device.startswith("cuda") else None)
+    return log, flops / setup["world_size"] / peak if peak else None
+
+
+def step_record(t0, device_type, total_batch_size, mfu_per_token, record):
+    """A training step's log record: record and its speed, from t0 to when the GPU has done the step."""
+    if device_type == "cuda":
+        torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
+    dt = time.perf_counter() - t0
+    tok_per_sec, tokens = total_batch_size / dt, (record["step"] + 1) * total_batch_size
+    mfu = mfu_per_token * tok_per_sec if mfu_per_token else None  # of one GPU's peak, per GPU
+    return {**record, "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec, "mfu": mfu, "tokens": tokens}
+
+
+def gradients(model, optimizer, scaler, train_loader, grad_accum_steps, grad_clip, batch):
+    """One batch's gradients over grad_accum_steps micro-batches, clipped to grad_clip (0: not); -> (its
+    mean loss over every rank, the norm before clipping, {"loss_scale": the one used} in fp16, else {})."""
+    optimizer.zero_grad(set_to_none=True)
+    device, autocast_dtype, ddp = batch["device"], batch["autocast_dtype"], isinstance(model, DDP)
+    loss_accum = torch.zeros((), device=device)
+    for micro_step in range(grad_accum_steps):
+        x, y = train_loader.next_batch()
+        # DDP all-reduces gradients in backward; only the last micro-step needs it, and DDP
+        # decides in forward whether to, so no_sync() covers forward and backward
+        last_micro = micro_step == grad_accum_steps - 1
+        with model.no_sync() if ddp and not last_micro else nullcontext():
+            with autocast(torch.device(device).type, autocast_dtype):
+                _, loss = model(x, y)
+            # each micro-batch's loss is a mean over B*T tokens; the batch's is the mean of those
+            loss = loss / grad_accum_steps
+            loss_accum += loss.detach()
+            scaler.scale(loss).backward()  # fp16: times the loss scale (else unchanged)
+    if ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
+        dist.all_reduce(loss_accum)
+        loss_accum /= dist.get_world_size()
+    scaler.unscale_(optimizer)  # fp16: the true gradients, for the clip and the logged norm
+    # clip_grad_norm_ returns the norm before clipping; with inf it only measures it
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+    return loss_accum.item(), norm.item(), loss_scale(scaler)
 
 
 def train(args, given=frozenset()):
-    # --- config: processes, device, precision, batch arithmetic --------------------------------
-    run, ckpt_path, ckpt, changes, precision = start_run(args, given)
-    dist_info, device, device_type = run.dist_info, run.device, torch.device(run.device).type
-    ddp, ddp_rank, ddp_world_size = dist_info.ddp, dist_info.ddp_rank, dist_info.ddp_world_size
-    master_process, autocast_dtype = dist_info.master_process, run.autocast_dtype
-    grad_accum_steps = run.grad_accum_steps
-    B, T = args.batch_size, args.seq_len
+    # --- processes and device; on --resume the checkpoint and its recipe; then every flag is checked --
+    ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = setup_distributed(args.device, args.ddp_timeout)
+    device_type, master_process = torch.device(device).type, ddp_rank == 0  # rank 0 prints, logs, checkpoints
+    ckpt_path, ckpt, run_id, changes = resume_checkpoint(args, given, command_line()[1], ddp, master_process)
+    check_args(args, ddp_world_size, given, warmup_lr)  # the recipe as the checkpoint and the command line make it
+    grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * ddp_world_size)
+    setup, batch = set_precision_and_seeds(args, device, ddp_world_size, grad_accum_steps, master_process)
 
-    # --- model -------------------------------------------------------------------------------
-    with oom_phase("building the model", run=run):
-        run.model = raw_model = build_model(args, ckpt, ckpt_path, device, master_process)
-    config = raw_model.config
-    check_init_shape(args, given, asdict(config), master_process)  # model flags with --init-from: a note
+    # --- model and data; evaluation, sampling and checkpoints use raw_model, not compile's or DDP's ---
+    raw_model = build_model(args, given, ckpt, ckpt_path, device, master_process)
+    batch["config"] = raw_model.config  # the out-of-memory advice's estimate for -B reads it
+    train_loader, val_tokens = load_data(args, raw_model.config, ddp_rank, ddp_world_size, device, master_process)
 
-    # --- data --------------------------------------------------------------------------------
-    vocab_size = config.vocab_size
-    try:  # the ranks of a node read the same folder: a mistake in it is said once a node
-        with oom_phase("reading the data", run=run):
-            # this rank's slices of every batch, the shards in an order drawn from the seed each epoch
-            order = dict(rank=ddp_rank, world_size=ddp_world_size, shuffle=not args.no_shuffle, seed=args.seed)
-            run.loader = train_loader = DataLoaderLite(
-                args.data_dir, "train", B, T, **order, vocab_size=vocab_size, device=device
-            )
-            run.val_tokens = (
-                load_val_tokens(args.data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
-            )
-        check_data(args, train_loader.tokens_per_epoch, run.val_tokens, master_process)
-    except UserError as e:
-        raise e if e.every_rank else same_on_every_rank(e, node=True) from None
-
-    # --- optimizer and schedule ------------------------------------------------------------------
-    betas, min_lr = (args.beta1, args.beta2), args.min_lr if args.min_lr is not None else 0.1 * args.max_lr
-    run.optimizer = optimizer = raw_model.configure_optimizers(
-        args.weight_decay, args.max_lr, device_type, betas, args.adam_eps, verbose=master_process
-    )
-    with oom_phase("loading the checkpoint"):
-        start_step, run.run_id, run.val_loss = restore_training_state(
-            ckpt, ckpt_path, optimizer, train_loader, ddp_rank, device_type, run.scaler
-        )
+    # --- optimizer and schedule ---------------------------------------------------------------------
+    min_lr = args.min_lr if args.min_lr is not None else 0.1 * args.max_lr
+    betas, eps = (args.beta1, args.beta2), args.adam_eps
+    optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, device_type, betas, eps, master_process)
+    scaler = grad_scaler(setup["dtype"], device_type)  # fp16's loss scaling; a no-op for bf16 and fp32
+    start_step, val_loss = restore_training_state(ckpt, ckpt_path, optimizer, train_loader, scaler, ddp_rank)
     del ckpt  # the weights and optimizer state now live in the model and optimizer
-    with oom_phase("start", run=run):
-        model = torch.compile(raw_model) if run.use_compile else raw_model
-        if ddp:
-            model = DDP(model, device_ids=[dist_info.ddp_local_rank] if device_type == "cuda" else None)
+    oom_phase("start", **batch)
+    model = torch.compile(raw_model) if setup["compile"] else raw_model
+    if ddp:
+        model = DDP(model, device_ids=[ddp_local_rank] if device_type == "cuda" else None)
 
-    # --- what runs mid-training is exercised now, not first at hour three -----------------------
-    prepare_side_evals(run, get_tokenizer() if args.hellaswag_every > 0 or args.sample_every > 0 else None)
+    # --- what runs mid-training is exercised now, not first at hour three; then the log -------------
+    examples, sampling = prepare_side_evals(args, raw_model, batch["autocast_dtype"], master_process, ddp)
     if args.dry_run:  # every start-up check passed; nothing is trained or written
         return print("dry run: the flags, the data, --out-dir and the sampling check are fine") or 0
-    flops = flops_per_token(config, T)
-    device_name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or device_type
-    peak = args.peak_flops or (peak_flops(device_name) if device_type == "cuda" else None)
-    log = RunLog(args.out_dir, master_process, args.max_steps)
-    header = {**vars(args), "grad_accum_steps": grad_accum_steps, "world_size": ddp_world_size, **precision}
-    header.update(compile=run.use_compile, model_config=asdict(config), min_lr=min_lr, flops_per_token=flops)
-    log.header(run.run_id, device_name, start_step if ckpt_path else None, changes, header)
+    log, mfu_per_token = open_log(args, master_process, run_id, start_step or None, changes, batch, min_lr, **setup)
 
-    def checkpoint(step):
-        with oom_phase("writing the checkpoint", run=run, step=step):
-            save_training_state(step, run)
+    def checkpoint(step):  # every rank: the RNG states are gathered from all, rank 0 writes
+        ckpt = dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), data=train_loader.state_dict())
+        ckpt.update(scaler=scaler.state_dict() if scaler.is_enabled() else None, model_config=asdict(raw_model.config))
+        ckpt.update(rng=all_rng_states(device_type, ddp, ddp_world_size), run_id=run_id, step=step, val_loss=val_loss)
+        ckpt.update(world_size=ddp_world_size, data_identity=train_loader.identity)  # the shards it started on
+        ckpt.update(train_config={**vars(args), "data_dir": os.path.abspath(args.data_dir)})  # --resume from anywhere
+        return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp)
 
-    stop, guard = StopRequest(args.out_dir), NonFiniteGuard(log, master_process, checkpoint, args.out_dir, run.scaler)
-
-    # --- the loop ------------------------------------------------------------------------------
-    # Iteration `step` first evaluates the model after `step` updates (not timed), checkpoints,
-    # then makes update number step+1. The last iteration only evaluates and checkpoints.
-    for step in range(start_step, args.max_steps + 1):
-        last_step = step == args.max_steps
-        if step > start_step or start_step == 0:  # a resumed step's evals are in its checkpoint already
-            run_evals(step, run, stop, log)
-        signum = stop.agreed(device, ddp)  # all ranks stop at the same step, whichever got the signal
-        if signum or (step > start_step and ((args.ckpt_every > 0 and step % args.ckpt_every == 0) or last_step)):
+    # an eval is due at its cadence and the last step, not at a resumed step (its checkpoint holds them)
+    due = lambda n: n > 0 and (step % n == 0 or step == args.max_steps) and (step > start_step or step == 0)  # noqa: E731
+    stop = StopRequest(args.out_dir)
+    guard = NonFiniteGuard(log, master_process, checkpoint, args.out_dir, args.max_lr, scaler)
+    ranks = dict(rank=ddp_rank, world_size=ddp_world_size, should_stop=stop)  # every rank evaluates its share
+    for step in range(start_step, args.max_steps + 1):  # evaluate the model after `step` updates, then update
+        # once in a while evaluate the val loss (every rank, even one with a stop request: it all-reduces)
+        if val_tokens is not None and due(args.eval_every):
+            val_loss = log_val_loss(step, raw_model, val_tokens, log, args.out_dir, batch, **ranks) or val_loss
+        # once in a while evaluate HellaSwag
+        if examples is not None and due(args.hellaswag_every) and not stop():
+            log_hellaswag(step, raw_model, examples, log, args.out_dir, batch, **ranks)
+        # once in a while generate some samples
+        if sampling is not None and due(args.sample_every) and step > 0 and not stop():
+            log_samples(step, raw_model, sampling, args.max_new_tokens, log, args.out_dir, batch, stop)
+        # once in a while, and when a stop signal came (every rank at the same step), save a checkpoint
+        signum = stop.agreed(device, ddp)
+        if signum or (step > start_step and (due(args.ckpt_every) or step == args.max_steps)):
             checkpoint(step)
-        if signum:
-            return 128 + signum  # the shell's code for "ended by this signal"
-        if last_step:
+        if signum or step == args.max_steps:
             break
 
-        # --- TRAINING STEP BEGIN -----------------------------------------------------------------
+        # the optimization step
         t0 = time.perf_counter()
-        with oom_phase("training step", run=run, step=step, first=step == start_step):
-            optimizer.zero_grad(set_to_none=True)
-            loss_accum = torch.zeros((), device=device)
-            for micro_step in range(grad_accum_steps):
-                x, y = train_loader.next_batch()
-                # DDP all-reduces gradients in backward; only the last micro-step needs it, and DDP
-                # decides in forward whether to, so no_sync() covers forward and backward
-                last_micro = micro_step == grad_accum_steps - 1
-                with model.no_sync() if ddp and not last_micro else nullcontext():
-                    with autocast(device_type, autocast_dtype):
-                        _, loss = model(x, y)
-                    # each micro-batch's loss is a mean over B*T tokens; the batch's is the mean of those
-                    loss = loss / grad_accum_steps
-                    loss_accum += loss.detach()
-                    run.scaler.scale(loss).backward()  # fp16: times the loss scale (else unchanged)
-            if ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
-                dist.all_reduce(loss_accum)
-                loss_accum /= ddp_world_size
-            run.scaler.unscale_(optimizer)  # fp16: the true gradients, for the clip and the logged norm
-            # clip_grad_norm_ returns the norm before clipping; with inf it only measures it
-            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or math.inf)
-            lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss, norm, scale = loss_accum.item(), norm.item(), loss_scale(run.scaler)  # fp16: the scale used
-            if guard.skip(step, loss, norm, lr):  # a NaN / inf step is not applied
-                continue
-            run.scaler.step(optimizer)  # optimizer.step(): its gradients are finite (the guard saw to it)
-            run.scaler.update()
-            if device_type == "cuda":
-                torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
-        dt = time.perf_counter() - t0
-        # --- TRAINING STEP END -------------------------------------------------------------------
-
-        tok_per_sec = args.total_batch_size / dt
-        mfu = flops * tok_per_sec / ddp_world_size / peak if peak else None  # of one GPU's peak, per GPU
-        record = {"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000, **scale}
-        record.update(
-            tok_per_sec=tok_per_sec, mfu=mfu, tokens=(step + 1) * args.total_batch_size, epoch=train_loader.epoch
-        )
-        log(record)
-    if master_process and run.val_loss is not None:
-        print(f"done: {args.max_steps} steps, val loss {run.val_loss:.6f}")
+        oom_phase("training step", step=step, first=step == start_step, out_dir=args.out_dir, **batch)
+        loss, norm, scale = gradients(model, optimizer, scaler, train_loader, grad_accum_steps, args.grad_clip, batch)
+        lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if guard.skip(step, loss, norm, lr):  # a NaN / inf step is not applied
+            continue
+        scaler.step(optimizer)  # optimizer.step(): its gradients are finite (the guard saw to it)
+        scaler.update()
+        record = dict(step=step, train_loss=loss, lr=lr, grad_norm=norm, **scale, epoch=train_loader.epoch)
+        log(step_record(t0, device_type, args.total_batch_size, mfu_per_token, record))
+    if signum:
+        return 128 + signum  # the shell's code for "ended by this signal"
+    if master_process and val_loss is not None:
+        print(f"done: {args.max_steps} steps, val loss {val_loss:.6f}")
     return 0
 
 
-# --- Command line: every flag is checked before step 0 (support/checks.py) ---------------------
+# --- Command line: each flag in the group of its role on --resume (support/resume.py) ------------
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The usage examples as written, and every flag's default in --help."""
 
 
+def command_line():
+    """(the parser, {flag: its role on --resume}): each flag is added through the group of its role,
+    support/resume.py's RECIPE or RUN_SETTING, or None (a checkpoint never sets the job's and the
+    machine's); each number flag's type refuses what the code cannot use."""
+    p = ArgumentParser(prog="train_gpt2.py", description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    roles = {}
+
+    def group(title, role):  # -> add(flag, ...): argparse's add_argument, the flag's role recorded
+        g = p.add_argument_group(title)
+        return lambda *names, **kwargs: roles.update({g.add_argument(*names, **kwargs).dest: role})
+
+    add = group("the job and the machine (never taken from a checkpoint)", None)
+    add("--out-dir", default="log", help="log.jsonl and checkpoints of one run go here")
+    add("--resume", nargs="?", const="latest", metavar="CKPT", help="the newest in --out-dir, CKPT, a run's folder")
+    add("--init-from", default="scratch", help="scratch, gpt2*, a transformers dir, a checkpoint, a run's folder")
+    add("--sample-from", metavar="MODEL", help="gpt2*, a transformers dir, a checkpoint, a run's folder")
+    add("--export-hf", nargs=2, metavar=("CKPT", "DIR"), help="write our checkpoint as a transformers dir")
+    add("--dry-run", action="store_true", help="run a job's start-up checks, then exit: nothing is written")
+    add("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
+    add("--dtype", default="auto", choices=("auto", *AUTOCAST_DTYPES), help="auto: see the README")
+    add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (None: on for CUDA)")
+    add("--peak-flops", type=Number.ABOVE_ZERO, help="the device's peak FLOP/s, for MFU (None: a table of GPUs)")
+    add("--ddp-timeout", type=Number.DDP_SECONDS, default=1800, help="seconds a rank waits for the others")
+    add = group("model (the recipe: with --resume, the checkpoint's; another value is refused)", RECIPE)
+    add("--n-layer", type=Number.POSITIVE, default=12)
+    add("--n-head", type=Number.POSITIVE, default=12)
+    add("--n-embd", type=Number.POSITIVE, default=768)
+    add("--vocab-size", type=int, default=50304, help="50257 padded to a multiple of 128: faster matmuls")
+    add("--block-size", type=Number.POSITIVE, default=1024, help="the model's context length")
+    add = group(
+        "batch, optimizer, schedule (the recipe too; on --resume -B, --max-steps and the lr may change)", RECIPE
+    )
+    add("--batch-size", "-B", type=Number.POSITIVE, default=64, help="micro-batch rows per GPU (B)")
+    add("--seq-len", "-T", type=Number.POSITIVE, default=1024, help="tokens per row (T)")
+    add("--total-batch-size", type=Number.POSITIVE, default=524288, help="tokens per optimizer step (2**19)")
+    add("--max-steps", type=Number.POSITIVE, default=19073, help="10B tokens / 524,288")
+    add("--warmup-steps", type=Number.COUNT, default=715, help="linear warm-up steps")
+    add("--max-lr", type=Number.ABOVE_ZERO, default=6e-4, help="peak learning rate")
+    add("--min-lr", type=Number.FINITE, default=None, help="the lr the cosine ends at (None: 0.1 * max-lr)")
+    add("--weight-decay", type=Number.AMOUNT, default=0.1, help="AdamW's, on matrices and embeddings only")
+    add("--beta1", type=Number.FRACTION, default=0.9, help="AdamW beta1")
+    add("--beta2", type=Number.FRACTION, default=0.95, help="AdamW beta2")
+    add("--adam-eps", type=Number.ABOVE_ZERO, default=1e-8, help="AdamW epsilon")
+    add("--grad-clip", type=Number.AMOUNT, default=1.0, help="max global grad norm; 0 turns clipping off")
+    add("--seed", type=int, default=1337, help="model init, shard order")
+    add("--no-shuffle", action="store_true", help="read the shards in name order every epoch")
+    add = group("data, evaluation, sampling, checkpoints (with --resume: the run's unless given)", RUN_SETTING)
+    add("--data-dir", default="edu_fineweb10B", help="folder of *_train_*/*_val_* .npy or .bin shards")
+    add("--eval-every", type=Number.COUNT, default=250, help="val loss every N steps (0: never)")
+    add("--val-tokens", type=Number.COUNT, default=10_485_760, help="val loss over this many tokens (any GPU count)")
+    add("--hellaswag-every", type=Number.COUNT, default=250, help="HellaSwag every N steps (0: never)")
+    add("--hellaswag-limit", type=Number.POSITIVE, default=None, help="only the first N HellaSwag examples")
+    add("--hellaswag-data", help="a local HellaSwag jsonl (None: hellaswag.py's cache or download)")
+    add("--sample-every", type=Number.COUNT, default=250, help="print samples every N steps (0: never)")
+    add("--prompt", default="Hello, I'm a language model,", help="'' starts from <|endoftext|>")
+    add("--num-samples", type=Number.POSITIVE, default=4)
+    add("--max-new-tokens", type=Number.POSITIVE, default=32)
+    add("--temperature", type=Number.AMOUNT, default=1.0, help="0: greedy")
+    add("--top-k", type=Number.COUNT, default=50, help="sample among the k likeliest tokens (0: all)")
+    add("--ckpt-every", type=Number.COUNT, default=1000, help="checkpoint every N steps, and at the end")
+    add("--keep-ckpts", type=Number.COUNT, default=3, help="keep this run's newest N checkpoints (0: all)")
+    add("--deterministic", action="store_true", help="CUDA kernels that rerun and resume bitwise equal")
+    add("--wandb-project", metavar="NAME", help="log to this wandb project too (pip install wandb)")
+    add("--wandb-run-name", metavar="NAME", help="the wandb run's name (None: the --out-dir folder's)")
+    return p, roles
+
+
 def parse_args(argv=None):
     """(args, the flags given): on --resume, the flags left out take the checkpoint's values."""
-    p = ArgumentParser(prog="train_gpt2.py", description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
-    p.add_argument("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
-    p.add_argument("--seed", type=int, default=1337, help="model init, shard order")
-    p.add_argument("--ddp-timeout", type=float, default=1800, help="seconds a rank waits for the others before failing")
-    p.add_argument("--deterministic", action="store_true", help="CUDA kernels that rerun and resume bitwise equal")
-    p.add_argument("--dry-run", action="store_true", help="run a job's start-up checks, then exit: nothing is written")
-    g = p.add_argument_group("data and output (--data-dir with --resume: the checkpoint's unless given)")
-    g.add_argument("--data-dir", default="edu_fineweb10B", help="folder of *_train_*/*_val_* .npy or .bin shards")
-    g.add_argument("--no-shuffle", action="store_true", help="read the shards in name order every epoch")
-    g.add_argument("--out-dir", default="log", help="log.jsonl and checkpoints of one run go here")
-    g = p.add_argument_group("model (taken from the checkpoint with --resume)")
-    g.add_argument(
-        "--init-from", default="scratch", help="scratch, gpt2*, a transformers dir, a checkpoint, a run's folder"
-    )
-    g.add_argument("--n-layer", type=int, default=12)
-    g.add_argument("--n-head", type=int, default=12)
-    g.add_argument("--n-embd", type=int, default=768)
-    g.add_argument("--vocab-size", type=int, default=50304, help="50257 padded to a multiple of 128: faster matmuls")
-    g.add_argument("--block-size", type=int, default=1024, help="the model's context length")
-    g = p.add_argument_group("batch, optimizer and schedule (taken from the checkpoint with --resume)")
-    g.add_argument("--batch-size", "-B", type=int, default=64, help="micro-batch rows per GPU (B)")
-    g.add_argument("--seq-len", "-T", type=int, default=1024, help="tokens per row (T)")
-    g.add_argument("--total-batch-size", type=int, default=524288, help="tokens per optimizer step (2**19)")
-    g.add_argument("--max-steps", type=int, default=19073, help="10B tokens / 524,288")
-    g.add_argument("--warmup-steps", type=int, default=715, help="linear warm-up steps")
-    g.add_argument("--max-lr", type=float, default=6e-4, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=None, help="the lr the cosine ends at (None: 0.1 * max-lr)")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on matrices and embeddings only")
-    g.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
-    g.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")
-    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 turns clipping off")
-    g = p.add_argument_group("precision and speed")
-    g.add_argument("--dtype", default="auto", choices=("auto", *AUTOCAST_DTYPES), help="auto: see the README")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (None: on for CUDA)")
-    g.add_argument("--peak-flops", type=float, help="the device's peak FLOP/s, for MFU (None: a table of GPUs)")
-    # on --resume, flags left out are the run's; the machine's (device, dtype, compile, peak-flops, ddp-timeout) are not
-    g = p.add_argument_group("evaluation, sampling, checkpoints (with --resume: the run's unless given)")
-    g.add_argument("--eval-every", type=int, default=250, help="val loss every N steps (0: never)")
-    g.add_argument("--val-tokens", type=int, default=10_485_760, help="val loss over this many tokens (any GPU count)")
-    g.add_argument("--hellaswag-every", type=int, default=250, help="HellaSwag every N steps (0: never)")
-    g.add_argument("--hellaswag-limit", type=int, default=None, help="only the first N HellaSwag examples")
-    g.add_argument("--hellaswag-data", help="a local HellaSwag jsonl (None: hellaswag.py's cache or download)")
-    g.add_argument("--sample-every", type=int, default=250, help="print samples every N steps (0: never)")
-    g.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps, and at the end")
-    g.add_argument("--keep-ckpts", type=int, default=3, help="keep this run's newest N checkpoints (0: all)")
-    g.add_argument(
-        "--resume", nargs="?", const="latest", metavar="CKPT", help="the newest in --out-dir, CKPT, a run's folder"
-    )
-    g.add_argument("--wandb-project", metavar="NAME", help="log to this wandb project too (pip install wandb)")
-    g.add_argument("--wandb-run-name", metavar="NAME", help="the wandb run's name (None: the --out-dir folder's)")
-    g = p.add_argument_group("sampling (in training, and with --sample-from) and export")
-    g.add_argument("--sample-from", metavar="MODEL", help="gpt2*, a transformers dir, a checkpoint, a run's folder")
-    g.add_argument("--prompt", default="Hello, I'm a language model,", help="'' starts from <|endoftext|>")
-    g.add_argument("--num-samples", type=int, default=4)
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
-    g.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
-    g.add_argument("--export-hf", nargs=2, metavar=("CKPT", "DIR"), help="write our checkpoint as a transformers dir")
+    p, roles = command_line()
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    try:  # every rank of a torchrun job reads the same command line: a mistake in it is said once
-        argv = expand_presets(argv, p)  # @configs/laptop.txt: its flags, then the typed ones (which win)
-        args = p.parse_args(argv)
+    unset = object()  # argparse fills in no default where the namespace has a value already
+    try:  # every rank of a torchrun job parses the same command line (@presets too): said once
+        args = p.parse_args(expand_presets(argv, p), argparse.Namespace(**dict.fromkeys(roles, unset)))
     except UserError as e:
         raise same_on_every_rank(e) from None
-    # parsed again onto a namespace that already holds every name: argparse fills in no defaults
-    # there, so the names whose value changed are the flags the command line gave
-    unset = object()
-    again = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))
-    given = {name for name, value in vars(again).items() if value is not unset}
-    if args.resume not in (None, "latest") and os.path.isdir(args.resume):  # --resume <a run's folder>
-        check_not_data_folder(args.resume, f"--resume {args.resume}")
-        if "out_dir" in given and os.path.realpath(args.out_dir) != os.path.realpath(args.resume):
-            raise UserError(
-                f"--resume {args.resume} is a run's folder, --out-dir {args.out_dir} another: continue that "
-                f"run with --resume --out-dir {args.resume}, or name the checkpoint to start from"
-            )
-        args.out_dir, args.resume = args.resume, "latest"  # continue it where it is
-        given.add("out_dir")
-    return args, frozenset(given)
+    given = {name for name, value in vars(args).items() if value is not unset}
+    for name in roles.keys() - given:
+        setattr(args, name, p.get_default(name))
+    return args, frozenset(resume_folder(args, given))
 
 
 def main(argv=None):
     args, given = parse_args(argv)
-    if args.sample_from and args.export_hf:
-        raise UserError("--sample-from and --export-hf are two different jobs: pass one")
+    forget_phases()  # a start of its own: no phase of an earlier main() in this process is in progress
     if args.sample_from or args.export_hf:
-        check_args(args, 1, given | {"warmup_steps"})  # the sampling settings; training's do not matter here
+        check_args(args, 1)  # the sampling settings; training's do not matter here
         if args.dry_run:  # the device, the model, the prompt, the export's folder; nothing loaded or written
             pick_device(args.device)
-            return dry_run_job(args, get_tokenizer())  # an export writes the tokenizer too
+            return dry_run_job(args.sample_from, args.export_hf, get_tokenizer(), args.prompt, args.max_new_tokens)
     if args.sample_from:
-        device, _ = pick_device(args.device)
-        model = load_model(args.sample_from, device)
-        with oom_phase("sample-from", args=args):
-            print_samples(model, get_tokenizer(), args)
-        return 0
+        model = load_model(args.sample_from, pick_device(args.device)[0])
+        settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
+        return print_samples(model, get_tokenizer(), args.prompt, args.max_new_tokens, seed=args.seed, **settings)
     if args.export_hf:
         ckpt_path, out_dir = args.export_hf
         with said_on_interrupt(f"interrupted: nothing was exported ({out_dir} is as it was); run the command again"):
-            model = load_model(ckpt_path)
-            model.export_hf(out_dir)
-        padding = model.config.vocab_size - GPT2_VOCAB
-        rows = f"; its {padding} padding rows of the vocabulary left out" if padding else ""
-        print(f"wrote a transformers GPT-2 directory to {out_dir}: the model and GPT-2's tokenizer{rows}")
+            load_model(ckpt_path).export_hf(out_dir)
         return 0
-    previous = {s: signal.getsignal(s) for s in StopRequest.SIGNALS}  # train() replaces them
     made = missing_folders(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else []  # rank 0 makes it
     try:
         return train(args, given)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        StopRequest.release()  # the signal handlers train() replaced
         release_out_dir()  # the lock; a start that failed leaves the folder as it found it
         remove_made_folders(made)  # a run refused at start leaves no empty --out-dir behind
         if dist.is_initialized():
@@ -842,5 +760,5 @@ if __name__ == "__main__":
     run_cli(
         main,
         interrupted="interrupted (a training run continues from its newest checkpoint with --resume)",
-        out_of_memory=training_out_of_memory,  # reads the oom_phase the allocation failed in
+        out_of_memory=training_out_of_memory,  # words the phase marked last (oom_phase)
     )

@@ -38,7 +38,7 @@ from benchmarks.ladder import (
 )
 from benchmarks.settings import ROOT
 from benchmarks.timing import log, stats
-from support.common import write_atomic
+from support.files import write_atomic
 from support.shards import shard_path, write_shard
 
 DEFAULT_BUDGET_S = 480.0  # a 15-minute spell less the machine's start (2-4 min) and a margin

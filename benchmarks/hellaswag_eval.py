@@ -15,7 +15,7 @@ from benchmarks.report import comparison
 from benchmarks.sample import eval_model
 from benchmarks.settings import ROOT, VOCAB
 from benchmarks.timing import interleave, rates, stats, timed
-from support.common import UserError
+from support.cli import UserError
 from support.shards import get_tokenizer
 
 

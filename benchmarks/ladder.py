@@ -19,8 +19,8 @@ from benchmarks.report import fmt_stats
 from benchmarks.settings import ROOT, TRAIN_CONFIGS
 from benchmarks.timing import interleave, log, rates, stats
 from benchmarks.train import fits_in_memory, train_step_fn
-from support.common import write_atomic
-from support.machine import compile_problem, keep_freed_memory
+from support.device import compile_problem, keep_freed_memory
+from support.files import write_atomic
 from support.precision import pick_dtype
 from support.shards import shard_path, write_shard
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig
@@ -38,25 +38,29 @@ LADDER_REFERENCE = {
     "DDP": (1_500_000, None),
 }
 
-# (rung, what it changes, the change's name): each rung keeps every change before it. 1-7 are the
-# reference's; from 8 this project's, past its end point (rung 7 is build-nanogpt's configuration).
+# (rung, what it changes, the change's name, what it needs): each rung keeps every change before
+# it. 1-7 are the reference's; from 8 this project's, past its end point (rung 7 is build-nanogpt's
+# configuration). needs: "cuda" (why a CPU cannot run it) for a rung that runs on CUDA only,
+# "compile" for a setting of torch.compile's (nothing to run without compile)
 LADDER_RUNGS = (
-    (1, "fp32 baseline", None),
-    (2, "TF32 matmuls", "tf32"),
-    (3, "bf16 autocast", "bf16"),
-    (4, "torch.compile", "compile"),
-    (5, "flash attention (SDPA)", "sdpa"),
-    (6, "vocab 50,257 padded to 50,304", "padded_vocab"),
-    (7, "fused AdamW, GPT-3 parameter groups", "fused_adamw"),
-    (8, "LM head + cross-entropy fused in chunks of rows (no full logits)", "chunked_loss"),
-    (9, "larger micro-batch, same total batch", "bigger_B"),
-    (10, "cuDNN attention (SDPA backend)", "cudnn_attention"),
-    (11, 'compile mode "max-autotune-no-cudagraphs"', "autotune"),
-    (12, 'CUDA graphs (compile mode "max-autotune")', "cuda_graphs"),
+    (1, "fp32 baseline", None, {}),
+    (2, "TF32 matmuls", "tf32", {}),
+    (3, "bf16 autocast", "bf16", {}),
+    (4, "torch.compile", "compile", {}),
+    (5, "flash attention (SDPA)", "sdpa", {}),
+    (6, "vocab 50,257 padded to 50,304", "padded_vocab", {}),
+    (7, "fused AdamW, GPT-3 parameter groups", "fused_adamw", {}),
+    (8, "LM head + cross-entropy fused in chunks of rows (no full logits)", "chunked_loss", {}),
+    (9, "larger micro-batch, same total batch", "bigger_B", {}),
+    (10, "cuDNN attention (SDPA backend)", "cudnn_attention", {"cuda": "cuDNN's attention backend"}),
+    (
+        11,
+        'compile mode "max-autotune-no-cudagraphs"',
+        "autotune",
+        {"cuda": "autotunes the GPU's GEMM and Triton kernels", "compile": True},
+    ),
+    (12, 'CUDA graphs (compile mode "max-autotune")', "cuda_graphs", {"cuda": "CUDA graphs", "compile": True}),
 )
-# the rungs that run on CUDA only, and the ones that are compile settings (nothing without compile)
-LADDER_CUDA_ONLY = {"cudnn_attention", "autotune", "cuda_graphs"}
-LADDER_COMPILE_SETTINGS = {"autotune", "cuda_graphs"}
 LADDER_CHUNK_ROWS = 4096  # rung 8: rows of logits at a time; 4,096 x 50,304 in fp32 is 0.8 GB
 LADDER_MAX_B_FACTOR = 8  # rung 9 on CUDA: the micro-batch grows by up to 8x (B 16 -> 128) where it fits
 
@@ -459,28 +463,31 @@ def ladder_setup(s, device, device_type, tmp):
     log(f"  ladder on {device}: {config_text}")
     torch._dynamo.reset()
 
-    skipped = {}
-    if not tf32_has_effect(base_state, c, data_dir, device):
-        skipped[2] = "no effect on this device (fp32 logits bitwise the same with TF32 allowed)"
-    why = compile_unavailable(s, device)
-    if why:
-        skipped[4] = why
-    if device_type != "cuda":
-        skipped[10] = "CUDA only (cuDNN's attention backend)"
-        skipped[11] = "CUDA only (autotunes the GPU's GEMM and Triton kernels)"
-        skipped[12] = "CUDA only (CUDA graphs)"
-    else:
-        why10 = cudnn_attention_unavailable(device)
-        if why10:
-            skipped[10] = why10
-        for rung in (11, 12):
-            if 4 in skipped:
-                skipped[rung] = f"a compile setting, and this run has no compile (rung 4: {skipped[4]})"
     half = ladder_half(device_type)  # rung 3 runs fp16 on a GPU without native bf16, and says so
     return dict(
         name=name, c=c, B=B, T=T, accum=accum, data_dir=data_dir, base_state=base_state, half=half,
-        skipped=skipped, config_text=config_text,
+        skipped=skipped_rungs(s, base_state, c, data_dir, device, device_type), config_text=config_text,
     )  # fmt: skip
+
+
+def skipped_rungs(s, base_state, c, data_dir, device, device_type):
+    """{rung: why it does not run here}: what a rung needs (LADDER_RUNGS) that this run lacks, or a
+    change that has no effect or is unavailable on this device."""
+    skipped = {}
+    compile_rung = next(rung for rung, _, change, _ in LADDER_RUNGS if change == "compile")
+    for rung, _, change, needs in LADDER_RUNGS:
+        if "cuda" in needs and device_type != "cuda":
+            skipped[rung] = f"CUDA only ({needs['cuda']})"
+        elif "compile" in needs and compile_rung in skipped:
+            no_compile = f"rung {compile_rung}: {skipped[compile_rung]}"
+            skipped[rung] = f"a compile setting, and this run has no compile ({no_compile})"
+        elif change == "tf32" and not tf32_has_effect(base_state, c, data_dir, device):
+            skipped[rung] = "no effect on this device (fp32 logits bitwise the same with TF32 allowed)"
+        elif change == "compile" and (why := compile_unavailable(s, device)):
+            skipped[rung] = why
+        elif change == "cudnn_attention" and (why := cudnn_attention_unavailable(device)):
+            skipped[rung] = why
+    return skipped
 
 
 def measure_rungs(setup, rungs, device, device_type, warmup, rounds):
@@ -533,7 +540,7 @@ def rung_rows(setup, measured, not_run=None):
     checks7 = loss_check(losses, changes, against=7) if 7 in losses else {}
     tok = {k: rates(accum * B * T, m["seconds"]) for k, m in measured.items()}
     rows = []
-    for rung, what, change in LADDER_RUNGS:
+    for rung, what, change, _ in LADDER_RUNGS:
         ref_tok, ref_ms = LADDER_REFERENCE.get(rung, (None, None))  # none past the reference's rung 7
         if change == "bf16" and half == torch.float16:
             what = "fp16 autocast + GradScaler (this GPU has no native bf16)"
@@ -615,7 +622,7 @@ def bench_ladder(s, device, device_type, device_name, tmp, png):
     c, B = setup["c"], setup["B"]
     before = torch.get_float32_matmul_precision()
     warmup, rounds = s["ladder_rounds" if device_type == "cpu" else "ladder_rounds_cuda"]
-    measured = measure_rungs(setup, [rung for rung, _, _ in LADDER_RUNGS], device, device_type, warmup, rounds)
+    measured = measure_rungs(setup, [rung for rung, *_ in LADDER_RUNGS], device, device_type, warmup, rounds)
     rungs = rung_rows(setup, measured)
     del measured
     gc.collect()
@@ -722,4 +729,4 @@ def ladder_headline(rungs, device_type):
 
 def change_set(rung, skipped):
     """The changes a rung runs with: its own and every earlier one's, less the skipped rungs'."""
-    return {ch for r, _, ch in LADDER_RUNGS if ch and r <= rung and r not in skipped}
+    return {ch for r, _, ch, _ in LADDER_RUNGS if ch and r <= rung and r not in skipped}

@@ -6,7 +6,7 @@ import train_gpt2
 from benchmarks.report import comparison
 from benchmarks.settings import TRAIN_CONFIGS
 from benchmarks.timing import interleave, rates, stats, timed
-from support.machine import compile_problem
+from support.device import compile_problem
 from support.precision import AUTOCAST_DTYPES, pick_dtype
 from support.sampling import generate, sample_text
 from support.shards import get_tokenizer

@@ -5,8 +5,8 @@ import statistics
 import fineweb
 from benchmarks.report import comparison
 from benchmarks.timing import interleave, log, rates, stats, timed
-from support.common import UserError, default_workers
-from support.documents import expand_inputs, local_documents
+from support.cli import UserError
+from support.documents import default_workers, expand_inputs, local_documents
 from support.shards import get_tokenizer
 
 

@@ -17,8 +17,8 @@ from benchmarks.ceiling import matmul_fn
 from benchmarks.report import comparison, fmt
 from benchmarks.settings import ORIGINAL_MFU, ORIGINAL_TOK_PER_SEC, ROOT, TRAIN_CONFIGS, VOCAB
 from benchmarks.timing import interleave, log, rates, stats, timed
-from support.common import UserError
-from support.machine import keep_freed_memory
+from support.cli import UserError
+from support.device import keep_freed_memory
 from support.run_log import RunLog
 from support.shards import shard_path, write_shard
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig, flops_per_token

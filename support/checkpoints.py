@@ -1,6 +1,6 @@
 """Checkpoint files as plain dicts: a run's training state written atomically, pruned to this run's
-newest few (keeping one known good), loaded without running code, the random-number state they
-carry, and which files in a run's folder are the run's own (to write over, to resume from)."""
+newest few (keeping one known good), loaded without running code, and the random-number state they
+carry. Which files in a run's folder are the run's own is support/out_dir.py's."""
 
 import os
 import pickle
@@ -8,175 +8,28 @@ import random
 import re
 import sys
 import zipfile
-from dataclasses import asdict
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from support.common import UserError, disk_error, first_line, refuse_link, write_atomic
+from support.cli import UserError, first_line
 from support.ddp import fence
 from support.divergence import check_finite_state, checkpoint_health
-from support.out_dir import (
-    check_out_dir_held,
-    checkpoint_path,
-    checkpoint_paths,
-    log_runs,
-    move_aside,
-    run_header,
-    step_of_name,
-)
-
-
-def checkpoint_header(path):
-    """A checkpoint's dict with its tensors mapped, not read (mmap reads only the small pickled
-    part): its run_id and step, cheaply. None if it cannot be read as a checkpoint."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        return None
-    return ckpt if isinstance(ckpt, dict) else None
-
-
-def run_id_of(path):
-    """The run a checkpoint belongs to (None if it cannot be read)."""
-    return (checkpoint_header(path) or {}).get("run_id")
-
-
-# ----------------------------------------------------------------------------------------------
-# Whose a file is: a run writes only over its own files, and resumes only from its own folder's
-
-
-def not_this_runs(path, run_id, step=None):
-    """Why the file at path, a name this run writes (the checkpoint of `step`, or with step None
-    the log), is not this run's own and must not be overwritten; None if it is, or if nothing is
-    there. A checkpoint is this run's when it loads (its pickled part) and holds run_id and the
-    step its name says; the log, when it begins with a run's header (or is empty). run_id None:
-    a new run, whose id no file holds yet. A symbolic link there is refused (LinkedName): it is
-    neither read through nor replaced."""
-    refuse_link(path)
-    if not os.path.lexists(path):
-        return None
-    if not os.path.isfile(path):
-        return "it is not a file"
-    if step is None:
-        with open(path, "rb") as f:
-            first = f.readline()
-        return None if not first or run_header(first) else "its first line is not a run's header"
-    held = checkpoint_header(path)
-    if held is None or "step" not in held:
-        if damaged_of_run(path, run_id):  # this run's own, damaged on disk or cut short in a copy
-            return None
-        return "it is not a checkpoint train_gpt2.py can load: truncated, corrupt or another program's"
-    if held.get("run_id") != run_id:
-        return f"it holds run {held.get('run_id')}" + (f", not this run's {run_id}" if run_id else "")
-    if held["step"] != step:
-        return f"it holds step {held['step']}, not the {step} its name says"
-    return None
-
-
-def damaged_of_run(path, run_id):
-    """Whether a checkpoint that does not load is still recognisably run_id's: torch.save's zip
-    writes the pickled part (data.pkl, which holds the run id as its text) first, so a file cut
-    short or damaged past it still begins with the zip and names the run in its first MiB. A run
-    id is random: no file of anyone else's holds it."""
-    if not run_id:
-        return False
-    try:
-        with open(path, "rb") as f:
-            head = f.read(2**20)
-    except OSError:
-        return False
-    return head.startswith(b"PK\x03\x04") and run_id.encode() in head
-
-
-def check_names_to_write(out_dir, run_id, steps):
-    """Before step 0: each file at a name this run may write, its log.jsonl and the checkpoint of
-    each of `steps` (a signal checkpoints whichever step it comes at), is this run's own
-    (not_this_runs); the first that is not stops the run in one line naming it and the `mv` that
-    sets it aside."""
-    log = os.path.join(out_dir, "log.jsonl")
-    targets = [(log, None)] + [
-        (path, step) for path in checkpoint_paths(out_dir) if (step := step_of_name(path)) in steps
-    ]
-    for path, step in targets:
-        if step is not None and path != checkpoint_path(out_dir, step):
-            continue  # ckpt_9.pt: not a name this run writes
-        why = not_this_runs(path, run_id, step)
-        if why:
-            what = "appends its records" if step is None else f"may write its step {step} checkpoint"
-            raise UserError(
-                f"{path} is not this run's ({why}), and this run {what} there: move it aside "
-                f"({move_aside(path, 'aside')}), then run the same command again"
-            )
-
-
-def folder_run(out_dir):
-    """The run out_dir belongs to and what says so: the last run its log.jsonl records steps of;
-    with none, the one run its readable checkpoints hold; (None, None) with neither. A folder with
-    no log whose checkpoints hold two runs is refused in one line naming both."""
-    runs, _ = log_runs(os.path.join(out_dir, "log.jsonl"))
-    if runs and runs[-1] is not None:
-        return runs[-1], "its log.jsonl"
-    held = {}  # run id -> its newest checkpoint here
-    for path in checkpoint_paths(out_dir):
-        run_id = run_id_of(path)
-        if run_id is not None:
-            held.setdefault(run_id, path)
-    if len(held) > 1:
-        (a, pa), (b, pb) = list(held.items())[:2]
-        raise UserError(
-            f"{out_dir} holds checkpoints of two runs and no log.jsonl to say which run the folder is ({pa}: run "
-            f"{a}; {pb}: run {b}): move one run's checkpoints to a folder of their own, then run the same command again"
-        )
-    return next(iter(held), None), "its checkpoints"
-
-
-def newest_of_its_run(out_dir, load, then):
-    """(path, checkpoint) of the newest checkpoint in out_dir that loads (load(path)), holds the
-    folder's run (folder_run) and the step its name says; each one passed over is said in one
-    warning line naming the file and why. (None, None) for a folder with no checkpoint; with
-    checkpoints but none of these, refused in one line (then: what to do instead, where another
-    run's or a misnamed one was passed over)."""
-    paths = checkpoint_paths(out_dir)
-    if not paths:
-        return None, None
-    run, said_by = folder_run(out_dir)
-    others = False
-    for path in paths:
-        try:
-            ckpt = load(path)
-        except UserError as e:
-            print(f"warning: skipping {path}: {e}", file=sys.stderr)
-            continue
-        held_run = ckpt.get("run_id")
-        if run is not None and held_run is not None and held_run != run:  # one with no run_id: of no other run
-            why = f"it holds run {held_run}, not this folder's run {run} (which {said_by} records)"
-        elif ckpt.get("step") != step_of_name(path):
-            why = f"it holds step {ckpt.get('step')}, not the {step_of_name(path)} its name says"
-        else:
-            return path, ckpt
-        print(f"warning: skipping {path}: {why}", file=sys.stderr)
-        others = True
-    message = f"none of the {len(paths)} checkpoints in {out_dir} can be loaded: see the warnings above"
-    if others:
-        message = (
-            f"none of the {len(paths)} checkpoints in {out_dir} is one of the folder's run that loads and holds the "
-            f"step its name says: see the warnings above; {then}"
-        )
-    raise UserError(message)
+from support.files import disk_error, write_atomic
+from support.out_dir import checkpoint_path, checkpoint_paths, folder_gone, move_aside, not_this_runs, run_id_of
+from support.out_of_memory import oom_phase
+from support.signals import StopRequest
 
 
 def save_checkpoint(ckpt, out_dir, keep):
     """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
-    real name), then delete this run's checkpoints beyond the newest `keep`: another run's
-    files are never touched, nor a symbolic link at a checkpoint's name (write_atomic refuses one
-    at the name it writes)."""
-    check_out_dir_held()  # the folder is still this run's (its lock file deleted: locked again, or stop)
+    real name), then prune: delete this run's checkpoints beyond the newest `keep`. A file put at
+    the name since the start's check (support.out_dir.check_names_to_write) that is not this run's
+    is kept, not replaced: one lstat, and a read of the pickled part only when a file is there (the
+    run's own, rewritten when a signal comes at the step it resumed from); write_atomic refuses a
+    symbolic link at the name. A folder moved or deleted meanwhile is said as such."""
     path = checkpoint_path(out_dir, ckpt["step"])
-    # a file put at this name since the start's check (check_names_to_write) is kept, not replaced:
-    # one lstat, and a read of the pickled part only when a file is there (the run's own, rewritten
-    # when a signal comes at the step it resumed from)
     why = not_this_runs(path, ckpt["run_id"], ckpt["step"])
     if why:
         earlier = [p for p in checkpoint_paths(out_dir) if p != path and run_id_of(p) == ckpt["run_id"]]
@@ -192,6 +45,8 @@ def save_checkpoint(ckpt, out_dir, keep):
         cause = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write
         if not isinstance(cause, OSError):
             raise  # not the disk: a bug, keep its traceback
+        if gone := folder_gone(out_dir):
+            raise UserError(gone) from None
         earlier = [p for p in checkpoint_paths(out_dir) if p != path]
         then = (
             f"continue with --resume (from {earlier[0]}, intact)"
@@ -199,43 +54,48 @@ def save_checkpoint(ckpt, out_dir, keep):
             else "start again with --resume (no checkpoint was written before this one)"
         )
         raise disk_error(cause, f"checkpoint {path}", then) from None
-    if keep > 0 and len(found := checkpoint_paths(out_dir)) > keep:
-        # the newest known good one stays too while none of the newest `keep` is known good yet (one
-        # more file, until a newer one has trained): after a divergence, diverged_advice sends the
-        # user to it
-        health = checkpoint_health(out_dir)
-        kept = [path for path, good in health[:keep] if good] or [path for path, good in health if good][:1]
-        for old in found[keep:]:
-            if old not in kept and not os.path.islink(old) and run_id_of(old) == ckpt["run_id"]:
-                try:
-                    os.remove(old)  # a link at its name is no file this run wrote: kept
-                except OSError as e:  # another user's file in a shared (sticky) folder: kept, the run goes on
-                    print(f"warning: could not remove {old} ({e.strerror}): kept", file=sys.stderr, flush=True)
+    prune(out_dir, keep, ckpt["run_id"])
     return path
 
 
-def save_training_state(step, run):
-    """Rank 0 writes the checkpoint of `step` steps done: the weights and model config, and all
-    that continues the run as if it never stopped: the optimizer, the data position, every rank's
-    RNG state, fp16's loss scaler, the flags (train_config), the run's id and its last val loss. `run`
-    is the training script's Run (model, optimizer, loader, args, dist_info, device, run_id, val_loss,
-    scaler)."""
-    dist_info, args = run.dist_info, run.args
-    check_finite_state(step, run)
-    rng = all_rng_states(run.device.split(":")[0], dist_info.ddp, dist_info.ddp_world_size)
-    if dist_info.master_process:
-        ckpt = {"model": run.model.state_dict(), "model_config": asdict(run.model.config), "step": step}
-        ckpt.update(optimizer=run.optimizer.state_dict(), data=run.loader.state_dict(), rng=rng)
-        ckpt.update(data_identity=getattr(run.loader, "identity", None))  # the shards the run started on
-        if getattr(run, "scaler", None) is not None and run.scaler.is_enabled():  # fp16: the scale and its growth
-            ckpt.update(scaler=run.scaler.state_dict())
-        # an absolute --data-dir: `--resume` from another working directory reads the same data
-        ckpt.update(train_config={**vars(args), "data_dir": os.path.abspath(args.data_dir)})
-        ckpt.update(world_size=dist_info.ddp_world_size, run_id=run.run_id, val_loss=run.val_loss)
-        path = save_checkpoint(ckpt, args.out_dir, args.keep_ckpts)
-        print(f"wrote {path}")
-    fence(dist_info.ddp)  # the other ranks wait for the write here, not in a collective that times out
-    return path if dist_info.master_process else None
+def prune(out_dir, keep, run_id):
+    """Delete run_id's checkpoints in out_dir beyond the newest `keep` (0: none). The newest known
+    good one stays too while none of the newest `keep` is known good yet (one more file, until a
+    newer one has trained): after a divergence, diverged_advice sends the user to it. Another run's
+    files are never touched, nor a symbolic link at a checkpoint's name (no file this run wrote)."""
+    found = checkpoint_paths(out_dir)
+    if keep <= 0 or len(found) <= keep:
+        return
+    health = checkpoint_health(out_dir)
+    kept = [path for path, good in health[:keep] if good] or [path for path, good in health if good][:1]
+    for old in found[keep:]:
+        if old not in kept and not os.path.islink(old) and run_id_of(old) == run_id:
+            try:
+                os.remove(old)
+            except OSError as e:  # another user's file in a shared (sticky) folder: kept, the run goes on
+                print(f"warning: could not remove {old} ({e.strerror}): kept", file=sys.stderr, flush=True)
+
+
+def save_training_state(ckpt, out_dir, keep, master_process, ddp):
+    """Every rank calls it; rank 0 writes ckpt, the training state as one plain dict (train_gpt2.py
+    gathers it where it checkpoints), to out_dir (save_checkpoint: atomic, pruned to this run's
+    newest `keep`) while the other ranks wait in the fence, not in a collective that times out.
+    Weights or a val loss that are not finite are never saved (check_finite_state). Returns the
+    path written on rank 0, else None."""
+    oom_phase("writing the checkpoint", step=ckpt["step"], out_dir=out_dir)
+    check_finite_state(ckpt, out_dir)
+    path = None
+    with StopRequest.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):
+        if master_process:
+            try:
+                path = save_checkpoint(ckpt, out_dir, keep)
+            except RuntimeError as e:  # torch.save's writer wraps a stop signal raised inside it: a stop
+                if isinstance(e.__context__, KeyboardInterrupt):
+                    raise e.__context__ from None
+                raise
+            print(f"wrote {path}")
+        fence(ddp)
+    return path
 
 
 def load_checkpoint(path, mmap=False):

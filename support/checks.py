@@ -1,86 +1,73 @@
 """The checks that refuse bad flags before step 0, not hours in: numbers the code cannot use, a
 model too big for the device's memory, too little data for the batch and the run."""
 
+import argparse
 import math
 import os
 import sys
 
 import torch
 
-from support.common import GPT2_VOCAB, UserError, same_on_every_rank
-from support.machine import TRAIN_BYTES_PER_PARAMETER
+from support.cli import UserError, same_on_every_rank
+from support.gpu import TRAIN_BYTES_PER_PARAMETER
 from support.out_dir import data_dir_problem
-from support.shards import MAX_VOCAB_SIZE
+from support.shards import GPT2_VOCAB, MAX_VOCAB_SIZE
 from support.wandb_log import wandb_problem
 
-MAX_DDP_TIMEOUT = 1e9  # seconds: torch turns --ddp-timeout into int64 nanoseconds (larger ones overflow)
-# seconds: c10d counts the timeout in whole milliseconds (below 1 ms it is 0, and every wait fails at
-# once), and the ranks of a job take about a second to join even on one machine
-MIN_DDP_TIMEOUT = 1
+
+def flag_type(kind, ok, says):
+    """An argparse type for a number flag, declared beside it in parse_args: text -> kind, refused
+    in one line naming the flag (argparse's) unless it is finite and ok(value); says: what ok asks."""
+
+    def parse(text):
+        value = kind(text)  # no number at all: argparse says "invalid int value"
+        if not math.isfinite(value):  # nan passes no comparison, and inf every upper-less one
+            raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {says}, not {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" line
+    return parse
 
 
-def check_args(args, world_size, given=frozenset()):
-    """Bad numbers as one-line errors, before any process starts waiting on another. given: the
-    flags on the command line (a default the user never chose is judged more kindly)."""
+class Number:
+    """The types of train_gpt2.py's number flags (flag_type), each beside its flag in command_line."""
+
+    COUNT = flag_type(int, lambda n: n >= 0, "0 or more")  # steps, tokens, checkpoints: 0 is never / none
+    POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")  # sizes and counts the code divides or loops by
+    AMOUNT = flag_type(float, lambda x: x >= 0, "0 or more")  # weight decay, clip, temperature: 0 turns it off
+    ABOVE_ZERO = flag_type(float, lambda x: x > 0, "above 0")
+    FRACTION = flag_type(float, lambda x: 0 <= x < 1, "in [0, 1)")  # AdamW's betas
+    FINITE = flag_type(float, lambda x: True, "finite")
+    # c10d counts the timeout in whole milliseconds (below 1 ms it is 0, and every wait fails at
+    # once), the ranks of a job take about a second to join even on one machine, and torch turns the
+    # seconds into int64 nanoseconds, which larger ones overflow
+    DDP_SECONDS = flag_type(
+        float,
+        lambda x: 1 <= x <= 1e9,
+        "a number of seconds from 1 (the ranks take about a second to join) to 1e+09 (about 31 years: torch "
+        "counts it in nanoseconds)",
+    )
+
+
+def check_args(args, world_size, given=frozenset(), warmup_lr=None):
+    """The flags against one another, the job and the machine, as one-line errors before the run
+    does anything (each flag's own range is its type's, at parse time). given: the flags on the
+    command line; warmup_lr(step, max_lr, warmup_steps): a training run's warm-up (check_warmup)."""
 
     def need(ok, message):
         if not ok:
             raise same_on_every_rank(UserError(message))
 
-    for name, value in vars(args).items():  # nan passes every comparison below: refuse it first
-        need(
-            not isinstance(value, float) or math.isfinite(value),
-            f"--{name.replace('_', '-')} must be a finite number, not {value}",
-        )
-    positive = (
-        "batch_size",
-        "seq_len",
-        "total_batch_size",
-        "max_steps",
-        "n_layer",
-        "n_head",
-        "n_embd",
-        "block_size",
-        "num_samples",
-        "max_new_tokens",
-    )
-    for name in positive:
-        need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
-    for name in (
-        "warmup_steps",
-        "weight_decay",
-        "grad_clip",
-        "eval_every",
-        "val_tokens",
-        "hellaswag_every",
-        "sample_every",
-        "ckpt_every",
-        "keep_ckpts",
-        "temperature",
-        "top_k",
-    ):
-        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be 0 or more, not {getattr(args, name)}")
-    need(args.max_lr > 0, f"--max-lr must be above 0, not {args.max_lr}")
+    need(not (args.sample_from and args.export_hf), "--sample-from and --export-hf are two different jobs: pass one")
     need(
         args.min_lr is None or 0 <= args.min_lr <= args.max_lr,
         f"--min-lr {args.min_lr} must be between 0 and --max-lr {args.max_lr}",
     )
-    for name in ("beta1", "beta2"):
-        need(0 <= getattr(args, name) < 1, f"--{name} must be in [0, 1), not {getattr(args, name)}")
-    need(args.adam_eps > 0, f"--adam-eps must be above 0, not {args.adam_eps}")
-    need(
-        MIN_DDP_TIMEOUT <= args.ddp_timeout <= MAX_DDP_TIMEOUT,
-        f"--ddp-timeout must be a number of seconds from {MIN_DDP_TIMEOUT} (the ranks take about a second to "
-        f"join) to {MAX_DDP_TIMEOUT:.0e} (about 31 years: torch counts it in nanoseconds), not {args.ddp_timeout}",
-    )
     # numpy's generators (the shard order) take 0 .. 2**32 - 1; torch's (sampling) -2**63 .. 2**64 - 1
-    low, high = (-(2**63), 2**64 - 1) if getattr(args, "sample_from", None) else (0, 2**32 - 1)
+    low, high = (-(2**63), 2**64 - 1) if args.sample_from else (0, 2**32 - 1)
     need(low <= args.seed <= high, f"--seed must be between {low} and {high:,}, not {args.seed}")
-    need(args.peak_flops is None or args.peak_flops > 0, f"--peak-flops must be above 0, not {args.peak_flops}")
-    need(
-        args.hellaswag_limit is None or args.hellaswag_limit >= 1,
-        f"--hellaswag-limit {args.hellaswag_limit}: give a positive number of examples",
-    )
     need(args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
     need(args.vocab_size >= GPT2_VOCAB, f"--vocab-size {args.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens")
     need(
@@ -93,13 +80,6 @@ def check_args(args, world_size, given=frozenset()):
         not (args.resume and args.init_from != "scratch"),
         f"--init-from {args.init_from} starts a new run, --resume continues one: pass one of them",
     )
-    if not args.resume and "warmup_steps" not in given:  # on resume the checkpoint's value counts
-        need(
-            args.warmup_steps < args.max_steps,
-            f"--max-steps {args.max_steps} ends inside the default {args.warmup_steps}-step warm-up (lr would "
-            f"never pass {last_warmup_lr(args):.1e}): pass --warmup-steps below --max-steps "
-            f"(e.g. --warmup-steps {fitting_warmup(args.max_steps)})",
-        )
     micro = args.batch_size * args.seq_len * world_size
     need(
         args.total_batch_size % micro == 0,
@@ -107,19 +87,15 @@ def check_args(args, world_size, given=frozenset()):
         f"{args.batch_size}*{args.seq_len}*{world_size} = {micro:,}: change --batch-size, --seq-len or "
         f"--total-batch-size",
     )
-    if getattr(args, "wandb_project", None):  # optional: the package is checked only when asked for
+    if args.wandb_project:  # optional: the package is checked only when asked for
         problem = wandb_problem(args.wandb_project)
         need(problem is None, problem)
-    elif getattr(args, "wandb_run_name", None) and not args.resume:  # on --resume the run's project counts
+    elif args.wandb_run_name and not args.resume:  # on --resume the run's project counts
         need(False, f"--wandb-run-name {args.wandb_run_name} names a wandb run: pass --wandb-project too")
-    if not (getattr(args, "sample_from", None) or getattr(args, "export_hf", None)):  # a training run's folders
+    if not (args.sample_from or args.export_hf):  # a training run's folders and warm-up
         problem = data_dir_problem(args.data_dir, args.out_dir)
         need(problem is None, problem)
-
-
-def last_warmup_lr(args):
-    """The lr of a run's last step (max_steps - 1) while it is still warming up."""
-    return args.max_lr * args.max_steps / args.warmup_steps if args.warmup_steps else args.max_lr
+        check_warmup(args, given, warmup_lr)
 
 
 def fitting_warmup(max_steps):
@@ -128,19 +104,29 @@ def fitting_warmup(max_steps):
     return min(max(1, max_steps // 10), max_steps - 1)
 
 
-def warmup_note(args):
-    """A note when --max-steps ends inside an asked-for warm-up, else None. It is not refused: a run
-    may be the first part of a longer one, continued by --resume with a larger --max-steps (the
-    warm-up's lr does not depend on --max-steps, so the parts train as one run would). But the lr
-    then never reaches --max-lr, which a run meant whole should hear at start."""
+def check_warmup(args, given, warmup_lr):
+    """A --max-steps that ends inside the warm-up (warmup_lr: the recipe's, for the lr the run's
+    last step reaches). The default warm-up is refused: a short run forgot it. One asked for is
+    said in a note (by rank 0), not
+    refused: a run may be the first part of a longer one, continued by --resume with a larger
+    --max-steps (the warm-up's lr does not depend on --max-steps, so the parts train as one run
+    would), but the lr then never reaches --max-lr, which a run meant whole should hear at start."""
     if args.warmup_steps < args.max_steps:
-        return None
-    return (
-        f"note: --max-steps {args.max_steps} ends inside the {args.warmup_steps}-step warm-up (--warmup-steps): "
-        f"the lr climbs to {last_warmup_lr(args):.1e}, never to --max-lr {args.max_lr:.1e}; fine for the start "
-        f"of a longer run continued with --resume and a larger --max-steps, else pass --warmup-steps "
-        f"{fitting_warmup(args.max_steps)}"
-    )
+        return
+    fit, last_lr = fitting_warmup(args.max_steps), warmup_lr(args.max_steps - 1, args.max_lr, args.warmup_steps)
+    if not args.resume and "warmup_steps" not in given:  # on resume the checkpoint's value counts
+        raise same_on_every_rank(
+            UserError(
+                f"--max-steps {args.max_steps} ends inside the default {args.warmup_steps}-step warm-up (lr would "
+                f"never pass {last_lr:.1e}): pass --warmup-steps below --max-steps (e.g. --warmup-steps {fit})"
+            )
+        )
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"note: --max-steps {args.max_steps} ends inside the {args.warmup_steps}-step warm-up (--warmup-steps): "
+            f"the lr climbs to {last_lr:.1e}, never to --max-lr {args.max_lr:.1e}; fine for the start of a longer "
+            f"run continued with --resume and a larger --max-steps, else pass --warmup-steps {fit}"
+        )
 
 
 def check_init_shape(args, given, config, master_process=True):

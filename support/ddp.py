@@ -1,14 +1,32 @@
-"""The processes of a torchrun job waiting for one another: joining within --ddp-timeout (a join
-that fails said in one line by each rank, not as c10d's traceback), and the fence where the others
-wait while rank 0 works alone."""
+"""The processes of a torchrun job: each one's rank and GPU, joining the others within
+--ddp-timeout (a join that fails said in one line by each rank, not as c10d's traceback), and the
+fence where the others wait while rank 0 works alone."""
 
 import os
 import re
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-from support.common import UserError, first_line
+from support.cli import UserError, first_line
+from support.device import pick_device
+
+
+def setup_distributed(device, ddp_timeout):
+    """(ddp, ddp_rank, ddp_local_rank, ddp_world_size, device): torchrun sets RANK, LOCAL_RANK and
+    WORLD_SIZE; each process takes GPU LOCAL_RANK of its node and joins the others (within
+    ddp_timeout seconds). Without torchrun, one process: rank 0 of 1."""
+    ddp = "RANK" in os.environ
+    ddp_rank, ddp_local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    ddp_world_size = int(os.environ.get("WORLD_SIZE", 1))
+    device, device_type = pick_device(device)
+    if ddp and device_type == "cuda":
+        device = f"cuda:{ddp_local_rank}"
+        torch.cuda.set_device(device)
+    if ddp:  # a rank that freezes (not dies: torchrun sees that) fails the others' collectives after this
+        join_process_group("nccl" if device_type == "cuda" else "gloo", ddp_timeout)
+    return ddp, ddp_rank, ddp_local_rank, ddp_world_size, device
 
 
 def join_process_group(backend, ddp_timeout):

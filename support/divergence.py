@@ -4,12 +4,12 @@ trained without a NaN or inf, and what to do then (go on from one with a lower -
 
 import math
 import os
-import re
 
 import torch
 
-from support.common import UserError, log_records, same_on_every_rank
-from support.out_dir import checkpoint_paths
+from support.cli import UserError, same_on_every_rank
+from support.files import log_records
+from support.out_dir import checkpoint_path, checkpoint_paths, step_of_name
 
 MAX_BAD_STEPS = 3  # non-finite steps in a row: one is skipped as a bad batch, this many mean the run diverged
 
@@ -23,9 +23,9 @@ class NonFiniteGuard:
     logged as {"scaler_skipped": ..., "loss_scale": the scale it overflowed at}, not counted as a bad
     step, unless the scale is already below 1 (then the gradients overflow unscaled: a bad step)."""
 
-    def __init__(self, log, master_process, checkpoint, out_dir, scaler=None):
+    def __init__(self, log, master_process, checkpoint, out_dir, max_lr, scaler=None):
         self.log, self.master_process, self.checkpoint, self.out_dir = log, master_process, checkpoint, out_dir
-        self.in_a_row, self.max_lr = 0, None
+        self.in_a_row, self.max_lr = 0, max_lr
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
 
     def skip(self, step, loss, norm, lr):
@@ -48,16 +48,15 @@ class NonFiniteGuard:
         if self.master_process:
             print(f"step {step:5d} | loss {loss} | norm {norm} | skipped ({self.in_a_row} in a row)")
         if self.in_a_row == MAX_BAD_STEPS:  # the weights and optimizer state are still those of the last good step
-            path = self.checkpoint(step + 1) or os.path.join(self.out_dir, f"ckpt_{step + 1:06d}.pt")
+            path = self.checkpoint(step + 1) or checkpoint_path(self.out_dir, step + 1)  # rank 0 wrote it
             first = step + 1 - MAX_BAD_STEPS
-            max_lr = self.max_lr or train_config_of(path).get("max_lr", math.nan)
             # the same weights failed on every batch: the weights (a learning rate too high), not the data
             raise same_on_every_rank(
                 UserError(
                     f"{MAX_BAD_STEPS} steps in a row ({first} to {step}) had a non-finite loss or grad norm: "
                     f"stopped; {path} holds the weights they failed on (none of their updates was applied). "
                     f"If the data is at fault, --resume continues from it past these batches; else "
-                    + diverged_advice(self.out_dir, max_lr)
+                    + diverged_advice(self.out_dir, self.max_lr)
                 )
             )
         return True
@@ -72,16 +71,17 @@ def train_config_of(path):
         return {}
 
 
-def check_finite_state(step, run):
-    """Weights or a val loss that are not finite are never saved as a checkpoint, and a run that
-    has them is not done: it stops, saying which checkpoint to go on from. The same decision on
-    every rank (the weights are the same, the val loss all-reduced)."""
-    bad = [name for name, p in run.model.named_parameters() if not torch.isfinite(p).all()]
-    val_loss = run.val_loss
+def check_finite_state(ckpt, out_dir):
+    """Weights or a val loss that are not finite are never saved as a checkpoint (ckpt: the dict
+    about to be), and a run that has them is not done: it stops, saying which checkpoint in out_dir
+    to go on from. The same decision on every rank (the weights are the same, the val loss
+    all-reduced)."""
+    bad = [name for name, tensor in ckpt["model"].items() if not torch.isfinite(tensor).all()]
+    step, val_loss = ckpt["step"], ckpt.get("val_loss")
     if not bad and (val_loss is None or math.isfinite(val_loss)):
         return
     what = f"the weights after {step} steps are not finite ({bad[0]})" if bad else f"the val loss is {val_loss}"
-    advice = diverged_advice(run.args.out_dir, run.args.max_lr)
+    advice = diverged_advice(out_dir, ckpt["train_config"]["max_lr"])
     raise same_on_every_rank(UserError(f"{what}: the run diverged and stopped, writing no checkpoint of it; {advice}"))
 
 
@@ -94,11 +94,7 @@ def checkpoint_health(out_dir):
     for record in log_records(os.path.join(out_dir, "log.jsonl")):
         if any(k in record for k in ("train_loss", "scaler_skipped", "skipped")):
             trained[record.get("step")] = "skipped" not in record
-    health = []
-    for path in checkpoint_paths(out_dir):
-        step = int(re.findall(r"\d+", os.path.basename(path))[-1])
-        health.append((path, trained.get(step, False)))
-    return health
+    return [(path, trained.get(step_of_name(path), False)) for path in checkpoint_paths(out_dir)]
 
 
 def diverged_max_lr(out_dir, since_step):
@@ -123,7 +119,7 @@ def diverged_advice(out_dir, max_lr):
     (checkpoint_health) with an --max-lr below the one that diverged from it (diverged_max_lr; else
     max_lr, this run's), an allowed change on --resume; with none, start anew."""
     good = [path for path, known_good in checkpoint_health(out_dir) if known_good]
-    since = int(re.findall(r"\d+", os.path.basename(good[0]))[-1]) if good else 0
+    since = step_of_name(good[0]) if good else 0
     max_lr = diverged_max_lr(out_dir, since) or max_lr
     if good:
         return (

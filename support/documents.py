@@ -1,20 +1,21 @@
 """Where fineweb.py's documents come from: local .txt, .jsonl and .parquet files (their names
 expanded, their encoding checked before any work, their content fingerprinted for the manifest) or
-a Hugging Face dataset streamed from the Hub, each as an iterator of strings; torch-free, as
-fineweb.py is."""
+a Hugging Face dataset streamed from the Hub, each as an iterator of strings; and the threads that
+read and tokenize them by default (default_workers); torch-free, as fineweb.py is."""
 
 import codecs
 import concurrent.futures
 import glob
 import hashlib
-import json
 import os
 import shlex
 import sys
 import urllib.parse
 import urllib.request
 
-from support.common import UserError, default_workers, first_line, offline_var, unreachable
+from support.cli import UserError, first_line
+from support.files import jsonl_rows
+from support.offline import offline_var, unreachable
 
 INPUT_TYPES = (".txt", ".jsonl", ".parquet")
 
@@ -93,6 +94,11 @@ def file_digest(path):
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
 
 
+def default_workers():
+    """The cores this process may run on (its affinity where the OS has one): the default thread count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def describe_inputs(paths, workers=None):
     """[{path, bytes, sha256}] for the inputs, hashed in threads (hashlib releases the GIL); a file
     whose bytes equal an earlier one's is left out, said in a note: the same text twice would put
@@ -127,15 +133,7 @@ def read_documents(path, text_field):
             yield text
         elif path.endswith(".jsonl"):
             with open(path, encoding="utf-8-sig") as f:
-                for lineno, line in enumerate(f, 1):
-                    if "\0" in line:
-                        raise UserError(f"{path} line {lineno} holds NUL characters: not UTF-8 text (UTF-16? binary?)")
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise UserError(f"{path} line {lineno} is not valid JSON ({e.msg})") from None
+                for lineno, row in jsonl_rows(f, path):
                     if not isinstance(row, dict) or text_field not in row:
                         raise UserError(
                             f"{path} line {lineno} has no {text_field!r} field: choose one with --text-field"

@@ -4,10 +4,11 @@ without loading weights, sampling or writing."""
 
 import os
 
-from support.common import GPT2_VOCAB, UserError
+from support.cli import UserError
 from support.hf_interop import check_export_target
 from support.model_files import model_config_of
 from support.sampling import encode_prompt, note_if_samples_stop_early
+from support.shards import GPT2_VOCAB
 
 
 def nearest_folder(path):
@@ -18,17 +19,17 @@ def nearest_folder(path):
     return path
 
 
-def dry_run_job(args, enc):
-    """--dry-run of --sample-from or --export-hf (the flags already checked): every check the job
-    makes before its slow part, then a line saying so. No weights are loaded, nothing is sampled
-    or written. enc: tiktoken's gpt2 (the prompt's; an export writes it beside the weights)."""
-    if args.sample_from:
-        config = model_config_of(args.sample_from)
-        tokens = encode_prompt(enc, args.prompt, config["block_size"])
-        note_if_samples_stop_early(len(tokens), args.max_new_tokens, config["block_size"])
-        print(f"dry run: {args.sample_from}, the prompt and the sampling flags are fine; nothing was sampled")
+def dry_run_job(sample_from, export_hf, enc, prompt, max_new_tokens):
+    """--dry-run of --sample-from MODEL or --export-hf (CKPT, DIR) (the flags already checked): every
+    check the job makes before its slow part, then a line saying so. No weights are loaded, nothing
+    is sampled or written. enc: tiktoken's gpt2 (the prompt's; an export writes it beside the weights)."""
+    if sample_from:
+        config = model_config_of(sample_from)
+        tokens = encode_prompt(enc, prompt, config["block_size"])
+        note_if_samples_stop_early(len(tokens), max_new_tokens, config["block_size"])
+        print(f"dry run: {sample_from}, the prompt and the sampling flags are fine; nothing was sampled")
         return 0
-    ckpt_path, out_dir = args.export_hf
+    ckpt_path, out_dir = export_hf
     config = model_config_of(ckpt_path)
     if config["vocab_size"] < GPT2_VOCAB:
         raise UserError(f"vocab_size {config['vocab_size']} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")

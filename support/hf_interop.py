@@ -13,9 +13,12 @@ import urllib.request
 
 import torch
 
-from support.common import GPT2_VOCAB, HF_NAMES, UserError, first_line, offline_var, write_dir_atomic
-from support.shards import GPT2_BPE, get_tokenizer, read_gpt2_bpe
+from support.cli import UserError, first_line
+from support.files import write_dir_atomic
+from support.offline import offline_var
+from support.shards import GPT2_BPE, GPT2_VOCAB, get_tokenizer, read_gpt2_bpe
 
+HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 EXPORT_MARK = "train_gpt2.py --export-hf"  # config.json's "exported_by": a folder export_hf may replace
 
 
@@ -71,6 +74,10 @@ def check_export_target(out_dir, staging=None):
     save_pretrained's plain files, config.json marked EXPORT_MARK), which is replaced. staging: the
     export's own hidden folder, inside out_dir where that is a mount point (write_dir_atomic)."""
     given = str(out_dir)
+    if not given:  # not the current folder: a name left empty by mistake
+        raise UserError(
+            "--export-hf CKPT '' names no folder: name the folder to write, e.g. --export-hf CKPT gpt2_ours"
+        )
     if os.path.islink(given) and not os.path.exists(given):
         raise UserError(f"--export-hf target {given} is a symbolic link to nothing: name a new folder")
     out_dir = os.path.realpath(given)  # a link to an earlier export: replace that folder, keep the link

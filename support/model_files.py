@@ -5,10 +5,11 @@ shape read without its weights."""
 import json
 import os
 
-from support.checkpoints import load_checkpoint, newest_of_its_run
-from support.common import GPT2_VOCAB, HF_NAMES, UserError
-from support.hf_interop import check_hub_reachable, hub_name_is_cached
-from support.out_dir import checkpoint_paths
+from support.checkpoints import load_checkpoint
+from support.cli import UserError
+from support.hf_interop import HF_NAMES, check_hub_reachable, hub_name_is_cached
+from support.out_dir import checkpoint_paths, newest_of_its_run
+from support.shards import GPT2_VOCAB
 
 GPT2_BLOCK_SIZE = 1024  # n_positions of every OpenAI GPT-2 (gpt2 .. gpt2-xl)
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -18,7 +19,7 @@ def find_model(spec):
     """("transformers", name or folder) or ("checkpoint", file) for a model given on the command
     line; a training run's folder means its newest checkpoint, said in a note: as --resume takes
     it, the newest of the folder's run that loads and holds the step its name says (one passed
-    over is said in a warning: support.checkpoints.newest_of_its_run)."""
+    over is said in a warning: support.out_dir.newest_of_its_run)."""
     if spec not in HF_NAMES and os.path.isdir(spec) and not os.path.exists(os.path.join(spec, "config.json")):
         then = "name the checkpoint file to use instead of the folder"
         newest, _ = newest_of_its_run(spec, lambda path: load_checkpoint(path, mmap=True), then)

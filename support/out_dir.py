@@ -1,6 +1,6 @@
-"""The run's folder and who owns it: one run per --out-dir, locked while it trains, what it holds
-(its checkpoints by name, the runs its log records), and a start that fails leaves the folder as it
-found it."""
+"""The run's folder and whose each file in it is: the names a run writes (its checkpoints, its log),
+the lock that keeps one run per --out-dir, which files are the run's own (to write over, to resume
+from), which checkpoint --resume continues, and a start that fails leaving the folder as it found it."""
 
 import json
 import os
@@ -8,17 +8,18 @@ import re
 import shlex
 import sys
 
+import torch
+
 from support import file_lock
-from support.common import UserError, disk_error, no_follow, refuse_link
+from support.cli import UserError
+from support.files import disk_error, log_records, no_follow, refuse_link
 from support.shards import SHARD_NAME
 
+# ----------------------------------------------------------------------------------------------
+# The names a run writes: its log.jsonl, its checkpoints and their temporary files, its lock
 
-def checkpoint_paths(out_dir):
-    """The ckpt_NNNNNN.pt files in out_dir, newest (most steps) first."""
-    if not os.path.isdir(out_dir):
-        return []
-    found = [(int(m.group(1)), n) for n in os.listdir(out_dir) if (m := re.fullmatch(r"ckpt_(\d+)\.pt", n))]
-    return [os.path.join(out_dir, n) for _, n in sorted(found, reverse=True)]
+CHECKPOINT_NAME = re.compile(r"ckpt_(\d+)\.pt")  # checkpoint_path's names; the group: the step
+LOCK_FILE = ".train_gpt2.lock"  # in --out-dir while a run holds it; its text names that run's process
 
 
 def checkpoint_path(out_dir, step):
@@ -26,10 +27,27 @@ def checkpoint_path(out_dir, step):
     return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
 
 
-def step_of_name(path):
-    """The step a checkpoint's file name says (ckpt_000009.pt: 9), None for another name."""
-    m = re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(path))
-    return int(m.group(1)) if m else None
+def step_of_name(path, temporary=False):
+    """The step a checkpoint's file name says (ckpt_000009.pt: 9), None for another name; with
+    temporary, of the name write_atomic writes it through first (.ckpt_000009.pt.tmp)."""
+    name = os.path.basename(path)
+    if temporary:
+        name = name[1:-4] if name.startswith(".") and name.endswith(".tmp") else ""
+    match = CHECKPOINT_NAME.fullmatch(name)
+    return int(match[1]) if match else None
+
+
+def checkpoint_paths(out_dir):
+    """The checkpoints in out_dir (by name), newest (most steps) first."""
+    if not os.path.isdir(out_dir):
+        return []
+    found = [(step, name) for name in os.listdir(out_dir) if (step := step_of_name(name)) is not None]
+    return [os.path.join(out_dir, name) for _, name in sorted(found, reverse=True)]
+
+
+def written_by_runs(name):
+    """Whether a run writes (or removes) a file of this name in its folder, besides its lock."""
+    return name == "log.jsonl" or step_of_name(name) is not None or step_of_name(name, temporary=True) is not None
 
 
 def aside_name(path, tag):
@@ -46,17 +64,16 @@ def move_aside(path, tag):
     return f"mv {shlex.quote(path)} {shlex.quote(aside_name(path, tag))}"
 
 
-def unfinished_write(path):
-    """Whether the file at a checkpoint's temporary name is what a write of this program cut short
-    leaves there: empty, or the beginning of the zip torch.save writes (a regular file)."""
+ZIP = b"PK\x03\x04"  # how torch.save's zip begins
+
+
+def zip_head(path):
+    """The first 4 bytes of the file at path (b"" if it cannot be read): ZIP for a checkpoint."""
     try:
-        if not os.path.isfile(path):
-            return False
         with open(path, "rb") as f:
-            head = f.read(4)
+            return f.read(4)
     except OSError:
-        return False
-    return b"PK\x03\x04".startswith(head)
+        return b""
 
 
 def missing_folders(path):
@@ -68,7 +85,18 @@ def missing_folders(path):
     return missing
 
 
-LOCK_FILE = ".train_gpt2.lock"  # in --out-dir while a run holds it; its text names that run's process
+def remove_made_folders(made):
+    """Remove the folders a refused start created (missing_folders' list), while still empty: a
+    typo'd flag leaves no empty --out-dir behind, and a folder the run wrote to stays."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            break
+
+
+# ----------------------------------------------------------------------------------------------
+# One run per folder: the claim at start, given back at the end
 
 
 _claim = {}  # this process's hold on its --out-dir (claim_out_dir), given back by release_out_dir
@@ -77,8 +105,13 @@ _claim = {}  # this process's hold on its --out-dir (claim_out_dir), given back 
 def claim_out_dir(out_dir, resume):
     """An out-dir belongs to one run: a new run next to another run's checkpoints would have them
     pruned instead of its own and its log drawn as one curve with theirs, so it is refused. The
-    folder is locked for this process's life (lock_out_dir), and what it holds is noted, so that a
+    folder is locked for this process's life (support.file_lock.lock_folder: flock, which the OS
+    releases when the process ends, a SIGKILL included), and what it holds is noted, so that a
     start that fails leaves it as it was (release_out_dir). Rank 0 alone claims it."""
+    if not out_dir:
+        raise UserError(
+            "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
+        )
     check_not_data_folder(out_dir, f"--out-dir {out_dir}")
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -86,17 +119,15 @@ def claim_out_dir(out_dir, resume):
         raise UserError(f"cannot create --out-dir {out_dir}: {e.strerror}") from None
     if _claim:  # an earlier run of this process that did not end through main: its hold goes first
         release_out_dir()
-    check_no_links(out_dir)
-    fd = lock_out_dir(out_dir, "continue with --resume" if resume else "start again")
+    then = "continue with --resume" if resume else "start again"
+    note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
+    fd = file_lock.lock_folder(out_dir, LOCK_FILE, "run", then, copy_advice(out_dir), note)
     log = os.path.join(out_dir, "log.jsonl")
     _claim.update(out_dir=out_dir, fd=fd, log=os.path.getsize(log) if os.path.isfile(log) else None)
-    _claim.update(checkpoints=_file_stats(checkpoint_paths(out_dir)))
-    names = os.listdir(out_dir)
-    theirs = sorted(n for n in names if re.fullmatch(r"ckpt_\d+\.pt", n))
+    _claim.update(checkpoints=set(checkpoint_paths(out_dir)))
+    check_names_at_start(out_dir)  # with the folder held: no other run changes it meanwhile
     check_log_header(log)
-    runs, unreadable = log_runs(log)
-    if os.path.lexists(log) and (theirs or runs or unreadable):
-        theirs = sorted([*theirs, "log.jsonl"])
+    theirs = other_runs(out_dir, None)
     if theirs and not resume:
         raise UserError(
             f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}): continue it with --resume, "
@@ -104,33 +135,115 @@ def claim_out_dir(out_dir, resume):
         )
     if os.path.lexists(log) and "log.jsonl" not in theirs:
         print(f"note: {log} holds only the start of a run that never trained a step: this run's records follow it")
-    for name in names:  # a checkpoint write of this run cut short by a kill: never complete
-        if re.fullmatch(r"\.ckpt_\d+\.pt\.tmp", name):
-            path = os.path.join(out_dir, name)
-            if not unfinished_write(path):  # not what a write of ours leaves: someone's file, kept
-                raise UserError(
-                    f"{path} is not a checkpoint write of train_gpt2.py's cut short (not the start of torch.save's "
-                    f"zip), and this run writes its checkpoints through that name: move it aside "
-                    f"({move_aside(path, 'aside')}), then run the same command again"
-                )
-            print(f"removing the unfinished {name}")
-            try:
-                os.remove(os.path.join(out_dir, name))
-            except OSError as e:  # a read-only folder: the run could write nothing there either
-                raise disk_error(e, f"to --out-dir {out_dir} (removing {name})", "continue with --resume") from None
+    for path in [os.path.join(out_dir, n) for n in os.listdir(out_dir) if step_of_name(n, temporary=True) is not None]:
+        name = os.path.basename(path)
+        print(f"removing the unfinished {name}")  # a checkpoint write of this run cut short by a kill
+        try:
+            os.remove(path)
+        except OSError as e:  # a read-only folder: the run could write nothing there either
+            raise disk_error(e, f"to --out-dir {out_dir} (removing {name})", "continue with --resume") from None
 
 
-WRITTEN_NAMES = re.compile(r"log\.jsonl|ckpt_\d+\.pt|\.ckpt_\d+\.pt\.tmp")  # besides LOCK_FILE: lock_out_dir's
-
-
-def check_no_links(out_dir):
-    """Before anything is written: no name this run writes (or removes, as a killed write's
-    temporary file) in out_dir is a symbolic link, a checkpoint's name of a later step included, for
-    the log would be appended to the file a link names, outside the folder, and a checkpoint's
-    rename would delete a link the run did not make (support.common.LinkedName, one line)."""
+def check_names_at_start(out_dir):
+    """At start, with the folder held: each name in out_dir a run writes is a file it may write
+    over or remove. A symbolic link is refused (support.files.LinkedName), never followed: the log
+    would be appended to the file it names, a rename would delete it. So is what is no file (a
+    folder, a FIFO a start would wait on), a file at a checkpoint's name that is no zip as
+    torch.save writes (a user's text: no run to continue), and one at a checkpoint's temporary name
+    that is not what a write of this program cut short leaves there (empty, or the zip's start),
+    each named with the `mv` that sets it aside."""
     for name in sorted(os.listdir(out_dir)):
-        if WRITTEN_NAMES.fullmatch(name):
-            refuse_link(os.path.join(out_dir, name))
+        if not written_by_runs(name):
+            continue
+        path = os.path.join(out_dir, name)
+        refuse_link(path)
+        if not os.path.isfile(path):
+            what = "is not a file (a folder, a FIFO or a device)"
+        elif step_of_name(name) is not None and zip_head(path) != ZIP:
+            what = "is no checkpoint of train_gpt2.py (not the zip torch.save writes)"
+        elif step_of_name(name, temporary=True) is not None and not ZIP.startswith(zip_head(path)):
+            what = "is not a checkpoint write of train_gpt2.py's cut short (not the start of torch.save's zip)"
+        else:
+            continue
+        raise UserError(
+            f"{path} {what}, and this run writes a file by that name: move it aside ({move_aside(path, 'aside')}), "
+            f"then run the same command again"
+        )
+
+
+def copy_advice(out_dir):
+    """For a run in another user's folder: the copy this user can continue as its own."""
+    mine = os.path.abspath(out_dir).rstrip(os.sep) + "_mine"
+    return (
+        f"the run is theirs to continue; to continue it as yours, copy its folder to one of your own and resume "
+        f"there (cp -r {shlex.quote(out_dir)} {shlex.quote(mine)} && python train_gpt2.py --resume --out-dir "
+        f"{shlex.quote(mine)})"
+    )
+
+
+def folder_gone(out_dir):
+    """The line for a run whose --out-dir was moved or deleted while it trained, saying where to
+    resume from (None while it is there). Moved, its lock file lives on under the new name (which
+    Linux's /proc tells); deleted, nothing is left to resume from."""
+    if os.path.isdir(out_dir):
+        return None
+    fd, links, where = _claim.get("fd"), None, "<its new path>"
+    try:
+        links = os.fstat(fd).st_nlink
+        where = shlex.quote(os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")))
+    except (OSError, TypeError):  # no lock held (TypeError: fd None), or no /proc
+        pass
+    if links == 0:
+        return f"--out-dir {out_dir} was deleted while this run trained, its checkpoints with it: start the run again"
+    how, then = (
+        ("moved", "continue it where it went") if links else ("moved or deleted", "if it was moved, continue it")
+    )
+    return (
+        f"--out-dir {out_dir} was {how} while this run trained: this run stops here; {then} (its checkpoints are "
+        f"there): python train_gpt2.py --resume --out-dir {where}"
+    )
+
+
+def release_out_dir():
+    """As the process ends (train_gpt2.main's finally): a start that failed (an exception on its
+    way out) before its first step and before any checkpoint leaves the folder as it found it:
+    the log records it added are cut off again (the log removed, if it made it), so that the same
+    command retried does not find "another run" there. Then the lock is given back."""
+    claim = dict(_claim)
+    _claim.clear()
+    if not claim:
+        return
+    try:
+        if sys.exc_info()[0] is not None:
+            undo_failed_start(claim)
+    finally:
+        if claim["fd"] is not None:
+            file_lock.unlock_folder(claim["fd"], claim["out_dir"], LOCK_FILE)
+
+
+def undo_failed_start(claim):
+    """Cut log.jsonl back to what it held at claim_out_dir, unless the run logged a step or wrote a
+    checkpoint since (then there is a run to continue)."""
+    out_dir, before = claim["out_dir"], claim["log"]
+    log = os.path.join(out_dir, "log.jsonl")
+    if set(checkpoint_paths(out_dir)) != claim["checkpoints"] or not os.path.isfile(log):
+        return
+    try:
+        with open(log, "rb+", opener=no_follow) as f:  # a link put at its name is not this run's log
+            f.seek(before or 0)
+            added = [line for line in f.read().split(b"\n") if line.strip()]
+            if any(_is_step_record(line) for line in added):
+                return
+            if before is not None:
+                f.truncate(before)
+        if before is None:
+            os.remove(log)
+    except (OSError, UserError):
+        pass  # a read-only or vanished folder: nothing this run could have changed either
+
+
+# ----------------------------------------------------------------------------------------------
+# The log's runs
 
 
 def run_header(line):
@@ -150,7 +263,7 @@ def check_log_header(log):
     try:
         with open(log, "rb") as f:
             first, _, rest = f.read().partition(b"\n")
-    except OSError:  # none, a folder, unreadable: claim_out_dir's to judge
+    except OSError:  # none, or unreadable: claim_out_dir's to judge
         return
     if (run_header(first) or {}).get("run_id"):
         return
@@ -160,6 +273,54 @@ def check_log_header(log):
         f"{log}: its first line is not a run's header (damaged?): move it aside "
         f"({move_aside(log, 'bad')}) and continue with --resume, or pass a new --out-dir"
     )
+
+
+def _is_step_record(line):
+    """Whether a line of log.jsonl records a step: trained, skipped, or skipped by fp16's loss scaler."""
+    return any(key in line for key in (b'"train_loss"', b'"skipped"', b'"scaler_skipped"'))
+
+
+def log_runs(path):
+    """(the ids of the runs log.jsonl records a trained or skipped step of, in order; whether it
+    holds a line that is not a record of ours). A start that failed before its first step (its
+    header, perhaps a step-0 eval) is no run. A line cut short (by a kill, a full disk) after a
+    record of ours is passed over where it is the last line or the next is a run's header: the
+    start, or the reopen, that ended it on its own line (RunLog.open)."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except FileNotFoundError:
+        return [], False
+    except OSError:  # a folder named log.jsonl, an unreadable file: someone's
+        return [], True
+    runs, current, records, cut = [], None, 0, False
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        if not (line.startswith(b"{") and line.endswith(b"}")):
+            if not records or cut:
+                return runs, True
+            cut = True  # ours cut short, if the last line or a header follows
+            continue
+        if cut and b'"header"' not in line:
+            return runs, True
+        records, cut = records + 1, False
+        if b'"header"' in line:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return runs, True
+            if isinstance(record, dict) and record.get("event") == "header":
+                current = record.get("run_id")
+                continue
+        if _is_step_record(line) and current not in runs:
+            runs.append(current)
+    return runs, False
+
+
+# ----------------------------------------------------------------------------------------------
+# A data folder is never a run's folder, and a run's folder never a data folder
 
 
 def data_files(folder):
@@ -201,182 +362,249 @@ def data_dir_problem(data_dir, out_dir):
     return None
 
 
-def lock_out_dir(out_dir, then):
-    """Hold an exclusive lock on out_dir while this process lives: support.file_lock.lock_folder on
-    its LOCK_FILE, with flock (or msvcrt.locking on Windows), which the OS releases when the process
-    ends, a SIGKILL included (no stale lock to remove by hand); where neither exists, the file itself
-    is the lock (support.file_lock.acquire). A second run into the folder, new or --resume, is
-    refused in one line naming the process that holds it (the file's text); so is a symbolic link at
-    the lock file's name, never followed. Returns the locked file's descriptor; None where the file
-    system has no locks (said in a warning)."""
+# ----------------------------------------------------------------------------------------------
+# Whose a file is: a run writes only over its own files, and resumes only from its own folder's
+
+
+def checkpoint_header(path):
+    """A checkpoint's dict with its tensors mapped, not read (mmap reads only the small pickled
+    part): its run_id, step and train_config, cheaply. None if it cannot be read as a checkpoint."""
     try:
-        return file_lock.lock_folder(out_dir, LOCK_FILE, _holder_note())
-    except file_lock.Held as e:
-        holder = e.holder or "a process that is just starting"
-        fix = f" ({e.fix})" if e.fix else ""
-        raise UserError(
-            f"--out-dir {out_dir} is in use by another run ({holder}): wait for it to end, or pass another "
-            f"--out-dir{fix}"
-        ) from None
-    except file_lock.Symlink as e:
-        raise UserError(
-            f"--out-dir {out_dir}: {e}, where train_gpt2.py keeps its lock file; a lock file is never written "
-            f"through a link: remove the link (not what it points to), then {then}"
-        ) from None
-    except file_lock.NoLocks as e:
-        print(
-            f"warning: cannot lock --out-dir {out_dir} ({e}): a second run started into it would not be stopped",
-            file=sys.stderr,
-        )
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
         return None
-    except OSError as e:
-        if os.path.isdir(os.path.join(out_dir, LOCK_FILE)):  # not the disk: a folder stands where the lock file goes
-            raise UserError(
-                f"--out-dir {out_dir} holds a folder named {LOCK_FILE}, where train_gpt2.py keeps its lock "
-                f"file: rename or remove that folder, then {then}"
-            ) from None
-        raise disk_error(e, f"to --out-dir {out_dir} (its lock file {LOCK_FILE})", then) from None
+    return ckpt if isinstance(ckpt, dict) else None
 
 
-def _holder_note():
-    """What the lock file's text adds after the pid: under torchrun, that rank 0 holds it for the job."""
-    return " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""
+def run_id_of(path):
+    """The run a checkpoint belongs to (None if it cannot be read)."""
+    return (checkpoint_header(path) or {}).get("run_id")
 
 
-def check_out_dir_held():
-    """Before every checkpoint and log record this process writes to its --out-dir: the folder must
-    still be this run's (support.file_lock.keep_folder: LOCK_FILE must be the file this process
-    locked, same device and inode, for a user can delete it, a "stale lock" habit from other tools,
-    or replace it, and a second run would then lock a new file and write beside this one). If it is
-    gone or another that no one holds, it is locked again and the run goes on, said in a warning
-    (stopping would throw away the steps since the last checkpoint for nothing); if another run
-    holds it now (or it cannot be locked again), this run stops in one line and writes nothing more
-    there, leaving that run's lock and records alone (release_out_dir)."""
-    fd = _claim.get("fd")
-    if fd is None or _claim.get("lost"):
-        return
-    out_dir = _claim["out_dir"]
-    path = os.path.join(out_dir, LOCK_FILE)
-    why = "leave it in place: it is no stale lock, the OS frees it when its run ends"
-    try:
-        new = file_lock.keep_folder(fd, out_dir, LOCK_FILE, _holder_note())
-    except (file_lock.Held, file_lock.Symlink, file_lock.NoLocks, OSError) as e:
-        _claim["lost"] = True
-        if isinstance(e, file_lock.Held):
-            now = f"another run holds it now ({e.holder or 'a process that is just starting'})"
-        else:
-            now = f"it cannot be locked again ({getattr(e, 'strerror', None) or e})"
-        raise UserError(
-            f"{path} was deleted or replaced while this run trained, and {now}: this run stops here and writes "
-            f"nothing more to {out_dir}, so that one run alone writes there ({why})"
-        ) from None
-    if new != fd:
-        _claim["fd"] = new
-        print(f"warning: {path} was deleted while this run trained: locked again ({why})", file=sys.stderr, flush=True)
+def not_this_runs(path, run_id, step=None):
+    """Why the file at path, a name this run writes (the checkpoint of `step`, or with step None
+    the log), is not this run's own and must not be overwritten; None if it is, or if nothing is
+    there. A checkpoint is this run's when it loads (its pickled part) and holds run_id and the
+    step its name says; the log, when it begins with a run's header (or is empty). run_id None:
+    a new run, whose id no file holds yet. A symbolic link there is refused (LinkedName): it is
+    neither read through nor replaced."""
+    refuse_link(path)
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isfile(path):
+        return "it is not a file"
+    if step is None:
+        with open(path, "rb") as f:
+            first = f.readline()
+        return None if not first or run_header(first) else "its first line is not a run's header"
+    held = checkpoint_header(path)
+    if held is None or "step" not in held:
+        if damaged_of_run(path, run_id):  # this run's own, damaged on disk or cut short in a copy
+            return None
+        return "it is not a checkpoint train_gpt2.py can load: truncated, corrupt or another program's"
+    if held.get("run_id") != run_id:
+        return f"it holds run {held.get('run_id')}" + (f", not this run's {run_id}" if run_id else "")
+    if held["step"] != step:
+        return f"it holds step {held['step']}, not the {step} its name says"
+    return None
 
 
-def release_out_dir():
-    """As the process ends (train_gpt2.main's finally): a start that failed (an exception on its
-    way out) before its first step and before any checkpoint leaves the folder as it found it:
-    the log records it added are cut off again (the log removed, if it made it), so that the same
-    command retried does not find "another run" there. Then the lock is given back: its file is
-    removed only if it is still the one this process locked (a user may have deleted it and
-    another run made its own). A run that lost its folder to another (check_out_dir_held) touches
-    nothing there."""
-    claim = dict(_claim)
-    _claim.clear()
-    if not claim:
-        return
-    try:
-        if sys.exc_info()[0] is not None and not claim.get("lost"):
-            undo_failed_start(claim)
-    finally:
-        if claim["fd"] is not None:
-            file_lock.unlock_folder(claim["fd"], claim["out_dir"], LOCK_FILE)
-
-
-def undo_failed_start(claim):
-    """Cut log.jsonl back to what it held at claim_out_dir, unless the run logged a step or wrote a
-    checkpoint since (then there is a run to continue)."""
-    out_dir, before = claim["out_dir"], claim["log"]
-    log = os.path.join(out_dir, "log.jsonl")
-    if _file_stats(checkpoint_paths(out_dir)) != claim["checkpoints"] or not os.path.isfile(log):
-        return
-    try:
-        with open(log, "rb+", opener=no_follow) as f:  # a link put at its name is not this run's log
-            f.seek(before or 0)
-            added = [line for line in f.read().split(b"\n") if line.strip()]
-            if any(_is_step_record(line) for line in added):
-                return
-            if before is not None:
-                f.truncate(before)
-        if before is None:
-            os.remove(log)
-    except (OSError, UserError):
-        pass  # a read-only or vanished folder: nothing this run could have changed either
-
-
-def _file_stats(paths):
-    """{path: (inode, size, mtime)}: a file written since is told apart from one that was there."""
-    stats = {}
-    for path in paths:
-        try:
-            st = os.stat(path)
-            stats[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError:
-            pass
-    return stats
-
-
-def _is_step_record(line):
-    """Whether a line of log.jsonl records a step: trained, skipped, or skipped by fp16's loss scaler."""
-    return any(key in line for key in (b'"train_loss"', b'"skipped"', b'"scaler_skipped"'))
-
-
-def log_runs(path):
-    """(the ids of the runs log.jsonl records a trained or skipped step of, in order; whether it
-    holds a line that is not a record of ours). A start that failed before its first step (its
-    header, perhaps a step-0 eval) is no run. A line cut short (by a kill, a full disk, a log cut in
-    place) after a record of ours is passed over where it is the last line or the next is a run's
-    header: the start, or the reopen, that ended it on its own line (RunLog.open)."""
+def damaged_of_run(path, run_id):
+    """Whether a checkpoint that does not load is still recognisably run_id's: torch.save's zip
+    writes the pickled part (data.pkl, which holds the run id as its text) first, so a file cut
+    short or damaged past it still begins with the zip and names the run in its first MiB. A run
+    id is random: no file of anyone else's holds it."""
+    if not run_id:
+        return False
     try:
         with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
-    except FileNotFoundError:
-        return [], False
-    except OSError:  # a folder named log.jsonl, an unreadable file: someone's
-        return [], True
-    runs, current, records, cut = [], None, 0, False
-    for line in lines:
-        line = line.strip()
-        if not line:
-            continue
-        if not (line.startswith(b"{") and line.endswith(b"}")):
-            if not records or cut:
-                return runs, True
-            cut = True  # ours cut short, if the last line or a header follows
-            continue
-        if cut and b'"header"' not in line:
-            return runs, True
-        records, cut = records + 1, False
-        if b'"header"' in line:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                return runs, True
-            if isinstance(record, dict) and record.get("event") == "header":
-                current = record.get("run_id")
-                continue
-        if _is_step_record(line) and current not in runs:
-            runs.append(current)
-    return runs, False
+            head = f.read(2**20)
+    except OSError:
+        return False
+    return head.startswith(ZIP) and run_id.encode() in head
 
 
-def remove_made_folders(made):
-    """Remove the folders a refused start created (missing_folders' list), while still empty: a
-    typo'd flag leaves no empty --out-dir behind, and a folder the run wrote to stays."""
-    for folder in made:
+def other_runs(out_dir, run_id, skip=None):
+    """The files in out_dir of runs other than run_id (None: a new run, which no file is of):
+    checkpoints (one whose run cannot be read counts), and log.jsonl when it records another run's
+    steps or is not our log. skip: the checkpoint being resumed, wherever it lies."""
+    runs, unreadable = log_runs(os.path.join(out_dir, "log.jsonl"))
+    found = ["log.jsonl"] if unreadable or any(r != run_id for r in runs) else []
+    for path in checkpoint_paths(out_dir):
+        if skip and os.path.realpath(path) == os.path.realpath(skip):
+            continue
+        if run_id is None or run_id_of(path) != run_id:
+            found.append(os.path.basename(path))
+    return found
+
+
+def folder_run(out_dir):
+    """The run out_dir belongs to and what says so: the last run its log.jsonl records steps of;
+    with none, the one run its readable checkpoints hold; (None, None) with neither. A folder with
+    no log whose checkpoints hold two runs is refused in one line naming both."""
+    runs, _ = log_runs(os.path.join(out_dir, "log.jsonl"))
+    if runs and runs[-1] is not None:
+        return runs[-1], "its log.jsonl"
+    held = {}  # run id -> its newest checkpoint here
+    for path in checkpoint_paths(out_dir):
+        run_id = run_id_of(path)
+        if run_id is not None:
+            held.setdefault(run_id, path)
+    if len(held) > 1:
+        (a, pa), (b, pb) = list(held.items())[:2]
+        raise UserError(
+            f"{out_dir} holds checkpoints of two runs and no log.jsonl to say which run the folder is ({pa}: run "
+            f"{a}; {pb}: run {b}): move one run's checkpoints to a folder of their own, then run the same command again"
+        )
+    return next(iter(held), None), "its checkpoints"
+
+
+def newest_of_its_run(out_dir, load, then):
+    """(path, checkpoint) of the newest checkpoint in out_dir that loads (load(path)), holds the
+    folder's run (folder_run) and the step its name says; each one passed over is said in one
+    warning line naming the file and why. (None, None) for a folder with no checkpoint; with
+    checkpoints but none of these, refused in one line (then: what to do instead, where another
+    run's or a misnamed one was passed over)."""
+    paths = checkpoint_paths(out_dir)
+    if not paths:
+        return None, None
+    run, said_by = folder_run(out_dir)
+    others = False
+    for path in paths:
         try:
-            os.rmdir(folder)
-        except OSError:
-            break
+            ckpt = load(path)
+        except UserError as e:
+            print(f"warning: skipping {path}: {e}", file=sys.stderr)
+            continue
+        held_run = ckpt.get("run_id")
+        if run is not None and held_run is not None and held_run != run:  # one with no run_id: of no other run
+            why = f"it holds run {held_run}, not this folder's run {run} (which {said_by} records)"
+        elif ckpt.get("step") != step_of_name(path):
+            why = f"it holds step {ckpt.get('step')}, not the {step_of_name(path)} its name says"
+        else:
+            return path, ckpt
+        print(f"warning: skipping {path}: {why}", file=sys.stderr)
+        others = True
+    message = f"none of the {len(paths)} checkpoints in {out_dir} can be loaded: see the warnings above"
+    if others:
+        message = (
+            f"none of the {len(paths)} checkpoints in {out_dir} is one of the folder's run that loads and holds the "
+            f"step its name says: see the warnings above; {then}"
+        )
+    raise UserError(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# What --resume continues from, and the names the run will write
+
+
+def pick_checkpoint(resume, out_dir, max_steps, load):
+    """Rank 0's choice at start, after claim_out_dir: (path, checkpoint, run to restart) for
+    --resume (resume: "latest" or a checkpoint's path), (None, None, None) for a new run. Before
+    anything is written, the files at the names this run may write are checked to be its own
+    (check_names_to_write): its log, and the checkpoints of the steps from the one it resumes at to
+    its last (max_steps: --max-steps as given, else None for the run's). load: how a checkpoint
+    holding a run's training state is loaded."""
+    path, ckpt, restart = None, None, None
+    if resume:
+        path, ckpt, restart = find_resume_checkpoint(resume, out_dir, load)
+    if ckpt is None:  # a new run (claim_out_dir refused any checkpoint) or a restart (the folder holds none)
+        run_id, steps = (restart or {}).get("run_id"), range(0)
+    else:
+        if resume != "latest":  # the folder's own newest checkpoint is of the folder's run already
+            check_resume_target(out_dir, path, ckpt)
+        last = max_steps if max_steps is not None else ckpt.get("train_config", {}).get("max_steps", 0)
+        run_id, steps = ckpt.get("run_id"), range(ckpt["step"], max(last, ckpt["step"]) + 1)
+    check_names_to_write(out_dir, run_id, steps)
+    return path, ckpt, restart
+
+
+def find_resume_checkpoint(resume, out_dir, load):
+    """(path, checkpoint, run to restart) for --resume: the given file, or for 'latest' the newest
+    checkpoint of the folder's run in out_dir that loads and holds the step its name says
+    (newest_of_its_run: one cut short or corrupt, another run's, or a misnamed one is said in a
+    warning and passed over). With no checkpoint at all, the run starts from step 0: the run the
+    folder's log records (run_to_restart), if it records one, else a new run."""
+    if resume != "latest":
+        return resume, load(resume), None
+    then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
+    path, ckpt = newest_of_its_run(out_dir, load, then)
+    if path is not None:
+        return path, ckpt, None
+    restart = run_to_restart(out_dir)
+    if restart is None:
+        print(f"no checkpoint in {out_dir} to resume from: starting a new run")
+    else:
+        print(
+            f"note: no checkpoint in {out_dir}: run {restart['run_id']}, which its log.jsonl records "
+            f"{restart['steps']} steps of (it stopped before its first checkpoint), restarts from step 0 with the "
+            f"recipe its log records"
+        )
+    return None, None, restart
+
+
+def run_to_restart(out_dir):
+    """The run out_dir/log.jsonl records steps of (the last one, if several) when the folder holds no
+    checkpoint: a run stopped before its first checkpoint (a spot instance lost in its first
+    --ckpt-every steps), which --resume starts again from step 0 as the same run, with the recipe its
+    last header records, rather than as a new run with the default flags appended to its log.
+    {"run_id", "config", "steps"} or None; a log that records a run but not its recipe is refused."""
+    path = os.path.join(out_dir, "log.jsonl")
+    runs, _ = log_runs(path)
+    if not runs:
+        return None
+    config, steps, current = None, set(), None
+    for record in log_records(path):
+        if record.get("event") == "header":
+            current = record.get("run_id")
+            if current == runs[-1]:
+                config = record.get("config")
+        elif current == runs[-1] and ("train_loss" in record or "skipped" in record):
+            steps.add(record.get("step"))
+    if not isinstance(config, dict):
+        raise UserError(
+            f"--resume: {out_dir} holds no checkpoint, and its log.jsonl records run {runs[-1]} but not the recipe "
+            f"it was started with: start it again with its flags and a new --out-dir"
+        )
+    return {"run_id": runs[-1], "config": config, "steps": len(steps)}
+
+
+def check_resume_target(out_dir, path, ckpt):
+    """--resume CKPT continues CKPT's run in --out-dir: refused, before anything is written, when
+    that folder holds another run (its checkpoints would be overwritten, pruned, and its log mixed
+    with this one's); a folder new to the run is fine, and said."""
+    run_id, folder = ckpt.get("run_id", path), os.path.dirname(path) or "."
+    others = other_runs(out_dir, run_id, skip=path)
+    if others:
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        raise UserError(
+            f"--resume {path} continues run {run_id}, but --out-dir {out_dir} holds another run "
+            f"({', '.join(others[:3])}{more}): its checkpoints would be overwritten and its log mixed with this "
+            f"run's; pass a new or empty --out-dir, or --out-dir {folder} (the run's own folder)"
+        )
+    if os.path.realpath(folder) != os.path.realpath(out_dir) and not checkpoint_paths(out_dir):
+        print(
+            f"note: run {run_id} continues from {path} in --out-dir {out_dir}; its log and checkpoints up to "
+            f"step {ckpt.get('step')} stay in {folder}"
+        )
+
+
+def check_names_to_write(out_dir, run_id, steps):
+    """Before step 0: each file at a name this run may write, its log.jsonl and the checkpoint of
+    each of `steps` (a signal checkpoints whichever step it comes at), is this run's own
+    (not_this_runs); the first that is not stops the run in one line naming it and the `mv` that
+    sets it aside."""
+    log = os.path.join(out_dir, "log.jsonl")
+    targets = [(log, None)] + [
+        (path, step) for path in checkpoint_paths(out_dir) if (step := step_of_name(path)) in steps
+    ]
+    for path, step in targets:
+        if step is not None and path != checkpoint_path(out_dir, step):
+            continue  # ckpt_9.pt: not a name this run writes
+        why = not_this_runs(path, run_id, step)
+        if why:
+            what = "appends its records" if step is None else f"may write its step {step} checkpoint"
+            raise UserError(
+                f"{path} is not this run's ({why}), and this run {what} there: move it aside "
+                f"({move_aside(path, 'aside')}), then run the same command again"
+            )

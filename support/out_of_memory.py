@@ -1,58 +1,40 @@
 """What to say when a run or an eval runs out of memory: one line saying during what, the flag to
 lower, and what is on disk to go on from.
 
-The scripts mark each phase of their work, naming it and the values its advice needs:
+A script marks each phase of its work as it begins, with the values its advice needs, and goes on
+without indenting the work under it:
 
-    with oom_phase("val loss", run=run, step=step):
-        ...
+    oom_phase("val loss", step=step, out_dir=out_dir, **batch)
 
-An allocation that fails inside leaves with that phase attached to its exception (after any
-phase inside it), and run_cli's out_of_memory hook (training_out_of_memory,
-hellaswag_out_of_memory) words the innermost phase its script knows. The advice depends on the
-marks alone, never on the names of the functions or variables the allocation failed in."""
+run_cli's out_of_memory hook (training_out_of_memory, hellaswag_out_of_memory) words the phase of
+its script marked last: the one in progress when the allocation failed. The advice depends on
+the marks alone, never on the names of the functions or variables the allocation failed in. Every
+phase a script marks has an entry in its script's advice table (tests/test_out_of_memory.py reads
+the scripts' marks)."""
 
-from support.common import memory_kind
-from support.machine import GiB, fitting_B, gpu_memory_of
+from support.gpu import GiB, fitting_B, gpu_memory_of
 from support.out_dir import checkpoint_paths
 
-
-class oom_phase:
-    """A context manager that marks a phase for the out-of-memory advice: an out-of-memory
-    exception leaving it gets (name, values) added to its oom_phases, the innermost phase first."""
-
-    def __init__(self, name, **values):
-        self.name, self.values = name, values
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, traceback):
-        if isinstance(e, Exception) and memory_kind(e) is not None:
-            e.oom_phases = [*getattr(e, "oom_phases", []), (self.name, self.values)]
-        return False  # the exception goes on to run_cli
+_marked = {}  # phase name -> its values; the phase marked last is last
 
 
-def innermost_phase(e, names):
-    """(name, values) of the innermost phase among names that e left, or (None, None)."""
-    return next(((name, values) for name, values in getattr(e, "oom_phases", []) if name in names), (None, None))
+def oom_phase(name, **values):
+    """Mark phase `name`, with the values its advice reads, as the one now in progress."""
+    _marked.pop(name, None)
+    _marked[name] = values
+
+
+def forget_phases():
+    """A new start of a script in this process: no phase of an earlier one is in progress."""
+    _marked.clear()
+
+
+def latest_phase(advice):
+    """(name, values) of the phase among advice's keys marked last, or (None, None)."""
+    return next(((name, values) for name, values in reversed(_marked.items()) if name in advice), (None, None))
 
 
 # --- train_gpt2.py ---------------------------------------------------------------------------------
-
-# the phases train_gpt2.py marks; their values: run (its Run), and step in the loop
-TRAINING_PHASES = (
-    "loading the checkpoint",
-    "building the model",
-    "reading the data",
-    "start",  # the rest of the start-up: compile, DDP
-    "sampling check",
-    "training step",  # and first: whether it is this process's first step
-    "val loss",
-    "HellaSwag eval",
-    "sampling",
-    "writing the checkpoint",
-    "sample-from",  # its value: args, the flags (no run)
-)
 
 
 def estimated_B(config, device, autocast_dtype, B, T):
@@ -65,17 +47,18 @@ def estimated_B(config, device, autocast_dtype, B, T):
     return (fit, memory) if fit and fit < B else (None, None)
 
 
-def lower_B(run):
-    """(the flag, the advice) for a smaller micro-batch: the estimate's B, else the next divisor down."""
-    args, B = run.args, run.args.batch_size
+def lower_B(config, device, autocast_dtype, B, T, total_batch_size):
+    """(the flag, the advice) for a smaller micro-batch: the estimate's B, else the next divisor
+    down. Its arguments are a phase's `batch` values: the model's config, where it runs, -B, -T
+    and --total-batch-size."""
     smaller = max(d for d in range(1, B) if B % d == 0) if B > 1 else None
-    fit, memory = estimated_B(run.model.config, run.device, run.autocast_dtype, B, args.seq_len)
+    fit, memory = estimated_B(config, device, autocast_dtype, B, T)
     why = f", which this GPU's {memory / GiB:.1f} GiB should fit, see docs/gpus.md" if fit else ""
     smaller = fit or smaller
     if not smaller:
         return None, "use a smaller model (--n-layer, --n-embd) or a shorter -T"
     return f"-B {smaller}", (
-        f"lower -B (e.g. -B {smaller}{why}: the total batch stays {args.total_batch_size:,} tokens, accumulated "
+        f"lower -B (e.g. -B {smaller}{why}: the total batch stays {total_batch_size:,} tokens, accumulated "
         f"over more micro-steps)"
     )
 
@@ -85,58 +68,82 @@ def fewer_samples(n):
     return (f"--num-samples {n // 2}" if n > 1 else None), f"lower --num-samples {n}" + (f" (e.g. {n // 2})" * (n > 1))
 
 
-def training_out_of_memory(e):
-    """For run_cli: in which phase train_gpt2.py ran out of memory (the first step, an eval,
-    sampling, ...), the flag to lower, and the checkpoint to go on from; None outside its phases."""
-    phase, values = innermost_phase(e, TRAINING_PHASES)
-    if phase is None:
-        return None
-    if phase == "loading the checkpoint":
-        return "while loading the checkpoint: free memory for it"
-    if phase == "sample-from":
-        args = values["args"]
-        return f"while sampling: {fewer_samples(args.num_samples)[1]} or --max-new-tokens {args.max_new_tokens}"
-    run, step = values["run"], values.get("step")
-    args = run.args
-    if phase == "building the model":
-        fix = "pick a smaller --init-from model" if args.init_from != "scratch" else "lower --n-layer or --n-embd"
-        return f"while building the model: {fix if not args.resume else 'this run needs more memory than is free'}"
-    if phase == "reading the data":
-        return f"while reading the data: lower --val-tokens {args.val_tokens:,} or free memory"
-    if phase == "start":
-        return f"while starting: {lower_B(run)[1]}, or use a smaller model"
-    if phase == "sampling check":  # before the log's first record: the same command with the lower setting
-        return f"in the start-up sampling check: {fewer_samples(args.num_samples)[1]}"
-    if phase == "training step":
-        what = "in the first training step" if values["first"] else f"in training step {step}"
-        what, (flag, fix) = f"{what} (-B {args.batch_size} rows of -T {args.seq_len})", lower_B(run)
-    elif phase == "val loss":
-        what, (flag, fix) = (
-            f"in the val-loss eval at step {step} (it reads -B {args.batch_size} rows at a time)",
-            lower_B(run),
-        )
-    elif phase == "HellaSwag eval":
-        what, flag = f"in the HellaSwag eval at step {step}", "--hellaswag-every 0"
-        fix = "turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores a checkpoint in less)"
-    elif phase == "sampling":
-        what, (flag, fix) = f"while sampling at step {step}", fewer_samples(args.num_samples)
-        fix += f" or --max-new-tokens {args.max_new_tokens}"
-    else:  # writing the checkpoint
-        what, flag, fix = f"while writing the checkpoint of step {step}", None, "free host memory for it"
-    newest = checkpoint_paths(args.out_dir)
+def then_resume(what, flag, fix, out_dir):
+    """A mid-run phase's line: during what, the fix, and the checkpoint in out_dir to go on from."""
+    newest = checkpoint_paths(out_dir)
     if not newest:
         return f"{what}: {fix}; no checkpoint was written yet: --resume {flag or ''} starts the run again".rstrip()
     return f"{what}: {fix}; {newest[0]} stands: continue from it with --resume" + (f" {flag}" if flag else "")
 
 
+def _building(init_from, resume):
+    fix = "pick a smaller --init-from model" if init_from != "scratch" else "lower --n-layer or --n-embd"
+    return f"while building the model: {fix if not resume else 'this run needs more memory than is free'}"
+
+
+def _training_step(step, first, out_dir, **batch):
+    what = "in the first training step" if first else f"in training step {step}"
+    what = f"{what} (-B {batch['B']} rows of -T {batch['T']})"
+    return then_resume(what, *lower_B(**batch), out_dir)
+
+
+def _val_loss(step, out_dir, **batch):
+    what = f"in the val-loss eval at step {step} (it reads -B {batch['B']} rows at a time)"
+    return then_resume(what, *lower_B(**batch), out_dir)
+
+
+def _sampling(step, out_dir, num_samples, max_new_tokens):
+    flag, fix = fewer_samples(num_samples)
+    return then_resume(f"while sampling at step {step}", flag, f"{fix} or --max-new-tokens {max_new_tokens}", out_dir)
+
+
+# each phase train_gpt2.py (and the support functions it calls) marks -> the line for it, from the
+# values the phase carries
+TRAINING_ADVICE = {
+    "loading the checkpoint": lambda: "while loading the checkpoint: free memory for it",
+    "building the model": _building,
+    "reading the data": lambda val_tokens: f"while reading the data: lower --val-tokens {val_tokens:,} or free memory",
+    "start": lambda **batch: f"while starting: {lower_B(**batch)[1]}, or use a smaller model",  # compile, DDP
+    # before the log's first record: the same command with the lower setting
+    "sampling check": lambda num_samples: f"in the start-up sampling check: {fewer_samples(num_samples)[1]}",
+    "training step": _training_step,
+    "val loss": _val_loss,
+    "HellaSwag eval": lambda step, out_dir: then_resume(
+        f"in the HellaSwag eval at step {step}",
+        "--hellaswag-every 0",
+        "turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores a checkpoint in less)",
+        out_dir,
+    ),
+    "sampling": _sampling,
+    "writing the checkpoint": lambda step, out_dir: then_resume(
+        f"while writing the checkpoint of step {step}", None, "free host memory for it", out_dir
+    ),
+    "sample-from": lambda num_samples, max_new_tokens: (
+        f"while sampling: {fewer_samples(num_samples)[1]} or --max-new-tokens {max_new_tokens}"
+    ),
+}
+
+
+def training_out_of_memory(e=None):
+    """For run_cli: in which phase train_gpt2.py ran out of memory (the first step, an eval,
+    sampling, ...), the flag to lower, and the checkpoint to go on from; None before its first.
+    e, the error, is run_cli's to pass: the phase marked last is the one it left."""
+    phase, values = latest_phase(TRAINING_ADVICE)
+    return None if phase is None else TRAINING_ADVICE[phase](**values)
+
+
 # --- hellaswag.py ----------------------------------------------------------------------------------
 
 
-def hellaswag_out_of_memory(e):
-    """For run_cli: hellaswag.py's flag to lower, from its "scoring HellaSwag" phase's batch_tokens."""
-    phase, values = innermost_phase(e, ("scoring HellaSwag",))
-    if phase is None:
-        return None
-    n = values["batch_tokens"]  # the one it used
-    example = f" (e.g. --batch-tokens {n // 2})" if n and n > 1 else ""
+def _scoring(batch_tokens):
+    example = f" (e.g. --batch-tokens {batch_tokens // 2})" if batch_tokens and batch_tokens > 1 else ""
     return f"while scoring HellaSwag: lower --batch-tokens{example}, or use a smaller --model"
+
+
+HELLASWAG_ADVICE = {"scoring HellaSwag": _scoring}  # batch_tokens: the one it used
+
+
+def hellaswag_out_of_memory(e=None):
+    """For run_cli: hellaswag.py's flag to lower, from its "scoring HellaSwag" phase's batch_tokens."""
+    phase, values = latest_phase(HELLASWAG_ADVICE)
+    return None if phase is None else HELLASWAG_ADVICE[phase](**values)

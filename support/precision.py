@@ -1,5 +1,5 @@
-"""Mixed precision: the autocast dtype a run computes in and why (--dtype auto), and fp16's loss
-scaling (torch.amp.GradScaler), with what the step record shows of it."""
+"""Mixed precision: the autocast dtype a run computes in and why (--dtype auto), autocast to it,
+and fp16's loss scaling (torch.amp.GradScaler), with what the step record shows of it."""
 
 import torch
 
@@ -9,6 +9,11 @@ AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float3
 # GradScaler's default first scale (2**16). fp16 overflows above 65504, so the first steps often
 # overflow at it and are skipped while the scale halves down to one that fits the gradients
 INIT_SCALE = 2.0**16
+
+
+def autocast(device_type, dtype):
+    """Autocast to dtype (bf16 or fp16) when it is set, a no-op otherwise."""
+    return torch.autocast(device_type=device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 def pick_dtype(requested, device_type, capability=None):

@@ -7,7 +7,7 @@ import os
 import shlex
 from pathlib import Path
 
-from support.common import UserError
+from support.cli import UserError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -1,146 +1,31 @@
-"""What --resume continues from and with: the checkpoint it picks, the recipe and settings it takes
-from it, the changes it allows, and the optimizer, data position and RNG state it restores."""
+"""What --resume continues with: the recipe and settings it takes from the checkpoint (which one:
+support.out_dir.pick_checkpoint), the changes it allows, and the optimizer, data position and RNG
+state it restores."""
 
 import os
 import time
 
+import torch
 import torch.distributed as dist
 
-from support.checkpoints import (
-    check_names_to_write,
-    load_training_checkpoint,
-    newest_of_its_run,
-    run_id_of,
-    set_rng_state,
-)
-from support.common import UserError, log_records, same_on_every_rank
+from support.checkpoints import load_training_checkpoint, set_rng_state
+from support.cli import UserError, same_on_every_rank
 from support.ddp import fence
-from support.out_dir import checkpoint_paths, log_runs
-from support.shards import check_same_data, data_identity
+from support.out_dir import check_not_data_folder, claim_out_dir, pick_checkpoint
+from support.out_of_memory import oom_phase
+from support.shards import check_same_data
 
-
-def find_resume_checkpoint(resume, out_dir):
-    """(path, checkpoint, run to restart) for --resume: the given file, or for 'latest' the newest
-    checkpoint of the folder's run in out_dir that loads and holds the step its name says
-    (support.checkpoints.newest_of_its_run: one cut short or corrupt, another run's, or a misnamed
-    one is said in a warning and passed over). With no checkpoint at all, the run starts from step
-    0: the run the folder's log records (run_to_restart), if it records one, else a new run."""
-    if resume != "latest":
-        return resume, load_training_checkpoint(resume), None
-    then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
-    path, ckpt = newest_of_its_run(out_dir, load_training_checkpoint, then)
-    if path is not None:
-        return path, ckpt, None
-    restart = run_to_restart(out_dir)
-    if restart is None:
-        print(f"no checkpoint in {out_dir} to resume from: starting a new run")
-    else:
-        print(
-            f"note: no checkpoint in {out_dir}: run {restart['run_id']}, which its log.jsonl records "
-            f"{restart['steps']} steps of (it stopped before its first checkpoint), restarts from step 0 with the "
-            f"recipe its log records"
-        )
-    return None, None, restart
-
-
-def check_names(args, given, found, restart):
-    """At start, on rank 0 (docs/reliability.md rule 27): the files at the names this run may write
-    are its own (support.checkpoints.check_names_to_write): the checkpoints of the steps from the one
-    it resumes at to its last (--max-steps as given, else the run's), and its log."""
-    if found is None:  # a new run (claim_out_dir refused any checkpoint) or a restart (the folder holds none)
-        run_id, steps = (restart or {}).get("run_id"), range(0)
-    else:
-        last = args.max_steps if "max_steps" in given else found.get("train_config", {}).get("max_steps", 0)
-        run_id, steps = found.get("run_id"), range(found["step"], max(last, found["step"]) + 1)
-    check_names_to_write(args.out_dir, run_id, steps)
-
-
-def run_to_restart(out_dir):
-    """The run out_dir/log.jsonl records steps of (the last one, if several) when the folder holds no
-    checkpoint: a run stopped before its first checkpoint (a spot instance lost in its first
-    --ckpt-every steps), which --resume starts again from step 0 as the same run, with the recipe its
-    last header records, rather than as a new run with the default flags appended to its log.
-    {"run_id", "config", "steps"} or None; a log that records a run but not its recipe is refused."""
-    path = os.path.join(out_dir, "log.jsonl")
-    runs, _ = log_runs(path)
-    if not runs:
-        return None
-    config, steps, current = None, set(), None
-    for record in log_records(path):
-        if record.get("event") == "header":
-            current = record.get("run_id")
-            if current == runs[-1]:
-                config = record.get("config")
-        elif current == runs[-1] and ("train_loss" in record or "skipped" in record):
-            steps.add(record.get("step"))
-    if not isinstance(config, dict):
-        raise UserError(
-            f"--resume: {out_dir} holds no checkpoint, and its log.jsonl records run {runs[-1]} but not the recipe "
-            f"it was started with: start it again with its flags and a new --out-dir"
-        )
-    return {"run_id": runs[-1], "config": config, "steps": len(steps)}
-
-
-_restart = {}  # the run_id of the run this process restarts (resume_checkpoint), for restore_training_state
-
-
-def other_runs(out_dir, run_id, skip=None):
-    """The files in out_dir of runs other than run_id: checkpoints (one whose run cannot be read
-    counts) and log.jsonl when it records another run's steps or is not our log."""
-    runs, unreadable = log_runs(os.path.join(out_dir, "log.jsonl"))
-    found = ["log.jsonl"] if unreadable or any(r != run_id for r in runs) else []
-    for path in checkpoint_paths(out_dir):
-        if not (skip and os.path.realpath(path) == os.path.realpath(skip)) and run_id_of(path) != run_id:
-            found.append(os.path.basename(path))
-    return found
-
-
-def check_resume_target(args, path, ckpt):
-    """--resume CKPT continues CKPT's run in --out-dir: refused, before anything is written, when
-    that folder holds another run (its checkpoints would be overwritten, pruned, and its log mixed
-    with this one's); a folder new to the run is fine, and said."""
-    if args.resume == "latest":  # the folder's own newest checkpoint: its run is the folder's
-        return
-    run_id, out_dir, folder = ckpt.get("run_id", path), args.out_dir, os.path.dirname(path) or "."
-    others = other_runs(out_dir, run_id, skip=path)
-    if others:
-        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
-        raise UserError(
-            f"--resume {path} continues run {run_id}, but --out-dir {out_dir} holds another run "
-            f"({', '.join(others[:3])}{more}): its checkpoints would be overwritten and its log mixed with this "
-            f"run's; pass a new or empty --out-dir, or --out-dir {folder} (the run's own folder)"
-        )
-    if os.path.realpath(folder) != os.path.realpath(out_dir) and not checkpoint_paths(out_dir):
-        print(
-            f"note: run {run_id} continues from {path} in --out-dir {out_dir}; its log and checkpoints up to "
-            f"step {ckpt.get('step')} stay in {folder}"
-        )
-
-
-# value, so `--resume` alone continues the run as it was; a flag given with another value is a
-# contradiction, refused, except for the changes below, which are allowed and reported.
-RECIPE_FLAGS = (
-    "total_batch_size",
-    "seq_len",
-    "max_lr",
-    "min_lr",
-    "warmup_steps",
-    "max_steps",
-    "weight_decay",
-    "beta1",
-    "beta2",
-    "adam_eps",
-    "grad_clip",
-    "seed",
-    "no_shuffle",
-    "n_layer",
-    "n_head",
-    "n_embd",
-    "vocab_size",
-    "block_size",
-    "batch_size",
-)
-
+# The roles a flag has on --resume, declared beside each flag in train_gpt2.py's command_line (a flag
+# with neither is the machine's or this job's: the device, dtype, compile, --peak-flops and
+# --ddp-timeout, --out-dir, --init-from, ...; a run may continue on another machine).
+# The recipe: left out, a flag takes the checkpoint's value, so that `--resume` alone continues
+# the run as it was; given with another value it is a contradiction, refused, except for the
+# changes in ALLOWED_CHANGES, which are allowed and said.
+RECIPE = "recipe"
+# A run setting: left out, the run's (a resumed run reads the same data and evaluates as before,
+# rather than the defaults' edu_fineweb10B and HellaSwag every 250 steps, and logs to the same
+# wandb project); given, it changes from here on (--wandb-project '' stops the logging to wandb).
+RUN_SETTING = "run setting"
 
 ALLOWED_CHANGES = {
     "max_steps": "the cosine schedule is re-stretched from here to the new last step",
@@ -150,40 +35,34 @@ ALLOWED_CHANGES = {
 }
 
 
-# reads the same data and evaluates as before, rather than the defaults' edu_fineweb10B and
-# HellaSwag every 250 steps, and logs to the same wandb project); given, they change from here on
-# (--wandb-project '' stops the logging to wandb). The device, dtype, compile, --peak-flops and
-# --ddp-timeout are the machine's: a run may continue on another one.
-RUN_SETTINGS = (
-    "data_dir",
-    "eval_every",
-    "val_tokens",
-    "hellaswag_every",
-    "hellaswag_limit",
-    "hellaswag_data",
-    "sample_every",
-    "ckpt_every",
-    "keep_ckpts",
-    "prompt",
-    "num_samples",
-    "max_new_tokens",
-    "temperature",
-    "top_k",
-    "deterministic",
-    "wandb_project",
-    "wandb_run_name",
-)
+def resume_folder(args, given):
+    """--resume <a run's folder> continues that run where it is: args become --out-dir that folder
+    and --resume its newest checkpoint. Returns the flags given, --out-dir among them then."""
+    if args.resume in (None, "latest") or not os.path.isdir(args.resume):
+        return given
+    check_not_data_folder(args.resume, f"--resume {args.resume}")
+    if "out_dir" in given and os.path.realpath(args.out_dir) != os.path.realpath(args.resume):
+        raise UserError(
+            f"--resume {args.resume} is a run's folder, --out-dir {args.out_dir} another: continue that "
+            f"run with --resume --out-dir {args.resume}, or name the checkpoint to start from"
+        )
+    args.out_dir, args.resume = args.resume, "latest"  # continue it where it is
+    return given | {"out_dir"}
 
 
-def reconcile_resume(args, given, ckpt, ckpt_path):
-    """Fill args from the checkpoint's recipe and settings; refuse contradictions. Returns the
-    allowed changes as {flag: [checkpoint's value, new value]} and the settings taken from the
-    checkpoint as {flag: value}."""
+def reconcile_resume(args, given, roles, ckpt, ckpt_path):
+    """Fill args from the checkpoint's recipe and settings (roles: {flag: RECIPE or RUN_SETTING});
+    refuse contradictions. Returns the allowed changes as {flag: [checkpoint's value, new value]}
+    and the settings taken from the checkpoint as {flag: value}."""
     old, changes = ckpt.get("train_config", {}), {}
-    taken = {n: old[n] for n in RUN_SETTINGS if n in old and n not in given and old[n] != getattr(args, n)}
+    taken = {
+        n: old[n]
+        for n in roles
+        if roles[n] == RUN_SETTING and n in old and n not in given and old[n] != getattr(args, n)
+    }
     for name, value in taken.items():
         setattr(args, name, value)
-    for name in RECIPE_FLAGS:
+    for name in (n for n in roles if roles[n] == RECIPE):
         if name not in old or old[name] == getattr(args, name):
             continue
         flag = "--" + name.replace("_", "-")
@@ -202,64 +81,65 @@ def reconcile_resume(args, given, ckpt, ckpt_path):
     return changes, taken
 
 
-def resume_checkpoint(args, given, ddp, master_process, claim=None):
-    """(path, checkpoint, allowed changes, settings taken from it) for --resume, else (None, None,
-    {}, {}). Rank 0 claims the out-dir first (claim(), if given) and picks the checkpoint, so that
-    every rank loads the same one (multi-node: the out-dir must be shared); a mistake it finds
-    there ends every rank alike, said once. The other ranks wait in the fence (see fence)."""
+def new_run_id():
+    """A run's id: when it started, and random bytes that no other run shares."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"
+
+
+def resume_checkpoint(args, given, roles, ddp, master_process):
+    """(path, checkpoint, the run's id, allowed changes) for --resume, else (None, None, a new
+    run's id, {}); rank 0 says what a resume changed and took (report_resume). Rank 0 claims the
+    out-dir first (claim_out_dir) and picks the checkpoint, so that every rank loads the same one
+    (multi-node: the out-dir must be shared); a mistake it finds there ends every rank alike, said
+    once. The other ranks wait in the fence (see fence). roles: reconcile_resume's."""
+    oom_phase("loading the checkpoint")
     picked = [None, None, None]  # the checkpoint's path, rank 0's error, the run to restart
-    _restart.clear()
     if master_process:
         try:
-            if claim is not None:
-                claim()
-            found = None
-            if args.resume:
-                picked[0], found, picked[2] = find_resume_checkpoint(args.resume, args.out_dir)
-                if found is not None:
-                    check_resume_target(args, picked[0], found)
-            check_names(args, given, found, picked[2])
+            claim_out_dir(args.out_dir, args.resume)
+            max_steps = args.max_steps if "max_steps" in given else None  # else the checkpoint's
+            picked[0], _, picked[2] = pick_checkpoint(args.resume, args.out_dir, max_steps, load_training_checkpoint)
         except UserError as e:
             picked[1] = str(e)
     if ddp:
         dist.broadcast_object_list(picked, src=0, group=fence(ddp, args.ddp_timeout))
     if picked[1] is not None:
         raise same_on_every_rank(UserError(picked[1]))
-    if picked[2] is not None:  # a restart from step 0: a new start of the same run, with its recipe
-        restart = picked[2]
-        _restart["run_id"] = restart["run_id"]
-        old = restart["config"]
-        changes, taken = reconcile_resume(args, given, {"train_config": old, "step": 0}, f"run {restart['run_id']}")
+    path, ckpt, restart, run_id, changes, taken = picked[0], None, picked[2], new_run_id(), {}, {}
+    if restart is not None:  # a restart from step 0: a new start of the same run, with its recipe
+        old, run_id = restart["config"], restart["run_id"]
+        changes, taken = reconcile_resume(args, given, roles, {"train_config": old, "step": 0}, f"run {run_id}")
         if "init_from" not in given and old.get("init_from", "scratch") != "scratch":
             args.init_from = old["init_from"]  # a run that started from pretrained weights starts from them again
         args.resume = None
-        return None, None, changes, taken
-    if picked[0] is None:
-        return None, None, {}, {}
-    ckpt = load_training_checkpoint(picked[0])
-    return picked[0], ckpt, *reconcile_resume(args, given, ckpt, picked[0])
+    elif path is not None:
+        ckpt = load_training_checkpoint(path)
+        run_id = ckpt.get("run_id", path)
+        changes, taken = reconcile_resume(args, given, roles, ckpt, path)
+    if master_process:
+        report_resume(changes, taken)
+    return path, ckpt, run_id, changes
 
 
-def restore_training_state(ckpt, ckpt_path, optimizer, loader, ddp_rank, device_type, scaler=None):
+def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, ddp_rank):
     """The optimizer, data position, this rank's RNG and fp16's loss scaler as a checkpoint left
-    them (a checkpoint of a bf16 or fp32 run has no scaler: fp16 starts at its first scale); returns the
-    step to start at, the run's id (a new, unique one for a new run: the seeds are untouched) and
-    the last val loss."""
-    data_dir = os.path.dirname(loader.shards[0])
-    loader.identity = data_identity(data_dir)  # what this run trains on; its checkpoints record it
-    if ckpt is None:  # a restarted run keeps its id
-        return 0, _restart.pop("run_id", None) or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}", None
+    them (a checkpoint of a bf16 or fp32 run has no scaler: fp16 starts at its first scale), on the
+    data it was trained on (the loader's identity); returns the step to start at and the last val
+    loss. A new run (ckpt None) starts at 0: the seeds are untouched."""
+    oom_phase("loading the checkpoint")
+    if ckpt is None:
+        return 0, None
     if ckpt.get("data_identity") is not None:
-        check_same_data(ckpt["data_identity"], loader.identity, ckpt_path, data_dir)
+        check_same_data(ckpt["data_identity"], loader.identity, ckpt_path, os.path.dirname(loader.shards[0]))
     optimizer.load_state_dict(ckpt["optimizer"])
     loader.load_state_dict(ckpt["data"])
-    if scaler is not None and scaler.is_enabled() and ckpt.get("scaler"):
+    if scaler.is_enabled() and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     if ddp_rank < len(ckpt["rng"]):
-        set_rng_state(ckpt["rng"][ddp_rank], device_type)
+        set_rng_state(ckpt["rng"][ddp_rank], torch.device(loader.device).type)
     if ddp_rank == 0:
         print(f"resuming from {ckpt_path} at step {ckpt['step']}")
-    return ckpt["step"], ckpt.get("run_id", ckpt_path), ckpt.get("val_loss")
+    return ckpt["step"], ckpt.get("val_loss")
 
 
 def report_resume(changes, taken):

@@ -13,8 +13,10 @@ import time
 import numpy as np
 import torch
 
-from support.common import LinkedName, UserError, disk_error, no_follow
-from support.out_dir import check_out_dir_held, log_runs
+from support.cli import UserError
+from support.file_lock import not_yours
+from support.files import disk_error, no_follow
+from support.out_dir import copy_advice, folder_gone, log_runs
 from support.wandb_log import WandbMirror
 
 
@@ -44,23 +46,6 @@ def strict_json(value):
     return value
 
 
-def someone_elses(path, out_dir):
-    """The line for a run's file this user may not write in a folder it may (a run another user
-    started, in a shared folder): whose it is, and the copy this user can continue as its own."""
-    try:
-        import pwd  # noqa: PLC0415  POSIX only: the owner's name where the platform has one
-
-        owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
-    except (ImportError, KeyError, OSError):
-        owner = "another user"
-    mine = os.path.abspath(out_dir).rstrip(os.sep) + "_mine"
-    return (
-        f"{path} belongs to {owner} and this user may not write it: the run is {owner}'s to continue; to continue "
-        f"it as yours, copy its folder to one of your own and resume there (cp -r {out_dir} {mine} && "
-        f"python train_gpt2.py --resume --out-dir {mine})"
-    )
-
-
 class RunLog:
     """log.jsonl: one JSON record per line, appended, never wiped, so a resumed run continues
     the same file (play.ipynb keeps the last record of each step). Each record is also printed
@@ -74,15 +59,13 @@ class RunLog:
         self.path, self.file, self.max_steps = os.path.join(out_dir, "log.jsonl"), None, max_steps
         self.out_dir, self.wandb, self.first = out_dir, None, None
         self.clock = StepClock(max_steps)  # the step line's elapsed time and ETA
-        self.size = 0  # log.jsonl's size after this run's last record: a smaller one was cut in place
         if not enabled:
             return
         try:
             self.file = self.open()
         except PermissionError as e:
-            if os.path.isfile(self.path) and os.access(out_dir, os.W_OK):
-                raise UserError(someone_elses(self.path, out_dir)) from None
-            raise disk_error(e, self.path, "start again") from None
+            theirs = not_yours(self.path, copy_advice(out_dir))  # a shared folder: a run another user started
+            raise (UserError(theirs) if theirs else disk_error(e, self.path, "start again")) from None
         except OSError as e:
             raise disk_error(e, self.path, "start again") from None
 
@@ -122,9 +105,7 @@ class RunLog:
     def __call__(self, record):
         if self.file is None:
             return
-        check_out_dir_held()  # the folder is still this run's (its lock file deleted: locked again, or stop)
         self.clock.saw(record)
-        self.follow_path()
         self.write(record)
         self.print(record)
         if self.wandb is not None and self.wandb.error is None:
@@ -134,63 +115,29 @@ class RunLog:
             self.warn(f"wandb stopped ({error}): the run goes on; log.jsonl holds every record")
 
     def write(self, record):
+        line = json.dumps(strict_json(record), allow_nan=False) + "\n"
         try:
-            self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+            if os.fstat(self.file.fileno()).st_nlink == 0:  # deleted since the last record
+                line = self.reopen() + line
+            self.file.write(line)
             self.file.flush()
-            self.size = os.fstat(self.file.fileno()).st_size
         except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
-            raise disk_error(e, self.path, "continue with --resume") from None
-
-    def follow_path(self):
-        """Before each record: log.jsonl must still be the file this run writes (same device and
-        inode; two stat calls). Deleted, renamed or replaced (a log-rotation tool, a cleanup), the
-        records would go on into a file no one sees: so it is written again at its path, with a
-        fresh header of the same run ("reopened") that resume and play.ipynb read as this run,
-        said in one warning; a path that cannot be written stops the run in one line. The same file
-        cut short in place (logrotate's copytruncate, `: > log.jsonl`) gets the header too: the
-        records after it would otherwise begin a log with no run's header, refused at the next start."""
-        try:
-            mine = os.fstat(self.file.fileno())
-            try:
-                now = os.lstat(self.path)  # the name itself: a link to this very file is a link still
-            except FileNotFoundError:
-                now = None
-            if now is not None and os.path.samestat(mine, now):
-                if mine.st_size >= self.size:
-                    return
-                self.file.close()  # reopened: open() ends a last line cut mid-record before ours
-                self.file = None
-                self.file = self.open()
-                self.said_reopened("cut short in place", "the records before are in the copy, if one was made")
-                return
-            self.file.close()
             self.file = None
-            self.file = self.open()
-        except LinkedName:
-            raise  # a link put at its name: refused, in its own words
-        except OSError as e:
-            self.file = None  # nothing more is written, the console has the error
-            if os.path.isdir(self.path):
-                raise UserError(
-                    f"{self.path} was replaced by a folder while this run trained: move that folder aside, "
-                    f"then continue with --resume"
-                ) from None
             raise disk_error(e, self.path, "continue with --resume") from None
-        how = "deleted" if mine.st_nlink == 0 else "renamed or replaced"  # no link left: deleted
-        self.said_reopened(how, "the records before are " + ("gone with it" if how == "deleted" else "where it went"))
 
-    def said_reopened(self, how, before):
-        """After follow_path found the log gone or cut: said on the console, then the run's header
-        again ("reopened": how) and a warning record, so the file reads as this run from here on."""
-        print(
-            f"warning: {self.path} was {how} while this run trained: written again at its path from here on, "
-            f"after a header of the same run ({before})",
-            file=sys.stderr,
-            flush=True,
-        )
-        if self.first is not None:
-            self.write({**self.first, "restarted": False, "reopened": how})
-        self.write({"event": "warning", "warning": f"{self.path} was {how}: written again from here on"})
+    def reopen(self):
+        """log.jsonl deleted while the run trains (by a user, or with its folder: noticed at the next
+        record, one fstat each): written again at its path from here on, said in one warning. Returns
+        the line to put first: the run's header again ("reopened"), which resume and play.ipynb read
+        as the same run. A folder moved or deleted stops the run in one line saying where to resume."""
+        self.file.close()
+        self.file = None  # nothing more is written if the folder is gone or a link stands at the name
+        if gone := folder_gone(self.out_dir):
+            raise UserError(gone)
+        self.file = self.open()
+        print(f"warning: {self.path} was deleted while this run trained: written again from here on", file=sys.stderr)
+        header = {**self.first, "restarted": False, "reopened": "deleted"} if self.first else None
+        return json.dumps(strict_json(header)) + "\n" if header else ""
 
     def warn(self, message):
         """A warning on the console and in the log, as a record of its own."""

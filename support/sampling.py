@@ -1,14 +1,17 @@
 """Generating text from a model: the KV cache a sample decodes with, the draw of each token, the
-(compiled) one-token decode step, generate, and the prompt and samples that training and
---sample-from print. The model is passed in: any GPT whose hidden_states takes a cache (see
-KVCache) and whose lm_head gives the logits."""
+(compiled) one-token decode step, generate, and the prompt and samples that training (checked at
+its start, logged mid-run) and --sample-from print. The model is passed in: any GPT whose
+hidden_states takes a cache (see KVCache) and whose lm_head gives the logits."""
 
 import math
 
 import torch
 from torch.nn import functional as F
 
-from support.common import GPT2_VOCAB, UserError
+from support.cli import UserError
+from support.out_of_memory import oom_phase
+from support.precision import autocast
+from support.shards import GPT2_VOCAB
 
 # --- The KV cache: what the model's attention asks when it is given one ------------------------
 
@@ -188,17 +191,45 @@ def sample_text(
     return None if out is None else [enc.decode(row.tolist()) for row in out]
 
 
-def print_samples(model, enc, args):
-    """--sample-from: samples of --prompt with the sampling flags, printed one per line."""
+def print_samples(model, enc, prompt, max_new_tokens, **settings):
+    """--sample-from: samples of prompt, printed one per line; settings: sample_text's (num_samples,
+    temperature, top_k, seed). Returns 0, the job's exit code."""
+    oom_phase("sample-from", num_samples=settings["num_samples"], max_new_tokens=max_new_tokens)
     block_size = model.config.block_size
-    tokens = encode_prompt(enc, args.prompt, block_size)
-    note_if_samples_stop_early(len(tokens), args.max_new_tokens, block_size)
-    top_k = args.top_k or None  # 0: all
-    texts = sample_text(
-        model, enc, enc.decode(tokens), args.num_samples, args.max_new_tokens, args.temperature, top_k, args.seed
-    )
+    tokens = encode_prompt(enc, prompt, block_size)
+    note_if_samples_stop_early(len(tokens), max_new_tokens, block_size)
+    texts = sample_text(model, enc, enc.decode(tokens), max_new_tokens=max_new_tokens, **settings)
     for i, text in enumerate(texts):
         print(f"sample {i}: {text}")
+    return 0
+
+
+def check_sampling(model, enc, prompt, max_new_tokens, autocast_dtype, master_process, **settings):
+    """A training run's samples, checked at start: the prompt tokenized and fitted to the model's
+    window (rank 0 says when the samples stop early), and one token drawn with settings
+    (num_samples, temperature, top_k): a bad prompt or setting fails now, not at the first sample
+    step hours in. Returns sample_text's keyword arguments for the run's samples; its fixed seed
+    gives the same noise at every sample step, so the samples show what was learned."""
+    block_size = model.config.block_size
+    tokens = encode_prompt(enc, prompt, block_size)
+    if master_process:
+        note_if_samples_stop_early(len(tokens), max_new_tokens, block_size)
+    sampling = dict(enc=enc, prompt=enc.decode(tokens), **settings)
+    oom_phase("sampling check", num_samples=settings["num_samples"])
+    with autocast(next(model.parameters()).device.type, autocast_dtype):  # every rank samples, here and mid-run
+        sample_text(model, max_new_tokens=1, **sampling)
+    return sampling
+
+
+def log_samples(step, model, sampling, max_new_tokens, log, out_dir, batch, should_stop):
+    """Samples of the prompt after `step` updates (every rank samples, rank 0 logs them), unless a
+    stop signal cut them short; sampling: check_sampling's, batch: where and in what dtype."""
+    n = sampling["num_samples"]
+    oom_phase("sampling", step=step, out_dir=out_dir, num_samples=n, max_new_tokens=max_new_tokens)
+    with autocast(torch.device(batch["device"]).type, batch["autocast_dtype"]):
+        samples = sample_text(model, max_new_tokens=max_new_tokens, stop=should_stop, **sampling)
+    if samples is not None:
+        log({"step": step, "samples": samples})
 
 
 def note_if_samples_stop_early(n_prompt, max_new_tokens, block_size):

@@ -14,9 +14,11 @@ import shlex
 import numpy as np
 import tiktoken
 
-from support.common import UserError, first_line, same_on_every_rank, write_atomic
+from support.cli import UserError, first_line, same_on_every_rank
+from support.files import write_atomic
 
 EOT = 50256  # <|endoftext|>: every document starts with it
+GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding and are never sampled
 
 # --- the tokenizer: GPT-2's, built from OpenAI's vocab.bpe, shipped in support/gpt2_bpe/ -------------
 GPT2_BPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_bpe", "vocab.bpe")

@@ -1,5 +1,6 @@
 """Stop signals: SIGTERM, SIGHUP, Ctrl-C and Ctrl-Break end a run at the next step boundary with a checkpoint."""
 
+import contextlib
 import os
 import signal
 
@@ -13,20 +14,53 @@ class StopRequest:
     """SIGTERM (a spot instance reclaimed, a scheduler), SIGHUP (the terminal or ssh session that
     started the run went away; not on Windows), Ctrl-C or Ctrl-Break (SIGBREAK, Windows only): the
     run stops at the next step boundary with a checkpoint, an eval in progress is cut short; a
-    second Ctrl-C stops at once. The signals this platform has are the ones handled."""
+    second Ctrl-C stops at once, but for one while that checkpoint is written: it is said, and the
+    write finishes; a third ends the run at once, the previous checkpoint still the newest. The
+    signals this platform has are the ones handled."""
 
     SIGNALS = tuple(
         getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT", "SIGBREAK") if hasattr(signal, name)
     )
+    replaced = {}  # signal -> the handler a StopRequest replaced, which release() puts back
+    writing = None  # the checkpoint being written (during_write), and whether this process says so
 
     def __init__(self, out_dir=None):
         self.signum, self.out_dir = 0, out_dir
         for s in self.SIGNALS:
             if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN:
                 continue  # started under nohup: hangups are to be ignored, and are
+            StopRequest.replaced.setdefault(s, signal.getsignal(s))
             signal.signal(s, self.on_signal)
 
+    @classmethod
+    def release(cls):
+        """The handlers from before the run, back: the process goes on without it (a test, a notebook)."""
+        for signum, handler in cls.replaced.items():
+            signal.signal(signum, handler)
+        cls.replaced.clear()
+
+    @classmethod
+    @contextlib.contextmanager
+    def during_write(cls, path, say):
+        """A checkpoint written to path meanwhile (on every rank: the others wait for rank 0's write)."""
+        cls.writing = (path, say)
+        try:
+            yield
+        finally:
+            cls.writing = None
+
     def on_signal(self, signum, frame):
+        if self.signum and StopRequest.writing is not None:  # a stop is said once, and waits for the write
+            (path, say), StopRequest.writing = StopRequest.writing, None
+            newest = [p for p in checkpoint_paths(os.path.dirname(path)) if p != path][:1]
+            kept = f"{newest[0]} stays the newest" if newest else "no checkpoint is kept: it starts again from step 0"
+            if say:
+                print(
+                    f"caught {signal.Signals(signum).name}: {path} is being written, then the run stops; another "
+                    f"stop signal ends the run now, without it ({kept})",
+                    flush=True,
+                )
+            return
         if self.signum:
             raise Interrupted(self.out_dir)  # the user does not want to wait: run_cli prints one line
         self.signum = signum

@@ -8,7 +8,7 @@ import re
 import threading
 import time
 
-from support.common import first_line
+from support.cli import first_line
 
 
 def wandb_problem(project):

@@ -2,6 +2,7 @@
 ../shared/data, tiktoken's cache (for the reference tokenizer), no network. The helpers the tests
 share are in helpers.py."""
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import train_gpt2
+from fake_gpu import faked
 from helpers import ROOT, random_shards, save_tiny_hf_gpt2, tiny_args, write_shard
 from support.shards import get_tokenizer
 from train_gpt2 import GPTConfig
@@ -51,6 +53,15 @@ def enc():
 def hf_tiny_dir(tmp_path_factory):
     """A random small transformers GPT2LMHeadModel saved with save_pretrained."""
     return save_tiny_hf_gpt2(tmp_path_factory.mktemp("hf_tiny"))
+
+
+@pytest.fixture
+def fake_gpu():
+    """fake_gpu(gpu="H100", count=1): count faked CUDA GPUs of fake_gpu.GPUS[gpu] ("H100" 9.0 80 GB,
+    "A4000" 8.6 16 GB, "T4" 7.5 16 GB) for the rest of the test, in this process and the ones it
+    starts; undone after it. Returns the FakeGPU, which records what the program asked of it."""
+    with contextlib.ExitStack() as stack:
+        yield lambda gpu="H100", count=1: stack.enter_context(faked(gpu, count))
 
 
 @pytest.fixture

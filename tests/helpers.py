@@ -7,6 +7,7 @@ The fixtures are in conftest.py."""
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import torch
 import fineweb
 import train_gpt2
 from support.checkpoints import load_checkpoint
-from support.common import UserError
+from support.cli import UserError
 from support.presets import preset_lines
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,16 +122,16 @@ def hangup_default():
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
-def cli(*args, script="train_gpt2.py", timeout=300, **kwargs):
-    """Run one of the scripts as a user would; returns the CompletedProcess."""
-    return subprocess.run(
-        [sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs
-    )
+def cli(*args, script="train_gpt2.py", cwd=ROOT, timeout=300, **kwargs):
+    """Run one of the scripts (or, with script "-c", python -c's code) as a user would, in cwd;
+    returns the CompletedProcess."""
+    command = [sys.executable, script if script == "-c" else str(ROOT / script), *map(str, args)]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
 # After a script's main() on the CPU, in the same interpreter: how many MiB of a live 64 MiB tensor
 # glibc mapped on its own (mmap) and how many MiB the heap still holds once it is freed. "off"
-# stands in glibc's defaults for the script's keep_freed_memory (support.machine's), as the reference
+# stands in glibc's defaults for the script's keep_freed_memory (support.device's), as the reference
 # a check must tell apart from "on" (the script as it is).
 MALLOC_PROBE = """
 import ctypes, importlib, sys, torch
@@ -172,20 +173,35 @@ def user_error(args):
     return str(e.value)
 
 
-def assert_one_line_error(proc, *words):
-    """A refused input as the user sees it: exit 1, one `error:` line naming the problem, no traceback."""
-    lines = proc.stderr.strip().splitlines()
+def assert_one_line_error(proc, *words, match=None):
+    """A refused input as the user sees it: exit 1, no traceback, one `error:` line naming the problem
+    (each of words in it, and the regex match found in it), after nothing but a progress bar's
+    lines (tqdm's, with their [elapsed, rate])."""
+    *bar, line = proc.stderr.strip().split("\n")
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    assert line.startswith("error: ") and all(re.search(r"\[\d+:\d\d[,<]", b) for b in bar), proc.stderr[-2000:]
     for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
+        assert word in line, line
+    assert match is None or re.search(match, line), line
+    return line
 
 
 def snapshot(folder):
-    """{relative path: bytes} of every file under folder: nothing that existed may go or change."""
-    folder = Path(folder)
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every entry under folder, hidden ones too: a file's bytes and mode, a folder's mode, a link's
+    target. Nothing that existed may go or change, and an empty temporary folder left behind, a
+    parent folder made and not removed, or a replaced link all show."""
+    state = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            rel, mode = os.path.relpath(path, folder), os.lstat(path).st_mode
+            if os.path.islink(path):
+                state[rel] = ("link", os.readlink(path))
+            elif os.path.isdir(path):
+                state[rel] = ("dir", mode)
+            else:
+                state[rel] = ("file", mode, Path(path).read_bytes())
+    return state
 
 
 def refused_before_step_0(args, out, *words):
@@ -279,10 +295,10 @@ def torchrun(*args, nproc=2, wrap=None, timeout=300, **kwargs):
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
-def start_run(*args, torchrun=False, **kwargs):
-    """train_gpt2.py started in the background as a user would, under a 2-rank torchrun with
-    torchrun=True; its output piped as text unless kwargs (Popen's) say otherwise. The Popen."""
-    command = torchrun_command(*args) if torchrun else [sys.executable, "train_gpt2.py", *map(str, args)]
+def start_run(*args, torchrun=False, script="train_gpt2.py", **kwargs):
+    """A script (train_gpt2.py, or under a 2-rank torchrun with torchrun=True) started in the
+    background as a user would; its output piped as text unless kwargs (Popen's) say otherwise. The Popen."""
+    command = torchrun_command(*args) if torchrun else [sys.executable, str(ROOT / script), *map(str, args)]
     options = {"cwd": ROOT, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     return subprocess.Popen(command, **{**options, **kwargs})
 

@@ -6,8 +6,6 @@ import math
 import os
 import signal
 import stat
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,15 +13,8 @@ import tiktoken
 
 import hellaswag
 from bench import parse_args, plan
-from helpers import ROOT, assert_one_line_error, snapshot
-from support.common import UserError
-
-
-def run_bench(*args, cwd, env=None):
-    # one thread: other test runs share these cores, and two threads then wait on each other
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [sys.executable, str(ROOT / "bench.py"), *map(str, args)]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+from helpers import assert_one_line_error, cli, snapshot, start_run
+from support.cli import UserError
 
 
 @pytest.mark.slow
@@ -32,7 +23,7 @@ def test_tiny_bench_writes_table_and_json(tmp_path, shared_data):
     out = tmp_path / "bench.json"
     docs = shared_data / "fineweb_sample" / "*.parquet"
     hellaswag = shared_data / "hellaswag" / "hellaswag_val.jsonl"
-    r = run_bench("--tiny", "--out", out, "--docs", docs, "--hellaswag-data", hellaswag, cwd=tmp_path)
+    r = cli("--tiny", "--out", out, "--docs", docs, "--hellaswag-data", hellaswag, script="bench.py", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["table"] in r.stdout  # the printed table is the one saved
@@ -97,7 +88,7 @@ def test_tiny_bench_writes_table_and_json(tmp_path, shared_data):
 
 
 def test_unknown_section_is_a_one_line_error(tmp_path):
-    r = run_bench("--only", "speed", cwd=tmp_path)
+    r = cli("--only", "speed", script="bench.py", cwd=tmp_path)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
         "error: --only speed: unknown section, choose from ceiling, loader, fineweb, sample, train, ladder, hellaswag"
@@ -117,19 +108,13 @@ def test_an_empty_name_is_refused_naming_the_choices_not_read_as_all(flag, value
 
 
 def test_only_empty_is_one_line_and_measures_nothing(tmp_path):
-    r = run_bench("--tiny", "--only", "", "--out", tmp_path / "b.json", cwd=tmp_path)
+    r = cli("--tiny", "--only", "", "--out", tmp_path / "b.json", script="bench.py", cwd=tmp_path)
     assert_one_line_error(r, "--only '' names an empty section", "ceiling,loader,fineweb,sample,train,ladder,hellaswag")
     assert os.listdir(tmp_path) == []
 
 
 def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "bench.py", "--tiny", "--out", str(tmp_path / "b.json")],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_run("--tiny", "--out", tmp_path / "b.json", script="bench.py")
     time.sleep(0.3)  # inside `import torch` (about 1 s here)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -144,17 +129,18 @@ def test_out_that_is_a_folder_is_refused_before_anything_is_measured(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     (results / "notes.txt").write_text("mine")
-    r = run_bench("--tiny", "--only", "ladder", "--out", results, cwd=tmp_path)
+    before = snapshot(results)
+    r = cli("--tiny", "--only", "ladder", "--out", results, script="bench.py", cwd=tmp_path)
     assert_one_line_error(r, f"--out {results} is a folder", f"--out {results / 'bench.json'}")
     # no ladder.png in the working folder (the folder's parent), nothing changed in the folder
-    assert sorted(os.listdir(tmp_path)) == ["results"] and snapshot(results) == {"notes.txt": b"mine"}
+    assert sorted(os.listdir(tmp_path)) == ["results"] and snapshot(results) == before
 
 
 def test_out_in_a_read_only_folder_is_refused_before_anything_is_measured(tmp_path, read_only):
     folder = tmp_path / "ro"
     folder.mkdir()
     read_only(folder)
-    r = run_bench("--tiny", "--only", "ceiling", "--out", folder / "bench.json", cwd=tmp_path)
+    r = cli("--tiny", "--only", "ceiling", "--out", folder / "bench.json", script="bench.py", cwd=tmp_path)
     assert_one_line_error(r, f"cannot write in {folder}", "Read-only file system", "pass an --out in a writable folder")
 
 
@@ -167,7 +153,7 @@ def test_out_that_bench_did_not_write_is_left_alone(tmp_path, kind):
         os.mkfifo(out)
     else:
         out.write_text('{"my": "own notes"}\n')
-    r = run_bench("--tiny", "--only", "ceiling", "--out", out, cwd=tmp_path)
+    r = cli("--tiny", "--only", "ceiling", "--out", out, script="bench.py", cwd=tmp_path)
     assert_one_line_error(r, f"--out {out}: a file bench.py did not write is there", "pass another --out")
     assert os.listdir(tmp_path) == ["results.json"]
     if kind == "fifo":
@@ -179,7 +165,7 @@ def test_out_that_bench_did_not_write_is_left_alone(tmp_path, kind):
 def test_out_that_an_earlier_run_wrote_is_replaced(tmp_path):
     out = tmp_path / "bench.json"
     for only in ("ceiling", "sample"):
-        r = run_bench("--tiny", "--only", only, "--out", out, cwd=tmp_path)
+        r = cli("--tiny", "--only", only, "--out", out, script="bench.py", cwd=tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]
     assert list(json.loads(out.read_text())["sections"]) == ["sample"]
     assert os.listdir(tmp_path) == ["bench.json"]
@@ -187,7 +173,7 @@ def test_out_that_an_earlier_run_wrote_is_replaced(tmp_path):
 
 def test_ladder_png_place_taken_by_a_folder_is_refused_before_anything_is_measured(tmp_path):
     (tmp_path / "ladder.png").mkdir()
-    r = run_bench("--tiny", "--only", "ladder", "--out", tmp_path / "bench.json", cwd=tmp_path)
+    r = cli("--tiny", "--only", "ladder", "--out", tmp_path / "bench.json", script="bench.py", cwd=tmp_path)
     assert_one_line_error(r, f"the ladder draws {tmp_path / 'ladder.png'}, and something else is there")
     assert os.listdir(tmp_path) == ["ladder.png"] and not os.listdir(tmp_path / "ladder.png")
 
@@ -203,9 +189,8 @@ def test_data_flag_that_names_no_data_is_refused_before_anything_is_measured(tmp
     """ceiling comes first in the run, and is not measured: the data is looked for before it."""
     section, flag, value = flags
     out = tmp_path / "bench.json"
-    r = run_bench(
-        "--tiny", "--only", f"ceiling,{section}", flag, value.format(tmp=tmp_path), "--out", out, cwd=tmp_path
-    )
+    value = value.format(tmp=tmp_path)
+    r = cli("--tiny", "--only", f"ceiling,{section}", flag, value, "--out", out, script="bench.py", cwd=tmp_path)
     line = assert_one_line_error(r, *words)
     assert "--input" not in line and not out.exists()
 
@@ -230,9 +215,9 @@ def test_named_section_without_data_is_refused_the_default_run_skips_it(monkeypa
 def test_compile_that_does_not_work_is_refused_before_anything_is_measured(tmp_path):
     """A run that compiles, where torch.compile cannot (no C++ compiler): one line, and the flag that
     runs without it, instead of a ladder without its compile rung (or a train section's traceback)."""
-    no_compiler = {"CXX": str(tmp_path / "no-such-compiler")}
+    no_compiler = {**os.environ, "CXX": str(tmp_path / "no-such-compiler")}
     args = ("--tiny", "--device", "cpu", "--only", "ladder", "--compile", "--out", tmp_path / "bench.json")
-    r = run_bench(*args, cwd=tmp_path, env=no_compiler)
+    r = cli(*args, script="bench.py", cwd=tmp_path, env=no_compiler)
     assert_one_line_error(r, "torch.compile does not work on this cpu", "No working C++ compiler", "pass --no-compile")
     assert os.listdir(tmp_path) == []
 

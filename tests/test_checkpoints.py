@@ -32,9 +32,9 @@ from helpers import (
     tiny_args,
     user_error,
 )
-from support import checkpoints, common
+from support import checkpoints, files
 from support.checkpoints import load_checkpoint, load_training_checkpoint
-from support.common import UserError
+from support.cli import UserError
 
 # ----------------------------------------------------------------------------------------------
 # A checkpoint write that fails
@@ -51,7 +51,7 @@ def read_only_on_nth_open(monkeypatch, n):
                 raise OSError(errno.EROFS, "Read-only file system", str(path))
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(common, "open", open_, raising=False)  # common.write_atomic writes the checkpoints
+    monkeypatch.setattr(files, "open", open_, raising=False)  # files.write_atomic writes the checkpoints
     return opened
 
 
@@ -63,7 +63,7 @@ def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_p
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)
     if fault == "disk-full":
-        fail_nth_write(monkeypatch, common, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
+        fail_nth_write(monkeypatch, files, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
     else:
         read_only_on_nth_open(monkeypatch, 3)
     msg = user_error(args)
@@ -90,7 +90,7 @@ def test_a_failed_first_checkpoint_write_does_not_claim_earlier_ones(data, tmp_p
         return open(path, mode, *args, **kwargs)
 
     out = tmp_path / "out"
-    monkeypatch.setattr(common, "open", open_, raising=False)
+    monkeypatch.setattr(files, "open", open_, raising=False)
     msg = user_error(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0))
     assert "no checkpoint was written before this one" in msg and "intact" not in msg
     monkeypatch.undo()  # room again: the advice, --resume, starts the run again and finishes it
@@ -112,11 +112,11 @@ def test_weights_that_are_not_finite_are_never_saved(data, tmp_path, short_run):
     out = tmp_path / "out"
     out.mkdir()
     args, _ = train_gpt2.parse_args(tiny_args(data, out))
-    run = train_gpt2.Run(args, train_gpt2.DistInfo(False, 0, 0, 1), "cpu", None, 1, False, model=model)
+    ckpt = {"model": model.state_dict(), "step": 3, "val_loss": None, "train_config": vars(args)}
     with pytest.raises(
         UserError, match=r"the weights after 3 steps are not finite \(transformer.h.0.mlp.c_fc.weight\)"
     ):
-        checkpoints.save_training_state(3, run)
+        checkpoints.save_training_state(ckpt, str(out), 3, master_process=True, ddp=False)
     assert os.listdir(out) == []
 
 

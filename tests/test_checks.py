@@ -1,7 +1,9 @@
-"""support/checks.py, with the checks of support/machine.py (check_device) and support/shards.py
+"""support/checks.py, with the checks of support/device.py (check_device) and support/shards.py
 (find_shards and the shard checks) that train_gpt2.py makes before step 0: every refusal has a case
 of its own here, with the one line it says, and a new refusal without a case fails
-test_every_refusal_has_a_case. Then, through real runs: numbers refused where the code cannot use
+test_every_refusal_has_a_case; each number flag's own range is its type's (support.checks.flag_type),
+refused as argparse parses it, and a number flag without one fails
+test_every_number_flag_has_a_checked_type. Then, through real runs: numbers refused where the code cannot use
 them (a --vocab-size no shard can reach, a seed outside numpy's range, a --ddp-timeout torch's
 clock cannot hold), flags against one another, and the data against the run's batch and budget.
 (The checks under torchrun: test_ddp.py.)"""
@@ -18,11 +20,11 @@ import torch
 
 import train_gpt2
 from helpers import assert_one_line_error, cli, random_shards, read_log, refused_before_step_0, tiny_args, user_error
-from support import checks, machine, shards
+from support import checks, device, shards
 from support.checkpoints import load_checkpoint
 from support.checks import check_data
-from support.common import UserError
-from support.machine import check_device
+from support.cli import UserError
+from support.device import check_device
 from support.shards import (
     check_batch_fits,
     check_batch_ids,
@@ -34,9 +36,10 @@ from support.shards import (
 
 # the functions whose every refusal has a case (check_fineweb_finished's need fineweb.py's own
 # manifests and journals: tests/test_shards.py and tests/test_fineweb.py make them)
-CHECKED = ("check_args", "check_device", "check_data", "check_model_fits", "find_shards", "check_batch_fits")
+CHECKED = ("check_args", "check_warmup", "check_device", "check_data", "check_model_fits", "find_shards")
+CHECKED += ("check_batch_fits",)
 CHECKED += ("check_same_shards", "check_same_data", "check_token_ids", "check_batch_ids")
-CHECKED_IN = (checks, machine, shards)  # the modules that hold them
+CHECKED_IN = (checks, device, shards)  # the modules that hold them
 
 
 def no_warmup(*extra):
@@ -84,60 +87,54 @@ def not_the_data(what):
     )
 
 
-def positive(flag, name):
-    return (train(flag, 0), f"--{name} must be at least 1, not 0")
-
-
-def non_negative(flag):
-    return (train(flag, -1), f"{flag} must be 0 or more, not {-1.0 if flag in FLOATS else -1}")
+def refused_type(flag, value, says, shown=None):
+    """The case of a number flag whose type (support.checks.flag_type) refuses value at parse time:
+    argparse's one line naming the flag (-B: --batch-size/-B) and what the type asks."""
+    name = {"-B": "--batch-size/-B", "-T": "--seq-len/-T"}.get(flag, flag)
+    shown = value if shown is None else shown
+    return (train(flag, value), f"argument {name}: must be {says}, not {shown} (see python train_gpt2.py --help)")
 
 
 FLOATS = ("--weight-decay", "--grad-clip", "--temperature")
 FINITE = ("--ddp-timeout", "--max-lr", "--min-lr", "--weight-decay", "--beta1", "--beta2", "--adam-eps")
 FINITE += ("--grad-clip", "--peak-flops", "--temperature")
+POSITIVE = ("-B", "-T", "--total-batch-size", "--max-steps", "--n-layer", "--n-head", "--n-embd", "--block-size")
+POSITIVE += ("--num-samples", "--max-new-tokens", "--hellaswag-limit")
+COUNTS = ("--warmup-steps", "--weight-decay", "--grad-clip", "--eval-every", "--val-tokens", "--hellaswag-every")
+COUNTS += ("--sample-every", "--ckpt-every", "--keep-ckpts", "--temperature", "--top-k")
+DDP_SECONDS = (
+    "a number of seconds from 1 (the ranks take about a second to join) to 1e+09 (about 31 years: torch counts it "
+    "in nanoseconds)"
+)
+
+# refused by each flag's type as argparse parses it (test_every_number_flag_has_a_checked_type)
+TYPE_CASES = {
+    **{f"{flag} nan": refused_type(flag, "nan", "a finite number") for flag in FINITE},
+    "--max-lr inf": refused_type("--max-lr", "inf", "a finite number"),
+    **{f"{flag} 0": refused_type(flag, 0, "at least 1") for flag in POSITIVE},
+    **{f"{flag} -1": refused_type(flag, -1, "0 or more", -1.0 if flag in FLOATS else -1) for flag in COUNTS},
+    "--max-lr 0": refused_type("--max-lr", 0, "above 0", 0.0),
+    "--max-lr -1": refused_type("--max-lr", -1, "above 0", -1.0),
+    "--beta1 1": refused_type("--beta1", 1, "in [0, 1)", 1.0),
+    "--beta2 -0.5": refused_type("--beta2", -0.5, "in [0, 1)"),
+    "--adam-eps 0": refused_type("--adam-eps", 0, "above 0", 0.0),
+    **{f"--ddp-timeout {t}": refused_type("--ddp-timeout", t, DDP_SECONDS, float(t)) for t in (0, 1e-9, 0.5, -5, 1e10)},
+    "--peak-flops 0": refused_type("--peak-flops", 0, "above 0", 0.0),
+}
 
 CASES = {
-    **{f"{flag} nan": (train(flag, "nan"), f"{flag} must be a finite number, not nan") for flag in FINITE},
-    "--max-lr inf": (train("--max-lr", "inf"), "--max-lr must be a finite number, not inf"),
-    "-B 0": positive("-B", "batch-size"),
-    "-T 0": positive("-T", "seq-len"),
-    **{
-        f"--{name} 0": positive(f"--{name}", name)
-        for name in ("total-batch-size", "max-steps", "n-layer", "n-head", "n-embd", "block-size")
-    },
-    "--num-samples 0": positive("--num-samples", "num-samples"),
-    "--max-new-tokens 0": positive("--max-new-tokens", "max-new-tokens"),
-    **{
-        f"{flag} -1": non_negative(flag)
-        for flag in ("--warmup-steps", "--weight-decay", "--grad-clip", "--eval-every", "--val-tokens")
-    },
-    **{
-        f"{flag} -1": non_negative(flag)
-        for flag in ("--hellaswag-every", "--sample-every", "--ckpt-every", "--keep-ckpts", "--temperature", "--top-k")
-    },
-    "--max-lr 0": (train("--max-lr", 0), "--max-lr must be above 0, not 0.0"),
-    "--max-lr -1": (train("--max-lr", -1), "--max-lr must be above 0, not -1.0"),
+    "--sample-from with --export-hf": (
+        sample("--export-hf", "ckpt.pt", "hf"),
+        "--sample-from and --export-hf are two different jobs: pass one",
+    ),
     "--min-lr -1e-3": (train("--min-lr", -1e-3), "--min-lr -0.001 must be between 0 and --max-lr 0.003"),
     "--min-lr above --max-lr": (train("--min-lr", 1e-2), "--min-lr 0.01 must be between 0 and --max-lr 0.003"),
-    "--beta1 1": (train("--beta1", 1), "--beta1 must be in [0, 1), not 1.0"),
-    "--beta2 -0.5": (train("--beta2", -0.5), "--beta2 must be in [0, 1), not -0.5"),
-    "--adam-eps 0": (train("--adam-eps", 0), "--adam-eps must be above 0, not 0.0"),
-    **{
-        f"--ddp-timeout {t}": (
-            train("--ddp-timeout", t),
-            "--ddp-timeout must be a number of seconds from 1 (the ranks take about a second to join) to 1e+09 "
-            f"(about 31 years: torch counts it in nanoseconds), not {float(t)}",
-        )
-        for t in (0, 1e-9, 0.5, -5, 1e10)
-    },
     "--seed -1": (train("--seed", -1), "--seed must be between 0 and 4,294,967,295, not -1"),
     "--seed 2**32": (train("--seed", 2**32), "--seed must be between 0 and 4,294,967,295, not 4294967296"),
     "--sample-from --seed 2**64": (
         sample("--seed", 2**64),
         f"--seed must be between {-(2**63)} and 18,446,744,073,709,551,615, not {2**64}",
     ),
-    "--peak-flops 0": (train("--peak-flops", 0), "--peak-flops must be above 0, not 0.0"),
-    "--hellaswag-limit 0": (train("--hellaswag-limit", 0), "--hellaswag-limit 0: give a positive number of examples"),
     "--n-embd 30 --n-head 4": (train("--n-embd", 30, "--n-head", 4), "--n-embd 30 is not a multiple of --n-head 4"),
     "--vocab-size 50000": (train("--vocab-size", 50000), "--vocab-size 50000 is smaller than GPT-2's 50257 tokens"),
     "--vocab-size 1e9": (
@@ -305,9 +302,9 @@ def refusal(case, tmp_path):
     return str(e.value), site
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *TYPE_CASES])
 def test_each_refusal_is_its_one_line(name, tmp_path):
-    case, expected = CASES[name]
+    case, expected = {**CASES, **TYPE_CASES}[name]
     message, _ = refusal(case, tmp_path)
     expected = expected(tmp_path) if callable(expected) else expected
     assert expected.fullmatch(message) if isinstance(expected, re.Pattern) else message == expected, message
@@ -353,7 +350,7 @@ def test_every_refusal_has_a_case(tmp_path):
     """Each need(...) and raise in the flag checks is hit by some case above (each flag of a loop
     by its own): a refusal added to them without a case here fails this test."""
     sites = refusal_sites()
-    assert len(sites) >= 40  # the ast walk found the checks (10 + 11 flags in the loops alone)
+    assert len(sites) >= 25  # the ast walk found the checks (check_args' alone: 10)
     hit = set()
     for name, (case, _) in CASES.items():
         _, (function, line, flag) = refusal(case, tmp_path / name.replace("/", "_"))
@@ -361,6 +358,17 @@ def test_every_refusal_has_a_case(tmp_path):
         assert site, f"{name}: refused at {function} line {line}, not at a need or raise"
         hit.add(site[0])
     assert sorted(sites - hit, key=str) == []
+
+
+def test_every_number_flag_has_a_checked_type():
+    """Each int or float flag of train_gpt2.py's command line is parsed by a support.checks type that
+    refuses what the code cannot use (or is named here with where it is checked): a new flag with a
+    bare int or float fails this test, not a run hours in."""
+    parser, _ = train_gpt2.command_line()
+    numbers = {a.dest for a in parser._actions if getattr(a.type, "__name__", None) in ("int", "float")}
+    bare = {a.dest for a in parser._actions if a.type in (int, float)}
+    assert len(numbers) >= 30  # the flag types name themselves int and float, as argparse's words need
+    assert bare == {"vocab_size", "seed"}  # check_args: GPT-2's vocabulary to a shard's uint16; the job's generator
 
 
 # ----------------------------------------------------------------------------------------------
@@ -481,7 +489,7 @@ def test_ddp_timeout_must_fit_torchs_clock(data, tmp_path, timeout, ok):
     if ok:
         assert train_gpt2.main(args) == 0
     else:
-        assert "--ddp-timeout must be a number of seconds from 1 " in user_error(args)
+        assert "argument --ddp-timeout: must be a number of seconds from 1 " in user_error(args)
 
 
 def test_cuda_or_mps_that_is_not_there_is_one_line(data, tmp_path):

@@ -18,7 +18,7 @@ import torch
 import hellaswag
 import train_gpt2
 from helpers import ROOT, read_log, torchrun_command
-from support import checkpoints, common, machine, precision, sampling
+from support import checkpoints, gpu, precision, sampling, shards
 from support.sampling import generate
 from support.shards import write_shard
 from train_gpt2 import GPT, GPTConfig
@@ -101,7 +101,7 @@ def test_compiled_bf16_124m_loss_falls(run_124m):
     val = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(val) == 2 and val[1] < val[0] - 3.0
     # MFU for every step of a GPU in the peak-FLOPs table, none for one that is not
-    known = machine.peak_flops(header["device"]) is not None
+    known = gpu.peak_flops(header["device"]) is not None
     assert all(0 < steps[s]["mfu"] < 1 if known else steps[s]["mfu"] is None for s in range(1, 20))
 
 
@@ -330,7 +330,7 @@ def test_greedy_samples_cuda_fp32_equal_the_cpu(eval_model, enc, fp32_exact):
         # the CPU's margin between its best and second-best token at each step: only a near-tie may flip
         logits, _ = eval_model(cpu[:1, :-1])
     assert torch.equal(cpu[0], cpu[1]) and torch.equal(gpu[0], gpu[1])  # greedy: both rows the same
-    top2 = logits[0, n_prompt - 1 :, : common.GPT2_VOCAB].topk(2, dim=-1).values
+    top2 = logits[0, n_prompt - 1 :, : shards.GPT2_VOCAB].topk(2, dim=-1).values
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
     first_tie = next((i for i, g in enumerate(gaps) if g < 1e-3), n_new)
     assert torch.equal(gpu[:, : n_prompt + first_tie], cpu[:, : n_prompt + first_tie])

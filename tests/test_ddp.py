@@ -24,7 +24,7 @@ def test_a_ddp_timeout_c10d_cannot_wait_is_one_line_under_torchrun(tmp_path):
     r = torchrun(*tiny_args(random_shards(tmp_path / "data"), out, "--ddp-timeout", 1e-9))
     said = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
     assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
-    assert "--ddp-timeout must be a number of seconds from 1" in said[0]
+    assert "--ddp-timeout: must be a number of seconds from 1" in said[0]
     assert 'train_gpt2.py", line' not in r.stderr and "DistNetworkError" not in r.stderr  # no worker's traceback
     assert not out.exists()
 
@@ -53,14 +53,14 @@ def test_ranks_that_do_not_join_within_the_timeout_say_so_in_one_line_each(tmp_p
 SLOW_DISK = """
 import os, sys, time
 import train_gpt2
-from support import checkpoints, common
+from support import checkpoints, cli
 write = checkpoints.write_atomic
 def slow(path, *args, **kwargs):
     if path.endswith(".pt") and os.environ["RANK"] == "0":
         time.sleep(8)
     return write(path, *args, **kwargs)
 checkpoints.write_atomic = slow  # the name save_checkpoint calls
-common.run_cli(lambda: train_gpt2.main(sys.argv[1:]))
+cli.run_cli(lambda: train_gpt2.main(sys.argv[1:]))
 """
 
 

@@ -10,7 +10,7 @@ from transformers import GPT2LMHeadModel
 import train_gpt2
 from helpers import snapshot, tiny_args, user_error
 from support import sampling
-from support.common import run_cli
+from support.cli import run_cli
 
 
 @pytest.fixture
@@ -20,8 +20,8 @@ def nothing_expensive(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a dry run loaded weights, sampled or wrote")
 
-    for name in ("load_model", "sample_text"):
-        monkeypatch.setattr(train_gpt2, name, forbidden)
+    monkeypatch.setattr(train_gpt2, "load_model", forbidden)
+    monkeypatch.setattr(sampling, "sample_text", forbidden)
     monkeypatch.setattr(train_gpt2.GPT, "export_hf", forbidden)
     monkeypatch.setattr(sampling, "generate", forbidden)
 

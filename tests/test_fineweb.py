@@ -11,7 +11,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -19,9 +18,19 @@ import pytest
 
 import fineweb
 import train_gpt2
-from helpers import ROOT, fail_nth_write, fineweb_killed_after, state_of, tiny_args, user_error
-from support import common, file_lock
-from support.common import UserError
+from helpers import (
+    assert_one_line_error,
+    cli,
+    fail_nth_write,
+    fineweb_killed_after,
+    snapshot,
+    start_run,
+    state_of,
+    tiny_args,
+    user_error,
+)
+from support import files, offline
+from support.cli import UserError
 from support.documents import HUB_OFFLINE_VARS
 from support.shards import EOT
 
@@ -54,33 +63,6 @@ def ordered(shards):
 
 def file_bytes(out_dir):
     return {name: open(os.path.join(out_dir, name), "rb").read() for name in sorted(os.listdir(out_dir))}
-
-
-def snapshot(folder):
-    """Every folder and file under folder, with the files' bytes: what must survive a refusal."""
-    found = {}
-    for root, dirs, files in os.walk(folder):
-        for d in dirs:
-            found[os.path.relpath(os.path.join(root, d), folder) + "/"] = None
-        for f in files:
-            found[os.path.relpath(os.path.join(root, f), folder)] = open(os.path.join(root, f), "rb").read()
-    return found
-
-
-def run_cli(args, cwd, timeout=120):
-    """fineweb.py as a user runs it: (exit code, stdout, stderr)."""
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "fineweb.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
-    return r.returncode, r.stdout, r.stderr
-
-
-def assert_one_line_error(code, stderr, message):
-    """Exit 1, no traceback, one `error:` line, the last (a progress bar's lines may come before it)."""
-    assert code == 1 and "Traceback" not in stderr, stderr
-    lines = stderr.splitlines()  # \r too: the bar redraws itself with it
-    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], stderr
-    assert re.search(message, lines[-1]), stderr
 
 
 @pytest.fixture(scope="session")
@@ -129,19 +111,8 @@ def shards_listed(path):
 @pytest.fixture(scope="session")
 def parquet_run(tmp_path_factory, shared_data):
     """One uninterrupted run over the parquet sample, shared by the tests that compare against it."""
-    out = tmp_path_factory.mktemp("parquet_run") / "shards"
-    fineweb.main(
-        [
-            "--input",
-            str(shared_data / "fineweb_sample" / "*.parquet"),
-            "--out-dir",
-            str(out),
-            "--shard-size",
-            str(SHARD),
-            "--workers",
-            "2",
-        ]
-    )
+    out, docs = tmp_path_factory.mktemp("parquet_run") / "shards", str(shared_data / "fineweb_sample" / "*.parquet")
+    fineweb.main(["--input", docs, "--out-dir", str(out), "--shard-size", str(SHARD), "--workers", "2"])
     return out
 
 
@@ -157,39 +128,19 @@ def test_parquet_sample_is_tiktoken_encoding_in_order(parquet_run, parquet_token
 
 
 def test_tinyshakespeare_is_one_document(tmp_path, shared_data, enc):
-    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()
-    expected = np.array([EOT] + enc.encode_ordinary(text), dtype=np.uint16)
+    text = shared_data / "tinyshakespeare" / "input.txt"
+    expected = np.array([EOT] + enc.encode_ordinary(text.read_text()), dtype=np.uint16)
     assert len(expected) == 338_025 + 1
-    fineweb.main(
-        [
-            "--input",
-            str(shared_data / "tinyshakespeare" / "input.txt"),
-            "--out-dir",
-            str(tmp_path),
-            "--shard-size",
-            str(SHARD),
-        ]
-    )
+    fineweb.main(["--input", str(text), "--out-dir", str(tmp_path), "--shard-size", str(SHARD)])
     shards = ordered(read_shards(tmp_path))
     assert [len(s) for s in shards] == [SHARD, SHARD, SHARD, 38_026]
     np.testing.assert_array_equal(np.concatenate(shards), expected)
 
 
 def test_bin_format_has_llmc_header_and_same_tokens(tmp_path, shared_data, enc):
-    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()
-    expected = np.array([EOT] + enc.encode_ordinary(text), dtype=np.uint16)
-    fineweb.main(
-        [
-            "--input",
-            str(shared_data / "tinyshakespeare" / "input.txt"),
-            "--out-dir",
-            str(tmp_path),
-            "--shard-size",
-            "150000",
-            "--format",
-            "bin",
-        ]
-    )
+    text = shared_data / "tinyshakespeare" / "input.txt"
+    expected = np.array([EOT] + enc.encode_ordinary(text.read_text()), dtype=np.uint16)
+    fineweb.main(["--input", str(text), "--out-dir", str(tmp_path), "--shard-size", "150000", "--format", "bin"])
     shards = read_shards(tmp_path, "bin")  # checks magic, version, count, zero padding and file size
     assert list(shards) == ["edufineweb_train_000001.bin", "edufineweb_train_000002.bin", "edufineweb_val_000000.bin"]
     assert [len(s) for s in ordered(shards)] == [150_000, 150_000, 38_026]
@@ -212,19 +163,8 @@ def test_txt_and_jsonl_globs_in_order_with_text_field(tmp_path, enc):
 
     out = tmp_path / "out"
     # shards of the smallest size, 1,025 tokens: documents split across shards, the long one across several
-    fineweb.main(
-        [
-            "--input",
-            str(src / "*.txt"),
-            str(src / "c.jsonl"),
-            "--text-field",
-            "content",
-            "--out-dir",
-            str(out),
-            "--shard-size",
-            "1025",
-        ]
-    )
+    inputs = ["--input", str(src / "*.txt"), str(src / "c.jsonl"), "--text-field", "content"]
+    fineweb.main([*inputs, "--out-dir", str(out), "--shard-size", "1025"])
     shards = ordered(read_shards(out))
     assert len(shards) == 3 and all(len(s) == 1025 for s in shards[:-1]) and 0 < len(shards[-1]) <= 1025
     np.testing.assert_array_equal(np.concatenate(shards), expected)
@@ -236,13 +176,8 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, parquet_copies):
     # the sample four times over (6.4M tokens, 129 shards) and one worker: the kill lands mid-run
     files, tokens = parquet_copies
     args = ["--input", *files, "--out-dir", "out", "--shard-size", "50000"]
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "fineweb.py"), *args, "--workers", "1"],
-        cwd=tmp_path,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    options = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "start_new_session": True}
+    proc = start_run(*args, "--workers", "1", script="fineweb.py", cwd=tmp_path, **options)
     manifest_path = tmp_path / "out" / "edufineweb_manifest.json"
     deadline = time.time() + 120
     try:
@@ -341,51 +276,6 @@ def test_pool_reads_only_a_bounded_amount_ahead(enc):
     assert pulled <= (4 * 2 + 1) * 10  # 4 * workers batches in flight, and the one being read
 
 
-def _bad_parquet(tmp_path):
-    path = tmp_path / "bad.parquet"
-    path.write_bytes(b"this is not parquet")
-    return [str(path)]
-
-
-@pytest.mark.parametrize(
-    "make_args, message",
-    [
-        (lambda tmp, data: [str(tmp / "nothing*.parquet")], "no files match"),
-        (lambda tmp, data: [str(tmp / "missing.txt")], "does not exist"),
-        (lambda tmp, data: [str(tmp)], "is a directory"),
-        (lambda tmp, data: [str(data / "reference" / "reference_numbers.json")], "unknown file type"),
-        (lambda tmp, data: _bad_parquet(tmp), "not a readable parquet file"),
-        (
-            lambda tmp, data: [str(data / "fineweb_sample" / "batch_000001.parquet"), "--text-field", "body"],
-            "has no 'body' column",
-        ),
-    ],
-    ids=["glob-matches-nothing", "missing-file", "directory", "unknown-type", "not-parquet", "missing-column"],
-)
-def test_bad_input_is_one_line_error(tmp_path, shared_data, make_args, message):
-    with pytest.raises(UserError, match=message) as e:
-        fineweb.main(["--input", *make_args(tmp_path, shared_data), "--out-dir", str(tmp_path / "out")])
-    assert "\n" not in str(e.value)
-    assert not (tmp_path / "out").exists()  # checked before anything is written
-
-
-@pytest.mark.parametrize(
-    "content, message",
-    [
-        (b'{"text": "fine"}\n{"text": "broken\n', "line 2 is not valid JSON"),
-        (b'{"text": "fine"}\n{"body": "no text"}\n', "line 2 has no 'text' field"),
-        (b'{"text": "fine"}\n{"text": null}\n', "line 2: the text is NoneType"),
-        (b'{"text": "caf\xe9 latin-1"}\n', "not UTF-8"),
-    ],
-    ids=["bad-json", "missing-field", "null-text", "not-utf8"],
-)
-def test_bad_jsonl_is_one_line_error(tmp_path, content, message):
-    (tmp_path / "docs.jsonl").write_bytes(content)
-    with pytest.raises(UserError, match=message) as e:
-        fineweb.main(["--input", str(tmp_path / "docs.jsonl"), "--out-dir", str(tmp_path / "out"), "--workers", "1"])
-    assert "\n" not in str(e.value)
-
-
 def test_unwritable_out_dir(tmp_path):
     (tmp_path / "doc.txt").write_text("hello")
     (tmp_path / "a_file").write_text("")
@@ -434,21 +324,8 @@ def online(monkeypatch):
     for var in HUB_OFFLINE_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(
-        common.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})()
+        offline.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})()
     )
-
-
-def test_hub_dataset_that_cannot_be_opened(tmp_path, monkeypatch):
-    datasets = pytest.importorskip("datasets")
-
-    def not_found(path, **kwargs):  # what datasets raises for a name the Hub does not have
-        raise FileNotFoundError(f"Dataset '{path}' doesn't exist on the Hub or cannot be accessed.")
-
-    monkeypatch.setattr(datasets, "load_dataset", not_found)
-    online(monkeypatch)
-    with pytest.raises(UserError, match="cannot open no-such-user/no-such-dataset .*doesn't exist on the Hub"):
-        fineweb.main(["--dataset", "no-such-user/no-such-dataset", "--out-dir", str(tmp_path / "out")])
-    assert not (tmp_path / "out").exists()
 
 
 def unreachable(*args, **kwargs):
@@ -474,7 +351,7 @@ def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, 
         monkeypatch.setenv(var, value)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the Hub was asked"))
     tried = []
-    monkeypatch.setattr(common.socket, "create_connection", lambda *a, **k: tried.append(a) or connect(*a, **k))
+    monkeypatch.setattr(offline.socket, "create_connection", lambda *a, **k: tried.append(a) or connect(*a, **k))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("the user's")
     before = snapshot(tmp_path)
@@ -488,12 +365,7 @@ def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, 
 
 
 def test_cli_prints_one_line_and_exits_1(tmp_path):
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "fineweb.py"), "--input", "missing.txt"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
+    r = cli("--input", "missing.txt", script="fineweb.py", cwd=tmp_path)
     assert r.returncode == 1
     assert r.stderr == "error: --input missing.txt does not exist\n"
     assert not (tmp_path / "edu_fineweb10B").exists()
@@ -545,13 +417,13 @@ def test_every_flag_is_checked_before_any_work(tmp_path, monkeypatch, flags, mes
 
 def test_a_shard_too_small_for_one_sequence_is_refused_and_the_size_it_names_works(tmp_path, shared_data):
     text = shared_data / "tinyshakespeare" / "input.txt"
-    code, _, err = run_cli(["--input", str(text), "--out-dir", "out", "--shard-size", "1"], tmp_path)
-    assert_one_line_error(code, err, r"^error: --shard-size 1 is too small: .*pass at least 1025")
-    line = err.splitlines()[-1]
+    r = cli("--input", str(text), "--out-dir", "out", "--shard-size", "1", script="fineweb.py", cwd=tmp_path)
+    assert_one_line_error(r, match=r"^error: --shard-size 1 is too small: .*pass at least 1025")
+    line = r.stderr.splitlines()[-1]
     assert os.listdir(tmp_path) == []  # not a file a token: nothing written
     fix = re.search(r"e\.g\. (--shard-size \d+) for a small text like README's Shakespeare", line).group(1).split()
-    code, _, err = run_cli(["--input", str(text), "--out-dir", "out", *fix, "--workers", "1"], tmp_path)
-    assert code == 0 and "no train shard" not in err, err
+    r = cli("--input", str(text), "--out-dir", "out", *fix, "--workers", "1", script="fineweb.py", cwd=tmp_path)
+    assert r.returncode == 0 and "no train shard" not in r.stderr, r.stderr
     assert sorted(p.name for p in (tmp_path / "out").glob("*_train_*.npy"))[-1] == "edufineweb_train_000003.npy"
 
 
@@ -568,35 +440,34 @@ def test_empty_flags_and_hub_flags(tmp_path):
 
 
 def test_bad_flags_through_the_cli_are_one_line(tmp_path):
-    code, out, err = run_cli(["--input", "doc.txt", "--shard-size", "1e13"], tmp_path)
-    assert_one_line_error(code, err, r"--shard-size 10,000,000,000,000 needs .* GiB of memory")
-    code, out, err = run_cli(["--workers", "many"], tmp_path)
-    assert_one_line_error(code, err, r"--workers: 'many' is not a whole number")
+    r = cli("--input", "doc.txt", "--shard-size", "1e13", script="fineweb.py", cwd=tmp_path)
+    assert_one_line_error(r, match=r"--shard-size 10,000,000,000,000 needs .* GiB of memory")
+    r = cli("--workers", "many", script="fineweb.py", cwd=tmp_path)
+    assert_one_line_error(r, match=r"--workers: 'many' is not a whole number")
     assert os.listdir(tmp_path) == []
 
 
 def test_input_smaller_than_one_shard_says_so(tmp_path, shared_data):
     # the default 100M-token shard: all of tiny shakespeare lands in the val shard
-    code, out, err = run_cli(
-        ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path
-    )
-    assert code == 0, err
-    assert out.startswith("done: 338,026 tokens from 1 documents in 1 shards")
-    assert "no train shard" in err and "--shard-size 33802" in err and "another --out-dir" in err
+    args = ["--input", shared_data / "tinyshakespeare" / "input.txt", "--out-dir", "out"]
+    r = cli(*args, script="fineweb.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("done: 338,026 tokens from 1 documents in 1 shards")
+    assert "no train shard" in r.stderr and "--shard-size 33802" in r.stderr and "another --out-dir" in r.stderr
     assert sorted(os.listdir(tmp_path / "out")) == ["edufineweb_manifest.json", "edufineweb_val_000000.npy"]
-    code, out, err = run_cli(
-        ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path
-    )
-    assert out.startswith("nothing to do") and "no train shard" in err  # and again on a rerun
+    r = cli(*args, script="fineweb.py", cwd=tmp_path)
+    assert r.stdout.startswith("nothing to do") and "no train shard" in r.stderr  # and again on a rerun
 
 
 def test_input_within_the_smallest_shard_is_told_to_add_input(tmp_path):
     # no --shard-size (at least 1,025) leaves any of 1,000 tokens for a train shard: none is named
     (tmp_path / "doc.txt").write_text("x" + " x" * 998)
-    code, out, err = run_cli(["--input", "doc.txt", "--out-dir", "out", "--workers", "1"], tmp_path)
-    assert code == 0 and out.startswith("done: 1,000 tokens"), err
-    assert "no train shard" in err and "add input: even the smallest --shard-size, 1025, puts all of it" in err
-    assert "e.g. --shard-size" not in err
+    r = cli("--input", "doc.txt", "--out-dir", "out", "--workers", "1", script="fineweb.py", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("done: 1,000 tokens"), r.stderr
+    assert (
+        "no train shard" in r.stderr and "add input: even the smallest --shard-size, 1025, puts all of it" in r.stderr
+    )
+    assert "e.g. --shard-size" not in r.stderr
 
 
 @pytest.mark.parametrize(
@@ -612,9 +483,9 @@ def test_empty_input_says_no_documents(tmp_path, files, message):
     for name, content in files.items():
         (tmp_path / name).write_bytes(content)
     before = snapshot(tmp_path)
-    code, out, err = run_cli(["--input", *files, "--out-dir", "out", "--workers", "1"], tmp_path)
-    assert_one_line_error(code, err, message)
-    assert "done" not in out
+    r = cli("--input", *files, "--out-dir", "out", "--workers", "1", script="fineweb.py", cwd=tmp_path)
+    assert_one_line_error(r, match=message)
+    assert "done" not in r.stdout
     assert snapshot(tmp_path) == before  # no manifest, no empty out-dir
 
 
@@ -656,8 +527,8 @@ def test_foreign_shards_in_out_dir_are_refused_never_deleted(tmp_path, shared_da
     _, args = tiny_shards(tmp_path, shared_data, extra=["--max-tokens", "250000"])  # to be continued
     plant(tmp_path / "out")
     before = snapshot(tmp_path)
-    code, out, err = run_cli([*args, "--shard-size", "100000"], tmp_path)
-    assert_one_line_error(code, err, message + r".*train_gpt2.py would read")
+    r = cli(*args, "--shard-size", "100000", script="fineweb.py", cwd=tmp_path)
+    assert_one_line_error(r, match=message + r".*train_gpt2.py would read")
     assert snapshot(tmp_path) == before
 
 
@@ -703,10 +574,9 @@ def test_second_run_into_the_same_folder_is_refused(tmp_path, shared_data):
     lock = fineweb.lock_folder(str(tmp_path / "out"))  # a first run holds the folder (flock: per open file)
     try:
         before = snapshot(tmp_path)
-        code, out, err = run_cli(
-            ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path
-        )
-        assert_one_line_error(code, err, r"another fineweb.py is writing to out: wait for it to finish, or use another")
+        text = shared_data / "tinyshakespeare" / "input.txt"
+        r = cli("--input", text, "--out-dir", "out", script="fineweb.py", cwd=tmp_path)
+        assert_one_line_error(r, match=r"--out-dir out is in use by another fineweb.py \(pid .*\): wait for it to end")
         assert snapshot(tmp_path) == before
     finally:
         os.close(lock)
@@ -716,26 +586,20 @@ def test_second_run_into_the_same_folder_is_refused(tmp_path, shared_data):
 
 def test_two_real_runs_at_once(tmp_path, parquet_copies):
     args = ["--input", *parquet_copies[0][:30], "--out-dir", "out", "--shard-size", "50000", "--workers", "1"]
-    first = subprocess.Popen(
-        [sys.executable, str(ROOT / "fineweb.py"), *args],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first = start_run(*args, script="fineweb.py", cwd=tmp_path)
     try:
         manifest = tmp_path / "out" / "edufineweb_manifest.json"
         deadline = time.time() + 60
         while not manifest.exists() and first.poll() is None and time.time() < deadline:
             time.sleep(0.01)
-        code, out, err = run_cli(args, tmp_path)
+        r = cli(*args, script="fineweb.py", cwd=tmp_path)
         assert first.poll() is None, "the first run ended before the second started"
         # through the lock train_gpt2.py holds its --out-dir with: the holder named in the one line
         assert_one_line_error(
-            code,
-            err,
-            r"another fineweb\.py is writing to out: wait for it to finish, or use another --out-dir "
-            rf"\(it is pid {first.pid} on {re.escape(socket.gethostname())}, since .*: python fineweb\.py --input ",
+            r,
+            match=rf"--out-dir out is in use by another fineweb\.py \(pid {first.pid} on "
+            rf"{re.escape(socket.gethostname())}, since .*: python fineweb\.py --input .*\): wait for it to end, "
+            r"or pass another --out-dir",
         )
         assert first.wait(timeout=120) == 0
     finally:
@@ -754,60 +618,17 @@ def test_a_symlink_where_the_lock_goes_is_refused_and_what_it_names_is_untouched
     target.write_text("the user's notes\n")
     (tmp_path / "out" / fineweb.FOLDER_LOCK).symlink_to(target)
     before = snapshot(tmp_path)
-    code, _, err = run_cli(
-        ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"], tmp_path
-    )
+    text = shared_data / "tinyshakespeare" / "input.txt"
+    r = cli("--input", text, "--out-dir", "out", script="fineweb.py", cwd=tmp_path)
     assert_one_line_error(
-        code,
-        err,
-        rf"--out-dir out: out/{re.escape(fineweb.FOLDER_LOCK)} is a symbolic link to {re.escape(str(target))}, "
-        r"where fineweb\.py keeps its lock file; .*remove the link \(not what it points to\), then rerun",
+        r,
+        match=rf"out/{re.escape(fineweb.FOLDER_LOCK)} is a symbolic link \(to {re.escape(str(target))}\): "
+        r"this run writes that file itself and never through a link: remove the link \(rm ",
     )
     assert snapshot(tmp_path) == before and target.read_text() == "the user's notes\n"
     (tmp_path / "out" / fineweb.FOLDER_LOCK).unlink()
     tiny_shards(tmp_path, shared_data)
     assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "fresh")
-
-
-@pytest.mark.parametrize("then", ["no one takes it", "another fineweb.py takes it"])
-def test_a_lock_file_deleted_mid_run_is_locked_again_or_the_run_stops(tmp_path, shared_data, monkeypatch, capsys, then):
-    """A user deletes .fineweb.lock as a stale lock while shards are written: before its next shard
-    the run locks the folder again (a warning) and ends as an undisturbed run; if another fineweb.py
-    has locked the folder meanwhile, the run stops in one line and writes nothing more there, its
-    manifest included, and the same command afterwards finishes the folder."""
-    tiny_shards(tmp_path, shared_data, "fresh")
-    out = tmp_path / "out"
-    lock, real_write_shard, other = out / fineweb.FOLDER_LOCK, fineweb.write_shard, []
-
-    def write_shard(path, tokens, fmt="npy"):
-        real_write_shard(path, tokens, fmt)
-        if path.endswith("_000001.npy"):
-            lock.unlink()
-            if then != "no one takes it":
-                other.append(fineweb.lock_folder(str(out)))  # a second run's lock: another open file
-
-    monkeypatch.setattr(fineweb, "write_shard", write_shard)
-    if then == "no one takes it":
-        tiny_shards(tmp_path, shared_data)
-        assert f"warning: {lock} was deleted while this run wrote shards: locked again" in capsys.readouterr().err
-    else:
-        try:
-            with pytest.raises(UserError) as e:
-                tiny_shards(tmp_path, shared_data)
-            assert str(e.value).startswith(
-                f"{lock} was deleted or replaced while this run wrote shards, and another fineweb.py holds it now "
-                f"(pid {os.getpid()} on "
-            )
-            assert "this run stops here and writes nothing more" in str(e.value)
-            assert not (out / "edufineweb_train_000002.npy").exists()
-            assert (out / ".edufineweb_manifest.journal").exists()  # not folded by the run that lost the folder
-            assert file_lock.held(other[0], str(lock))  # the other run's lock, untouched
-        finally:
-            if other:
-                fineweb.unlock_folder(str(out), {"fd": other[0]})
-        monkeypatch.undo()
-        tiny_shards(tmp_path, shared_data)  # the same command, once the other run is done
-    assert file_bytes(out) == file_bytes(tmp_path / "fresh") and not lock.exists()
 
 
 @pytest.fixture(scope="module")
@@ -824,14 +645,7 @@ def test_ctrl_c_is_prompt_and_clean_then_resumes(tmp_path, sample_x2, when):
     # rule 7: SIGINT ends the run within seconds with one line and no traceback, leaves no .tmp
     # file, keeps the finished shards, and the same command then continues to the same bytes
     args, fresh = sample_x2
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "fineweb.py"), *args, "--out-dir", "out"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_run(*args, "--out-dir", "out", script="fineweb.py", cwd=tmp_path, start_new_session=True)
     manifest = tmp_path / "out" / "edufineweb_manifest.json"
     shards = {"start-up": None, "first-shard": 0, "mid-run": 8}[when]
     deadline = time.time() + 60
@@ -861,8 +675,8 @@ def test_ctrl_c_is_prompt_and_clean_then_resumes(tmp_path, sample_x2, when):
         if manifest.exists():
             listed = [s["file"] for s in json.loads(manifest.read_text())["shards"]]
             assert all(file_bytes(tmp_path / "out")[n] == fresh[n] for n in listed)  # finished shards kept, whole
-    code, out, err = run_cli([*args, "--out-dir", "out"], tmp_path)
-    assert code == 0, err
+    r = cli(*args, "--out-dir", "out", script="fineweb.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
     assert file_bytes(tmp_path / "out") == fresh
 
 
@@ -879,9 +693,9 @@ def test_an_input_edited_in_place_at_the_same_size_is_refused_on_resume(tmp_path
     fineweb.main([*args, "--max-tokens", "150000"])  # to be continued
     doc.write_text(text.replace("Citizen", "citizen"))  # the same size, other text
     before = snapshot(tmp_path)
-    code, _, err = run_cli(args, tmp_path)
-    assert_one_line_error(code, err, rf"--input {doc} changed since the shards in {out} were written from it")
-    assert "refused" in err and "put the original back to resume" in err
+    r = cli(*args, script="fineweb.py", cwd=tmp_path)
+    assert_one_line_error(r, match=rf"--input {doc} changed since the shards in {out} were written from it")
+    assert "refused" in r.stderr and "put the original back to resume" in r.stderr
     assert snapshot(tmp_path) == before
     doc.write_text(text)  # the way out it names: the original back, and the run continues to the same bytes
     fineweb.main(args)
@@ -922,11 +736,11 @@ def test_one_input_named_twice_is_read_once(tmp_path, shared_data, enc, how):
     elif how == "a copy":
         shutil.copy(src / "a.txt", tmp_path / "copy.txt")
         second = str(tmp_path / "copy.txt")
-    code, _, err = run_cli(
-        ["--input", str(src / "a.txt"), second, "--out-dir", "out", "--shard-size", "1025"], tmp_path
+    r = cli(
+        "--input", src / "a.txt", second, "--out-dir", "out", "--shard-size", 1025, script="fineweb.py", cwd=tmp_path
     )
-    assert code == 0, err
-    assert "it is read once" in err
+    assert r.returncode == 0, r.stderr
+    assert "it is read once" in r.stderr
     expected = np.array([EOT, *enc.encode_ordinary(text)], dtype=np.uint16)
     np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path / "out"))), expected)
 
@@ -951,41 +765,28 @@ def test_text_that_is_not_utf8_is_refused_naming_the_file_and_the_conversion_wor
     content = UTF16_TEXT if suffix == ".txt" else json.dumps({"text": UTF16_TEXT}) + "\n"
     path = tmp_path / f"doc{suffix}"
     path.write_bytes(encode(content))
-    code, _, err = run_cli(["--input", path.name, "--out-dir", "out", "--workers", "1"], tmp_path)
-    assert_one_line_error(code, err, rf"^error: doc{re.escape(suffix)} ")
-    assert re.search(message, err) and not (tmp_path / "out").exists()  # before any work
-    command = re.search(r"e\.g\. (iconv [^)]*)\)", err).group(1)  # the conversion it names works
+    r = cli("--input", path.name, "--out-dir", "out", "--workers", "1", script="fineweb.py", cwd=tmp_path)
+    assert_one_line_error(r, match=rf"^error: doc{re.escape(suffix)} ")
+    assert re.search(message, r.stderr) and not (tmp_path / "out").exists()  # before any work
+    command = re.search(r"e\.g\. (iconv [^)]*)\)", r.stderr).group(1)  # the conversion it names works
     assert subprocess.run(command, shell=True, cwd=tmp_path).returncode == 0
     converted = tmp_path / f"doc.utf8{suffix}"
-    code, _, err = run_cli(
-        ["--input", converted.name, "--out-dir", "out", "--shard-size", "1025", "--workers", "1"], tmp_path
-    )
-    assert code == 0, err
+    args = ["--input", converted.name, "--out-dir", "out", "--shard-size", 1025, "--workers", 1]
+    r = cli(*args, script="fineweb.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
     expected = np.array([EOT, *enc.encode_ordinary(UTF16_TEXT)], dtype=np.uint16)
     np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path / "out"))), expected)
 
 
 def test_binary_and_nul_text_are_refused(tmp_path):
     (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 4)
-    code, _, err = run_cli(["--input", "bin.txt", "--out-dir", "out"], tmp_path)
-    assert_one_line_error(code, err, r"bin\.txt holds NUL bytes: not a text file")
+    r = cli("--input", "bin.txt", "--out-dir", "out", script="fineweb.py", cwd=tmp_path)
+    assert_one_line_error(r, match=r"bin\.txt holds NUL bytes: not a text file")
     # a NUL past the first 64 KB the start looks at: refused when the file is read, nothing kept
     (tmp_path / "late.txt").write_bytes(b"a" * 100_000 + b"\0" + b"b" * 10)
-    code, _, err = run_cli(["--input", "late.txt", "--out-dir", "out2"], tmp_path)
-    assert_one_line_error(code, err, r"late\.txt holds NUL characters")
+    r = cli("--input", "late.txt", "--out-dir", "out2", script="fineweb.py", cwd=tmp_path)
+    assert_one_line_error(r, match=r"late\.txt holds NUL characters")
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
-
-
-@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
-def test_a_utf8_byte_order_mark_is_not_part_of_the_first_document(tmp_path, enc, suffix):
-    text = "First words of the file.\nSecond line."
-    content = text if suffix == ".txt" else json.dumps({"text": text}) + "\n"
-    (tmp_path / f"doc{suffix}").write_bytes(b"\xef\xbb\xbf" + content.encode())
-    fineweb.main(
-        ["--input", str(tmp_path / f"doc{suffix}"), "--out-dir", str(tmp_path / "out"), "--shard-size", "1025"]
-    )
-    expected = np.array([EOT, *enc.encode_ordinary(text)], dtype=np.uint16)
-    np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path / "out"))), expected)
 
 
 def test_the_work_per_shard_does_not_grow_with_the_shards_written(tmp_path, shared_data, enc, monkeypatch):
@@ -1025,7 +826,7 @@ def test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes(tmp_path, m
     expected = np.array([EOT] + enc.encode_ordinary(text_path.read_text()), dtype=np.uint16)  # tiktoken directly
     out = tmp_path / "out"
     args = ["--input", str(text_path), "--out-dir", str(out), "--shard-size", "100000", "--workers", "1"]
-    opened = fail_nth_write(monkeypatch, common, ".npy.tmp", 3)  # the third shard hits a full disk
+    opened = fail_nth_write(monkeypatch, files, ".npy.tmp", 3)  # the third shard hits a full disk
     with pytest.raises(UserError) as e:
         fineweb.main(args)
     msg = str(e.value)
@@ -1163,13 +964,12 @@ def test_a_symlink_at_a_name_fineweb_writes_is_refused_and_what_it_names_is_unto
     before, state = names_and_bytes(out), state_of(target)
     time.sleep(0.01)  # a write would move the mtime
     args = ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"]
-    code, _, err = run_cli([*args, "--shard-size", "100000", "--workers", "1"], tmp_path)
+    r = cli(*args, "--shard-size", "100000", "--workers", "1", script="fineweb.py", cwd=tmp_path)
     link = os.path.join("out", name)
     assert_one_line_error(
-        code,
-        err,
-        rf"^error: {re.escape(link)} is a symbolic link \(to {re.escape(str(target))}\): this run writes that file "
-        rf"itself and never through a link: remove the link \(rm {re.escape(link)}; what it points to is kept\), "
+        r,
+        match=rf"^error: {re.escape(link)} is a symbolic link \(to {re.escape(str(target))}\): this run writes that "
+        rf"file itself and never through a link: remove the link \(rm {re.escape(link)}; what it points to is kept\), "
         r"or use another --out-dir$",
     )
     assert names_and_bytes(out) == before and state_of(target) == state  # the link in it

@@ -16,16 +16,10 @@ import torch
 from bench import parse_args
 from benchmarks.gpu_check import GUESS, GpuCheck, Item, junit_tests, run_items, write_report
 from benchmarks.settings import RUNS
-from helpers import ROOT, assert_one_line_error
-from support.common import UserError
+from helpers import ROOT, assert_one_line_error, cli
+from support.cli import UserError
 
 ITEM_NAMES = ["cuda_tier", "recipe", "ladder_7_to_10", "ladder_1_to_6", "ladder_11_12"]
-
-
-def run_bench(*args, cwd):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, str(ROOT / "bench.py"), *map(str, args)]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 class Clock:
@@ -170,14 +164,14 @@ def test_gpu_check_default_budget():
 
 
 def test_gpu_check_on_a_cpu_without_tiny_is_refused(tmp_path):
-    r = run_bench("--gpu-check", "--device", "cpu", "--out", tmp_path / "check.json", cwd=tmp_path)
+    r = cli("--gpu-check", "--device", "cpu", "--out", tmp_path / "check.json", script="bench.py", cwd=tmp_path)
     assert_one_line_error(r, "--gpu-check on cpu runs a GPU's sizes", "pass --tiny")
     assert os.listdir(tmp_path) == []
 
 
 def test_a_tiny_budget_skips_every_item_and_says_why(tmp_path):
     out = tmp_path / "check.json"
-    r = run_bench("--gpu-check", "--tiny", "--device", "cpu", "--budget-s", 1, "--out", out, cwd=tmp_path)
+    r = cli("--gpu-check", "--tiny", "--device", "cpu", "--budget-s", 1, "--out", out, script="bench.py", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["command"].startswith("python bench.py --gpu-check") and report["budget_s"] == 1
@@ -224,7 +218,9 @@ def cuda_test_names():
 @pytest.mark.slow
 def test_tiny_gpu_check_on_a_cpu_runs_every_item_a_cpu_can(tmp_path):
     out = tmp_path / "check.json"
-    r = run_bench("--gpu-check", "--tiny", "--device", "cpu", "--budget-s", 600, "--out", out, cwd=tmp_path)
+    r = cli(
+        "--gpu-check", "--tiny", "--device", "cpu", "--budget-s", 600, "--out", out, script="bench.py", cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     items = {e["name"]: e for e in report["items"]}

@@ -24,8 +24,18 @@ from transformers import GPT2LMHeadModel
 import hellaswag
 import train_gpt2
 from hellaswag import HellaSwagDataError
-from helpers import ROOT, cli, heap_after, random_shards, read_log, save_tiny_hf_gpt2, tiny_args
-from support import common
+from helpers import (
+    ROOT,
+    assert_one_line_error,
+    cli,
+    heap_after,
+    random_shards,
+    read_log,
+    save_tiny_hf_gpt2,
+    start_run,
+    tiny_args,
+)
+from support import offline
 from train_gpt2 import GPT
 
 
@@ -107,7 +117,7 @@ def test_malformed_line_is_named(tmp_path, val_path):
     lines = val_path.read_text().splitlines(keepends=True)[:5]
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(lines[:2] + ['{"ctx": "cut off\n'] + lines[3:]))
-    with pytest.raises(HellaSwagDataError, match=r"bad\.jsonl, line 3: not JSON"):
+    with pytest.raises(HellaSwagDataError, match=r"bad\.jsonl line 3 is not valid JSON"):
         hellaswag.load_examples(str(bad))
     row = json.loads(lines[1])
     row["label"] = str(row["label"])  # the Hub's string label is not the original format
@@ -130,13 +140,13 @@ def test_hellaswag_label_out_of_range_is_named(tmp_path, shared_data, label):
     if label is None:
         del row["label"]
     (tmp_path / "h.jsonl").write_text("\n".join([lines[0], json.dumps(row), lines[2]]) + "\n")
-    with pytest.raises(hellaswag.HellaSwagDataError, match=r"h\.jsonl, line 2: label .* is not an int from 0 to 3"):
+    with pytest.raises(hellaswag.HellaSwagDataError, match=r"h\.jsonl line 2: label .* is not an int from 0 to 3"):
         hellaswag.load_examples(str(tmp_path / "h.jsonl"))
 
 
 def test_cache_with_html_error_page_is_refused(tmp_path):
     (tmp_path / hellaswag.CACHE_NAME).write_text("<!DOCTYPE html>\n<html><body>404: Not Found</body></html>\n")
-    with pytest.raises(HellaSwagDataError, match=r"bad cache: .*line 1: not JSON.*delete"):
+    with pytest.raises(HellaSwagDataError, match=r"bad cache: .*line 1 is not valid JSON.*delete"):
         hellaswag.load_examples(cache_dir=str(tmp_path))
 
 
@@ -149,7 +159,7 @@ def test_truncated_cache_is_refused(tmp_path, val_path):
     cut = data[: len(data) // 2]  # cut inside a line: that line is named
     cache.write_bytes(cut)
     last_line = cut.count(b"\n") + 1
-    with pytest.raises(HellaSwagDataError, match=f"line {last_line}: not JSON"):
+    with pytest.raises(HellaSwagDataError, match=f"line {last_line} is not valid JSON"):
         hellaswag.load_examples(cache_dir=str(tmp_path))
 
 
@@ -222,7 +232,7 @@ def test_url_fallback_when_the_hub_fails(tmp_path, monkeypatch, val_path, datase
 @pytest.mark.parametrize(
     "response, message",
     [
-        (lambda v: FakeResponse(b"<html>Service unavailable</html>"), "line 1: not JSON"),
+        (lambda v: FakeResponse(b"<html>Service unavailable</html>"), "line 1 is not valid JSON"),
         (lambda v: FakeResponse(v.read_bytes(), status=203), "HTTP status 203"),
         (lambda v: FakeResponse(b"".join(v.read_bytes().splitlines(keepends=True)[:100])), "100 rows, expected 10042"),
     ],
@@ -257,7 +267,7 @@ def test_offline_variable_fails_at_once(tmp_path, monkeypatch, var):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv(var, "1")
     monkeypatch.setattr(urllib.request, "urlopen", never)
-    monkeypatch.setattr(common.socket, "create_connection", never)
+    monkeypatch.setattr(offline.socket, "create_connection", never)
     monkeypatch.setattr(hellaswag, "_fetch_from_hub", never)
     with pytest.raises(HellaSwagDataError, match=f"{var} is set.*pass --data path/to/hellaswag_val.jsonl"):
         hellaswag.load_examples(cache_dir=str(tmp_path / "c"))
@@ -275,7 +285,7 @@ def test_no_network_fails_after_one_quick_probe(tmp_path, monkeypatch):
         probes.append((address, timeout))
         raise OSError("Network is unreachable")
 
-    monkeypatch.setattr(common.socket, "create_connection", create_connection)
+    monkeypatch.setattr(offline.socket, "create_connection", create_connection)
     monkeypatch.setattr(urllib.request, "urlopen", never)
     monkeypatch.setattr(hellaswag, "_fetch_from_hub", never)
     with pytest.raises(HellaSwagDataError, match="no network.*pass --data path/to/hellaswag_val.jsonl"):
@@ -561,25 +571,15 @@ def test_on_a_cpu_hellaswag_py_keeps_freed_memory_as_training_does(short_run, va
 @pytest.mark.parametrize("delay", [0.3, 1.5])
 def test_ctrl_c_while_it_starts_is_one_line(short_run, val_path, delay):
     # importing torch, tokenizing or loading the model: one line, exit 130, never a traceback
-    proc = subprocess.Popen(
-        [sys.executable, "hellaswag.py", "-m", str(short_run[1]), "--data", str(val_path), "-d", "cpu"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_run("-m", short_run[1], "--data", val_path, "-d", "cpu", script="hellaswag.py")
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip() == "interrupted", err
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "hellaswag.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
-
-
 def test_cli_prints_accuracy(hf_dir, small, val_path):
-    r = run_cli("-m", hf_dir, "-d", "cpu", "--data", val_path, "--limit", 20, "--batch-tokens", 300)
+    r = cli("-m", hf_dir, "-d", "cpu", "--data", val_path, "--limit", 20, "--batch-tokens", 300, script="hellaswag.py")
     assert r.returncode == 0, r.stderr
     plain = small["plain"][:20]
     c = counts_by_hand(small["examples"][:20], [argmin(s) for s, _ in plain], [argmin(m) for _, m in plain])
@@ -594,7 +594,7 @@ def test_cli_on_an_export_prints_its_checkpoints_numbers(shakespeare_export, val
     ckpt, export = shakespeare_export
     printed = {}
     for model in (ckpt, export):
-        r = run_cli("-m", model, "-d", "cpu", "--data", val_path, "--limit", 300)
+        r = cli("-m", model, "-d", "cpu", "--data", val_path, "--limit", 300, script="hellaswag.py")
         assert r.returncode == 0, r.stderr
         assert r.stdout.startswith(f"HellaSwag {model}: 300 examples, float32\n")
         printed[model] = r.stdout.splitlines()[1:]
@@ -605,9 +605,8 @@ def test_cli_on_an_export_prints_its_checkpoints_numbers(shakespeare_export, val
 def test_cli_bad_data_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0, "split_type": "indomain"}\nnot json\n')
-    r = run_cli("-m", "gpt2", "--data", bad)  # as the user sees it
-    assert r.returncode == 1
-    assert r.stderr.startswith("error: ") and "bad.jsonl, line 2: not JSON" in r.stderr and r.stderr.count("\n") == 1
+    r = cli("-m", "gpt2", "--data", bad, script="hellaswag.py")  # as the user sees it
+    assert_one_line_error(r, "bad.jsonl line 2 is not valid JSON")
     for data, message in (  # the other mistakes raise the same one-line error, in this process
         (tmp_path / "none.jsonl", "does not exist"),
         (tmp_path, "is a folder: pass the path of a HellaSwag jsonl file in it"),
@@ -619,7 +618,7 @@ def test_cli_bad_data_is_one_line(tmp_path):
 
 def test_cli_offline_without_data_is_one_quick_line(tmp_path):
     # conftest sets HF_HUB_OFFLINE for the tests, and this subprocess inherits it
-    r = run_cli("-m", "gpt2", "--cache-dir", tmp_path / "cache")
+    r = cli("-m", "gpt2", "--cache-dir", tmp_path / "cache", script="hellaswag.py")
     assert r.returncode == 1
     assert r.stderr.startswith("error: cannot download HellaSwag (HF_HUB_OFFLINE is set)") and r.stderr.count("\n") == 1
     assert "pass --data path/to/hellaswag_val.jsonl" in r.stderr

@@ -8,7 +8,6 @@ a snapshot of the folder taken before equals the one taken after. Faults inside 
 disk, Ctrl-C, SIGTERM, a failed rename) are injected with monkeypatch."""
 
 import errno
-import hashlib
 import os
 import shutil
 import signal
@@ -29,30 +28,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 import hellaswag
 import train_gpt2
-from helpers import ROOT, assert_one_line_error, random_shards, read_log, tiny_args, user_error
-from support import common, hf_interop
-from support.common import GPT2_VOCAB, UserError
+from helpers import ROOT, assert_one_line_error, random_shards, read_log, snapshot, tiny_args, user_error
+from support import files, hf_interop
+from support.cli import UserError
 from support.sampling import generate
+from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT, load_model
-
-
-def snapshot(folder):
-    """Every entry under folder, hidden ones too: a file's bytes hash and mode, a folder's mode, a
-    link's target. Stricter than helpers.snapshot (files only): an empty temporary folder left
-    behind, a parent folder made and not removed, or a replaced link all show here."""
-    state = {}
-    for dirpath, dirnames, filenames in os.walk(folder):
-        for name in dirnames + filenames:
-            path = os.path.join(dirpath, name)
-            rel = os.path.relpath(path, folder)
-            if os.path.islink(path):
-                state[rel] = ("link", os.readlink(path))
-            elif os.path.isdir(path):
-                state[rel] = ("dir", os.stat(path).st_mode)
-            else:
-                with open(path, "rb") as f:
-                    state[rel] = ("file", os.stat(path).st_mode, hashlib.sha256(f.read()).hexdigest())
-    return state
 
 
 def export_cli(ckpt, target, cwd, env=None):
@@ -160,6 +141,17 @@ def test_a_target_that_is_not_a_folder_is_refused(run_copy, tmp_path, kind):
     before = snapshot(tmp_path)
     assert str(target) in export_error(run_copy / "ckpt_000002.pt", target)
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_an_empty_export_folder_name_is_refused_by_name_not_read_as_the_current_folder(
+    run_copy, tmp_path, monkeypatch, dry_run
+):
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)  # an empty folder: '' read as it would be written into
+    msg = user_error(["--export-hf", run_copy / "ckpt_000002.pt", "", *(["--dry-run"] if dry_run else [])])
+    assert msg.startswith("--export-hf CKPT '' names no folder") and os.listdir(here) == []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,7 +372,7 @@ def test_failed_rename_puts_the_earlier_export_back(tiny_model, tmp_path, monkey
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(common.os, "replace", replace)
+    monkeypatch.setattr(files.os, "replace", replace)
     with pytest.raises(UserError, match="Invalid cross-device link"):
         tiny_model.export_hf(target)
     assert snapshot(tmp_path) == before
@@ -390,7 +382,7 @@ def test_unwritable_parent_is_one_line(tiny_model, tmp_path, monkeypatch):
     def mkdtemp(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(common.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(files.tempfile, "mkdtemp", mkdtemp)
     with pytest.raises(UserError, match="Permission denied"):
         tiny_model.export_hf(tmp_path / "a" / "b" / "hf")
     assert os.listdir(tmp_path) == []  # the parents it made are removed again

@@ -24,7 +24,7 @@ ALLOWED_SCRIPT_IMPORTS = {
     "benchmarks": {"train_gpt2", "hellaswag", "fineweb"},
 }
 # fineweb.py starts without torch, and so do the support modules the data side shares with it
-TORCH_FREE = ("fineweb.py", "support/common.py", "support/documents.py", "support/shards.py")
+TORCH_FREE = ("fineweb.py", *(f"support/{name}.py" for name in ("cli", "files", "offline", "documents", "shards")))
 
 
 class Import(NamedTuple):
@@ -246,8 +246,8 @@ def test_the_data_side_loads_no_torch(path):
 def test_the_graph_holds_every_project_module_and_the_known_imports():
     """The walk reads what it should: every module, the support package, the benchmarks' modules."""
     project, external = project_graph()
-    assert {"train_gpt2", "fineweb", "hellaswag", "bench", "support", "support.common", "benchmarks"} <= set(project)
-    assert "support.common" in project["train_gpt2"] and "support" in project["train_gpt2"]
+    assert {"train_gpt2", "fineweb", "hellaswag", "bench", "support", "support.cli", "benchmarks"} <= set(project)
+    assert "support.cli" in project["train_gpt2"] and "support" in project["train_gpt2"]
     assert any(imp.target == "torch" for imp in external["train_gpt2"])
     assert any(m.startswith("benchmarks.") for m in project["bench"])
 
@@ -331,13 +331,13 @@ def test_torch_is_found_through_the_project_and_named_with_its_chain(tmp_path):
 
 
 def test_a_cycle_made_on_purpose_in_a_copy_of_the_project_is_found(tmp_path):
-    """A copy of the project's modules in which fineweb.py and support/common.py import each other,
+    """A copy of the project's modules in which fineweb.py and support/cli.py import each other,
     inside functions: the walk finds that cycle, which the project itself does not have."""
     for path in project_modules(ROOT).values():
         copy = tmp_path / path.relative_to(ROOT)
         copy.parent.mkdir(parents=True, exist_ok=True)
         copy.write_text(path.read_text())
-    for name, other in (("fineweb.py", "support.common"), ("support/common.py", "fineweb")):
+    for name, other in (("fineweb.py", "support.cli"), ("support/cli.py", "fineweb")):
         with open(tmp_path / name, "a") as f:
             f.write(f"\n\ndef on_purpose():\n    import {other}\n")
 
@@ -346,6 +346,6 @@ def test_a_cycle_made_on_purpose_in_a_copy_of_the_project_is_found(tmp_path):
         return find_cycles({a: set(t) for a, t in project.items()})
 
     made = [cycle for cycle in cycles(tmp_path) if cycle not in cycles(ROOT)]
-    assert ["fineweb", "support.common", "fineweb"] in made, made
+    assert ["fineweb", "support.cli", "fineweb"] in made, made
     # the edge added, in each cycle made
-    assert all(("support.common", "fineweb") in zip(cycle, cycle[1:], strict=False) for cycle in made), made
+    assert all(("support.cli", "fineweb") in zip(cycle, cycle[1:], strict=False) for cycle in made), made

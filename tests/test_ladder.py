@@ -7,8 +7,6 @@ logits. No speed is asserted: CI machines vary."""
 import json
 import os
 import statistics
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks import ladder
 from benchmarks.chunked_loss import chunked_cross_entropy
 from benchmarks.ladder import (
     LADDER_LOSS_TOL,
@@ -27,7 +26,7 @@ from benchmarks.ladder import (
     ladder_step,
     loss_check,
 )
-from helpers import ROOT
+from helpers import cli
 from support.shards import shard_path, write_shard
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig
 
@@ -149,12 +148,30 @@ def test_compiled_rung_matches_eager(shard_dir):
     assert losses[4] == pytest.approx(losses[1], abs=LADDER_LOSS_TOL["fp32"])
 
 
+def test_the_rungs_a_run_cannot_have_are_skipped_by_what_their_rows_need(monkeypatch):
+    """Without compile, rung 4 is skipped, and on CUDA its settings (rungs 11 and 12) with it; on a
+    CPU those and rung 10 are CUDA only."""
+    monkeypatch.setattr(ladder, "tf32_has_effect", lambda *args: True)
+    monkeypatch.setattr(ladder, "compile_unavailable", lambda s, device: "no compiler")
+    monkeypatch.setattr(ladder, "cudnn_attention_unavailable", lambda device: None)
+    no_compile = "a compile setting, and this run has no compile (rung 4: no compiler)"
+    assert ladder.skipped_rungs({}, None, None, None, "cuda", "cuda") == {
+        4: "no compiler",
+        11: no_compile,
+        12: no_compile,
+    }
+    assert ladder.skipped_rungs({}, None, None, None, "cpu", "cpu") == {
+        4: "no compiler",
+        10: "CUDA only (cuDNN's attention backend)",
+        11: "CUDA only (autotunes the GPU's GEMM and Triton kernels)",
+        12: "CUDA only (CUDA graphs)",
+    }
+
+
 @pytest.mark.slow
 def test_tiny_ladder_prints_the_table_and_writes_json_and_png(tmp_path):
     out = tmp_path / "bench.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(ROOT / "bench.py"), "--tiny", "--only", "ladder", "--out", str(out)]
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # 14 rows, 7 run
+    r = cli("--tiny", "--only", "ladder", "--out", out, script="bench.py", cwd=tmp_path, timeout=600)  # 14 rows, 7 run
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert list(report["sections"]) == ["ladder"] and report["rows"] == []

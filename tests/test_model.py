@@ -14,7 +14,7 @@ from transformers import GPT2LMHeadModel
 
 from helpers import ROOT, save_tiny_hf_gpt2
 from support.checkpoints import load_checkpoint
-from support.common import GPT2_VOCAB
+from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT, GPTConfig, model_from_checkpoint
 
 

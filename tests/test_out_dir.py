@@ -2,24 +2,30 @@
 another run's folder is refused, the user's own files there are kept, a log holding only the start
 of a run that never trained a step is no run); a running run locks its folder, a second process
 into it (a new run or --resume, plain or torchrun) is refused in one line naming the holder, and a
-killed run leaves no lock to clean; a lock file deleted or taken by another run is noticed, and one
-that is a folder or a symbolic link is named, never followed; a start that is refused or crashes
-before its first step leaves the folder as it found it; a symbolic link at a name the run writes
-(the log, a checkpoint, a checkpoint's temporary file) is refused before step 0, never followed.
-(The lock itself: test_file_lock.py.)"""
+killed run leaves no lock to clean; a lock file that is a folder, a symbolic link or a hard link is
+named, never written through; a start that is refused or crashes before its first step leaves the
+folder as it found it; a symbolic link at a name the run writes (the log, a checkpoint, a
+checkpoint's temporary file) is refused before step 0, never followed; what a user trips on there
+(a text file at a checkpoint's name, a FIFO at the log's, `--out-dir ''`, the folder moved or
+deleted mid-run, another user's folder) is one line whose advice works. (The lock itself:
+test_file_lock.py.)"""
 
+import errno
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
 
 import train_gpt2
 from helpers import (
+    ROOT,
     assert_one_line_error,
     at_step,
     cli,
@@ -36,8 +42,8 @@ from helpers import (
     user_error,
     wait_for_step,
 )
-from support.common import UserError
-from support.out_dir import LOCK_FILE, lock_out_dir, undo_failed_start
+from support import file_lock
+from support.out_dir import LOCK_FILE, undo_failed_start
 
 # ----------------------------------------------------------------------------------------------
 # One run per folder
@@ -47,7 +53,7 @@ from support.out_dir import LOCK_FILE, lock_out_dir, undo_failed_start
 def test_a_new_run_in_another_runs_out_dir_is_refused(data, tmp_path, existing):
     out = tmp_path / "out"
     out.mkdir()
-    (out / existing).write_bytes(b"another run's file")
+    (out / existing).write_bytes(b"PK\x03\x04 another run's file")  # begins as a checkpoint's zip
     (out / "notes.txt").write_text("the user's notes")
     refused_before_step_0(tiny_args(data, out), out, "--out-dir", "holds another run", "--resume")
 
@@ -176,61 +182,6 @@ def test_under_torchrun_the_job_locks_once_and_a_second_job_is_refused(data, tmp
 # The lock file: deleted or taken, a folder or a symbolic link at its name
 
 
-@pytest.mark.parametrize("how", ["deleted", "replaced by an empty file"])
-def test_a_deleted_lock_file_is_locked_again_and_a_resume_into_the_folder_is_refused(
-    data, tmp_path, monkeypatch, capsys, how
-):
-    out = tmp_path / "out"
-    lock, refused = out / LOCK_FILE, []
-
-    def delete():  # "a stale lock": it is not
-        lock.unlink()
-        if how != "deleted":
-            lock.write_text("")  # rm; touch: a file no one holds
-
-    def resume():  # while this run trains: `--resume` as a user runs it, or (cheaper) its lock alone
-        if how == "deleted":
-            r = cli(*tiny_args(data, out, "--max-steps", 100, "--resume"))
-            refused.append(assert_one_line_error(r))
-        else:
-            with pytest.raises(UserError) as e:
-                lock_out_dir(str(out), "start again")
-            refused.append(str(e.value))
-
-    at_step(monkeypatch, {2: delete, 4: resume})
-    assert train_gpt2.main(tiny_args(data, out, "--ckpt-every", 2)) == 0
-    assert f"--out-dir {out} is in use by another run (pid {os.getpid()} on " in refused[0]
-    assert f"warning: {lock} was deleted while this run trained: locked again" in capsys.readouterr().err
-    assert len(headers(out)) == 1 and sorted(read_log(out)[1]) == list(range(6)) and not lock.exists()
-
-
-def test_a_run_whose_lock_another_run_took_stops_and_leaves_that_runs_lock(data, tmp_path, monkeypatch):
-    """The lock file deleted and another run started into the folder before this run's next write:
-    this run stops at that write, in one line naming the other run, writes nothing more, and as it
-    exits leaves the other run's lock file in place."""
-    out = tmp_path / "out"
-    lock, other = out / LOCK_FILE, []
-
-    def another_run_starts():
-        lock.unlink()
-        other.append(lock_out_dir(str(out), "start again"))  # a new file, locked by another open file
-
-    at_step(monkeypatch, {2: another_run_starts})
-    try:
-        with pytest.raises(UserError) as e:
-            train_gpt2.main(tiny_args(data, out, "--ckpt-every", 1))
-        assert f"{lock} was deleted or replaced while this run trained, and another run holds it now (pid " in str(
-            e.value
-        )
-        assert "this run stops here and writes nothing more" in str(e.value)
-        assert sorted(read_log(out)[1]) == [0, 1]  # step 2 trained, not logged
-        assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000001.pt", "ckpt_000002.pt"]
-        assert os.path.samestat(os.fstat(other[0]), os.stat(lock))  # the other run's lock, untouched
-    finally:
-        if other:
-            os.close(other[0])
-
-
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_folder_where_the_lock_file_goes_is_named_and_moving_it_runs(data, tmp_path, resume):
     """A .train_gpt2.lock that is a folder is not a permission problem ("make --out-dir writable"
@@ -263,12 +214,8 @@ def test_a_symlink_where_the_lock_file_goes_is_refused_and_what_it_names_is_unto
     out.mkdir(exist_ok=True)
     (out / ".train_gpt2.lock").symlink_to(target)
     before = target.read_bytes()
-    msg = refused_before_step_0(
-        args, out, f"--out-dir {out}: {out / '.train_gpt2.lock'} is a symbolic link to {target}, where train_gpt2.py"
-    )
-    assert "\n" not in msg and msg.endswith(
-        "remove the link (not what it points to), then " + ("continue with --resume" if resume else "start again")
-    )
+    msg = refused_before_step_0(args, out, f"{out / '.train_gpt2.lock'} is a symbolic link (to {target}): this run")
+    assert "\n" not in msg and msg.endswith("what it points to is kept), or use another --out-dir")
     assert target.read_bytes() == before
     (out / ".train_gpt2.lock").unlink()
     assert train_gpt2.main(args) == 0
@@ -483,7 +430,7 @@ def test_undoing_a_failed_start_never_truncates_or_removes_a_link_at_the_logs_na
     target.write_bytes(b'{"event": "header", "run_id": "x"}\n' + b"the user's text\n")
     (out / "log.jsonl").symlink_to(target)
     state = state_of(target)
-    undo_failed_start({"out_dir": str(out), "log": before, "checkpoints": {}})
+    undo_failed_start({"out_dir": str(out), "log": before, "checkpoints": set()})
     assert state_of(target) == state and (out / "log.jsonl").is_symlink()
 
 
@@ -507,3 +454,116 @@ def test_a_users_file_at_a_temporary_checkpoint_name_is_kept_and_named(data, tmp
     subprocess.run(re.search(r"\((mv [^)]+)\)", msg).group(1), shell=True, check=True)  # the advice
     assert train_gpt2.main(args) == 0 and (out / "ckpt_000004.pt").exists()
     assert (out / ".ckpt_000004.pt.tmp.aside").read_text() == "the user's file, not a checkpoint write cut short"
+
+
+# ----------------------------------------------------------------------------------------------
+# What a user trips on at a run's folder (issue 47): each said in one line whose advice works
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_users_text_at_a_checkpoints_name_is_no_checkpoint_and_setting_it_aside_runs(data, tmp_path, resume):
+    """A user's text file named ckpt_000006.pt is no run to continue with --resume: it is said to be
+    no checkpoint of this program, with the `mv` that sets it aside; that, then the same command, runs."""
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
+    if resume:
+        assert train_gpt2.main(args) == 0
+        args += ["--max-steps", 4, "--resume"]
+    out.mkdir(exist_ok=True)
+    mine = out / "ckpt_000006.pt"
+    mine.write_text("my notes on the run\n")
+    msg = refused_before_step_0(args, out, f"{mine} is no checkpoint of train_gpt2.py", "move it aside (mv ")
+    assert "another run" not in msg and "--resume" not in msg
+    subprocess.run(re.search(r"\((mv [^)]+)\)", msg)[1], shell=True, check=True)  # the advice, as given
+    assert train_gpt2.main(args) == 0
+    assert (out / "ckpt_000006.pt.aside").read_text() == "my notes on the run\n"
+
+
+def test_a_fifo_at_the_logs_name_is_refused_at_once_not_waited_on(data, tmp_path):
+    """A start must not wait on a file: a FIFO at log.jsonl (whose open blocks until someone writes
+    to it) is named in one line at once, with the `mv` that sets it aside."""
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "log.jsonl")
+    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 0)
+    line = assert_one_line_error(cli(*args, timeout=120), f"{out / 'log.jsonl'} is not a file", "(mv ")
+    subprocess.run(re.search(r"\((mv [^)]+)\)", line)[1], shell=True, check=True)
+    assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == [0, 1]
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_hard_link_at_the_lock_files_name_is_refused_and_the_file_it_shares_kept(data, tmp_path, dry_run):
+    """A lock never writes through a second name: a hard link at .train_gpt2.lock (sharing a user's
+    file) is refused in one line, the user's bytes as they were; the `rm` it names, then the same
+    command, runs, and the user's file stays as it was."""
+    out, notes = tmp_path / "out", tmp_path / "notes.txt"
+    out.mkdir()
+    notes.write_text("the user's notes\n")
+    os.link(notes, out / LOCK_FILE)
+    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 0, *(["--dry-run"] if dry_run else []))
+    msg = user_error(args)
+    assert msg.startswith(f"{out / LOCK_FILE} has a second name (a hard link)")
+    assert notes.read_text() == "the user's notes\n"
+    subprocess.run(re.search(r"\((rm [^;]+);", msg)[1], shell=True, check=True)
+    assert train_gpt2.main(args) == 0 and notes.read_text() == "the user's notes\n"
+
+
+def test_an_empty_out_dir_is_refused_by_name(data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    msg = user_error(tiny_args(data, "", "--max-steps", 2))
+    assert msg.startswith("--out-dir '' names no folder") and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("how", ["moved", "deleted"])
+def test_a_run_folder_moved_or_deleted_mid_run_says_so_and_where_to_resume(data, tmp_path, monkeypatch, how):
+    """`mv RUN RUN_old` or `rm -rf RUN` while the run trains: it stops in one line saying what
+    happened to the folder (not to its lock file) and what to do: continue where the folder went,
+    which the advised command does, or start again."""
+    out, moved = tmp_path / "run", tmp_path / "run_old"
+    at_step(monkeypatch, {3: lambda: out.rename(moved) if how == "moved" else shutil.rmtree(out)})
+    args = tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 2, "--eval-every", 0)
+    msg = user_error(args)
+    monkeypatch.undo()
+    if how == "deleted":
+        assert (
+            msg == f"--out-dir {out} was deleted while this run trained, its checkpoints with it: start the run again"
+        )
+        assert train_gpt2.main(args) == 0  # the advice
+        return
+    assert msg.startswith(f"--out-dir {out} was moved while this run trained: this run stops here")
+    assert msg.endswith(f"python train_gpt2.py --resume --out-dir {moved}")
+    command = msg.rsplit(": ", 1)[1].replace("python ", f"{sys.executable} ", 1)
+    subprocess.run(command, shell=True, check=True, cwd=ROOT, capture_output=True)
+    assert sorted(read_log(moved)[1]) == list(range(6)) and not out.exists()
+
+
+@pytest.mark.parametrize("theirs", ["the folder", "the lock file of their live run"])
+def test_another_users_run_folder_names_its_owner_and_the_copy_that_resumes(data, tmp_path, monkeypatch, theirs):
+    """Another user's run folder (not writable to this user), or one where another user's run is
+    live (its lock file not writable): whose it is, and the copy this user can continue as its own,
+    never "make --out-dir writable". (Run as root, the tests cannot be refused by permissions: the
+    refusal is simulated, the ownership and the advice are real.)"""
+    nobody = pytest.importorskip("pwd").getpwnam("nobody")
+    out = tmp_path / "run"
+    args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    owned = out if theirs == "the folder" else out / LOCK_FILE
+    if owned.name == LOCK_FILE:
+        owned.write_text("pid 1 on another-host, since 2026-01-01 00:00:00: python train_gpt2.py")
+    os.chown(owned, nobody.pw_uid, nobody.pw_gid)
+
+    def denied(path):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(file_lock, "acquire", denied)
+    msg = user_error([*args, "--max-steps", 4, "--resume"])
+    monkeypatch.undo()
+    mine = f"{out}_mine"
+    assert msg == (
+        f"{owned} belongs to nobody and this user may not write it: the run is theirs to continue; to continue it "
+        f"as yours, copy its folder to one of your own and resume there (cp -r {out} {mine} && python train_gpt2.py "
+        f"--resume --out-dir {mine})"
+    )
+    command = re.search(r"\((cp -r .+)\)$", msg)[1].replace("python train_gpt2.py", f"{sys.executable} train_gpt2.py")
+    subprocess.run(f"{command} --max-steps 4", shell=True, check=True, cwd=ROOT, capture_output=True)
+    assert sorted(read_log(mine)[1]) == [0, 1, 2, 3]

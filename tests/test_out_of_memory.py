@@ -5,6 +5,7 @@ to lower, with what is on disk to go on from. Under a real memory limit (RLIMIT_
 the advice, followed, ends in a run that trains, in the same folder. No GPU needed: the CUDA error
 and the device's size are stubbed."""
 
+import ast
 import re
 import subprocess
 import sys
@@ -16,9 +17,16 @@ import torch
 import hellaswag
 import train_gpt2
 from helpers import ROOT, GiB, assert_one_line_error, cli, headers, random_shards, read_log, strict_records, tiny_args
-from support.common import out_of_memory_line, run_cli
-from support.out_of_memory import hellaswag_out_of_memory, oom_phase, training_out_of_memory
-from train_gpt2 import GPTConfig, parse_args
+from support.cli import out_of_memory_line, run_cli
+from support.out_of_memory import (
+    HELLASWAG_ADVICE,
+    TRAINING_ADVICE,
+    forget_phases,
+    hellaswag_out_of_memory,
+    oom_phase,
+    training_out_of_memory,
+)
+from train_gpt2 import GPTConfig
 
 # ----------------------------------------------------------------------------------------------
 # Under a real memory limit: one line, and its advice, followed, trains
@@ -203,38 +211,63 @@ def test_out_of_memory_in_the_val_loss_eval_gets_its_advice_not_the_training_ste
     assert sorted(read_log(out)[1]) == list(range(6))
 
 
+def batch_of(config=None, device="cpu", autocast_dtype=None):
+    """The values a batch phase carries (train_gpt2.set_precision_and_seeds' batch, and the model's
+    config): the recipe's -B 64 of -T 1024, 524,288 tokens a step."""
+    config = config or GPTConfig()
+    return dict(config=config, device=device, autocast_dtype=autocast_dtype, B=64, T=1024, total_batch_size=524288)
+
+
 def test_the_advice_is_the_marked_phases_not_the_function_names(tmp_path):
-    """The innermost phase a script marked decides, and each script words its own: training's
-    HellaSwag eval around hellaswag.py's scoring; a function named as the val-loss eval inside a
-    training step; no advice outside every phase, and no mark on an error that is not memory."""
-    args, _ = train_gpt2.parse_args(["--out-dir", str(tmp_path / "out")])
-    run = SimpleNamespace(args=args, model=SimpleNamespace(config=train_gpt2.GPTConfig()), device="cpu")
-    run.autocast_dtype = None
+    """The phase a script marked last decides, and each script words its own: training's HellaSwag
+    eval, then hellaswag.py's scoring inside it; a function named as the val-loss eval inside a
+    training step; no advice before a script's first mark."""
+    out = str(tmp_path / "out")
 
     def evaluate_val_loss(step=250, start_step=0):  # the val-loss eval's name and the loop's locals
         raise MemoryError()
 
-    with pytest.raises(MemoryError) as raised:
-        with oom_phase("HellaSwag eval", run=run, step=250), oom_phase("scoring HellaSwag", batch_tokens=65536):
-            evaluate_val_loss()
-    assert training_out_of_memory(raised.value) == (
-        "in the HellaSwag eval at step 250: turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores "
-        "a checkpoint in less); no checkpoint was written yet: --resume --hellaswag-every 0 starts the run again"
-    )
-    assert hellaswag_out_of_memory(raised.value) == (
-        "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 32768), or use a smaller --model"
-    )
-    with pytest.raises(MemoryError) as raised, oom_phase("training step", run=run, step=250, first=False):
-        evaluate_val_loss()
-    assert training_out_of_memory(raised.value).startswith("in training step 250 (-B 64 rows of -T 1024): lower -B")
-    assert hellaswag_out_of_memory(raised.value) is None
+    forget_phases()
     with pytest.raises(MemoryError) as raised:
         evaluate_val_loss()
     assert training_out_of_memory(raised.value) is None
     assert out_of_memory_line(raised.value, "host memory", training_out_of_memory) == "out of host memory (MemoryError)"
-    with pytest.raises(ValueError) as raised, oom_phase("val loss", run=run, step=250):
-        raise ValueError("not memory")
-    assert not hasattr(raised.value, "oom_phases")
+    oom_phase("HellaSwag eval", step=250, out_dir=out)
+    oom_phase("scoring HellaSwag", batch_tokens=65536)
+    assert training_out_of_memory() == (
+        "in the HellaSwag eval at step 250: turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores "
+        "a checkpoint in less); no checkpoint was written yet: --resume --hellaswag-every 0 starts the run again"
+    )
+    assert hellaswag_out_of_memory() == (
+        "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 32768), or use a smaller --model"
+    )
+    forget_phases()
+    oom_phase("training step", step=250, first=False, out_dir=out, **batch_of())
+    with pytest.raises(MemoryError) as raised:
+        evaluate_val_loss()
+    assert training_out_of_memory(raised.value).startswith("in training step 250 (-B 64 rows of -T 1024): lower -B")
+    assert hellaswag_out_of_memory(raised.value) is None
+    forget_phases()
+
+
+def marked_phases(path):
+    """{phase name: line} of every oom_phase("name", ...) call in the file at path."""
+    tree = ast.parse((ROOT / path).read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "oom_phase"]
+    return {call.args[0].value: call.lineno for call in calls}
+
+
+def test_every_phase_a_script_marks_has_its_advice():
+    """A phase marked without an entry in its script's advice table would be worded as the phase
+    before it: each mark in train_gpt2.py and the support modules it calls has training's entry,
+    hellaswag.py's has its own, and every entry is a phase some script marks."""
+    training = {}
+    for path in ["train_gpt2.py", *(f"support/{p.name}" for p in (ROOT / "support").glob("*.py"))]:
+        training.update(marked_phases(path))
+    training.pop(None, None)
+    assert len(training) >= 10, training  # the ast walk found the marks
+    assert sorted(training) == sorted(TRAINING_ADVICE), training
+    assert sorted(marked_phases("hellaswag.py")) == sorted(HELLASWAG_ADVICE)
 
 
 def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_config, enc, shared_data, monkeypatch):
@@ -252,15 +285,13 @@ def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_con
     )
 
 
-def first_step_error(tmp_path, config, autocast_dtype, *flags):
-    """The error of a run that ran out of GPU memory in its first step, as run_cli gets it."""
-    args, _ = parse_args(["--out-dir", str(tmp_path / "out"), *flags])
-    run = SimpleNamespace(
-        args=args, model=SimpleNamespace(config=config), device="cuda:0", autocast_dtype=autocast_dtype
-    )
-    with pytest.raises(torch.OutOfMemoryError) as raised, oom_phase("training step", run=run, step=0, first=True):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    return raised.value
+def first_step_error(tmp_path, config, autocast_dtype):
+    """The advice for a run of `config` that ran out of GPU memory in its first step (the recipe's
+    batch: -B 64 of -T 1024, 524,288 tokens), as run_cli gets it."""
+    forget_phases()
+    out = str(tmp_path / "out")
+    oom_phase("training step", step=0, first=True, out_dir=out, **batch_of(config, "cuda:0", autocast_dtype))
+    return training_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
 
 
 def test_out_of_gpu_memory_names_the_B_the_memory_estimate_fits_where_it_holds(tmp_path, monkeypatch):
@@ -272,19 +303,19 @@ def test_out_of_gpu_memory_names_the_B_the_memory_estimate_fits_where_it_holds(t
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     recipe = GPTConfig(vocab_size=50304)
-    line = training_out_of_memory(first_step_error(tmp_path, recipe, torch.bfloat16))
+    line = first_step_error(tmp_path, recipe, torch.bfloat16)
     assert asked == ["cuda:0"]
     assert line == (
         "in the first training step (-B 64 rows of -T 1024): lower -B (e.g. -B 16, which this GPU's 23.6 GiB "
         "should fit, see docs/gpus.md: the total batch stays 524,288 tokens, accumulated over more micro-steps); "
         "no checkpoint was written yet: --resume -B 16 starts the run again"
     )
-    assert "e.g. -B 16, which" in training_out_of_memory(first_step_error(tmp_path, recipe, torch.float16))
+    assert "e.g. -B 16, which" in first_step_error(tmp_path, recipe, torch.float16)
     # where the estimate does not hold, the advice halves -B: fp32 (no autocast), another model,
     # and a -B the estimate says fits but that has just run out (an eager run, another process)
     halved = "lower -B (e.g. -B 32: the total batch"
-    assert halved in training_out_of_memory(first_step_error(tmp_path, recipe, None))
+    assert halved in first_step_error(tmp_path, recipe, None)
     wider = GPTConfig(vocab_size=50304, n_layer=24, n_head=16, n_embd=1024)
-    assert halved in training_out_of_memory(first_step_error(tmp_path, wider, torch.bfloat16))
+    assert halved in first_step_error(tmp_path, wider, torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GiB))
-    assert halved in training_out_of_memory(first_step_error(tmp_path, recipe, torch.bfloat16))
+    assert halved in first_step_error(tmp_path, recipe, torch.bfloat16)

@@ -1,8 +1,9 @@
 """Without the POSIX-only names (as on Windows): training, --resume, fineweb.py --input and
 hellaswag.py run, and a second run into a running run's folder is still refused. Simulated on this
 machine: a sitecustomize.py removes SIGHUP, fcntl, os.pread/pwrite, os.killpg,
-os.sched_getaffinity and os.fork before the script starts, and records in each child that they
-are gone (so the run under test cannot have used them)."""
+os.sched_getaffinity and os.fork before the script starts (and puts a stand-in for Windows'
+msvcrt.locking, on flock, where the lock finds it), and records in each child that they are gone
+(so the run under test cannot have used them)."""
 
 import json
 import os
@@ -25,8 +26,23 @@ from support.out_dir import LOCK_FILE
 SITECUSTOMIZE = """
 import atexit, json, os, signal, sys
 
+import fcntl as _fcntl
+import subprocess  # noqa: F401  imported before the stand-in below, which it would take for Windows
+
+
+class _Msvcrt:  # Windows' msvcrt.locking, on flock: one byte locked per open file, EACCES when held
+    LK_NBLCK = 2
+
+    @staticmethod
+    def locking(fd, mode, nbytes):
+        try:
+            _fcntl.flock(fd, _fcntl.LOCK_EX | _fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OSError(13, "Permission denied") from None
+
+
 sys.modules["fcntl"] = None  # `import fcntl` raises ImportError, as on Windows
-sys.modules["msvcrt"] = None  # not on Linux either: the lock's exclusive-file fallback is the one left
+sys.modules["msvcrt"] = _Msvcrt  # the lock Windows takes, in a stand-in
 del signal.SIGHUP
 signal.SIGBREAK = signal.SIGUSR1  # Windows' Ctrl-Break, which has no Linux counterpart
 for name in ("pread", "pwrite", "killpg", "sched_getaffinity", "fork", "forkpty", "getloadavg"):
@@ -105,11 +121,11 @@ def test_training_and_resume_run_and_match_a_run_with_them(data, tmp_path, posix
     out = tmp_path / "out"
     first = run(env, *tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2))
     assert first.returncode == 0, first.stderr
-    ran_without_them(first.pid, lock="exclusive file")
-    assert not (out / LOCK_FILE).exists()  # the exclusive-file lock is the file: given back at the end
+    ran_without_them(first.pid, lock="msvcrt")
+    assert not (out / LOCK_FILE).exists()  # given back at the end
     resumed = run(env, *tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 2, "--resume"))
     assert resumed.returncode == 0, resumed.stderr
-    ran_without_them(resumed.pid, lock="exclusive file")
+    ran_without_them(resumed.pid, lock="msvcrt")
     assert "resuming from" in resumed.stdout and "at step 4" in resumed.stdout
     # the reference: the same 6 steps in one run, in this process, with every POSIX name in place
     assert train_gpt2.main(tiny_args(data, tmp_path / "reference", "--max-steps", 6, "--ckpt-every", 2)) == 0
@@ -139,7 +155,7 @@ def test_a_second_run_into_a_running_runs_folder_is_refused(data, tmp_path, posi
         first.kill()
     assert first.returncode == 128 + signal.SIGUSR1, err
     assert "caught SIGUSR1: stopping after this step with a checkpoint" in stdout and list(out.glob("ckpt_*.pt"))
-    ran_without_them(first.pid, lock="exclusive file")
+    ran_without_them(first.pid, lock="msvcrt")
     assert not (out / LOCK_FILE).exists()
 
 
@@ -186,13 +202,13 @@ def test_fineweb_into_a_folder_another_fineweb_holds_is_refused(tmp_path, posix_
         assert holder.stdout.readline() == "held\n"
         before = sorted(os.listdir(out))
         r = run(env, "--input", shared_data / "tinyshakespeare" / "input.txt", "--out-dir", out, script="fineweb.py")
-        assert_one_line_error(r, f"another fineweb.py is writing to {out}: wait for it to finish")
+        assert_one_line_error(r, f"--out-dir {out} is in use by another fineweb.py (pid {holder.pid} on ")
         ran_without_them(r.pid)
         assert sorted(os.listdir(out)) == before == [fineweb.FOLDER_LOCK]
         holder.communicate("", timeout=60)
     finally:
         holder.kill()
-    ran_without_them(holder.pid, lock="exclusive file")
+    ran_without_them(holder.pid, lock="msvcrt")
     assert os.listdir(out) == []  # given back: the folder as it was
 
 

@@ -1,10 +1,11 @@
-"""support/resume.py, through real runs of train_gpt2.py: which checkpoint --resume continues from
+"""--resume, through real runs of train_gpt2.py: which checkpoint it continues from (support/out_dir.py)
 (the newest of the folder's run that loads, past a truncated or corrupt one, another run's, a
 misnamed one and a half-written one's leftover; a run's folder; an older checkpoint of the
 folder's own run; a new folder, never another run's; never writing over a file not the run's; none, when
 the run was killed before its first checkpoint and its log records the run to restart), the recipe
 it takes from that checkpoint (flags left out take its values, a contradicting one is refused
-naming both values, a longer --max-steps, a lower --max-lr or another -B is allowed and said), and
+naming both values, a longer --max-steps, another --max-lr or -B is allowed and said, as the
+README says), and
 that the resumed run is the one it continues, bit for bit."""
 
 import json
@@ -37,7 +38,8 @@ from helpers import (
     wait_for_step,
 )
 from support.checkpoints import load_checkpoint
-from support.common import UserError
+from support.cli import UserError
+from support.resume import ALLOWED_CHANGES
 
 # ----------------------------------------------------------------------------------------------
 # Which checkpoint --resume continues from: the newest that loads
@@ -220,6 +222,28 @@ def test_a_lower_max_lr_on_resume_is_allowed_and_said_in_output_and_header(data,
     assert steps[5]["lr"] == pytest.approx(train_gpt2.get_lr(5, 1e-3, 1e-4, 2, 6))  # the new peak's schedule
 
 
+def test_a_higher_max_lr_on_resume_is_allowed_and_said_too(data, run4_with_val_loss, capsys):
+    """The lr goes either way on --resume (lower: the way on after a divergence; higher: a run found
+    lr-bound), said in the output and the header, as the README says."""
+    args = tiny_args(data, run4_with_val_loss, "--max-steps", 6, "--warmup-steps", 2, "--ckpt-every", 2)
+    assert train_gpt2.main(args + ["--resume", "--max-lr", 6e-3, "--eval-every", 2]) == 0
+    assert "note: --max-lr 0.003 -> 0.006 on resume" in capsys.readouterr().out
+    header = [x for x in strict_records(run4_with_val_loss) if x.get("event") == "header"][-1]
+    assert header["changed_on_resume"] == {"max_lr": [3e-3, 6e-3], "max_steps": [4, 6]}
+    assert read_log(run4_with_val_loss)[1][5]["lr"] == pytest.approx(train_gpt2.get_lr(5, 6e-3, 6e-4, 2, 6))
+
+
+def test_the_readme_names_the_changes_resume_allows_and_only_those():
+    """README's Resume section and support.resume.ALLOWED_CHANGES say one thing: the sentence that
+    lists the changes --resume allows names each flag the code takes with a note, and no other."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Resume") :]
+    [sentence] = [s for s in re.split(r"(?<=\.)\s+", section.replace("\n", " ")) if "allowed and said" in s]
+    named = set(re.findall(r"`(-B|--[a-z-]+)`", sentence))
+    allowed = {"-B" if name == "batch_size" else "--" + name.replace("_", "-") for name in ALLOWED_CHANGES}
+    assert named == allowed, sentence
+
+
 def test_tokens_count_stays_right_after_resume_with_another_B(data, run4, tmp_path, capsys):
     args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--resume", "-B", 4, "--eval-every", 0)
     assert train_gpt2.main(args) == 0
@@ -400,12 +424,14 @@ def test_a_file_not_the_runs_at_a_checkpoint_name_it_would_write_stops_resume_be
         (a / "ckpt_000002.pt").rename(target)  # holds step 2
     mine = target.read_bytes()
     args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2, "--resume")
-    why = {
-        "a user's file": "it is not a checkpoint train_gpt2.py can load",
-        "another run's checkpoint": f"it holds run {load_checkpoint(str(b / 'ckpt_000004.pt'))['run_id']}, not this",
-        "this run's, renamed": "it holds step 2, not the 5 its name says",
+    theirs = load_checkpoint(str(b / "ckpt_000004.pt"))["run_id"]
+    said = {  # a file that is no zip is no checkpoint at all (test_out_dir.py); the others are checkpoints
+        "a user's file": "is no checkpoint of train_gpt2.py (not the zip torch.save writes), and this run writes",
+        "another run's checkpoint": f"is not this run's (it holds run {theirs}, not this",
+        "this run's, renamed": "is not this run's (it holds step 2, not the 5 its name says), and this run may write "
+        "its step 5 checkpoint",
     }[kind]
-    msg = refused_before_step_0(args, a, f"{target} is not this run's ({why}", "may write its step 5 checkpoint")
+    msg = refused_before_step_0(args, a, f"{target} {said}")
     assert target.read_bytes() == mine and len(headers(a)) == 1
     advised_mv(msg)  # the advice, then the same command: the run goes on, the file kept aside
     assert train_gpt2.main(args) == 0
@@ -478,5 +504,5 @@ def test_under_torchrun_a_file_not_the_runs_is_said_once_and_kept(data, two_runs
     r = torchrun(*tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--resume"))
     said = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
     assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
-    assert said[0].startswith(f"error: {a / 'ckpt_000005.pt'} is not this run's") and "(mv " in said[0]
+    assert said[0].startswith(f"error: {a / 'ckpt_000005.pt'} is no checkpoint of train_gpt2.py") and "(mv " in said[0]
     assert snapshot(a) == before  # rank 0 decided before anything was written, and every rank stopped

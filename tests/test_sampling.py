@@ -11,8 +11,9 @@ import torch
 import train_gpt2
 from helpers import read_log, refused_before_step_0, tiny_args
 from support import sampling
-from support.common import GPT2_VOCAB, UserError
+from support.cli import UserError
 from support.sampling import KVCache, decode_step, generate, next_token, sample_text
+from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT
 
 
@@ -311,6 +312,6 @@ def test_sampling_is_exercised_before_step_0(data, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise UserError("sampling failed")
 
-    monkeypatch.setattr(train_gpt2, "sample_text", broken)
+    monkeypatch.setattr(sampling, "sample_text", broken)
     out = tmp_path / "out"
     refused_before_step_0(tiny_args(data, out, "--sample-every", 1000, "--max-steps", 3000), out, "sampling failed")

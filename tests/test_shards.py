@@ -39,7 +39,7 @@ from helpers import (
 )
 from support import shards
 from support.checkpoints import load_checkpoint
-from support.common import UserError
+from support.cli import UserError
 from support.shards import ShardFile, fineweb_command, load_shard, recorded_max_ids, shard_fingerprint
 from train_gpt2 import DataLoaderLite
 
@@ -211,7 +211,7 @@ def test_shards_are_memory_mapped(tmp_path):
 
 CUT_SHORT = """
 import os, sys
-from support.common import UserError
+from support.cli import UserError
 from train_gpt2 import DataLoaderLite, load_val_tokens
 data = sys.argv[1]
 loader = DataLoaderLite(data, "train", 4, 64, shuffle=False)

@@ -16,6 +16,7 @@ import train_gpt2
 from helpers import at_step, hangup_default, headers, random_shards, read_log, signal_at_step, start_run, tiny_args
 from support import sampling
 from support.checkpoints import load_checkpoint
+from support.cli import run_cli
 from train_gpt2 import DataLoaderLite, load_model
 
 # ----------------------------------------------------------------------------------------------
@@ -113,6 +114,58 @@ def test_a_second_ctrl_c_says_what_the_folder_holds_to_continue_from(data, tmp_p
     # what it says works: --resume --out-dir continues (or restarts) the same run to its end
     assert train_gpt2.main(["--resume", "--out-dir", str(out), "--device", "cpu"]) == 0
     assert sorted(read_log(out)[1]) == list(range(6)) and len({h["run_id"] for h in headers(out)}) == 1
+
+
+class CtrlCMidWrite:
+    """A checkpoint's file that gets `n` Ctrl-Cs once torch.save has written some of it: a user
+    pressing Ctrl-C again while the checkpoint the first one asked for is written (seconds at 124M)."""
+
+    def __init__(self, f, n):
+        self.f, self.n, self.calls = f, n, 0
+
+    def write(self, data):
+        self.calls += 1
+        if self.calls == 5:  # mid-write: torch's zip writer wraps what a write raises in a RuntimeError
+            for _ in range(self.n):
+                signal.raise_signal(signal.SIGINT)
+        return self.f.write(data)
+
+    def __getattr__(self, name):  # flush, fileno, ... of the real file
+        return getattr(self.f, name)
+
+
+@pytest.mark.parametrize("more", [1, 2])
+def test_ctrl_c_again_while_the_stop_checkpoint_is_written(data, tmp_path, monkeypatch, capsys, more):
+    """Ctrl-C at step 3, then `more` Ctrl-Cs while step 4's checkpoint is written. One more: a line
+    says the checkpoint is being written and what a further stop costs, the write finishes and the
+    run stops with it. Two more: the run ends at once, its previous checkpoint the newest and named
+    in the one line. Never torch's traceback (the stop raised inside torch.save's writer)."""
+    out, stopped, real_save = tmp_path / "out", [], torch.save
+    save = lambda obj, f, **kw: real_save(obj, CtrlCMidWrite(f, more if stopped else 0), **kw)  # noqa: E731
+    monkeypatch.setattr(torch, "save", save)
+    at_step(monkeypatch, {3: lambda: stopped.append(signal.raise_signal(signal.SIGINT))})
+    args = tiny_args(data, out, "--ckpt-every", 2, "--max-steps", 100)
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: train_gpt2.main(args))
+    monkeypatch.undo()
+    said = capsys.readouterr()
+    assert e.value.code == 130 and "Traceback" not in said.err, said.err
+    assert not list(out.glob(".*.tmp"))  # no half checkpoint left behind
+    if more == 1:
+        [line] = [line for line in said.out.splitlines() if "being written" in line]
+        assert line == (
+            f"caught SIGINT: {out / 'ckpt_000004.pt'} is being written, then the run stops; another stop signal "
+            f"ends the run now, without it ({out / 'ckpt_000002.pt'} stays the newest)"
+        )
+        assert load_checkpoint(str(out / "ckpt_000004.pt"))["step"] == 4
+    else:
+        assert said.err.strip().splitlines()[-1] == (
+            f"interrupted: continue from its newest checkpoint, ckpt_000002.pt, with --resume --out-dir {out}"
+        )
+        assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000002.pt"]
+    # what the folder holds continues the run to its end
+    assert train_gpt2.main(["--resume", "--out-dir", str(out), "--device", "cpu", "--max-steps", 6]) == 0
+    assert sorted(read_log(out)[1]) == list(range(6))
 
 
 # ----------------------------------------------------------------------------------------------

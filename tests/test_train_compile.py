@@ -11,7 +11,7 @@ import torch
 import train_gpt2
 from helpers import assert_one_line_error, cli, random_shards, read_log, tiny_args
 from support.checkpoints import load_checkpoint
-from support.machine import compile_problem
+from support.device import compile_problem
 
 
 @pytest.mark.slow
@@ -84,10 +84,10 @@ def test_compile_flag_with_a_broken_compiler_is_one_error_line_before_step_0(tmp
 # device types that compile unless told not to
 DEFAULT_COMPILE_ON_CPU = """
 import sys
-import support.machine
-support.machine.COMPILE_BY_DEFAULT = ("cuda", "cpu")
+import support.device
+support.device.COMPILE_BY_DEFAULT = ("cuda", "cpu")
 import train_gpt2
-from support.common import run_cli
+from support.cli import run_cli
 run_cli(lambda: train_gpt2.main(sys.argv[1:]))
 """
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import write_known_shards, write_shard
-from support.common import UserError
+from support.cli import UserError
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig, evaluate_val_loss
 
 

@@ -184,7 +184,7 @@ def test_flag_without_the_package_is_one_line_at_start(tmp_path):
     """wandb is optional: missing (a None in sys.modules makes its import fail), the flag is
     refused before anything runs, and a run without the flag never needs it."""
     data, out = random_shards(tmp_path / "data"), tmp_path / "out"
-    script = "import sys; sys.modules['wandb'] = None; import train_gpt2; from support.common import run_cli; "
+    script = "import sys; sys.modules['wandb'] = None; import train_gpt2; from support.cli import run_cli; "
     script += "run_cli(train_gpt2.main)"
 
     def run(*extra):

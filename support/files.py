@@ -1,11 +1,7 @@
-"""What every script shares, torch-free so that fineweb.py starts without loading torch: the error
-type and the command-line wrapper that prints it as one line (a Ctrl-C as its own words), atomic
-writes of files and folders and a failed write's one line, opening a file without following a
-symbolic link at its name, the offline probe, the one-line
-out-of-memory report, a run log's records, the default thread count."""
+"""How the project writes and reads its own files, torch-free: atomic writes of files and folders
+(a failed write in one line), never through a symbolic link at the name written (no-follow opens),
+and jsonl read line by line."""
 
-import argparse
-import contextlib
 import errno
 import json
 import os
@@ -13,50 +9,10 @@ import re
 import shlex
 import shutil
 import signal
-import socket
-import sys
 import tempfile
 import threading
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 
-GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding and are never sampled
-HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-
-
-class UserError(Exception):
-    """A mistake in the user's input: reported as one line, exit code 1, no traceback.
-    every_rank: every process of a torchrun job raises the same one (a flag, the recipe), so
-    only rank 0 says it; "node": every process of a node raises it alike (its data folder, which
-    may be the node's own), so each node's first process (LOCAL_RANK 0) says it."""
-
-    every_rank = False
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a flag it cannot parse (a typo, `--keep-ckpts 1.5`) is a UserError: one `error:`
-    line and exit 1, like every other mistake, not the whole usage before it. prog: the script's
-    file name, for the --help the line points to."""
-
-    def error(self, message):
-        raise UserError(f"{message} (see python {self.prog} --help)")
-
-
-EVERY_RANK_GRACE = 3.0  # seconds the other ranks wait before exiting on a mistake rank 0 says for them
-
-
-def same_on_every_rank(error, node=False):
-    """error, marked as one that every rank of a torchrun job (node: of a node) raises alike
-    (UserError.every_rank)."""
-    error.every_rank = "node" if node else True
-    return error
-
-
-def first_line(e):
-    """The first line of an exception's message (or its type's name): enough for a one-line error."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+from support.cli import UserError, first_line
 
 
 def fsync_dir(folder):
@@ -254,9 +210,25 @@ def write_dir_atomic(out_dir, write, what, recheck=None):
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
-def default_workers():
-    """The cores this process may run on (its affinity where the OS has one): the default thread count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def jsonl_rows(lines, source, error=UserError):
+    """(line number, row) of each line of jsonl text that is not blank. A line that is not JSON, or
+    that holds a NUL character (UTF-16 or a binary file read as UTF-8), raises error naming source
+    and the line; with error None it is passed over (a line of our own log cut short by a kill)."""
+    for lineno, line in enumerate(lines, 1):
+        if "\0" in line:
+            problem = "holds NUL characters: not UTF-8 text (UTF-16? binary?)"
+        elif not line.strip():
+            continue
+        else:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                problem = f"is not valid JSON ({e.msg})"
+            else:
+                yield lineno, row
+                continue
+        if error is not None:
+            raise error(f"{source} line {lineno} {problem}")
 
 
 def log_records(path):
@@ -264,139 +236,6 @@ def log_records(path):
     Nothing when the file is missing or cannot be read."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a line cut short by a kill
-                if isinstance(record, dict):
-                    yield record
+            yield from (record for _, record in jsonl_rows(f, path, error=None) if isinstance(record, dict))
     except OSError:
         return
-
-
-def offline_var(names=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")):
-    """The first of these variables set to a true value, as huggingface_hub reads them, or None."""
-    return next((v for v in names if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")), None)
-
-
-def unreachable(url, timeout=3.0):
-    """Why no TCP connection to url's host opens within timeout seconds, in words, or None. Offline,
-    the Hub and HTTP clients retry for half a minute and then say nothing about offline use; this
-    says it at once. With an https proxy set, the proxy is what must answer."""
-    proxy = urllib.request.getproxies().get("https")
-    parts = urllib.parse.urlsplit(proxy or url)
-    host, port = parts.hostname or "", parts.port or (80 if parts.scheme == "http" else 443)
-    outcome = []
-
-    def probe():  # in a thread: a resolver that never answers must not hold the program either
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            outcome.append(None)
-        except OSError as e:
-            outcome.append(e)
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not outcome:
-        return f"no answer in {timeout:.0f} s"
-    return None if outcome[0] is None else first_line(outcome[0])
-
-
-class OutlivesItsReader:
-    """sys.stdout / sys.stderr that survive their reader going away (`| head`, a `| tee` that died
-    with the ssh session that started it, a terminal that hung up): the first write that fails
-    (BrokenPipeError, EIO) points the stream at /dev/null and the program carries on, where print
-    would raise and end it. A training run's record is log.jsonl and its checkpoints."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        try:
-            return self.stream.write(text)
-        except OSError:
-            self._to_devnull()
-            return len(text)
-
-    def flush(self):
-        try:
-            self.stream.flush()
-        except OSError:
-            self._to_devnull()
-
-    def _to_devnull(self):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self.stream.fileno())  # the same file descriptor, now writing nowhere
-        os.close(devnull)
-
-    def __getattr__(self, name):  # fileno, isatty, encoding, ... of the real stream
-        return getattr(self.stream, name)
-
-
-def run_cli(main, interrupted="interrupted", out_of_memory=None):
-    """Run a script's main(): a UserError is one `error:` line and exit 1, Ctrl-C the one line
-    `interrupted` and exit 130 (the shell's code for SIGINT); anything else is a bug and keeps
-    its traceback. Output to a pipe that closes is dropped (OutlivesItsReader), not fatal.
-    Running out of memory is one `error:` line too: out_of_memory(the exception) says during what
-    and which flag to lower (see out_of_memory_line). Under torchrun a mistake every rank makes
-    alike (UserError.every_rank) is said by rank 0 alone (a node's: by its LOCAL_RANK 0)."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt from here on
-    sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
-    try:
-        code = main()
-    except UserError as e:
-        speaker = "LOCAL_RANK" if e.every_rank == "node" else "RANK"  # the process that says it
-        if not (e.every_rank and os.environ.get(speaker, "0") != "0"):
-            print(f"error: {e}", file=sys.stderr)
-        elif e.every_rank:  # torchrun ends the job when the first rank exits: give the speaker time to say it
-            time.sleep(EVERY_RANK_GRACE)
-        code = 1
-    except Exception as e:
-        memory = memory_kind(e)
-        if memory is None:
-            raise  # a bug: its traceback
-        print(f"error: {out_of_memory_line(e, memory, out_of_memory)}", file=sys.stderr)
-        code = 1
-    except KeyboardInterrupt as e:
-        print(str(e) or interrupted, file=sys.stderr)  # its own words, if it has any (signals.Interrupted)
-        code = 130
-    sys.exit(code if isinstance(code, int) else 0)
-
-
-@contextlib.contextmanager
-def said_on_interrupt(message):
-    """A Ctrl-C inside is reported with message (run_cli prints a KeyboardInterrupt's own words)."""
-    try:
-        yield
-    except KeyboardInterrupt as e:
-        if str(e):
-            raise  # it says something already
-        raise KeyboardInterrupt(message) from None
-
-
-def memory_kind(e):
-    """'GPU memory' or 'host memory' when e (or what caused it) is an allocation that failed, else
-    None. torch raises OutOfMemoryError on CUDA, a RuntimeError from its CPU allocator, and
-    MemoryError comes from numpy and Python; torch.compile wraps what it meets in its own types."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        text = str(e)
-        if isinstance(e, MemoryError) or re.search(r"can't allocate memory|Cannot allocate memory", text):
-            return "host memory"
-        if type(e).__name__ == "OutOfMemoryError" or re.search(r"(CUDA|MPS backend|HIP) out of memory", text):
-            return "GPU memory"
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def out_of_memory_line(e, memory, advice=None):
-    """'out of host memory ...' and during what and what to lower, from advice(e) (the script's own,
-    e.g. out_of_memory.training_out_of_memory, which reads the phase e left); else the allocator's
-    own words, cut short."""
-    said = re.sub(r"\[enforce fail at [^]]*\] *(err == 0\. *)?", "", first_line(e))
-    said = re.sub(r"(Tried to allocate [\d.]+ [KMGT]iB)\..*", r"\1", said)  # CUDA's: the size, not its stats
-    where = advice(e) if advice else None
-    return f"out of {memory} {where}" if where else f"out of {memory} ({said})"

@@ -1,6 +1,6 @@
-"""The machine a run trains on: the device it picks, whether torch.compile works on it, its peak
-FLOP/s (for MFU), glibc's allocator, deterministic kernels, and the -B its GPU memory fits (which
-the out-of-memory advice names, support/out_of_memory.py)."""
+"""The device a run trains on and how torch runs there: the device picked (or checked), whether
+torch.compile works on it, deterministic kernels, and glibc's allocator keeping a CPU run's freed
+memory."""
 
 import ctypes
 import functools
@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from support.common import UserError, first_line, same_on_every_rank
+from support.cli import UserError, first_line, same_on_every_rank
 
 # --- the device: the best this machine has, or the one asked for ------------------------------
 
@@ -103,58 +103,6 @@ def choose_compile(requested, device_type, verbose=True, problem=compile_problem
     if verbose:
         print(f"note: torch.compile does not work on this {device_type} ({why}): training without it (slower)")
     return False
-
-
-# --- GPU memory: the micro-batch B that fits ---------------------------------------------------
-
-TRAIN_BYTES_PER_PARAMETER = 16  # fp32 weights, their gradients and AdamW's two moments
-GiB = 2**30
-RECIPE_PARAMS = 124_475_904  # GPT-2 124M with the vocabulary padded to 50,304
-# measured (docs/performance.md): the recipe's peak on an H100 at B 64, T 1024, bf16 autocast, compile
-MEASURED_PEAK, MEASURED_TOKENS = 41.2 * GiB, 64 * 1024
-FIXED_BYTES = TRAIN_BYTES_PER_PARAMETER * RECIPE_PARAMS  # whatever B is
-BYTES_PER_TOKEN = (MEASURED_PEAK - FIXED_BYTES) / MEASURED_TOKENS  # the rest, spread over the micro-batch
-USABLE = 0.9  # of the GPU's memory: the rest for the CUDA context, the allocator's slack, eager's extra
-
-
-def training_memory(B, T):
-    """Estimated peak bytes of the 124M recipe's training step at micro-batch B x T (bf16/fp16
-    autocast): the fixed part plus the measured peak's remainder, linear in the tokens."""
-    return FIXED_BYTES + B * T * BYTES_PER_TOKEN
-
-
-def fitting_B(B, T, gpu_memory):
-    """The largest divisor of B (so the total batch stays a whole number of micro-batches) whose
-    training_memory fits in USABLE of gpu_memory bytes, or None if not even 1 does."""
-    fits = [d for d in range(1, B + 1) if B % d == 0 and training_memory(d, T) <= USABLE * gpu_memory]
-    return max(fits, default=None)
-
-
-def gpu_memory_of(device):
-    """Total bytes of the CUDA device's memory, or None elsewhere (or where it cannot be read)."""
-    try:
-        return torch.cuda.get_device_properties(device).total_memory if torch.device(device).type == "cuda" else None
-    except Exception:  # after a failed allocation the driver may refuse too: no estimate then
-        return None
-
-
-# peak dense bf16 tensor-core FLOP/s from NVIDIA's datasheets, matched in this order against
-# torch.cuda.get_device_name(); anything else needs --peak-flops for an MFU figure
-PEAK_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("H200", 989e12),
-    ("A100", 312e12),
-    ("RTX 4090", 165e12),
-    ("RTX 3090", 71e12),
-)
-
-
-def peak_flops(device_name):
-    for name, flops in PEAK_FLOPS:
-        if name in device_name:
-            return flops
-    return None
 
 
 def keep_freed_memory():

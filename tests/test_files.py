@@ -1,25 +1,20 @@
-"""support/common.py: atomic writes are durable (write_atomic fsyncs the temporary file before the
+"""support/files.py: atomic writes are durable (write_atomic fsyncs the temporary file before the
 rename and the folder after it; write_dir_atomic fsyncs every file and folder it wrote before the
 swap and the parent after it; seen through os.fsync and os.replace themselves, by the identity
 (device, inode) of what each fsync reached: a write that skips one fails here), and write_atomic
 never writes through, nor renames over, a symbolic link, nor into a file a hard link shares; a
-failed write's line says "make room" only when the disk is full; run_cli prints a mistake as one `error:` line (a
-flag argparse cannot parse too, in every script) and an interrupt as its own words; and the
-one-line out-of-memory report tells GPU memory from host memory."""
+failed write's line says "make room" only when the disk is full; jsonl_rows names a bad line."""
 
-import importlib
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
-import torch
 
-from helpers import ROOT, assert_one_line_error, cli, state_of, tiny_args
-from support import common
-from support.common import UserError, out_of_memory_line, said_on_interrupt, write_atomic, write_dir_atomic
+from helpers import assert_one_line_error, cli, state_of, tiny_args
+from support import files
+from support.cli import UserError
+from support.files import jsonl_rows, write_atomic, write_dir_atomic
 
 # ----------------------------------------------------------------------------------------------
 # Atomic writes are durable
@@ -27,7 +22,7 @@ from support.common import UserError, out_of_memory_line, said_on_interrupt, wri
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The fsyncs and renames support.common makes, in order: ("fsync", identity of the fd's file or
+    """The fsyncs and renames support.files makes, in order: ("fsync", identity of the fd's file or
     folder) and ("replace", identity of what is renamed, destination)."""
     seen, fsync, replace = [], os.fsync, os.replace
 
@@ -42,8 +37,8 @@ def calls(monkeypatch):
         seen.append(("replace", identity(os.stat(src)), os.fspath(dst)))
         return replace(src, dst)
 
-    monkeypatch.setattr(common.os, "fsync", recording_fsync)
-    monkeypatch.setattr(common.os, "replace", recording_replace)
+    monkeypatch.setattr(files.os, "fsync", recording_fsync)
+    monkeypatch.setattr(files.os, "replace", recording_replace)
     return seen
 
 
@@ -102,73 +97,6 @@ def test_a_write_error_that_is_not_a_full_disk_does_not_say_make_room(data, tmp_
 
 
 # ----------------------------------------------------------------------------------------------
-# run_cli: a mistake is one line, an interrupt its own words
-
-
-def test_a_flag_argparse_cannot_parse_is_one_line_not_the_usage(tmp_path):
-    r = cli(*tiny_args(tmp_path / "data", tmp_path / "out", "--keep-ckpts", 1.5))
-    line = assert_one_line_error(r, "argument --keep-ckpts: invalid int value: '1.5'")
-    assert line.endswith("(see python train_gpt2.py --help)") and "usage" not in r.stderr
-
-
-@pytest.mark.parametrize(
-    "script, parse, argv, words",
-    [
-        ("train_gpt2.py", "parse_args", ["--keep-ckpts", "1.5"], "argument --keep-ckpts: invalid int value: '1.5'"),
-        ("train_gpt2.py", "parse_args", ["--max-st", "3"], "unrecognized arguments: --max-st 3"),
-        ("train_gpt2.py", "parse_args", ["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
-        ("train_gpt2.py", "parse_args", ["--export-hf", "x"], "argument --export-hf: expected 2 arguments"),
-        ("fineweb.py", "parse_args", ["--format", "txt"], "argument --format: invalid choice: 'txt'"),
-        ("hellaswag.py", "main", ["--limit", "ten"], "argument --limit: invalid int value: 'ten'"),
-        ("hellaswag.py", "main", ["--modle", "gpt2"], "unrecognized arguments: --modle gpt2"),
-        ("bench.py", "parse_args", ["--peak-flops", "lots"], "argument --peak-flops: invalid float value: 'lots'"),
-        ("bench.py", "parse_args", ["--tiyn"], "unrecognized arguments: --tiyn"),
-    ],
-)
-def test_every_script_says_an_argparse_mistake_in_one_line(script, parse, argv, words, capsys):
-    parse = getattr(importlib.import_module(script.removesuffix(".py")), parse)
-    with pytest.raises(UserError) as e:
-        parse(argv)
-    message = str(e.value)
-    assert message.startswith(words) and message.endswith(f" (see python {script} --help)"), message
-    assert capsys.readouterr().err == ""  # no usage printed before it
-
-
-def test_run_cli_prints_an_interrupts_own_words():
-    code = (
-        "from support.common import run_cli\ndef main():\n    raise KeyboardInterrupt('its own words')\nrun_cli(main)"
-    )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 130 and r.stderr.strip() == "its own words"
-
-
-def test_said_on_interrupt_keeps_a_message_it_has():
-    with pytest.raises(KeyboardInterrupt) as e, said_on_interrupt("the job's words"):
-        raise KeyboardInterrupt("its own words")
-    assert str(e.value) == "its own words"
-
-
-# ----------------------------------------------------------------------------------------------
-# The one-line out-of-memory report
-
-
-def test_gpu_out_of_memory_reads_as_gpu_memory_with_the_allocators_size():
-    """The CUDA allocator's error (raised here by hand, as torch raises it) is GPU memory, its
-    multi-line statistics cut to the size that did not fit; one outside every marked phase keeps
-    the words."""
-    e = torch.OutOfMemoryError(
-        "CUDA out of memory. Tried to allocate 12.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.2 GiB "
-        "is free. Of the allocated memory 70 GiB is allocated by PyTorch\nmore lines"
-    )
-    assert common.memory_kind(e) == "GPU memory"
-    assert out_of_memory_line(e, "GPU memory") == "out of GPU memory (CUDA out of memory. Tried to allocate 12.00 GiB)"
-    assert common.memory_kind(ValueError("shapes differ")) is None
-    wrapped = RuntimeError("compile failed")
-    wrapped.__cause__ = MemoryError()
-    assert common.memory_kind(wrapped) == "host memory"
-
-
-# ----------------------------------------------------------------------------------------------
 # write_atomic never follows a symbolic link, nor replaces one
 
 
@@ -181,7 +109,7 @@ def test_write_atomic_refuses_a_symlink_and_leaves_it_and_its_target_alone(tmp_p
     Both are refused (LinkedName, one line naming the link and its target); nothing is written.
     Without O_NOFOLLOW (Windows) O_EXCL alone keeps the temporary file's open off a link."""
     if not nofollow:
-        monkeypatch.setattr(common, "NOFOLLOW", 0)
+        monkeypatch.setattr(files, "NOFOLLOW", 0)
     folder, target = tmp_path / "run", tmp_path / "mine.txt"
     folder.mkdir()
     if to == "a file":
@@ -191,7 +119,7 @@ def test_write_atomic_refuses_a_symlink_and_leaves_it_and_its_target_alone(tmp_p
     link.symlink_to(target)
     before = state_of(target)
     time.sleep(0.01)  # a write would move the mtime
-    with pytest.raises(common.LinkedName) as e:
+    with pytest.raises(files.LinkedName) as e:
         write_atomic(str(path), lambda f: f.write(b"new"))
     assert str(e.value).startswith(f"{link} is a symbolic link (to {target}): ") and "\n" not in str(e.value)
     assert state_of(target) == before and os.readlink(link) == str(target)
@@ -209,3 +137,16 @@ def test_write_atomic_writes_no_file_a_leftover_temporary_name_shares(tmp_path):
     write_atomic(str(folder / "out.json"), lambda f: f.write(b"new"))
     assert (folder / "out.json").read_bytes() == b"new" and state_of(theirs) == before
     assert sorted(os.listdir(folder)) == ["out.json"]
+
+
+# ----------------------------------------------------------------------------------------------
+# jsonl read line by line
+
+
+def test_jsonl_rows_names_the_first_bad_line_or_passes_bad_lines_over():
+    lines = ['{"a": 1}\n', "\n", '{"a": 2\n', "x\0y\n", "[3]\n"]
+    with pytest.raises(UserError, match=r"^f line 3 is not valid JSON \(Expecting ',' delimiter\)$"):
+        list(jsonl_rows(lines, "f"))
+    with pytest.raises(UserError, match=r"^f line 2 holds NUL characters: not UTF-8 text \(UTF-16\? binary\?\)$"):
+        list(jsonl_rows([lines[0], lines[3]], "f"))
+    assert list(jsonl_rows(lines, "f", error=None)) == [(1, {"a": 1}), (5, [3])]  # as log_records reads our log

@@ -1,0 +1,152 @@
+"""The one line a mistake is reported in, for every script: the error type (UserError), the
+argument parser that raises it, and run_cli, the wrapper around a script's main() that prints it,
+a Ctrl-C and an out-of-memory each as one line; torch-free, as fineweb.py is."""
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import sys
+import time
+
+
+class UserError(Exception):
+    """A mistake in the user's input: reported as one line, exit code 1, no traceback.
+    every_rank: every process of a torchrun job raises the same one (a flag, the recipe), so
+    only rank 0 says it; "node": every process of a node raises it alike (its data folder, which
+    may be the node's own), so each node's first process (LOCAL_RANK 0) says it."""
+
+    every_rank = False
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a flag it cannot parse (a typo, `--keep-ckpts 1.5`) is a UserError: one `error:`
+    line and exit 1, like every other mistake, not the whole usage before it. prog: the script's
+    file name, for the --help the line points to."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see python {self.prog} --help)")
+
+
+EVERY_RANK_GRACE = 3.0  # seconds the other ranks wait before exiting on a mistake rank 0 says for them
+
+
+def same_on_every_rank(error, node=False):
+    """error, marked as one that every rank of a torchrun job (node: of a node) raises alike
+    (UserError.every_rank)."""
+    error.every_rank = "node" if node else True
+    return error
+
+
+@contextlib.contextmanager
+def said_once_a_node():
+    """A UserError raised inside, not marked already, is one every rank of a node raises alike
+    (same_on_every_rank(node=True)): each node's first process says it."""
+    try:
+        yield
+    except UserError as e:
+        raise e if e.every_rank else same_on_every_rank(e, node=True) from None
+
+
+def first_line(e):
+    """The first line of an exception's message (or its type's name): enough for a one-line error."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+class OutlivesItsReader:
+    """sys.stdout / sys.stderr that survive their reader going away (`| head`, a `| tee` that died
+    with the ssh session that started it, a terminal that hung up): the first write that fails
+    (BrokenPipeError, EIO) points the stream at /dev/null and the program carries on, where print
+    would raise and end it. A training run's record is log.jsonl and its checkpoints."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            self._to_devnull()
+
+    def _to_devnull(self):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())  # the same file descriptor, now writing nowhere
+        os.close(devnull)
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ... of the real stream
+        return getattr(self.stream, name)
+
+
+def run_cli(main, interrupted="interrupted", out_of_memory=None):
+    """Run a script's main(): a UserError is one `error:` line and exit 1, Ctrl-C the one line
+    `interrupted` and exit 130 (the shell's code for SIGINT); anything else is a bug and keeps
+    its traceback. Output to a pipe that closes is dropped (OutlivesItsReader), not fatal.
+    Running out of memory is one `error:` line too: out_of_memory(the exception) says during what
+    and which flag to lower (see out_of_memory_line). Under torchrun a mistake every rank makes
+    alike (UserError.every_rank) is said by rank 0 alone (a node's: by its LOCAL_RANK 0)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt from here on
+    sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
+    try:
+        code = main()
+    except UserError as e:
+        speaker = "LOCAL_RANK" if e.every_rank == "node" else "RANK"  # the process that says it
+        if not (e.every_rank and os.environ.get(speaker, "0") != "0"):
+            print(f"error: {e}", file=sys.stderr)
+        elif e.every_rank:  # torchrun ends the job when the first rank exits: give the speaker time to say it
+            time.sleep(EVERY_RANK_GRACE)
+        code = 1
+    except Exception as e:
+        memory = memory_kind(e)
+        if memory is None:
+            raise  # a bug: its traceback
+        print(f"error: {out_of_memory_line(e, memory, out_of_memory)}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt as e:
+        print(str(e) or interrupted, file=sys.stderr)  # its own words, if it has any (signals.Interrupted)
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+@contextlib.contextmanager
+def said_on_interrupt(message):
+    """A Ctrl-C inside is reported with message (run_cli prints a KeyboardInterrupt's own words)."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        if str(e):
+            raise  # it says something already
+        raise KeyboardInterrupt(message) from None
+
+
+def memory_kind(e):
+    """'GPU memory' or 'host memory' when e (or what caused it) is an allocation that failed, else
+    None. torch raises OutOfMemoryError on CUDA, a RuntimeError from its CPU allocator, and
+    MemoryError comes from numpy and Python; torch.compile wraps what it meets in its own types."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if isinstance(e, MemoryError) or re.search(r"can't allocate memory|Cannot allocate memory", text):
+            return "host memory"
+        if type(e).__name__ == "OutOfMemoryError" or re.search(r"(CUDA|MPS backend|HIP) out of memory", text):
+            return "GPU memory"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def out_of_memory_line(e, memory, advice=None):
+    """'out of host memory ...' and during what and what to lower, from advice(e) (the script's own,
+    e.g. out_of_memory.training_out_of_memory, which reads the phase e left); else the allocator's
+    own words, cut short."""
+    said = re.sub(r"\[enforce fail at [^]]*\] *(err == 0\. *)?", "", first_line(e))
+    said = re.sub(r"(Tried to allocate [\d.]+ [KMGT]iB)\..*", r"\1", said)  # CUDA's: the size, not its stats
+    where = advice(e) if advice else None
+    return f"out of {memory} {where}" if where else f"out of {memory} ({said})"
