@@ -366,9 +366,6 @@ def main(argv=None):
         "sections": {},
         "rows": [],
     }
-    load, cores = report["machine"]["load_average_at_start"], report["machine"]["cpu_cores"]
-    if load and load[0] > cores:  # torch's threads then wait for cores: small ops slow down the most
-        log(f"note: load average {load[0]:.1f} on {cores} cores: other processes share them; the run takes longer")
     t_start = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         # an empty inductor cache: the compile times are those of a first compile, not of a cache hit
@@ -377,6 +374,9 @@ def main(argv=None):
             why = compile_problem_apart(device, tmp)
             if why:
                 raise UserError(f"torch.compile does not work on this {device_type} ({why}): pass --no-compile")
+        load, cores = report["machine"]["load_average_at_start"], report["machine"]["cpu_cores"]
+        if load and load[0] > cores:  # torch's threads then wait for cores: small ops slow down the most
+            log(f"note: load average {load[0]:.1f} on {cores} cores: other processes share them; the run takes longer")
         for section in SECTIONS:
             if section not in args.only:
                 continue
