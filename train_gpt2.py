@@ -11,9 +11,8 @@ Usage:
     python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe
     python train_gpt2.py                                   # the same on one GPU (or CPU: slow)
     python train_gpt2.py --resume                          # continue from the newest log/ckpt_*.pt
-    python train_gpt2.py --data-dir shards --n-layer 2 --n-head 4 --n-embd 64 -B 8 -T 64 \
-        --total-batch-size 4096 --max-steps 200 --warmup-steps 20 --max-lr 1e-3 --eval-every 50 \
-        --hellaswag-every 0 --sample-every 100 --val-tokens 16384         # a tiny run on a laptop
+    python train_gpt2.py @configs/laptop.txt --dtype bfloat16 \
+        --max-steps 400                     # a tiny run on a laptop: a preset's flags (configs/), typed ones win
     python train_gpt2.py --sample-from gpt2                      # sample from OpenAI GPT-2
     python train_gpt2.py --sample-from log --prompt "Hello,"     # from a run's newest checkpoint
     python train_gpt2.py --export-hf log/ckpt_019073.pt gpt2_ours  # our checkpoint -> transformers dir
@@ -44,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hellaswag
 from support.checkpoints import all_rng_states, load_checkpoint, save_training_state
 from support.checks import Number, check_args, check_data, check_init_shape, check_model_fits
-from support.cli import ArgumentParser, UserError, run_cli, said_on_interrupt, same_on_every_rank
+from support.cli import ArgumentParser, UserError, run_cli, said_on_interrupt, said_once_a_node, same_on_every_rank
 from support.ddp import setup_distributed
 from support.device import choose_compile, keep_freed_memory, pick_device, set_deterministic
 from support.divergence import NonFiniteGuard
@@ -55,6 +54,7 @@ from support.model_files import find_model
 from support.out_dir import missing_folders, release_out_dir, remove_made_folders
 from support.out_of_memory import forget_phases, oom_phase, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
+from support.presets import expand_presets
 from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
 from support.run_log import RunLog
 from support.sampling import check_sampling, log_samples, print_samples
@@ -389,9 +389,10 @@ def load_data(args, config, ddp_rank, ddp_world_size, device, master_process):
     oom_phase("reading the data", val_tokens=args.val_tokens)
     order = dict(rank=ddp_rank, world_size=ddp_world_size, shuffle=not args.no_shuffle, seed=args.seed)
     B, T, data_dir, vocab_size = args.batch_size, args.seq_len, args.data_dir, config.vocab_size
-    train_loader = DataLoaderLite(data_dir, "train", B, T, **order, vocab_size=vocab_size, device=device)
-    val_tokens = load_val_tokens(data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
-    check_data(args, train_loader.tokens_per_epoch, val_tokens, master_process)
+    with said_once_a_node():  # the ranks of a node read the same folder: a mistake in it is said once
+        train_loader = DataLoaderLite(data_dir, "train", B, T, **order, vocab_size=vocab_size, device=device)
+        val_tokens = load_val_tokens(data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
+        check_data(args, train_loader.tokens_per_epoch, val_tokens, master_process)
     return train_loader, val_tokens
 
 
@@ -716,8 +717,8 @@ def parse_args(argv=None):
     p, roles = command_line()
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     unset = object()  # argparse fills in no default where the namespace has a value already
-    try:  # every rank of a torchrun job parses the same command line: a mistake is said once
-        args = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(roles, unset)))
+    try:  # every rank of a torchrun job parses the same command line (@presets too): said once
+        args = p.parse_args(expand_presets(argv, p), argparse.Namespace(**dict.fromkeys(roles, unset)))
     except UserError as e:
         raise same_on_every_rank(e) from None
     given = {name for name, value in vars(args).items() if value is not unset}

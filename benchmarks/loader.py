@@ -11,7 +11,7 @@ import numpy as np
 import psutil
 
 from benchmarks.report import comparison
-from benchmarks.settings import TARGETS, TRAIN_CONFIGS, VOCAB
+from benchmarks.settings import TRAIN_CONFIGS, VOCAB
 from benchmarks.timing import log, stats, timed
 from support.shards import data_identity, find_shards, shard_fingerprint, shard_path, write_shard
 from train_gpt2 import DataLoaderLite
@@ -74,7 +74,7 @@ def bench_loader(s, device_type, tmp):
     }
     note = f"B {B} T {T}, {len(switch_times)} switches between {s['shards']} shards of {s['shard_tokens']:,} tokens"
     ms, switch_ms = (times * 1e3).tolist(), [t * 1e3 for t in switch_times]
-    below_1ms = dict(target=TARGETS["loader_switch_ms"], higher_is_better=False, judge="mean")
+    below_1ms = dict(target="loader_switch_ms", higher_is_better=False, judge="mean")
     rows = [
         comparison("loader: ms per next_batch, all batches", ms, None, "ms", note=note, **below_1ms),
         comparison("loader: ms per next_batch at a shard switch", switch_ms, None, "ms", **below_1ms),
@@ -83,7 +83,7 @@ def bench_loader(s, device_type, tmp):
             [anon_peak - anon0],
             None,
             "MiB",
-            TARGETS["loader_rss_mb"],
+            "loader_rss_mb",
             higher_is_better=False,
             note=f"and up to {file_peak - file0:,.0f} MiB of page cache: the mapped shard",
         ),
@@ -125,7 +125,7 @@ def bench_data_identity(data_dir, tmp, n_shards=100, shard_tokens=100_000_000, r
             times,
             None,
             "s",
-            TARGETS["data_identity_s"],
+            "data_identity_s",
             higher_is_better=False,
             note=f"sparse shards, page cache{cold_note}",
         ),
@@ -134,7 +134,7 @@ def bench_data_identity(data_dir, tmp, n_shards=100, shard_tokens=100_000_000, r
             start,
             read_all,
             "s",
-            TARGETS["data_start_s"],
+            "data_start_s",
             higher_is_better=False,
             note="ids from fineweb.py's manifest vs reading every shard; sparse shards, page cache",
         ),

@@ -1,11 +1,14 @@
 """The run's record: log.jsonl, one JSON record a line, printed as its console line and mirrored to
 Weights & Biases when asked."""
 
+import collections
 import json
 import math
 import os
 import platform
+import statistics
 import sys
+import time
 
 import numpy as np
 import torch
@@ -55,6 +58,7 @@ class RunLog:
     def __init__(self, out_dir, enabled, max_steps):
         self.path, self.file, self.max_steps = os.path.join(out_dir, "log.jsonl"), None, max_steps
         self.out_dir, self.wandb, self.first = out_dir, None, None
+        self.clock = StepClock(max_steps)  # the step line's elapsed time and ETA
         if not enabled:
             return
         try:
@@ -95,11 +99,13 @@ class RunLog:
             RunLog.mirrored.append(self)
         record = {**record, "changed_on_resume": changes or None, "versions": versions(), "config": config}
         self.first = record
+        self.clock.cadences = {kind: config.get(flag, 0) for kind, flag in StepClock.EVALS.items()}
         self(record)
 
     def __call__(self, record):
         if self.file is None:
             return
+        self.clock.saw(record)
         self.write(record)
         self.print(record)
         if self.wandb is not None and self.wandb.error is None:
@@ -167,7 +173,7 @@ class RunLog:
             print(
                 f"step {step:5d}/{self.max_steps} | loss {record['train_loss']:.6f} | lr {record['lr']:.4e} | "
                 f"norm {record['grad_norm']:.4f} | dt {record['dt_ms']:.2f}ms | tok/s {record['tok_per_sec']:,.0f} | "
-                f"mfu {mfu} | epoch {record['epoch']}{scale}",
+                f"mfu {mfu} | epoch {record['epoch']}{scale} | {self.clock.elapsed_and_eta(step)}",
                 flush=True,
             )
         elif "val_loss" in record:
@@ -176,3 +182,63 @@ class RunLog:
             print(f"step {step:5d} | hellaswag acc_norm {record['hellaswag']:.4f} of {record['hellaswag_n']}")
         for i, text in enumerate(record.get("samples", ())):
             print(f"step {step:5d} | sample {i}: {text!r}")
+
+
+def duration(seconds):
+    """45s, 12m05s, 3h02m: a console line's time."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class StepClock:
+    """The time a run has taken in this process and an estimate of what is left, for the step line
+    (console only: log.jsonl keeps each step's dt_ms). The steps and the evals are timed apart,
+    from the moments their records are logged: a step is the wall time between two step records
+    with nothing logged between them (so the loader, the log and the ranks' stop check count too),
+    an eval the time from the record before it to its own. ETA = the median of the last 50 steps x
+    the steps left + for each eval its last time x the runs of it left (its cadence, and the last
+    step); a checkpoint, a rare few seconds, is not counted. Evals not run yet in this process count
+    nothing until they have been timed once."""
+
+    EVALS = {"val_loss": "eval_every", "hellaswag": "hellaswag_every", "samples": "sample_every"}
+
+    def __init__(self, max_steps, now=time.monotonic):
+        self.max_steps, self.now = max_steps, now
+        self.started = self.last = now()
+        self.last_was_step = False
+        self.step_seconds = collections.deque(maxlen=50)
+        self.eval_seconds, self.cadences = {}, {}
+
+    def saw(self, record):
+        """Called for every record as it is logged."""
+        now = self.now()
+        if "train_loss" in record or "skipped" in record or "scaler_skipped" in record:
+            if self.last_was_step:
+                self.step_seconds.append(now - self.last)
+            self.last_was_step = True
+        else:
+            kind = next((k for k in self.EVALS if k in record), None)
+            if kind is not None:
+                self.eval_seconds[kind] = now - self.last
+            self.last_was_step = False
+        self.last = now
+
+    def evals_left(self, kind, step):
+        """How many times kind runs after step: at each multiple of its cadence up to max_steps, and
+        at max_steps itself (the run's last evaluation)."""
+        every, end = self.cadences.get(kind, 0), self.max_steps
+        if not every or step >= end:
+            return 0
+        return end // every - step // every + (end % every != 0)
+
+    def elapsed_and_eta(self, step):
+        elapsed = f"elapsed {duration(self.now() - self.started)}"
+        if not self.step_seconds:
+            return elapsed + " | eta --"
+        left = statistics.median(self.step_seconds) * (self.max_steps - 1 - step)
+        left += sum(seconds * self.evals_left(kind, step) for kind, seconds in self.eval_seconds.items())
+        return f"{elapsed} | eta {duration(left)}"
