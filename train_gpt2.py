@@ -1,18 +1,16 @@
 r"""
 Reproduce GPT-2 (124M) pretraining on FineWeb-Edu, in one readable file.
 
-Top to bottom, in the order of the recipe: the model, the device and its precision, the data
-(memory-mapped token shards), the learning-rate schedule, the val loss, and the training loop (a
-process per GPU under torchrun: DDP); the command line at the end. What keeps a run safe without
-changing what it computes (flag checks, checkpoint files, resume, signals, the log) is in
-support/, one module per concern.
+Top to bottom, in the order of the recipe: the model, the device and its precision, the data (token
+shards), the learning-rate schedule, the val loss, and the training loop (a process per GPU under
+torchrun: DDP); the command line at the end. What keeps a run safe without changing what it computes
+(flag checks, checkpoints, resume, signals, the log) is in support/, one module per concern.
 
 Usage:
     python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe
     python train_gpt2.py                                   # the same on one GPU (or CPU: slow)
     python train_gpt2.py --resume                          # continue from the newest log/ckpt_*.pt
-    python train_gpt2.py @configs/laptop.txt --dtype bfloat16 \
-        --max-steps 400                     # a tiny run on a laptop: a preset's flags (configs/), typed ones win
+    python train_gpt2.py @configs/laptop.txt --max-steps 400   # a laptop's tiny run: a preset, typed flags win
     python train_gpt2.py --sample-from gpt2                      # sample from OpenAI GPT-2
     python train_gpt2.py --sample-from log --prompt "Hello,"     # from a run's newest checkpoint
     python train_gpt2.py --export-hf log/ckpt_019073.pt gpt2_ours  # our checkpoint -> transformers dir
