@@ -504,7 +504,7 @@ def log_hellaswag(step, model, examples, log, out_dir, batch, **ranks):
 def open_log(args, master_process, run_id, resumed_from, changes, batch, min_lr, **setup):
     """(The run's log, its header written: the flags, the model, how the run computes; MFU per token/s,
     a token's FLOPs over one GPU's peak, per GPU, or None). resumed_from: the step its checkpoint
-    holds (never 0: a checkpoint follows a step), or None (a new run, a restart)."""
+    holds (never 0: a checkpoint follows a step), or None (a new run)."""
     device, config, flops = batch["device"], batch["config"], flops_per_token(batch["config"], batch["T"])
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or device
     log = RunLog(args.out_dir, master_process, args.max_steps)
