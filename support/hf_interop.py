@@ -69,10 +69,9 @@ def check_hub_reachable(name, timeout=3.0):
         ) from None
 
 
-def check_export_target(out_dir, staging=None):
+def check_export_target(out_dir):
     """The absolute folder export_hf may write: a new one, an empty one, or an earlier export (only
-    save_pretrained's plain files, config.json marked EXPORT_MARK), which is replaced. staging: the
-    export's own hidden folder, inside out_dir where that is a mount point (write_dir_atomic)."""
+    save_pretrained's plain files, config.json marked EXPORT_MARK), which is replaced."""
     given = str(out_dir)
     if not given:  # not the current folder: a name left empty by mistake
         raise UserError(
@@ -84,7 +83,7 @@ def check_export_target(out_dir, staging=None):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         example = os.path.splitext(given)[0] + "_hf"
         raise UserError(f"--export-hf target {given} is a file, not a folder: name a new folder, e.g. {example}")
-    names = sorted(set(os.listdir(out_dir)) - {os.path.basename(staging or "")}) if os.path.isdir(out_dir) else []
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
     foreign = [
         n
         for n in names
@@ -273,7 +272,7 @@ def save_hf_gpt2(config, sd, out_dir):
     50257 are padding. out_dir must be new, empty or an earlier export (check_export_target)."""
     if config["vocab_size"] < GPT2_VOCAB:
         raise UserError(f"vocab_size {config['vocab_size']} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")
-    given, out_dir = out_dir, check_export_target(out_dir)  # refuse before the slow part
+    out_dir = check_export_target(out_dir)  # refuse before the slow part
     enc = get_tokenizer()
     from transformers import GPT2LMHeadModel  # noqa: PLC0415  2 s to import: only the export needs it, after its checks
     from transformers.utils import logging as hf_logging  # noqa: PLC0415  as above
@@ -290,8 +289,7 @@ def save_hf_gpt2(config, sd, out_dir):
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # its bar on stderr would bury a one-line error
     try:
-        # checked again just before the swap: a file put there meanwhile is not ours to delete
-        write_dir_atomic(out_dir, write, "the export", recheck=lambda staging: check_export_target(given, staging))
+        write_dir_atomic(out_dir, write, "the export")
     finally:
         if bar:
             hf_logging.enable_progress_bar()
