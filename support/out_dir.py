@@ -146,10 +146,9 @@ def check_names_at_start(out_dir):
     """At start, with the folder held: each name in out_dir a run writes is a file it may write
     over or remove. A symbolic link is refused (support.files.LinkedName), never followed: the log
     would be appended to the file it names, a rename would delete it. So is what is no file (a
-    folder, a FIFO a start would wait on), a file at a checkpoint's name that is no zip as
-    torch.save writes (a user's text: no run to continue), and one at a checkpoint's temporary name
-    that is not what a write of this program cut short leaves there (empty, or the zip's start),
-    each named with the `mv` that sets it aside."""
+    folder, a FIFO a start would wait on), and a file at a checkpoint's name that is no zip as
+    torch.save writes (a user's text: no run to continue), each named with the `mv` that sets it
+    aside."""
     for name in sorted(os.listdir(out_dir)):
         if not written_by_runs(name):
             continue
@@ -159,8 +158,6 @@ def check_names_at_start(out_dir):
             what = "is not a file (a folder, a FIFO or a device)"
         elif step_of_name(name) is not None and zip_head(path) != ZIP:
             what = "is no checkpoint of train_gpt2.py (not the zip torch.save writes)"
-        elif step_of_name(name, temporary=True) is not None and not ZIP.startswith(zip_head(path)):
-            what = "is not a checkpoint write of train_gpt2.py's cut short (not the start of torch.save's zip)"
         else:
             continue
         raise UserError(

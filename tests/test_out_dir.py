@@ -421,28 +421,6 @@ def test_a_symlink_at_a_name_the_run_writes_is_refused_before_step_0_and_its_tar
     assert state_of(target) == before
 
 
-# A leftover at a checkpoint's temporary name is removed only when a write of this program left it
-
-
-@pytest.mark.parametrize("resume", [False, True])
-def test_a_users_file_at_a_temporary_checkpoint_name_is_kept_and_named(data, tmp_path, resume):
-    out = tmp_path / "out"
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)) == 0
-    if not resume:
-        for path in out.iterdir():
-            path.unlink()
-    tmp = out / ".ckpt_000004.pt.tmp"
-    tmp.write_text("the user's file, not a checkpoint write cut short")
-    args = tiny_args(
-        data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0, *(["--resume"] if resume else [])
-    )
-    msg = refused_before_step_0(args, out, f"{tmp} is not a checkpoint write of train_gpt2.py's cut short")
-    assert tmp.read_text() == "the user's file, not a checkpoint write cut short"
-    subprocess.run(re.search(r"\((mv [^)]+)\)", msg).group(1), shell=True, check=True)  # the advice
-    assert train_gpt2.main(args) == 0 and (out / "ckpt_000004.pt").exists()
-    assert (out / ".ckpt_000004.pt.tmp.aside").read_text() == "the user's file, not a checkpoint write cut short"
-
-
 # ----------------------------------------------------------------------------------------------
 # What a user trips on at a run's folder (issue 47): each said in one line whose advice works
 
