@@ -59,7 +59,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from support.checkpoints import load_checkpoint
-from support.cli import ArgumentParser, UserError, first_line, run_cli
+from support.cli import ArgumentParser, UserError, first_line, flag_type, run_cli
 from support.ddp import fence
 from support.device import keep_freed_memory, pick_device
 from support.files import jsonl_rows, write_atomic
@@ -571,6 +571,9 @@ def load_model(spec, device):
     return model.to(device).eval()
 
 
+POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")  # --limit, --batch-tokens
+
+
 def main(argv=None):
     p = ArgumentParser(prog="hellaswag.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -580,10 +583,10 @@ def main(argv=None):
         help="gpt2*, a transformers dir, our checkpoint or a run's folder (its newest) (default gpt2)",
     )
     p.add_argument("-d", "--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
+    p.add_argument("--limit", type=POSITIVE, default=None, help="evaluate only the first N examples")
     p.add_argument(
         "--batch-tokens",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="most positions in one forward pass (default 65536 on CUDA, 4096 elsewhere)",
     )
@@ -597,10 +600,6 @@ def main(argv=None):
         "older ones, float32 elsewhere)",
     )
     args = p.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"--limit {args.limit}: give a positive number of examples")
-    if args.batch_tokens is not None and args.batch_tokens < 1:
-        raise UserError(f"--batch-tokens {args.batch_tokens}: give a positive number of positions")
     examples = load_examples(args.data, args.cache_dir, args.limit)  # bad data fails before the model loads
     device, device_type = pick_device(args.device)
     if device_type == "cpu":

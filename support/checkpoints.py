@@ -24,9 +24,9 @@ from support.signals import StopRequest
 
 def save_checkpoint(ckpt, out_dir, keep):
     """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
-    real name), then prune: delete this run's checkpoints beyond the newest `keep`. The files at
-    the names a run writes were checked to be its own at start (support.out_dir.check_names_to_write);
-    write_atomic refuses a symbolic link at the name. A folder moved or deleted meanwhile is said as such."""
+    real name), then prune: delete this run's checkpoints beyond the newest `keep`. What stands at
+    the name was checked at start to be a checkpoint (support.out_dir.check_names_at_start), and
+    write_atomic refuses a symbolic link there. A folder moved or deleted meanwhile is said as such."""
     path = checkpoint_path(out_dir, ckpt["step"])
     try:
         write_atomic(path, lambda f: torch.save(ckpt, f))

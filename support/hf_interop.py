@@ -89,23 +89,20 @@ def check_export_target(out_dir):
         for n in names
         if not (EXPORT_FILES.fullmatch(n) and os.path.isfile(p := os.path.join(out_dir, n)) and not os.path.islink(p))
     ]
-    held = None
-    if foreign:
-        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        held = f"{foreign[0]}{more}"
-    elif names:
+    if names and not foreign:  # an earlier export says so in its config.json
         try:
             with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
         except (OSError, ValueError):
             config = None
-        ours = (
+        if not (
             isinstance(config, dict) and config.get("model_type") == "gpt2" and config.get("exported_by") == EXPORT_MARK
-        )
-        held = None if ours else "a transformers model (its config.json has no exported_by mark)"
-    if held:
+        ):
+            foreign = ["a transformers model (its config.json has no exported_by mark)"]
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise UserError(
-            f"--export-hf target {given} is not empty and not an earlier export (it holds {held}): "
+            f"--export-hf target {given} is not empty and not an earlier export (it holds {foreign[0]}{more}): "
             f"name a new or empty folder; nothing was changed"
         )
     return out_dir

@@ -67,11 +67,12 @@ def move_aside(path, tag):
 ZIP = b"PK\x03\x04"  # how torch.save's zip begins
 
 
-def zip_head(path):
-    """The first 4 bytes of the file at path (b"" if it cannot be read): ZIP for a checkpoint."""
+def head(path, line=False):
+    """The first 4 bytes of the file at path (ZIP for a checkpoint), or its first line (a run's
+    header for a log); b"" if it cannot be read."""
     try:
         with open(path, "rb") as f:
-            return f.read(4)
+            return f.readline() if line else f.read(4)
     except OSError:
         return b""
 
@@ -146,9 +147,10 @@ def check_names_at_start(out_dir):
     """At start, with the folder held: each name in out_dir a run writes is a file it may write
     over or remove. A symbolic link is refused (support.files.LinkedName), never followed: the log
     would be appended to the file it names, a rename would delete it. So is what is no file (a
-    folder, a FIFO a start would wait on), and a file at a checkpoint's name that is no zip as
-    torch.save writes (a user's text: no run to continue), each named with the `mv` that sets it
-    aside."""
+    folder, a FIFO a start would wait on), a file at a checkpoint's name that is no zip as
+    torch.save writes (a user's text: no run to continue), and a log.jsonl that does not begin with
+    a run's header (the user's, or a damaged one: this run's records would follow steps of no known
+    run), each named with the `mv` that sets it aside."""
     for name in sorted(os.listdir(out_dir)):
         if not written_by_runs(name):
             continue
@@ -156,8 +158,10 @@ def check_names_at_start(out_dir):
         refuse_link(path)
         if not os.path.isfile(path):
             what = "is not a file (a folder, a FIFO or a device)"
-        elif step_of_name(name) is not None and zip_head(path) != ZIP:
+        elif step_of_name(name) is not None and head(path) != ZIP:
             what = "is no checkpoint of train_gpt2.py (not the zip torch.save writes)"
+        elif name == "log.jsonl" and (first := head(path, line=True)) and not run_header(first):
+            what = "is not this run's (its first line is not a run's header)"
         else:
             continue
         raise UserError(
@@ -290,46 +294,14 @@ def data_dir_problem(data_dir, out_dir):
 # Whose a file is: a run writes only over its own files, and resumes only from its own folder's
 
 
-def checkpoint_header(path):
-    """A checkpoint's dict with its tensors mapped, not read (mmap reads only the small pickled
-    part): its run_id, step and train_config, cheaply. None if it cannot be read as a checkpoint."""
+def run_id_of(path):
+    """The run a checkpoint belongs to (None if it cannot be read), read cheaply: its tensors are
+    mapped, not read (mmap reads only the small pickled part)."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
         return None
-    return ckpt if isinstance(ckpt, dict) else None
-
-
-def run_id_of(path):
-    """The run a checkpoint belongs to (None if it cannot be read)."""
-    return (checkpoint_header(path) or {}).get("run_id")
-
-
-def not_this_runs(path, run_id, step=None):
-    """Why the file at path, a name this run writes (the checkpoint of `step`, or with step None
-    the log), is not this run's own and must not be overwritten; None if it is, or if nothing is
-    there. A checkpoint is this run's when it holds run_id and the step its name says, or when its
-    pickled part does not load (a zip, as check_names_at_start saw: this run's own, damaged on disk
-    or cut short in a copy); the log, when it begins with a run's header (or is empty). run_id None:
-    a new run, whose id no file holds yet. A symbolic link there is refused (LinkedName): it is
-    neither read through nor replaced."""
-    refuse_link(path)
-    if not os.path.lexists(path):
-        return None
-    if not os.path.isfile(path):
-        return "it is not a file"
-    if step is None:
-        with open(path, "rb") as f:
-            first = f.readline()
-        return None if not first or run_header(first) else "its first line is not a run's header"
-    held = checkpoint_header(path)
-    if held is None or "step" not in held:
-        return None
-    if held.get("run_id") != run_id:
-        return f"it holds run {held.get('run_id')}" + (f", not this run's {run_id}" if run_id else "")
-    if held["step"] != step:
-        return f"it holds step {held['step']}, not the {step} its name says"
-    return None
+    return ckpt.get("run_id") if isinstance(ckpt, dict) else None
 
 
 def other_runs(out_dir, run_id, skip=None):
@@ -384,14 +356,11 @@ def newest_of_its_run(out_dir, load, then):
 # What --resume continues from, and the names the run will write
 
 
-def pick_checkpoint(resume, out_dir, max_steps, load):
+def pick_checkpoint(resume, out_dir, load):
     """Rank 0's choice at start, after claim_out_dir: (path, checkpoint) for --resume (resume:
-    "latest" or a checkpoint's path), (None, None) for a new run. Before anything is written, the
-    files at the names this run may write are checked to be its own (check_names_to_write): its
-    log, and the checkpoints of the steps from the one it resumes at to its last (max_steps:
-    --max-steps as given, else None for the run's). load: how a checkpoint holding a run's training
-    state is loaded."""
-    path, ckpt, run_id, steps = None, None, None, range(0)
+    "latest" or a checkpoint's path), (None, None) for a new run. load: how a checkpoint holding a
+    run's training state is loaded."""
+    path, ckpt = None, None
     if resume == "latest":
         then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
         path, ckpt = newest_of_its_run(out_dir, load, then)
@@ -405,10 +374,6 @@ def pick_checkpoint(resume, out_dir, max_steps, load):
     elif resume:
         path, ckpt = resume, load(resume)
         check_resume_target(out_dir, path, ckpt)
-    if ckpt is not None:
-        last = max_steps if max_steps is not None else ckpt.get("train_config", {}).get("max_steps", 0)
-        run_id, steps = ckpt.get("run_id"), range(ckpt["step"], max(last, ckpt["step"]) + 1)
-    check_names_to_write(out_dir, run_id, steps)
     return path, ckpt
 
 
@@ -430,24 +395,3 @@ def check_resume_target(out_dir, path, ckpt):
             f"note: run {run_id} continues from {path} in --out-dir {out_dir}; its log and checkpoints up to "
             f"step {ckpt.get('step')} stay in {folder}"
         )
-
-
-def check_names_to_write(out_dir, run_id, steps):
-    """Before step 0: each file at a name this run may write, its log.jsonl and the checkpoint of
-    each of `steps` (a signal checkpoints whichever step it comes at), is this run's own
-    (not_this_runs); the first that is not stops the run in one line naming it and the `mv` that
-    sets it aside."""
-    log = os.path.join(out_dir, "log.jsonl")
-    targets = [(log, None)] + [
-        (path, step) for path in checkpoint_paths(out_dir) if (step := step_of_name(path)) in steps
-    ]
-    for path, step in targets:
-        if step is not None and path != checkpoint_path(out_dir, step):
-            continue  # ckpt_9.pt: not a name this run writes
-        why = not_this_runs(path, run_id, step)
-        if why:
-            what = "appends its records" if step is None else f"may write its step {step} checkpoint"
-            raise UserError(
-                f"{path} is not this run's ({why}), and this run {what} there: move it aside "
-                f"({move_aside(path, 'aside')}), then run the same command again"
-            )

@@ -97,8 +97,7 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
     if master_process:
         try:
             claim_out_dir(args.out_dir, args.resume)
-            max_steps = args.max_steps if "max_steps" in given else None  # else the checkpoint's
-            picked[0], _ = pick_checkpoint(args.resume, args.out_dir, max_steps, load_training_checkpoint)
+            picked[0], _ = pick_checkpoint(args.resume, args.out_dir, load_training_checkpoint)
         except UserError as e:
             picked[1] = str(e)
     if ddp:
