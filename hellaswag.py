@@ -251,20 +251,10 @@ def prepare(examples, enc):
     return Prepared(ctx, endings, labels, split_types)
 
 
-def _unwrap(model):
-    # DDP wraps the model in .module and torch.compile in ._orig_mod: look through both
-    while not hasattr(model, "config"):
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-        if inner is None:
-            raise ValueError(f"cannot find the config of {type(model).__name__}")
-        model = inner
-    return model
-
-
 def _trunk(model):
     """-> (hidden(idx, pos=None, mask=None): the final LayerNorm's output, the LM head, whether
-    hidden takes positions and a mask, as our GPT does, for packed rows)."""
-    model = _unwrap(model)
+    hidden takes positions and a mask, as our GPT does, for packed rows). model: our GPT or
+    transformers' GPT2LMHeadModel itself, not wrapped by DDP or torch.compile."""
     if hasattr(model, "hidden_states"):  # our GPT
         return model.hidden_states, model.lm_head, True
 
@@ -431,7 +421,7 @@ def ending_losses(
     share = list(range(len(prepared))) if share is None else list(share)
     device_type = torch.device(device).type
     batch_tokens = batch_tokens or (65536 if device_type == "cuda" else 4096)
-    config = _unwrap(model).config
+    config = model.config
     block_size = getattr(config, "block_size", None) or config.n_positions
     hidden, lm_head, packs = _trunk(model)
     oom_phase("scoring HellaSwag", batch_tokens=batch_tokens)  # its advice: a smaller --batch-tokens

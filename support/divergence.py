@@ -62,15 +62,6 @@ class NonFiniteGuard:
         return True
 
 
-def train_config_of(path):
-    """The flags a checkpoint was saved with ({} if it cannot be read); mmap reads only the small
-    pickled part, not the tensors."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("train_config") or {}
-    except Exception:
-        return {}
-
-
 def check_finite_state(ckpt, out_dir):
     """Weights or a val loss that are not finite are never saved as a checkpoint (ckpt: the dict
     about to be), and a run that has them is not done: it stops, saying which checkpoint in out_dir

@@ -45,23 +45,13 @@ def checkpoint_paths(out_dir):
     return [os.path.join(out_dir, name) for _, name in sorted(found, reverse=True)]
 
 
-def written_by_runs(name):
-    """Whether a run writes (or removes) a file of this name in its folder, besides its lock."""
-    return name == "log.jsonl" or step_of_name(name) is not None or step_of_name(name, temporary=True) is not None
-
-
-def aside_name(path, tag):
-    """A name not taken beside path, path.TAG (then path.TAG1, ...): where an `mv` the user is
-    told to run sets a file aside without overwriting anything."""
+def move_aside(path, tag):
+    """The `mv` command, quoted for the shell, that sets path aside to a name not taken beside it,
+    path.TAG (then path.TAG1, ...): nothing is overwritten by following the advice."""
     aside, n = f"{path}.{tag}", 1
     while os.path.lexists(aside):
         aside, n = f"{path}.{tag}{n}", n + 1
-    return aside
-
-
-def move_aside(path, tag):
-    """The `mv` command that sets path aside to a name not taken (aside_name), quoted for the shell."""
-    return f"mv {shlex.quote(path)} {shlex.quote(aside_name(path, tag))}"
+    return f"mv {shlex.quote(path)} {shlex.quote(aside)}"
 
 
 ZIP = b"PK\x03\x04"  # how torch.save's zip begins
@@ -152,8 +142,8 @@ def check_names_at_start(out_dir):
     a run's header (the user's, or a damaged one: this run's records would follow steps of no known
     run), each named with the `mv` that sets it aside."""
     for name in sorted(os.listdir(out_dir)):
-        if not written_by_runs(name):
-            continue
+        if name != "log.jsonl" and step_of_name(name) is None and step_of_name(name, temporary=True) is None:
+            continue  # not a name a run writes (or removes), besides its lock
         path = os.path.join(out_dir, name)
         refuse_link(path)
         if not os.path.isfile(path):
@@ -224,11 +214,6 @@ def run_header(line):
     return record if isinstance(record, dict) and record.get("event") == "header" else None
 
 
-def _is_step_record(line):
-    """Whether a line of log.jsonl records a step: trained, skipped, or skipped by fp16's loss scaler."""
-    return any(key in line for key in (b'"train_loss"', b'"skipped"', b'"scaler_skipped"'))
-
-
 def log_runs(path):
     """The ids of the runs log.jsonl records a trained or skipped step of, in order. A start that
     failed before its first step (its header, perhaps a step-0 eval) is no run; a line that is not
@@ -242,7 +227,7 @@ def log_runs(path):
     for line in lines:
         if b'"header"' in line and (header := run_header(line)):
             current = header.get("run_id")
-        elif _is_step_record(line) and current not in runs:
+        elif any(key in line for key in (b'"train_loss"', b'"skipped"', b'"scaler_skipped"')) and current not in runs:
             runs.append(current)
     return runs
 
@@ -251,19 +236,14 @@ def log_runs(path):
 # A data folder is never a run's folder, and a run's folder never a data folder
 
 
-def data_files(folder):
-    """The token shards and fineweb.py manifests in folder: what makes it a data folder."""
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return []
-    return [n for n in names if SHARD_NAME.fullmatch(n) or n.endswith("_manifest.json")]
-
-
 def check_not_data_folder(folder, said):
     """A data folder is never a run's folder: a run's log, lock and checkpoints written among the
     shards (or a data folder pruned as a run's) mix the two. said: the flag and folder, as given."""
-    found = data_files(folder)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return
+    found = [n for n in names if SHARD_NAME.fullmatch(n) or n.endswith("_manifest.json")]  # shards, manifests
     if found:
         raise UserError(
             f"{said} holds token shards or a fineweb manifest ({', '.join(found[:2])}): a data folder is never a "
