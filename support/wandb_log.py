@@ -6,6 +6,7 @@ import os
 import queue
 import re
 import threading
+import time
 
 from support.cli import first_line
 
@@ -59,7 +60,9 @@ class WandbMirror:
             run.define_metric("step")
             run.define_metric("*", step_metric="step")
             while (record := self.records.get()) is not None:
-                if record.get("event") == "header":  # a resumed run's may change --max-steps
+                if isinstance(record, threading.Event):  # flush()
+                    record.set()
+                elif record.get("event") == "header":  # a resumed run's may change --max-steps
                     header = {key: value for key, value in record.items() if key not in ("event", "config")}
                     run.config.update({**record["config"], "header": header}, allow_val_change=True)
                 else:
@@ -80,6 +83,15 @@ class WandbMirror:
         if "samples" in row:
             row["samples"] = wandb.Table(columns=["sample"], data=[[text] for text in row["samples"]])
         return row
+
+    def flush(self, timeout=60):
+        """Wait until the records queued so far are logged; False if wandb failed or timeout passed."""
+        done, deadline = threading.Event(), time.monotonic() + timeout
+        self.records.put(done)
+        while not done.wait(0.01):
+            if self.error is not None or time.monotonic() > deadline:
+                return False
+        return True
 
     def finish(self, exit_code, timeout):
         """Log what is queued and finish the wandb run; True if it did within timeout seconds."""
