@@ -84,7 +84,7 @@ def _tokenize_batch(enc, texts):
         ids = encode_ordinary(enc, text)
         parts += (_EOT_ARRAY, ids)
         lengths[i] = len(ids) + 1
-    # exact: tokenize_batches checked that every id of the encoding fits in 16 bits
+    # exact: every id of GPT-2's encoding fits in 16 bits
     return np.concatenate(parts).astype(np.uint16), lengths
 
 
@@ -106,9 +106,7 @@ def tokenize_batches(documents, workers=None, batch_chars=BATCH_CHARS):
     tokens is uint16, every document prefixed by EOT. At most 4 * workers batches are in flight,
     so memory does not grow with the dataset (Pool.imap would read the whole input ahead)."""
     workers = workers or default_workers()
-    enc = get_tokenizer()
-    if enc.max_token_value >= 2**16:  # every id is <= max_token_value, so this one check covers all tokens
-        raise UserError(f"the tokenizer has ids up to {enc.max_token_value}, which do not fit in uint16 shards")
+    enc = get_tokenizer()  # GPT-2's: every id fits the shards' uint16
     tasks = queue.SimpleQueue()
 
     def work():
@@ -206,16 +204,12 @@ def check_same_inputs(path, old, config):
     if content[0] == content[1]:
         return {**old, "source": config["source"]}
     i = next(i for i in range(max(map(len, content))) if i >= min(map(len, content)) or content[0][i] != content[1][i])
-    was, new = (inputs[i]["path"] if i < len(inputs) else "none" for inputs in (before, after))
-    what = (
-        f"--input {new} changed since the shards in {os.path.dirname(path)} were written from it (other content)"
-        if was == new
-        else f"the inputs differ from those the shards in {os.path.dirname(path)} were written from (input {i + 1} "
-        f"is {new}, it was {was})"
-    )
+    name = (after[i] if i < len(after) else before[i])["path"]  # the first input that differs, by place
     raise UserError(
-        f"{what}: refused, since those shards hold the old text and a resume would skip documents by count in "
-        f"the new one; put the original back to resume, or tokenize the input as it is now into another --out-dir"
+        f"--input {name} changed since the shards in {os.path.dirname(path)} were written from it (other bytes, or "
+        f"an input added, removed or moved in the order): refused, since those shards hold the old text and a "
+        f"resume would skip documents by count in the new one; put the original back to resume, or tokenize the "
+        f"input as it is now into another --out-dir"
     )
 
 
