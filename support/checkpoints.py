@@ -17,28 +17,17 @@ from support.cli import UserError, first_line
 from support.ddp import fence
 from support.divergence import check_finite_state, checkpoint_health
 from support.files import disk_error, write_atomic
-from support.out_dir import checkpoint_path, checkpoint_paths, folder_gone, move_aside, not_this_runs, run_id_of
+from support.out_dir import checkpoint_path, checkpoint_paths, folder_gone, run_id_of
 from support.out_of_memory import oom_phase
 from support.signals import StopRequest
 
 
 def save_checkpoint(ckpt, out_dir, keep):
     """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
-    real name), then prune: delete this run's checkpoints beyond the newest `keep`. A file put at
-    the name since the start's check (support.out_dir.check_names_to_write) that is not this run's
-    is kept, not replaced: one lstat, and a read of the pickled part only when a file is there (the
-    run's own, rewritten when a signal comes at the step it resumed from); write_atomic refuses a
-    symbolic link at the name. A folder moved or deleted meanwhile is said as such."""
+    real name), then prune: delete this run's checkpoints beyond the newest `keep`. What stands at
+    the name was checked at start to be a checkpoint (support.out_dir.check_names_at_start), and
+    write_atomic refuses a symbolic link there. A folder moved or deleted meanwhile is said as such."""
     path = checkpoint_path(out_dir, ckpt["step"])
-    why = not_this_runs(path, ckpt["run_id"], ckpt["step"])
-    if why:
-        earlier = [p for p in checkpoint_paths(out_dir) if p != path and run_id_of(p) == ckpt["run_id"]]
-        then = f"continue with --resume (from {earlier[0]})" if earlier else "start again with --resume"
-        raise UserError(
-            f"{path} was put there while this run trained and is not this run's ({why}): it stays as it is and "
-            f"this run stops without its step {ckpt['step']} checkpoint: move it aside "
-            f"({move_aside(path, 'aside')}), then {then}"
-        )
     try:
         write_atomic(path, lambda f: torch.save(ckpt, f))
     except (OSError, RuntimeError) as e:
@@ -51,7 +40,7 @@ def save_checkpoint(ckpt, out_dir, keep):
         then = (
             f"continue with --resume (from {earlier[0]}, intact)"
             if earlier
-            else "start again with --resume (no checkpoint was written before this one)"
+            else "start the run again in a new --out-dir (no checkpoint was written before this one)"
         )
         raise disk_error(cause, f"checkpoint {path}", then) from None
     prune(out_dir, keep, ckpt["run_id"])

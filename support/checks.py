@@ -1,34 +1,16 @@
 """The checks that refuse bad flags before step 0, not hours in: numbers the code cannot use, a
 model too big for the device's memory, too little data for the batch and the run."""
 
-import argparse
-import math
 import os
 import sys
 
 import torch
 
-from support.cli import UserError, same_on_every_rank
+from support.cli import UserError, flag_type, same_on_every_rank
 from support.gpu import TRAIN_BYTES_PER_PARAMETER
 from support.out_dir import data_dir_problem
 from support.shards import GPT2_VOCAB, MAX_VOCAB_SIZE
 from support.wandb_log import wandb_problem
-
-
-def flag_type(kind, ok, says):
-    """An argparse type for a number flag, declared beside it in parse_args: text -> kind, refused
-    in one line naming the flag (argparse's) unless it is finite and ok(value); says: what ok asks."""
-
-    def parse(text):
-        value = kind(text)  # no number at all: argparse says "invalid int value"
-        if not math.isfinite(value):  # nan passes no comparison, and inf every upper-less one
-            raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {says}, not {value}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" line
-    return parse
 
 
 class Number:

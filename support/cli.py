@@ -4,6 +4,7 @@ a Ctrl-C and an out-of-memory each as one line; torch-free, as fineweb.py is."""
 
 import argparse
 import contextlib
+import math
 import os
 import re
 import signal
@@ -27,6 +28,22 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UserError(f"{message} (see python {self.prog} --help)")
+
+
+def flag_type(kind, ok, says):
+    """An argparse type for a number flag, declared beside it in a script's parser: text -> kind, refused
+    in one line naming the flag (argparse's) unless it is finite and ok(value); says: what ok asks."""
+
+    def parse(text):
+        value = kind(text)  # no number at all: argparse says "invalid int value"
+        if not math.isfinite(value):  # nan passes no comparison, and inf every upper-less one
+            raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {says}, not {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" line
+    return parse
 
 
 EVERY_RANK_GRACE = 3.0  # seconds the other ranks wait before exiting on a mistake rank 0 says for them

@@ -139,9 +139,9 @@ def lock_folder(folder, name, who, then, theirs, note=""):
     process (holder_text(note)) for a refused one to show. Returns the descriptor, to keep open and
     give to unlock_folder; None where nothing can lock (said in a warning). Every refusal is one
     UserError line worded here for both scripts, before anything is written: the folder in use by
-    another `who` (naming it); a symbolic link, a second name (a hard link) or a folder at `name`;
-    a folder of another user's (`theirs`: what to do then); else a disk error. then: what to do once
-    the cause is gone."""
+    another `who` (naming it); a symbolic link or a second name (a hard link) at `name`; a folder
+    of another user's (`theirs`: what to do then); else a disk error. then: what to do once the
+    cause is gone."""
     path = os.path.join(folder, name)
     try:
         fd = acquire(path)
@@ -157,11 +157,6 @@ def lock_folder(folder, name, who, then, theirs, note=""):
         )
         return None
     except OSError as e:
-        if os.path.isdir(path):  # not the disk: a folder stands where the lock file goes
-            raise UserError(
-                f"--out-dir {folder} holds a folder named {name}, the name of its lock file: rename or remove that "
-                f"folder, then {then}"
-            ) from None
         denied = path if os.path.lexists(path) else folder  # another user's lock file, or folder
         if isinstance(e, PermissionError) and (line := not_yours(denied, theirs)):
             raise UserError(line) from None

@@ -16,7 +16,7 @@ import torch
 from support.cli import UserError
 from support.file_lock import not_yours
 from support.files import disk_error, no_follow
-from support.out_dir import copy_advice, folder_gone, log_runs
+from support.out_dir import copy_advice, folder_gone
 from support.wandb_log import WandbMirror
 
 
@@ -86,12 +86,8 @@ class RunLog:
         return file
 
     def header(self, run_id, device_name, resumed_from, changes, config):
-        """The run's first record (and a resumed run's first in its turn): what ran, where, with what.
-        restarted: a run the log already records steps of starts again from step 0 (it stopped before
-        its first checkpoint): the records before this header are of a start it replaces."""
+        """The run's first record (and a resumed run's first in its turn): what ran, where, with what."""
         record = {"event": "header", "run_id": run_id, "device": device_name, "resumed_from": resumed_from}
-        if self.file is not None:
-            record["restarted"] = resumed_from is None and run_id in log_runs(self.path)[0]
         if self.file is not None and config.get("wandb_project"):
             name = config.get("wandb_run_name") or os.path.basename(os.path.abspath(self.out_dir))
             folder = os.environ.get("WANDB_DIR") or self.out_dir  # wandb's files beside the run's, unless set
@@ -136,7 +132,7 @@ class RunLog:
             raise UserError(gone)
         self.file = self.open()
         print(f"warning: {self.path} was deleted while this run trained: written again from here on", file=sys.stderr)
-        header = {**self.first, "restarted": False, "reopened": "deleted"} if self.first else None
+        header = {**self.first, "reopened": "deleted"} if self.first else None
         return json.dumps(strict_json(header)) + "\n" if header else ""
 
     def warn(self, message):

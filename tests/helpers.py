@@ -409,7 +409,7 @@ def fineweb_stopped_after(monkeypatch, n, args):
 
 def fineweb_killed_after(n, args):
     """fineweb.py run with args in a process SIGKILLed as its n-th shard is in place (before it is
-    journaled): what a kill leaves, with no handler of ours running."""
+    listed in the manifest): what a kill leaves, with no handler of ours running."""
     script = (
         "import os, signal, sys\nimport fineweb\nreal, written = fineweb.write_shard, []\n"
         "def write_shard(path, tokens, fmt='npy'):\n    real(path, tokens, fmt)\n    written.append(path)\n"

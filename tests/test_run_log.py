@@ -54,7 +54,7 @@ def test_a_log_deleted_mid_run_is_written_again_at_its_path(data, tmp_path, monk
     heads = [r for r in records if r.get("event") == "header"]
     assert len(heads) == 1 and heads[0]["reopened"] and heads[0]["config"]
     assert records[0] is heads[0]  # the header comes first: resume and play.ipynb read it as the run
-    assert log_runs(str(log)) == ([heads[0]["run_id"]], False)
+    assert log_runs(str(log)) == [heads[0]["run_id"]]
 
 
 def test_a_log_of_another_user_in_a_writable_folder_names_its_owner_and_the_copy_that_resumes(
