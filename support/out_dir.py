@@ -345,9 +345,11 @@ def pick_checkpoint(resume, out_dir, load):
         then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
         path, ckpt = newest_of_its_run(out_dir, load, then)
         if path is None and (runs := log_runs(os.path.join(out_dir, "log.jsonl"))):
+            log = os.path.join(out_dir, "log.jsonl")
             raise UserError(
                 f"--resume: {out_dir} holds no checkpoint to continue from, and its log.jsonl records run {runs[-1]}, "
-                f"which stopped before its first checkpoint: start it again in a new --out-dir"
+                f"which stopped before its first checkpoint: set its log aside ({move_aside(log, 'aside')}) and run "
+                f"the same command again (a new run, with the flags it gives), or pass a new --out-dir"
             )
         if path is None:
             print(f"no checkpoint in {out_dir} to resume from: starting a new run")

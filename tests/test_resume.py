@@ -363,9 +363,10 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_is_refused_and_a_new
     assert sorted(read_log(out)[1]) == [0, 1, 2] and not list(out.glob("ckpt_*.pt"))
     run_id = headers(out)[0]["run_id"]
     line = refused_before_step_0(tiny_args(data, out, "--resume"), out, f"{out} holds no checkpoint to continue from")
-    assert f"records run {run_id}, which stopped before its first checkpoint: start it again in a new --out-dir" in line
-    assert train_gpt2.main(tiny_args(data, tmp_path / "new", "--ckpt-every", 0)) == 0  # the advice
-    assert sorted(read_log(tmp_path / "new")[1]) == list(range(6))
+    assert f"records run {run_id}, which stopped before its first checkpoint: set its log aside (mv " in line
+    advised_mv(line)  # the advice, then the same command: a new run in the same folder
+    assert train_gpt2.main(tiny_args(data, out, "--ckpt-every", 0, "--resume")) == 0
+    assert sorted(read_log(out)[1]) == list(range(6)) and headers(out)[0]["run_id"] != run_id
 
 
 # ----------------------------------------------------------------------------------------------
