@@ -192,49 +192,35 @@ def duration(seconds):
 
 class StepClock:
     """The time a run has taken in this process and an estimate of what is left, for the step line
-    (console only: log.jsonl keeps each step's dt_ms). The steps and the evals are timed apart,
-    from the moments their records are logged: a step is the wall time between two step records
-    with nothing logged between them (so the loader, the log and the ranks' stop check count too),
-    an eval the time from the record before it to its own. ETA = the median of the last 50 steps x
-    the steps left + for each eval its last time x the runs of it left (its cadence, and the last
-    step); a checkpoint, a rare few seconds, is not counted. Evals not run yet in this process count
-    nothing until they have been timed once."""
+    (console only). ETA = the median of the last 50 steps' dt_ms (a process's first step, its
+    compile, left out) x the steps left + for each eval the time it last took (from the record before
+    it to its own) x the runs of it left: at each multiple of its cadence up to max_steps, and at
+    max_steps. An eval not run yet in this process counts nothing; a checkpoint, a rare few seconds,
+    is not counted."""
 
     EVALS = {"val_loss": "eval_every", "hellaswag": "hellaswag_every", "samples": "sample_every"}
 
     def __init__(self, max_steps, now=time.monotonic):
-        self.max_steps, self.now = max_steps, now
+        self.max_steps, self.now, self.cadences = max_steps, now, {}
         self.started = self.last = now()
-        self.last_was_step = False
-        self.step_seconds = collections.deque(maxlen=50)
-        self.eval_seconds, self.cadences = {}, {}
+        self.step_seconds, self.eval_seconds = collections.deque(maxlen=51), {}
 
     def saw(self, record):
         """Called for every record as it is logged."""
         now = self.now()
-        if "train_loss" in record or "skipped" in record or "scaler_skipped" in record:
-            if self.last_was_step:
-                self.step_seconds.append(now - self.last)
-            self.last_was_step = True
-        else:
-            kind = next((k for k in self.EVALS if k in record), None)
-            if kind is not None:
-                self.eval_seconds[kind] = now - self.last
-            self.last_was_step = False
+        if "dt_ms" in record:
+            self.step_seconds.append(record["dt_ms"] / 1000)
+        for kind in self.EVALS.keys() & record.keys():
+            self.eval_seconds[kind] = now - self.last
         self.last = now
 
-    def evals_left(self, kind, step):
-        """How many times kind runs after step: at each multiple of its cadence up to max_steps, and
-        at max_steps itself (the run's last evaluation)."""
-        every, end = self.cadences.get(kind, 0), self.max_steps
-        if not every or step >= end:
-            return 0
-        return end // every - step // every + (end % every != 0)
-
     def elapsed_and_eta(self, step):
-        elapsed = f"elapsed {duration(self.now() - self.started)}"
-        if not self.step_seconds:
+        elapsed, end = f"elapsed {duration(self.now() - self.started)}", self.max_steps
+        steps = list(self.step_seconds)[1:]
+        if not steps:
             return elapsed + " | eta --"
-        left = statistics.median(self.step_seconds) * (self.max_steps - 1 - step)
-        left += sum(seconds * self.evals_left(kind, step) for kind, seconds in self.eval_seconds.items())
+        left = statistics.median(steps) * (end - 1 - step)
+        for kind, seconds in self.eval_seconds.items():
+            if every := self.cadences.get(kind, 0):
+                left += seconds * (end // every - step // every + (end % every != 0))
         return f"{elapsed} | eta {duration(left)}"

@@ -174,19 +174,18 @@ def test_the_eta_counts_the_steps_and_each_eval_apart():
     for record, seconds in [  # each record logged that many seconds after the one before it
         ({"event": "header"}, 0.0),
         ({"step": 0, "val_loss": 5.0}, 30.0),  # an eval runs before its step's training step
-        ({"step": 0, "train_loss": 5.0}, 2.5),
-        ({"step": 1, "train_loss": 5.0}, 1.0),
-        ({"step": 2, "train_loss": 5.0}, 3.0),
+        ({"step": 0, "dt_ms": 60_000.0}, 60.0),  # the process's first step (its compile): left out
+        ({"step": 1, "dt_ms": 1000.0}, 1.0),
+        ({"step": 2, "dt_ms": 2000.0}, 2.0),
         ({"step": 3, "samples": ["..."]}, 7.0),
-        ({"step": 3, "train_loss": 5.0}, 1.5),
+        ({"step": 3, "dt_ms": 1000.0}, 1.0),
     ]:
         clock.t += seconds
         eta.saw(record)
-    # steps 0 and 3 came after an eval: the median step is that of 1 and 3 s. Left after step 3:
-    # steps 4..9; val loss at 5 and 10 (30 s each), samples at 4, 8 and 10 (7 s each)
-    assert eta.evals_left("val_loss", 3) == 2 and eta.evals_left("samples", 3) == 3
-    assert eta.evals_left("hellaswag", 3) == 0 and eta.evals_left("val_loss", 10) == 0
-    assert eta.elapsed_and_eta(3) == "elapsed 45s | eta 1m33s"  # 6 x 2 + 2 x 30 + 3 x 7 = 93 s
+    # the median step is 1 s (of 1, 2 and 1 s). Left after step 3: steps 4..9; val loss at 5 and 10
+    # (30 s each), samples at 4, 8 and 10 (7 s each); after step 9: val loss and samples at 10
+    assert eta.elapsed_and_eta(3) == "elapsed 1m41s | eta 1m27s"  # 6 x 1 + 2 x 30 + 3 x 7 = 87 s
+    assert eta.elapsed_and_eta(9).endswith("| eta 37s")  # 30 + 7
     assert [run_log.duration(s) for s in (45, 725, 10920)] == ["45s", "12m05s", "3h02m"]
 
 
