@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hellaswag
 from support.checkpoints import all_rng_states, load_checkpoint, save_training_state
 from support.checks import Number, check_args, check_data, check_init_shape, check_model_fits
-from support.cli import ArgumentParser, UserError, run_cli, said_on_interrupt, said_once_a_node, same_on_every_rank
+from support.cli import ArgumentParser, UserError, run_cli, said_on_interrupt, same_on_every_rank
 from support.ddp import setup_distributed
 from support.device import choose_compile, keep_freed_memory, pick_device, set_deterministic
 from support.divergence import NonFiniteGuard
@@ -383,10 +383,12 @@ def load_data(args, config, ddp_rank, ddp_world_size, device, master_process):
     oom_phase("reading the data", val_tokens=args.val_tokens)
     order = dict(rank=ddp_rank, world_size=ddp_world_size, shuffle=not args.no_shuffle, seed=args.seed)
     B, T, data_dir, vocab_size = args.batch_size, args.seq_len, args.data_dir, config.vocab_size
-    with said_once_a_node():  # the ranks of a node read the same folder: a mistake in it is said once
+    try:  # every rank reads the folder (a node's may be its own): a mistake in it is said once a node
         train_loader = DataLoaderLite(data_dir, "train", B, T, **order, vocab_size=vocab_size, device=device)
         val_tokens = load_val_tokens(data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
         check_data(args, train_loader.tokens_per_epoch, val_tokens, master_process)
+    except UserError as e:
+        raise same_on_every_rank(e) from None
     return train_loader, val_tokens
 
 

@@ -14,9 +14,9 @@ import time
 
 class UserError(Exception):
     """A mistake in the user's input: reported as one line, exit code 1, no traceback.
-    every_rank: every process of a torchrun job raises the same one (a flag, the recipe), so
-    only rank 0 says it; "node": every process of a node raises it alike (its data folder, which
-    may be the node's own), so each node's first process (LOCAL_RANK 0) says it."""
+    every_rank: every process of a torchrun job raises the same one (a flag, the recipe, the data
+    folder), so only each node's first process (LOCAL_RANK 0) says it: once on one machine, and on
+    each node's own console, whose data folder may be the node's own."""
 
     every_rank = False
 
@@ -46,24 +46,13 @@ def flag_type(kind, ok, says):
     return parse
 
 
-EVERY_RANK_GRACE = 3.0  # seconds the other ranks wait before exiting on a mistake rank 0 says for them
+EVERY_RANK_GRACE = 3.0  # seconds the other ranks wait before exiting on a mistake their node's first says
 
 
-def same_on_every_rank(error, node=False):
-    """error, marked as one that every rank of a torchrun job (node: of a node) raises alike
-    (UserError.every_rank)."""
-    error.every_rank = "node" if node else True
+def same_on_every_rank(error):
+    """error, marked as one that every rank of a torchrun job raises alike (UserError.every_rank)."""
+    error.every_rank = True
     return error
-
-
-@contextlib.contextmanager
-def said_once_a_node():
-    """A UserError raised inside, not marked already, is one every rank of a node raises alike
-    (same_on_every_rank(node=True)): each node's first process says it."""
-    try:
-        yield
-    except UserError as e:
-        raise e if e.every_rank else same_on_every_rank(e, node=True) from None
 
 
 def first_line(e):
@@ -108,16 +97,15 @@ def run_cli(main, interrupted="interrupted", out_of_memory=None):
     its traceback. Output to a pipe that closes is dropped (OutlivesItsReader), not fatal.
     Running out of memory is one `error:` line too: out_of_memory(the exception) says during what
     and which flag to lower (see out_of_memory_line). Under torchrun a mistake every rank makes
-    alike (UserError.every_rank) is said by rank 0 alone (a node's: by its LOCAL_RANK 0)."""
+    alike (UserError.every_rank) is said once a node, by its LOCAL_RANK 0."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt from here on
     sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
     try:
         code = main()
     except UserError as e:
-        speaker = "LOCAL_RANK" if e.every_rank == "node" else "RANK"  # the process that says it
-        if not (e.every_rank and os.environ.get(speaker, "0") != "0"):
+        if not (e.every_rank and os.environ.get("LOCAL_RANK", "0") != "0"):
             print(f"error: {e}", file=sys.stderr)
-        elif e.every_rank:  # torchrun ends the job when the first rank exits: give the speaker time to say it
+        else:  # torchrun ends the job when the first rank exits: give the speaker time to say it
             time.sleep(EVERY_RANK_GRACE)
         code = 1
     except Exception as e:

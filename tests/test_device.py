@@ -50,7 +50,7 @@ def test_compile_asked_for_that_cannot_work_is_a_user_error():
         "--compile: torch.compile does not work on this cpu (InvalidCxxCompiler: No working C++ compiler found); "
         "run with --no-compile"
     )
-    assert e.value.every_rank  # torchrun: rank 0 alone says it
+    assert e.value.every_rank  # torchrun: each node's first process alone says it
 
 
 # ----------------------------------------------------------------------------------------------
