@@ -2,8 +2,8 @@
 another run's folder is refused, the user's own files there are kept, a log holding only the start
 of a run that never trained a step is no run); a running run locks its folder, a second process
 into it (a new run or --resume, plain or torchrun) is refused in one line naming the holder, and a
-killed run leaves no lock to clean; a lock file that is a symbolic link or a hard link is named,
-never written through; a start that is refused leaves no folder it made, and one that
+killed run leaves no lock to clean; a lock file that is a symbolic link is named, never written
+through; a start that is refused leaves no folder it made, and one that
 crashes before its first step is no run; a symbolic link at a name the run writes (the log, a
 checkpoint, a checkpoint's temporary file) is refused before step 0, never followed; what a user
 trips on there (a text file at a checkpoint's name, a FIFO at the log's, `--out-dir ''`, the folder
@@ -435,23 +435,6 @@ def test_a_fifo_at_the_logs_name_is_refused_at_once_not_waited_on(data, tmp_path
     line = assert_one_line_error(cli(*args, timeout=120), f"{out / 'log.jsonl'} is not a file", "(mv ")
     subprocess.run(re.search(r"\((mv [^)]+)\)", line)[1], shell=True, check=True)
     assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == [0, 1]
-
-
-@pytest.mark.parametrize("dry_run", [False, True])
-def test_a_hard_link_at_the_lock_files_name_is_refused_and_the_file_it_shares_kept(data, tmp_path, dry_run):
-    """A lock never writes through a second name: a hard link at .train_gpt2.lock (sharing a user's
-    file) is refused in one line, the user's bytes as they were; the `rm` it names, then the same
-    command, runs, and the user's file stays as it was."""
-    out, notes = tmp_path / "out", tmp_path / "notes.txt"
-    out.mkdir()
-    notes.write_text("the user's notes\n")
-    os.link(notes, out / LOCK_FILE)
-    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 0, *(["--dry-run"] if dry_run else []))
-    msg = user_error(args)
-    assert msg.startswith(f"{out / LOCK_FILE} has a second name (a hard link)")
-    assert notes.read_text() == "the user's notes\n"
-    subprocess.run(re.search(r"\((rm [^;]+);", msg)[1], shell=True, check=True)
-    assert train_gpt2.main(args) == 0 and notes.read_text() == "the user's notes\n"
 
 
 def test_an_empty_out_dir_is_refused_by_name(data, tmp_path, monkeypatch):
