@@ -8,29 +8,18 @@ with the lowest mean loss per ending token. OpenAI GPT-2 124M scores acc 0.2859,
 this way (the EleutherAI harness scores it differently: 0.2892 / 0.3114).
 
 In a program: prepared = prepare(examples, enc) once (tokenizes), then evaluate(model, prepared,
-device, rank, world_size, ...) as often as needed. Each context goes through the model once, in
-one row with its 4 endings, which see it but not each other; the LM head runs only where an
-ending token is predicted (see "Scoring" below). On CUDA the CLI uses bf16 autocast, as training does.
+device, rank, world_size, ...) as often as needed; how a batch is scored: "Scoring" below.
 
 Models: a training run scores its own GPT (train_gpt2.py imports this file; this file imports no
-script). The command line loads every -m as transformers' GPT2LMHeadModel with SDPA attention:
-OpenAI GPT-2 and transformers folders through transformers (offline, from the local cache), our
-checkpoint or a run's folder (its newest checkpoint) built in memory from its state dict, its
-vocabulary as it is (padding rows kept), so that it scores what our GPT scores in training. Both
-are packed as above: SDPA takes a packed row's positions and boolean mask, with the same losses as
-our GPT's up to float rounding.
+script). The command line loads every -m as transformers' GPT2LMHeadModel with SDPA attention
+(load_model), which scores a packed row with the same losses as our GPT's up to float rounding.
 
-Rows longer than the model's window: the model reads a row's tokens up to the second to last
-(the last is only predicted), so a row of block_size + 1 tokens fits. A longer row keeps its
-last block_size + 1 tokens: the context is cut from the left. An ending longer than the window
-also loses its first tokens, which are then not scored. (GPT-2's 1024 positions hold every
-validation row: the longest is 166 tokens.)
+A row longer than the model's window keeps its last block_size + 1 tokens (_row_batches); GPT-2's
+1024 positions hold every validation row (the longest is 166 tokens).
 
 Data: --data a local jsonl, else the cache (~/.cache/gpt2-repro/hellaswag/hellaswag_val.jsonl),
 else a download of the original file from GitHub (refused at once when offline: HF_HUB_OFFLINE /
-HF_DATASETS_OFFLINE set, or no answer within 3 s). The download is checked (HTTP status, every
-row, the 10,042 count) and cached atomically as it is. A cache that does not parse or is short is
-refused, never trusted.
+HF_DATASETS_OFFLINE set, or no answer within 3 s), checked and cached atomically (load_examples).
 
 Usage:
     python hellaswag.py -m gpt2                    # OpenAI GPT-2 124M (gpt2-medium, ... too)
@@ -119,8 +108,8 @@ def _read_jsonl(path):
 
 
 def download(cache_path):
-    """Fetch the original validation file, check it (an error page must not become the data: the
-    status, every row, the count), and write cache_path atomically."""
+    """Fetch the original validation file, check it (an error page must not become the data: every
+    row, the count), and write cache_path atomically."""
     var = offline_var(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
     reason = f"{var} is set" if var else None
     if not var and (why := unreachable(DATA_URL)):  # said at once: urllib would retry for ~27 s
@@ -130,8 +119,6 @@ def download(cache_path):
     print(f"downloading the HellaSwag validation split to {cache_path}", file=sys.stderr)
     try:
         with urllib.request.urlopen(DATA_URL, timeout=60) as resp:
-            if resp.status != 200:
-                raise HellaSwagDataError(f"HTTP status {resp.status}")
             text = resp.read().decode("utf-8")
         n = len(parse_rows(text.splitlines(), "the download"))
         if n != NUM_VAL:
@@ -239,8 +226,6 @@ def prepare(examples, enc):
         try:
             c, ends = render_example(ex, enc)
             label, split_type = ex["label"], ex["split_type"]
-            if len(ends) != 4 or type(label) is not int or not 0 <= label <= 3 or not isinstance(split_type, str):
-                raise ValueError("it needs 4 endings, a label from 0 to 3 and a split_type string")
         except Exception as e:  # KeyError, TypeError, "<|endoftext|>" in the text (ValueError), ...
             name = f"example {i}" + (f" (ind {ex['ind']})" if isinstance(ex, dict) and "ind" in ex else "")
             raise HellaSwagDataError(f"HellaSwag {name} cannot be tokenized: {first_line(e)}") from None
