@@ -249,8 +249,7 @@ def flops_per_token(config, T):
     not a matmul; the token embedding is counted because lm_head (tied to it) is a matmul.
     GPT-2 124M at T=1024: about 855 MFLOP per token."""
     C = config.n_embd
-    n_params = config.vocab_size * C + config.block_size * C + config.n_layer * (12 * C * C + 13 * C) + 2 * C
-    n_params -= config.block_size * C  # wpe
+    n_params = config.vocab_size * C + config.n_layer * (12 * C * C + 13 * C) + 2 * C  # without wpe
     return 6 * n_params + 12 * config.n_layer * config.n_head * (C // config.n_head) * T
 
 

@@ -80,12 +80,6 @@ def check_args(args, world_size, given=frozenset(), warmup_lr=None):
         check_warmup(args, given, warmup_lr)
 
 
-def fitting_warmup(max_steps):
-    """A warm-up that ends inside max_steps, to name in advice: about a tenth of the run, at least
-    one step (none for a one-step run)."""
-    return min(max(1, max_steps // 10), max_steps - 1)
-
-
 def check_warmup(args, given, warmup_lr):
     """A --max-steps that ends inside the warm-up (warmup_lr: the recipe's, for the lr the run's
     last step reaches). The default warm-up is refused: a short run forgot it. One asked for is
@@ -95,7 +89,8 @@ def check_warmup(args, given, warmup_lr):
     would), but the lr then never reaches --max-lr, which a run meant whole should hear at start."""
     if args.warmup_steps < args.max_steps:
         return
-    fit, last_lr = fitting_warmup(args.max_steps), warmup_lr(args.max_steps - 1, args.max_lr, args.warmup_steps)
+    fit = min(max(1, args.max_steps // 10), args.max_steps - 1)  # to advise: a tenth of the run, inside it
+    last_lr = warmup_lr(args.max_steps - 1, args.max_lr, args.warmup_steps)
     if not args.resume and "warmup_steps" not in given:  # on resume the checkpoint's value counts
         raise same_on_every_rank(
             UserError(

@@ -108,8 +108,6 @@ def claim_out_dir(out_dir, resume):
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create --out-dir {out_dir}: {e.strerror}") from None
-    if _claim:  # an earlier run of this process that did not end through main: its hold goes first
-        release_out_dir()
     then = "continue with --resume" if resume else "start again"
     note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
     _claim.update(
