@@ -262,12 +262,8 @@ def load_model(spec, device="cpu"):
 
 
 def model_from_checkpoint(ckpt, path):
-    """The GPT a checkpoint holds; weights that do not fit its own config are a UserError."""
-    try:
-        config = GPTConfig(**ckpt["model_config"])
-    except TypeError as e:
-        raise UserError(f"checkpoint {path}: its model_config is not a GPT config ({e})") from None
-    return GPT.from_state_dict(config, ckpt["model"], f"checkpoint {path}")
+    """The GPT a checkpoint (load_checkpoint's) holds; weights that do not fit its config are a UserError."""
+    return GPT.from_state_dict(GPTConfig(**ckpt["model_config"]), ckpt["model"], f"checkpoint {path}")
 
 
 # --- Device and precision: TF32 and bf16 autocast on CUDA, torch.compile --------------------------

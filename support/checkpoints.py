@@ -21,6 +21,8 @@ from support.out_dir import checkpoint_path, checkpoint_paths, folder_gone, run_
 from support.out_of_memory import oom_phase
 from support.signals import StopRequest
 
+MODEL_CONFIG_KEYS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"}  # train_gpt2.py's GPTConfig
+
 
 def save_checkpoint(ckpt, out_dir, keep):
     """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
@@ -90,7 +92,8 @@ def save_training_state(ckpt, out_dir, keep, master_process, ddp):
 def load_checkpoint(path, mmap=False):
     """Our checkpoint as a dict of tensors and plain values. weights_only=True: a checkpoint
     carrying pickled code is refused instead of run. mmap: the tensors are mapped, not read (a
-    dry run's check, which needs only the small pickled part)."""
+    dry run's check, which needs only the small pickled part). Its model_config is checked here, once,
+    for every reader."""
     try:
         # torch.save writes a zip with a CRC per tensor, which torch.load never checks: without
         # this, a flipped bit on disk loads as silently wrong weights
@@ -108,8 +111,9 @@ def load_checkpoint(path, mmap=False):
         ) from None
     if bad is not None:
         raise UserError(f"checkpoint {path} is corrupt: its {bad} fails the zip CRC check")
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise UserError(f"checkpoint {path} is not a train_gpt2.py checkpoint (no model / model_config)")
+    shape = ckpt.get("model_config") if isinstance(ckpt, dict) else None
+    if not isinstance(shape, dict) or set(shape) != MODEL_CONFIG_KEYS or "model" not in ckpt:
+        raise UserError(f"checkpoint {path} is not a train_gpt2.py checkpoint (no model / GPT model_config)")
     return ckpt
 
 

@@ -153,6 +153,17 @@ def test_pickle_carrying_code_is_refused(short_run, tmp_path):
     assert marker.exists()  # loaded unsafely, it runs
 
 
+@pytest.mark.parametrize("model_config", [{"n_layer": 2}, [2, 2, 32]], ids=["keys missing", "not a dict"])
+def test_a_checkpoint_whose_model_config_is_no_gpts_is_refused_when_loaded(tmp_path, model_config):
+    """load_checkpoint checks the model_config once, for every reader (training, hellaswag.py,
+    --sample-from, --export-hf's dry run), in one line."""
+    torch.save({"model": {}, "model_config": model_config}, tmp_path / "ckpt.pt")
+    with pytest.raises(
+        UserError, match=r"ckpt\.pt is not a train_gpt2\.py checkpoint \(no model / GPT model_config\)$"
+    ):
+        load_checkpoint(str(tmp_path / "ckpt.pt"))
+
+
 # ----------------------------------------------------------------------------------------------
 # A symbolic link at a checkpoint's name, put there while the run trains
 
