@@ -12,7 +12,7 @@ import torch
 
 from support import file_lock
 from support.cli import UserError
-from support.files import disk_error, refuse_link
+from support.files import disk_error, log_records, refuse_link
 from support.shards import SHARD_NAME
 
 # ----------------------------------------------------------------------------------------------
@@ -216,16 +216,11 @@ def log_runs(path):
     """The ids of the runs log.jsonl records a trained or skipped step of, in order. A start that
     failed before its first step (its header, perhaps a step-0 eval) is no run; a line that is not
     JSON (one cut short by a kill) is passed over."""
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
-    except OSError:  # none, or no file (a folder: check_names_at_start's to refuse)
-        return []
     runs, current = [], None
-    for line in lines:
-        if b'"header"' in line and (header := run_header(line)):
-            current = header.get("run_id")
-        elif any(key in line for key in (b'"train_loss"', b'"skipped"', b'"scaler_skipped"')) and current not in runs:
+    for record in log_records(path):
+        if record.get("event") == "header":
+            current = record.get("run_id")
+        elif any(key in record for key in ("train_loss", "skipped", "scaler_skipped")) and current not in runs:
             runs.append(current)
     return runs
 
