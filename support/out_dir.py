@@ -45,13 +45,12 @@ def checkpoint_paths(out_dir):
     return [os.path.join(out_dir, name) for _, name in sorted(found, reverse=True)]
 
 
-def move_aside(path, tag):
-    """The `mv` command, quoted for the shell, that sets path aside to a name not taken beside it,
-    path.TAG (then path.TAG1, ...): nothing is overwritten by following the advice."""
+def free_name(path, tag):
+    """A name beside path that nothing holds, to set path aside to: path.TAG, then path.TAG1, ..."""
     aside, n = f"{path}.{tag}", 1
     while os.path.lexists(aside):
         aside, n = f"{path}.{tag}{n}", n + 1
-    return f"mv {shlex.quote(path)} {shlex.quote(aside)}"
+    return aside
 
 
 ZIP = b"PK\x03\x04"  # how torch.save's zip begins
@@ -152,9 +151,10 @@ def check_names_at_start(out_dir):
             what = "is not this run's (its first line is not a run's header)"
         else:
             continue
+        aside = free_name(path, "aside")
         raise UserError(
-            f"{path} {what}, and this run writes a file by that name: move it aside ({move_aside(path, 'aside')}), "
-            f"then run the same command again"
+            f"{path} {what}, and this run writes a file by that name: move it aside "
+            f"(mv {shlex.quote(path)} {shlex.quote(aside)}), then run the same command again"
         )
 
 
@@ -337,13 +337,13 @@ def pick_checkpoint(resume, out_dir, load):
     if resume == "latest":
         then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
         path, ckpt = newest_of_its_run(out_dir, load, then)
-        if path is None and (runs := log_runs(os.path.join(out_dir, "log.jsonl"))):
-            log = os.path.join(out_dir, "log.jsonl")
-            raise UserError(
-                f"--resume: {out_dir} holds no checkpoint to continue from, and its log.jsonl records run {runs[-1]}, "
-                f"which stopped before its first checkpoint: set its log aside ({move_aside(log, 'aside')}) and run "
-                f"the same command again (a new run, with the flags it gives), or pass a new --out-dir"
-            )
+        log = os.path.join(out_dir, "log.jsonl")
+        if path is None and (runs := log_runs(log)):
+            # killed before its first checkpoint: nothing to continue, so the same command starts it
+            # anew (a spot script that repeats --resume goes on); the dead run's log is kept aside
+            aside = free_name(log, runs[-1])
+            os.rename(log, aside)
+            print(f"note: run {runs[-1]} stopped before its first checkpoint; its log is now {aside}")
         if path is None:
             print(f"no checkpoint in {out_dir} to resume from: starting a new run")
     elif resume:

@@ -352,20 +352,24 @@ class Killed(BaseException):
     """The process dies here (a spot instance reclaimed): nothing after it runs in the loop."""
 
 
-def test_resume_of_a_run_killed_before_its_first_checkpoint_is_refused_and_a_new_folder_runs(
-    data, tmp_path, monkeypatch
+def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_anew_with_its_log_kept_aside(
+    data, tmp_path, monkeypatch, capsys
 ):
     out = tmp_path / "out"
     at_step(monkeypatch, {3: lambda: (_ for _ in ()).throw(Killed())})
     with pytest.raises(Killed):
         train_gpt2.main(tiny_args(data, out, "--ckpt-every", 0))
     monkeypatch.undo()
+    dead_log = (out / "log.jsonl").read_bytes()
     assert sorted(read_log(out)[1]) == [0, 1, 2] and not list(out.glob("ckpt_*.pt"))
     run_id = headers(out)[0]["run_id"]
-    line = refused_before_step_0(tiny_args(data, out, "--resume"), out, f"{out} holds no checkpoint to continue from")
-    assert f"records run {run_id}, which stopped before its first checkpoint: set its log aside (mv " in line
-    advised_mv(line)  # the advice, then the same command: a new run in the same folder
-    assert train_gpt2.main(tiny_args(data, out, "--ckpt-every", 0, "--resume")) == 0
+    (out / f"log.jsonl.{run_id}").write_text("a file of the user's at the first name\n")
+    assert train_gpt2.main(tiny_args(data, out, "--ckpt-every", 0, "--resume")) == 0  # what a spot script repeats
+    assert f"note: run {run_id} stopped before its first checkpoint; its log is now {out}/log.jsonl.{run_id}1" in (
+        capsys.readouterr().out
+    )
+    assert (out / f"log.jsonl.{run_id}1").read_bytes() == dead_log  # kept whole, beside the user's file
+    assert (out / f"log.jsonl.{run_id}").read_text() == "a file of the user's at the first name\n"
     assert sorted(read_log(out)[1]) == list(range(6)) and headers(out)[0]["run_id"] != run_id
 
 
