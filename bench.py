@@ -45,7 +45,7 @@ as `--sample-from` runs) have glibc's default.
 
 Usage:
     python bench.py                  # everything: ~17 min on 2 idle CPU cores; table on stdout, JSON to bench.json
-    python bench.py --quick          # small models, eager only, fewer rounds: < 5 min on 2 CPU cores
+    python bench.py --quick          # small models, eager only, fewer rounds: 3 min on 2 cores at load 2
     python bench.py --only train --configs gpt2 --out gpt2.json     # one section, one config
     python bench.py --only ladder    # the speed-up ladder: table, bench.json and ladder.png (~4 min on 2 CPU cores)
     python bench.py --device cuda    # on a GPU (the recipe's B 64 at the gpt2 config where memory allows)
@@ -90,7 +90,7 @@ from benchmarks.gpu_check import DEFAULT_BUDGET_S, GpuCheck, run_gpu_check, writ
 from benchmarks.hellaswag_eval import bench_hellaswag, find_hellaswag_data
 from benchmarks.ladder import bench_ladder
 from benchmarks.loader import bench_loader
-from benchmarks.report import table
+from benchmarks.report import missed, table
 from benchmarks.sample import bench_sample
 from benchmarks.settings import ROOT, TRAIN_CONFIGS, find_shared_data, settings
 from benchmarks.timing import log
@@ -127,7 +127,10 @@ def machine(device, device_type):
 def parse_args(argv=None):
     p = ArgumentParser(prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--quick", action="store_true", help="small models, eager only, fewer rounds (< 5 min on 2 CPU cores)"
+        "--quick",
+        action="store_true",
+        help="small models, eager only, fewer rounds (3.0 min on 2 CPU cores at load 2.1; far longer where other "
+        "processes keep the cores busy: small ops wait for them)",
     )
     p.add_argument("--tiny", action="store_true", help="toy sizes everywhere: a smoke run of seconds")
     p.add_argument("--only", default=None, help=f"comma-separated sections to run: {','.join(SECTIONS)}")
@@ -371,6 +374,9 @@ def main(argv=None):
             why = compile_problem_apart(device, tmp)
             if why:
                 raise UserError(f"torch.compile does not work on this {device_type} ({why}): pass --no-compile")
+        load, cores = report["machine"]["load_average_at_start"], report["machine"]["cpu_cores"]
+        if load and load[0] > cores:  # torch's threads then wait for cores: small ops slow down the most
+            log(f"note: load average {load[0]:.1f} on {cores} cores: other processes share them; the run takes longer")
         for section in SECTIONS:
             if section not in args.only:
                 continue
@@ -417,6 +423,9 @@ def main(argv=None):
     if report["rows"]:
         print()
         print(report["table"])
+        if missed(report["rows"]):
+            print("\nA **no** is a target this machine did not meet; what each one means here:")
+            print("\n".join(missed(report["rows"])))
     if "ladder" in report["sections"]:
         ladder = report["sections"]["ladder"]
         print(f"\nspeed-up ladder on {ladder['device']}, {ladder['config_text']}:\n")

@@ -21,6 +21,7 @@ import argparse
 import collections
 import concurrent.futures
 import json
+import math
 import os
 import queue
 import re
@@ -36,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from support import file_lock
-from support.cli import ArgumentParser, UserError, run_cli
+from support.cli import ArgumentParser, UserError, flag_type, run_cli
 from support.documents import (
     check_inputs,
     check_online,
@@ -46,8 +47,8 @@ from support.documents import (
     hub_documents,
     local_documents,
 )
-from support.files import no_follow, refuse_link, write_atomic
-from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_fingerprint, shard_path, write_shard
+from support.files import refuse_link, write_atomic
+from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_path, write_shard
 
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
 
@@ -83,7 +84,7 @@ def _tokenize_batch(enc, texts):
         ids = encode_ordinary(enc, text)
         parts += (_EOT_ARRAY, ids)
         lengths[i] = len(ids) + 1
-    # exact: tokenize_batches checked that every id of the encoding fits in 16 bits
+    # exact: every id of GPT-2's encoding fits in 16 bits
     return np.concatenate(parts).astype(np.uint16), lengths
 
 
@@ -105,9 +106,7 @@ def tokenize_batches(documents, workers=None, batch_chars=BATCH_CHARS):
     tokens is uint16, every document prefixed by EOT. At most 4 * workers batches are in flight,
     so memory does not grow with the dataset (Pool.imap would read the whole input ahead)."""
     workers = workers or default_workers()
-    enc = get_tokenizer()
-    if enc.max_token_value >= 2**16:  # every id is <= max_token_value, so this one check covers all tokens
-        raise UserError(f"the tokenizer has ids up to {enc.max_token_value}, which do not fit in uint16 shards")
+    enc = get_tokenizer()  # GPT-2's: every id fits the shards' uint16
     tasks = queue.SimpleQueue()
 
     def work():
@@ -150,91 +149,18 @@ def tokenize_docs(documents, workers=None):
 # Shards and the manifest
 
 
-def journal_path(path):
-    """The manifest's journal, beside it: one line appended per finished shard, so that a shard
-    costs the same short write however many came before it (the manifest itself, rewritten whole,
-    grows with every shard). The manifest is rewritten whole, and the journal removed, at the start
-    and the end of a run."""
-    folder, name = os.path.split(path)
-    return os.path.join(folder, "." + os.path.splitext(name)[0] + ".journal")
-
-
-def read_manifest(path):
-    """The manifest at path as written, with the shards its journal adds; None if there is none.
-    A manifest deleted while its journal remains (a run killed mid-way) is the journal's first line,
-    the manifest as it was when the journal began (journal_base). A journal line cut short by a
-    kill, and lines already in the manifest, are passed over."""
-    try:
-        with open(journal_path(path), "rb") as f:
-            lines = f.read().split(b"\n")[:-1]  # what follows the last newline is a line cut short
-    except FileNotFoundError:
-        lines = []
-    if os.path.exists(path):
-        with open(path) as f:
-            manifest = json.load(f)
-    elif (manifest := journal_base(lines)) is None:
-        return None
-    shards = manifest["shards"]
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            break
-        if "manifest" in entry:
-            continue  # the journal's first line: its base
-        if entry["index"] > len(shards):
-            break
-        if entry["index"] == len(shards):
-            shards.append(entry["shard"])
-            manifest["started"] = max(int(manifest.get("started", 0)), int(entry["started"]))
-    return manifest
-
-
-def journal_base(lines):
-    """The manifest a journal's first line holds (see append_journal), or None."""
-    try:
-        first = json.loads(lines[0])
-    except (IndexError, ValueError):
-        return None
-    base = first.get("manifest") if isinstance(first, dict) else None
-    return base if isinstance(base, dict) and isinstance(base.get("shards"), list) else None
-
-
-def append_journal(path, entry, base=None):
-    """One finished shard, appended to the manifest's journal and on disk before it returns. A new
-    journal begins with base, the manifest as last written: should the manifest be deleted while
-    the journal remains (a killed run's), the journal alone still says how the folder was written
-    and what it holds, for the same command to finish it and for training to name that command."""
-    new = not os.path.exists(journal_path(path))
-    with open(journal_path(path), "ab", opener=no_follow) as f:  # never through a link at its name
-        if new and base is not None:
-            f.write((json.dumps({"manifest": base}) + "\n").encode())
-        f.write((json.dumps(entry) + "\n").encode())
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def load_manifest(path, config):
     """The shards a previous run of this configuration finished, or a fresh manifest."""
     if not os.path.exists(path):
-        try:
-            with open(journal_path(path), "rb") as f:
-                base = journal_base(f.read().split(b"\n")[:1])
-        except FileNotFoundError:
-            base = None
-        if base is None:
-            if os.path.exists(journal_path(path)):  # a journal with no manifest in it: not ours to use
-                os.remove(journal_path(path))
-            return {"config": config, "shards": [], "complete": False, "started": 0}
-        print(f"{path} is missing: rebuilt from its journal, {journal_path(path)}", file=sys.stderr)
+        return {"config": config, "shards": [], "complete": False, "started": 0}
     try:
-        manifest = read_manifest(path)
+        with open(path) as f:
+            manifest = json.load(f)
         old, shards, complete = manifest["config"], manifest["shards"], manifest["complete"]
-        started = int(manifest.get("started", len(shards)))
         old = check_same_inputs(path, old, config)
         if old != config:
             diff = [k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
-            shown = ", ".join(f"{k} {_short(old.get(k))} there, {_short(config.get(k))} now" for k in diff)
+            shown = ", ".join(f"{k} {old.get(k)!r:.60} there, {config.get(k)!r:.60} now" for k in diff)
             raise UserError(
                 f"{path} was written by a different configuration ({shown}): use another --out-dir, "
                 f"or delete that folder's shards and manifest to start over"
@@ -247,18 +173,19 @@ def load_manifest(path, config):
                 print(f"{file} is missing or changed: redoing it and the shards after it", file=sys.stderr)
                 break
             intact.append(shard)
+        # started: shards 0 .. started-1 are this configuration's names, finished or begun (a kill
+        # between a shard's rename and the manifest's leaves one the list does not name yet)
+        started = max(int(manifest["started"]), len(shards))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(
             f"{path} is not a readable manifest ({type(e).__name__}): use another --out-dir, or delete "
             f"that folder's shards and manifest to start over"
         ) from None
-    # started: shards 0 .. started-1 are this configuration's names, finished or begun (a kill
-    # between a shard's rename and the manifest's leaves one the list does not name yet)
     loaded = {
         "config": config,
         "shards": intact,
         "complete": complete and len(intact) == len(shards),
-        "started": max(started, len(shards)),
+        "started": started,
     }
     if manifest.get("limit") is not None and len(intact) == len(shards):
         loaded["limit"] = manifest["limit"]  # it stopped where --max-tokens / --max-shards asked: finished as asked
@@ -270,67 +197,49 @@ def check_same_inputs(path, old, config):
     edited in place, even at the same size, is refused, as the shards written so far hold its
     old text and a resume would skip documents by count in the new one. The same bytes under
     another path (the files moved) are the same input. Returns old with the source as now."""
-    source, now = old.get("source"), config.get("source")
-    if not (isinstance(source, dict) and isinstance(now, dict) and "input" in source and "input" in now):
+    before, after = (c["source"].get("input") if isinstance(c.get("source"), dict) else None for c in (old, config))
+    if before is None or after is None:
         return old
-    before, after, folder = source["input"], now["input"], os.path.dirname(path)
-    fix = (
-        "put the original back to resume, or tokenize the input as it is now into another --out-dir (or delete "
-        f"{folder}'s shards and manifest to start over)"
+    content = [[(e["bytes"], e["sha256"]) for e in inputs] for inputs in (before, after)]
+    if content[0] == content[1]:
+        return {**old, "source": config["source"]}
+    i = next(i for i in range(max(map(len, content))) if i >= min(map(len, content)) or content[0][i] != content[1][i])
+    name = (after[i] if i < len(after) else before[i])["path"]  # the first input that differs, by place
+    raise UserError(
+        f"--input {name} changed since the shards in {os.path.dirname(path)} were written from it (other bytes, or "
+        f"an input added, removed or moved in the order): refused, since those shards hold the old text and a "
+        f"resume would skip documents by count in the new one; put the original back to resume, or tokenize the "
+        f"input as it is now into another --out-dir"
     )
-    for i in range(max(len(before), len(after))):
-        was = before[i] if i < len(before) else None
-        new = after[i] if i < len(after) else None
-        if isinstance(was, list):  # [path, bytes]: a manifest that recorded no sha256 is compared as it can be
-            was = {"path": was[0], "bytes": was[1], "sha256": None}
-        if was is not None and new is not None:
-            if (was["bytes"], was["sha256"]) == (new["bytes"], new["sha256"]) or (
-                was["sha256"] is None and (was["path"], was["bytes"]) == (new["path"], new["bytes"])
-            ):
-                continue
-            if was["path"] == new["path"]:
-                raise UserError(
-                    f"--input {new['path']} changed since the shards in {folder} were written from it "
-                    f"({was['bytes']:,} bytes then, {new['bytes']:,} now, other content): refused, since those "
-                    f"shards hold its old text and a resume would skip documents by count in the new one; {fix}"
-                )
-        what = (
-            f"input {i + 1} is {new['path']}, it was {was['path']}"
-            if was is not None and new is not None
-            else f"{new['path']} is an input it did not have"
-            if was is None
-            else f"{was['path']} was an input and is not now"
-        )
-        raise UserError(f"the inputs differ from those the shards in {folder} were written from ({what}): {fix}")
-    return {**old, "source": now}
-
-
-def _short(value, width=60):
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def save_manifest(path, manifest):
-    """The manifest written whole (atomically); its journal, now folded into it, is removed."""
+    """The manifest written whole, atomically: a kill leaves the old one or the new one."""
     write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    if os.path.exists(journal_path(path)) and not os.path.islink(journal_path(path)):  # a link: not ours to remove
-        os.remove(journal_path(path))
 
 
 def check_no_links(out_dir, prefix):
-    """Before anything is written: no name this run writes in out_dir (the manifest, its journal,
-    this prefix's shards, their temporary files) is a symbolic link, which a write would follow
-    out of the folder, or its rename delete: one line naming it (support.files.LinkedName)."""
-    ours = re.compile(rf"\.?{re.escape(prefix)}_(manifest\.json|manifest\.journal|(train|val)_\d+\.(npy|bin))(\.tmp)?")
+    """Before anything is written: no name this run writes in out_dir (the manifest, this prefix's
+    shards, their temporary files) is a symbolic link, which a write would follow out of the
+    folder, or its rename delete: one line naming it (support.files.LinkedName)."""
+    ours = re.compile(rf"\.?{re.escape(prefix)}_(manifest\.json|(train|val)_\d+\.(npy|bin))(\.tmp)?")
     for name in sorted(os.listdir(out_dir)):
         if ours.fullmatch(name):
             refuse_link(os.path.join(out_dir, name))
 
 
-def foreign_shards(out_dir, prefix, fmt, started):
-    """Files in out_dir that train_gpt2.py would read as shards and this configuration did not write."""
-    ours = {os.path.basename(shard_path(out_dir, prefix, i, fmt)) for i in range(started)}
-    return sorted(n for n in os.listdir(out_dir) if SHARD_NAME.fullmatch(n) and n not in ours)
+def check_no_foreign_shards(out_dir, config, started):
+    """Training reads every *_train_* / *_val_* file of the folder: refuse to mix ours (the names
+    0 .. started-1 of this configuration) with others' (a run of another --prefix, shards whose
+    manifest was deleted, the user's files), and never delete them."""
+    ours = {os.path.basename(shard_path(out_dir, config["prefix"], i, config["format"])) for i in range(started)}
+    foreign = sorted(n for n in os.listdir(out_dir) if SHARD_NAME.fullmatch(n) and n not in ours)
+    if foreign:
+        raise UserError(
+            f"{out_dir} holds {len(foreign)} shard file(s) this run's manifest does not list ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}), which train_gpt2.py would read with the new ones: "
+            f"use another --out-dir, or move those files away"
+        )
 
 
 FOLDER_LOCK = ".fineweb.lock"  # in --out-dir while a run writes there; its text names that run's process
@@ -340,17 +249,10 @@ def lock_folder(out_dir):
     """An exclusive lock on out_dir for this run (support.file_lock.lock_folder, on FOLDER_LOCK, the
     lock train_gpt2.py holds its --out-dir with): a second fineweb.py into the same folder would
     interleave its shards with this one's, and is refused in one line naming the holder. Returns the
-    descriptor for unlock_folder; None where the file system has no locks (said in a warning)."""
+    descriptor for file_lock.unlock_folder; None where the file system has no locks (said in a warning)."""
     return file_lock.lock_folder(
         out_dir, FOLDER_LOCK, "fineweb.py", "rerun the same command", "pass an --out-dir of your own"
     )
-
-
-def unlock_folder(out_dir, lock):
-    """Give lock_folder's lock back (its file removed while still this run's); lock: {"fd": its descriptor}."""
-    fd = lock.pop("fd", None)
-    if fd is not None:
-        file_lock.unlock_folder(fd, out_dir, FOLDER_LOCK)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,20 +268,16 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
     created = not os.path.isdir(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
-        write_atomic(os.path.join(out_dir, ".fineweb_write_test"), lambda f: f.write(b"ok"))
-        os.remove(os.path.join(out_dir, ".fineweb_write_test"))
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror or e}") from None
-    lock = {"fd": lock_folder(out_dir)}
+    fd = lock_folder(out_dir)
     try:
         return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards)
-    except UserError:
-        unlock_folder(out_dir, lock)
-        if created and not os.listdir(out_dir):
-            os.rmdir(out_dir)  # refused before anything was written: leave no empty folder behind
-        raise
     finally:
-        unlock_folder(out_dir, lock)
+        if fd is not None:
+            file_lock.unlock_folder(fd, out_dir, FOLDER_LOCK)
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)  # stopped before anything was written: leave no empty folder behind
 
 
 def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards):
@@ -388,30 +286,28 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
     check_no_links(out_dir, prefix)
     had_manifest = os.path.exists(manifest_path)
     manifest = load_manifest(manifest_path, config)
-    # this run's stop flags, written with the manifest (and so in its journal's first line): the command
-    # that finishes a folder this run leaves unfinished (support.shards.fineweb_command) stops where it asked
+    # this run's stop flags, written with the manifest: the command that finishes a folder this run
+    # leaves unfinished (support.shards.fineweb_command) stops where it asked
     stop_at = {k: v for k, v in (("max_tokens", max_tokens), ("max_shards", max_shards)) if v is not None}
     if stop_at:
         manifest["stop_at"] = stop_at
     shards = manifest["shards"]
-    check_no_foreign_shards(out_dir, config, manifest, manifest_path, had_manifest)
+    check_no_foreign_shards(out_dir, config, manifest["started"])
 
     # --max-shards is a token limit too: max_shards full shards
     limit = min(max_tokens or float("inf"), max_shards * shard_size if max_shards else float("inf"))
     pos = sum(s["tokens"] for s in shards)  # tokens written so far
     summary = dict(out_dir=out_dir, new_tokens=0, seconds=0.0)
     if manifest["complete"] or pos >= limit:
-        marked = manifest["complete"] or manifest.get("limit") is not None
-        if not marked:
+        if not (manifest["complete"] or manifest.get("limit") is not None):
             manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
-        if not marked or os.path.exists(journal_path(manifest_path)):
             save_manifest(manifest_path, manifest)
         return _summary(summary, shards, nothing_to_do=True, complete=manifest["complete"])
     if shards and shards[-1]["tokens"] < shard_size:
         pos -= shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone in full
     manifest.pop("limit", None)  # unfinished until this run reaches the end or its own limit
     if had_manifest:
-        save_manifest(manifest_path, manifest)  # the list as this run starts from it, its journal folded in
+        save_manifest(manifest_path, manifest)  # the list as this run starts from it
     if shards:
         print(f"resuming after {shards[-1]['file']}: {pos:,} tokens already in {len(shards)} shards", file=sys.stderr)
 
@@ -425,48 +321,14 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
             f"cannot write to {out_dir} ({e.strerror or e}): the shards finished before are kept; "
             f"free space (or fix the folder's permissions) and rerun the same command to resume"
         ) from None
-    finally:
-        # stopped by an error or Ctrl-C: the manifest made whole
-        if os.path.exists(journal_path(manifest_path)):
-            try:
-                save_manifest(manifest_path, manifest)
-            except OSError:
-                pass  # the disk is full: the journal still holds every finished shard, for the rerun
     summary.update(new_tokens=pos - pos0, seconds=time.time() - t0)
     return _summary(summary, shards, nothing_to_do=False, complete=manifest["complete"])
 
 
-def check_no_foreign_shards(out_dir, config, manifest, manifest_path, had_manifest):
-    """Training reads every *_train_* / *_val_* file of the folder: refuse to mix ours with others',
-    and never delete them (a run of another --prefix, or shards whose manifest was deleted)."""
-    prefix, fmt, shards = config["prefix"], config["format"], manifest["shards"]
-    foreign = foreign_shards(out_dir, prefix, fmt, manifest["started"])
-    following = [
-        os.path.basename(shard_path(out_dir, prefix, manifest["started"] + i, fmt)) for i in range(len(foreign))
-    ]
-    if foreign and had_manifest and foreign == following:
-        # this configuration's next names, in a row: shards a journal listed, and the journal lost
-        # since (a copy that skips hidden files)
-        journal = os.path.basename(journal_path(manifest_path))
-        raise UserError(
-            f"{out_dir} holds {len(foreign)} shard file(s) after the {len(shards)} its manifest lists "
-            f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}), named as this configuration writes "
-            f"them: the journal that listed them, {journal}, is gone, so what they hold cannot be checked, and "
-            f"train_gpt2.py would read them with the new ones; copy {journal} back beside the manifest to keep "
-            f"them, or delete those files and rerun the same command, which writes them again"
-        )
-    if foreign:
-        raise UserError(
-            f"{out_dir} holds {len(foreign)} shard file(s) this run's manifest does not list ({', '.join(foreign[:3])}"
-            f"{', ...' if len(foreign) > 3 else ''}), which train_gpt2.py would read with the new ones: "
-            f"use another --out-dir, or move those files away"
-        )
-
-
 class ShardWriter:
     """The shard being filled, and the manifest that lists the finished ones: each shard's name is
-    claimed in the manifest before its file exists, and its entry journaled after the rename, so the
-    manifest never names a file that is not there."""
+    claimed in the manifest before its file exists, and the shard listed after the rename (the
+    manifest rewritten whole, atomically), so the manifest never names a file that is not there."""
 
     def __init__(self, out_dir, config, manifest, manifest_path):
         self.out_dir, self.prefix, self.fmt = out_dir, config["prefix"], config["format"]
@@ -489,29 +351,23 @@ class ShardWriter:
     def finish_shard(self, end_doc, carry):
         """The tokens added since the last shard, written as the next shard and listed. end_doc: the
         index of the first document that does not end in it; carry: that document's tokens in it."""
-        manifest, shards, tokens = self.manifest, self.shards, self.buf[: self.fill]
-        if manifest["started"] <= len(shards):  # claim the name before the file exists (see load_manifest)
-            manifest["started"] = len(shards) + 1
-            save_manifest(self.manifest_path, manifest)
-        path = shard_path(self.out_dir, self.prefix, len(shards), self.fmt)
-        write_shard(path, tokens, self.fmt)
-        shard = dict(
-            file=os.path.basename(path),
-            split="val" if len(shards) == 0 else "train",
-            tokens=self.fill,
-            bytes=os.path.getsize(path),
-            # what a training start checks instead of reading the shard: its largest id, trusted while
-            # the shard still has this fingerprint (support.shards.recorded_max_ids)
-            max_id=int(tokens.max()),
-            fingerprint=shard_fingerprint(path)[2],
-            documents=end_doc - self.shard_start_doc,  # documents that end in this shard
-            carry=carry,  # tokens of the next document (split across shards) already in this one
+        if self.manifest["started"] <= len(self.shards):  # the name claimed before the file exists (load_manifest)
+            self.manifest["started"] = len(self.shards) + 1
+            save_manifest(self.manifest_path, self.manifest)
+        path = shard_path(self.out_dir, self.prefix, len(self.shards), self.fmt)
+        write_shard(path, self.buf[: self.fill], self.fmt)
+        self.shards.append(
+            dict(
+                file=os.path.basename(path),
+                split="val" if not self.shards else "train",
+                tokens=self.fill,
+                bytes=os.path.getsize(path),
+                documents=end_doc - self.shard_start_doc,  # documents that end in this shard
+                carry=carry,  # tokens of the next document (split across shards) already in this one
+            )
         )
-        shards.append(shard)
-        manifest["started"] = max(manifest["started"], len(shards) + 1)  # and claims the next name
-        # after the rename: the manifest never names a file not there
-        entry = {"index": len(shards) - 1, "shard": shard, "started": manifest["started"]}
-        append_journal(self.manifest_path, entry, base={**manifest, "shards": shards[:-1]})
+        self.manifest["started"] = max(self.manifest["started"], len(self.shards) + 1)  # and the next name claimed
+        save_manifest(self.manifest_path, self.manifest)
         self.fill, self.shard_start_doc = 0, end_doc
 
     def drop_stale_shards(self):
@@ -587,19 +443,20 @@ def _summary(summary, shards, **extra):
 # Command line
 
 
-def _positive_int(s):
-    try:
-        value = float(s) if "e" in s.lower() else int(s)  # 100_000_000 and 1e8 both work
-        if value != int(value):
-            raise ValueError
-        value = int(value)
-    except (ValueError, OverflowError):  # 1.5, abc, 1e999 (inf), nan
-        raise argparse.ArgumentTypeError(f"{s!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{s!r} must be at least 1")
-    return value
+def whole(text):
+    """100000000, 100_000_000 or 1e8 as an int; 1.5, nan or inf are no whole number (argparse says so)."""
+    value = float(text) if "e" in text.lower() else int(text)
+    if not math.isfinite(value) or value != int(value):
+        raise ValueError(text)
+    return int(value)
 
 
+whole.__name__ = "whole number"  # argparse's "invalid whole number value: '1.5'"
+POSITIVE = flag_type(whole, lambda n: n >= 1, "at least 1")
+# the shard is built in memory (2 bytes a token) before it is written, and llm.c's .bin header counts
+# its tokens in an int32
+SHARD_SIZE = flag_type(whole, lambda n: n < 2**31, "below 2**31 (2,147,483,648), 4 GiB in memory")
+WORKERS = flag_type(whole, lambda n: 1 <= n <= 256, "from 1 to 256 (threads beyond the cores only add overhead)")
 # the smallest shard: one GPT-2 context (block_size 1,024) and the token after it, the longest sequence
 # train_gpt2.py cuts from a shard (a batch never spans two)
 MIN_SHARD_SIZE = 1025
@@ -634,7 +491,7 @@ def parse_args(argv=None):
     out.add_argument("--prefix", default="edufineweb", help="shard name prefix (default %(default)s)")
     out.add_argument(
         "--shard-size",
-        type=_positive_int,
+        type=SHARD_SIZE,
         default=100_000_000,
         help=f"tokens per shard, at least {MIN_SHARD_SIZE} (default %(default)s)",
     )
@@ -642,25 +499,17 @@ def parse_args(argv=None):
         "--format", choices=("npy", "bin"), default="npy", help="npy (np.save) or bin (llm.c header + uint16)"
     )
     out.add_argument(
-        "--max-tokens", type=_positive_int, help="stop after this many tokens in all (the last shard may be partial)"
+        "--max-tokens", type=POSITIVE, help="stop after this many tokens in all (the last shard may be partial)"
     )
-    out.add_argument("--max-shards", type=_positive_int, help="stop after this many shards")
-    p.add_argument("--workers", type=_positive_int, default=None, help="tokenizer threads (default: the CPU cores)")
+    out.add_argument("--max-shards", type=POSITIVE, help="stop after this many shards")
+    p.add_argument("--workers", type=WORKERS, default=None, help="tokenizer threads (default: the CPU cores)")
     args = p.parse_args(argv)
     check_args(args)
     return args
 
 
-def memory_bytes():
-    """Physical memory of this machine, or None where it cannot be asked."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def check_args(args):
-    """Every flag, alone and against the others, before any work (rule: nonsense is one line, at once)."""
+    """The flags against each other, before any work (each number's own range is its type's)."""
     given = [f"--{k}" for k in HUB_DEFAULTS if getattr(args, k) is not None]
     if args.input and given:
         raise UserError(f"{given[0]} chooses a Hub dataset, but --input reads local files instead: pass one of them")
@@ -687,22 +536,6 @@ def check_args(args):
             f"its next-token target ({MIN_SHARD_SIZE:,}), for train_gpt2.py cuts each sequence from one shard; pass "
             f"at least {MIN_SHARD_SIZE}, e.g. --shard-size 100000 for a small text like README's Shakespeare (the "
             f"default, 100,000,000, suits FineWeb)"
-        )
-    # the shard is built in memory (2 bytes a token) before it is written: 1e13 would ask for 18 TiB
-    memory = memory_bytes()
-    if memory and 2 * args.shard_size > memory // 2:
-        raise UserError(
-            f"--shard-size {args.shard_size:,} needs {2 * args.shard_size / 2**30:,.1f} GiB of memory for one shard, "
-            f"more than half of this machine's {memory / 2**30:,.1f} GiB: use at most {memory // 4:,} "
-            f"(the default, 100,000,000, is 0.2 GB)"
-        )
-    if args.format == "bin" and args.shard_size > 2**31 - 1:  # llm.c's header holds the count as an int32
-        raise UserError(f"--shard-size {args.shard_size:,}: a .bin shard holds at most {2**31 - 1:,} tokens")
-    cores = default_workers()
-    if args.workers is not None and args.workers > max(64, 4 * cores):
-        raise UserError(
-            f"--workers {args.workers:,}: this machine has {cores} usable cores, and tokenizer threads beyond "
-            f"the cores only add overhead; use at most {max(64, 4 * cores)} (default: {cores})"
         )
 
 

@@ -8,30 +8,18 @@ with the lowest mean loss per ending token. OpenAI GPT-2 124M scores acc 0.2859,
 this way (the EleutherAI harness scores it differently: 0.2892 / 0.3114).
 
 In a program: prepared = prepare(examples, enc) once (tokenizes), then evaluate(model, prepared,
-device, rank, world_size, ...) as often as needed. Each context goes through the model once, in
-one row with its 4 endings, which see it but not each other; the LM head runs only where an
-ending token is predicted (see "Scoring" below). On CUDA the CLI uses bf16 autocast, as training does.
+device, rank, world_size, ...) as often as needed; how a batch is scored: "Scoring" below.
 
 Models: a training run scores its own GPT (train_gpt2.py imports this file; this file imports no
-script). The command line loads every -m as transformers' GPT2LMHeadModel with SDPA attention:
-OpenAI GPT-2 and transformers folders through transformers (offline, from the local cache), our
-checkpoint or a run's folder (its newest checkpoint) built in memory from its state dict, its
-vocabulary as it is (padding rows kept), so that it scores what our GPT scores in training. Both
-are packed as above: SDPA takes a packed row's positions and boolean mask, with the same losses as
-our GPT's up to float rounding.
+script). The command line loads every -m as transformers' GPT2LMHeadModel with SDPA attention
+(load_model), which scores a packed row with the same losses as our GPT's up to float rounding.
 
-Rows longer than the model's window: the model reads a row's tokens up to the second to last
-(the last is only predicted), so a row of block_size + 1 tokens fits. A longer row keeps its
-last block_size + 1 tokens: the context is cut from the left. An ending longer than the window
-also loses its first tokens, which are then not scored. (GPT-2's 1024 positions hold every
-validation row: the longest is 166 tokens.)
+A row longer than the model's window keeps its last block_size + 1 tokens (_row_batches); GPT-2's
+1024 positions hold every validation row (the longest is 166 tokens).
 
 Data: --data a local jsonl, else the cache (~/.cache/gpt2-repro/hellaswag/hellaswag_val.jsonl),
-else a download (refused at once when offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, or no
-answer from the Hub or GitHub within 3 s): the Hugging Face Hub dataset Rowan/hellaswag (through `datasets`), then the
-original GitHub file if it still answers. The download is checked (HTTP status, every row, the
-10,042 count) and cached atomically in the original jsonl format. A cache that does not parse
-or is short is refused, never trusted.
+else a download of the original file from GitHub (refused at once when offline: HF_HUB_OFFLINE /
+HF_DATASETS_OFFLINE set, or no answer within 3 s), checked and cached atomically (load_examples).
 
 Usage:
     python hellaswag.py -m gpt2                    # OpenAI GPT-2 124M (gpt2-medium, ... too)
@@ -50,9 +38,7 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not 
 
 import argparse
 import itertools
-import json
 import time
-import urllib.parse
 import urllib.request
 
 import numpy as np
@@ -62,7 +48,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from support.checkpoints import load_checkpoint
-from support.cli import ArgumentParser, UserError, first_line, run_cli
+from support.cli import ArgumentParser, UserError, first_line, flag_type, run_cli
 from support.ddp import fence
 from support.device import keep_freed_memory, pick_device
 from support.files import jsonl_rows, write_atomic
@@ -74,16 +60,10 @@ from support.precision import AUTOCAST_DTYPES, pick_dtype
 from support.shards import get_tokenizer
 
 NUM_VAL = 10042
-HUB_DATASET = "Rowan/hellaswag"  # split "validation": the same rows, with label as a string
 DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "gpt2-repro", "hellaswag")
 CACHE_NAME = "hellaswag_val.jsonl"
 SPLIT_TYPES = ("indomain", "zeroshot")  # activity labels seen / not seen in HellaSwag's train split
-
-# the original file's key order; its WikiHow rows put ctx second (kept so the cache we write is
-# byte-for-byte the original file)
-KEYS = ("ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split", "split_type", "label", "endings", "source_id")
-WIKIHOW_KEYS = ("ind", "ctx", *(k for k in KEYS if k not in ("ind", "ctx")))
 
 
 class HellaSwagDataError(UserError):
@@ -127,65 +107,26 @@ def _read_jsonl(path):
         raise HellaSwagDataError(f"{path} cannot be read: {e.strerror or first_line(e)}") from None
 
 
-def _fetch_from_hub():
-    """The validation split from the Hugging Face Hub, as jsonl text in the original format."""
-    import datasets  # noqa: PLC0415  only the download needs datasets (half a second to import); training never does
-
-    ds = datasets.load_dataset(HUB_DATASET, split="validation")
-    lines = []
-    for i, row in enumerate(ds):
-        row = dict(row)
-        try:
-            row["label"] = int(row["label"])  # a string on the Hub
-        except (KeyError, TypeError, ValueError):
-            raise HellaSwagDataError(f"{HUB_DATASET} row {i}: label {row.get('label')!r} is not a number") from None
-        keys = WIKIHOW_KEYS if str(row.get("source_id", "")).startswith("wikihow") else KEYS
-        missing = [k for k in keys if k not in row]
-        if missing:
-            raise HellaSwagDataError(f"{HUB_DATASET} row {i}: no field {missing[0]!r}")
-        lines.append(json.dumps({k: row[k] for k in keys}) + "\n")
-    return "".join(lines)
-
-
-def _fetch_from_url():
-    """The original GitHub file. An error page must not become the data: check the status."""
-    with urllib.request.urlopen(DATA_URL, timeout=60) as resp:
-        if resp.status != 200:
-            raise HellaSwagDataError(f"HTTP status {resp.status}")
-        return resp.read().decode("utf-8")
-
-
-def offline_reason():
-    """Why a download cannot work, found in a few seconds, or None: without this, datasets and
-    urllib retry for ~27 s before failing."""
-    var = offline_var(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    if var:
-        return f"{var} is set"
-    if all(unreachable(url) for url in ("https://huggingface.co", DATA_URL)):
-        return "no network: neither huggingface.co nor raw.githubusercontent.com answers"
-    return None
-
-
 def download(cache_path):
-    """Fetch the validation split (Hub, then the original URL), check it, write cache_path atomically."""
-    reason = offline_reason()
+    """Fetch the original validation file, check it (an error page must not become the data: every
+    row, the count), and write cache_path atomically."""
+    var = offline_var(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    reason = f"{var} is set" if var else None
+    if not var and (why := unreachable(DATA_URL)):  # said at once: urllib would retry for ~27 s
+        reason = f"no network: raw.githubusercontent.com does not answer ({why})"
     if reason:
         raise HellaSwagDataError(f"cannot download HellaSwag ({reason}); pass --data path/to/hellaswag_val.jsonl")
     print(f"downloading the HellaSwag validation split to {cache_path}", file=sys.stderr)
-    errors = []
-    for where, fetch in ((HUB_DATASET, _fetch_from_hub), (DATA_URL, _fetch_from_url)):
-        try:
-            text = fetch()
-            n = len(parse_rows(text.splitlines(), where))
-            if n != NUM_VAL:
-                raise HellaSwagDataError(f"{n} rows, expected {NUM_VAL}")
-            break
-        except Exception as e:  # offline, 404, a moved dataset: all mean "try the next source"
-            errors.append(f"{where}: {first_line(e)}")
-    else:
+    try:
+        with urllib.request.urlopen(DATA_URL, timeout=60) as resp:
+            text = resp.read().decode("utf-8")
+        n = len(parse_rows(text.splitlines(), "the download"))
+        if n != NUM_VAL:
+            raise HellaSwagDataError(f"{n} rows, expected {NUM_VAL}")
+    except Exception as e:  # offline, 404, a moved file, an error page
         raise HellaSwagDataError(
-            f"cannot download HellaSwag ({'; '.join(errors)}); pass --data path/to/hellaswag_val.jsonl"
-        )
+            f"cannot download HellaSwag ({DATA_URL}: {first_line(e)}); pass --data path/to/hellaswag_val.jsonl"
+        ) from None
     os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
     # a cut download never leaves a partial cache; a link at its name is refused (no flag to name: any caller's)
     write_atomic(cache_path, lambda f: f.write(text.encode("utf-8")), elsewhere=None)
@@ -285,8 +226,6 @@ def prepare(examples, enc):
         try:
             c, ends = render_example(ex, enc)
             label, split_type = ex["label"], ex["split_type"]
-            if len(ends) != 4 or type(label) is not int or not 0 <= label <= 3 or not isinstance(split_type, str):
-                raise ValueError("it needs 4 endings, a label from 0 to 3 and a split_type string")
         except Exception as e:  # KeyError, TypeError, "<|endoftext|>" in the text (ValueError), ...
             name = f"example {i}" + (f" (ind {ex['ind']})" if isinstance(ex, dict) and "ind" in ex else "")
             raise HellaSwagDataError(f"HellaSwag {name} cannot be tokenized: {first_line(e)}") from None
@@ -297,20 +236,10 @@ def prepare(examples, enc):
     return Prepared(ctx, endings, labels, split_types)
 
 
-def _unwrap(model):
-    # DDP wraps the model in .module and torch.compile in ._orig_mod: look through both
-    while not hasattr(model, "config"):
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-        if inner is None:
-            raise ValueError(f"cannot find the config of {type(model).__name__}")
-        model = inner
-    return model
-
-
 def _trunk(model):
     """-> (hidden(idx, pos=None, mask=None): the final LayerNorm's output, the LM head, whether
-    hidden takes positions and a mask, as our GPT does, for packed rows)."""
-    model = _unwrap(model)
+    hidden takes positions and a mask, as our GPT does, for packed rows). model: our GPT or
+    transformers' GPT2LMHeadModel itself, not wrapped by DDP or torch.compile."""
     if hasattr(model, "hidden_states"):  # our GPT
         return model.hidden_states, model.lm_head, True
 
@@ -477,7 +406,7 @@ def ending_losses(
     share = list(range(len(prepared))) if share is None else list(share)
     device_type = torch.device(device).type
     batch_tokens = batch_tokens or (65536 if device_type == "cuda" else 4096)
-    config = _unwrap(model).config
+    config = model.config
     block_size = getattr(config, "block_size", None) or config.n_positions
     hidden, lm_head, packs = _trunk(model)
     oom_phase("scoring HellaSwag", batch_tokens=batch_tokens)  # its advice: a smaller --batch-tokens
@@ -617,6 +546,9 @@ def load_model(spec, device):
     return model.to(device).eval()
 
 
+POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")  # --limit, --batch-tokens
+
+
 def main(argv=None):
     p = ArgumentParser(prog="hellaswag.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -626,10 +558,10 @@ def main(argv=None):
         help="gpt2*, a transformers dir, our checkpoint or a run's folder (its newest) (default gpt2)",
     )
     p.add_argument("-d", "--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
+    p.add_argument("--limit", type=POSITIVE, default=None, help="evaluate only the first N examples")
     p.add_argument(
         "--batch-tokens",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="most positions in one forward pass (default 65536 on CUDA, 4096 elsewhere)",
     )
@@ -643,10 +575,6 @@ def main(argv=None):
         "older ones, float32 elsewhere)",
     )
     args = p.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"--limit {args.limit}: give a positive number of examples")
-    if args.batch_tokens is not None and args.batch_tokens < 1:
-        raise UserError(f"--batch-tokens {args.batch_tokens}: give a positive number of positions")
     examples = load_examples(args.data, args.cache_dir, args.limit)  # bad data fails before the model loads
     device, device_type = pick_device(args.device)
     if device_type == "cpu":

@@ -1,19 +1,16 @@
 r"""
 Reproduce GPT-2 (124M) pretraining on FineWeb-Edu, in one readable file.
 
-Top to bottom, in the order of the recipe: the model, the device and its precision, the data
-(memory-mapped token shards), the learning-rate schedule, the val loss, and the training loop (a
-process per GPU under torchrun: DDP); the command line at the end. What keeps a run safe without
-changing what it computes (flag checks, checkpoint files, resume, signals, the log) is in
-support/, one module per concern.
+Top to bottom, in the order of the recipe: the model, the device and its precision, the data (token
+shards), the learning-rate schedule, the val loss, and the training loop (a process per GPU under
+torchrun: DDP); the command line at the end. What keeps a run safe without changing what it computes
+(flag checks, checkpoints, resume, signals, the log) is in support/, one module per concern.
 
 Usage:
     python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe
     python train_gpt2.py                                   # the same on one GPU (or CPU: slow)
     python train_gpt2.py --resume                          # continue from the newest log/ckpt_*.pt
-    python train_gpt2.py --data-dir shards --n-layer 2 --n-head 4 --n-embd 64 -B 8 -T 64 \
-        --total-batch-size 4096 --max-steps 200 --warmup-steps 20 --max-lr 1e-3 --eval-every 50 \
-        --hellaswag-every 0 --sample-every 100 --val-tokens 16384         # a tiny run on a laptop
+    python train_gpt2.py @configs/laptop.txt --max-steps 400   # a laptop's tiny run: a preset, typed flags win
     python train_gpt2.py --sample-from gpt2                      # sample from OpenAI GPT-2
     python train_gpt2.py --sample-from log --prompt "Hello,"     # from a run's newest checkpoint
     python train_gpt2.py --export-hf log/ckpt_019073.pt gpt2_ours  # our checkpoint -> transformers dir
@@ -55,6 +52,7 @@ from support.model_files import find_model
 from support.out_dir import missing_folders, release_out_dir, remove_made_folders
 from support.out_of_memory import forget_phases, oom_phase, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
+from support.presets import expand_presets
 from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
 from support.run_log import RunLog
 from support.sampling import check_sampling, log_samples, print_samples
@@ -63,13 +61,10 @@ from support.shards import (
     ShardFile,
     check_batch_fits,
     check_batch_ids,
-    check_same_shards,
-    check_token_ids,
     data_identity,
     find_shards,
     get_tokenizer,
     load_shard,
-    recorded_max_ids,
 )
 from support.signals import StopRequest
 
@@ -254,8 +249,7 @@ def flops_per_token(config, T):
     not a matmul; the token embedding is counted because lm_head (tied to it) is a matmul.
     GPT-2 124M at T=1024: about 855 MFLOP per token."""
     C = config.n_embd
-    n_params = config.vocab_size * C + config.block_size * C + config.n_layer * (12 * C * C + 13 * C) + 2 * C
-    n_params -= config.block_size * C  # wpe
+    n_params = config.vocab_size * C + config.n_layer * (12 * C * C + 13 * C) + 2 * C  # without wpe
     return 6 * n_params + 12 * config.n_layer * config.n_head * (C // config.n_head) * T
 
 
@@ -268,12 +262,8 @@ def load_model(spec, device="cpu"):
 
 
 def model_from_checkpoint(ckpt, path):
-    """The GPT a checkpoint holds; weights that do not fit its own config are a UserError."""
-    try:
-        config = GPTConfig(**ckpt["model_config"])
-    except TypeError as e:
-        raise UserError(f"checkpoint {path}: its model_config is not a GPT config ({e})") from None
-    return GPT.from_state_dict(config, ckpt["model"], f"checkpoint {path}")
+    """The GPT a checkpoint (load_checkpoint's) holds; weights that do not fit its config are a UserError."""
+    return GPT.from_state_dict(GPTConfig(**ckpt["model_config"]), ckpt["model"], f"checkpoint {path}")
 
 
 # --- Device and precision: TF32 and bf16 autocast on CUDA, torch.compile --------------------------
@@ -322,10 +312,10 @@ class DataLoaderLite:
         self.shuffle, self.seed, self.device, self.vocab_size = shuffle, seed, device, vocab_size
         self.chunk = B * T * world_size
         self.shards = find_shards(data_dir, split, required=True)
-        sizes, recorded = [], recorded_max_ids(data_dir)  # the ids fineweb.py saw: no need to read those shards
+        sizes = []
         for path in self.shards:  # checks every shard now, not hours later
             tokens = load_shard(path)
-            check_token_ids(tokens, vocab_size, path, recorded.get(path))
+            check_batch_ids(tokens[:1024], vocab_size, path, 0)  # another tokenizer's, by its first ids
             sizes.append(len(tokens))
         self.batches_per_epoch = sum(max(0, (n - 1) // self.chunk) for n in sizes)  # a batch never spans two shards
         check_batch_fits(self.batches_per_epoch, sizes, self.chunk, data_dir, split)
@@ -365,7 +355,6 @@ class DataLoaderLite:
         return {"epoch": self.epoch, "shard": self.shard, "pos": self.pos, "shards": names}
 
     def load_state_dict(self, state):
-        check_same_shards(state["shards"], [os.path.basename(p) for p in self.shards])
         self.set_position(state["epoch"], state["shard"], state["pos"])
 
 
@@ -389,9 +378,12 @@ def load_data(args, config, ddp_rank, ddp_world_size, device, master_process):
     oom_phase("reading the data", val_tokens=args.val_tokens)
     order = dict(rank=ddp_rank, world_size=ddp_world_size, shuffle=not args.no_shuffle, seed=args.seed)
     B, T, data_dir, vocab_size = args.batch_size, args.seq_len, args.data_dir, config.vocab_size
-    train_loader = DataLoaderLite(data_dir, "train", B, T, **order, vocab_size=vocab_size, device=device)
-    val_tokens = load_val_tokens(data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
-    check_data(args, train_loader.tokens_per_epoch, val_tokens, master_process)
+    try:  # every rank reads the folder (a node's may be its own): a mistake in it is said once a node
+        train_loader = DataLoaderLite(data_dir, "train", B, T, **order, vocab_size=vocab_size, device=device)
+        val_tokens = load_val_tokens(data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
+        check_data(args, train_loader.tokens_per_epoch, val_tokens, master_process)
+    except UserError as e:
+        raise same_on_every_rank(e) from None
     return train_loader, val_tokens
 
 
@@ -508,7 +500,7 @@ def log_hellaswag(step, model, examples, log, out_dir, batch, **ranks):
 def open_log(args, master_process, run_id, resumed_from, changes, batch, min_lr, **setup):
     """(The run's log, its header written: the flags, the model, how the run computes; MFU per token/s,
     a token's FLOPs over one GPU's peak, per GPU, or None). resumed_from: the step its checkpoint
-    holds (never 0: a checkpoint follows a step), or None (a new run, a restart)."""
+    holds (never 0: a checkpoint follows a step), or None (a new run)."""
     device, config, flops = batch["device"], batch["config"], flops_per_token(batch["config"], batch["T"])
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or device
     log = RunLog(args.out_dir, master_process, args.max_steps)
@@ -716,8 +708,8 @@ def parse_args(argv=None):
     p, roles = command_line()
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     unset = object()  # argparse fills in no default where the namespace has a value already
-    try:  # every rank of a torchrun job parses the same command line: a mistake is said once
-        args = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(roles, unset)))
+    try:  # every rank of a torchrun job parses the same command line (@presets too): said once
+        args = p.parse_args(expand_presets(argv, p), argparse.Namespace(**dict.fromkeys(roles, unset)))
     except UserError as e:
         raise same_on_every_rank(e) from None
     given = {name for name, value in vars(args).items() if value is not unset}

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 import hellaswag
 from benchmarks.report import comparison
 from benchmarks.sample import eval_model
-from benchmarks.settings import ROOT, TARGETS, VOCAB
+from benchmarks.settings import ROOT, VOCAB
 from benchmarks.timing import interleave, rates, stats, timed
 from support.cli import UserError
 from support.shards import get_tokenizer
@@ -166,7 +166,7 @@ def bench_hellaswag(s, path, device, device_type, tmp):
             ex["process"],
             ex["plain"],
             "ex/s",
-            TARGETS["hellaswag_process"],
+            "hellaswag_process",
             note=f"{note}; start-up included",
         ),
     ]
@@ -215,7 +215,7 @@ def bench_hellaswag(s, path, device, device_type, tmp):
                 in_loop,
                 None,
                 "s",
-                TARGETS["hellaswag_full_s"],
+                "hellaswag_full_s",
                 higher_is_better=False,
                 note=f"first call {first_s:.1f} s builds the batches",
             ),
@@ -224,7 +224,7 @@ def bench_hellaswag(s, path, device, device_type, tmp):
                 process,
                 None,
                 "s",
-                TARGETS["hellaswag_process_full_s"],
+                "hellaswag_process_full_s",
                 higher_is_better=False,
             ),
         ]

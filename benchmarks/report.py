@@ -2,6 +2,7 @@
 
 import statistics
 
+from benchmarks.settings import IF_MISSED, TARGETS
 from benchmarks.timing import stats
 
 
@@ -20,14 +21,14 @@ def fmt_stats(s, unit):
 def comparison(name, ours, baseline, unit, target=None, higher_is_better=True, judge="median", note=""):
     """One row: ours and baseline are lists of per-round values (the same rounds, in order,
     when paired) or, for a quoted reference, a single number; baseline None: ours alone
-    against the target, judged by its median or its mean."""
+    against the target, judged by its median or its mean. target: a key of TARGETS, or None."""
     ours_s = stats(ours)
     row = {
         "name": name,
         "unit": unit,
         "ours": ours_s,
         "note": note,
-        "target": target,
+        "target": None if target is None else TARGETS[target],
         "higher_is_better": higher_is_better,
     }
     if baseline is None:  # an absolute number against a target
@@ -46,7 +47,9 @@ def comparison(name, ours, baseline, unit, target=None, higher_is_better=True, j
         if isinstance(baseline, list) and len(baseline) == len(ours):
             row["paired_ratio"] = stats([a / b for a, b in zip(ours, baseline, strict=True)])
         value = row["ratio"]
-    row["met"] = None if target is None else (value >= target if higher_is_better else value < target)
+    row["met"] = None if target is None else (value >= row["target"] if higher_is_better else value < row["target"])
+    if row["met"] is False:
+        row["if_missed"] = IF_MISSED[target]
     return row
 
 
@@ -81,3 +84,8 @@ def table(rows):
         name = r["name"] + (f" ({r['note']})" if r["note"] else "")
         lines.append(f"| {name} | {ours} | {base} | {ratio} | {target} | {met} |")
     return "\n".join(lines)
+
+
+def missed(rows):
+    """What each target not met means, a line each, for after the table."""
+    return [f"- {r['name']}: {r['if_missed']}" for r in rows if r["met"] is False]

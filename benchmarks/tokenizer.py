@@ -4,7 +4,6 @@ import statistics
 
 import fineweb
 from benchmarks.report import comparison
-from benchmarks.settings import TARGETS
 from benchmarks.timing import interleave, log, rates, stats, timed
 from support.cli import UserError
 from support.documents import default_workers, expand_inputs, local_documents
@@ -63,7 +62,7 @@ def bench_fineweb(s, paths, text_field):
             tok["fineweb"],
             tok["tiktoken"],
             "tok/s",
-            TARGETS["fineweb_vs_tiktoken"],
+            "fineweb_vs_tiktoken",
             note=f"{workers} threads each, {n_tokens:,} tokens; "
             f"pool start {statistics.median(start) * 1e3:.1f} ms included",
         )

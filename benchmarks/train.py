@@ -15,7 +15,7 @@ from torch import nn
 import train_gpt2
 from benchmarks.ceiling import matmul_fn
 from benchmarks.report import comparison, fmt
-from benchmarks.settings import ORIGINAL_MFU, ORIGINAL_TOK_PER_SEC, ROOT, TARGETS, TRAIN_CONFIGS, VOCAB
+from benchmarks.settings import ORIGINAL_MFU, ORIGINAL_TOK_PER_SEC, ROOT, TRAIN_CONFIGS, VOCAB
 from benchmarks.timing import interleave, log, rates, stats, timed
 from support.cli import UserError
 from support.device import keep_freed_memory
@@ -194,7 +194,7 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
                     tok[k],
                     tok[hf_k],
                     "tok/s",
-                    TARGETS["vs_transformers"],
+                    "vs_transformers",
                     note=note,
                 )
             )
@@ -202,7 +202,7 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
         if f"ours fp32 {mode}" not in tok:
             continue
         fp32, bf16 = tok[f"ours fp32 {mode}"], tok[f"ours bf16 {mode}"]
-        target = TARGETS["bf16_vs_fp32"] if device_type == "cpu" else None  # the target is the CPU's
+        target = "bf16_vs_fp32" if device_type == "cpu" else None  # the target is the CPU's
         rows.append(comparison(f"train {name} {mode}: bf16 vs fp32 (ours)", bf16, fp32, "tok/s", target))
         if name == "gpt2" and device_type == "cpu":  # the quoted reference's own config and precision
             mfu32 = mfu[f"ours fp32 {mode}"]
@@ -212,7 +212,7 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
                     fp32,
                     ORIGINAL_TOK_PER_SEC,
                     "tok/s",
-                    TARGETS["vs_original"],
+                    "vs_original",
                     note="its quoted 164 tok/s",
                 ),
                 comparison(
@@ -220,15 +220,11 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
                     mfu32,
                     ORIGINAL_MFU,
                     "%",
-                    TARGETS["vs_original"],
+                    "vs_original",
                     note="its quoted 79% of the fp32 ceiling",
                 ),
                 comparison(
-                    f"train gpt2 fp32 {mode}: MFU (of the fp32 torch.mm ceiling)",
-                    mfu32,
-                    None,
-                    "%",
-                    TARGETS["mfu_gpt2_fp32"],
+                    f"train gpt2 fp32 {mode}: MFU (of the fp32 torch.mm ceiling)", mfu32, None, "%", "mfu_gpt2_fp32"
                 ),
             ]
     for precision in ("fp32", "bf16"):
@@ -241,7 +237,7 @@ def bench_train_config(name, s, device, device_type, peak, data_dir):
                     tok[k],
                     tok[f"ours {precision} eager"],
                     "tok/s",
-                    TARGETS["compile_vs_eager"],
+                    "compile_vs_eager",
                     note=note,
                 )
             )

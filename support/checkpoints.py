@@ -17,28 +17,19 @@ from support.cli import UserError, first_line
 from support.ddp import fence
 from support.divergence import check_finite_state, checkpoint_health
 from support.files import disk_error, write_atomic
-from support.out_dir import checkpoint_path, checkpoint_paths, folder_gone, move_aside, not_this_runs, run_id_of
+from support.out_dir import checkpoint_path, checkpoint_paths, folder_gone, run_id_of
 from support.out_of_memory import oom_phase
 from support.signals import StopRequest
+
+MODEL_CONFIG_KEYS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"}  # train_gpt2.py's GPTConfig
 
 
 def save_checkpoint(ckpt, out_dir, keep):
     """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
-    real name), then prune: delete this run's checkpoints beyond the newest `keep`. A file put at
-    the name since the start's check (support.out_dir.check_names_to_write) that is not this run's
-    is kept, not replaced: one lstat, and a read of the pickled part only when a file is there (the
-    run's own, rewritten when a signal comes at the step it resumed from); write_atomic refuses a
-    symbolic link at the name. A folder moved or deleted meanwhile is said as such."""
+    real name), then prune: delete this run's checkpoints beyond the newest `keep`. What stands at
+    the name was checked at start to be a checkpoint (support.out_dir.check_names_at_start), and
+    write_atomic refuses a symbolic link there. A folder moved or deleted meanwhile is said as such."""
     path = checkpoint_path(out_dir, ckpt["step"])
-    why = not_this_runs(path, ckpt["run_id"], ckpt["step"])
-    if why:
-        earlier = [p for p in checkpoint_paths(out_dir) if p != path and run_id_of(p) == ckpt["run_id"]]
-        then = f"continue with --resume (from {earlier[0]})" if earlier else "start again with --resume"
-        raise UserError(
-            f"{path} was put there while this run trained and is not this run's ({why}): it stays as it is and "
-            f"this run stops without its step {ckpt['step']} checkpoint: move it aside "
-            f"({move_aside(path, 'aside')}), then {then}"
-        )
     try:
         write_atomic(path, lambda f: torch.save(ckpt, f))
     except (OSError, RuntimeError) as e:
@@ -51,7 +42,7 @@ def save_checkpoint(ckpt, out_dir, keep):
         then = (
             f"continue with --resume (from {earlier[0]}, intact)"
             if earlier
-            else "start again with --resume (no checkpoint was written before this one)"
+            else "start the run again in a new --out-dir (no checkpoint was written before this one)"
         )
         raise disk_error(cause, f"checkpoint {path}", then) from None
     prune(out_dir, keep, ckpt["run_id"])
@@ -101,7 +92,8 @@ def save_training_state(ckpt, out_dir, keep, master_process, ddp):
 def load_checkpoint(path, mmap=False):
     """Our checkpoint as a dict of tensors and plain values. weights_only=True: a checkpoint
     carrying pickled code is refused instead of run. mmap: the tensors are mapped, not read (a
-    dry run's check, which needs only the small pickled part)."""
+    dry run's check, which needs only the small pickled part). Its model_config is checked here, once,
+    for every reader."""
     try:
         # torch.save writes a zip with a CRC per tensor, which torch.load never checks: without
         # this, a flipped bit on disk loads as silently wrong weights
@@ -119,8 +111,9 @@ def load_checkpoint(path, mmap=False):
         ) from None
     if bad is not None:
         raise UserError(f"checkpoint {path} is corrupt: its {bad} fails the zip CRC check")
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise UserError(f"checkpoint {path} is not a train_gpt2.py checkpoint (no model / model_config)")
+    shape = ckpt.get("model_config") if isinstance(ckpt, dict) else None
+    if not isinstance(shape, dict) or set(shape) != MODEL_CONFIG_KEYS or "model" not in ckpt:
+        raise UserError(f"checkpoint {path} is not a train_gpt2.py checkpoint (no model / GPT model_config)")
     return ckpt
 
 

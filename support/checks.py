@@ -1,34 +1,16 @@
 """The checks that refuse bad flags before step 0, not hours in: numbers the code cannot use, a
 model too big for the device's memory, too little data for the batch and the run."""
 
-import argparse
-import math
 import os
 import sys
 
 import torch
 
-from support.cli import UserError, same_on_every_rank
+from support.cli import UserError, flag_type, same_on_every_rank
 from support.gpu import TRAIN_BYTES_PER_PARAMETER
 from support.out_dir import data_dir_problem
 from support.shards import GPT2_VOCAB, MAX_VOCAB_SIZE
 from support.wandb_log import wandb_problem
-
-
-def flag_type(kind, ok, says):
-    """An argparse type for a number flag, declared beside it in parse_args: text -> kind, refused
-    in one line naming the flag (argparse's) unless it is finite and ok(value); says: what ok asks."""
-
-    def parse(text):
-        value = kind(text)  # no number at all: argparse says "invalid int value"
-        if not math.isfinite(value):  # nan passes no comparison, and inf every upper-less one
-            raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {says}, not {value}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" line
-    return parse
 
 
 class Number:
@@ -98,12 +80,6 @@ def check_args(args, world_size, given=frozenset(), warmup_lr=None):
         check_warmup(args, given, warmup_lr)
 
 
-def fitting_warmup(max_steps):
-    """A warm-up that ends inside max_steps, to name in advice: about a tenth of the run, at least
-    one step (none for a one-step run)."""
-    return min(max(1, max_steps // 10), max_steps - 1)
-
-
 def check_warmup(args, given, warmup_lr):
     """A --max-steps that ends inside the warm-up (warmup_lr: the recipe's, for the lr the run's
     last step reaches). The default warm-up is refused: a short run forgot it. One asked for is
@@ -113,7 +89,8 @@ def check_warmup(args, given, warmup_lr):
     would), but the lr then never reaches --max-lr, which a run meant whole should hear at start."""
     if args.warmup_steps < args.max_steps:
         return
-    fit, last_lr = fitting_warmup(args.max_steps), warmup_lr(args.max_steps - 1, args.max_lr, args.warmup_steps)
+    fit = min(max(1, args.max_steps // 10), args.max_steps - 1)  # to advise: a tenth of the run, inside it
+    last_lr = warmup_lr(args.max_steps - 1, args.max_lr, args.warmup_steps)
     if not args.resume and "warmup_steps" not in given:  # on resume the checkpoint's value counts
         raise same_on_every_rank(
             UserError(

@@ -4,6 +4,7 @@ a Ctrl-C and an out-of-memory each as one line; torch-free, as fineweb.py is."""
 
 import argparse
 import contextlib
+import math
 import os
 import re
 import signal
@@ -13,8 +14,9 @@ import time
 
 class UserError(Exception):
     """A mistake in the user's input: reported as one line, exit code 1, no traceback.
-    every_rank: every process of a torchrun job raises the same one (a flag, the recipe), so
-    only rank 0 says it."""
+    every_rank: every process of a torchrun job raises the same one (a flag, the recipe, the data
+    folder), so only each node's first process (LOCAL_RANK 0) says it: once on one machine, and on
+    each node's own console, whose data folder may be the node's own."""
 
     every_rank = False
 
@@ -28,7 +30,23 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message} (see python {self.prog} --help)")
 
 
-EVERY_RANK_GRACE = 3.0  # seconds the other ranks wait before exiting on a mistake rank 0 says for them
+def flag_type(kind, ok, says):
+    """An argparse type for a number flag, declared beside it in a script's parser: text -> kind, refused
+    in one line naming the flag (argparse's) unless it is finite and ok(value); says: what ok asks."""
+
+    def parse(text):
+        value = kind(text)  # no number at all: argparse says "invalid int value"
+        if not math.isfinite(value):  # nan passes no comparison, and inf every upper-less one
+            raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {says}, not {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" line
+    return parse
+
+
+EVERY_RANK_GRACE = 3.0  # seconds the other ranks wait before exiting on a mistake their node's first says
 
 
 def same_on_every_rank(error):
@@ -79,15 +97,15 @@ def run_cli(main, interrupted="interrupted", out_of_memory=None):
     its traceback. Output to a pipe that closes is dropped (OutlivesItsReader), not fatal.
     Running out of memory is one `error:` line too: out_of_memory(the exception) says during what
     and which flag to lower (see out_of_memory_line). Under torchrun a mistake every rank makes
-    alike (UserError.every_rank) is said by rank 0 alone."""
+    alike (UserError.every_rank) is said once a node, by its LOCAL_RANK 0."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt from here on
     sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
     try:
         code = main()
     except UserError as e:
-        if not (e.every_rank and os.environ.get("RANK", "0") != "0"):
+        if not (e.every_rank and os.environ.get("LOCAL_RANK", "0") != "0"):
             print(f"error: {e}", file=sys.stderr)
-        elif e.every_rank:  # torchrun ends the job when the first rank exits: give rank 0 time to say it
+        else:  # torchrun ends the job when the first rank exits: give the speaker time to say it
             time.sleep(EVERY_RANK_GRACE)
         code = 1
     except Exception as e:

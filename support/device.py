@@ -49,53 +49,15 @@ def compile_problem(device):
     return None
 
 
-# the folders torch.compile writes its generated code to, where the user's environment names them
-# (Triton's only on a GPU); unset, torch picks a folder of its own
-CACHE_VARIABLES = {"cpu": ("TORCHINDUCTOR_CACHE_DIR",), "cuda": ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-
-
-def folder_problem(path):
-    """Why no file can be written in the folder path (made if missing), or None: seen without
-    writing anything."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        return "is a file, not a folder"
-    existing = path
-    while not os.path.exists(existing) and os.path.dirname(existing) not in ("", existing):
-        existing = os.path.dirname(existing)  # the folder it would be made in
-    if os.path.exists(existing) and not os.path.isdir(existing):
-        return f"is under {existing}, a file"
-    if os.path.isdir(existing) and not os.access(existing, os.W_OK | os.X_OK):
-        return "is not writable" if existing == path else f"cannot be made in {existing}, which is not writable"
-    return None
-
-
-def cache_problem(device_type, environ=os.environ):
-    """The cache variable that makes torch.compile fail on device_type, as the words for a message
-    (the variable, its value and why), or None."""
-    for name in CACHE_VARIABLES.get(device_type, ()):
-        path = environ.get(name)
-        why = folder_problem(path) if path else None
-        if why:
-            return f"{name}={path} {why}: unset {name}, or point it at a writable folder"
-    return None
-
-
 def choose_compile(requested, device_type, verbose=True, problem=compile_problem):
     """Whether the run compiles: --compile (True), --no-compile (False) or the default (None: on
     for COMPILE_BY_DEFAULT). A compile that cannot work (problem(device_type) says why) is one
-    error line when asked for, and by default a note (when verbose) and an eager run. A failure that a
-    cache folder named in the environment explains (cache_problem) blames that variable, not the device."""
+    error line when asked for, and by default a note (when verbose) and an eager run."""
     if requested is False or (requested is None and device_type not in COMPILE_BY_DEFAULT):
         return False
     why = problem(device_type)
     if why is None:
         return True
-    if (cache := cache_problem(device_type)) is not None:
-        if requested:
-            raise same_on_every_rank(UserError(f"--compile: torch.compile cannot write its cache: {cache}"))
-        if verbose:
-            print(f"note: torch.compile cannot write its cache, so this run trains without it (slower): {cache}")
-        return False
     if requested:
         raise same_on_every_rank(
             UserError(f"--compile: torch.compile does not work on this {device_type} ({why}); run with --no-compile")

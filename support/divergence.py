@@ -62,15 +62,6 @@ class NonFiniteGuard:
         return True
 
 
-def train_config_of(path):
-    """The flags a checkpoint was saved with ({} if it cannot be read); mmap reads only the small
-    pickled part, not the tensors."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("train_config") or {}
-    except Exception:
-        return {}
-
-
 def check_finite_state(ckpt, out_dir):
     """Weights or a val loss that are not finite are never saved as a checkpoint (ckpt: the dict
     about to be), and a run that has them is not done: it stops, saying which checkpoint in out_dir
@@ -97,30 +88,11 @@ def checkpoint_health(out_dir):
     return [(path, trained.get(step_of_name(path), False)) for path in checkpoint_paths(out_dir)]
 
 
-def diverged_max_lr(out_dir, since_step):
-    """The --max-lr that diverged from step since_step: that of the latest run in out_dir's log that
-    trained on from since_step or earlier and had a non-finite step or val loss. A run resumed later
-    than since_step (from weights that had already gone bad) does not count: lowering its lr is not
-    what the weights of since_step need. None when the log records no such run."""
-    found, max_lr, start = None, None, None
-    for record in log_records(os.path.join(out_dir, "log.jsonl")):
-        if record.get("event") == "header":
-            max_lr, start = (record.get("config") or {}).get("max_lr"), record.get("resumed_from") or 0
-            continue
-        val_loss = record.get("val_loss", 0.0)  # a NaN is the string "NaN" (strict JSON)
-        bad = "skipped" in record or not (isinstance(val_loss, (int, float)) and math.isfinite(val_loss))
-        if bad and start is not None and start <= since_step and isinstance(max_lr, (int, float)):
-            found = max_lr
-    return found
-
-
 def diverged_advice(out_dir, max_lr):
     """What to do after a divergence: go on from the newest checkpoint whose weights are known good
-    (checkpoint_health) with an --max-lr below the one that diverged from it (diverged_max_lr; else
-    max_lr, this run's), an allowed change on --resume; with none, start anew."""
+    (checkpoint_health) with an --max-lr below max_lr, this run's (an allowed change on --resume);
+    with none, start anew."""
     good = [path for path, known_good in checkpoint_health(out_dir) if known_good]
-    since = step_of_name(good[0]) if good else 0
-    max_lr = diverged_max_lr(out_dir, since) or max_lr
     if good:
         return (
             f"continue from {good[0]}, the newest checkpoint whose weights trained without a NaN or inf, with "

@@ -38,18 +38,7 @@ def expand_inputs(patterns):
             raise UserError(f"--input {path} does not exist")
         if not path.endswith(INPUT_TYPES):
             raise UserError(f"--input {path}: unknown file type, use {', '.join(INPUT_TYPES)}")
-    # one file named twice (a glob and its path, ./a and a, a link to it) is read once: its text
-    # twice would put the val shard's documents in train too
-    first, kept = {}, []
-    for path in paths:
-        st = os.stat(path)
-        seen = first.setdefault((st.st_dev, st.st_ino), path)
-        if seen is path:
-            kept.append(path)
-        else:
-            also = "" if path == seen else f" (also as {path})"
-            print(f"note: --input names {seen} twice{also}: it is read once", file=sys.stderr)
-    return kept
+    return paths  # one file named twice (a glob and its path, a link) is read once: describe_inputs
 
 
 TEXT_PROBE = 1 << 16  # bytes of a .txt / .jsonl file whose encoding is checked before any work
@@ -101,8 +90,8 @@ def default_workers():
 
 def describe_inputs(paths, workers=None):
     """[{path, bytes, sha256}] for the inputs, hashed in threads (hashlib releases the GIL); a file
-    whose bytes equal an earlier one's is left out, said in a note: the same text twice would put
-    the val shard's documents in train too."""
+    whose bytes equal an earlier one's (the same file named twice, a link to it, a copy) is left
+    out, said in a note: the same text twice would put the val shard's documents in train too."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(paths), workers or default_workers())) as pool:
         digests = list(pool.map(file_digest, paths))
     described, seen = [], {}

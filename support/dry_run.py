@@ -8,15 +8,6 @@ from support.cli import UserError
 from support.hf_interop import check_export_target
 from support.model_files import model_config_of
 from support.sampling import encode_prompt, note_if_samples_stop_early
-from support.shards import GPT2_VOCAB
-
-
-def nearest_folder(path):
-    """path, or the nearest of its parents that exists: where writing it would create something."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
 
 
 def dry_run_job(sample_from, export_hf, enc, prompt, max_new_tokens):
@@ -30,12 +21,13 @@ def dry_run_job(sample_from, export_hf, enc, prompt, max_new_tokens):
         print(f"dry run: {sample_from}, the prompt and the sampling flags are fine; nothing was sampled")
         return 0
     ckpt_path, out_dir = export_hf
-    config = model_config_of(ckpt_path)
-    if config["vocab_size"] < GPT2_VOCAB:
-        raise UserError(f"vocab_size {config['vocab_size']} is smaller than GPT-2's {GPT2_VOCAB}: cannot export")
+    model_config_of(ckpt_path)  # found and readable
     target = check_export_target(out_dir)
-    # where the export writes, as write_dir_atomic does: into a mount point, else beside the folder
-    folder = target if os.path.ismount(target) else nearest_folder(os.path.dirname(target))
+    # where the export writes, as write_dir_atomic does: into a mount point, else beside the folder,
+    # in the nearest of its parents that exists
+    folder = target if os.path.ismount(target) else os.path.dirname(target)
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
     if not os.access(folder, os.W_OK):
         raise UserError(
             f"cannot write the export to {out_dir}: {folder} is not writable; choose a folder you can write to"

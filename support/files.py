@@ -8,9 +8,7 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import tempfile
-import threading
 
 from support.cli import UserError, first_line
 
@@ -127,14 +125,13 @@ def disk_error(e, what, then):
     return UserError(f"cannot write {what} ({getattr(e, 'strerror', None) or e}): {fix}, then {then}")
 
 
-def write_dir_atomic(out_dir, write, what, recheck=None):
+def write_dir_atomic(out_dir, write, what):
     """write(tmp) fills a hidden folder beside out_dir, which then takes out_dir's place (a folder
     already there is renamed aside first and deleted last: the caller checked it may go). A mount
     point (`docker -v host:dir`, a tmpfs) cannot be renamed: the hidden folder is made inside it,
     and its files take the places of those there (a file of the earlier folder not written again
-    is deleted). On any failure, a full disk, Ctrl-C and SIGTERM included, the hidden folders and
-    the parents this made are removed and out_dir is as it was. recheck(tmp), if given, runs right
-    before the swap (tmp: the hidden folder, which is inside a mount point)."""
+    is deleted). On any failure, a full disk and Ctrl-C included, the hidden folders and the
+    parents this made are removed and out_dir is as it was."""
     parent = os.path.dirname(out_dir)
     into = os.path.ismount(out_dir)
     made = []  # parent folders this call creates, deepest first
@@ -143,12 +140,6 @@ def write_dir_atomic(out_dir, write, what, recheck=None):
         made.append(d)
         d = os.path.dirname(d)
     tmp = old = None
-
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt  # a kill mid-write cleans up as Ctrl-C does
-
-    main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".tmp_", dir=out_dir if into else parent)
@@ -163,8 +154,6 @@ def write_dir_atomic(out_dir, write, what, recheck=None):
             if os.path.isfile(path) and not os.path.islink(path):
                 os.chmod(path, 0o666 & ~umask)
         fsync_tree(tmp)  # what write() wrote (save_pretrained does not fsync) on disk before the swap
-        if recheck:
-            recheck(tmp)
         if into:
             earlier = set(os.listdir(out_dir)) - {os.path.basename(tmp)}
             for name in os.listdir(tmp):
@@ -205,9 +194,6 @@ def write_dir_atomic(out_dir, write, what, recheck=None):
             fix = "make room or choose another folder" if full else "choose a folder you can write to"
             raise UserError(f"cannot write {what} to {out_dir} ({reason}): nothing was changed; {fix}") from None
         raise
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def jsonl_rows(lines, source, error=UserError):

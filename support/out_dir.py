@@ -1,6 +1,6 @@
 """The run's folder and whose each file in it is: the names a run writes (its checkpoints, its log),
 the lock that keeps one run per --out-dir, which files are the run's own (to write over, to resume
-from), which checkpoint --resume continues, and a start that fails leaving the folder as it found it."""
+from), which checkpoint --resume continues, and the folders a refused start made, removed again."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import torch
 
 from support import file_lock
 from support.cli import UserError
-from support.files import disk_error, log_records, no_follow, refuse_link
+from support.files import disk_error, log_records, refuse_link
 from support.shards import SHARD_NAME
 
 # ----------------------------------------------------------------------------------------------
@@ -45,33 +45,23 @@ def checkpoint_paths(out_dir):
     return [os.path.join(out_dir, name) for _, name in sorted(found, reverse=True)]
 
 
-def written_by_runs(name):
-    """Whether a run writes (or removes) a file of this name in its folder, besides its lock."""
-    return name == "log.jsonl" or step_of_name(name) is not None or step_of_name(name, temporary=True) is not None
-
-
-def aside_name(path, tag):
-    """A name not taken beside path, path.TAG (then path.TAG1, ...): where an `mv` the user is
-    told to run sets a file aside without overwriting anything."""
+def free_name(path, tag):
+    """A name beside path that nothing holds, to set path aside to: path.TAG, then path.TAG1, ..."""
     aside, n = f"{path}.{tag}", 1
     while os.path.lexists(aside):
         aside, n = f"{path}.{tag}{n}", n + 1
     return aside
 
 
-def move_aside(path, tag):
-    """The `mv` command that sets path aside to a name not taken (aside_name), quoted for the shell."""
-    return f"mv {shlex.quote(path)} {shlex.quote(aside_name(path, tag))}"
-
-
 ZIP = b"PK\x03\x04"  # how torch.save's zip begins
 
 
-def zip_head(path):
-    """The first 4 bytes of the file at path (b"" if it cannot be read): ZIP for a checkpoint."""
+def head(path, line=False):
+    """The first 4 bytes of the file at path (ZIP for a checkpoint), or its first line (a run's
+    header for a log); b"" if it cannot be read."""
     try:
         with open(path, "rb") as f:
-            return f.read(4)
+            return f.readline() if line else f.read(4)
     except OSError:
         return b""
 
@@ -106,8 +96,8 @@ def claim_out_dir(out_dir, resume):
     """An out-dir belongs to one run: a new run next to another run's checkpoints would have them
     pruned instead of its own and its log drawn as one curve with theirs, so it is refused. The
     folder is locked for this process's life (support.file_lock.lock_folder: flock, which the OS
-    releases when the process ends, a SIGKILL included), and what it holds is noted, so that a
-    start that fails leaves it as it was (release_out_dir). Rank 0 alone claims it."""
+    releases when the process ends, a SIGKILL included), given back by release_out_dir. Rank 0
+    alone claims it."""
     if not out_dir:
         raise UserError(
             "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
@@ -117,17 +107,13 @@ def claim_out_dir(out_dir, resume):
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create --out-dir {out_dir}: {e.strerror}") from None
-    if _claim:  # an earlier run of this process that did not end through main: its hold goes first
-        release_out_dir()
     then = "continue with --resume" if resume else "start again"
     note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
-    fd = file_lock.lock_folder(out_dir, LOCK_FILE, "run", then, copy_advice(out_dir), note)
-    log = os.path.join(out_dir, "log.jsonl")
-    _claim.update(out_dir=out_dir, fd=fd, log=os.path.getsize(log) if os.path.isfile(log) else None)
-    _claim.update(checkpoints=set(checkpoint_paths(out_dir)))
+    _claim.update(
+        out_dir=out_dir, fd=file_lock.lock_folder(out_dir, LOCK_FILE, "run", then, copy_advice(out_dir), note)
+    )
     check_names_at_start(out_dir)  # with the folder held: no other run changes it meanwhile
-    check_log_header(log)
-    theirs = other_runs(out_dir, None)
+    log, theirs = os.path.join(out_dir, "log.jsonl"), other_runs(out_dir, None)
     if theirs and not resume:
         raise UserError(
             f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}): continue it with --resume, "
@@ -149,25 +135,26 @@ def check_names_at_start(out_dir):
     over or remove. A symbolic link is refused (support.files.LinkedName), never followed: the log
     would be appended to the file it names, a rename would delete it. So is what is no file (a
     folder, a FIFO a start would wait on), a file at a checkpoint's name that is no zip as
-    torch.save writes (a user's text: no run to continue), and one at a checkpoint's temporary name
-    that is not what a write of this program cut short leaves there (empty, or the zip's start),
-    each named with the `mv` that sets it aside."""
+    torch.save writes (a user's text: no run to continue), and a log.jsonl that does not begin with
+    a run's header (the user's, or a damaged one: this run's records would follow steps of no known
+    run), each named with the `mv` that sets it aside."""
     for name in sorted(os.listdir(out_dir)):
-        if not written_by_runs(name):
-            continue
+        if name != "log.jsonl" and step_of_name(name) is None and step_of_name(name, temporary=True) is None:
+            continue  # not a name a run writes (or removes), besides its lock
         path = os.path.join(out_dir, name)
         refuse_link(path)
         if not os.path.isfile(path):
             what = "is not a file (a folder, a FIFO or a device)"
-        elif step_of_name(name) is not None and zip_head(path) != ZIP:
+        elif step_of_name(name) is not None and head(path) != ZIP:
             what = "is no checkpoint of train_gpt2.py (not the zip torch.save writes)"
-        elif step_of_name(name, temporary=True) is not None and not ZIP.startswith(zip_head(path)):
-            what = "is not a checkpoint write of train_gpt2.py's cut short (not the start of torch.save's zip)"
+        elif name == "log.jsonl" and (first := head(path, line=True)) and not run_header(first):
+            what = "is not this run's (its first line is not a run's header)"
         else:
             continue
+        aside = free_name(path, "aside")
         raise UserError(
-            f"{path} {what}, and this run writes a file by that name: move it aside ({move_aside(path, 'aside')}), "
-            f"then run the same command again"
+            f"{path} {what}, and this run writes a file by that name: move it aside "
+            f"(mv {shlex.quote(path)} {shlex.quote(aside)}), then run the same command again"
         )
 
 
@@ -205,41 +192,11 @@ def folder_gone(out_dir):
 
 
 def release_out_dir():
-    """As the process ends (train_gpt2.main's finally): a start that failed (an exception on its
-    way out) before its first step and before any checkpoint leaves the folder as it found it:
-    the log records it added are cut off again (the log removed, if it made it), so that the same
-    command retried does not find "another run" there. Then the lock is given back."""
+    """As the process ends (train_gpt2.main's finally): the lock given back, its file removed."""
     claim = dict(_claim)
     _claim.clear()
-    if not claim:
-        return
-    try:
-        if sys.exc_info()[0] is not None:
-            undo_failed_start(claim)
-    finally:
-        if claim["fd"] is not None:
-            file_lock.unlock_folder(claim["fd"], claim["out_dir"], LOCK_FILE)
-
-
-def undo_failed_start(claim):
-    """Cut log.jsonl back to what it held at claim_out_dir, unless the run logged a step or wrote a
-    checkpoint since (then there is a run to continue)."""
-    out_dir, before = claim["out_dir"], claim["log"]
-    log = os.path.join(out_dir, "log.jsonl")
-    if set(checkpoint_paths(out_dir)) != claim["checkpoints"] or not os.path.isfile(log):
-        return
-    try:
-        with open(log, "rb+", opener=no_follow) as f:  # a link put at its name is not this run's log
-            f.seek(before or 0)
-            added = [line for line in f.read().split(b"\n") if line.strip()]
-            if any(_is_step_record(line) for line in added):
-                return
-            if before is not None:
-                f.truncate(before)
-        if before is None:
-            os.remove(log)
-    except (OSError, UserError):
-        pass  # a read-only or vanished folder: nothing this run could have changed either
+    if claim.get("fd") is not None:
+        file_lock.unlock_folder(claim["fd"], claim["out_dir"], LOCK_FILE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,87 +212,31 @@ def run_header(line):
     return record if isinstance(record, dict) and record.get("event") == "header" else None
 
 
-def check_log_header(log):
-    """A log.jsonl whose first line is not a run's header (cut short, garbage, blank, no run_id)
-    while later lines record steps would have this run's records appended after steps of no known
-    run (two runs in one log, play.ipynb drawing "run None"): refused in one line naming the `mv`
-    that sets it aside. A log of a header alone, or no step, is left to claim_out_dir."""
-    try:
-        with open(log, "rb") as f:
-            first, _, rest = f.read().partition(b"\n")
-    except OSError:  # none, or unreadable: claim_out_dir's to judge
-        return
-    if (run_header(first) or {}).get("run_id"):
-        return
-    if not any(_is_step_record(line) for line in rest.split(b"\n")):
-        return
-    raise UserError(
-        f"{log}: its first line is not a run's header (damaged?): move it aside "
-        f"({move_aside(log, 'bad')}) and continue with --resume, or pass a new --out-dir"
-    )
-
-
-def _is_step_record(line):
-    """Whether a line of log.jsonl records a step: trained, skipped, or skipped by fp16's loss scaler."""
-    return any(key in line for key in (b'"train_loss"', b'"skipped"', b'"scaler_skipped"'))
-
-
 def log_runs(path):
-    """(the ids of the runs log.jsonl records a trained or skipped step of, in order; whether it
-    holds a line that is not a record of ours). A start that failed before its first step (its
-    header, perhaps a step-0 eval) is no run. A line cut short (by a kill, a full disk) after a
-    record of ours is passed over where it is the last line or the next is a run's header: the
-    start, or the reopen, that ended it on its own line (RunLog.open)."""
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
-    except FileNotFoundError:
-        return [], False
-    except OSError:  # a folder named log.jsonl, an unreadable file: someone's
-        return [], True
-    runs, current, records, cut = [], None, 0, False
-    for line in lines:
-        line = line.strip()
-        if not line:
-            continue
-        if not (line.startswith(b"{") and line.endswith(b"}")):
-            if not records or cut:
-                return runs, True
-            cut = True  # ours cut short, if the last line or a header follows
-            continue
-        if cut and b'"header"' not in line:
-            return runs, True
-        records, cut = records + 1, False
-        if b'"header"' in line:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                return runs, True
-            if isinstance(record, dict) and record.get("event") == "header":
-                current = record.get("run_id")
-                continue
-        if _is_step_record(line) and current not in runs:
+    """The ids of the runs log.jsonl records a trained or skipped step of, in order. A start that
+    failed before its first step (its header, perhaps a step-0 eval) is no run; a line that is not
+    JSON (one cut short by a kill) is passed over."""
+    runs, current = [], None
+    for record in log_records(path):
+        if record.get("event") == "header":
+            current = record.get("run_id")
+        elif any(key in record for key in ("train_loss", "skipped", "scaler_skipped")) and current not in runs:
             runs.append(current)
-    return runs, False
+    return runs
 
 
 # ----------------------------------------------------------------------------------------------
 # A data folder is never a run's folder, and a run's folder never a data folder
 
 
-def data_files(folder):
-    """The token shards and fineweb.py manifests (and journals) in folder: what makes it a data folder."""
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return []
-    return [n for n in names if SHARD_NAME.fullmatch(n) or re.fullmatch(r"\.?.+_manifest\.(json|journal)", n)]
-
-
 def check_not_data_folder(folder, said):
     """A data folder is never a run's folder: a run's log, lock and checkpoints written among the
     shards (or a data folder pruned as a run's) mix the two. said: the flag and folder, as given."""
-    found = data_files(folder)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return
+    found = [n for n in names if SHARD_NAME.fullmatch(n) or n.endswith("_manifest.json")]  # shards, manifests
     if found:
         raise UserError(
             f"{said} holds token shards or a fineweb manifest ({', '.join(found[:2])}): a data folder is never a "
@@ -366,70 +267,21 @@ def data_dir_problem(data_dir, out_dir):
 # Whose a file is: a run writes only over its own files, and resumes only from its own folder's
 
 
-def checkpoint_header(path):
-    """A checkpoint's dict with its tensors mapped, not read (mmap reads only the small pickled
-    part): its run_id, step and train_config, cheaply. None if it cannot be read as a checkpoint."""
+def run_id_of(path):
+    """The run a checkpoint belongs to (None if it cannot be read), read cheaply: its tensors are
+    mapped, not read (mmap reads only the small pickled part)."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
         return None
-    return ckpt if isinstance(ckpt, dict) else None
-
-
-def run_id_of(path):
-    """The run a checkpoint belongs to (None if it cannot be read)."""
-    return (checkpoint_header(path) or {}).get("run_id")
-
-
-def not_this_runs(path, run_id, step=None):
-    """Why the file at path, a name this run writes (the checkpoint of `step`, or with step None
-    the log), is not this run's own and must not be overwritten; None if it is, or if nothing is
-    there. A checkpoint is this run's when it loads (its pickled part) and holds run_id and the
-    step its name says; the log, when it begins with a run's header (or is empty). run_id None:
-    a new run, whose id no file holds yet. A symbolic link there is refused (LinkedName): it is
-    neither read through nor replaced."""
-    refuse_link(path)
-    if not os.path.lexists(path):
-        return None
-    if not os.path.isfile(path):
-        return "it is not a file"
-    if step is None:
-        with open(path, "rb") as f:
-            first = f.readline()
-        return None if not first or run_header(first) else "its first line is not a run's header"
-    held = checkpoint_header(path)
-    if held is None or "step" not in held:
-        if damaged_of_run(path, run_id):  # this run's own, damaged on disk or cut short in a copy
-            return None
-        return "it is not a checkpoint train_gpt2.py can load: truncated, corrupt or another program's"
-    if held.get("run_id") != run_id:
-        return f"it holds run {held.get('run_id')}" + (f", not this run's {run_id}" if run_id else "")
-    if held["step"] != step:
-        return f"it holds step {held['step']}, not the {step} its name says"
-    return None
-
-
-def damaged_of_run(path, run_id):
-    """Whether a checkpoint that does not load is still recognisably run_id's: torch.save's zip
-    writes the pickled part (data.pkl, which holds the run id as its text) first, so a file cut
-    short or damaged past it still begins with the zip and names the run in its first MiB. A run
-    id is random: no file of anyone else's holds it."""
-    if not run_id:
-        return False
-    try:
-        with open(path, "rb") as f:
-            head = f.read(2**20)
-    except OSError:
-        return False
-    return head.startswith(ZIP) and run_id.encode() in head
+    return ckpt.get("run_id") if isinstance(ckpt, dict) else None
 
 
 def other_runs(out_dir, run_id, skip=None):
     """The files in out_dir of runs other than run_id (None: a new run, which no file is of):
     checkpoints (one whose run cannot be read counts), and log.jsonl when it records another run's
-    steps or is not our log. skip: the checkpoint being resumed, wherever it lies."""
-    runs, unreadable = log_runs(os.path.join(out_dir, "log.jsonl"))
-    found = ["log.jsonl"] if unreadable or any(r != run_id for r in runs) else []
+    steps. skip: the checkpoint being resumed, wherever it lies."""
+    found = ["log.jsonl"] if any(r != run_id for r in log_runs(os.path.join(out_dir, "log.jsonl"))) else []
     for path in checkpoint_paths(out_dir):
         if skip and os.path.realpath(path) == os.path.realpath(skip):
             continue
@@ -438,37 +290,16 @@ def other_runs(out_dir, run_id, skip=None):
     return found
 
 
-def folder_run(out_dir):
-    """The run out_dir belongs to and what says so: the last run its log.jsonl records steps of;
-    with none, the one run its readable checkpoints hold; (None, None) with neither. A folder with
-    no log whose checkpoints hold two runs is refused in one line naming both."""
-    runs, _ = log_runs(os.path.join(out_dir, "log.jsonl"))
-    if runs and runs[-1] is not None:
-        return runs[-1], "its log.jsonl"
-    held = {}  # run id -> its newest checkpoint here
-    for path in checkpoint_paths(out_dir):
-        run_id = run_id_of(path)
-        if run_id is not None:
-            held.setdefault(run_id, path)
-    if len(held) > 1:
-        (a, pa), (b, pb) = list(held.items())[:2]
-        raise UserError(
-            f"{out_dir} holds checkpoints of two runs and no log.jsonl to say which run the folder is ({pa}: run "
-            f"{a}; {pb}: run {b}): move one run's checkpoints to a folder of their own, then run the same command again"
-        )
-    return next(iter(held), None), "its checkpoints"
-
-
 def newest_of_its_run(out_dir, load, then):
     """(path, checkpoint) of the newest checkpoint in out_dir that loads (load(path)), holds the
-    folder's run (folder_run) and the step its name says; each one passed over is said in one
-    warning line naming the file and why. (None, None) for a folder with no checkpoint; with
-    checkpoints but none of these, refused in one line (then: what to do instead, where another
-    run's or a misnamed one was passed over)."""
+    folder's run (the last run its log.jsonl records steps of; without one, any run) and the step
+    its name says; each one passed over is said in one warning line naming the file and why. (None,
+    None) for a folder with no checkpoint; with checkpoints but none of these, refused in one line
+    (then: what to do instead, where another run's or a misnamed one was passed over)."""
     paths = checkpoint_paths(out_dir)
     if not paths:
         return None, None
-    run, said_by = folder_run(out_dir)
+    run = (log_runs(os.path.join(out_dir, "log.jsonl")) or [None])[-1]
     others = False
     for path in paths:
         try:
@@ -478,7 +309,7 @@ def newest_of_its_run(out_dir, load, then):
             continue
         held_run = ckpt.get("run_id")
         if run is not None and held_run is not None and held_run != run:  # one with no run_id: of no other run
-            why = f"it holds run {held_run}, not this folder's run {run} (which {said_by} records)"
+            why = f"it holds run {held_run}, not this folder's run {run} (which its log.jsonl records)"
         elif ckpt.get("step") != step_of_name(path):
             why = f"it holds step {ckpt.get('step')}, not the {step_of_name(path)} its name says"
         else:
@@ -498,75 +329,27 @@ def newest_of_its_run(out_dir, load, then):
 # What --resume continues from, and the names the run will write
 
 
-def pick_checkpoint(resume, out_dir, max_steps, load):
-    """Rank 0's choice at start, after claim_out_dir: (path, checkpoint, run to restart) for
-    --resume (resume: "latest" or a checkpoint's path), (None, None, None) for a new run. Before
-    anything is written, the files at the names this run may write are checked to be its own
-    (check_names_to_write): its log, and the checkpoints of the steps from the one it resumes at to
-    its last (max_steps: --max-steps as given, else None for the run's). load: how a checkpoint
-    holding a run's training state is loaded."""
-    path, ckpt, restart = None, None, None
-    if resume:
-        path, ckpt, restart = find_resume_checkpoint(resume, out_dir, load)
-    if ckpt is None:  # a new run (claim_out_dir refused any checkpoint) or a restart (the folder holds none)
-        run_id, steps = (restart or {}).get("run_id"), range(0)
-    else:
-        if resume != "latest":  # the folder's own newest checkpoint is of the folder's run already
-            check_resume_target(out_dir, path, ckpt)
-        last = max_steps if max_steps is not None else ckpt.get("train_config", {}).get("max_steps", 0)
-        run_id, steps = ckpt.get("run_id"), range(ckpt["step"], max(last, ckpt["step"]) + 1)
-    check_names_to_write(out_dir, run_id, steps)
-    return path, ckpt, restart
-
-
-def find_resume_checkpoint(resume, out_dir, load):
-    """(path, checkpoint, run to restart) for --resume: the given file, or for 'latest' the newest
-    checkpoint of the folder's run in out_dir that loads and holds the step its name says
-    (newest_of_its_run: one cut short or corrupt, another run's, or a misnamed one is said in a
-    warning and passed over). With no checkpoint at all, the run starts from step 0: the run the
-    folder's log records (run_to_restart), if it records one, else a new run."""
-    if resume != "latest":
-        return resume, load(resume), None
-    then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
-    path, ckpt = newest_of_its_run(out_dir, load, then)
-    if path is not None:
-        return path, ckpt, None
-    restart = run_to_restart(out_dir)
-    if restart is None:
-        print(f"no checkpoint in {out_dir} to resume from: starting a new run")
-    else:
-        print(
-            f"note: no checkpoint in {out_dir}: run {restart['run_id']}, which its log.jsonl records "
-            f"{restart['steps']} steps of (it stopped before its first checkpoint), restarts from step 0 with the "
-            f"recipe its log records"
-        )
-    return None, None, restart
-
-
-def run_to_restart(out_dir):
-    """The run out_dir/log.jsonl records steps of (the last one, if several) when the folder holds no
-    checkpoint: a run stopped before its first checkpoint (a spot instance lost in its first
-    --ckpt-every steps), which --resume starts again from step 0 as the same run, with the recipe its
-    last header records, rather than as a new run with the default flags appended to its log.
-    {"run_id", "config", "steps"} or None; a log that records a run but not its recipe is refused."""
-    path = os.path.join(out_dir, "log.jsonl")
-    runs, _ = log_runs(path)
-    if not runs:
-        return None
-    config, steps, current = None, set(), None
-    for record in log_records(path):
-        if record.get("event") == "header":
-            current = record.get("run_id")
-            if current == runs[-1]:
-                config = record.get("config")
-        elif current == runs[-1] and ("train_loss" in record or "skipped" in record):
-            steps.add(record.get("step"))
-    if not isinstance(config, dict):
-        raise UserError(
-            f"--resume: {out_dir} holds no checkpoint, and its log.jsonl records run {runs[-1]} but not the recipe "
-            f"it was started with: start it again with its flags and a new --out-dir"
-        )
-    return {"run_id": runs[-1], "config": config, "steps": len(steps)}
+def pick_checkpoint(resume, out_dir, load):
+    """Rank 0's choice at start, after claim_out_dir: (path, checkpoint) for --resume (resume:
+    "latest" or a checkpoint's path), (None, None) for a new run. load: how a checkpoint holding a
+    run's training state is loaded."""
+    path, ckpt = None, None
+    if resume == "latest":
+        then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
+        path, ckpt = newest_of_its_run(out_dir, load, then)
+        log = os.path.join(out_dir, "log.jsonl")
+        if path is None and (runs := log_runs(log)):
+            # killed before its first checkpoint: nothing to continue, so the same command starts it
+            # anew (a spot script that repeats --resume goes on); the dead run's log is kept aside
+            aside = free_name(log, runs[-1])
+            os.rename(log, aside)
+            print(f"note: run {runs[-1]} stopped before its first checkpoint; its log is now {aside}")
+        if path is None:
+            print(f"no checkpoint in {out_dir} to resume from: starting a new run")
+    elif resume:
+        path, ckpt = resume, load(resume)
+        check_resume_target(out_dir, path, ckpt)
+    return path, ckpt
 
 
 def check_resume_target(out_dir, path, ckpt):
@@ -587,24 +370,3 @@ def check_resume_target(out_dir, path, ckpt):
             f"note: run {run_id} continues from {path} in --out-dir {out_dir}; its log and checkpoints up to "
             f"step {ckpt.get('step')} stay in {folder}"
         )
-
-
-def check_names_to_write(out_dir, run_id, steps):
-    """Before step 0: each file at a name this run may write, its log.jsonl and the checkpoint of
-    each of `steps` (a signal checkpoints whichever step it comes at), is this run's own
-    (not_this_runs); the first that is not stops the run in one line naming it and the `mv` that
-    sets it aside."""
-    log = os.path.join(out_dir, "log.jsonl")
-    targets = [(log, None)] + [
-        (path, step) for path in checkpoint_paths(out_dir) if (step := step_of_name(path)) in steps
-    ]
-    for path, step in targets:
-        if step is not None and path != checkpoint_path(out_dir, step):
-            continue  # ckpt_9.pt: not a name this run writes
-        why = not_this_runs(path, run_id, step)
-        if why:
-            what = "appends its records" if step is None else f"may write its step {step} checkpoint"
-            raise UserError(
-                f"{path} is not this run's ({why}), and this run {what} there: move it aside "
-                f"({move_aside(path, 'aside')}), then run the same command again"
-            )

@@ -72,7 +72,8 @@ def then_resume(what, flag, fix, out_dir):
     """A mid-run phase's line: during what, the fix, and the checkpoint in out_dir to go on from."""
     newest = checkpoint_paths(out_dir)
     if not newest:
-        return f"{what}: {fix}; no checkpoint was written yet: --resume {flag or ''} starts the run again".rstrip()
+        with_flag = f" with {flag}" if flag else ""
+        return f"{what}: {fix}; no checkpoint was written yet: start the run again{with_flag} in a new --out-dir"
     return f"{what}: {fix}; {newest[0]} stands: continue from it with --resume" + (f" {flag}" if flag else "")
 
 

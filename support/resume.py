@@ -93,26 +93,19 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
     (multi-node: the out-dir must be shared); a mistake it finds there ends every rank alike, said
     once. The other ranks wait in the fence (see fence). roles: reconcile_resume's."""
     oom_phase("loading the checkpoint")
-    picked = [None, None, None]  # the checkpoint's path, rank 0's error, the run to restart
+    picked = [None, None]  # the checkpoint's path, rank 0's error
     if master_process:
         try:
             claim_out_dir(args.out_dir, args.resume)
-            max_steps = args.max_steps if "max_steps" in given else None  # else the checkpoint's
-            picked[0], _, picked[2] = pick_checkpoint(args.resume, args.out_dir, max_steps, load_training_checkpoint)
+            picked[0], _ = pick_checkpoint(args.resume, args.out_dir, load_training_checkpoint)
         except UserError as e:
             picked[1] = str(e)
     if ddp:
         dist.broadcast_object_list(picked, src=0, group=fence(ddp, args.ddp_timeout))
     if picked[1] is not None:
         raise same_on_every_rank(UserError(picked[1]))
-    path, ckpt, restart, run_id, changes, taken = picked[0], None, picked[2], new_run_id(), {}, {}
-    if restart is not None:  # a restart from step 0: a new start of the same run, with its recipe
-        old, run_id = restart["config"], restart["run_id"]
-        changes, taken = reconcile_resume(args, given, roles, {"train_config": old, "step": 0}, f"run {run_id}")
-        if "init_from" not in given and old.get("init_from", "scratch") != "scratch":
-            args.init_from = old["init_from"]  # a run that started from pretrained weights starts from them again
-        args.resume = None
-    elif path is not None:
+    path, ckpt, run_id, changes, taken = picked[0], None, new_run_id(), {}, {}
+    if path is not None:
         ckpt = load_training_checkpoint(path)
         run_id = ckpt.get("run_id", path)
         changes, taken = reconcile_resume(args, given, roles, ckpt, path)

@@ -1,11 +1,14 @@
 """The run's record: log.jsonl, one JSON record a line, printed as its console line and mirrored to
 Weights & Biases when asked."""
 
+import collections
 import json
 import math
 import os
 import platform
+import statistics
 import sys
+import time
 
 import numpy as np
 import torch
@@ -13,7 +16,7 @@ import torch
 from support.cli import UserError
 from support.file_lock import not_yours
 from support.files import disk_error, no_follow
-from support.out_dir import copy_advice, folder_gone, log_runs
+from support.out_dir import copy_advice, folder_gone
 from support.wandb_log import WandbMirror
 
 
@@ -55,6 +58,7 @@ class RunLog:
     def __init__(self, out_dir, enabled, max_steps):
         self.path, self.file, self.max_steps = os.path.join(out_dir, "log.jsonl"), None, max_steps
         self.out_dir, self.wandb, self.first = out_dir, None, None
+        self.clock = StepClock(max_steps)  # the step line's elapsed time and ETA
         if not enabled:
             return
         try:
@@ -82,12 +86,8 @@ class RunLog:
         return file
 
     def header(self, run_id, device_name, resumed_from, changes, config):
-        """The run's first record (and a resumed run's first in its turn): what ran, where, with what.
-        restarted: a run the log already records steps of starts again from step 0 (it stopped before
-        its first checkpoint): the records before this header are of a start it replaces."""
+        """The run's first record (and a resumed run's first in its turn): what ran, where, with what."""
         record = {"event": "header", "run_id": run_id, "device": device_name, "resumed_from": resumed_from}
-        if self.file is not None:
-            record["restarted"] = resumed_from is None and run_id in log_runs(self.path)[0]
         if self.file is not None and config.get("wandb_project"):
             name = config.get("wandb_run_name") or os.path.basename(os.path.abspath(self.out_dir))
             folder = os.environ.get("WANDB_DIR") or self.out_dir  # wandb's files beside the run's, unless set
@@ -95,11 +95,13 @@ class RunLog:
             RunLog.mirrored.append(self)
         record = {**record, "changed_on_resume": changes or None, "versions": versions(), "config": config}
         self.first = record
+        self.clock.cadences = {kind: config.get(flag, 0) for kind, flag in StepClock.EVALS.items()}
         self(record)
 
     def __call__(self, record):
         if self.file is None:
             return
+        self.clock.saw(record)
         self.write(record)
         self.print(record)
         if self.wandb is not None and self.wandb.error is None:
@@ -130,7 +132,7 @@ class RunLog:
             raise UserError(gone)
         self.file = self.open()
         print(f"warning: {self.path} was deleted while this run trained: written again from here on", file=sys.stderr)
-        header = {**self.first, "restarted": False, "reopened": "deleted"} if self.first else None
+        header = {**self.first, "reopened": "deleted"} if self.first else None
         return json.dumps(strict_json(header)) + "\n" if header else ""
 
     def warn(self, message):
@@ -167,7 +169,7 @@ class RunLog:
             print(
                 f"step {step:5d}/{self.max_steps} | loss {record['train_loss']:.6f} | lr {record['lr']:.4e} | "
                 f"norm {record['grad_norm']:.4f} | dt {record['dt_ms']:.2f}ms | tok/s {record['tok_per_sec']:,.0f} | "
-                f"mfu {mfu} | epoch {record['epoch']}{scale}",
+                f"mfu {mfu} | epoch {record['epoch']}{scale} | {self.clock.elapsed_and_eta(step)}",
                 flush=True,
             )
         elif "val_loss" in record:
@@ -176,3 +178,49 @@ class RunLog:
             print(f"step {step:5d} | hellaswag acc_norm {record['hellaswag']:.4f} of {record['hellaswag_n']}")
         for i, text in enumerate(record.get("samples", ())):
             print(f"step {step:5d} | sample {i}: {text!r}")
+
+
+def duration(seconds):
+    """45s, 12m05s, 3h02m: a console line's time."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class StepClock:
+    """The time a run has taken in this process and an estimate of what is left, for the step line
+    (console only). ETA = the median of the last 50 steps' dt_ms (a process's first step, its
+    compile, left out) x the steps left + for each eval the time it last took (from the record before
+    it to its own) x the runs of it left: at each multiple of its cadence up to max_steps, and at
+    max_steps. An eval not run yet in this process counts nothing; a checkpoint, a rare few seconds,
+    is not counted."""
+
+    EVALS = {"val_loss": "eval_every", "hellaswag": "hellaswag_every", "samples": "sample_every"}
+
+    def __init__(self, max_steps, now=time.monotonic):
+        self.max_steps, self.now, self.cadences = max_steps, now, {}
+        self.started = self.last = now()
+        self.step_seconds, self.eval_seconds = collections.deque(maxlen=51), {}
+
+    def saw(self, record):
+        """Called for every record as it is logged."""
+        now = self.now()
+        if "dt_ms" in record:
+            self.step_seconds.append(record["dt_ms"] / 1000)
+        for kind in self.EVALS.keys() & record.keys():
+            self.eval_seconds[kind] = now - self.last
+        self.last = now
+
+    def elapsed_and_eta(self, step):
+        elapsed, end = f"elapsed {duration(self.now() - self.started)}", self.max_steps
+        steps = list(self.step_seconds)[1:]
+        if not steps:
+            return elapsed + " | eta --"
+        left = statistics.median(steps) * (end - 1 - step)
+        for kind, seconds in self.eval_seconds.items():
+            if every := self.cadences.get(kind, 0):
+                left += seconds * (end // every - step // every + (end % every != 0))
+        return f"{elapsed} | eta {duration(left)}"

@@ -33,8 +33,6 @@ class KVCache:
         """The positions of the next T tokens: (1,) in a decode step, else (T,) from pos on."""
         if torch.is_tensor(self.pos):
             return self.pos
-        if self.pos + T > self.max_len:
-            raise ValueError(f"{self.pos + T} positions do not fit a KV cache of {self.max_len}")
         return torch.arange(self.pos, self.pos + T, dtype=torch.long, device=device)
 
     def advance(self, T):

@@ -200,20 +200,15 @@ def find_shards(data_dir, split, required=False):
 def stopped_in_the_val_shard(data_dir):
     """Why data_dir has no train shard when fineweb.py stopped at --max-shards 1 or --max-tokens
     within shard 0 (the val shard), with the command that adds train shards; else None."""
-    for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
-        try:
-            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
-                manifest = json.load(f)
-            stop_at, shards = manifest.get("stop_at") or {}, manifest["shards"]
-            if stop_at and len(shards) == 1:
-                flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in sorted(stop_at.items()))
-                command = fineweb_command(manifest["config"], data_dir, {"max_shards": 2})
-                return (
-                    f"fineweb.py stopped at {flags} within shard 0, which is held out for validation; add a "
-                    f"train shard with `{command}`"
-                )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
-            continue  # not fineweb.py's manifest
+    for manifest in fineweb_manifests(data_dir).values():
+        stop_at = manifest.get("stop_at") or {}
+        if stop_at and len(manifest["shards"]) == 1:
+            flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in sorted(stop_at.items()))
+            command = fineweb_command(manifest["config"], data_dir, {"max_shards": 2})
+            return (
+                f"fineweb.py stopped at {flags} within shard 0, which is held out for validation; add a train "
+                f"shard with `{command}`"
+            )
     return None
 
 
@@ -233,71 +228,54 @@ def shard_fingerprint(path, blocks=16, block=4096):
 # --- the checks a run makes on them --------------------------------------------------------------
 
 
+def fineweb_manifests(data_dir):
+    """{name: manifest} of fineweb.py's manifests in data_dir (a file that is not one is passed over),
+    each with its command: the fineweb.py command that writes, and rerun finishes, that folder."""
+    found = {}
+    for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
+        try:
+            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+                manifest = json.load(f)
+            manifest["command"] = fineweb_command(manifest["config"], data_dir, manifest.get("stop_at"))
+            sizes = {s["file"]: int(s["bytes"]) for s in manifest["shards"]}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+            continue  # not fineweb.py's manifest
+        found[name] = {**manifest, "sizes": sizes}
+    return found
+
+
 def check_fineweb_finished(data_dir):
     """A folder whose fineweb.py manifest says it is unfinished (fineweb.py still writing it, or
     stopped by a kill or an error) is refused, naming the command that finishes it: a run would
     train on what is there, and could not be resumed once fineweb.py adds the rest. A stop at
-    --max-tokens / --max-shards is finished as asked. Data is finished only if fineweb.py said so:
-    a folder holding fineweb.py's journal (.{prefix}_manifest.journal: fineweb.py started it) whose
-    manifest is deleted or unreadable is refused too, with the command its journal's first line
-    (the manifest as it began) gives. Shards with no journal (llm.c's, the user's own) are not
-    fineweb.py's to judge. A manifest that says finished is believed only if every shard it lists is
-    there with the size it records (listed_but_not_there): a copy cut short, or another finished
-    run's manifest copied into a half-written folder, is refused like an unfinished folder."""
-    names, readable = os.listdir(data_dir), set()
-    for name in sorted(n for n in names if n.endswith("_manifest.json")):
-        try:
-            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
-                manifest = json.load(f)
-            config, finished = manifest["config"], manifest["complete"] or manifest.get("limit") is not None
-            command = fineweb_command(config, data_dir, manifest.get("stop_at"))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
-            continue  # not fineweb.py's manifest
-        readable.add(name)
-        if finished and (damage := listed_but_not_there(data_dir, manifest["shards"])):
-            raise UserError(
-                f"--data-dir {data_dir} is unfinished: its {name} lists {damage}, so the folder is not the one "
-                f"fineweb.py finished (a copy cut short, or another folder's manifest); finish it with `{command}` "
-                f"(it rewrites that shard and those after it), then start the run"
-            )
-        if not finished:
+    --max-tokens / --max-shards is finished as asked. A manifest that says finished is believed
+    only if every shard it lists is there with the size it records (listed_but_not_there): a copy
+    cut short is refused like an unfinished folder. Shards with no manifest (llm.c's, the user's
+    own) are not fineweb.py's to judge."""
+    for name, manifest in fineweb_manifests(data_dir).items():
+        command = manifest["command"]
+        if not (manifest["complete"] or manifest.get("limit") is not None):
             raise UserError(
                 f"--data-dir {data_dir} is unfinished: its {name} says fineweb.py has not written all of its "
                 f"input (it is still writing, or it was stopped); finish it with `{command}` (or wait for the "
                 f"fineweb.py writing it), then start the run"
             )
-    for journal in sorted(n for n in names if re.fullmatch(r"\..+_manifest\.journal", n)):
-        name = journal[1 : -len(".journal")] + ".json"
-        if name in readable:
-            continue
-        state = "cannot be read" if name in names else "is missing"
-        try:
-            with open(os.path.join(data_dir, journal), encoding="utf-8") as f:
-                base = json.loads(f.readline())["manifest"]
-                command = fineweb_command(base["config"], data_dir, base.get("stop_at"))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        if damage := listed_but_not_there(data_dir, manifest["sizes"]):
             raise UserError(
-                f"--data-dir {data_dir} is unfinished: fineweb.py's journal {journal} is there, and its manifest "
-                f"{name} {state}, so fineweb.py never said it finished, nor can it finish it: write the data again "
-                f"with fineweb.py into a new --out-dir, then start the run on it"
-            ) from None
-        first = "" if name not in names else f"delete the unreadable {name}, then "
-        raise UserError(
-            f"--data-dir {data_dir} is unfinished: fineweb.py's journal {journal} is there, and its manifest "
-            f"{name} {state}, so fineweb.py never said it finished; {first}finish it with `{command}` (it "
-            f"rebuilds the manifest from the journal), then start the run"
-        )
+                f"--data-dir {data_dir} is unfinished: its {name} lists {damage}, so the folder is not the one "
+                f"fineweb.py finished (a copy cut short, or another folder's manifest); finish it with `{command}` "
+                f"(it rewrites that shard and those after it), then start the run"
+            )
 
 
-def listed_but_not_there(data_dir, shards):
-    """What is wrong with the first shard a manifest lists that is not on disk as recorded (missing,
-    or of another size than fineweb.py wrote), or None: a manifest is believed only for its shards."""
-    for shard in shards:
-        file, size = shard["file"], int(shard["bytes"])
+def listed_but_not_there(data_dir, sizes):
+    """What is wrong with the first shard a manifest lists ({file: bytes}) that is not on disk as
+    recorded (missing, or of another size than fineweb.py wrote), or None."""
+    for file, size in sizes.items():
         path = os.path.join(data_dir, file)
         if not os.path.isfile(path):
-            missing = sum(not os.path.isfile(os.path.join(data_dir, s["file"])) for s in shards)
-            return f"{file}, which is not there ({missing} of its {len(shards)} shards are missing)"
+            missing = sum(not os.path.isfile(os.path.join(data_dir, f)) for f in sizes)
+            return f"{file}, which is not there ({missing} of its {len(sizes)} shards are missing)"
         if os.path.getsize(path) != size:
             return f"{file} as {size:,} bytes, but it is {os.path.getsize(path):,}"
     return None
@@ -310,7 +288,7 @@ def fineweb_command(config, data_dir, stop_at=None):
     folder as that run was asked to, not with the whole input."""
     source, command = config["source"], ["python", "fineweb.py"]
     if "input" in source:
-        paths = [entry["path"] if isinstance(entry, dict) else entry[0] for entry in source["input"]]
+        paths = [entry["path"] for entry in source["input"]]
         folders, kinds = {os.path.dirname(p) for p in paths}, {os.path.splitext(p)[1] for p in paths}
         pattern = os.path.join(*folders, "*" + "".join(kinds)) if len(folders) == len(kinds) == 1 else None
         if len(paths) > 3 and pattern and sorted(glob.glob(pattern)) == paths:
@@ -338,16 +316,6 @@ def check_batch_fits(batches_per_epoch, sizes, chunk, data_dir, split):
             f"the largest {split} shard in {data_dir} holds {max(sizes):,} tokens, fewer than the "
             f"{chunk + 1:,} that one batch (B*T*world_size + 1) needs: lower --batch-size or --seq-len, "
             f"or write bigger shards (fineweb.py --shard-size)"
-        )
-
-
-def check_same_shards(saved, names):
-    """A checkpoint's data position means something only in the shards it was saved with."""
-    if saved != names:
-        raise UserError(
-            f"the checkpoint's data position refers to {len(saved)} shards ({saved[0]}, ...), but the data "
-            f"folder holds {len(names)} others: resume with the same shards, or start a new run from its "
-            f"weights with --init-from"
         )
 
 
@@ -381,39 +349,6 @@ def check_same_data(saved, now, ckpt_path, data_dir):
                     f"--out-dir"
                 )
             )
-
-
-def recorded_max_ids(data_dir):
-    """{shard path: its largest token id} as fineweb.py recorded them in data_dir's manifests, for
-    the shards whose fingerprint still matches the one recorded with it: a start can then check
-    token ids from metadata instead of reading every shard in full. Shards without a matching
-    record (llm.c .bin files, hand-made shards, older manifests) are left out, to be read."""
-    known = {}
-    for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
-        try:
-            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
-                shards = json.load(f)["shards"]
-            records = {s["file"]: (s["bytes"], s["fingerprint"], int(s["max_id"])) for s in shards if "max_id" in s}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue  # not fineweb.py's manifest, or one from before it recorded ids: the shards are read
-        for file, (size, digest, max_id) in records.items():
-            path = os.path.join(data_dir, file)
-            if os.path.isfile(path) and shard_fingerprint(path)[1:] == [size, digest]:  # the size, then sampled bytes
-                known[path] = max_id
-    return known
-
-
-def check_token_ids(tokens, vocab_size, path, max_id=None):
-    """An id the model has no embedding row for crashes the step whose batch holds it (a device
-    assert on CUDA), possibly hours in: a shard of another tokenizer is refused up front. max_id:
-    the shard's largest id as recorded when it was written (recorded_max_ids); else it is read."""
-    if vocab_size is None or not len(tokens):
-        return
-    if (top := int(tokens.max()) if max_id is None else max_id) >= vocab_size:
-        raise UserError(
-            f"{path}: token id {top} is not below the model's vocab_size {vocab_size}: "
-            f"written with another tokenizer? rewrite it with fineweb.py"
-        )
 
 
 def check_batch_ids(tokens, vocab_size, path, start):

@@ -7,7 +7,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from support.out_dir import checkpoint_paths, log_runs
+from support.out_dir import checkpoint_paths
 
 
 class StopRequest:
@@ -79,8 +79,8 @@ class StopRequest:
 
 class Interrupted(KeyboardInterrupt):
     """A second stop signal: the run ends at once, without a checkpoint. Its message, read as the
-    process ends (after a start that logged no step has been undone), says what continues the run
-    from what the folder holds now: its newest checkpoint, or, with none, a restart from step 0."""
+    process ends, says what continues the run from what the folder holds now: its newest
+    checkpoint, or, with none, the same command in a new --out-dir."""
 
     def __init__(self, out_dir):
         super().__init__()
@@ -94,9 +94,7 @@ class Interrupted(KeyboardInterrupt):
         if found:
             name = os.path.basename(found[0])
             return f"interrupted: continue from its newest checkpoint, {name}, with --resume --out-dir {out_dir}"
-        if log_runs(os.path.join(out_dir, "log.jsonl"))[0]:
-            return (
-                f"interrupted before the run's first checkpoint: no checkpoint to continue from; "
-                f"--resume --out-dir {out_dir} starts the run again from step 0, with the recipe its log records"
-            )
-        return "interrupted before the run's first step: nothing was kept; the same command starts it again"
+        return (
+            "interrupted before the run's first checkpoint: no checkpoint to continue from; the same command "
+            "with a new --out-dir starts it again"
+        )

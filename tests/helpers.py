@@ -27,6 +27,7 @@ import fineweb
 import train_gpt2
 from support.checkpoints import load_checkpoint
 from support.cli import UserError
+from support.presets import preset_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -71,13 +72,14 @@ def write_known_shards(folder, lengths, ext="npy", val_length=0):
     return shards
 
 
+TINY_RUN = [word for _, words in preset_lines(ROOT / "configs" / "tests.txt") for word in words]
+
+
 def tiny_args(data_dir, out_dir, *extra):
-    """A 2-layer, 32-wide model on the CPU; later flags override earlier ones."""
-    model = "--device cpu --n-layer 2 --n-head 2 --n-embd 32 --block-size 64 -B 2 -T 16 --total-batch-size 64"
-    schedule = "--max-steps 6 --warmup-steps 3 --max-lr 3e-3 --eval-every 4 --val-tokens 256 --hellaswag-every 0"
-    quiet = "--sample-every 0 --ckpt-every 0"
-    flags = f"{model} {schedule} {quiet}".split()
-    return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), *flags, *map(str, extra)]
+    """The tests' tiny run, configs/tests.txt's flags (a 2-layer, 32-wide model on the CPU, 6 steps),
+    on data_dir into out_dir; later flags override earlier ones. The preset's flags are listed,
+    not passed as @configs/tests.txt, so that a test can leave one out."""
+    return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), *TINY_RUN, *map(str, extra)]
 
 
 def read_log(out_dir):
@@ -462,7 +464,7 @@ def fineweb_stopped_after(monkeypatch, n, args):
 
 def fineweb_killed_after(n, args):
     """fineweb.py run with args in a process SIGKILLed as its n-th shard is in place (before it is
-    journaled): what a kill leaves, with no handler of ours running."""
+    listed in the manifest): what a kill leaves, with no handler of ours running."""
     script = (
         "import os, signal, sys\nimport fineweb\nreal, written = fineweb.write_shard, []\n"
         "def write_shard(path, tokens, fmt='npy'):\n    real(path, tokens, fmt)\n    written.append(path)\n"

@@ -221,3 +221,20 @@ def test_compile_that_does_not_work_is_refused_before_anything_is_measured(tmp_p
     r = cli(*args, script="bench.py", cwd=tmp_path)
     assert_one_line_error(r, "torch.compile does not work on this cpu", "No working C++ compiler", "pass --no-compile")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_target_not_met_says_what_it_means():
+    from benchmarks.report import comparison, missed, table  # noqa: PLC0415  bench's own modules, this test's alone
+    from benchmarks.settings import IF_MISSED, TARGETS  # noqa: PLC0415  as above
+
+    assert IF_MISSED.keys() == TARGETS.keys()  # every target has its line
+    rows = [
+        comparison("bf16", [1.2, 1.3], [1.0, 1.0], "tok/s", "bf16_vs_fp32"),  # 1.25x < 1.7x
+        comparison("kv", [6.0], [1.0], "tok/s", "kv_cache"),  # 6x >= 5x: met
+        comparison("loader", [2.0, 2.0], None, "ms", "loader_switch_ms", higher_is_better=False),
+        comparison("ceiling", [100.0], None, "GFLOP/s"),  # no target
+    ]
+    assert [r["met"] for r in rows] == [False, True, False, None]
+    assert [r["target"] for r in rows] == [1.7, 5.0, 1.0, None]
+    assert table(rows).count("**no**") == 2
+    assert missed(rows) == [f"- bf16: {IF_MISSED['bf16_vs_fp32']}", f"- loader: {IF_MISSED['loader_switch_ms']}"]

@@ -21,17 +21,7 @@ import pytest
 import torch
 
 import train_gpt2
-from helpers import (
-    at_step,
-    fail_nth_write,
-    headers,
-    random_shards,
-    read_log,
-    same_weights,
-    state_of,
-    tiny_args,
-    user_error,
-)
+from helpers import at_step, fail_nth_write, random_shards, read_log, same_weights, state_of, tiny_args, user_error
 from support import checkpoints, files
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.cli import UserError
@@ -93,11 +83,12 @@ def test_a_failed_first_checkpoint_write_does_not_claim_earlier_ones(data, tmp_p
     monkeypatch.setattr(files, "open", open_, raising=False)
     msg = user_error(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0))
     assert "no checkpoint was written before this one" in msg and "intact" not in msg
-    monkeypatch.undo()  # room again: the advice, --resume, starts the run again and finishes it
+    assert "start the run again in a new --out-dir" in msg
+    monkeypatch.undo()  # room again: the advice, a new --out-dir, starts the run again and finishes it
     assert (
-        train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0, "--resume")) == 0
+        train_gpt2.main(tiny_args(data, tmp_path / "new", "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0)) == 0
     )
-    assert (out / "ckpt_000004.pt").exists()
+    assert (tmp_path / "new" / "ckpt_000004.pt").exists()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,6 +151,17 @@ def test_pickle_carrying_code_is_refused(short_run, tmp_path):
     assert "evil.pt" in msg and not marker.exists()
     torch.load(tmp_path / "evil.pt", weights_only=False)  # the file really does carry code:
     assert marker.exists()  # loaded unsafely, it runs
+
+
+@pytest.mark.parametrize("model_config", [{"n_layer": 2}, [2, 2, 32]], ids=["keys missing", "not a dict"])
+def test_a_checkpoint_whose_model_config_is_no_gpts_is_refused_when_loaded(tmp_path, model_config):
+    """load_checkpoint checks the model_config once, for every reader (training, hellaswag.py,
+    --sample-from, --export-hf's dry run), in one line."""
+    torch.save({"model": {}, "model_config": model_config}, tmp_path / "ckpt.pt")
+    with pytest.raises(
+        UserError, match=r"ckpt\.pt is not a train_gpt2\.py checkpoint \(no model / GPT model_config\)$"
+    ):
+        load_checkpoint(str(tmp_path / "ckpt.pt"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,19 +248,3 @@ def test_a_refused_pickle_says_what_the_file_is_not_and_what_works(tmp_path, hf_
     assert "weights_only" not in msg and "\x1b" not in msg  # torch's advice and its terminal colours
     assert "a transformers GPT-2 as its folder (config.json beside its weights, as save_pretrained writes it)" in msg
     assert train_gpt2.main(["--sample-from", str(hf_tiny_dir), *args]) == 0  # the advice: such a folder loads
-
-
-def test_a_file_put_at_a_checkpoint_name_mid_run_is_not_overwritten(data, tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 2, "--eval-every", 0)
-    theirs = out / "ckpt_000004.pt"
-    at_step(monkeypatch, {3: lambda: theirs.write_bytes(b"the user's file, put there after the start")})
-    msg = user_error(args)
-    assert msg.startswith(f"{theirs} was put there while this run trained and is not this run's (it is not a")
-    assert f"continue with --resume (from {out / 'ckpt_000002.pt'})" in msg
-    assert theirs.read_bytes() == b"the user's file, put there after the start" and max(read_log(out)[1]) == 3
-    monkeypatch.undo()
-    subprocess.run(re.search(r"\((mv [^)]+)\)", msg).group(1), shell=True, check=True)  # the advice
-    assert train_gpt2.main([*map(str, args), "--resume"]) == 0
-    assert sorted(read_log(out)[1]) == list(range(6)) and len({h["run_id"] for h in headers(out)}) == 1
-    assert (out / "ckpt_000004.pt.aside").read_bytes() == b"the user's file, put there after the start"

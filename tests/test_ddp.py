@@ -1,14 +1,17 @@
 """support/ddp.py, through real torchrun jobs of 2 CPU ranks (gloo): a --ddp-timeout c10d cannot
 wait is one line; ranks that do not join within the timeout each say so in one line; a short
 timeout survives rank 0's slow checkpoint writes and long samples, the other ranks waiting in the
-fence; and a mistake is said once, by rank 0, while every rank exits 1. All slow: each starts
-torchrun or its ranks. (Training under torchrun: test_train_ddp.py.)"""
+fence; and a mistake every rank makes alike is said once a node, by its first process, while every
+rank exits 1. All slow: each starts torchrun or its ranks. (Training under torchrun: test_train_ddp.py.)"""
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 
-from helpers import random_shards, ranks_without_agent, read_log, tiny_args, torchrun
+from helpers import ROOT, free_port, random_shards, ranks_without_agent, read_log, tiny_args, torchrun
 
 # ----------------------------------------------------------------------------------------------
 # Joining: within --ddp-timeout, or one line from each rank
@@ -99,3 +102,30 @@ def test_torchrun_says_a_mistake_once_and_every_rank_exits_1(data, tmp_path, mis
     codes, outputs = ranks_without_agent(args)
     assert codes == [1, 1], outputs
     assert [sum(o.count("error: ") for o in output) for output in outputs] == [1, 0], outputs
+
+
+@pytest.mark.parametrize("mistake", ["data folder", "--seed"])
+@pytest.mark.slow
+def test_a_mistake_is_said_once_a_node(data, tmp_path, mistake):
+    folder, extra = (tmp_path / "nope", []) if mistake == "data folder" else (data, ["--seed", -1])  # no such folder
+    args = tiny_args(folder, tmp_path / "out", "--max-steps", 2, *extra)
+    r = torchrun(*args)
+    assert r.returncode != 0 and (r.stdout + r.stderr).count(f"error: {mistake}") == 1, r.stderr[-3000:]
+    codes, outputs = ranks_without_agent(args)  # one node of two ranks: its first says it
+    assert codes == [1, 1] and [sum(o.count("error: ") for o in out) for out in outputs] == [1, 0], outputs
+    # two nodes of one rank each (LOCAL_RANK 0 on both): each node's console says why it stopped
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "train_gpt2.py", *map(str, args)],
+            cwd=ROOT,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": "0"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=300) for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [1, 1]
+    assert [sum(o.count(f"error: {mistake}") for o in out) for out in outputs] == [1, 1], outputs

@@ -182,7 +182,7 @@ def test_out_of_memory_on_a_16_gb_gpu_names_the_B_it_fits(fake_gpu, tmp_path, ca
     assert capsys.readouterr().err.splitlines() == [
         "error: out of GPU memory in the first training step (-B 64 rows of -T 1024): lower -B (e.g. -B 16, which "
         "this GPU's 15.7 GiB should fit, see docs/gpus.md: the total batch stays 65,536 tokens, accumulated over more "
-        "micro-steps); no checkpoint was written yet: --resume -B 16 starts the run again"
+        "micro-steps); no checkpoint was written yet: start the run again with -B 16 in a new --out-dir"
     ]
 
 

@@ -58,8 +58,10 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
             if when == "start-up":
                 time.sleep(rng.uniform(0.2, 2.0))
             elif when == "checkpoint write":  # poll for the temporary file torch.save is writing into
+                stale = set(out.glob("*.pt.tmp"))  # an earlier kill's, which this run removes at start
                 while proc.poll() is None and time.time() < deadline:
-                    if out.is_dir() and any(n.endswith(".pt.tmp") for n in os.listdir(out)):
+                    stale &= set(out.glob("*.pt.tmp"))
+                    if set(out.glob("*.pt.tmp")) - stale:
                         break
                     time.sleep(0.001)
             else:

@@ -1,12 +1,10 @@
 """fineweb.py: the shards are exactly tiktoken's EOT-prefixed encoding of the input, in order;
 .bin headers are llm.c's; a killed run resumes byte-identically; bad input is a one-line error; a
-full disk keeps the finished shards; a folder it was killed writing, its manifest or journal lost,
-is refused by training naming the command that finishes it."""
+full disk keeps the finished shards."""
 
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import socket
@@ -17,18 +15,7 @@ import numpy as np
 import pytest
 
 import fineweb
-import train_gpt2
-from helpers import (
-    assert_one_line_error,
-    cli,
-    fail_nth_write,
-    fineweb_killed_after,
-    snapshot,
-    start_run,
-    state_of,
-    tiny_args,
-    user_error,
-)
+from helpers import assert_one_line_error, cli, fail_nth_write, snapshot, start_run, state_of
 from support import files, offline
 from support.cli import UserError
 from support.documents import HUB_OFFLINE_VARS
@@ -101,9 +88,9 @@ def parquet_copies(tmp_path_factory, parquet_files, enc):
 
 
 def shards_listed(path):
-    """The shards the manifest at path lists so far (a run in progress journals them beside it)."""
+    """The shards the manifest at path lists so far."""
     try:
-        return fineweb.read_manifest(str(path))["shards"]
+        return json.loads(path.read_text())["shards"]
     except (OSError, ValueError, TypeError):
         return []
 
@@ -188,7 +175,7 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, parquet_copies):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the run and its pool workers, nothing else
         proc.wait()
-    killed = fineweb.read_manifest(str(manifest_path))
+    killed = json.loads(manifest_path.read_text())
     assert not killed["complete"] and 3 <= len(killed["shards"]) < 129, "the kill did not land mid-run"
 
     cwd = os.getcwd()
@@ -199,7 +186,7 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, parquet_copies):
         os.chdir(cwd)
     fresh = tmp_path / "fresh"
     fineweb.main(["--input", *files, "--out-dir", str(fresh), "--shard-size", "50000", "--workers", "2"])
-    # every file, manifest included, and no leftover temporary files (nor the journal)
+    # every file, manifest included, and no leftover temporary files
     assert file_bytes(tmp_path / "out") == file_bytes(fresh)
     np.testing.assert_array_equal(np.concatenate(ordered(read_shards(fresh))), tokens)
 
@@ -380,21 +367,21 @@ def test_cli_prints_one_line_and_exits_1(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--shard-size", "1e13"], r"--shard-size 10,000,000,000,000 needs 18,626.5 GiB of memory"),
-        (["--shard-size", "1.5"], r"argument --shard-size: '1.5' is not a whole number"),
-        (["--shard-size", "1e999"], r"'1e999' is not a whole number"),
-        (["--shard-size", "0"], r"'0' must be at least 1"),
+        (["--shard-size", "1e13"], r"argument --shard-size: must be below 2\*\*31 \(2,147,483,648\), 4 GiB in memory"),
+        (["--shard-size", "1.5"], r"argument --shard-size: invalid whole number value: '1.5'"),
+        (["--shard-size", "1e999"], r"invalid whole number value: '1e999'"),
+        (["--shard-size", "0"], r"--shard-size 0 is too small"),
         (["--shard-size", "1"], r"^--shard-size 1 is too small: a shard must hold one GPT-2 context of 1,024 tokens"),
         (
             ["--shard-size", "1024"],
             r"^--shard-size 1,024 is too small: .*; pass at least 1025, e.g. --shard-size 100000 ",
         ),
-        (["--format", "bin", "--shard-size", "3e9", "--workers", "1"], r"a .bin shard holds at most 2,147,483,647"),
-        (["--max-tokens", "nan"], r"'nan' is not a whole number"),
-        (["--max-tokens", "-5"], r"'-5' must be at least 1"),
-        (["--max-shards", "2.5"], r"'2.5' is not a whole number"),
-        (["--workers", "100000"], r"--workers 100,000: this machine has \d+ usable cores"),
-        (["--workers", "0"], r"'0' must be at least 1"),
+        (["--format", "bin", "--shard-size", "3e9", "--workers", "1"], r"--shard-size: must be below 2\*\*31"),
+        (["--max-tokens", "nan"], r"invalid whole number value: 'nan'"),
+        (["--max-tokens", "-5"], r"--max-tokens: must be at least 1, not -5"),
+        (["--max-shards", "2.5"], r"invalid whole number value: '2.5'"),
+        (["--workers", "100000"], r"--workers: must be from 1 to 256 \(threads beyond the cores only add overhead\)"),
+        (["--workers", "0"], r"--workers: must be from 1 to 256"),
         (["--prefix", ""], r"--prefix '': a shard name prefix is a plain name"),
         (["--prefix", "../elsewhere"], r"--prefix '../elsewhere'"),
         (["--prefix", ".hidden"], r"--prefix '.hidden'"),
@@ -405,8 +392,7 @@ def test_cli_prints_one_line_and_exits_1(tmp_path):
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
-def test_every_flag_is_checked_before_any_work(tmp_path, monkeypatch, flags, message):
-    monkeypatch.setattr(fineweb, "memory_bytes", lambda: 64 * 2**30)  # the same answer on every machine
+def test_every_flag_is_checked_before_any_work(tmp_path, flags, message):
     (tmp_path / "doc.txt").write_text("hello world")
     before = snapshot(tmp_path)
     with pytest.raises(UserError, match=message) as e:
@@ -441,9 +427,9 @@ def test_empty_flags_and_hub_flags(tmp_path):
 
 def test_bad_flags_through_the_cli_are_one_line(tmp_path):
     r = cli("--input", "doc.txt", "--shard-size", "1e13", script="fineweb.py", cwd=tmp_path)
-    assert_one_line_error(r, match=r"--shard-size 10,000,000,000,000 needs .* GiB of memory")
+    assert_one_line_error(r, match=r"--shard-size: must be below 2\*\*31")
     r = cli("--workers", "many", script="fineweb.py", cwd=tmp_path)
-    assert_one_line_error(r, match=r"--workers: 'many' is not a whole number")
+    assert_one_line_error(r, match=r"--workers: invalid whole number value: 'many'")
     assert os.listdir(tmp_path) == []
 
 
@@ -789,34 +775,6 @@ def test_binary_and_nul_text_are_refused(tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
 
 
-def test_the_work_per_shard_does_not_grow_with_the_shards_written(tmp_path, shared_data, enc, monkeypatch):
-    """Bytes the process writes between one shard's file and the next (the shard, the manifest's
-    bookkeeping, the progress bar), read from /proc/self/io, at the 20th and the 300th shard: the
-    same. A manifest rewritten whole at every shard would add ~130 bytes a shard listed."""
-    if not os.path.exists("/proc/self/io"):
-        pytest.skip("needs Linux's /proc/self/io")
-
-    def written():
-        return int(next(line for line in open("/proc/self/io") if line.startswith("wchar:")).split()[1])
-
-    real, marks = fineweb.write_shard, []
-
-    def write_shard(path, tokens, fmt="npy"):
-        marks.append(written())
-        real(path, tokens, fmt)
-
-    monkeypatch.setattr(fineweb, "write_shard", write_shard)
-    text = shared_data / "tinyshakespeare" / "input.txt"
-    summary = fineweb.main(["--input", str(text), "--out-dir", str(tmp_path), "--shard-size", "1025", "--workers", "1"])
-    assert summary["shards"] == 330 and summary["complete"]  # 338,025 tokens and an EOT
-    per_shard = np.diff(marks)
-    early, late = np.median(per_shard[15:25]), np.median(per_shard[295:305])
-    assert abs(late - early) < 200, (early, late)
-    assert early >= 2000  # the shard itself is counted: the measurement sees the writes
-    expected = np.array([EOT, *enc.encode_ordinary(text.read_text())], dtype=np.uint16)
-    np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path))), expected)
-
-
 # ----------------------------------------------------------------------------------------------
 # A full disk mid-run
 
@@ -847,82 +805,6 @@ def test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes(tmp_path, m
     np.testing.assert_array_equal(np.concatenate(shards), expected)
 
 
-# ----------------------------------------------------------------------------------------------
-# A folder fineweb.py was killed writing: finished by the command training names
-
-
-@pytest.fixture
-def killed_fineweb(tmp_path, shared_data):
-    """(input, a shard folder fineweb.py was SIGKILLed writing, the same input written uninterrupted)."""
-    text = tmp_path / "tiny.txt"
-    text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:40000])
-    args = ["--input", str(text), "--shard-size", "2000", "--workers", "1"]
-    fineweb_killed_after(3, [*args, "--out-dir", str(tmp_path / "shards")])
-    assert (tmp_path / "shards" / ".edufineweb_manifest.journal").exists()
-    fineweb.main([*args, "--out-dir", str(tmp_path / "whole")])
-    return text, tmp_path / "shards", tmp_path / "whole"
-
-
-def same_files(a, b):
-    return snapshot(a) == snapshot(b) and len(snapshot(a)) > 3
-
-
-@pytest.mark.parametrize("manifest", ["deleted", "unreadable"])
-def test_a_fineweb_folder_with_a_journal_and_no_readable_manifest_is_refused_naming_the_command_that_finishes_it(
-    killed_fineweb, tmp_path, manifest
-):
-    text, shards, whole = killed_fineweb
-    path = shards / "edufineweb_manifest.json"
-    path.unlink() if manifest == "deleted" else path.write_text('{"config": ')
-    before = snapshot(tmp_path)
-    said = user_error(tiny_args(shards, tmp_path / "run", "--max-steps", 2, "--eval-every", 0))
-    state = "is missing" if manifest == "deleted" else "cannot be read"
-    assert said.startswith(
-        f"--data-dir {shards} is unfinished: fineweb.py's journal .edufineweb_manifest.journal is there, and its "
-        f"manifest edufineweb_manifest.json {state}, so fineweb.py never said it finished; "
-    )
-    command = said.split("`")[1]
-    assert command == f"python fineweb.py --input {text} --out-dir {shards} --shard-size 2000"
-    assert snapshot(tmp_path) == before and not (tmp_path / "run").exists()
-    if manifest == "unreadable":
-        assert f"delete the unreadable edufineweb_manifest.json, then finish it with `{command}`" in said
-        path.unlink()
-    fineweb.main(shlex.split(command)[2:])  # the command it names finishes the folder, as an uninterrupted run
-    assert same_files(shards, whole)
-    assert train_gpt2.main(tiny_args(shards, tmp_path / "run", "--max-steps", 2, "--eval-every", 0)) == 0
-
-
-@pytest.mark.parametrize("fix", ["the journal put back", "those files deleted"])
-def test_a_lost_fineweb_journal_is_said_and_either_fix_it_names_finishes_the_folder(killed_fineweb, tmp_path, fix):
-    text, shards, whole = killed_fineweb
-    journal = shards / ".edufineweb_manifest.journal"
-    kept = journal.read_bytes()
-    journal.unlink()  # a copy that skipped hidden files
-    said = user_error(tiny_args(shards, tmp_path / "run", "--max-steps", 2, "--eval-every", 0))
-    command = said.split("`")[1]  # the manifest says unfinished: the command that finishes it
-    # the folder as it was, but for the lock file the killed run left: taken and given back, so removed
-    before = {k: v for k, v in snapshot(tmp_path).items() if not k.endswith(fineweb.FOLDER_LOCK)}
-    with pytest.raises(UserError) as e:
-        fineweb.main(shlex.split(command)[2:])
-    assert snapshot(tmp_path) == before
-    assert str(e.value).startswith(
-        f"{shards} holds 2 shard file(s) after the 0 its manifest lists (edufineweb_train_000001.npy, "
-        "edufineweb_train_000002.npy), named as this configuration writes them: the journal that listed them, "
-        ".edufineweb_manifest.journal, is gone"
-    )
-    assert "move those files away" not in str(e.value)
-    assert "copy .edufineweb_manifest.journal back beside the manifest to keep them, or delete those files" in str(
-        e.value
-    )
-    if fix == "the journal put back":
-        journal.write_bytes(kept)
-    else:
-        for name in ("edufineweb_train_000001.npy", "edufineweb_train_000002.npy"):
-            (shards / name).unlink()
-    fineweb.main(shlex.split(command)[2:])
-    assert same_files(shards, whole)
-
-
 def names_and_bytes(folder):
     """{name: its bytes, or ("link", where it points)} of folder's entries, links not followed."""
     return {p.name: ("link", os.readlink(p)) if p.is_symlink() else p.read_bytes() for p in sorted(folder.iterdir())}
@@ -932,12 +814,9 @@ def names_and_bytes(folder):
     "name, resume, to",
     [
         ("edufineweb_manifest.json", False, "a file"),
-        (".edufineweb_manifest.journal", False, "a file"),
-        (".edufineweb_manifest.journal", False, "nothing"),
         ("edufineweb_val_000000.npy", False, "nothing"),
         (".edufineweb_train_000002.npy.tmp", False, "a file"),  # a shard's temporary file
         ("edufineweb_manifest.json", True, "the manifest, moved out"),
-        (".edufineweb_manifest.journal", True, "a file"),
         ("edufineweb_train_000002.npy", True, "a file"),  # the next shard the resume writes
         (".edufineweb_manifest.json.tmp", True, "nothing"),
     ],
@@ -945,7 +824,7 @@ def names_and_bytes(folder):
 def test_a_symlink_at_a_name_fineweb_writes_is_refused_and_what_it_names_is_untouched(
     tmp_path, shared_data, name, resume, to
 ):
-    """Rule 26: the manifest, its journal, this prefix's shards and their temporary files are never
+    """Rule 26: the manifest, this prefix's shards and their temporary files are never
     written, appended to or removed through a symbolic link at their names, fresh or resumed: one
     line naming the link and where it points, before anything is written; the folder, the link
     and the file it names as they were (none made where it points). The `rm` the line advises

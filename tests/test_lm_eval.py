@@ -1,34 +1,74 @@
-"""lm-evaluation-harness on an export, offline (docs/evaluation.md): the completion-style HellaSwag
-task that the docs give scores each example as hellaswag.py scores the checkpoint, and lm-eval's
-own hellaswag task, run on the same local rows, rewrites the context and normalizes acc_norm by
-characters, as the docs say. The task YAMLs are read out of docs/evaluation.md, so a reader who
-copies them gets what is tested. One lm-eval run (both tasks, 200 examples) serves every test."""
+"""lm-evaluation-harness on an export, offline, with the task files the repository ships in
+lm_eval_tasks/ (the README's lm_eval line): the completion-style HellaSwag task scores each example
+as hellaswag.py scores the checkpoint, and lm-eval's own hellaswag task, run on the same local rows,
+rewrites the context and normalizes acc_norm by characters, as docs/evaluation.md says. One lm-eval
+run (both tasks, 200 examples) serves the slow tests."""
 
+import importlib.util
 import json
 import os
-import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 import hellaswag
 from helpers import ROOT
 
-pytestmark = pytest.mark.slow  # lm-eval's run on the CPU: half a minute
 N = 200  # 150 ActivityNet rows, 50 WikiHow ones, 3 of them longer than the tiny model's window of 128
+TASKS = ROOT / "lm_eval_tasks"
 
 
-def docs_yaml(task, **paths):
-    """The YAML block of docs/evaluation.md that defines task, its placeholder paths replaced."""
-    text = (ROOT / "docs" / "evaluation.md").read_text(encoding="utf-8")
-    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if f"\ntask: {task}\n" in f"\n{b}"]
-    assert len(blocks) == 1, f"docs/evaluation.md has no single YAML for {task}"
-    block = blocks[0]
-    for placeholder, path in paths.items():
-        assert placeholder in block
-        block = block.replace(placeholder, str(path))
-    return block
+def task_utils():
+    """lm_eval_tasks/utils.py, loaded by its path as lm-eval loads it (`!function utils.<name>`)."""
+    spec = importlib.util.spec_from_file_location("lm_eval_tasks_utils", TASKS / "utils.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_task(path):
+    """A task YAML as data; lm-eval's `!function` tag read as ("!function", its name)."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!function", lambda loader, node: ("!function", loader.construct_scalar(node)))
+    return yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)
+
+
+def test_tasks_read_hellaswag_pys_cache_by_default():
+    utils = task_utils()
+    assert utils.CACHE == os.path.join(hellaswag.DEFAULT_CACHE_DIR, hellaswag.CACHE_NAME)
+
+
+def test_tasks_read_the_jsonl_metadata_names(tmp_path, shared_data):
+    lines = (shared_data / "hellaswag" / "hellaswag_val.jsonl").read_text(encoding="utf-8").splitlines()[:3]
+    (tmp_path / "hs.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    # lm-eval passes every task's metadata (its version, the model's arguments) along with ours
+    rows = task_utils().hellaswag_rows(hellaswag_data=str(tmp_path / "hs.jsonl"), version=1.0, pretrained="x")
+    assert list(rows) == ["validation"]
+    assert [dict(r) for r in rows["validation"]] == [json.loads(line) for line in lines]
+
+
+def test_tasks_without_the_jsonl_say_how_to_get_it(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        task_utils().hellaswag_rows(hellaswag_data=str(tmp_path / "none.jsonl"))
+    assert "python hellaswag.py -m gpt2_ours --limit 10" in str(e.value) and "hellaswag_data" in str(e.value)
+
+
+def test_local_task_is_lm_evals_own_but_for_its_data():
+    installed = Path(importlib.util.find_spec("lm_eval").origin).parent  # not imported: seconds to import
+    theirs = read_task(installed / "tasks" / "hellaswag" / "hellaswag.yaml")
+    ours = read_task(TASKS / "hellaswag_local.yaml")
+    assert ours.pop("custom_dataset") == ("!function", "utils.hellaswag_rows")
+    assert ours.pop("process_docs") == ("!function", "utils.lm_eval_process_docs")
+    assert theirs.pop("process_docs") == ("!function", "utils.process_docs")
+    for name in ("task", "tag", "dataset_path", "dataset_name", "training_split"):  # the data, its name
+        theirs.pop(name, None), ours.pop(name, None)
+    assert ours == theirs
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +81,15 @@ def harness(shakespeare_export, shared_data, tmp_path_factory, enc):
     lines = (shared_data / "hellaswag" / "hellaswag_val.jsonl").read_text(encoding="utf-8").splitlines()
     lines = lines[:150] + [line for line in lines if '"source_id": "wikihow' in line][:50]
     (tmp / "hellaswag_val.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    (tmp / "tasks").mkdir()
-    own_yaml = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "hellaswag", "hellaswag.yaml")
-    data = {"/path/to/hellaswag_val.jsonl": tmp / "hellaswag_val.jsonl"}
-    completion = docs_yaml("hellaswag_completion", **data)
-    own = docs_yaml("hellaswag_local", **data, **{"/path/to/lm_eval/tasks/hellaswag/hellaswag.yaml": own_yaml})
-    for name, text in (("completion", completion), ("own", own)):
-        # datasets' copy of the rows in tmp, not in the user's ~/.cache/huggingface (a new one a run)
-        text = text.replace("\n  data_files:", f"\n  cache_dir: {tmp / 'datasets_cache'}\n  data_files:", 1)
-        (tmp / "tasks" / f"{name}.yaml").write_text(text)
     out = lm_eval.simple_evaluate(
         model="hf",
         model_args=f"pretrained={export},dtype=float32",
         tasks=["hellaswag_completion", "hellaswag_local"],
-        task_manager=TaskManager(include_path=str(tmp / "tasks"), include_defaults=False),
+        task_manager=TaskManager(
+            include_path=str(TASKS),
+            include_defaults=False,
+            metadata={"hellaswag_data": str(tmp / "hellaswag_val.jsonl")},
+        ),
         device="cpu",
         batch_size=32,
         log_samples=True,
@@ -79,6 +114,7 @@ def log_likelihoods(rows):
     return torch.tensor([[ll for ll, _ in s["filtered_resps"]] for s in rows], dtype=torch.float64)
 
 
+@pytest.mark.slow  # lm-eval's run on the CPU: half a minute
 def test_completion_task_scores_every_example_as_hellaswag_py(harness):
     rows, examples = samples(harness, "hellaswag_completion"), harness["examples"]
     for s, ex in zip(rows, examples, strict=True):  # the text scored: the context, an ending after a space
@@ -105,6 +141,7 @@ def test_completion_task_scores_every_example_as_hellaswag_py(harness):
     assert tokens_pred != (ll / chars).argmax(1).tolist()  # the two normalizations pick differently here
 
 
+@pytest.mark.slow
 def test_lm_evals_own_hellaswag_rewrites_the_context(harness):
     rows, examples = samples(harness, "hellaswag_local"), harness["examples"]
     contexts = [s["arguments"][0][0] for s in rows]

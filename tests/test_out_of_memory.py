@@ -94,16 +94,16 @@ def test_out_of_memory_in_the_first_step_names_B_and_lowering_it_trains(big_data
 
 @pytest.mark.slow
 def test_out_of_memory_in_the_first_step_then_a_smaller_batch_in_the_same_folder(tmp_path):
-    """A real out-of-memory (an address-space cap) with the recipe's flags: the folder the run made
-    is gone again, and the same command with a smaller -B, without --resume, trains there."""
+    """A real out-of-memory (an address-space cap) with the recipe's flags: the start it logged is no
+    run, and the same command with a smaller -B, without --resume, trains there."""
     data = random_shards(tmp_path / "data", train_lengths=(20000,), val_length=5000)
     out = tmp_path / "out"
     args = tiny_args(data, out, "-B", 64, "-T", 64, "--total-batch-size", 4096, "--max-steps", 2, "--eval-every", 0)
     assert_one_line_error(limited(400, *args), "out of host memory in the first training step")
-    assert not out.exists()
+    assert not read_log(out)[1]
     r = cli(*args, "-B", 8)  # a later flag wins; without the cap: the folder is what is tested here
     assert r.returncode == 0, r.stderr
-    assert len(headers(out)) == 1 and sorted(read_log(out)[1]) == [0, 1]
+    assert len(headers(out)) == 2 and sorted(read_log(out)[1]) == [0, 1]
 
 
 @pytest.mark.slow
@@ -205,7 +205,8 @@ def test_the_advice_is_the_marked_phases_not_the_function_names(tmp_path):
     oom_phase("scoring HellaSwag", batch_tokens=65536)
     assert training_out_of_memory() == (
         "in the HellaSwag eval at step 250: turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores "
-        "a checkpoint in less); no checkpoint was written yet: --resume --hellaswag-every 0 starts the run again"
+        "a checkpoint in less); no checkpoint was written yet: start the run again with --hellaswag-every 0 in a new "
+        "--out-dir"
     )
     assert hellaswag_out_of_memory() == (
         "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 32768), or use a smaller --model"
@@ -277,7 +278,7 @@ def test_out_of_gpu_memory_names_the_B_the_memory_estimate_fits_where_it_holds(t
     assert line == (
         "in the first training step (-B 64 rows of -T 1024): lower -B (e.g. -B 16, which this GPU's 23.6 GiB "
         "should fit, see docs/gpus.md: the total batch stays 524,288 tokens, accumulated over more micro-steps); "
-        "no checkpoint was written yet: --resume -B 16 starts the run again"
+        "no checkpoint was written yet: start the run again with -B 16 in a new --out-dir"
     )
     assert "e.g. -B 16, which" in first_step_error(tmp_path, recipe, torch.float16)
     # where the estimate does not hold, the advice halves -B: fp32 (no autocast), another model,

@@ -178,11 +178,12 @@ def test_fineweb_input_writes_the_tokens_of_the_text(tmp_path, posix_less, share
 HOLD_THE_FOLDER = """
 import sys
 import fineweb
+from support import file_lock
 
-lock = {"fd": fineweb.lock_folder(sys.argv[1])}
+fd = fineweb.lock_folder(sys.argv[1])
 print("held", flush=True)
 sys.stdin.read()  # until the test closes it
-fineweb.unlock_folder(sys.argv[1], lock)
+file_lock.unlock_folder(fd, sys.argv[1], fineweb.FOLDER_LOCK)
 """
 
 

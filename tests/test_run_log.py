@@ -53,7 +53,7 @@ def test_a_log_deleted_mid_run_is_written_again_at_its_path(data, tmp_path, monk
     heads = [r for r in records if r.get("event") == "header"]
     assert len(heads) == 1 and heads[0]["reopened"] and heads[0]["config"]
     assert records[0] is heads[0]  # the header comes first: resume and play.ipynb read it as the run
-    assert log_runs(str(log)) == ([heads[0]["run_id"]], False)
+    assert log_runs(str(log)) == [heads[0]["run_id"]]
 
 
 def test_a_log_of_another_user_in_a_writable_folder_names_its_owner_and_the_copy_that_resumes(
@@ -153,3 +153,48 @@ def test_a_log_replaced_by_a_symlink_mid_run_stops_the_run_and_what_it_names_is_
     subprocess.run(f"rm {re.search(r'[(]rm (.+?); ', msg)[1]}", shell=True, check=True)
     assert train_gpt2.main(args + ["--resume"]) == 0
     assert state_of(target) == before and max(read_log(out)[1]) == 5
+
+
+class FakeClock:
+    """time.monotonic for a StepClock: seconds the test moves on by hand."""
+
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_the_eta_counts_the_steps_and_each_eval_apart():
+    clock = FakeClock()
+    eta = run_log.StepClock(max_steps=10, now=clock)
+    eta.cadences = {"val_loss": 5, "hellaswag": 0, "samples": 4}
+    for record, seconds in [  # each record logged that many seconds after the one before it
+        ({"event": "header"}, 0.0),
+        ({"step": 0, "val_loss": 5.0}, 30.0),  # an eval runs before its step's training step
+        ({"step": 0, "dt_ms": 60_000.0}, 60.0),  # the process's first step (its compile): left out
+        ({"step": 1, "dt_ms": 1000.0}, 1.0),
+        ({"step": 2, "dt_ms": 2000.0}, 2.0),
+        ({"step": 3, "samples": ["..."]}, 7.0),
+        ({"step": 3, "dt_ms": 1000.0}, 1.0),
+    ]:
+        clock.t += seconds
+        eta.saw(record)
+    # the median step is 1 s (of 1, 2 and 1 s). Left after step 3: steps 4..9; val loss at 5 and 10
+    # (30 s each), samples at 4, 8 and 10 (7 s each); after step 9: val loss and samples at 10
+    assert eta.elapsed_and_eta(3) == "elapsed 1m41s | eta 1m27s"  # 6 x 1 + 2 x 30 + 3 x 7 = 87 s
+    assert eta.elapsed_and_eta(9).endswith("| eta 37s")  # 30 + 7
+    assert [run_log.duration(s) for s in (45, 725, 10920)] == ["45s", "12m05s", "3h02m"]
+
+
+def test_the_step_line_shows_the_eta_and_the_log_keeps_its_fields(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train_gpt2.main(tiny_args(data, out, "--eval-every", 2)) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if re.match(r"step +\d+/6 ", line)]
+    assert len(lines) == 6 and lines[0].endswith("| eta --")  # no step timed yet
+    assert all(re.search(r"\| elapsed \d+s \| eta \d+s$", line) for line in lines[1:])
+    steps = read_log(out)[1]
+    assert all(
+        set(r) == {"step", "train_loss", "lr", "grad_norm", "dt_ms", "tok_per_sec", "mfu", "tokens", "epoch"}
+        for r in steps.values()
+    )

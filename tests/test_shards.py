@@ -1,8 +1,8 @@
 """support/shards.py, mostly through real runs of train_gpt2.py: the GPT-2 tokenizer the shards
 hold ids of; a data folder that is missing, empty or a text file; shards that are truncated or have
 a wrong header, and shards memory-mapped; every shard smaller than one batch; token ids past the
-model's vocabulary (taken from fineweb.py's manifest where it can be trusted), and in every batch
-and the val set as they are read (an id between the fingerprint's sampled blocks); a folder
+model's vocabulary (each shard's first ids at start), and in every batch and the val set as they
+are read (an id past a shard's first 1,024 tokens); a folder
 fineweb.py has not finished, or whose manifest lists shards missing or of another size, refused
 naming the command that finishes it; and a checkpoint continued only on
 the shards its run started on (moved shards are the same data). Each refusal is one line before
@@ -35,13 +35,12 @@ from helpers import (
     snapshot,
     tiny_args,
     user_error,
-    write_known_shards,
     write_shard,
 )
 from support import shards
 from support.checkpoints import load_checkpoint
 from support.cli import UserError
-from support.shards import ShardFile, fineweb_command, load_shard, recorded_max_ids, shard_fingerprint
+from support.shards import ShardFile, fineweb_command, load_shard, shard_fingerprint
 from train_gpt2 import DataLoaderLite
 
 # ----------------------------------------------------------------------------------------------
@@ -259,7 +258,7 @@ def test_shards_smaller_than_one_batch_name_the_largest_and_the_fix(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Token ids below the model's vocabulary, from fineweb.py's manifest where it can be trusted
+# Token ids below the model's vocabulary: a shard's first ones at start
 
 
 def test_token_ids_outside_the_vocab(tmp_path):
@@ -293,45 +292,6 @@ def fineweb_folder(tmp_path, shared_data):
 
 def manifest_shards(folder):
     return json.loads((folder / "edufineweb_manifest.json").read_text())["shards"]
-
-
-def test_fineweb_records_each_shards_largest_id_and_fingerprint(fineweb_folder):
-    shards = manifest_shards(fineweb_folder)
-    assert len(shards) >= 3
-    for shard in shards:
-        path = fineweb_folder / shard["file"]
-        assert shard["max_id"] == int(np.load(path).max())  # read here, independently
-        assert [shard["bytes"], shard["fingerprint"]] == shard_fingerprint(str(path))[1:]
-
-
-def test_a_start_takes_the_largest_id_from_the_manifest(fineweb_folder):
-    # a record says 60,000 while the shard holds GPT-2 ids only: the refusal proves the shard's
-    # tokens were not read, the manifest's record was
-    shards = manifest_shards(fineweb_folder)
-    manifest = json.loads((fineweb_folder / "edufineweb_manifest.json").read_text())
-    manifest["shards"][1]["max_id"] = 60000
-    (fineweb_folder / "edufineweb_manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(UserError, match="token id 60000 is not below the model's vocab_size 50304"):
-        DataLoaderLite(str(fineweb_folder), "train", 2, 8, vocab_size=50304)
-    assert shards[1]["split"] == "train" and int(np.load(fineweb_folder / shards[1]["file"]).max()) < 50257
-
-
-def test_a_shard_written_again_is_read_in_full(fineweb_folder):
-    # the same size, other tokens: its fingerprint no longer matches the record, which is not trusted
-    name = manifest_shards(fineweb_folder)[2]["file"]
-    tokens = np.load(fineweb_folder / name)
-    tokens[12_345] = 50400
-    np.save(fineweb_folder / name, tokens)
-    with pytest.raises(UserError, match=f"{name}: token id 50400 is not below"):
-        DataLoaderLite(str(fineweb_folder), "train", 2, 8, vocab_size=50304)
-
-
-def test_shards_without_a_manifest_are_read_in_full(tmp_path):
-    shards = write_known_shards(tmp_path, [100, 100])  # ids 0..199, no manifest
-    assert recorded_max_ids(str(tmp_path)) == {}
-    with pytest.raises(UserError, match="token id 199 is not below the model's vocab_size 150"):
-        DataLoaderLite(str(tmp_path), "train", 2, 8, vocab_size=150)
-    assert int(shards[1].max()) == 199
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,7 +331,7 @@ def put_unsampled_id(path, token_id, position=None):
     tokens = np.load(path)
     tokens[position] = token_id
     np.save(path, tokens)
-    assert shard_fingerprint(str(path)) == before  # the manifest's max_id is still believed
+    assert shard_fingerprint(str(path)) == before  # the data identity does not see it either
     return position
 
 
@@ -458,7 +418,6 @@ def test_a_shard_of_another_size_than_its_manifest_records_is_refused(fineweb_fo
     size = os.path.getsize(path)
     r = cli(*tiny_args(fineweb_folder, tmp_path / "out", "--max-steps", 2))
     assert_one_line_error(r, f"lists {shard['file']} as {shard['bytes']:,} bytes, but it is {size:,}", "fineweb.py")
-    assert str(path) not in recorded_max_ids(str(fineweb_folder))  # nor is its recorded largest id believed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -498,7 +457,7 @@ def test_a_folder_fineweb_has_not_finished_is_refused_naming_the_command(tmp_pat
 
 
 @pytest.mark.parametrize("stop", [["--max-tokens", "7000"], ["--max-shards", "3"]])
-@pytest.mark.parametrize("how", ["Ctrl-C", "SIGKILL, manifest deleted"])
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGKILL"])
 def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(
     tmp_path, tiny_text, monkeypatch, stop, how
 ):
@@ -506,9 +465,8 @@ def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(
     args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1", *stop]
     if how == "Ctrl-C":  # the manifest made whole as the run stops
         fineweb_stopped_after(monkeypatch, 2, args)  # after 2 of the shards it was asked for
-    else:  # the journal alone says how the folder began: its first line
+    else:  # the manifest as the last finished shard left it
         fineweb_killed_after(2, args)
-        (shards / "edufineweb_manifest.json").unlink()
     line = assert_one_line_error(cli(*tiny_args(shards, tmp_path / "run", "--max-steps", 2)), "is unfinished")
     command = line.split("`")[1]
     assert command == f"python fineweb.py --input {tiny_text} --out-dir {shards} --shard-size 2000 {' '.join(stop)}"

@@ -112,9 +112,13 @@ def test_a_second_ctrl_c_says_what_the_folder_holds_to_continue_from(data, tmp_p
             said == f"interrupted: continue from its newest checkpoint, ckpt_000003.pt, with --resume --out-dir {out}"
         )
     else:
-        assert said.startswith("interrupted before the run's first checkpoint: no checkpoint to continue from; ")
-        assert "continue from its newest checkpoint" not in said
-    # what it says works: --resume --out-dir continues (or restarts) the same run to its end
+        assert said == (
+            "interrupted before the run's first checkpoint: no checkpoint to continue from; the same command with "
+            "a new --out-dir starts it again"
+        )
+        out = tmp_path / "new"  # what it says: the same command, a new --out-dir
+        assert train_gpt2.main(tiny_args(data, out, "--ckpt-every", ckpt_every)) == 0
+    # what it says works: --resume --out-dir continues the same run to its end
     assert train_gpt2.main(["--resume", "--out-dir", str(out), "--device", "cpu"]) == 0
     assert sorted(read_log(out)[1]) == list(range(6)) and len({h["run_id"] for h in headers(out)}) == 1
 

@@ -174,7 +174,7 @@ def test_help_shows_defaults_and_the_usage_examples_intact(monkeypatch):
     r = cli("--help")
     assert r.returncode == 0
     assert "python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe" in r.stdout
-    assert "-T 64 \\\n        --total-batch-size 4096" in r.stdout  # a continued line stays one to copy
+    assert "python train_gpt2.py @configs/laptop.txt --max-steps 400   # a laptop's" in r.stdout
     flat = " ".join(r.stdout.split())
     for text in ("(default: 64)", "(default: 524288)", "(default: 0.0006)", "(default: 715)", "(default: log)"):
         assert text in flat, text

@@ -5,11 +5,9 @@ and their checks: test_shards.py."""
 import math
 
 import numpy as np
-import pytest
 import torch
 
 from helpers import write_known_shards, write_shard
-from support.cli import UserError
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig, evaluate_val_loss
 
 
@@ -90,14 +88,6 @@ def test_position_survives_state_dict(tmp_path):
     b.load_state_dict(a.state_dict())
     for _ in range(40):
         assert torch.equal(a.next_batch()[0], b.next_batch()[0])
-
-
-def test_position_from_other_shards_is_refused(tmp_path):
-    write_known_shards(tmp_path / "one", [300, 400])
-    write_known_shards(tmp_path / "two", [300, 400, 500])
-    state = DataLoaderLite(str(tmp_path / "one"), "train", 2, 8).state_dict()
-    with pytest.raises(UserError, match="shards"):
-        DataLoaderLite(str(tmp_path / "two"), "train", 2, 8).load_state_dict(state)
 
 
 def test_val_loss_is_the_mean_over_the_budget_whatever_B(tmp_path):

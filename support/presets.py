@@ -1,0 +1,63 @@
+"""The presets of configs/: a run's flags kept in a file, one flag (and its value) a line, named on
+the command line as `@configs/laptop.txt` and read into the same flags; the flags the command line
+gives itself win, before or after the file."""
+
+import difflib
+import os
+import shlex
+from pathlib import Path
+
+from support.cli import UserError
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def expand_presets(argv, parser):
+    """argv with each `@file` replaced by the file's flags, every file's flags first: the flags
+    typed on the command line come after them and so win (argparse keeps a flag's last value),
+    whatever their order. A file that is not there, or a line that is not one of parser's flags
+    with a value it takes, is a UserError naming the file, the line and the fix."""
+    from_files, typed = [], []
+    for arg in argv:
+        if arg.startswith("@"):
+            from_files += checked_flags(arg[1:], parser)
+        else:
+            typed.append(arg)
+    return from_files + typed
+
+
+def preset_lines(path):
+    """[(line number, the line's words)] of a preset file: `--flag value` or `--flag` a line, quoted
+    as in a shell; blank lines and `#` comments left out."""
+    if not os.path.isfile(path):
+        shipped = ", ".join(f"@configs/{p.name}" for p in sorted(CONFIGS.glob("*.txt")))
+        raise UserError(f"@{path}: no such preset file; the presets in this repository: {shipped}")
+    lines = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError as e:  # an unclosed quote
+                raise UserError(f"{path}, line {lineno}: {e}: close the quote") from None
+            if words:
+                lines.append((lineno, words))
+    return lines
+
+
+def checked_flags(path, parser):
+    """The flags of one preset file, each line checked by parser alone."""
+    flags = [s for action in parser._actions for s in action.option_strings]
+    out = []
+    for lineno, words in preset_lines(path):
+        where = f"{path}, line {lineno}"
+        name = words[0].split("=", 1)[0]
+        if name not in flags:
+            close = difflib.get_close_matches(name, flags, n=1)
+            fix = f"did you mean {close[0]}?" if close else f"see python {parser.prog} --help for the flags"
+            raise UserError(f"{where}: {words[0]} is not a flag of {parser.prog}: {fix}")
+        try:
+            parser.parse_args(words)  # the value's type and count, as on the command line
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+        out += words
+    return out

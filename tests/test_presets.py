@@ -1,0 +1,80 @@
+"""support/presets.py and configs/: a preset's flags land in the run as if typed, the flags typed on
+the command line win whatever their order, the recipe's presets are train_gpt2.py's defaults, a
+run from a preset resumes, and a preset that is missing or wrong is one line naming the file, the
+line and the fix."""
+
+import pytest
+
+import train_gpt2
+from helpers import ROOT, headers, read_log, tiny_args, user_error
+
+CONFIGS = ROOT / "configs"
+
+
+def parsed(*argv):
+    return vars(train_gpt2.parse_args([str(a) for a in argv])[0])
+
+
+def test_the_laptop_preset_is_the_flags_it_lists():
+    args = parsed(f"@{CONFIGS / 'laptop.txt'}")
+    expected = dict(data_dir="shakespeare", out_dir="log_tiny", device="cpu", n_layer=4, n_head=4, n_embd=64)
+    expected.update(block_size=256, batch_size=16, seq_len=64, total_batch_size=4096, max_steps=200)
+    expected.update(warmup_steps=20, max_lr=3e-3, eval_every=50, val_tokens=32768, hellaswag_every=0)
+    expected.update(sample_every=100, ckpt_every=100)
+    assert {k: args[k] for k in expected} == expected
+    assert {k: v for k, v in args.items() if k not in expected} == {
+        k: v for k, v in parsed().items() if k not in expected
+    }  # every other flag at its default
+
+
+@pytest.mark.parametrize("preset", ["gpu8.txt", "gpu1.txt"])
+def test_the_recipes_presets_are_the_defaults(preset):
+    assert parsed(f"@{CONFIGS / preset}") == parsed()
+
+
+def test_flags_typed_win_before_or_after_the_preset():
+    preset = f"@{CONFIGS / 'laptop.txt'}"
+    for argv in ([preset, "--max-steps", 50, "-B", 8], ["--max-steps", 50, "-B", 8, preset]):
+        args = parsed(*argv)
+        assert (args["max_steps"], args["batch_size"], args["n_layer"]) == (50, 8, 4)
+
+
+def test_the_tests_tiny_run_is_its_preset():
+    assert parsed(*tiny_args("data", "out")) == parsed(
+        f"@{CONFIGS / 'tests.txt'}", "--data-dir", "data", "--out-dir", "out"
+    )
+
+
+def test_the_log_header_records_the_presets_flags_and_the_run_resumes(data, tmp_path):
+    out = tmp_path / "run"
+    preset = f"@{CONFIGS / 'tests.txt'}"
+    assert train_gpt2.main([preset, "--data-dir", data, "--out-dir", out, "--ckpt-every", 3, "--max-steps", 3]) == 0
+    config = headers(out)[0]["config"]
+    assert (config["n_layer"], config["n_embd"], config["total_batch_size"], config["max_steps"]) == (2, 32, 64, 3)
+    # the preset again with --resume: the same values, given; then a run's folder alone
+    assert train_gpt2.main([preset, "--data-dir", data, "--out-dir", out, "--max-steps", 5, "--resume"]) == 0
+    assert train_gpt2.main(["--resume", str(out), "--max-steps", 6, "--device", "cpu"]) == 0
+    assert sorted(read_log(out)[1]) == list(range(6))
+    assert [h["resumed_from"] for h in headers(out)] == [None, 3, 5]
+
+
+def test_a_missing_preset_names_the_shipped_ones(tmp_path):
+    message = user_error([f"@{tmp_path / 'laptp.txt'}"])
+    assert message.startswith(f"@{tmp_path / 'laptp.txt'}: no such preset file")
+    assert "@configs/laptop.txt" in message and "@configs/gpu8.txt" in message
+
+
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("--n-layr 4", ["--n-layr is not a flag of train_gpt2.py", "did you mean --n-layer?"]),
+        ("--max-steps many", ["argument --max-steps: invalid int value: 'many'"]),
+        ("--prompt 'unclosed", ["No closing quotation", "close the quote"]),
+    ],
+)
+def test_a_wrong_line_names_the_file_the_line_and_the_fix(tmp_path, line, words):
+    preset = tmp_path / "mine.txt"
+    preset.write_text(f"# my run\n--n-layer 2\n\n{line}\n")
+    message = user_error([f"@{preset}"])
+    assert message.startswith(f"{preset}, line 4: ") and "\n" not in message
+    assert all(w in message for w in words), message

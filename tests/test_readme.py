@@ -1,0 +1,77 @@
+"""The README as a newcomer follows it: its first commands, run as written in a fresh clone with no
+../shared beside it and no network, tokenize the shipped text, train a tiny model and sample from
+it; its transformers snippet runs on an export."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+# the first block's install lines: the test runs in the environment it was installed into
+INSTALL = ("python -m venv ", "pip install ")
+
+
+def code_blocks(language):
+    """The README's fenced code blocks in language, in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S | re.M)
+
+
+def commands(block):
+    """A bash block's commands: a line ending in a backslash joined to the next, blank lines and
+    comment lines left out (a command's trailing comment is bash's to drop)."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def offline_env(**more):
+    """The environment of a new user offline: no SHARED_DATA or TIKTOKEN_CACHE_DIR, the Hub off, and
+    `python` the interpreter running the tests (its environment holds requirements.txt)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARED_DATA", "TIKTOKEN_CACHE_DIR")}
+    bin_dir = str(Path(sys.executable).parent)
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PATH=bin_dir + os.pathsep + env.get("PATH", ""), **more)
+    return env
+
+
+def test_first_block_is_the_laptop_run():
+    cmds = commands(code_blocks("bash")[0])
+    assert [c for c in cmds if c.startswith(INSTALL)] == cmds[:2]  # installing, then the run itself
+    assert any(c.startswith("python train_gpt2.py @configs/laptop.txt") for c in cmds)
+    assert cmds[-1].startswith("python train_gpt2.py --sample-from")
+
+
+@pytest.mark.slow  # the laptop run itself: minutes on 2 cores
+def test_first_screen_commands_train_and_sample_in_a_fresh_clone_offline(tmp_path):
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    assert not any((base / "shared" / "data").is_dir() for base in (clone, *clone.parents))  # no test data
+    env = offline_env()
+    outputs = []
+    for cmd in commands(code_blocks("bash")[0]):
+        if cmd.startswith(INSTALL):
+            continue
+        r = subprocess.run(["bash", "-c", cmd], cwd=clone, env=env, capture_output=True, text=True, timeout=3000)
+        assert r.returncode == 0, f"{cmd}\n{r.stderr[-3000:]}"
+        outputs.append(r.stdout)
+    records = [json.loads(line) for line in (clone / "log_tiny" / "log.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert val[0] > 10 and val[-1] < val[0] - 3  # a model that learned: 10.8 at init, about 6 by step 200
+    assert max(r["step"] for r in records if "train_loss" in r) == records[0]["config"]["max_steps"] - 1
+    assert "ROMEO:" in outputs[-1]  # the samples, each after the prompt
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout == ""
+
+
+def test_transformers_snippet_runs_on_an_export(shakespeare_export, tmp_path):
+    (snippet,) = [b for b in code_blocks("python") if "from transformers" in b]
+    shutil.copytree(shakespeare_export[1], tmp_path / "gpt2_ours")  # the name the README's export writes
+    r = subprocess.run(
+        [sys.executable, "-c", snippet], cwd=tmp_path, env=offline_env(), capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Hello, I'm a language model," in r.stdout  # the pipeline's text: the prompt, then its continuation
