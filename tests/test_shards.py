@@ -47,11 +47,6 @@ from train_gpt2 import DataLoaderLite
 # The tokenizer
 
 
-def test_tokenizer(enc):
-    assert enc.encode("Hello, I'm a language model,") == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
-    assert enc.eot_token == 50256
-
-
 UNICODE = [
     " leading space, trailing space ",
     "two  spaces,   three,\ttab\tand\u00a0no-break, trailing\n\n  ",
@@ -65,9 +60,7 @@ UNICODE = [
 
 
 def test_tokenizer_is_tiktokens_gpt2(enc, shared_data):
-    """The tokenizer built from the shipped vocab.bpe against tiktoken's own gpt2 (from the shared
-    cache): every token's bytes, and the encoding and decoding of all of Tiny Shakespeare, the
-    FineWeb sample and unicode edge cases, <|endoftext|> as a special token and as text."""
+    """The shipped vocab.bpe's tokenizer is tiktoken's gpt2: every token, and texts both ways."""
     reference = tiktoken.get_encoding("gpt2")  # conftest points TIKTOKEN_CACHE_DIR at shared/data
     assert (enc.n_vocab, enc.eot_token, enc.max_token_value) == (reference.n_vocab, reference.eot_token, 50256)
     assert [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)] == [
@@ -91,8 +84,7 @@ def test_tokenizer_is_tiktokens_gpt2(enc, shared_data):
 
 
 def test_fineweb_tokenizes_offline_without_tiktokens_files(tmp_path, enc):
-    """fineweb.py with no tiktoken cache (an empty TIKTOKEN_CACHE_DIR) and no network (a proxy that
-    refuses): the tokenizer is the shipped file, and the shard holds GPT-2's tokens."""
+    """No tiktoken cache and no network: fineweb.py's shard holds GPT-2's tokens all the same."""
     text = "First Citizen:\nBefore we proceed any further, hear me speak. naïve 東京 🤖\n" * 100
     (tmp_path / "input.txt").write_text(text, encoding="utf-8")
     (tmp_path / "empty_cache").mkdir()
@@ -230,9 +222,7 @@ except UserError as e:
 
 
 def test_a_shard_cut_short_while_the_run_reads_it_is_one_line_not_a_bus_error(tmp_path):
-    """A shard truncated under a running run: a memory map's read past the new end would end the
-    process with SIGBUS (exit 135, no word); the loader reads instead, and says so in one line. The
-    val set, read at start, is not touched."""
+    """A shard truncated under a run is one line (a memory map would die of SIGBUS); the val set is kept."""
     rng = np.random.default_rng(0)
     val, train = rng.integers(0, 50257, 10_000), rng.integers(0, 50257, 100_000)
     write_shard(tmp_path / "s_val_000000.npy", val)
@@ -271,23 +261,18 @@ def test_token_ids_outside_the_vocab(tmp_path):
     assert not (tmp_path / "out" / "log.jsonl").exists()
 
 
-def test_token_ids_outside_the_vocab_in_val(tmp_path):
-    data = random_shards(tmp_path / "data")
-    tokens = np.load(data / "rand_val_000000.npy")
-    tokens[5] = 60000
-    write_shard(data / "rand_val_000000.npy", tokens)
-    msg = user_error(tiny_args(data, tmp_path / "out"))
-    assert "rand_val_000000.npy" in msg and "60000" in msg
+def fineweb_of(tmp_path, shared_data, chars, shard_size, name):
+    """fineweb.py's shards of the first chars characters of tiny shakespeare, in tmp_path / name."""
+    text = tmp_path / "input.txt"
+    text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:chars])
+    out = tmp_path / name
+    fineweb.main(["--input", str(text), "--out-dir", str(out), "--shard-size", str(shard_size), "--workers", "1"])
+    return out
 
 
 @pytest.fixture
 def fineweb_folder(tmp_path, shared_data):
-    """fineweb.py's shards of the first 200,000 characters of tiny shakespeare, 20,000 tokens each."""
-    text = tmp_path / "input.txt"
-    text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:200_000])
-    out = tmp_path / "shards"
-    fineweb.main(["--input", str(text), "--out-dir", str(out), "--shard-size", "20000", "--workers", "1"])
-    return out
+    return fineweb_of(tmp_path, shared_data, 200_000, 20_000, "shards")
 
 
 def manifest_shards(folder):
@@ -300,13 +285,8 @@ def manifest_shards(folder):
 
 @pytest.fixture
 def big_shards(tmp_path, shared_data):
-    """fineweb.py's shards of 300,000 characters of tiny shakespeare, 40,000 tokens each: big enough
-    that the fingerprint's sampled blocks leave bytes between them."""
-    text = tmp_path / "input.txt"
-    text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:300_000])
-    out = tmp_path / "big"
-    fineweb.main(["--input", str(text), "--out-dir", str(out), "--shard-size", "40000", "--workers", "1"])
-    return out
+    """Shards of 40,000 tokens: the fingerprint's sampled blocks leave bytes between them."""
+    return fineweb_of(tmp_path, shared_data, 300_000, 40_000, "big")
 
 
 def unsampled_position(path, at_least=1024):
@@ -432,61 +412,32 @@ def tiny_text(tmp_path, shared_data):
     return text
 
 
-def test_a_folder_fineweb_has_not_finished_is_refused_naming_the_command(tmp_path, tiny_text, monkeypatch):
-    shards = tmp_path / "shards"
-    args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1"]
-    fineweb_stopped_after(monkeypatch, 3, args)  # Ctrl-C after 3 shards
-    out = tmp_path / "run"
-    before = snapshot(tmp_path)
-    r = cli(*tiny_args(shards, out, "--max-steps", 2))
-    line = assert_one_line_error(r, f"--data-dir {shards} is unfinished", "fineweb.py has not written all")
-    command = line.split("`")[1]
-    assert command == f"python fineweb.py --input {tiny_text} --out-dir {shards} --shard-size 2000"
-    assert snapshot(tmp_path) == before and not out.exists()
-    # the command it names finishes the folder, as fineweb.py's own uninterrupted run would write it;
-    # its `python` is the one running the tests, whatever is first on PATH
-    assert shlex.split(command)[0] == "python"
-    done = as_typed(command)
-    assert done.returncode == 0, done.stderr
-    whole = tmp_path / "whole"
-    fineweb.main(["--input", str(tiny_text), "--out-dir", str(whole), "--shard-size", "2000", "--workers", "1"])
-    names = sorted(p.name for p in whole.iterdir())
-    assert sorted(p.name for p in shards.iterdir()) == names
-    assert all((shards / n).read_bytes() == (whole / n).read_bytes() for n in names)
-    assert train_gpt2.main(tiny_args(shards, out, "--max-steps", 2)) == 0
-
-
-@pytest.mark.parametrize("stop", [["--max-tokens", "7000"], ["--max-shards", "3"]])
+@pytest.mark.parametrize("stop", [[], ["--max-tokens", "7000"], ["--max-shards", "3"]])
 @pytest.mark.parametrize("how", ["Ctrl-C", "SIGKILL"])
 def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(
     tmp_path, tiny_text, monkeypatch, stop, how
 ):
-    shards = tmp_path / "shards"
+    shards, out = tmp_path / "shards", tmp_path / "run"
     args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1", *stop]
     if how == "Ctrl-C":  # the manifest made whole as the run stops
         fineweb_stopped_after(monkeypatch, 2, args)  # after 2 of the shards it was asked for
     else:  # the manifest as the last finished shard left it
         fineweb_killed_after(2, args)
-    line = assert_one_line_error(cli(*tiny_args(shards, tmp_path / "run", "--max-steps", 2)), "is unfinished")
+    before = snapshot(tmp_path)
+    r = cli(*tiny_args(shards, out, "--max-steps", 2))
+    line = assert_one_line_error(r, f"--data-dir {shards} is unfinished", "fineweb.py has not written all")
+    assert snapshot(tmp_path) == before and not out.exists()
     command = line.split("`")[1]
-    assert command == f"python fineweb.py --input {tiny_text} --out-dir {shards} --shard-size 2000 {' '.join(stop)}"
-    done = as_typed(command)
+    assert command == " ".join([f"python fineweb.py --input {tiny_text} --out-dir {shards} --shard-size 2000", *stop])
+    done = as_typed(command)  # its `python` is the one running the tests, whatever is first on PATH
     assert done.returncode == 0, done.stderr
-    asked = tmp_path / "asked"  # the run as it was asked, uninterrupted: the same files, not the whole input
+    asked = tmp_path / "asked"  # the run as it was asked, uninterrupted: the same files
     summary = fineweb.main([*args[:3], str(asked), *args[4:]])
-    assert not summary["complete"] and summary["tokens"] in (6000, 7000)
+    assert summary["complete"] == (not stop) and (not stop or summary["tokens"] in (6000, 7000))
     names = sorted(p.name for p in asked.iterdir())
     assert sorted(p.name for p in shards.iterdir()) == names
     assert all((shards / n).read_bytes() == (asked / n).read_bytes() for n in names)
-    assert train_gpt2.main(tiny_args(shards, tmp_path / "run", "--max-steps", 2, "--eval-every", 0)) == 0
-
-
-def test_a_folder_stopped_where_max_tokens_asked_is_finished_as_asked(tmp_path, tiny_text):
-    shards = tmp_path / "shards"
-    args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1"]
-    summary = fineweb.main([*args, "--max-tokens", "5000"])
-    assert not summary["complete"] and summary["tokens"] == 5000
-    assert train_gpt2.main(tiny_args(shards, tmp_path / "run", "--max-steps", 2, "--eval-every", 0)) == 0
+    assert train_gpt2.main(tiny_args(shards, out, "--max-steps", 2, "--eval-every", 0)) == 0
 
 
 def test_fineweb_command_uses_a_glob_for_a_whole_folder_and_hub_flags(tmp_path):
