@@ -28,8 +28,7 @@ def test_parameter_count_and_tying():
 
 
 def test_a_loaded_checkpoint_keeps_the_tie_and_trains_it_as_one_parameter(tmp_path, tiny_config):
-    """model_from_checkpoint builds on the meta device and assigns the loaded tensors: the tied
-    embedding / lm_head must still be one Parameter, updated once per step."""
+    """Built on the meta device and assigned: the tied wte / lm_head is one Parameter, stepped once."""
     torch.manual_seed(0)
     model = GPT(tiny_config)
     torch.save({"model": model.state_dict(), "model_config": asdict(tiny_config)}, tmp_path / "ckpt.pt")
@@ -46,9 +45,7 @@ def test_a_loaded_checkpoint_keeps_the_tie_and_trains_it_as_one_parameter(tmp_pa
 
 
 def test_loading_a_checkpoint_does_not_import_torch_dynamo(tmp_path, tiny_config):
-    """The loaders build on the meta device; a fill there (nn.Embedding's own N(0, 1)) imports
-    torch._dynamo, 1.4 s of every hellaswag.py / --sample-from start-up on a CPU. A fresh
-    interpreter, as a user's would be."""
+    """In a fresh interpreter: a fill on the meta device (nn.Embedding's own) would import torch._dynamo."""
     torch.save({"model": GPT(tiny_config).state_dict(), "model_config": asdict(tiny_config)}, tmp_path / "ckpt.pt")
     code = "import sys, train_gpt2; train_gpt2.load_model(sys.argv[1]); print('torch._dynamo' in sys.modules)"
     r = subprocess.run(
@@ -58,17 +55,9 @@ def test_loading_a_checkpoint_does_not_import_torch_dynamo(tmp_path, tiny_config
     assert r.stdout.strip() == "False"
 
 
-def test_init_std_and_initial_loss():
+def test_initial_loss_is_that_of_a_uniform_guess():
     torch.manual_seed(0)
-    config = GPTConfig(block_size=128, vocab_size=50257, n_layer=4, n_head=4, n_embd=256)
-    m = GPT(config)
-    expected = 0.02 / math.sqrt(2 * config.n_layer)
-    for block in m.transformer.h:
-        for w in (block.attn.c_proj.weight, block.mlp.c_proj.weight):
-            # std of n iid normals has relative standard error ~ 1/sqrt(2n); allow 5 of those
-            assert abs(w.std().item() - expected) < 5 * expected / math.sqrt(2 * w.numel())
-        assert abs(block.attn.c_attn.weight.std().item() - 0.02) < 0.001
-        assert block.attn.c_attn.bias.abs().max() == 0
+    m = GPT(GPTConfig(block_size=128, vocab_size=50257, n_layer=4, n_head=4, n_embd=256))
     idx = torch.randint(0, 50257, (4, 128))
     targets = torch.randint(0, 50257, (4, 128))  # not idx: tied weights favour the input token itself
     _, loss = m(idx, targets)
@@ -76,8 +65,7 @@ def test_init_std_and_initial_loss():
 
 
 def gpt2_init(name, n_layer):
-    """GPT-2's init of a parameter, by its name (OpenAI's GPT-2 and the GPT-2 paper, section 2.3):
-    (mean, std) of a normal draw; std 0 is a constant."""
+    """(mean, std) of GPT-2's init of a parameter, by name (the GPT-2 paper, 2.3); std 0: a constant."""
     if name in ("transformer.wte.weight", "transformer.wpe.weight"):
         return 0.0, 0.02  # token and position embeddings
     if re.fullmatch(r"transformer\.(h\.\d+\.ln_[12]|ln_f)\.weight", name):
@@ -94,10 +82,8 @@ def gpt2_init(name, n_layer):
 
 
 def test_every_parameter_starts_at_gpt2s_mean_and_std():
-    """Per tensor, against GPT-2's numbers (gpt2_init), not the model's own init code: the sample
-    mean within 6 standard errors (sigma / sqrt(n)) of the mean, the sample std within 6 of its
-    own (about sigma / sqrt(2n)), and the draw normal (68.27% within one sigma, again within 6
-    standard errors: a uniform draw of the same std has 57.7%). Constants exactly."""
+    """Per tensor against gpt2_init: mean, std and the share within one sigma (68.27%, normal) each
+    within 6 standard errors; constants exactly."""
     torch.manual_seed(0)
     config = GPTConfig(block_size=256, vocab_size=50304, n_layer=4, n_head=4, n_embd=128)
     m = GPT(config)
@@ -150,7 +136,18 @@ def test_from_pretrained_local_dir_matches_hf(hf_tiny_dir):
     assert all(p.device.type == "cpu" and p.requires_grad for p in ours.parameters())
 
 
-def _roundtrip(model, tmp_path):
+@pytest.mark.parametrize("trained", [False, True], ids=["gpt2-vocab-at-init", "padded-vocab-after-training"])
+def test_export_roundtrip(tmp_path, tiny_config, trained):
+    torch.manual_seed(3)
+    config = tiny_config if trained else GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3 if trained else 0):  # move every weight away from its init, padding rows included
+        idx = torch.randint(0, tiny_config.vocab_size, (2, 16))
+        _, loss = model(idx, idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
     model.export_hf(tmp_path / "hf")
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.vocab_size == GPT2_VOCAB
@@ -162,24 +159,6 @@ def _roundtrip(model, tmp_path):
         theirs = hf(idx).logits
     # the padded model's extra logits are not part of GPT-2's vocabulary
     assert (ours[..., :GPT2_VOCAB] - theirs).abs().max().item() < 1e-5
-
-
-def test_export_roundtrip(tmp_path):
-    torch.manual_seed(3)
-    _roundtrip(GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_head=2, n_embd=32)), tmp_path)
-
-
-def test_export_roundtrip_padded_vocab_after_training(tmp_path, tiny_config):
-    torch.manual_seed(4)
-    model = GPT(tiny_config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(3):  # move every weight away from its init, padding rows included
-        idx = torch.randint(0, tiny_config.vocab_size, (2, 16))
-        _, loss = model(idx, idx)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    _roundtrip(model, tmp_path)
 
 
 def test_sample_cli_from_local_hf_dir(hf_tiny_dir):
@@ -201,10 +180,8 @@ TRAINED_SCALE_TOL = 2e-5
 
 @pytest.fixture(scope="module")
 def hf_trained_scale_dir(tmp_path_factory):
-    """A small transformers GPT-2 with weights at a trained model's scale: embeddings of std 0.1
-    (GPT-2's own wte has ~0.14), matrices of std 1/sqrt(fan_in) so that every matmul's output is
-    O(1) (the MLP's GELU inputs and the attention scores included), LayerNorm gains 1 +- 0.2,
-    biases of std 0.1."""
+    """A small transformers GPT-2 at a trained model's scale: embeddings and biases of std 0.1, gains
+    1 +- 0.2, matrices of std 1/sqrt(fan_in) (every matmul's output O(1), GELU inputs included)."""
 
     def trained_scale(name, p):
         if name.endswith(("wte.weight", "wpe.weight")):
@@ -251,8 +228,7 @@ def test_trained_scale_logits_match_transformers(hf_trained_scale_dir):
     ],
 )
 def test_trained_scale_tolerance_tells_numerics_errors_from_float_noise(hf_trained_scale_dir, error):
-    """Each error, made in transformers' model itself, moves the logits by far more than the
-    parity tolerance: ours with that error would fail test_trained_scale_logits_match_transformers."""
+    """Each error, made in transformers' model, moves the logits far past the parity tolerance."""
     _, right = _trained_scale_logits(hf_trained_scale_dir)
     _, wrong = _trained_scale_logits(hf_trained_scale_dir, **error)
     assert (wrong - right).abs().max().item() > 10 * TRAINED_SCALE_TOL
