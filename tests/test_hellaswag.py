@@ -24,17 +24,7 @@ from transformers import GPT2LMHeadModel
 import hellaswag
 import train_gpt2
 from hellaswag import HellaSwagDataError
-from helpers import (
-    ROOT,
-    assert_one_line_error,
-    cli,
-    heap_after,
-    random_shards,
-    read_log,
-    save_tiny_hf_gpt2,
-    start_run,
-    tiny_args,
-)
+from helpers import ROOT, assert_one_line_error, cli, heap_after, read_log, save_tiny_hf_gpt2, start_run, tiny_args
 from support import offline
 from train_gpt2 import GPT
 
@@ -55,8 +45,7 @@ def reference(shared_data):
 
 
 def plain_losses(logits_of, enc, example, block_size):
-    """The scoring written out directly, the plain way: one row (context + ending) per forward
-    pass, logits everywhere. Returns the summed loss and the mean loss per scored token of each ending."""
+    """The summed and mean loss of each ending, scored the plain way: one row per forward pass."""
     ctx = enc.encode(example["ctx"])
     sums, means = [], []
     for ending in example["endings"]:
@@ -144,14 +133,11 @@ def test_hellaswag_label_out_of_range_is_named(tmp_path, shared_data, label):
         hellaswag.load_examples(str(tmp_path / "h.jsonl"))
 
 
-def test_cache_with_html_error_page_is_refused(tmp_path):
-    (tmp_path / hellaswag.CACHE_NAME).write_text("<!DOCTYPE html>\n<html><body>404: Not Found</body></html>\n")
+def test_a_cache_that_is_an_html_page_or_cut_short_is_refused(tmp_path, val_path):
+    cache = tmp_path / hellaswag.CACHE_NAME
+    cache.write_text("<!DOCTYPE html>\n<html><body>404: Not Found</body></html>\n")
     with pytest.raises(HellaSwagDataError, match=r"bad cache: .*line 1 is not valid JSON.*delete"):
         hellaswag.load_examples(cache_dir=str(tmp_path))
-
-
-def test_truncated_cache_is_refused(tmp_path, val_path):
-    cache = tmp_path / hellaswag.CACHE_NAME
     data = val_path.read_bytes()
     cache.write_bytes(b"".join(data.splitlines(keepends=True)[:1000]))  # cut at a line end
     with pytest.raises(HellaSwagDataError, match="has 1000 rows, expected 10042"):
@@ -179,8 +165,7 @@ def no_network(*args, **kwargs):
 
 @pytest.fixture
 def online(monkeypatch):
-    """The network looking reachable (conftest sets the offline variables, and every network call
-    of these tests is replaced by local data)."""
+    """The network looking reachable (conftest's offline variables unset; the tests fake every call)."""
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setattr(hellaswag, "unreachable", lambda url, timeout=3.0: None)
@@ -203,29 +188,24 @@ def test_the_download_writes_the_original_file(tmp_path, monkeypatch, val_path, 
     assert len(hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))) == 10042
 
 
+def http_404(val_path):
+    raise urllib.error.HTTPError(hellaswag.DATA_URL, 404, "Not Found", {}, None)
+
+
 @pytest.mark.parametrize(
     "response, message",
     [
         (lambda v: FakeResponse(b"<html>Service unavailable</html>"), "line 1 is not valid JSON"),
         (lambda v: FakeResponse(b"".join(v.read_bytes().splitlines(keepends=True)[:100])), "100 rows, expected 10042"),
+        (http_404, "HTTP Error 404"),
     ],
-    ids=["html", "short"],
+    ids=["html", "short", "http-404"],
 )
 def test_bad_download_is_not_cached(tmp_path, monkeypatch, val_path, response, message, online):
     monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: response(val_path))
-    with pytest.raises(HellaSwagDataError, match=f"cannot download HellaSwag \\(https://.*: .*{message}.*--data"):
+    with pytest.raises(HellaSwagDataError, match=f"cannot download HellaSwag \\(https://raw.*: .*{message}.*--data"):
         hellaswag.load_examples(cache_dir=str(tmp_path))
     assert os.listdir(tmp_path) == []
-
-
-def test_http_error_names_the_source(tmp_path, monkeypatch, online):
-    def urlopen(url, timeout=None):
-        raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
-
-    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
-    with pytest.raises(HellaSwagDataError, match=r"cannot download HellaSwag \(https://raw.*: HTTP Error 404"):
-        hellaswag.load_examples(cache_dir=str(tmp_path / "c"))
-    assert not (tmp_path / "c" / hellaswag.CACHE_NAME).exists()
 
 
 def never(*args, **kwargs):
@@ -284,10 +264,8 @@ N_PLAIN = 200
 
 @pytest.fixture(scope="module")
 def parity(hf_dir, examples, enc):
-    """Our model and the transformers one with the same weights (block size 128: the longest
-    rows do not fit, so both scoring paths run), N_PLAIN examples prepared, and the plain
-    one-row-per-forward losses of our model on them: the reference. The first 100 ActivityNet
-    examples of the file, then 100 WikiHow ones, whose longest rows do not fit 128 positions."""
+    """Our model and transformers' with the same weights, 100 ActivityNet and 100 WikiHow examples
+    (some too long for block size 128) prepared, and our model's plain losses on them: the reference."""
     ours = GPT.from_pretrained(str(hf_dir)).eval()
     exs = examples[: N_PLAIN // 2] + [ex for ex in examples if ex["source_id"].startswith("wikihow")][: N_PLAIN // 2]
     with torch.no_grad():
@@ -340,9 +318,8 @@ def test_head_chunks_cut_anywhere_score_the_same(parity, monkeypatch):
 
 
 def scored_from_batches(batches):
-    """Read the batches back, the slow way: for each slot, what the model sees before each scored
-    token and the token it must predict. A row (context + ending) sees its positions 0 .. t; a
-    packed row's token sees the context and its own segment up to itself, at positions 0, 1, ..."""
+    """{slot: [(what the model sees before a scored token, that token)]}, read back from the batches;
+    a packed row's token sees the context and its own segment, at positions 0, 1, ..."""
     seen = {}
     for b in batches:
         b = {k: v.tolist() for k, v in b.items()}
@@ -361,8 +338,7 @@ def scored_from_batches(batches):
 
 @pytest.mark.parametrize("block_size, packed", [(128, True), (64, True), (128, False)])
 def test_batches_hold_exactly_the_plain_rows(examples, enc, block_size, packed):
-    """The batch builder (array operations) against the definition, written out per token: every
-    scored token of every ending, with what the model sees before it, and nothing else."""
+    """The batch builder against the definition, per token: every scored token with what it sees."""
     wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
     exs = examples[:150] + wikihow[:150]  # short rows that share their context, long ones that may not fit
     prepared = hellaswag.prepare(exs, enc)
@@ -396,9 +372,8 @@ def test_transformers_model_is_scored_the_same(parity, enc):
 
 @pytest.fixture(scope="module")
 def standalone(short_run, examples, enc):
-    """A tiny checkpoint (block size 64) as hellaswag.py loads it, without train_gpt2.py (transformers'
-    GPT2LMHeadModel built from its state dict), and as training scores it (our GPT); 150 examples:
-    100 short ActivityNet rows, packed, and 50 WikiHow ones, many too long for the window."""
+    """A tiny checkpoint as hellaswag.py loads it (transformers') and as training does (our GPT), and
+    100 short ActivityNet examples (packed) and 50 WikiHow ones (many too long for block size 64)."""
     path = str(short_run[1] / "ckpt_000002.pt")
     wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
     exs = examples[:100] + wikihow[:50]
@@ -464,8 +439,7 @@ def test_rows_longer_than_block_size_keep_their_end(tiny_config, examples, enc):
 
 
 def test_packed_rows_with_one_token_endings_and_a_one_token_context(tiny_config, examples, enc):
-    """Segments of no cells (an ending of one token is scored from the context alone) and a row of
-    a single cell (a one-token context whose endings are one token each) in one batch."""
+    """Segments of no cells (one-token endings) and a row of one cell (a one-token context) in one batch."""
     torch.manual_seed(0)
     model = GPT(tiny_config)
     exs = [
@@ -604,25 +578,18 @@ def test_import_needs_neither_transformers_nor_the_trainer():
 # training goes on
 
 
-def test_missing_hellaswag_data_is_one_warning_not_a_crash(tmp_path, capsys):
-    data = random_shards(tmp_path / "data")
-    missing = tmp_path / "nope.jsonl"
-    args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--hellaswag-data", missing)
+@pytest.mark.parametrize("content", [None, '{"ctx": "no endings here"}\n'], ids=["missing", "broken"])
+def test_a_hellaswag_file_it_cannot_use_is_one_warning_and_training_goes_on(data, tmp_path, capsys, content):
+    path = tmp_path / "hs.jsonl"
+    if content is not None:
+        path.write_text(content)
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 2, "--hellaswag-every", 1, "--hellaswag-data", path, "--eval-every", 0)
     assert train_gpt2.main(args) == 0
     err = capsys.readouterr().err
-    assert err.count("warning: HellaSwag evaluation is off") == 1 and "nope.jsonl" in err
-    records, steps = read_log(tmp_path / "out")
-    assert 0 in steps and not any("hellaswag" in r for r in records)
-
-
-def test_a_broken_hellaswag_file_warns_at_start_and_training_goes_on(data, tmp_path, capsys):
-    bad = tmp_path / "hs.jsonl"
-    bad.write_text('{"ctx": "no endings here"}\n')
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 2, "--hellaswag-every", 1, "--hellaswag-data", bad, "--eval-every", 0)
-    assert train_gpt2.main(args) == 0
-    assert "HellaSwag evaluation is off" in capsys.readouterr().err
-    assert sorted(read_log(out)[1]) == [0, 1]
+    assert err.count("warning: HellaSwag evaluation is off") == 1 and "hs.jsonl" in err
+    records, steps = read_log(out)
+    assert sorted(steps) == [0, 1] and not any("hellaswag" in r for r in records)
 
 
 def test_hellaswag_warning_in_training_names_training_s_flag(data, tmp_path, monkeypatch):
