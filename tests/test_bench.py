@@ -197,8 +197,7 @@ def test_data_flag_that_names_no_data_is_refused_before_anything_is_measured(tmp
 
 
 def test_named_section_without_data_is_refused_the_default_run_skips_it(monkeypatch, tmp_path):
-    """No shared/data and no hellaswag.py cache: --only fineweb,hellaswag is one error naming both
-    fixes; the default run plans to skip both, and says why."""
+    """Without data, --only fineweb,hellaswag is one error naming both fixes; the default run skips both."""
     monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(tmp_path))
     with pytest.raises(UserError) as e:
         plan(parse_args(["--only", "ceiling,fineweb,hellaswag"]), shared=None)
@@ -214,8 +213,7 @@ def test_named_section_without_data_is_refused_the_default_run_skips_it(monkeypa
 
 
 def test_compile_that_does_not_work_is_refused_before_anything_is_measured(tmp_path, monkeypatch):
-    """A run that compiles, where torch.compile cannot (no C++ compiler): one line, and the flag that
-    runs without it, instead of a ladder without its compile rung (or a train section's traceback)."""
+    """A run that compiles where torch.compile cannot (no C++ compiler): one line naming --no-compile."""
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # for bench.py's compile probe, a process
     args = ("--tiny", "--device", "cpu", "--only", "ladder", "--compile", "--out", tmp_path / "bench.json")
     r = cli(*args, script="bench.py", cwd=tmp_path)

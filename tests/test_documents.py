@@ -21,12 +21,6 @@ from support.documents import (
 )
 
 
-def _bad_parquet(tmp_path):
-    path = tmp_path / "bad.parquet"
-    path.write_bytes(b"this is not parquet")
-    return [str(path)]
-
-
 @pytest.mark.parametrize(
     "make_paths, text_field, message",
     [
@@ -34,13 +28,14 @@ def _bad_parquet(tmp_path):
         (lambda tmp, data: [str(tmp / "missing.txt")], "text", "does not exist"),
         (lambda tmp, data: [str(tmp)], "text", "is a directory"),
         (lambda tmp, data: [str(data / "reference" / "reference_numbers.json")], "text", "unknown file type"),
-        (lambda tmp, data: _bad_parquet(tmp), "text", "not a readable parquet file"),
+        (lambda tmp, data: [str(tmp / "bad.parquet")], "text", "not a readable parquet file"),
         (lambda tmp, data: [str(data / "fineweb_sample" / "batch_000001.parquet")], "body", "has no 'body' column"),
     ],
     ids=["glob-matches-nothing", "missing-file", "directory", "unknown-type", "not-parquet", "missing-column"],
 )
 def test_bad_input_is_one_line_error(tmp_path, shared_data, make_paths, text_field, message):
     """Found before any work: when the names are expanded, or in check_inputs' first row."""
+    (tmp_path / "bad.parquet").write_bytes(b"this is not parquet")
     with pytest.raises(UserError, match=message) as e:
         check_inputs(expand_inputs(make_paths(tmp_path, shared_data)), text_field)
     assert "\n" not in str(e.value)
@@ -74,8 +69,7 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_first_document(tmp_path, suff
 
 
 def test_a_resumed_runs_skip_passes_over_whole_files_and_rows(tmp_path, shared_data, monkeypatch):
-    """local_documents(skip=n) is every document after the first n, in order; a .txt (one document)
-    and a .parquet whose row count its metadata gives are passed over without reading their text."""
+    """local_documents(skip=n) is every document after the first n; whole files skipped are not read."""
     pytest.importorskip("pyarrow")
     (tmp_path / "a.txt").write_text("the first file")
     (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(3)))

@@ -97,10 +97,8 @@ def test_a_write_error_that_is_not_a_full_disk_does_not_say_make_room(data, tmp_
 @pytest.mark.parametrize("at", ["the temporary file's name", "the final name"])
 @pytest.mark.parametrize("to", ["a file", "nothing"])
 def test_write_atomic_refuses_a_symlink_and_leaves_it_and_its_target_alone(tmp_path, monkeypatch, at, to, nofollow):
-    """A link at the hidden temporary name would have the write go into the file it names (or
-    create one where a dangling link points); one at the final name would be deleted by the rename.
-    Both are refused (LinkedName, one line naming the link and its target); nothing is written.
-    Without O_NOFOLLOW (Windows) O_EXCL alone keeps the temporary file's open off a link."""
+    """A link at the temporary or the final name is refused in one line, nothing written (without
+    O_NOFOLLOW, as on Windows, O_EXCL alone keeps the temporary file's open off a link)."""
     if not nofollow:
         monkeypatch.setattr(files, "NOFOLLOW", 0)
     folder, target = tmp_path / "run", tmp_path / "mine.txt"
@@ -120,8 +118,7 @@ def test_write_atomic_refuses_a_symlink_and_leaves_it_and_its_target_alone(tmp_p
 
 
 def test_write_atomic_writes_no_file_a_leftover_temporary_name_shares(tmp_path):
-    """A file at the temporary name that is a hard link (another name of a file of the user's):
-    write_atomic makes its own file, the other name's bytes stay."""
+    """A hard link at the temporary name: write_atomic makes its own file, the user's bytes stay."""
     folder, theirs = tmp_path / "run", tmp_path / "theirs.txt"
     folder.mkdir()
     theirs.write_bytes(b"the user's file\n")

@@ -71,8 +71,7 @@ def parquet_tokens(parquet_files, enc):
 
 @pytest.fixture(scope="session")
 def parquet_copies(tmp_path_factory, parquet_files, enc):
-    """The parquet sample four times over as 40 files of distinct bytes (copy k's texts end in
-    " (copy k)": a file named twice is read once), and their reference tokens by tiktoken."""
+    """The parquet sample as 40 files of distinct bytes (copy k of 4 ends in " (copy k)"), and tiktoken's tokens."""
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     folder = tmp_path_factory.mktemp("copies")
@@ -286,8 +285,7 @@ def test_missing_shard_is_redone(tmp_path, shared_data):
 
 
 def online(monkeypatch):
-    """Pretend to be online without touching the network: no offline flags, and every TCP connection
-    opens (only check_online makes one; the Hub itself is monkeypatched by the tests that use it)."""
+    """Online without the network: no offline flags, and every TCP connection (check_online's) opens."""
     for var in HUB_OFFLINE_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(
@@ -369,6 +367,7 @@ def test_cli_prints_one_line_and_exits_1(tmp_path):
         (["--dataset", "HuggingFaceFW/fineweb"], r"--dataset chooses a Hub dataset, but --input reads local files"),
         (["--split", "validation"], r"--split chooses a Hub dataset"),
         (["--sharding", "7"], r"unrecognized arguments: --sharding 7"),
+        (["--out-dir", ""], "--out-dir is empty"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
@@ -393,13 +392,9 @@ def test_a_shard_too_small_for_one_sequence_is_refused_and_the_size_it_names_wor
     assert sorted(p.name for p in (tmp_path / "out").glob("*_train_*.npy"))[-1] == "edufineweb_train_000003.npy"
 
 
-def test_empty_flags_and_hub_flags(tmp_path):
+def test_empty_hub_flags(tmp_path):
     before = snapshot(tmp_path)
-    for flags, message in [
-        (["--out-dir", ""], "--out-dir is empty"),
-        (["--dataset", ""], "--dataset is empty"),
-        (["--split", ""], "--split is empty"),
-    ]:
+    for flags, message in [(["--dataset", ""], "--dataset is empty"), (["--split", ""], "--split is empty")]:
         with pytest.raises(UserError, match=message):
             fineweb.main(flags)
     assert snapshot(tmp_path) == before

@@ -80,8 +80,7 @@ def test_the_budget_counts_from_the_start_given(tmp_path):
 
 
 def test_the_json_is_whole_after_every_item_and_holds_the_items_before(tmp_path):
-    """Each item reads the file as it stands when it starts: exactly the items before it, the rest
-    still to do (what a run killed at that moment leaves)."""
+    """The file as each item starts (what a kill then leaves): the items before it, the rest to do."""
     out, clock, seen = tmp_path / "check.json", Clock(), {}
     names = ["one", "two", "three"]
     items = [stub_item(name, clock, 1, 1, out, seen) for name in names]
@@ -119,8 +118,7 @@ def test_an_item_not_for_this_device_is_listed_as_such_whatever_the_budget(tmp_p
 
 
 def test_estimates_use_the_first_compile_this_run_timed(tmp_path):
-    """Before any compile is timed, a default; after, the first one timed (a later one does not
-    replace it); max-autotune's rungs count 7 compiles each."""
+    """A default until a compile is timed, then the first one timed; max-autotune's rungs count 7 each."""
     s = {**RUNS["full"], "compile": [False, True]}
     check = GpuCheck(s, "cuda", "cuda", False, str(tmp_path), str(tmp_path / "ladder.png"))
     g = GUESS["cuda"]
@@ -267,8 +265,7 @@ def test_tiny_gpu_check_on_a_cpu_runs_every_item_a_cpu_can(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_killed_after_an_item_leaves_a_whole_json_of_the_items_before(tmp_path):
-    """SIGKILL (a machine taken back) once the JSON holds 2 items: it still parses, and holds items
-    1..N in order (N >= 2), the rest still to do."""
+    """SIGKILL once the JSON holds 2 items: it parses, with items 1..N (N >= 2) and the rest to do."""
     out = tmp_path / "check.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     cmd = [sys.executable, str(ROOT / "bench.py"), "--gpu-check", "--tiny", "--device", "cpu", "--out", str(out)]
@@ -316,9 +313,7 @@ run_killable([sys.executable, "-c", *sys.argv[1:]], timeout=120)
 
 
 def test_kill_9_of_bench_ends_its_child_and_what_that_started(tmp_path):
-    """bench.py --gpu-check killed with -9 while an item's child (pytest, train_gpt2.py) runs: the
-    child and its own child end too, within seconds, not at their end (each holds a file lock
-    while it lives: the lock is free once it has ended)."""
+    """bench.py killed with -9 mid-item: its child and grandchild end within seconds (their locks free)."""
     fcntl = pytest.importorskip("fcntl")  # the locks that tell a process has ended: POSIX
     locks, ready = [tmp_path / "child.lock", tmp_path / "grandchild.lock"], tmp_path / "ready"
     child = [HOLD, locks[0], HOLD, locks[1], ready]  # the child starts the grandchild

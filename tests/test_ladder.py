@@ -42,8 +42,7 @@ def shard_dir(tmp_path):
 
 
 def run_rungs(rungs, shard_dir, steps=4, accum=1):
-    """{rung: losses of `steps` training steps} from the same base weights and batches, each step
-    `accum` micro-batches of B (a rung with the bigger micro-batch: one of B * accum), as bench.py runs them."""
+    """{rung: losses of `steps` steps of `accum` micro-batches of B (bigger_B: one of B * accum)}."""
     base = ladder_base_state(TINY)
     losses = {}
     for rung, changes in rungs.items():
@@ -55,8 +54,7 @@ def run_rungs(rungs, shard_dir, steps=4, accum=1):
 
 
 def test_masked_softmax_attention_is_causal_attention():
-    """The written-out attention of rungs 1-4 takes the block's own weights and computes what the
-    model's SDPA attention computes, and what a loop over positions computes by hand."""
+    """Rungs 1-4's attention, on the block's own weights, is SDPA's and a loop's by hand."""
     torch.manual_seed(0)
     config = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=4, n_embd=32)
     attn = GPT(config).transformer.h[0].attn
@@ -122,8 +120,7 @@ def test_rungs_compute_the_same_loss_within_their_precision(shard_dir):
 
 
 def test_the_loss_check_catches_a_rung_that_computes_something_else(shard_dir, monkeypatch):
-    """Attention that sees the future (no causal mask) is a different model: in fp32 its losses
-    leave the tolerance at once."""
+    """Attention without its causal mask: in fp32 its losses leave the tolerance at once."""
     good = run_rungs({1: set()}, shard_dir)
     init = MaskedSoftmaxAttention.__init__
 
@@ -149,8 +146,7 @@ def test_compiled_rung_matches_eager(shard_dir):
 
 
 def test_the_rungs_a_run_cannot_have_are_skipped_by_what_their_rows_need(monkeypatch):
-    """Without compile, rung 4 is skipped, and on CUDA its settings (rungs 11 and 12) with it; on a
-    CPU those and rung 10 are CUDA only."""
+    """Without compile rung 4 is skipped, and on CUDA rungs 11 and 12 with it; a CPU skips 10-12."""
     monkeypatch.setattr(ladder, "tf32_has_effect", lambda *args: True)
     monkeypatch.setattr(ladder, "compile_unavailable", lambda s, device: "no compiler")
     monkeypatch.setattr(ladder, "cudnn_attention_unavailable", lambda device: None)
@@ -267,16 +263,15 @@ def test_ddp_rung_runs_train_gpt2_under_torchrun(tmp_path, shard_dir):
     assert all(abs(loss - np.log(50257)) < 0.5 for loss in r8["losses"])
 
 
-@pytest.mark.parametrize("capability, half", [((7, 5), torch.float16), ((8, 0), torch.bfloat16)])
-def test_rung_3_is_fp16_on_a_gpu_without_native_bf16(monkeypatch, capability, half):
-    """A T4 (7.5) emulates bf16: rung 3 runs fp16 there, and its loss check says fp16; from 8.0, bf16."""
+@pytest.mark.parametrize(
+    "device, capability, half",
+    [("cuda", (7, 5), torch.float16), ("cuda", (8, 0), torch.bfloat16), ("cpu", None, torch.bfloat16)],
+)
+def test_rung_3_is_fp16_on_a_gpu_without_native_bf16(monkeypatch, device, capability, half):
+    """A T4 (7.5) emulates bf16: rung 3 runs fp16 there and its loss check says so; bf16 from 8.0 and on a CPU."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert ladder_half("cuda") == half
-    assert ladder_precision({"tf32", "bf16"}, ladder_half("cuda")) == ("fp16" if half == torch.float16 else "bf16")
-
-
-def test_rung_3_is_bf16_on_a_cpu():
-    assert ladder_half("cpu") == torch.bfloat16
+    assert ladder_half(device) == half
+    assert ladder_precision({"tf32", "bf16"}, ladder_half(device)) == ("fp16" if half == torch.float16 else "bf16")
 
 
 def chunked_and_full(N, C, V, chunk_rows, half=None, grad_scale=1.0):
@@ -299,8 +294,7 @@ def chunked_and_full(N, C, V, chunk_rows, half=None, grad_scale=1.0):
 
 @pytest.mark.parametrize("chunk_rows", [8, 37, 1000])  # 8 does not divide the 37 rows; 1000 is one chunk
 def test_chunked_loss_is_cross_entropy_in_fp32(chunk_rows):
-    """Rung 8's loss and both its gradients are F.cross_entropy's on the full logits, in fp32 to
-    rounding; the gradients follow the loss's own gradient (here 3, as a scaled fp16 loss has)."""
+    """Rung 8's loss and gradients (scaled by 3, as fp16's are) are F.cross_entropy's, to fp32 rounding."""
     (loss, gh, gw), (ref, rh, rw) = chunked_and_full(37, 16, 101, chunk_rows, grad_scale=3.0)
     assert loss.dtype == torch.float32 and loss.shape == ()
     torch.testing.assert_close(loss, ref, rtol=0, atol=1e-6)
@@ -340,8 +334,7 @@ class LargestOutputs(TorchDispatchMode):
 
 @pytest.mark.parametrize("half", [None, torch.bfloat16])
 def test_chunked_loss_never_makes_the_full_logits(half):
-    """No op in the chunked loss's forward or backward returns more than chunk_rows rows of logits;
-    the full cross-entropy, watched the same way, makes (rows, vocab) tensors."""
+    """No op of the chunked loss returns over chunk_rows rows of logits; the full loss, watched too, does."""
     N, C, V, chunk = 40, 8, 97, 16
     torch.manual_seed(0)
     y = torch.randint(0, V, (N,))
@@ -357,9 +350,7 @@ def test_chunked_loss_never_makes_the_full_logits(half):
 
 
 def test_project_rungs_compute_the_same_loss_as_rungs_1_and_7(shard_dir):
-    """Rung 8 (chunked loss) and rung 9 (one micro-batch of 2B instead of 2 of B: the same total
-    batch) train to rung 7's losses, in fp32 to rounding and in bf16 within its tolerance; and each
-    against rung 1 as bench.py checks them."""
+    """Rungs 8 (chunked loss) and 9 (one micro-batch of 2B) train to rung 7's and rung 1's losses."""
     r7 = {"sdpa", "padded_vocab", "fused_adamw"}
     rungs = {
         1: set(),
