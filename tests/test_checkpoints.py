@@ -1,12 +1,7 @@
-"""support/checkpoints.py, through real runs of train_gpt2.py: a checkpoint write that fails (a
-full disk, a read-only folder) stops the run in one line naming the file, leaves no partial file
-and the earlier checkpoints whole (--resume then continues exactly), and claims no earlier ones
-where there are none; weights that are not finite are never saved; pruning (--keep-ckpts) removes
-only this run's checkpoints, never a symbolic link; a link put at the next checkpoint's name or
-its temporary file's mid-run is refused and left alone, and a file put at a checkpoint's name
-mid-run is kept and the run stops;
-a truncated checkpoint, or one that carries pickled code, is refused when loaded, the latter said
-to be no train_gpt2.py checkpoint, pointing to what loads."""
+"""support/checkpoints.py, through real runs of train_gpt2.py: a failed checkpoint write stops the
+run in one line, the earlier checkpoints whole; non-finite weights are never saved; pruning removes
+only this run's checkpoints; a link or file put at a checkpoint's name mid-run is left alone; a
+truncated checkpoint, or one that carries pickled code, is refused when loaded."""
 
 import errno
 import math
@@ -30,15 +25,15 @@ from support.cli import UserError
 # A checkpoint write that fails
 
 
-def read_only_on_nth_open(monkeypatch, n):
-    """The n-th checkpoint file train_gpt2 opens for writing fails as on a read-only file system."""
+def fail_nth_open(monkeypatch, n, code, reason):
+    """The n-th checkpoint file train_gpt2 opens for writing fails with OSError(code, reason)."""
     opened = []
 
     def open_(path, mode="r", *args, **kwargs):
         if "w" in mode and str(path).endswith(".pt.tmp"):
             opened.append(path)
             if len(opened) == n:
-                raise OSError(errno.EROFS, "Read-only file system", str(path))
+                raise OSError(code, reason, str(path))
         return open(path, mode, *args, **kwargs)
 
     monkeypatch.setattr(files, "open", open_, raising=False)  # files.write_atomic writes the checkpoints
@@ -55,7 +50,7 @@ def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_p
     if fault == "disk-full":
         fail_nth_write(monkeypatch, files, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
     else:
-        read_only_on_nth_open(monkeypatch, 3)
+        fail_nth_open(monkeypatch, 3, errno.EROFS, reason)
     msg = user_error(args)
     assert reason in msg and "ckpt_000003.pt" in msg
     assert sorted(os.listdir(out)) == ["ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"]  # no partial file left
@@ -74,13 +69,8 @@ def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_p
 
 
 def test_a_failed_first_checkpoint_write_does_not_claim_earlier_ones(data, tmp_path, monkeypatch):
-    def open_(path, mode="r", *args, **kwargs):
-        if "w" in mode and str(path).endswith(".pt.tmp"):
-            raise OSError(28, "No space left on device", str(path))
-        return open(path, mode, *args, **kwargs)
-
     out = tmp_path / "out"
-    monkeypatch.setattr(files, "open", open_, raising=False)
+    fail_nth_open(monkeypatch, 1, errno.ENOSPC, "No space left on device")
     msg = user_error(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0))
     assert "no checkpoint was written before this one" in msg and "intact" not in msg
     assert "start the run again in a new --out-dir" in msg
@@ -155,8 +145,7 @@ def test_pickle_carrying_code_is_refused(short_run, tmp_path):
 
 @pytest.mark.parametrize("model_config", [{"n_layer": 2}, [2, 2, 32]], ids=["keys missing", "not a dict"])
 def test_a_checkpoint_whose_model_config_is_no_gpts_is_refused_when_loaded(tmp_path, model_config):
-    """load_checkpoint checks the model_config once, for every reader (training, hellaswag.py,
-    --sample-from, --export-hf's dry run), in one line."""
+    """Checked once in load_checkpoint, for every reader (training, hellaswag.py, --sample-from, --export-hf)."""
     torch.save({"model": {}, "model_config": model_config}, tmp_path / "ckpt.pt")
     with pytest.raises(
         UserError, match=r"ckpt\.pt is not a train_gpt2\.py checkpoint \(no model / GPT model_config\)$"
@@ -173,11 +162,8 @@ def test_a_checkpoint_whose_model_config_is_no_gpts_is_refused_when_loaded(tmp_p
 def test_a_symlink_put_at_the_next_checkpoints_name_mid_run_is_refused_and_left_alone(
     data, tmp_path, monkeypatch, name, to
 ):
-    """The start refuses links at the names a run writes (test_out_dir.py); one made later, at the
-    next checkpoint's name or its temporary file's, is refused at that write in one line naming
-    it: the temporary file is never opened through it (O_CREAT | O_EXCL | O_NOFOLLOW), the rename
-    never replaces it. The link and the file it names stay as they were, the checkpoint before
-    whole; the advised `rm`, then --resume, finishes the run."""
+    """Refused at that write (O_CREAT | O_EXCL | O_NOFOLLOW, no rename over it), all left as it was;
+    the advised `rm`, then --resume, finishes the run. (A link there at start: test_out_dir.py.)"""
     out, target = tmp_path / "out", tmp_path / "mine.txt"
     if to == "a file":
         target.write_bytes(b"the user's file\n")
@@ -199,8 +185,7 @@ def test_a_symlink_put_at_the_next_checkpoints_name_mid_run_is_refused_and_left_
 
 
 def test_a_checkpoint_pruning_cannot_remove_is_kept_and_the_run_goes_on(data, tmp_path, monkeypatch, capsys):
-    """In a shared folder with the sticky bit, another user's old checkpoint cannot be removed: that
-    is no reason to stop a run hours in. It is kept, said in one warning, and training goes on."""
+    """Another user's old checkpoint in a sticky folder: kept, said in one warning, training goes on."""
     out = tmp_path / "out"
     remove = os.remove
 
@@ -220,8 +205,7 @@ def test_a_checkpoint_pruning_cannot_remove_is_kept_and_the_run_goes_on(data, tm
 
 
 def test_pruning_never_removes_a_symlink_at_an_old_checkpoints_name(data, tmp_path, monkeypatch):
-    """--keep-ckpts removes this run's own old checkpoints; a link put at one's name (here to that
-    very checkpoint, moved out) is no file the run wrote: it stays, and what it names too."""
+    """A link at an old checkpoint's name (to that very checkpoint, moved out) stays, and what it names."""
     out, moved = tmp_path / "out", tmp_path / "moved.pt"
 
     def relink():

@@ -1,11 +1,7 @@
-"""support/hf_interop.py, through real runs of train_gpt2.py: --export-hf never deletes or overwrites
-what it did not write (docs/reliability.md, rules 3 and 4), --sample-from a Hub name fails at once,
-in one line, where the Hub cannot be used (rule 8), and a transformers folder is read in exactly
-(--init-from), or refused when a weight is missing or its numerics are not GPT-2's.
-
-Each refusal is one `error:` line, exit 1, no traceback (train_gpt2.py's command line, run in the
-test's process), and a snapshot of the folder taken before equals the one taken after. Faults inside the write (a full
-disk, Ctrl-C, a failed rename) are injected with monkeypatch."""
+"""support/hf_interop.py, through train_gpt2.py's command line: --export-hf never deletes or
+overwrites what it did not write (docs/reliability.md, rules 3 and 4), --sample-from a Hub name fails
+at once in one line where the Hub cannot be used (rule 8), and a transformers folder is read in exactly
+(--init-from) or refused. Faults inside the write are injected with monkeypatch."""
 
 import errno
 import os
@@ -34,8 +30,7 @@ from train_gpt2 import GPT, load_model
 
 
 def export_error(ckpt, target):
-    """The one-line UserError of --export-hf ckpt target, in this process (the subprocess tests
-    show that run_cli prints such an error as one line)."""
+    """The one-line UserError of --export-hf ckpt target, in this process."""
     return user_error(["--export-hf", ckpt, target])
 
 
@@ -282,15 +277,12 @@ def fail_save(monkeypatch, exc, after_bytes=1000):
     monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", save_pretrained)
 
 
-def earlier_export(model, tmp_path):
-    model.export_hf(tmp_path / "hf")
-    return tmp_path / "hf"
-
-
 @pytest.mark.parametrize("earlier", [False, True], ids=["new", "over_earlier_export"])
 @pytest.mark.parametrize("fault", ["disk_full", "safetensors_disk_full", "ctrl_c"])
 def test_fault_mid_write_leaves_everything_as_it_was(tiny_model, tmp_path, monkeypatch, fault, earlier):
-    target = earlier_export(tiny_model, tmp_path) if earlier else tmp_path / "new" / "hf"
+    target = tmp_path / "hf" if earlier else tmp_path / "new" / "hf"
+    if earlier:
+        tiny_model.export_hf(target)
     before = snapshot(tmp_path)
     exc = {
         "disk_full": OSError(errno.ENOSPC, "No space left on device"),
@@ -311,7 +303,8 @@ def test_fault_mid_write_leaves_everything_as_it_was(tiny_model, tmp_path, monke
 
 
 def test_failed_rename_puts_the_earlier_export_back(tiny_model, tmp_path, monkeypatch):
-    target = earlier_export(tiny_model, tmp_path)
+    target = tmp_path / "hf"
+    tiny_model.export_hf(target)
     before = snapshot(tmp_path)
     real_replace = os.replace
 
@@ -349,18 +342,22 @@ def test_read_only_parent_cli(short_run, tmp_path):
         ro.chmod(0o755)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 64 KiB tmpfs, where the weights cannot fit; skipped where mounting is not allowed."""
-    mnt = tmp_path / "small"
+def tmpfs(mnt, *options):
+    """A tmpfs mounted at the new folder mnt (its mount options); the test is skipped where mounting is not allowed."""
     mnt.mkdir()
     if shutil.which("mount") is None or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", *options, "tmpfs", str(mnt)], capture_output=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     yield mnt
     subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 64 KiB tmpfs, where the weights cannot fit."""
+    yield from tmpfs(tmp_path / "small", "-o", "size=64k")
 
 
 def test_real_full_disk_cli(short_run, small_disk, tmp_path):
@@ -373,22 +370,12 @@ def test_real_full_disk_cli(short_run, small_disk, tmp_path):
 
 @pytest.fixture
 def mount_point(tmp_path):
-    """An empty tmpfs mounted at tmp_path/export, as `docker -v host:/export` or a tmpfs gives a folder
-    that no rename can replace; skipped where mounting is not allowed."""
-    mnt = tmp_path / "export"
-    mnt.mkdir()
-    if shutil.which("mount") is None or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=True)
+    """A folder no rename can replace, as `docker -v host:/export` or a tmpfs gives."""
+    yield from tmpfs(tmp_path / "export")
 
 
 def test_an_export_into_a_mount_point_is_written_into_it(short_run, mount_point, capsys):
-    """The dry run says it can, the export is written into the mount point, and an export over it
-    replaces that export's files (one the new export does not write is gone): nothing of ours left."""
+    """The dry run says it can; the export, and one over it, replace the files in it, nothing of ours left."""
     ckpt, ckpt_1 = short_run[1] / "ckpt_000002.pt", short_run[1] / "ckpt_000001.pt"
     assert train_gpt2.main(["--export-hf", str(ckpt), str(mount_point), "--dry-run"]) == 0
     assert f"can be exported to {mount_point}; nothing was written" in capsys.readouterr().out
@@ -440,8 +427,7 @@ def test_unreachable_hub_is_one_line(tmp_path):
 
 
 def test_unreachable_hub_fails_before_transformers_tries(tmp_path, monkeypatch):
-    """The probe has a short timeout and its failure stops there: transformers, which retries
-    for half a minute, is never asked."""
+    """The probe has a short timeout: transformers, which retries for half a minute, is never asked."""
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("TRANSFORMERS_OFFLINE")
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
@@ -534,9 +520,7 @@ class RunsCode:
 
 
 def test_a_pytorch_model_bin_that_pickles_code_is_refused_and_nothing_runs(tmp_path, hf_tiny_dir, shared_data):
-    """hellaswag.py -m, --sample-from and --init-from on a transformers folder whose
-    pytorch_model.bin would run `touch MARKER` when unpickled: one line that refuses it and points
-    to safetensors, never to weights_only=False; the marker is never made."""
+    """hellaswag.py -m, --sample-from and --init-from: one line pointing to safetensors; the marker is never made."""
     hf_dir, marker = tmp_path / "hf", tmp_path / "MARKER"
     shutil.copytree(hf_tiny_dir, hf_dir)
     weights = load_file(hf_dir / "model.safetensors")

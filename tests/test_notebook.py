@@ -22,9 +22,8 @@ PNGS = ("loss.png", "hellaswag.png", "throughput.png")
 
 @pytest.fixture(scope="module")
 def kernel_env(tmp_path_factory):
-    """A python3 kernelspec that runs this interpreter, first on JUPYTER_PATH: a kernelspec in the
-    user's own Jupyter folders must not decide which Python the notebook runs in. nbformat,
-    nbclient and ipykernel are optional: without them the notebook tests are skipped."""
+    """A python3 kernelspec that runs this interpreter, first on JUPYTER_PATH (not the user's own);
+    without the optional nbformat, nbclient, ipykernel or matplotlib the notebook tests are skipped."""
     for module in ("nbformat", "nbclient", "ipykernel", "matplotlib"):
         pytest.importorskip(module)
     base = tmp_path_factory.mktemp("jupyter")
@@ -69,9 +68,10 @@ def assert_pngs(folder):
     assert not list(folder.glob(".*.tmp")), "a temporary PNG was left behind"
 
 
-def stderr_of(nb):
+def text_of(nb, stream=None):
+    """What the notebook's code cells printed (to stream alone, where named)."""
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
-    return "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
+    return "".join(o.get("text", "") for o in outputs if stream in (None, o.get("name")))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def test_clean_log_summary_baselines_and_pngs(tmp_path, kernel_env, shared_data)
     # the figures are shown in the notebook too, and nothing complained on stderr
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == len(PNGS)
-    assert stderr_of(nb) == ""
+    assert text_of(nb, "stderr") == ""
 
 
 def test_log_still_being_written_with_a_nan_val_loss(tmp_path, kernel_env):
@@ -211,7 +211,7 @@ def test_a_record_whose_step_is_not_a_number_is_passed_over_and_named(tmp_path, 
     s = out["summary"]
     assert s["passed_over"] == ["line 6 (step '3')", "line 10 (step 7)"]
     assert (s["last_step"], s["best_val_loss"], s["tokens"]) == (49, [40, 6.2], 50 * 1024)  # the rest as it is
-    said = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    said = text_of(nb)
     assert "passed over, a step or a value not a number: line 6 (step '3'), line 10 (step 7)" in said
     assert_pngs(log.parent)
 
@@ -316,12 +316,11 @@ def test_real_resumed_log(real_run, tmp_path, kernel_env):
         assert s[key] == pytest.approx(value), key
     assert (s["last_step"], s["redone_steps"], s["skipped_lines"], s["partial_last_line"]) == (11, 6, 0, False)
     assert_pngs(run_dir)
-    assert stderr_of(nb) == ""
+    assert text_of(nb, "stderr") == ""
 
 
 def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env, shared_data):
-    """`jupyter execute play.ipynb` shows no cell output: the summary table must still reach the
-    terminal, with the numbers the log holds (computed here from the log, not by the notebook)."""
+    """`jupyter execute` shows no cell output: the summary table still reaches the terminal, the log's numbers."""
     _, run_dir = real_run
     log = tmp_path / "run" / "log.jsonl"
     log.parent.mkdir()
@@ -365,16 +364,14 @@ def test_play_ipynb_on_a_read_only_run_folder_prints_its_summary(tmp_path, kerne
     read_only(log.parent)
     nb, out = run_notebook(log, tmp_path)
     assert out["summary"]["last_step"] == 49 and out["summary"]["best_val_loss"] == [40, 6.2]
-    said = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    said = text_of(nb)
     for name in ("loss.png", "hellaswag.png", "throughput.png"):
         assert f"could not save {name} in {log.parent} (Read-only file system)" in said
     assert os.listdir(log.parent) == ["log.jsonl"]
 
 
 def test_play_ipynb_shows_the_last_run_and_names_the_other_runs(tmp_path, kernel_env):
-    """Run A (10 steps, no checkpoint), then another run B in the same log, killed after 5 steps
-    and restarted from step 0 by --resume: the notebook draws B's restart alone, says B restarted,
-    and names A."""
+    """Run A, then run B killed after 5 steps and restarted from 0: B's restart drawn alone, A named."""
 
     def run(run_id, steps, loss, restarted=False, val=None):
         records = [{**header(), "run_id": run_id, "restarted": restarted}]
@@ -388,6 +385,6 @@ def test_play_ipynb_shows_the_last_run_and_names_the_other_runs(tmp_path, kernel
     s = out["summary"]
     assert (s["run_id"], s["other_runs"], s["restarts"]) == ("B", ["A"], 1)
     assert (s["last_step"], s["last_train_loss"], s["last_val_loss"], s["redone_steps"]) == (6, 7.0, [0, 7.5], 0)
-    said = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    said = text_of(nb)
     assert "the log also holds run A (10 steps, last val loss 9.5000): not shown; this is run B" in said
     assert "restarted from step 0 1 time(s)" in said

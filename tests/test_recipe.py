@@ -1,11 +1,7 @@
 """The training step against a reference written in the test: train_gpt2.main runs a few steps of a
-tiny model with every part of the recipe active (2 micro-steps of accumulation, warm-up then
-cosine, gradients clipped, non-default weight decay, betas and eps), and the test repeats the same
-steps with plain torch: the seeded GPT init, the batches read from the shards in name order,
-AdamW decaying the matrices only, clip_grad_norm_, and the lr from a warm-up + cosine written
-here. The weights and AdamW's moments after every step are compared with the checkpoint of that
-step; the logged loss, gradient norm and lr with the reference's. The same steps in fp16 are checked
-against torch's AMP recipe (autocast and a GradScaler) written here, overflowing steps included."""
+tiny model with every part of the recipe active, and the test repeats them with plain torch (and in
+fp16 against torch's AMP recipe, overflowing steps included): the logged loss, gradient norm and lr,
+and the weights and AdamW's moments of every step's checkpoint, are the reference's, bit for bit."""
 
 import math
 from contextlib import nullcontext
@@ -50,12 +46,9 @@ def batches(data_dir):
 
 
 def reference_steps(data_dir, fp16_init_scale=None):
-    """The recipe's STEPS steps, written plainly; yields (loss, grad norm, lr, loss scale, model,
-    optimizer) after each step. AdamW is torch's fused kernel, as the recipe's is on every device:
-    the plain (single-tensor) AdamW rounds differently in the last bit, which would hide a bitwise
-    check. With fp16_init_scale, the steps in fp16 autocast with a GradScaler from that scale, as
-    torch's AMP recipe has it: the norm is the unscaled gradients' (inf where they overflowed), the
-    loss scale the one the step ran at (None without a scaler)."""
+    """The recipe's STEPS steps, written plainly; yields (loss, grad norm, lr, loss scale, model, optimizer)
+    after each. AdamW fused, as the recipe's (the single-tensor one rounds otherwise in the last bit). With
+    fp16_init_scale, fp16 autocast and a GradScaler from that scale; the norm is the unscaled gradients'."""
     torch.manual_seed(SEED)  # what train_gpt2 seeds before it builds the model
     model = GPT(GPTConfig(**CONFIG))
     params = list(model.parameters())  # the tied wte / lm_head weight once
@@ -174,9 +167,8 @@ def test_every_step_equals_the_reference_bitwise(recipe_run):
 
 
 def test_a_resume_with_every_flag_left_out_continues_the_recipe_bitwise(recipe_run, tmp_path):
-    """`--resume <folder>` holding the step-3 checkpoint alone takes the whole recipe from it
-    (schedule, clip, batch, seed, data order): steps 3-5 give the uninterrupted run's weights and
-    moments, bit for bit."""
+    """`--resume <folder>` holding the step-3 checkpoint alone takes the whole recipe from it, data order
+    included: steps 3-5 give the uninterrupted run's weights and moments, bit for bit."""
     _, out = recipe_run
     run = folder_with_checkpoint(out, tmp_path / "run", 3)
     assert train_gpt2.main(["--resume", str(run), "--device", "cpu"]) == 0
@@ -203,10 +195,7 @@ def fp16_run(tmp_path_factory):
 
 
 def test_fp16_steps_equal_the_gradscaler_reference(fp16_run):
-    """Step for step: the steps whose gradients overflowed are logged as skipped by the scaler at
-    the reference's scale and leave the weights as they were; the others log the reference's loss,
-    norm and scale; the weights after every step are the reference's, bit for bit (the same ops
-    in the same order on one CPU thread)."""
+    """Overflowing steps are logged as skipped at the reference's scale, the others as the reference's."""
     data, out = fp16_run
     records, logged = read_log(out)
     assert records[0]["config"]["dtype"] == "float16" and records[0]["config"]["dtype_reason"] == "--dtype float16"
@@ -232,10 +221,8 @@ def test_fp16_steps_equal_the_gradscaler_reference(fp16_run):
 
 
 def test_an_fp16_resume_continues_the_loss_scale_bitwise(fp16_run, tmp_path):
-    """`--resume` from the fp16 run's step-3 checkpoint, whose scale the overflows lowered to 2**18,
-    continues at that scale (a scaler started afresh would overflow at 2**20 again and skip steps):
-    steps 3-5 log the uninterrupted run's losses and scales and leave its weights, moments and
-    scaler state, bit for bit."""
+    """From step 3's checkpoint (scale lowered to 2**18; a fresh scaler would overflow at 2**20 again):
+    steps 3-5 log the uninterrupted run's losses and scales, its weights, moments and scaler, bit for bit."""
     _, out = fp16_run
     run = folder_with_checkpoint(out, tmp_path / "run", 3)
     assert checkpoint(run, 3)["scaler"]["scale"] == FP16_INIT_SCALE / 4
@@ -246,8 +233,6 @@ def test_an_fp16_resume_continues_the_loss_scale_bitwise(fp16_run, tmp_path):
     ref, resumed = read_log(out)[1], read_log(run)[1]
     assert sorted(resumed) == [3, 4, 5]
     for step in (3, 4, 5):
-        assert (resumed[step].get("train_loss"), resumed[step]["loss_scale"]) == (
-            ref[step]["train_loss"],
-            ref[step]["loss_scale"],
-        ), resumed[step]
+        assert resumed[step].get("train_loss") == ref[step]["train_loss"], resumed[step]
+        assert resumed[step]["loss_scale"] == ref[step]["loss_scale"], resumed[step]
     assert_resumed_bitwise(out, run, (4, 5, 6), scaler=True)

@@ -1,9 +1,7 @@
-"""support/run_log.py, through a real run of train_gpt2.py: a log.jsonl write that fails (a full
-disk) stops the run at once in one line naming the log and --resume, the checkpoints of the steps
-logged before it whole; log.jsonl is never opened through a symbolic link, at start or when a
-link replaces it mid-run; a log deleted mid-run is written again at its path after the run's
-header; another user's log is named as theirs, with the copy that resumes. (The log read back by
-strict JSON readers: a NaN val loss in test_divergence.py, play.ipynb in test_notebook.py.)"""
+"""support/run_log.py, through real runs of train_gpt2.py: a failed log.jsonl write stops the run in
+one line; the log is never opened through a symbolic link; a log deleted mid-run is written again
+after the run's header; another user's log is named as theirs. (Read back by strict JSON readers:
+test_divergence.py, test_notebook.py.)"""
 
 import errno
 import os
@@ -38,9 +36,7 @@ def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
 
 
 def test_a_log_deleted_mid_run_is_written_again_at_its_path(data, tmp_path, monkeypatch, capsys):
-    """The run notices at its next record that log.jsonl is deleted (no name left: one fstat),
-    says so in one warning line, and writes the log again at its path: a fresh header with the same
-    run_id, then every later record."""
+    """Noticed at the next record (one fstat), said in one warning; a fresh header, then every later record."""
     out = tmp_path / "out"
     log = out / "log.jsonl"
     at_step(monkeypatch, {3: log.unlink})
@@ -59,10 +55,7 @@ def test_a_log_deleted_mid_run_is_written_again_at_its_path(data, tmp_path, monk
 def test_a_log_of_another_user_in_a_writable_folder_names_its_owner_and_the_copy_that_resumes(
     data, tmp_path, monkeypatch
 ):
-    """A shared folder: the run another user started is theirs (its log.jsonl not writable by this
-    user, who may still write the folder). One line names the owner and the copy this user can
-    continue as its own; that copy, made as the line says, resumes. (Run as root, the tests cannot
-    be refused by permissions: the refusal is simulated, the advice is run for real.)"""
+    """The owner and the copy that resumes, in one line (the refusal simulated for root; the advice run for real)."""
     nobody = pytest.importorskip("pwd").getpwnam("nobody")
     out = tmp_path / "run"
     args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
@@ -107,9 +100,7 @@ def test_a_log_path_that_cannot_be_written_again_stops_in_one_line(data, tmp_pat
 @pytest.mark.parametrize("nofollow", [True, False], ids=["O_NOFOLLOW", "no O_NOFOLLOW"])
 @pytest.mark.parametrize("to", ["a file", "nothing"])
 def test_a_run_log_is_never_opened_through_a_symlink(tmp_path, monkeypatch, to, nofollow):
-    """RunLog opens log.jsonl with O_NOFOLLOW (without it, Windows, after a check): a link at its
-    name, to a file or to nothing, is refused in one line (LinkedName), the file it names untouched
-    and none made where it points."""
+    """With O_NOFOLLOW or (Windows) a check: refused in one line, the file it names untouched or not made."""
     if not nofollow:
         monkeypatch.setattr(files, "NOFOLLOW", 0)
     out, target = tmp_path / "out", tmp_path / "mine.txt"
@@ -128,9 +119,7 @@ def test_a_run_log_is_never_opened_through_a_symlink(tmp_path, monkeypatch, to, 
 def test_a_log_replaced_by_a_symlink_mid_run_stops_the_run_and_what_it_names_is_untouched(
     data, tmp_path, monkeypatch, to
 ):
-    """log.jsonl replaced by a link while the run trains: the run does not write its records
-    through it: it stops at its next record in one line naming the link; the `rm` it advises, then
-    --resume, finishes the run."""
+    """No record is written through it: one line at the next record; the advised `rm`, then --resume, finishes."""
     out, target = tmp_path / "out", tmp_path / "elsewhere.jsonl"
     log = out / "log.jsonl"
 
@@ -155,19 +144,9 @@ def test_a_log_replaced_by_a_symlink_mid_run_stops_the_run_and_what_it_names_is_
     assert state_of(target) == before and max(read_log(out)[1]) == 5
 
 
-class FakeClock:
-    """time.monotonic for a StepClock: seconds the test moves on by hand."""
-
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
-
-
 def test_the_eta_counts_the_steps_and_each_eval_apart():
-    clock = FakeClock()
-    eta = run_log.StepClock(max_steps=10, now=clock)
+    clock = [100.0]  # time.monotonic's seconds, moved on by hand
+    eta = run_log.StepClock(max_steps=10, now=lambda: clock[0])
     eta.cadences = {"val_loss": 5, "hellaswag": 0, "samples": 4}
     for record, seconds in [  # each record logged that many seconds after the one before it
         ({"event": "header"}, 0.0),
@@ -178,7 +157,7 @@ def test_the_eta_counts_the_steps_and_each_eval_apart():
         ({"step": 3, "samples": ["..."]}, 7.0),
         ({"step": 3, "dt_ms": 1000.0}, 1.0),
     ]:
-        clock.t += seconds
+        clock[0] += seconds
         eta.saw(record)
     # the median step is 1 s (of 1, 2 and 1 s). Left after step 3: steps 4..9; val loss at 5 and 10
     # (30 s each), samples at 4, 8 and 10 (7 s each); after step 9: val loss and samples at 10

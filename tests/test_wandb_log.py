@@ -1,9 +1,7 @@
-"""--wandb-project: rank 0 mirrors every record of log.jsonl to a Weights & Biases run (the
-header's config as the run's config, the rest as history rows under the same names and steps);
-a resumed run continues the same wandb run; the flag without the package is one line at start;
-a wandb that fails or hangs after start never stops or holds up training. wandb runs offline here,
-into temporary folders, without an API key: nothing reaches the network. The offline runs are
-read back from their .wandb files with wandb's own protobuf messages."""
+"""--wandb-project: rank 0 mirrors every record of log.jsonl to a Weights & Biases run, a resumed run
+continues the same wandb run, the flag without the package is one line at start, and a wandb that
+fails or hangs never stops or holds up training. wandb runs offline here, into temporary folders, read
+back from its .wandb files with wandb's own protobuf messages."""
 
 import json
 import struct
@@ -139,9 +137,7 @@ def test_offline_run_holds_what_log_jsonl_records(tmp_path, offline, shared_data
 
 
 def test_resume_continues_the_same_wandb_run(tmp_path, offline, monkeypatch):
-    """--resume takes --wandb-project from the checkpoint and logs to the run's wandb id; a new
-    run gets a new id; --wandb-project '' turns it off. Without WANDB_DIR wandb's files go into
-    the --out-dir."""
+    """The run's wandb id (a new run: a new one); --wandb-project '' turns it off; no WANDB_DIR: the --out-dir."""
     monkeypatch.delenv("WANDB_DIR")
     data, out = random_shards(tmp_path / "data"), tmp_path / "out"
     assert train_gpt2.main(tiny_args(data, out, "--wandb-project", "tiny", "--max-steps", 4)) == 0
@@ -163,8 +159,7 @@ def test_resume_continues_the_same_wandb_run(tmp_path, offline, monkeypatch):
 
 
 def test_flag_without_the_package_is_one_line_at_start(tmp_path, monkeypatch):
-    """wandb is optional: missing (a None in sys.modules makes its import fail), the flag is
-    refused before anything runs, and a run without the flag never needs it."""
+    """Missing (None in sys.modules), the flag is refused at start; a run without it never needs wandb."""
     data, out = random_shards(tmp_path / "data"), tmp_path / "out"
     monkeypatch.setitem(sys.modules, "wandb", None)
     run = lambda *extra: cli(*tiny_args(data, out, "--max-steps", 1, *extra))  # noqa: E731
@@ -191,8 +186,7 @@ def test_flags_wandb_cannot_take_are_one_line_at_start(tmp_path):
     ],
 )
 def test_an_installed_wandb_that_cannot_be_imported_is_one_line_at_start(tmp_path, monkeypatch, failure):
-    """A wandb that is installed but broken is found before step 0, in one line naming the
-    reinstall, not as a warning after start with the run going on unlogged."""
+    """Found before step 0, in one line naming the reinstall, not a warning with the run going on unlogged."""
     broken = tmp_path / "site" / "wandb"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text(f"raise {failure}\n")
@@ -226,8 +220,8 @@ def test_wandb_failing_after_start_leaves_training_and_log_complete(tmp_path, of
 
 
 def test_a_hung_wandb_never_holds_a_step(tmp_path, offline, monkeypatch, capsys):
-    """wandb stuck in its first log call (a wedged connection): every step still runs, the end
-    waits WANDB_FINISH_TIMEOUT at most and says so; released, wandb logs the rest."""
+    """Stuck in its first log call: every step runs, the end waits WANDB_FINISH_TIMEOUT and says so; released,
+    wandb logs the rest."""
     release, entered = threading.Event(), threading.Event()
     real_log = wandb.sdk.wandb_run.Run.log
 
@@ -252,7 +246,8 @@ def test_a_hung_wandb_never_holds_a_step(tmp_path, offline, monkeypatch, capsys)
             if thread.name == "wandb":
                 thread.join(60)
     (run,) = offline_runs(offline)
-    assert_mirrors(run, records) and run["exit_code"] == 0
+    assert_mirrors(run, records)
+    assert run["exit_code"] == 0
 
 
 @pytest.mark.slow
