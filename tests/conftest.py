@@ -136,6 +136,12 @@ def shakespeare_export(tmp_path_factory, shared_data, enc):
     return ckpt, tmp / "hf"
 
 
+def pytest_collection_modifyitems(items):
+    """test_readme.py's files first: its fresh clone trains the README's laptop run, the slow tier's
+    longest test by far, so that on 2 xdist workers (--dist loadfile) the other files run beside it."""
+    items.sort(key=lambda item: item.path.name != "test_readme.py")
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """A test module's shards of random token ids (random_shards): read, never changed."""
