@@ -136,8 +136,15 @@ def shakespeare_export(tmp_path_factory, shared_data, enc):
     return ckpt, tmp / "hf"
 
 
+def pytest_configure(config):
+    """Files go to pytest-xdist's workers in the order collected (pytest_collection_modifyitems),
+    not sorted by their number of tests, which would put test_readme.py's one slow test last."""
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --loadscope-reorder
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
-    """test_readme.py's files first: its fresh clone trains the README's laptop run, the slow tier's
+    """test_readme.py's tests first: its fresh clone trains the README's laptop run, the slow tier's
     longest test by far, so that on 2 xdist workers (--dist loadfile) the other files run beside it."""
     items.sort(key=lambda item: item.path.name != "test_readme.py")
 
