@@ -2,10 +2,11 @@
 flock where fcntl exists, msvcrt.locking on Windows. lock_folder and unlock_folder are the one code
 path by which train_gpt2.py holds its --out-dir and fineweb.py its shards folder. Why this and not
 the filelock package: docs/reliability.md, "The folder lock". A lock file is never opened through a
-symbolic link."""
+symbolic link, nor written through a second name."""
 
 import errno
 import os
+import shlex
 import socket
 import sys
 import time
@@ -138,7 +139,7 @@ def lock_folder(folder, name, who, then, theirs, note=""):
     process (holder_text(note)) for a refused one to show. Returns the descriptor, to keep open and
     give to unlock_folder; None where nothing can lock (said in a warning). Every refusal is one
     UserError line worded here for both scripts, before anything is written: the folder in use by
-    another `who` (naming it); a symbolic link at `name`; a folder
+    another `who` (naming it); a symbolic link or a second name (a hard link) at `name`; a folder
     of another user's (`theirs`: what to do then); else a disk error. then: what to do once the
     cause is gone."""
     path = os.path.join(folder, name)
@@ -160,6 +161,12 @@ def lock_folder(folder, name, who, then, theirs, note=""):
         if isinstance(e, PermissionError) and (line := not_yours(denied, theirs)):
             raise UserError(line) from None
         raise disk_error(e, f"to --out-dir {folder} (its lock file {name})", then) from None
+    if os.fstat(fd).st_nlink > 1:  # a hard link: its text would overwrite the file's other name
+        os.close(fd)
+        raise UserError(
+            f"{path} has a second name (a hard link), and a lock never writes through one: remove this name "
+            f"(rm {shlex.quote(path)}; the other keeps its bytes), then {then}"
+        )
     try:
         write_holder(fd, holder_text(note))
     except OSError:

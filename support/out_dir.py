@@ -2,7 +2,6 @@
 the lock that keeps one run per --out-dir, which files are the run's own (to write over, to resume
 from), which checkpoint --resume continues, and the folders a refused start made, removed again."""
 
-import json
 import os
 import re
 import shlex
@@ -147,7 +146,7 @@ def check_names_at_start(out_dir):
             what = "is not a file (a folder, a FIFO or a device)"
         elif step_of_name(name) is not None and head(path) != ZIP:
             what = "is no checkpoint of train_gpt2.py (not the zip torch.save writes)"
-        elif name == "log.jsonl" and (first := head(path, line=True)) and not run_header(first):
+        elif name == "log.jsonl" and head(path, line=True) and next(log_records(path), {}).get("event") != "header":
             what = "is not this run's (its first line is not a run's header)"
         else:
             continue
@@ -201,15 +200,6 @@ def release_out_dir():
 
 # ----------------------------------------------------------------------------------------------
 # The log's runs
-
-
-def run_header(line):
-    """The run's header record a log.jsonl line holds (a dict with "event": "header"), else None."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) and record.get("event") == "header" else None
 
 
 def log_runs(path):

@@ -81,11 +81,6 @@ def reconcile_resume(args, given, roles, ckpt, ckpt_path):
     return changes, taken
 
 
-def new_run_id():
-    """A run's id: when it started, and random bytes that no other run shares."""
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"
-
-
 def resume_checkpoint(args, given, roles, ddp, master_process):
     """(path, checkpoint, the run's id, allowed changes) for --resume, else (None, None, a new
     run's id, {}); rank 0 says what a resume changed and took (report_resume). Rank 0 claims the
@@ -104,7 +99,8 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
         dist.broadcast_object_list(picked, src=0, group=fence(ddp, args.ddp_timeout))
     if picked[1] is not None:
         raise same_on_every_rank(UserError(picked[1]))
-    path, ckpt, run_id, changes, taken = picked[0], None, new_run_id(), {}, {}
+    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"  # a new run's: when, and bytes no other has
+    path, ckpt, changes, taken = picked[0], None, {}, {}
     if path is not None:
         ckpt = load_training_checkpoint(path)
         run_id = ckpt.get("run_id", path)

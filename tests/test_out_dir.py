@@ -396,6 +396,21 @@ def test_a_fifo_at_the_logs_name_is_refused_at_once_not_waited_on(data, tmp_path
     assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == [0, 1]
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_hard_link_at_the_lock_files_name_is_refused_and_the_file_it_shares_kept(data, tmp_path, dry_run):
+    """A lock never writes through a second name; the `rm` it names, then the same command, runs."""
+    out, notes = tmp_path / "out", tmp_path / "notes.txt"
+    out.mkdir()
+    notes.write_text("the user's notes\n")
+    os.link(notes, out / LOCK_FILE)
+    args = tiny_args(data, out, "--max-steps", 2, "--eval-every", 0, *(["--dry-run"] if dry_run else []))
+    msg = user_error(args)
+    assert msg.startswith(f"{out / LOCK_FILE} has a second name (a hard link)")
+    assert notes.read_text() == "the user's notes\n"
+    subprocess.run(re.search(r"\((rm [^;]+);", msg)[1], shell=True, check=True)
+    assert train_gpt2.main(args) == 0 and notes.read_text() == "the user's notes\n"
+
+
 def test_an_empty_out_dir_is_refused_by_name(data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     msg = user_error(tiny_args(data, "", "--max-steps", 2))
