@@ -66,27 +66,16 @@ def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
 # Ctrl-C is prompt and clean
 
 
-@pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])
-def test_ctrl_c_during_start_up_is_one_line(data, tmp_path, delay):
-    proc = start_run(*tiny_args(data, tmp_path / "out", "--max-steps", 100000, "--warmup-steps", 1))
-    time.sleep(delay)  # importing torch, building the model, reading the data, or the first steps
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
-    said = [line for line in err.strip().splitlines() if not line.startswith("warning: this run trains on")]
-    assert "Traceback" not in err and len(said) <= 1, err
-
-
-def test_a_second_ctrl_c_stops_at_once_in_one_line(data, tmp_path):
-    proc = start_run(
-        *tiny_args(
-            data, tmp_path / "out", "--max-steps", 100000, "--warmup-steps", 1, "--eval-every", 1, "--val-tokens", 512
-        )
-    )
-    for line in proc.stdout:
-        if line.startswith("step     2/"):
-            break
-    proc.send_signal(signal.SIGINT)
+@pytest.mark.parametrize("when", [0.3, 1.5, 4.0, "twice at step 2"])
+def test_ctrl_c_during_start_up_or_twice_is_one_line(data, tmp_path, when):
+    """One Ctrl-C while importing torch, building the model, reading the data or in the first steps."""
+    flags = "--max-steps 100000 --warmup-steps 1 --eval-every 1 --val-tokens 512".split()
+    proc = start_run(*tiny_args(data, tmp_path / "out", *flags))
+    if when == "twice at step 2":
+        next(line for line in proc.stdout if line.startswith("step     2/"))
+        proc.send_signal(signal.SIGINT)
+    else:
+        time.sleep(when)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
