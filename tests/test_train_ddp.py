@@ -1,6 +1,6 @@
 """DDP: torchrun with 2 CPU ranks (gloo) trains exactly like one process with twice the
-gradient accumulation over the same data, and evaluates the same; a signal to torchrun stops
-every rank with a checkpoint."""
+gradient accumulation over the same data, and evaluates the same; a signal to torchrun, or its
+kill -9, stops every rank with a checkpoint."""
 
 import json
 import signal
