@@ -15,37 +15,53 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 def expand_presets(argv, parser):
     """argv with each `@file` replaced by the file's flags, every file's flags first: the flags
     typed on the command line come after them and so win (argparse keeps a flag's last value),
-    whatever their order. A file that is not there, or a line that is not one of parser's flags
-    with a value it takes, is a UserError naming the file, the line and the fix."""
-    from_files, typed = [], []
+    whatever their order. Only an `@file` where a flag may stand is a preset: a flag's value is
+    never one (`--prompt @alice`). A file that is not there, or a line that is not one of parser's
+    flags with a value it takes, is a UserError naming the file, the line and the fix."""
+    nargs = {s: action.nargs for action in parser._actions for s in action.option_strings}
+    from_files, typed, values = [], [], 0  # values: how many of the next arguments are a flag's values
     for arg in argv:
-        if arg.startswith("@"):
+        if arg.startswith("@") and not values:
             from_files += checked_flags(arg[1:], parser)
-        else:
-            typed.append(arg)
+            continue
+        typed.append(arg)
+        if values:
+            values -= 1
+        else:  # a flag (or a mistake argparse reports): None takes one value, "?" may be followed by a flag
+            n = nargs.get(arg, 0)
+            values = 1 if n is None else n if isinstance(n, int) else 0
     return from_files + typed
 
 
 def preset_lines(path):
     """[(line number, the line's words)] of a preset file: `--flag value` or `--flag` a line, quoted
-    as in a shell; blank lines and `#` comments left out."""
+    as in a shell, in UTF-8 (with or without the BOM Notepad writes); blank lines and `#` comments left out."""
     if not os.path.isfile(path):
         shipped = ", ".join(f"@configs/{p.name}" for p in sorted(CONFIGS.glob("*.txt")))
         raise UserError(f"@{path}: no such preset file; the presets in this repository: {shipped}")
+    try:
+        text = Path(path).read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:  # e.object: the bytes after the BOM
+        lineno = e.object.count(b"\n", 0, e.start) + 1
+        raise UserError(
+            f"{path}, line {lineno}: byte 0x{e.object[e.start]:02x} is not UTF-8: save it as UTF-8"
+        ) from None
     lines = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            try:
-                words = shlex.split(line, comments=True)
-            except ValueError as e:  # an unclosed quote
-                raise UserError(f"{path}, line {lineno}: {e}: close the quote") from None
-            if words:
-                lines.append((lineno, words))
+    for lineno, line in enumerate(text.splitlines(), 1):
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError as e:  # an unclosed quote
+            raise UserError(f"{path}, line {lineno}: {e}: close the quote") from None
+        if words:
+            lines.append((lineno, words))
     return lines
 
 
 def checked_flags(path, parser):
-    """The flags of one preset file, each line checked by parser alone."""
+    """The flags of one preset file, each line checked by parser alone. A path is looked up where
+    typed, then beside train_gpt2.py: `@configs/laptop.txt` from any folder."""
+    beside = CONFIGS.parent / path
+    path = str(beside) if not os.path.isfile(path) and beside.is_file() else path
     flags = [s for action in parser._actions for s in action.option_strings]
     out = []
     for lineno, words in preset_lines(path):

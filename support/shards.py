@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+import sys
 
 import numpy as np
 import tiktoken
@@ -229,19 +230,29 @@ def shard_fingerprint(path, blocks=16, block=4096):
 
 
 def fineweb_manifests(data_dir):
-    """{name: manifest} of fineweb.py's manifests in data_dir (a file that is not one is passed over),
-    each with its command: the fineweb.py command that writes, and rerun finishes, that folder."""
+    """{name: manifest} of fineweb.py's manifests in data_dir (a file that is not one is passed over,
+    with a warning), each with its command: the fineweb.py command that writes, and rerun finishes, that folder."""
     found = {}
     for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
+        path = os.path.join(data_dir, name)
         try:
-            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+            with open(path, encoding="utf-8") as f:
                 manifest = json.load(f)
             manifest["command"] = fineweb_command(manifest["config"], data_dir, manifest.get("stop_at"))
             sizes = {s["file"]: int(s["bytes"]) for s in manifest["shards"]}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
-            continue  # not fineweb.py's manifest
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            said = f"cannot read {path} as fineweb.py's manifest ({type(e).__name__})"
+            warn_once(f"{said}: whether fineweb.py finished the folder is not checked")
+            continue
         found[name] = {**manifest, "sizes": sizes}
     return found
+
+
+@functools.cache
+def warn_once(message):
+    """A warning said once by a process (the shards are looked for several times a run), by each node's first."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def check_fineweb_finished(data_dir):

@@ -9,6 +9,11 @@ import torch.distributed as dist
 
 from support.out_dir import checkpoint_paths
 
+# Under torchrun (it sets TORCHELASTIC_RUN_ID), its pid: each rank runs in a session of its own, so a
+# `kill -9` of torchrun would leave the ranks training unseen; a rank whose parent changed stops as
+# for SIGTERM. A plain run goes on when reparented (nohup, its shell gone).
+TORCHRUN = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
 
 class StopRequest:
     """SIGTERM (a spot instance reclaimed, a scheduler), SIGHUP (the terminal or ssh session that
@@ -16,7 +21,8 @@ class StopRequest:
     run stops at the next step boundary with a checkpoint, an eval in progress is cut short; a
     second Ctrl-C stops at once, but for one while that checkpoint is written: it is said, and the
     write finishes; a third ends the run at once, the previous checkpoint still the newest. The
-    signals this platform has are the ones handled."""
+    signals this platform has are the ones handled. Under torchrun, torchrun gone (`kill -9`) is a
+    SIGTERM too."""
 
     SIGNALS = tuple(
         getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT", "SIGBREAK") if hasattr(signal, name)
@@ -67,10 +73,22 @@ class StopRequest:
         print(f"caught {signal.Signals(signum).name}: stopping after this step with a checkpoint", flush=True)
 
     def __call__(self):  # this rank's request, for the evals and samples to poll
+        self.check_torchrun()
         return self.signum != 0
+
+    def check_torchrun(self):
+        """Under torchrun, a parent that is not torchrun: it is gone (`kill -9`), a request as SIGTERM's."""
+        if not self.signum and TORCHRUN not in (None, os.getppid()):
+            self.signum = signal.SIGTERM
+            if os.environ.get("LOCAL_RANK") == "0":
+                print(
+                    f"torchrun (pid {TORCHRUN}) is gone: stopping after this step with a checkpoint in {self.out_dir}",
+                    flush=True,
+                )
 
     def agreed(self, device, ddp):
         """The signal every rank stops for (0: none), the same on every rank."""
+        self.check_torchrun()
         signum = torch.tensor(self.signum, device=device)
         if ddp:
             dist.all_reduce(signum, op=dist.ReduceOp.MAX)

@@ -3,6 +3,8 @@ the command line win whatever their order, the recipe's presets are train_gpt2.p
 run from a preset resumes, and a preset that is missing or wrong is one line naming the file, the
 line and the fix."""
 
+import re
+
 import pytest
 
 import train_gpt2
@@ -58,10 +60,24 @@ def test_the_log_header_records_the_presets_flags_and_the_run_resumes(data, tmp_
     assert [h["resumed_from"] for h in headers(out)] == [None, 3, 5]
 
 
-def test_a_missing_preset_names_the_shipped_ones(tmp_path):
-    message = user_error([f"@{tmp_path / 'laptp.txt'}"])
-    assert message.startswith(f"@{tmp_path / 'laptp.txt'}: no such preset file")
-    assert "@configs/laptop.txt" in message and "@configs/gpu8.txt" in message
+def test_a_preset_is_found_where_typed_then_beside_train_gpt2(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # another working directory: @configs/... is the repository's
+    message = user_error(["@laptp.txt"])
+    assert message.startswith("@laptp.txt: no such preset file")
+    listed = re.findall(r"@configs/\w+\.txt", message)
+    assert "@configs/laptop.txt" in listed and all(parsed(preset) for preset in listed)  # each works from here
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "laptop.txt").write_bytes("\ufeff--max-steps 7\n".encode())  # Notepad's: a BOM first
+    assert parsed("@configs/laptop.txt")["max_steps"] == 7  # the user's own, where typed, first
+
+
+def test_a_flags_value_is_never_a_preset(tmp_path):
+    preset = tmp_path / "mine.txt"
+    preset.write_text("--prompt '@alice said hi'\n")
+    for argv in (["--prompt", "@alice said hi"], ["--prompt=@alice said hi"], [f"@{preset}"]):
+        assert parsed(*argv)["prompt"] == "@alice said hi"
+    assert parsed("--export-hf", "ckpt.pt", "@hf")["export_hf"] == ["ckpt.pt", "@hf"]
+    assert parsed("--resume", f"@{preset}")["prompt"] == "@alice said hi"  # --resume's value is optional
 
 
 @pytest.mark.parametrize(
@@ -70,11 +86,12 @@ def test_a_missing_preset_names_the_shipped_ones(tmp_path):
         ("--n-layr 4", ["--n-layr is not a flag of train_gpt2.py", "did you mean --n-layer?"]),
         ("--max-steps many", ["argument --max-steps: invalid int value: 'many'"]),
         ("--prompt 'unclosed", ["No closing quotation", "close the quote"]),
+        ("--prompt café", ["byte 0xe9 is not UTF-8: save it as UTF-8"]),  # Latin-1
     ],
 )
 def test_a_wrong_line_names_the_file_the_line_and_the_fix(tmp_path, line, words):
     preset = tmp_path / "mine.txt"
-    preset.write_text(f"# my run\n--n-layer 2\n\n{line}\n")
+    preset.write_bytes(f"# my run\n--n-layer 2\n\n{line}\n".encode("latin-1"))
     message = user_error([f"@{preset}"])
     assert message.startswith(f"{preset}, line 4: ") and "\n" not in message
     assert all(w in message for w in words), message

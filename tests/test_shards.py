@@ -400,6 +400,17 @@ def test_a_shard_of_another_size_than_its_manifest_records_is_refused(fineweb_fo
     assert_one_line_error(r, f"lists {shard['file']} as {shard['bytes']:,} bytes, but it is {size:,}", "fineweb.py")
 
 
+@pytest.mark.parametrize("manifest", [b"{not json", b"[]"])
+def test_a_manifest_that_cannot_be_read_is_one_warning_line(tmp_path, manifest):
+    data, out = random_shards(tmp_path / "data"), tmp_path / "out"
+    (data / "edufineweb_manifest.json").write_bytes(manifest)
+    r = cli(*tiny_args(data, out, "--max-steps", 2))
+    assert r.returncode == 0, r.stderr
+    [line] = [line for line in r.stderr.splitlines() if "manifest" in line]  # once, though read at each look
+    assert line.startswith(f"warning: cannot read {data / 'edufineweb_manifest.json'} as fineweb.py's manifest (")
+    assert line.endswith("): whether fineweb.py finished the folder is not checked")
+
+
 # ----------------------------------------------------------------------------------------------
 # Data is finished only if fineweb.py said so
 

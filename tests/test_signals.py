@@ -7,6 +7,7 @@ line says what the folder holds to continue from. (Under torchrun: test_train_dd
 
 import itertools
 import json
+import os
 import signal
 import time
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ import torch
 
 import train_gpt2
 from helpers import at_step, hangup_default, headers, random_shards, read_log, signal_at_step, start_run, tiny_args
-from support import sampling
+from support import sampling, signals
 from support.checkpoints import load_checkpoint
 from support.cli import run_cli
 from support.signals import StopRequest
@@ -46,6 +47,19 @@ def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
     assert ckpt["data"] == loader.state_dict()
     model = load_model(str(path))
     assert torch.equal(model.lm_head.weight, ckpt["model"]["lm_head.weight"])
+
+
+@pytest.mark.parametrize("launcher, stops", [(None, False), (os.getppid(), False), (os.getppid() + 1, True)])
+def test_under_torchrun_a_rank_whose_parent_changed_stops_as_for_sigterm(monkeypatch, capsys, launcher, stops):
+    """signals.TORCHRUN: torchrun's pid as the rank started, None for a plain run, which goes on
+    reparented (nohup). Another parent: torchrun is gone (a `kill -9`, done in test_train_ddp.py)."""
+    monkeypatch.setattr(signals, "TORCHRUN", launcher, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    stop = StopRequest("log")
+    StopRequest.release()
+    assert stop.agreed("cpu", ddp=False) == (signal.SIGTERM if stops else 0)
+    gone = f"torchrun (pid {launcher}) is gone: stopping after this step with a checkpoint in log\n"
+    assert capsys.readouterr().out == (gone if stops else "")
 
 
 @pytest.mark.slow
