@@ -12,7 +12,6 @@ import torch
 from support import file_lock
 from support.cli import UserError
 from support.files import disk_error, log_records, refuse_link
-from support.shards import SHARD_NAME
 
 # ----------------------------------------------------------------------------------------------
 # The names a run writes: its log.jsonl, its checkpoints and their temporary files, its lock
@@ -101,7 +100,6 @@ def claim_out_dir(out_dir, resume):
         raise UserError(
             "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
         )
-    check_not_data_folder(out_dir, f"--out-dir {out_dir}")
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -213,44 +211,6 @@ def log_runs(path):
         elif any(key in record for key in ("train_loss", "skipped", "scaler_skipped")) and current not in runs:
             runs.append(current)
     return runs
-
-
-# ----------------------------------------------------------------------------------------------
-# A data folder is never a run's folder, and a run's folder never a data folder
-
-
-def check_not_data_folder(folder, said):
-    """A data folder is never a run's folder: a run's log, lock and checkpoints written among the
-    shards (or a data folder pruned as a run's) mix the two. said: the flag and folder, as given."""
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return
-    found = [n for n in names if SHARD_NAME.fullmatch(n) or n.endswith("_manifest.json")]  # shards, manifests
-    if found:
-        raise UserError(
-            f"{said} holds token shards or a fineweb manifest ({', '.join(found[:2])}): a data folder is never a "
-            f"run's: pass it as --data-dir, and another --out-dir for the run"
-        )
-
-
-def data_dir_problem(data_dir, out_dir):
-    """A run's folder is never a data folder: --data-dir the --out-dir, or a folder that holds a
-    run's checkpoints or log, is refused (check_args), before anything is written. None if fine."""
-    if os.path.realpath(data_dir) == os.path.realpath(out_dir):
-        return (
-            f"--data-dir and --out-dir are the same folder {data_dir}: a data folder is never a run's folder: "
-            f"pass another --out-dir for the run"
-        )
-    found = [os.path.basename(p) for p in checkpoint_paths(data_dir)[:2]]
-    if os.path.lexists(os.path.join(data_dir, "log.jsonl")):
-        found.append("log.jsonl")
-    if found:
-        return (
-            f"--data-dir {data_dir} holds a run's files ({', '.join(found)}): a run's folder is not a data folder: "
-            f"move the shards to a folder of their own and pass it as --data-dir"
-        )
-    return None
 
 
 # ----------------------------------------------------------------------------------------------

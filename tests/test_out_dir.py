@@ -272,46 +272,6 @@ def test_a_log_of_only_a_header_is_still_no_run(data, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# A data folder is never a run's folder, and a run's folder never a data folder
-
-
-def test_resume_of_a_shard_folder_says_it_is_one_and_writes_nothing_there(tmp_path):
-    shards = random_shards(tmp_path / "shards")
-    before = snapshot(shards)
-    for extra in (["--data-dir", shards], ["--out-dir", tmp_path / "out"]):  # --data-dir the same folder, or not
-        args = [*tiny_args(shards, tmp_path / "out", "--max-steps", 2), "--resume", shards, *extra]
-        msg = refused_before_step_0(args, shards, f"--resume {shards} holds token shards")
-        assert "a run's folder" not in msg and "--data-dir" in msg
-        assert snapshot(shards) == before  # no log, no lock, no checkpoint
-
-
-@pytest.mark.parametrize("holds", ["shards", "a fineweb manifest"])
-@pytest.mark.parametrize("resume", [False, True])
-def test_an_out_dir_that_is_a_data_folder_is_refused(data, tmp_path, holds, resume):
-    folder = tmp_path / "folder"
-    if holds == "shards":
-        random_shards(folder)
-    else:
-        folder.mkdir()
-        (folder / "edu_fineweb_manifest.json").write_text(json.dumps({"complete": True}))
-    args = tiny_args(data, folder, "--max-steps", 2, *(["--resume"] if resume else []))
-    before = snapshot(folder)
-    refused_before_step_0(args, folder, f"--out-dir {folder} holds", "data folder", "another --out-dir")
-    assert snapshot(folder) == before
-
-
-@pytest.mark.parametrize("run_file", ["ckpt_000002.pt", "log.jsonl"])
-def test_a_data_dir_that_holds_a_runs_files_is_refused(data, tmp_path, run_file):
-    """Shards beside a run's log or checkpoints: a run's folder is not a data folder."""
-    shards = random_shards(tmp_path / "shards")
-    (shards / run_file).write_bytes(b"")
-    out = tmp_path / "out"
-    msg = refused_before_step_0(tiny_args(shards, out, "--max-steps", 2), shards, f"--data-dir {shards}", run_file)
-    assert "run's folder" in msg
-    assert not out.exists()
-
-
-# ----------------------------------------------------------------------------------------------
 # A symbolic link at a name the run writes is never followed, nor replaced
 
 
