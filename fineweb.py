@@ -24,7 +24,6 @@ import json
 import math
 import os
 import queue
-import re
 import signal
 import sys
 import threading
@@ -36,7 +35,6 @@ if __name__ == "__main__":  # Ctrl-C while numpy loads: one line, not a tracebac
 import numpy as np
 from tqdm import tqdm
 
-from support import file_lock
 from support.cli import ArgumentParser, UserError, flag_type, run_cli
 from support.documents import (
     check_inputs,
@@ -47,7 +45,7 @@ from support.documents import (
     hub_documents,
     local_documents,
 )
-from support.files import refuse_link, write_atomic
+from support.files import lock_folder, unlock_folder, write_atomic
 from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_path, write_shard
 
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
@@ -218,16 +216,6 @@ def save_manifest(path, manifest):
     write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 
-def check_no_links(out_dir, prefix):
-    """Before anything is written: no name this run writes in out_dir (the manifest, this prefix's
-    shards, their temporary files) is a symbolic link, which a write would follow out of the
-    folder, or its rename delete: one line naming it (support.files.LinkedName)."""
-    ours = re.compile(rf"\.?{re.escape(prefix)}_(manifest\.json|(train|val)_\d+\.(npy|bin))(\.tmp)?")
-    for name in sorted(os.listdir(out_dir)):
-        if ours.fullmatch(name):
-            refuse_link(os.path.join(out_dir, name))
-
-
 def check_no_foreign_shards(out_dir, config, started):
     """Training reads every *_train_* / *_val_* file of the folder: refuse to mix ours (the names
     0 .. started-1 of this configuration) with others' (a run of another --prefix, shards whose
@@ -245,16 +233,6 @@ def check_no_foreign_shards(out_dir, config, started):
 FOLDER_LOCK = ".fineweb.lock"  # in --out-dir while a run writes there; its text names that run's process
 
 
-def lock_folder(out_dir):
-    """An exclusive lock on out_dir for this run (support.file_lock.lock_folder, on FOLDER_LOCK, the
-    lock train_gpt2.py holds its --out-dir with): a second fineweb.py into the same folder would
-    interleave its shards with this one's, and is refused in one line naming the holder. Returns the
-    descriptor for file_lock.unlock_folder; None where the file system has no locks (said in a warning)."""
-    return file_lock.lock_folder(
-        out_dir, FOLDER_LOCK, "fineweb.py", "rerun the same command", "pass an --out-dir of your own"
-    )
-
-
 # ----------------------------------------------------------------------------------------------
 # The run
 
@@ -268,14 +246,13 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
     created = not os.path.isdir(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
+        lock = lock_folder(out_dir, FOLDER_LOCK, "fineweb.py")  # a second run would interleave its shards
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror or e}") from None
-    fd = lock_folder(out_dir)
     try:
         return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards)
     finally:
-        if fd is not None:
-            file_lock.unlock_folder(fd, out_dir, FOLDER_LOCK)
+        unlock_folder(lock)
         if created and not os.listdir(out_dir):
             os.rmdir(out_dir)  # stopped before anything was written: leave no empty folder behind
 
@@ -283,7 +260,6 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
 def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards):
     shard_size, prefix = config["shard_size"], config["prefix"]
     manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
-    check_no_links(out_dir, prefix)
     had_manifest = os.path.exists(manifest_path)
     manifest = load_manifest(manifest_path, config)
     # this run's stop flags, written with the manifest: the command that finishes a folder this run

@@ -17,7 +17,7 @@ from support.cli import UserError, first_line
 from support.ddp import fence
 from support.divergence import check_finite_state, checkpoint_health
 from support.files import disk_error, write_atomic
-from support.out_dir import checkpoint_path, checkpoint_paths, folder_gone, run_id_of
+from support.out_dir import checkpoint_path, checkpoint_paths, run_id_of
 from support.out_of_memory import oom_phase
 from support.signals import StopRequest
 
@@ -27,8 +27,7 @@ MODEL_CONFIG_KEYS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"} 
 def save_checkpoint(ckpt, out_dir, keep):
     """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
     real name), then prune: delete this run's checkpoints beyond the newest `keep`. What stands at
-    the name was checked at start to be a checkpoint (support.out_dir.check_names_at_start), and
-    write_atomic refuses a symbolic link there. A folder moved or deleted meanwhile is said as such."""
+    the name was checked at start to be a checkpoint (support.out_dir.check_names_at_start)."""
     path = checkpoint_path(out_dir, ckpt["step"])
     try:
         write_atomic(path, lambda f: torch.save(ckpt, f))
@@ -36,13 +35,11 @@ def save_checkpoint(ckpt, out_dir, keep):
         cause = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write
         if not isinstance(cause, OSError):
             raise  # not the disk: a bug, keep its traceback
-        if gone := folder_gone(out_dir):
-            raise UserError(gone) from None
         earlier = [p for p in checkpoint_paths(out_dir) if p != path]
         then = (
             f"continue with --resume (from {earlier[0]}, intact)"
             if earlier
-            else "start the run again in a new --out-dir (no checkpoint was written before this one)"
+            else f"start the run again in a new --out-dir (no earlier checkpoint is in {out_dir})"
         )
         raise disk_error(cause, f"checkpoint {path}", then) from None
     prune(out_dir, keep, ckpt["run_id"])
@@ -53,14 +50,14 @@ def prune(out_dir, keep, run_id):
     """Delete run_id's checkpoints in out_dir beyond the newest `keep` (0: none). The newest known
     good one stays too while none of the newest `keep` is known good yet (one more file, until a
     newer one has trained): after a divergence, diverged_advice sends the user to it. Another run's
-    files are never touched, nor a symbolic link at a checkpoint's name (no file this run wrote)."""
+    files are never touched."""
     found = checkpoint_paths(out_dir)
     if keep <= 0 or len(found) <= keep:
         return
     health = checkpoint_health(out_dir)
     kept = [path for path, good in health[:keep] if good] or [path for path, good in health if good][:1]
     for old in found[keep:]:
-        if old not in kept and not os.path.islink(old) and run_id_of(old) == run_id:
+        if old not in kept and run_id_of(old) == run_id:
             try:
                 os.remove(old)
             except OSError as e:  # another user's file in a shared (sticky) folder: kept, the run goes on

@@ -8,7 +8,6 @@ import torch
 
 from support.cli import UserError, flag_type, same_on_every_rank
 from support.gpu import TRAIN_BYTES_PER_PARAMETER
-from support.out_dir import data_dir_problem
 from support.shards import GPT2_VOCAB, MAX_VOCAB_SIZE
 from support.wandb_log import wandb_problem
 
@@ -74,9 +73,7 @@ def check_args(args, world_size, given=frozenset(), warmup_lr=None):
         need(problem is None, problem)
     elif args.wandb_run_name and not args.resume:  # on --resume the run's project counts
         need(False, f"--wandb-run-name {args.wandb_run_name} names a wandb run: pass --wandb-project too")
-    if not (args.sample_from or args.export_hf):  # a training run's folders and warm-up
-        problem = data_dir_problem(args.data_dir, args.out_dir)
-        need(problem is None, problem)
+    if not (args.sample_from or args.export_hf):  # a training run's warm-up
         check_warmup(args, given, warmup_lr)
 
 

@@ -1,16 +1,28 @@
 """How the project writes and reads its own files, torch-free: atomic writes of files and folders
-(a failed write in one line), never through a symbolic link at the name written (no-follow opens),
-and jsonl read line by line."""
+(a failed write in one line), the lock that holds a folder for one process, and jsonl read line by
+line."""
 
+import contextlib
 import errno
 import json
 import os
 import re
-import shlex
 import shutil
+import socket
+import sys
 import tempfile
+import time
 
 from support.cli import UserError, first_line
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+try:
+    import msvcrt
+except ImportError:  # not Windows
+    msvcrt = None
 
 
 def fsync_dir(folder):
@@ -41,79 +53,30 @@ def fsync_tree(folder):
         fsync_dir(root)
 
 
-NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # an open of a symbolic link fails; 0 where the OS lacks it
-
-
-class LinkedName(UserError):
-    """A symbolic link stands at the name of a file the program writes itself (its log, a
-    checkpoint, a shard, a manifest, their temporary files): writing would reach the file the link
-    names, outside the folder, and replacing it would delete a link the program did not make. So
-    it is refused, naming the link, where it points and the `rm` that removes the link alone.
-    elsewhere: the flag that names another folder (None: none to name)."""
-
-    def __init__(self, path, elsewhere="--out-dir"):
-        try:
-            target = os.readlink(path)
-        except OSError:
-            target = "?"
-        other = f", or use another {elsewhere}" if elsewhere else ""
-        super().__init__(
-            f"{path} is a symbolic link (to {target}): this run writes that file itself and never through a link: "
-            f"remove the link (rm {shlex.quote(os.fspath(path))}; what it points to is kept){other}"
-        )
-        self.path, self.target = os.fspath(path), target
-
-
-def refuse_link(path, elsewhere="--out-dir"):
-    """Raise LinkedName if path is a symbolic link (to anything, or to nothing)."""
-    if os.path.islink(path):
-        raise LinkedName(path, elsewhere)
-
-
-def no_follow(path, flags, elsewhere="--out-dir"):
-    """An opener for open(): os.open that never follows a symbolic link at path (O_NOFOLLOW, or
-    where the OS lacks it a check just before), refusing one as LinkedName."""
-    if not NOFOLLOW:
-        refuse_link(path, elsewhere)
-    try:
-        return os.open(path, flags | NOFOLLOW, 0o666)
-    except OSError:
-        refuse_link(path, elsewhere)  # ELOOP on Linux, EMLINK or EFTYPE elsewhere: the link, named
-        raise
-
-
-def _new_file(path, flags, elsewhere):
-    """An opener that creates path afresh (O_CREAT | O_EXCL, which no symbolic link passes, dangling
-    or not, and O_NOFOLLOW): a link there is refused; a file there (a killed write's, or a hard
-    link) loses that name first, so that what another name of it holds is never overwritten."""
-    try:
-        return os.open(path, flags | os.O_EXCL | NOFOLLOW, 0o666)
-    except FileExistsError:
-        refuse_link(path, elsewhere)
+def _new_file(path, flags):
+    """An opener that makes path afresh (O_EXCL): whatever a killed write left at the name (a file,
+    a link) loses the name first, so that no other name of it is ever written through."""
+    with contextlib.suppress(FileNotFoundError):
         os.remove(path)
-        return os.open(path, flags | os.O_EXCL | NOFOLLOW, 0o666)
+    return os.open(path, flags | os.O_EXCL, 0o666)
 
 
-def write_atomic(path, write, mode="wb", elsewhere="--out-dir"):
+def write_atomic(path, write, mode="wb"):
     """write(f) into a hidden temporary file beside path, fsync it, then rename it over path and
     fsync the folder: readers and a resumed run see the whole old file or the whole new one, never
-    half of one, and after a crash (a power cut) still one of them. The temporary file is removed
-    on any failure, a full disk and Ctrl-C included. A symbolic link at either name is refused
-    (LinkedName; elsewhere: the flag for another folder): never written through, never replaced."""
+    half of one, and after a crash (a power cut) still one of them. A link at path is replaced by
+    the rename, never written through. The temporary file is removed on any failure, a full disk
+    and Ctrl-C included."""
     tmp = os.path.join(os.path.dirname(path) or ".", "." + os.path.basename(path) + ".tmp")
-    refuse_link(path, elsewhere)  # renamed over, a link would be deleted, and not by the one who made it
-    made = False
     try:
-        with open(tmp, mode, opener=lambda name, flags: _new_file(name, flags, elsewhere)) as f:
-            made = True
+        with open(tmp, mode, opener=_new_file) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it count
-        refuse_link(path, elsewhere)  # one put there while this wrote
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(path) or ".")  # the rename itself on disk: a crash now keeps the new file
     except BaseException:
-        if made and os.path.lexists(tmp) and not os.path.islink(tmp):  # a full disk: give back the space it holds
+        with contextlib.suppress(OSError):  # a full disk: give back the space it holds
             os.remove(tmp)
         raise
 
@@ -123,6 +86,62 @@ def disk_error(e, what, then):
     full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
     fix = "make room on the disk" if full else "make --out-dir writable"
     return UserError(f"cannot write {what} ({getattr(e, 'strerror', None) or e}): {fix}, then {then}")
+
+
+def lock_folder(folder, name, who, note=""):
+    """Hold folder for this process's life: a second `who` started into it is refused in one line
+    naming the holder, whose pid, host, start and command (note: more on the pid) this writes to
+    the file `name` in folder (by rename, as every write here). The lock is flock on the folder
+    itself, or on Windows msvcrt.locking on NAME.msvcrt held open (Windows deletes no open file): a
+    user's `rm` of a file cannot undo it, and the OS gives it back when the process ends, a kill
+    included. Returns what unlock_folder takes; None where the file system cannot lock (some
+    network file systems), said in a warning."""
+    path = os.path.join(folder, name)
+    fd = os.open(folder, os.O_RDONLY) if fcntl else os.open(path + ".msvcrt", os.O_RDWR | os.O_CREAT)
+    try:
+        if fcntl:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        else:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EAGAIN, errno.EACCES, getattr(errno, "EDEADLOCK", errno.EDEADLK)):
+            print(
+                f"warning: cannot lock --out-dir {folder} ({e.strerror}): a second {who} started into it would not "
+                f"be stopped",
+                file=sys.stderr,
+            )
+            return None
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                holder = f" ({f.readline(500).strip()})"
+        except OSError:  # deleted by hand (or not written yet): the holder goes unnamed
+            holder = ""
+        raise UserError(
+            f"--out-dir {folder} is in use by another {who}{holder}: wait for it to end, or pass another --out-dir"
+        ) from None
+    command = " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]]).replace("\n", " ")
+    command = command if len(command) <= 160 else command[:157] + "..."
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    holder = f"pid {os.getpid()}{note} on {socket.gethostname()}, since {since}: {command}"
+    with contextlib.suppress(OSError):  # a full disk: the lock holds all the same, unnamed
+        write_atomic(path, lambda f: f.write(holder.encode()))
+    return fd, path
+
+
+def unlock_folder(lock):
+    """Give lock_folder's lock back (None: none was taken): the holder's file removed while the
+    lock still keeps others out, then the lock (on Windows its file too, unless another process
+    has it open)."""
+    if lock is None:
+        return
+    fd, path = lock
+    with contextlib.suppress(OSError):
+        os.remove(path)
+    os.close(fd)
+    if not fcntl:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".msvcrt")
 
 
 def write_dir_atomic(out_dir, write, what):

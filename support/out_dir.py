@@ -9,10 +9,8 @@ import sys
 
 import torch
 
-from support import file_lock
 from support.cli import UserError
-from support.files import disk_error, log_records, refuse_link
-from support.shards import SHARD_NAME
+from support.files import disk_error, lock_folder, log_records, unlock_folder
 
 # ----------------------------------------------------------------------------------------------
 # The names a run writes: its log.jsonl, its checkpoints and their temporary files, its lock
@@ -24,6 +22,11 @@ LOCK_FILE = ".train_gpt2.lock"  # in --out-dir while a run holds it; its text na
 def checkpoint_path(out_dir, step):
     """The name the checkpoint of `step` steps done is written under."""
     return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
+
+
+def log_path(out_dir):
+    """The run's log: one JSON record a line (support.run_log)."""
+    return os.path.join(out_dir, "log.jsonl")
 
 
 def step_of_name(path, temporary=False):
@@ -88,114 +91,62 @@ def remove_made_folders(made):
 # One run per folder: the claim at start, given back at the end
 
 
-_claim = {}  # this process's hold on its --out-dir (claim_out_dir), given back by release_out_dir
+_claim = {}  # this process's lock on its --out-dir (claim_out_dir), given back by release_out_dir
 
 
 def claim_out_dir(out_dir, resume):
     """An out-dir belongs to one run: a new run next to another run's checkpoints would have them
     pruned instead of its own and its log drawn as one curve with theirs, so it is refused. The
-    folder is locked for this process's life (support.file_lock.lock_folder: flock, which the OS
-    releases when the process ends, a SIGKILL included), given back by release_out_dir. Rank 0
-    alone claims it."""
+    folder is locked for this process's life (support.files.lock_folder), given back by
+    release_out_dir; a checkpoint write a kill cut short is removed. Rank 0 alone claims it."""
     if not out_dir:
         raise UserError(
             "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
         )
-    check_not_data_folder(out_dir, f"--out-dir {out_dir}")
+    note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
     try:
         os.makedirs(out_dir, exist_ok=True)
+        _claim["lock"] = lock_folder(out_dir, LOCK_FILE, "run", note)
     except OSError as e:
-        raise UserError(f"cannot create --out-dir {out_dir}: {e.strerror}") from None
-    then = "continue with --resume" if resume else "start again"
-    note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
-    _claim.update(
-        out_dir=out_dir, fd=file_lock.lock_folder(out_dir, LOCK_FILE, "run", then, copy_advice(out_dir), note)
-    )
+        raise UserError(f"cannot create or open --out-dir {out_dir}: {e.strerror}") from None
     check_names_at_start(out_dir)  # with the folder held: no other run changes it meanwhile
-    log, theirs = os.path.join(out_dir, "log.jsonl"), other_runs(out_dir, None)
+    log, theirs = log_path(out_dir), other_runs(out_dir, None)
     if theirs and not resume:
         raise UserError(
             f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}): continue it with --resume, "
             f"or pass a new --out-dir"
         )
-    if os.path.lexists(log) and "log.jsonl" not in theirs:
+    if os.path.lexists(log) and os.path.basename(log) not in theirs:
         print(f"note: {log} holds only the start of a run that never trained a step: this run's records follow it")
-    for path in [os.path.join(out_dir, n) for n in os.listdir(out_dir) if step_of_name(n, temporary=True) is not None]:
-        name = os.path.basename(path)
+    for name in [n for n in os.listdir(out_dir) if step_of_name(n, temporary=True) is not None]:
         print(f"removing the unfinished {name}")  # a checkpoint write of this run cut short by a kill
         try:
-            os.remove(path)
+            os.remove(os.path.join(out_dir, name))
         except OSError as e:  # a read-only folder: the run could write nothing there either
             raise disk_error(e, f"to --out-dir {out_dir} (removing {name})", "continue with --resume") from None
 
 
 def check_names_at_start(out_dir):
-    """At start, with the folder held: each name in out_dir a run writes is a file it may write
-    over or remove. A symbolic link is refused (support.files.LinkedName), never followed: the log
-    would be appended to the file it names, a rename would delete it. So is what is no file (a
-    folder, a FIFO a start would wait on), a file at a checkpoint's name that is no zip as
-    torch.save writes (a user's text: no run to continue), and a log.jsonl that does not begin with
-    a run's header (the user's, or a damaged one: this run's records would follow steps of no known
-    run), each named with the `mv` that sets it aside."""
-    for name in sorted(os.listdir(out_dir)):
-        if name != "log.jsonl" and step_of_name(name) is None and step_of_name(name, temporary=True) is None:
-            continue  # not a name a run writes (or removes), besides its lock
-        path = os.path.join(out_dir, name)
-        refuse_link(path)
-        if not os.path.isfile(path):
-            what = "is not a file (a folder, a FIFO or a device)"
-        elif step_of_name(name) is not None and head(path) != ZIP:
-            what = "is no checkpoint of train_gpt2.py (not the zip torch.save writes)"
-        elif name == "log.jsonl" and head(path, line=True) and next(log_records(path), {}).get("event") != "header":
-            what = "is not this run's (its first line is not a run's header)"
-        else:
-            continue
-        aside = free_name(path, "aside")
+    """At start, with the folder held: what a user put at a name the run writes is never written
+    over. A file at a checkpoint's name that is no zip as torch.save writes (a user's text: no run
+    to continue), and a log.jsonl that does not begin with a run's header (the user's, or a damaged
+    one: this run's records would follow steps of no known run), are refused, each named with the
+    `mv` that sets it aside."""
+    log, what = log_path(out_dir), "is no checkpoint of train_gpt2.py (not the zip torch.save writes)"
+    found = [(path, what) for path in checkpoint_paths(out_dir) if head(path) != ZIP]
+    if head(log, line=True) and next(log_records(log), {}).get("event") != "header":
+        found.append((log, "is not this run's (its first line is not a run's header)"))
+    if found:
+        path, what = found[0]
         raise UserError(
             f"{path} {what}, and this run writes a file by that name: move it aside "
-            f"(mv {shlex.quote(path)} {shlex.quote(aside)}), then run the same command again"
+            f"(mv {shlex.quote(path)} {shlex.quote(free_name(path, 'aside'))}), then run the same command again"
         )
-
-
-def copy_advice(out_dir):
-    """For a run in another user's folder: the copy this user can continue as its own."""
-    mine = os.path.abspath(out_dir).rstrip(os.sep) + "_mine"
-    return (
-        f"the run is theirs to continue; to continue it as yours, copy its folder to one of your own and resume "
-        f"there (cp -r {shlex.quote(out_dir)} {shlex.quote(mine)} && python train_gpt2.py --resume --out-dir "
-        f"{shlex.quote(mine)})"
-    )
-
-
-def folder_gone(out_dir):
-    """The line for a run whose --out-dir was moved or deleted while it trained, saying where to
-    resume from (None while it is there). Moved, its lock file lives on under the new name (which
-    Linux's /proc tells); deleted, nothing is left to resume from."""
-    if os.path.isdir(out_dir):
-        return None
-    fd, links, where = _claim.get("fd"), None, "<its new path>"
-    try:
-        links = os.fstat(fd).st_nlink
-        where = shlex.quote(os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")))
-    except (OSError, TypeError):  # no lock held (TypeError: fd None), or no /proc
-        pass
-    if links == 0:
-        return f"--out-dir {out_dir} was deleted while this run trained, its checkpoints with it: start the run again"
-    how, then = (
-        ("moved", "continue it where it went") if links else ("moved or deleted", "if it was moved, continue it")
-    )
-    return (
-        f"--out-dir {out_dir} was {how} while this run trained: this run stops here; {then} (its checkpoints are "
-        f"there): python train_gpt2.py --resume --out-dir {where}"
-    )
 
 
 def release_out_dir():
     """As the process ends (train_gpt2.main's finally): the lock given back, its file removed."""
-    claim = dict(_claim)
-    _claim.clear()
-    if claim.get("fd") is not None:
-        file_lock.unlock_folder(claim["fd"], claim["out_dir"], LOCK_FILE)
+    unlock_folder(_claim.pop("lock", None))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,44 +167,6 @@ def log_runs(path):
 
 
 # ----------------------------------------------------------------------------------------------
-# A data folder is never a run's folder, and a run's folder never a data folder
-
-
-def check_not_data_folder(folder, said):
-    """A data folder is never a run's folder: a run's log, lock and checkpoints written among the
-    shards (or a data folder pruned as a run's) mix the two. said: the flag and folder, as given."""
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return
-    found = [n for n in names if SHARD_NAME.fullmatch(n) or n.endswith("_manifest.json")]  # shards, manifests
-    if found:
-        raise UserError(
-            f"{said} holds token shards or a fineweb manifest ({', '.join(found[:2])}): a data folder is never a "
-            f"run's: pass it as --data-dir, and another --out-dir for the run"
-        )
-
-
-def data_dir_problem(data_dir, out_dir):
-    """A run's folder is never a data folder: --data-dir the --out-dir, or a folder that holds a
-    run's checkpoints or log, is refused (check_args), before anything is written. None if fine."""
-    if os.path.realpath(data_dir) == os.path.realpath(out_dir):
-        return (
-            f"--data-dir and --out-dir are the same folder {data_dir}: a data folder is never a run's folder: "
-            f"pass another --out-dir for the run"
-        )
-    found = [os.path.basename(p) for p in checkpoint_paths(data_dir)[:2]]
-    if os.path.lexists(os.path.join(data_dir, "log.jsonl")):
-        found.append("log.jsonl")
-    if found:
-        return (
-            f"--data-dir {data_dir} holds a run's files ({', '.join(found)}): a run's folder is not a data folder: "
-            f"move the shards to a folder of their own and pass it as --data-dir"
-        )
-    return None
-
-
-# ----------------------------------------------------------------------------------------------
 # Whose a file is: a run writes only over its own files, and resumes only from its own folder's
 
 
@@ -271,7 +184,8 @@ def other_runs(out_dir, run_id, skip=None):
     """The files in out_dir of runs other than run_id (None: a new run, which no file is of):
     checkpoints (one whose run cannot be read counts), and log.jsonl when it records another run's
     steps. skip: the checkpoint being resumed, wherever it lies."""
-    found = ["log.jsonl"] if any(r != run_id for r in log_runs(os.path.join(out_dir, "log.jsonl"))) else []
+    log = log_path(out_dir)
+    found = [os.path.basename(log)] if any(r != run_id for r in log_runs(log)) else []
     for path in checkpoint_paths(out_dir):
         if skip and os.path.realpath(path) == os.path.realpath(skip):
             continue
@@ -289,7 +203,7 @@ def newest_of_its_run(out_dir, load, then):
     paths = checkpoint_paths(out_dir)
     if not paths:
         return None, None
-    run = (log_runs(os.path.join(out_dir, "log.jsonl")) or [None])[-1]
+    run = (log_runs(log_path(out_dir)) or [None])[-1]
     others = False
     for path in paths:
         try:
@@ -327,7 +241,7 @@ def pick_checkpoint(resume, out_dir, load):
     if resume == "latest":
         then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
         path, ckpt = newest_of_its_run(out_dir, load, then)
-        log = os.path.join(out_dir, "log.jsonl")
+        log = log_path(out_dir)
         if path is None and (runs := log_runs(log)):
             # killed before its first checkpoint: nothing to continue, so the same command starts it
             # anew (a spot script that repeats --resume goes on); the dead run's log is kept aside

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from support.checkpoints import load_training_checkpoint, set_rng_state
 from support.cli import UserError, same_on_every_rank
 from support.ddp import fence
-from support.out_dir import check_not_data_folder, claim_out_dir, pick_checkpoint
+from support.out_dir import claim_out_dir, pick_checkpoint
 from support.out_of_memory import oom_phase
 from support.shards import check_same_data
 
@@ -40,7 +40,6 @@ def resume_folder(args, given):
     and --resume its newest checkpoint. Returns the flags given, --out-dir among them then."""
     if args.resume in (None, "latest") or not os.path.isdir(args.resume):
         return given
-    check_not_data_folder(args.resume, f"--resume {args.resume}")
     if "out_dir" in given and os.path.realpath(args.out_dir) != os.path.realpath(args.resume):
         raise UserError(
             f"--resume {args.resume} is a run's folder, --out-dir {args.out_dir} another: continue that "

@@ -14,10 +14,11 @@ import numpy as np
 import torch
 
 from support.cli import UserError
-from support.file_lock import not_yours
-from support.files import disk_error, no_follow
-from support.out_dir import copy_advice, folder_gone
+from support.files import disk_error
+from support.out_dir import log_path
 from support.wandb_log import WandbMirror
+
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # the open of a symbolic link fails (Windows has no such flag)
 
 
 def versions():
@@ -56,34 +57,20 @@ class RunLog:
     mirrored = []  # the logs with a wandb run to finish when the run ends (finish_wandb)
 
     def __init__(self, out_dir, enabled, max_steps):
-        self.path, self.file, self.max_steps = os.path.join(out_dir, "log.jsonl"), None, max_steps
-        self.out_dir, self.wandb, self.first = out_dir, None, None
+        self.path, self.file, self.max_steps = log_path(out_dir), None, max_steps
+        self.out_dir, self.wandb = out_dir, None
         self.clock = StepClock(max_steps)  # the step line's elapsed time and ETA
         if not enabled:
             return
-        try:
-            self.file = self.open()
-        except PermissionError as e:
-            theirs = not_yours(self.path, copy_advice(out_dir))  # a shared folder: a run another user started
-            raise (UserError(theirs) if theirs else disk_error(e, self.path, "start again")) from None
-        except OSError as e:
-            raise disk_error(e, self.path, "start again") from None
-
-    def open(self):
-        """log.jsonl opened for appending, never through a symbolic link at its name (LinkedName):
-        the records would go into the file it names, outside the run's folder. A last line cut short
-        by a kill is ended first, so that ours starts on a fresh line."""
-        file = open(self.path, "a", opener=no_follow)
-        try:
-            if file.tell() > 0:
-                with open(self.path, "rb", opener=no_follow) as f:
+        try:  # never through a symbolic link at its name: the records would go to the file it names
+            self.file = open(self.path, "a", opener=lambda path, flags: os.open(path, flags | NOFOLLOW, 0o666))
+            if self.file.tell() > 0:  # a last line cut short by a kill is ended: ours start on a fresh line
+                with open(self.path, "rb") as f:
                     f.seek(-1, os.SEEK_END)
                     if f.read(1) != b"\n":
-                        file.write("\n")
-        except BaseException:
-            file.close()
-            raise
-        return file
+                        self.file.write("\n")
+        except OSError as e:
+            raise disk_error(e, self.path, "start again") from None
 
     def header(self, run_id, device_name, resumed_from, changes, config):
         """The run's first record (and a resumed run's first in its turn): what ran, where, with what."""
@@ -94,7 +81,6 @@ class RunLog:
             self.wandb = WandbMirror(config["wandb_project"], name, run_id, folder)
             RunLog.mirrored.append(self)
         record = {**record, "changed_on_resume": changes or None, "versions": versions(), "config": config}
-        self.first = record
         self.clock.cadences = {kind: config.get(flag, 0) for kind, flag in StepClock.EVALS.items()}
         self(record)
 
@@ -113,27 +99,11 @@ class RunLog:
     def write(self, record):
         line = json.dumps(strict_json(record), allow_nan=False) + "\n"
         try:
-            if os.fstat(self.file.fileno()).st_nlink == 0:  # deleted since the last record
-                line = self.reopen() + line
             self.file.write(line)
             self.file.flush()
         except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
             self.file = None
             raise disk_error(e, self.path, "continue with --resume") from None
-
-    def reopen(self):
-        """log.jsonl deleted while the run trains (by a user, or with its folder: noticed at the next
-        record, one fstat each): written again at its path from here on, said in one warning. Returns
-        the line to put first: the run's header again ("reopened"), which resume and play.ipynb read
-        as the same run. A folder moved or deleted stops the run in one line saying where to resume."""
-        self.file.close()
-        self.file = None  # nothing more is written if the folder is gone or a link stands at the name
-        if gone := folder_gone(self.out_dir):
-            raise UserError(gone)
-        self.file = self.open()
-        print(f"warning: {self.path} was deleted while this run trained: written again from here on", file=sys.stderr)
-        header = {**self.first, "reopened": "deleted"} if self.first else None
-        return json.dumps(strict_json(header)) + "\n" if header else ""
 
     def warn(self, message):
         """A warning on the console and in the log, as a record of its own."""

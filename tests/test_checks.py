@@ -211,20 +211,6 @@ CASES = {
         lambda tmp: find_shards(str(tmp / "none"), "train"),
         lambda tmp: f"data folder {tmp}/none does not exist: write shards with fineweb.py or pass --data-dir",
     ),
-    "--data-dir the --out-dir": (
-        lambda tmp: train_gpt2.main(tiny_args(tmp / "out", tmp / "out")),
-        lambda tmp: (
-            f"--data-dir and --out-dir are the same folder {tmp}/out: a data folder is never a run's folder: "
-            f"pass another --out-dir for the run"
-        ),
-    ),
-    "--data-dir a run's folder": (
-        lambda tmp: train_gpt2.main(tiny_args(folder(tmp, "d", "log.jsonl", "ckpt_000002.pt"), tmp / "out")),
-        lambda tmp: (
-            f"--data-dir {tmp}/d holds a run's files (ckpt_000002.pt, log.jsonl): a run's folder is not a data "
-            f"folder: move the shards to a folder of their own and pass it as --data-dir"
-        ),
-    ),
     ".npy and .bin shards": (
         lambda tmp: find_shards(folder(tmp, "d", "a_train_000001.npy", "a_train_000002.bin"), "train"),
         lambda tmp: f"{tmp}/d holds both .npy and .bin train shards: keep one format",

@@ -1,20 +1,24 @@
 """support/files.py: atomic writes are durable (write_atomic fsyncs the temporary file before the
 rename and the folder after it; write_dir_atomic fsyncs every file and folder it wrote before the
 swap and the parent after it; seen through os.fsync and os.replace themselves, by the identity
-(device, inode) of what each fsync reached: a write that skips one fails here), and write_atomic
-never writes through, nor renames over, a symbolic link, nor into a file a hard link shares; a
-failed write's line says "make room" only when the disk is full; jsonl_rows names a bad line."""
+(device, inode) of what each fsync reached: a write that skips one fails here), and a link at
+either of write_atomic's names is replaced, never written through; the folder lock refuses a second
+holder on each mechanism, an `rm` of its file notwithstanding; a failed write's line says "make
+room" only when the disk is full; jsonl_rows names a bad line. (train_gpt2.py's use of the lock:
+test_out_dir.py; fineweb.py's: test_fineweb.py; without fcntl: test_portable.py.)"""
 
+import errno
 import json
 import os
-import time
+import socket
+import sys
 
 import pytest
 
-from helpers import assert_one_line_error, cli, state_of, tiny_args
+from helpers import assert_one_line_error, cli, tiny_args
 from support import files
 from support.cli import UserError
-from support.files import jsonl_rows, write_atomic, write_dir_atomic
+from support.files import jsonl_rows, lock_folder, unlock_folder, write_atomic, write_dir_atomic
 
 # ----------------------------------------------------------------------------------------------
 # Atomic writes are durable
@@ -90,43 +94,88 @@ def test_a_write_error_that_is_not_a_full_disk_does_not_say_make_room(data, tmp_
 
 
 # ----------------------------------------------------------------------------------------------
-# write_atomic never follows a symbolic link, nor replaces one
+# A link at a name write_atomic writes is replaced, never written through
 
 
-@pytest.mark.parametrize("nofollow", [True, False], ids=["O_NOFOLLOW", "no O_NOFOLLOW"])
-@pytest.mark.parametrize("at", ["the temporary file's name", "the final name"])
-@pytest.mark.parametrize("to", ["a file", "nothing"])
-def test_write_atomic_refuses_a_symlink_and_leaves_it_and_its_target_alone(tmp_path, monkeypatch, at, to, nofollow):
-    """A link at the temporary or the final name is refused in one line, nothing written (without
-    O_NOFOLLOW, as on Windows, O_EXCL alone keeps the temporary file's open off a link)."""
-    if not nofollow:
-        monkeypatch.setattr(files, "NOFOLLOW", 0)
-    folder, target = tmp_path / "run", tmp_path / "mine.txt"
-    folder.mkdir()
-    if to == "a file":
-        target.write_bytes(b"the user's file\n")
-    path = folder / "ckpt_000001.pt"
-    link = folder / ".ckpt_000001.pt.tmp" if at == "the temporary file's name" else path
-    link.symlink_to(target)
-    before = state_of(target)
-    time.sleep(0.01)  # a write would move the mtime
-    with pytest.raises(files.LinkedName) as e:
-        write_atomic(str(path), lambda f: f.write(b"new"))
-    assert str(e.value).startswith(f"{link} is a symbolic link (to {target}): ") and "\n" not in str(e.value)
-    assert state_of(target) == before and os.readlink(link) == str(target)
-    assert sorted(os.listdir(folder)) == [link.name]  # nothing made beside it, the link kept
-
-
-def test_write_atomic_writes_no_file_a_leftover_temporary_name_shares(tmp_path):
-    """A hard link at the temporary name: write_atomic makes its own file, the user's bytes stay."""
+@pytest.mark.parametrize("link", [os.symlink, os.link], ids=["symbolic link", "hard link"])
+@pytest.mark.parametrize("at", ["the final name", "the temporary file's name"])
+def test_write_atomic_replaces_a_link_and_leaves_what_it_names_alone(tmp_path, link, at):
     folder, theirs = tmp_path / "run", tmp_path / "theirs.txt"
     folder.mkdir()
     theirs.write_bytes(b"the user's file\n")
-    os.link(theirs, folder / ".out.json.tmp")
-    before = state_of(theirs)
+    link(theirs, folder / ("out.json" if at == "the final name" else ".out.json.tmp"))
     write_atomic(str(folder / "out.json"), lambda f: f.write(b"new"))
-    assert (folder / "out.json").read_bytes() == b"new" and state_of(theirs) == before
-    assert sorted(os.listdir(folder)) == ["out.json"]
+    assert theirs.read_bytes() == b"the user's file\n" and os.listdir(folder) == ["out.json"]
+    assert (folder / "out.json").read_bytes() == b"new" and not (folder / "out.json").is_symlink()
+
+
+# ----------------------------------------------------------------------------------------------
+# The folder lock
+
+
+class WindowsLikeMsvcrt:
+    """msvcrt.locking as Windows documents it, on top of flock (a lock per open file, as a Windows
+    handle's is): fails with EACCES when another handle holds the byte."""
+
+    LK_NBLCK = 2
+
+    def __init__(self):
+        self.fcntl = pytest.importorskip("fcntl")  # the stand-in needs flock; Windows has the real msvcrt
+
+    def locking(self, fd, mode, nbytes):
+        assert mode == self.LK_NBLCK and nbytes == 1  # a run never waits for the lock
+        try:
+            self.fcntl.flock(fd, self.fcntl.LOCK_EX | self.fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OSError(errno.EACCES, "Permission denied") from None
+
+
+@pytest.mark.parametrize("mechanism", ["flock", "msvcrt"])
+def test_a_second_holder_is_refused_naming_the_first_even_after_an_rm_of_its_file(tmp_path, monkeypatch, mechanism):
+    """Locks conflict between two opens in one process as between processes (flock, Windows' handles)."""
+    if mechanism == "msvcrt":
+        monkeypatch.setattr(files, "fcntl", None)
+        monkeypatch.setattr(files, "msvcrt", WindowsLikeMsvcrt())
+    else:
+        pytest.importorskip("fcntl")
+    lock = lock_folder(str(tmp_path), ".x.lock", "run", " (rank 0 of a torchrun job)")
+    try:
+        text = (tmp_path / ".x.lock").read_text()
+        assert text.startswith(f"pid {os.getpid()} (rank 0 of a torchrun job) on {socket.gethostname()}, since ")
+        command = "python " + " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+        # a long command line (pytest given many files) is cut to 157 characters and "..."
+        assert text.endswith(": " + (command if len(command) <= 160 else command[:157] + "..."))
+        for named in (f" ({text})", ""):
+            with pytest.raises(UserError) as refused:
+                lock_folder(str(tmp_path), ".x.lock", "run")
+            assert str(refused.value) == (
+                f"--out-dir {tmp_path} is in use by another run{named}: wait for it to end, or pass another --out-dir"
+            )
+            (tmp_path / ".x.lock").unlink(missing_ok=True)  # "a stale lock", as a user takes it: still held
+    finally:
+        unlock_folder(lock)
+    assert os.listdir(tmp_path) == []  # given back: its files removed
+    unlock_folder(lock_folder(str(tmp_path), ".x.lock", "run"))  # free again
+
+
+def test_a_file_system_without_locks_is_said_not_an_error_of_the_disk(tmp_path, monkeypatch, capsys):
+    """flock failing for another reason than a holder (an NFS mount without its lock manager): one
+    warning, and the script goes on unlocked."""
+    fcntl = pytest.importorskip("fcntl")
+
+    class NoFlock:
+        LOCK_EX, LOCK_NB = fcntl.LOCK_EX, fcntl.LOCK_NB
+
+        @staticmethod
+        def flock(fd, op):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(files, "fcntl", NoFlock)
+    assert lock_folder(str(tmp_path), ".x.lock", "run") is None
+    assert capsys.readouterr().err == (
+        f"warning: cannot lock --out-dir {tmp_path} ({os.strerror(errno.ENOLCK)}): a second run started into it "
+        f"would not be stopped\n"
+    )
 
 
 # ----------------------------------------------------------------------------------------------

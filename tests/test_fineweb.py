@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 import fineweb
-from helpers import assert_one_line_error, cli, fail_nth_write, snapshot, start_run, state_of
+from helpers import assert_one_line_error, cli, fail_nth_write, snapshot, start_run
 from support import files, offline
 from support.cli import UserError
 from support.documents import HUB_OFFLINE_VARS
+from support.files import lock_folder, unlock_folder
 from support.shards import EOT
 
 SHARD = 100_000  # small shards: the 1.6M-token sample gives 16 full ones and a partial one
@@ -524,7 +525,7 @@ def test_kill_between_shard_and_manifest_resumes(tmp_path, shared_data, monkeypa
 def test_second_run_into_the_same_folder_is_refused(tmp_path, shared_data):
     tiny_shards(tmp_path, shared_data, "fresh")
     (tmp_path / "out").mkdir()
-    lock = fineweb.lock_folder(str(tmp_path / "out"))  # a first run holds the folder (flock: per open file)
+    lock = lock_folder(str(tmp_path / "out"), fineweb.FOLDER_LOCK, "fineweb.py")  # as a first run holds it
     try:
         before = snapshot(tmp_path)
         text = shared_data / "tinyshakespeare" / "input.txt"
@@ -532,7 +533,7 @@ def test_second_run_into_the_same_folder_is_refused(tmp_path, shared_data):
         assert_one_line_error(r, match=r"--out-dir out is in use by another fineweb.py \(pid .*\): wait for it to end")
         assert snapshot(tmp_path) == before
     finally:
-        os.close(lock)
+        unlock_folder(lock)
     tiny_shards(tmp_path, shared_data)  # released: the folder is free again
     assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "fresh")
 
@@ -560,27 +561,6 @@ def test_two_real_runs_at_once(tmp_path, parquet_copies):
         first.communicate()
     assert json.loads(manifest.read_text())["complete"]
     assert not (tmp_path / "out" / fineweb.FOLDER_LOCK).exists()  # given back
-
-
-def test_a_symlink_where_the_lock_goes_is_refused_and_what_it_names_is_untouched(tmp_path, shared_data):
-    """The lock is never written through a link: one line, the target kept; the link removed, the run goes."""
-    tiny_shards(tmp_path, shared_data, "fresh")
-    (tmp_path / "out").mkdir()
-    target = tmp_path / "notes.txt"
-    target.write_text("the user's notes\n")
-    (tmp_path / "out" / fineweb.FOLDER_LOCK).symlink_to(target)
-    before = snapshot(tmp_path)
-    text = shared_data / "tinyshakespeare" / "input.txt"
-    r = cli("--input", text, "--out-dir", "out", script="fineweb.py", cwd=tmp_path)
-    assert_one_line_error(
-        r,
-        match=rf"out/{re.escape(fineweb.FOLDER_LOCK)} is a symbolic link \(to {re.escape(str(target))}\): "
-        r"this run writes that file itself and never through a link: remove the link \(rm ",
-    )
-    assert snapshot(tmp_path) == before and target.read_text() == "the user's notes\n"
-    (tmp_path / "out" / fineweb.FOLDER_LOCK).unlink()
-    tiny_shards(tmp_path, shared_data)
-    assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "fresh")
 
 
 @pytest.fixture(scope="module")
@@ -761,49 +741,3 @@ def test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes(tmp_path, m
     assert summary["complete"] and summary["new_tokens"] == len(expected) - 200_000
     shards = [np.load(out / f) for f in summary["files"]]
     np.testing.assert_array_equal(np.concatenate(shards), expected)
-
-
-@pytest.mark.parametrize(
-    "name, resume, to",
-    [
-        ("edufineweb_manifest.json", False, "a file"),
-        ("edufineweb_val_000000.npy", False, "nothing"),
-        (".edufineweb_train_000002.npy.tmp", False, "a file"),  # a shard's temporary file
-        ("edufineweb_manifest.json", True, "the manifest, moved out"),
-        ("edufineweb_train_000002.npy", True, "a file"),  # the next shard the resume writes
-        (".edufineweb_manifest.json.tmp", True, "nothing"),
-    ],
-)
-def test_a_symlink_at_a_name_fineweb_writes_is_refused_and_what_it_names_is_untouched(
-    tmp_path, shared_data, name, resume, to
-):
-    """Rule 26: a link at a name fineweb.py writes is refused before any write; the advised rm then runs."""
-    tiny_shards(tmp_path, shared_data, "fresh")
-    out, target = tmp_path / "out", tmp_path / "elsewhere" / "mine"
-    target.parent.mkdir()
-    out.mkdir()
-    if resume:
-        tiny_shards(tmp_path, shared_data, extra=["--max-shards", "2"])  # to be continued
-    if to == "the manifest, moved out":
-        os.replace(out / name, target)
-    elif to == "a file":
-        target.write_bytes(b"the user's file\n")
-    (out / name).symlink_to(target)
-    before, state = snapshot(out), state_of(target)
-    time.sleep(0.01)  # a write would move the mtime
-    args = ["--input", str(shared_data / "tinyshakespeare" / "input.txt"), "--out-dir", "out"]
-    r = cli(*args, "--shard-size", "100000", "--workers", "1", script="fineweb.py", cwd=tmp_path)
-    link = os.path.join("out", name)
-    assert_one_line_error(
-        r,
-        match=rf"^error: {re.escape(link)} is a symbolic link \(to {re.escape(str(target))}\): this run writes that "
-        rf"file itself and never through a link: remove the link \(rm {re.escape(link)}; what it points to is kept\), "
-        r"or use another --out-dir$",
-    )
-    assert snapshot(out) == before and state_of(target) == state  # the link in it
-    subprocess.run(f"rm {link}", shell=True, check=True, cwd=tmp_path)  # the advice, as typed
-    if to == "the manifest, moved out":  # the user's own move, undone: the manifest is what it was
-        os.replace(target, out / name)
-        state = None
-    tiny_shards(tmp_path, shared_data)
-    assert file_bytes(out) == file_bytes(tmp_path / "fresh") and state_of(target) == state

@@ -57,13 +57,13 @@ def gone():
     except ImportError:
         fcntl_gone = True
     names = ["pread", "pwrite", "killpg", "sched_getaffinity", "fork"]
-    lock = sys.modules.get("support.file_lock")
+    files = sys.modules.get("support.files")  # which lock it took: flock, or msvcrt.locking without fcntl
     return {
         "pid": os.getpid(),
         "fcntl": fcntl_gone,
         "SIGHUP": not hasattr(signal, "SIGHUP"),
         "os": not any(hasattr(os, n) for n in names),
-        "lock": lock.mechanism() if lock else None,
+        "lock": ("flock" if files.fcntl else "msvcrt" if files.msvcrt else None) if files else None,
     }
 
 
@@ -122,7 +122,7 @@ def test_training_and_resume_run_and_match_a_run_with_them(data, tmp_path, posix
     first = run(env, *tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2))
     assert first.returncode == 0, first.stderr
     ran_without_them(first.pid, lock="msvcrt")
-    assert not (out / LOCK_FILE).exists()  # given back at the end
+    assert not list(out.glob(LOCK_FILE + "*"))  # given back at the end: the holder's file and the one locked
     resumed = run(env, *tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 2, "--resume"))
     assert resumed.returncode == 0, resumed.stderr
     ran_without_them(resumed.pid, lock="msvcrt")
@@ -156,7 +156,7 @@ def test_a_second_run_into_a_running_runs_folder_is_refused(data, tmp_path, posi
     assert first.returncode == 128 + signal.SIGUSR1, err
     assert "caught SIGUSR1: stopping after this step with a checkpoint" in stdout and list(out.glob("ckpt_*.pt"))
     ran_without_them(first.pid, lock="msvcrt")
-    assert not (out / LOCK_FILE).exists()
+    assert not list(out.glob(LOCK_FILE + "*"))
 
 
 def test_fineweb_input_writes_the_tokens_of_the_text(tmp_path, posix_less, shared_data):
@@ -178,12 +178,12 @@ def test_fineweb_input_writes_the_tokens_of_the_text(tmp_path, posix_less, share
 HOLD_THE_FOLDER = """
 import sys
 import fineweb
-from support import file_lock
+from support.files import lock_folder, unlock_folder
 
-fd = fineweb.lock_folder(sys.argv[1])
+lock = lock_folder(sys.argv[1], fineweb.FOLDER_LOCK, "fineweb.py")
 print("held", flush=True)
 sys.stdin.read()  # until the test closes it
-file_lock.unlock_folder(fd, sys.argv[1], fineweb.FOLDER_LOCK)
+unlock_folder(lock)
 """
 
 
@@ -205,7 +205,7 @@ def test_fineweb_into_a_folder_another_fineweb_holds_is_refused(tmp_path, posix_
         r = run(env, "--input", shared_data / "tinyshakespeare" / "input.txt", "--out-dir", out, script="fineweb.py")
         assert_one_line_error(r, f"--out-dir {out} is in use by another fineweb.py (pid {holder.pid} on ")
         ran_without_them(r.pid)
-        assert sorted(os.listdir(out)) == before == [fineweb.FOLDER_LOCK]
+        assert sorted(os.listdir(out)) == before == [fineweb.FOLDER_LOCK, fineweb.FOLDER_LOCK + ".msvcrt"]
         holder.communicate("", timeout=60)
     finally:
         holder.kill()
