@@ -551,7 +551,8 @@ def train(args, given=frozenset()):
     # --- processes and device; on --resume the checkpoint and its recipe; then every flag is checked --
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = setup_distributed(args.device, args.ddp_timeout)
     device_type, master_process = torch.device(device).type, ddp_rank == 0  # rank 0 prints, logs, checkpoints
-    ckpt_path, ckpt, run_id, changes = resume_checkpoint(args, given, command_line()[1], ddp, master_process)
+    ckpt_path, ckpt, run_id, taken, changes = resume_checkpoint(args, given, command_line()[1], ddp, master_process)
+    args = argparse.Namespace(**{**vars(args), **taken})  # on --resume: the flags left out are the checkpoint's
     check_args(args, ddp_world_size, given, warmup_lr)  # the recipe as the checkpoint and the command line make it
     grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * ddp_world_size)
     setup, batch = set_precision_and_seeds(args, device, ddp_world_size, grad_accum_steps, master_process)
@@ -715,7 +716,8 @@ def parse_args(argv=None):
     given = {name for name, value in vars(args).items() if value is not unset}
     for name in roles.keys() - given:
         setattr(args, name, p.get_default(name))
-    return args, frozenset(resume_folder(args, given))
+    moved = resume_folder(args.resume, args.out_dir, given)  # --resume <a run's folder>: its --out-dir
+    return argparse.Namespace(**{**vars(args), **moved}), frozenset(given | moved.keys())
 
 
 def main(argv=None):
