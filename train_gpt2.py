@@ -50,7 +50,7 @@ from support.gpu import peak_flops
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
 from support.model_files import find_model
 from support.out_dir import missing_folders, release_out_dir, remove_made_folders
-from support.out_of_memory import forget_phases, oom_phase, training_out_of_memory
+from support.out_of_memory import forget_phases, oom_phase, oom_run, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
 from support.presets import expand_presets
 from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
@@ -481,7 +481,7 @@ def prepare_side_evals(args, model, autocast_dtype, master_process, ddp):
 
 def log_val_loss(step, model, val_tokens, log, out_dir, batch, **ranks):
     """The val loss after `step` updates, -B rows of -T at a time, logged; None if a stop cut it short."""
-    oom_phase("val loss", step=step, out_dir=out_dir, **batch)
+    oom_phase("val loss", step=step)
     B, T, device, autocast_dtype = batch["B"], batch["T"], batch["device"], batch["autocast_dtype"]
     val_loss = evaluate_val_loss(model, val_tokens, B, T, device, autocast_dtype, progress=ranks["rank"] == 0, **ranks)
     if val_loss is not None:
@@ -491,7 +491,7 @@ def log_val_loss(step, model, val_tokens, log, out_dir, batch, **ranks):
 
 def log_hellaswag(step, model, examples, log, out_dir, batch, **ranks):
     """HellaSwag's accuracy after `step` updates, each rank its share; logged unless a stop cut it short."""
-    oom_phase("HellaSwag eval", step=step, out_dir=out_dir)
+    oom_phase("HellaSwag eval", step=step)
     result = hellaswag.evaluate_all_ranks(model, examples, batch["device"], batch["autocast_dtype"], **ranks)
     if result is not None:
         log({"step": step, **result})
@@ -559,7 +559,8 @@ def train(args, given=frozenset()):
 
     # --- model and data; evaluation, sampling and checkpoints use raw_model, not compile's or DDP's ---
     raw_model = build_model(args, given, ckpt, ckpt_path, device, master_process)
-    batch["config"] = raw_model.config  # the out-of-memory advice's estimate for -B reads it
+    batch["config"] = raw_model.config  # the log's header reads it
+    oom_run(out_dir=args.out_dir, **batch)  # the run's shape: the out-of-memory advice reads it
     train_loader, val_tokens = load_data(args, raw_model.config, ddp_rank, ddp_world_size, device, master_process)
 
     # --- optimizer and schedule ---------------------------------------------------------------------
@@ -569,7 +570,7 @@ def train(args, given=frozenset()):
     scaler = grad_scaler(setup["dtype"], device_type)  # fp16's loss scaling; a no-op for bf16 and fp32
     start_step, val_loss = restore_training_state(ckpt, ckpt_path, optimizer, train_loader, scaler, ddp_rank)
     del ckpt  # the weights and optimizer state now live in the model and optimizer
-    oom_phase("start", **batch)
+    oom_phase("start")
     model = torch.compile(raw_model) if setup["compile"] else raw_model
     if ddp:
         model = DDP(model, device_ids=[ddp_local_rank] if device_type == "cuda" else None)
@@ -602,7 +603,7 @@ def train(args, given=frozenset()):
             log_hellaswag(step, raw_model, examples, log, args.out_dir, batch, **ranks)
         # once in a while generate some samples
         if sampling is not None and due(args.sample_every) and step > 0 and not stop():
-            log_samples(step, raw_model, sampling, args.max_new_tokens, log, args.out_dir, batch, stop)
+            log_samples(step, raw_model, sampling, args.max_new_tokens, batch["autocast_dtype"], log, stop)
         # once in a while, and when a stop signal came (every rank at the same step), save a checkpoint
         signum = stop.agreed(device, ddp)
         if signum or (step > start_step and (due(args.ckpt_every) or step == args.max_steps)):
@@ -612,7 +613,7 @@ def train(args, given=frozenset()):
 
         # the optimization step
         t0 = time.perf_counter()
-        oom_phase("training step", step=step, first=step == start_step, out_dir=args.out_dir, **batch)
+        oom_phase("training step", step=step, first=step == start_step)
         loss, norm, scale = gradients(model, optimizer, scaler, train_loader, grad_accum_steps, args.grad_clip, batch)
         lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
         for group in optimizer.param_groups:
