@@ -50,7 +50,7 @@ from support.gpu import peak_flops
 from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
 from support.model_files import find_model
 from support.out_dir import missing_folders, release_out_dir, remove_made_folders
-from support.out_of_memory import forget_phases, oom_phase, training_out_of_memory
+from support.out_of_memory import forget_phases, oom_phase, oom_run, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
 from support.presets import expand_presets
 from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
@@ -271,8 +271,7 @@ def model_from_checkpoint(ckpt, path):
 
 def set_precision_and_seeds(args, device, world_size, grad_accum_steps, master_process):
     """bf16 (fp16) autocast, TF32 and compile on CUDA, the seeds, --deterministic; rank 0 says how the
-    run computes. -> (that, for the log; how a batch runs: device, autocast dtype (None: fp32), B, T
-    and the total batch, which the evals and the out-of-memory advice for -B read too)."""
+    run computes. -> (the dtype's name, why that one, whether to compile)."""
     device_type = torch.device(device).type
     if device_type == "cpu":
         keep_freed_memory()  # faster steps for small models: see its docstring
@@ -289,9 +288,7 @@ def set_precision_and_seeds(args, device, world_size, grad_accum_steps, master_p
     if master_process:
         print(f"device {device} x {world_size} | dtype {dtype} ({why}) | compile {use_compile}")
         print(f"total batch {total:,} tokens = B {B} x T {T} x {world_size} ranks x {grad_accum_steps} micro-steps")
-    setup = dict(grad_accum_steps=grad_accum_steps, world_size=world_size, dtype=dtype, dtype_reason=why)
-    batch = dict(device=device, autocast_dtype=AUTOCAST_DTYPES[dtype], B=B, T=T)
-    return {**setup, "compile": use_compile}, {**batch, "total_batch_size": total}
+    return dtype, why, use_compile
 
 
 # --- Data: token shards on disk, memory-mapped (their format: support/shards.py) ------------------
@@ -411,12 +408,11 @@ def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
 
 
 @torch.no_grad()
-def evaluate_val_loss(
-    model, val_tokens, B, T, device, autocast_dtype=None, rank=0, world_size=1, should_stop=None, progress=False
-):
+def evaluate_val_loss(model, val_tokens, B, T, device, autocast_dtype=None, rank=0, world_size=1, should_stop=None):
     """Mean next-token loss over the val set cut into sequences of T tokens. Rank r scores
     sequences r, r + world_size, ... in batches of B and the sums are reduced, so the result is
-    the same number whatever the GPU count or B. None when should_stop() interrupted it."""
+    the same number whatever the GPU count or B. None when should_stop() interrupted it. Rank 0
+    says where a long one is."""
     n_seq = (len(val_tokens) - 1) // T
     mine = list(range(rank, n_seq, world_size))
     n_batches = -(-len(mine) // B)
@@ -428,7 +424,7 @@ def evaluate_val_loss(
         if should_stop is not None and should_stop():
             totals[1] = 1
             break
-        if progress and time.time() - t_print > 10:  # a long eval says where it is, as HellaSwag's does
+        if rank == 0 and time.time() - t_print > 10:  # a long eval says where it is, as HellaSwag's does
             t_print = time.time()
             print(f"val loss: batch {i // B + 1}/{n_batches}, {t_print - t0:.0f} s", file=sys.stderr, flush=True)
         rows = np.stack([val_tokens[j * T : j * T + T + 1] for j in mine[i : i + B]]).astype(np.int64)
@@ -465,119 +461,55 @@ def build_model(args, given, ckpt, ckpt_path, device, master_process):
     return model.to(device)
 
 
-def prepare_side_evals(args, model, autocast_dtype, master_process, ddp):
-    """(HellaSwag's examples, sample_text's settings; None: off), both made and checked at start."""
-    enc = get_tokenizer() if args.hellaswag_every > 0 or args.sample_every > 0 else None
-    examples, sampling = None, None
-    if args.hellaswag_every > 0:  # None after a warning: a run never dies for want of its side evaluation
-        examples = hellaswag.load_for_run(args.hellaswag_data, args.hellaswag_limit, enc, master_process, ddp)
-    if args.sample_every > 0:  # sample_text's settings; top_k None (--top-k 0): all tokens
-        settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
-        sampling = check_sampling(
-            model, enc, args.prompt, args.max_new_tokens, autocast_dtype, master_process, **settings
-        )
-    return examples, sampling
-
-
-def log_val_loss(step, model, val_tokens, log, out_dir, batch, **ranks):
-    """The val loss after `step` updates, -B rows of -T at a time, logged; None if a stop cut it short."""
-    oom_phase("val loss", step=step, out_dir=out_dir, **batch)
-    B, T, device, autocast_dtype = batch["B"], batch["T"], batch["device"], batch["autocast_dtype"]
-    val_loss = evaluate_val_loss(model, val_tokens, B, T, device, autocast_dtype, progress=ranks["rank"] == 0, **ranks)
-    if val_loss is not None:
-        log({"step": step, "val_loss": val_loss})
-    return val_loss
-
-
-def log_hellaswag(step, model, examples, log, out_dir, batch, **ranks):
-    """HellaSwag's accuracy after `step` updates, each rank its share; logged unless a stop cut it short."""
-    oom_phase("HellaSwag eval", step=step, out_dir=out_dir)
-    result = hellaswag.evaluate_all_ranks(model, examples, batch["device"], batch["autocast_dtype"], **ranks)
-    if result is not None:
-        log({"step": step, **result})
-
-
-def open_log(args, master_process, run_id, resumed_from, changes, batch, min_lr, **setup):
-    """(The run's log, its header written: the flags, the model, how the run computes; MFU per token/s,
-    a token's FLOPs over one GPU's peak, per GPU, or None). resumed_from: the step its checkpoint
-    holds (never 0: a checkpoint follows a step), or None (a new run)."""
-    device, config, flops = batch["device"], batch["config"], flops_per_token(batch["config"], batch["T"])
-    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or device
-    log = RunLog(args.out_dir, master_process, args.max_steps)
-    header = {**vars(args), **setup, "model_config": asdict(config), "min_lr": min_lr, "flops_per_token": flops}
-    log.header(run_id, name, resumed_from, changes, header)
-    peak = args.peak_flops or (peak_flops(name) if device.startswith("cuda") else None)
-    return log, flops / setup["world_size"] / peak if peak else None
-
-
-def step_record(t0, device_type, total_batch_size, mfu_per_token, record):
-    """A training step's log record: record and its speed, from t0 to when the GPU has done the step."""
-    if device_type == "cuda":
-        torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
-    dt = time.perf_counter() - t0
-    tok_per_sec, tokens = total_batch_size / dt, (record["step"] + 1) * total_batch_size
-    mfu = mfu_per_token * tok_per_sec if mfu_per_token else None  # of one GPU's peak, per GPU
-    return {**record, "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec, "mfu": mfu, "tokens": tokens}
-
-
-def gradients(model, optimizer, scaler, train_loader, grad_accum_steps, grad_clip, batch):
-    """One batch's gradients over grad_accum_steps micro-batches, clipped to grad_clip (0: not); -> (its
-    mean loss over every rank, the norm before clipping, {"loss_scale": the one used} in fp16, else {})."""
-    optimizer.zero_grad(set_to_none=True)
-    device, autocast_dtype, ddp = batch["device"], batch["autocast_dtype"], isinstance(model, DDP)
-    loss_accum = torch.zeros((), device=device)
-    for micro_step in range(grad_accum_steps):
-        x, y = train_loader.next_batch()
-        # DDP all-reduces gradients in backward; only the last micro-step needs it, and DDP
-        # decides in forward whether to, so no_sync() covers forward and backward
-        last_micro = micro_step == grad_accum_steps - 1
-        with model.no_sync() if ddp and not last_micro else nullcontext():
-            with autocast(torch.device(device).type, autocast_dtype):
-                _, loss = model(x, y)
-            # each micro-batch's loss is a mean over B*T tokens; the batch's is the mean of those
-            loss = loss / grad_accum_steps
-            loss_accum += loss.detach()
-            scaler.scale(loss).backward()  # fp16: times the loss scale (else unchanged)
-    if ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
-        dist.all_reduce(loss_accum)
-        loss_accum /= dist.get_world_size()
-    scaler.unscale_(optimizer)  # fp16: the true gradients, for the clip and the logged norm
-    # clip_grad_norm_ returns the norm before clipping; with inf it only measures it
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
-    return loss_accum.item(), norm.item(), loss_scale(scaler)
-
-
 def train(args, given=frozenset()):
     # --- processes and device; on --resume the checkpoint and its recipe; then every flag is checked --
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = setup_distributed(args.device, args.ddp_timeout)
     device_type, master_process = torch.device(device).type, ddp_rank == 0  # rank 0 prints, logs, checkpoints
-    ckpt_path, ckpt, run_id, changes = resume_checkpoint(args, given, command_line()[1], ddp, master_process)
+    ckpt_path, ckpt, run_id, taken, changes = resume_checkpoint(args, given, command_line()[1], ddp, master_process)
+    args = argparse.Namespace(**{**vars(args), **taken})  # on --resume: the flags left out are the checkpoint's
     check_args(args, ddp_world_size, given, warmup_lr)  # the recipe as the checkpoint and the command line make it
-    grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len * ddp_world_size)
-    setup, batch = set_precision_and_seeds(args, device, ddp_world_size, grad_accum_steps, master_process)
+    B, T = args.batch_size, args.seq_len
+    grad_accum_steps = args.total_batch_size // (B * T * ddp_world_size)
+    dtype, why, use_compile = set_precision_and_seeds(args, device, ddp_world_size, grad_accum_steps, master_process)
+    autocast_dtype = AUTOCAST_DTYPES[dtype]  # None: fp32
 
     # --- model and data; evaluation, sampling and checkpoints use raw_model, not compile's or DDP's ---
     raw_model = build_model(args, given, ckpt, ckpt_path, device, master_process)
-    batch["config"] = raw_model.config  # the out-of-memory advice's estimate for -B reads it
+    flops = flops_per_token(raw_model.config, T)  # a token's forward and backward, for MFU
+    oom_run(raw_model.config, device, autocast_dtype, B, T, args.total_batch_size, args.out_dir)  # for its advice
     train_loader, val_tokens = load_data(args, raw_model.config, ddp_rank, ddp_world_size, device, master_process)
 
     # --- optimizer and schedule ---------------------------------------------------------------------
     min_lr = args.min_lr if args.min_lr is not None else 0.1 * args.max_lr
     betas, eps = (args.beta1, args.beta2), args.adam_eps
     optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, device_type, betas, eps, master_process)
-    scaler = grad_scaler(setup["dtype"], device_type)  # fp16's loss scaling; a no-op for bf16 and fp32
+    scaler = grad_scaler(dtype, device_type)  # fp16's loss scaling; a no-op for bf16 and fp32
     start_step, val_loss = restore_training_state(ckpt, ckpt_path, optimizer, train_loader, scaler, ddp_rank)
     del ckpt  # the weights and optimizer state now live in the model and optimizer
-    oom_phase("start", **batch)
-    model = torch.compile(raw_model) if setup["compile"] else raw_model
+    oom_phase("start")
+    model = torch.compile(raw_model) if use_compile else raw_model
     if ddp:
         model = DDP(model, device_ids=[ddp_local_rank] if device_type == "cuda" else None)
 
     # --- what runs mid-training is exercised now, not first at hour three; then the log -------------
-    examples, sampling = prepare_side_evals(args, raw_model, batch["autocast_dtype"], master_process, ddp)
+    enc = get_tokenizer() if args.hellaswag_every > 0 or args.sample_every > 0 else None
+    examples, sampling = None, None  # HellaSwag's examples, sample_text's settings (None: off)
+    if args.hellaswag_every > 0:  # None after a warning: a run never dies for want of its side evaluation
+        examples = hellaswag.load_for_run(args.hellaswag_data, args.hellaswag_limit, enc, master_process, ddp)
+    if args.sample_every > 0:  # top_k None (--top-k 0): all tokens
+        settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
+        sampling = check_sampling(
+            raw_model, enc, args.prompt, args.max_new_tokens, autocast_dtype, master_process, **settings
+        )
     if args.dry_run:  # every start-up check passed; nothing is trained or written
-        return print("dry run: the flags, the data, --out-dir and the sampling check are fine") or 0
-    log, mfu_per_token = open_log(args, master_process, run_id, start_step or None, changes, batch, min_lr, **setup)
+        print("dry run: the flags, the data, --out-dir and the sampling check are fine")
+        return 0
+    name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or device
+    derived = dict(grad_accum_steps=grad_accum_steps, world_size=ddp_world_size, dtype=dtype, dtype_reason=why)
+    derived.update(compile=use_compile, min_lr=min_lr, model_config=asdict(raw_model.config))
+    log = RunLog(args.out_dir, master_process, args.max_steps)
+    log.header(run_id, name, start_step or None, changes, {**vars(args), **derived, "flops_per_token": flops})
+    peak = args.peak_flops or (peak_flops(name) if device_type == "cuda" else None)  # MFU: of one GPU's peak
 
     def checkpoint(step):  # every rank: the RNG states are gathered from all, rank 0 writes
         ckpt = dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), data=train_loader.state_dict())
@@ -587,32 +519,59 @@ def train(args, given=frozenset()):
         ckpt.update(train_config={**vars(args), "data_dir": os.path.abspath(args.data_dir)})  # --resume from anywhere
         return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp)
 
-    # an eval is due at its cadence and the last step, not at a resumed step (its checkpoint holds them)
-    due = lambda n: n > 0 and (step % n == 0 or step == args.max_steps) and (step > start_step or step == 0)  # noqa: E731
     stop = StopRequest(args.out_dir)
     guard = NonFiniteGuard(log, master_process, checkpoint, args.out_dir, args.max_lr, scaler)
-    ranks = dict(rank=ddp_rank, world_size=ddp_world_size, should_stop=stop)  # every rank evaluates its share
     for step in range(start_step, args.max_steps + 1):  # evaluate the model after `step` updates, then update
+        last_step = step == args.max_steps
+        fresh = step > start_step or step == 0  # not the step a run resumes at: evaluated before its checkpoint
         # once in a while evaluate the val loss (every rank, even one with a stop request: it all-reduces)
-        if val_tokens is not None and due(args.eval_every):
-            val_loss = log_val_loss(step, raw_model, val_tokens, log, args.out_dir, batch, **ranks) or val_loss
-        # once in a while evaluate HellaSwag
-        if examples is not None and due(args.hellaswag_every) and not stop():
-            log_hellaswag(step, raw_model, examples, log, args.out_dir, batch, **ranks)
+        if val_tokens is not None and fresh and (step % args.eval_every == 0 or last_step):
+            oom_phase("val loss", step=step)
+            val = evaluate_val_loss(raw_model, val_tokens, B, T, device, autocast_dtype, ddp_rank, ddp_world_size, stop)
+            if val is not None:  # None: a stop request cut it short
+                val_loss = val
+                log({"step": step, "val_loss": val_loss})
+        # once in a while evaluate HellaSwag (every rank its share)
+        if examples is not None and fresh and (step % args.hellaswag_every == 0 or last_step) and not stop():
+            oom_phase("HellaSwag eval", step=step)
+            result = hellaswag.evaluate_all_ranks(
+                raw_model, examples, device, autocast_dtype, ddp_rank, ddp_world_size, stop
+            )
+            if result is not None:
+                log({"step": step, **result})
         # once in a while generate some samples
-        if sampling is not None and due(args.sample_every) and step > 0 and not stop():
-            log_samples(step, raw_model, sampling, args.max_new_tokens, log, args.out_dir, batch, stop)
+        if sampling is not None and fresh and (step % args.sample_every == 0 or last_step) and step > 0 and not stop():
+            log_samples(step, raw_model, sampling, args.max_new_tokens, autocast_dtype, log, stop)
         # once in a while, and when a stop signal came (every rank at the same step), save a checkpoint
         signum = stop.agreed(device, ddp)
-        if signum or (step > start_step and (due(args.ckpt_every) or step == args.max_steps)):
+        if signum or (step > start_step and (last_step or args.ckpt_every and step % args.ckpt_every == 0)):
             checkpoint(step)
-        if signum or step == args.max_steps:
+        if signum or last_step:
             break
 
-        # the optimization step
+        # the optimization step: the batch's gradients over grad_accum_steps micro-batches, then the update
         t0 = time.perf_counter()
-        oom_phase("training step", step=step, first=step == start_step, out_dir=args.out_dir, **batch)
-        loss, norm, scale = gradients(model, optimizer, scaler, train_loader, grad_accum_steps, args.grad_clip, batch)
+        oom_phase("training step", step=step, first=step == start_step)
+        optimizer.zero_grad(set_to_none=True)
+        loss_accum = torch.zeros((), device=device)
+        for micro_step in range(grad_accum_steps):
+            x, y = train_loader.next_batch()
+            # DDP all-reduces gradients in backward; only the last micro-step needs it, and DDP
+            # decides in forward whether to, so no_sync() covers forward and backward
+            with model.no_sync() if ddp and micro_step < grad_accum_steps - 1 else nullcontext():
+                with autocast(device_type, autocast_dtype):
+                    _, loss = model(x, y)
+                # each micro-batch's loss is a mean over B*T tokens; the batch's is the mean of those
+                loss = loss / grad_accum_steps
+                loss_accum += loss.detach()
+                scaler.scale(loss).backward()  # fp16: times the loss scale (else unchanged)
+        if ddp:  # the logged loss is the whole batch's, over every rank (gloo has no AVG)
+            dist.all_reduce(loss_accum)
+            loss_accum /= ddp_world_size
+        scaler.unscale_(optimizer)  # fp16: the true gradients, for the clip and the logged norm
+        # clip_grad_norm_ returns the norm before clipping; with inf it only measures it
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
+        loss, norm, scale = loss_accum.item(), norm.item(), loss_scale(scaler)  # the scale these gradients had
         lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -620,8 +579,13 @@ def train(args, given=frozenset()):
             continue
         scaler.step(optimizer)  # optimizer.step(): its gradients are finite (the guard saw to it)
         scaler.update()
+        if device_type == "cuda":
+            torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
+        dt = time.perf_counter() - t0
+        tok_per_sec, tokens = args.total_batch_size / dt, (step + 1) * args.total_batch_size
+        mfu = flops * tok_per_sec / ddp_world_size / peak if peak else None  # of one GPU's peak, per GPU
         record = dict(step=step, train_loss=loss, lr=lr, grad_norm=norm, **scale, epoch=train_loader.epoch)
-        log(step_record(t0, device_type, args.total_batch_size, mfu_per_token, record))
+        log({**record, "dt_ms": dt * 1000, "tok_per_sec": tok_per_sec, "mfu": mfu, "tokens": tokens})
     if signum:
         return 128 + signum  # the shell's code for "ended by this signal"
     if master_process and val_loss is not None:
@@ -715,7 +679,8 @@ def parse_args(argv=None):
     given = {name for name, value in vars(args).items() if value is not unset}
     for name in roles.keys() - given:
         setattr(args, name, p.get_default(name))
-    return args, frozenset(resume_folder(args, given))
+    moved = resume_folder(args.resume, args.out_dir, given)  # --resume <a run's folder>: its --out-dir
+    return argparse.Namespace(**{**vars(args), **moved}), frozenset(given | moved.keys())
 
 
 def main(argv=None):

@@ -70,7 +70,7 @@ def save_training_state(ckpt, out_dir, keep, master_process, ddp):
     newest `keep`) while the other ranks wait in the fence, not in a collective that times out.
     Weights or a val loss that are not finite are never saved (check_finite_state). Returns the
     path written on rank 0, else None."""
-    oom_phase("writing the checkpoint", step=ckpt["step"], out_dir=out_dir)
+    oom_phase("writing the checkpoint", step=ckpt["step"])
     check_finite_state(ckpt, out_dir)
     path = None
     with StopRequest.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):

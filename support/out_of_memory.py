@@ -1,10 +1,11 @@
 """What to say when a run or an eval runs out of memory: one line saying during what, the flag to
 lower, and what is on disk to go on from.
 
-A script marks each phase of its work as it begins, with the values its advice needs, and goes on
-without indenting the work under it:
+A training run records its shape once its model is built (oom_run: the model, -B, -T, ...), and
+marks each phase of its work as it begins, with the values of that phase alone, and goes on without
+indenting the work under it:
 
-    oom_phase("val loss", step=step, out_dir=out_dir, **batch)
+    oom_phase("val loss", step=step)
 
 run_cli's out_of_memory hook (training_out_of_memory, hellaswag_out_of_memory) words the phase of
 its script marked last: the one in progress when the allocation failed. The advice depends on
@@ -16,6 +17,13 @@ from support.gpu import GiB, fitting_B, gpu_memory_of
 from support.out_dir import checkpoint_paths
 
 _marked = {}  # phase name -> its values; the phase marked last is last
+_run = {}  # oom_run's values: the training run the phases after it belong to
+
+
+def oom_run(config, device, autocast_dtype, B, T, total_batch_size, out_dir):
+    """Record the training run's shape, which the advice of its later phases reads: the model's
+    config, where it runs, its autocast dtype (None: fp32), -B, -T, --total-batch-size, --out-dir."""
+    _run.update(locals())  # the arguments, by name
 
 
 def oom_phase(name, **values):
@@ -25,8 +33,9 @@ def oom_phase(name, **values):
 
 
 def forget_phases():
-    """A new start of a script in this process: no phase of an earlier one is in progress."""
+    """A new start of a script in this process: no phase or run of an earlier one is in progress."""
     _marked.clear()
+    _run.clear()
 
 
 def latest_phase(advice):
@@ -37,28 +46,20 @@ def latest_phase(advice):
 # --- train_gpt2.py ---------------------------------------------------------------------------------
 
 
-def estimated_B(config, device, autocast_dtype, B, T):
-    """(fitting_B below B, the GPU's bytes) where the estimate holds: the recipe's model (12 layers,
-    768 wide) under autocast on a CUDA GPU; else (None, None). A B the estimate says fits has just
-    run out: then the plain halving advice stands."""
+def lower_B():
+    """(the flag, the advice) for a smaller micro-batch than the run's -B: the B the memory estimate
+    fits where it holds (the recipe's model, 12 layers 768 wide, under autocast on a CUDA GPU), else
+    the next divisor down; also when the estimate's B is not below -B (that B has just run out)."""
+    config, B = _run["config"], _run["B"]
     recipe = (config.n_layer, config.n_embd) == (12, 768)
-    memory = gpu_memory_of(device) if recipe and autocast_dtype is not None else None
-    fit = fitting_B(B, T, memory) if memory else None
-    return (fit, memory) if fit and fit < B else (None, None)
-
-
-def lower_B(config, device, autocast_dtype, B, T, total_batch_size):
-    """(the flag, the advice) for a smaller micro-batch: the estimate's B, else the next divisor
-    down. Its arguments are a phase's `batch` values: the model's config, where it runs, -B, -T
-    and --total-batch-size."""
-    smaller = max(d for d in range(1, B) if B % d == 0) if B > 1 else None
-    fit, memory = estimated_B(config, device, autocast_dtype, B, T)
-    why = f", which this GPU's {memory / GiB:.1f} GiB should fit, see docs/gpus.md" if fit else ""
-    smaller = fit or smaller
+    memory = gpu_memory_of(_run["device"]) if recipe and _run["autocast_dtype"] is not None else None
+    fit = fitting_B(B, _run["T"], memory) if memory else None
+    why = f", which this GPU's {memory / GiB:.1f} GiB should fit, see docs/gpus.md" if fit and fit < B else ""
+    smaller = fit if why else max((d for d in range(1, B) if B % d == 0), default=None)
     if not smaller:
         return None, "use a smaller model (--n-layer, --n-embd) or a shorter -T"
     return f"-B {smaller}", (
-        f"lower -B (e.g. -B {smaller}{why}: the total batch stays {total_batch_size:,} tokens, accumulated "
+        f"lower -B (e.g. -B {smaller}{why}: the total batch stays {_run['total_batch_size']:,} tokens, accumulated "
         f"over more micro-steps)"
     )
 
@@ -68,9 +69,9 @@ def fewer_samples(n):
     return (f"--num-samples {n // 2}" if n > 1 else None), f"lower --num-samples {n}" + (f" (e.g. {n // 2})" * (n > 1))
 
 
-def then_resume(what, flag, fix, out_dir):
-    """A mid-run phase's line: during what, the fix, and the checkpoint in out_dir to go on from."""
-    newest = checkpoint_paths(out_dir)
+def then_resume(what, flag, fix):
+    """A mid-run phase's line: during what, the fix, and the checkpoint in the run's --out-dir to go on from."""
+    newest = checkpoint_paths(_run["out_dir"])
     if not newest:
         with_flag = f" with {flag}" if flag else ""
         return f"{what}: {fix}; no checkpoint was written yet: start the run again{with_flag} in a new --out-dir"
@@ -82,42 +83,37 @@ def _building(init_from, resume):
     return f"while building the model: {fix if not resume else 'this run needs more memory than is free'}"
 
 
-def _training_step(step, first, out_dir, **batch):
+def _training_step(step, first):
     what = "in the first training step" if first else f"in training step {step}"
-    what = f"{what} (-B {batch['B']} rows of -T {batch['T']})"
-    return then_resume(what, *lower_B(**batch), out_dir)
+    return then_resume(f"{what} (-B {_run['B']} rows of -T {_run['T']})", *lower_B())
 
 
-def _val_loss(step, out_dir, **batch):
-    what = f"in the val-loss eval at step {step} (it reads -B {batch['B']} rows at a time)"
-    return then_resume(what, *lower_B(**batch), out_dir)
-
-
-def _sampling(step, out_dir, num_samples, max_new_tokens):
+def _sampling(step, num_samples, max_new_tokens):
     flag, fix = fewer_samples(num_samples)
-    return then_resume(f"while sampling at step {step}", flag, f"{fix} or --max-new-tokens {max_new_tokens}", out_dir)
+    return then_resume(f"while sampling at step {step}", flag, f"{fix} or --max-new-tokens {max_new_tokens}")
 
 
 # each phase train_gpt2.py (and the support functions it calls) marks -> the line for it, from the
-# values the phase carries
+# values the phase carries (and, from "start" on, the run's: oom_run)
 TRAINING_ADVICE = {
     "loading the checkpoint": lambda: "while loading the checkpoint: free memory for it",
     "building the model": _building,
     "reading the data": lambda val_tokens: f"while reading the data: lower --val-tokens {val_tokens:,} or free memory",
-    "start": lambda **batch: f"while starting: {lower_B(**batch)[1]}, or use a smaller model",  # compile, DDP
+    "start": lambda: f"while starting: {lower_B()[1]}, or use a smaller model",  # compile, DDP
     # before the log's first record: the same command with the lower setting
     "sampling check": lambda num_samples: f"in the start-up sampling check: {fewer_samples(num_samples)[1]}",
     "training step": _training_step,
-    "val loss": _val_loss,
-    "HellaSwag eval": lambda step, out_dir: then_resume(
+    "val loss": lambda step: then_resume(
+        f"in the val-loss eval at step {step} (it reads -B {_run['B']} rows at a time)", *lower_B()
+    ),
+    "HellaSwag eval": lambda step: then_resume(
         f"in the HellaSwag eval at step {step}",
         "--hellaswag-every 0",
         "turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores a checkpoint in less)",
-        out_dir,
     ),
     "sampling": _sampling,
-    "writing the checkpoint": lambda step, out_dir: then_resume(
-        f"while writing the checkpoint of step {step}", None, "free host memory for it", out_dir
+    "writing the checkpoint": lambda step: then_resume(
+        f"while writing the checkpoint of step {step}", None, "free host memory for it"
     ),
     "sample-from": lambda num_samples, max_new_tokens: (
         f"while sampling: {fewer_samples(num_samples)[1]} or --max-new-tokens {max_new_tokens}"

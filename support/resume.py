@@ -35,57 +35,48 @@ ALLOWED_CHANGES = {
 }
 
 
-def resume_folder(args, given):
-    """--resume <a run's folder> continues that run where it is: args become --out-dir that folder
-    and --resume its newest checkpoint. Returns the flags given, --out-dir among them then."""
-    if args.resume in (None, "latest") or not os.path.isdir(args.resume):
-        return given
-    if "out_dir" in given and os.path.realpath(args.out_dir) != os.path.realpath(args.resume):
+def resume_folder(resume, out_dir, given):
+    """--resume <a run's folder> continues that run where it is: returns the flags that says, as
+    {"out_dir": that folder, "resume": "latest"} (its newest checkpoint); {} for any other --resume."""
+    if resume in (None, "latest") or not os.path.isdir(resume):
+        return {}
+    if "out_dir" in given and os.path.realpath(out_dir) != os.path.realpath(resume):
         raise UserError(
-            f"--resume {args.resume} is a run's folder, --out-dir {args.out_dir} another: continue that "
-            f"run with --resume --out-dir {args.resume}, or name the checkpoint to start from"
+            f"--resume {resume} is a run's folder, --out-dir {out_dir} another: continue that "
+            f"run with --resume --out-dir {resume}, or name the checkpoint to start from"
         )
-    args.out_dir, args.resume = args.resume, "latest"  # continue it where it is
-    return given | {"out_dir"}
+    return {"out_dir": resume, "resume": "latest"}
 
 
 def reconcile_resume(args, given, roles, ckpt, ckpt_path):
-    """Fill args from the checkpoint's recipe and settings (roles: {flag: RECIPE or RUN_SETTING});
-    refuse contradictions. Returns the allowed changes as {flag: [checkpoint's value, new value]}
-    and the settings taken from the checkpoint as {flag: value}."""
-    old, changes = ckpt.get("train_config", {}), {}
-    taken = {
-        n: old[n]
-        for n in roles
-        if roles[n] == RUN_SETTING and n in old and n not in given and old[n] != getattr(args, n)
-    }
-    for name, value in taken.items():
-        setattr(args, name, value)
-    for name in (n for n in roles if roles[n] == RECIPE):
-        if name not in old or old[name] == getattr(args, name):
-            continue
-        flag = "--" + name.replace("_", "-")
-        if name not in given:
-            setattr(args, name, old[name])
-        elif name not in ALLOWED_CHANGES:
+    """The checkpoint's recipe and settings against the command line (roles: {flag: RECIPE or
+    RUN_SETTING}); refuses contradictions. Returns the flags the checkpoint sets, {flag: its value}
+    (the recipe's and the run settings left out), and the allowed changes, {flag: [checkpoint's
+    value, new value]}."""
+    old = ckpt.get("train_config", {})
+    differ = [n for n in roles if roles[n] is not None and n in old and old[n] != getattr(args, n)]
+    taken = {n: old[n] for n in differ if n not in given}
+    changes = {n: [old[n], getattr(args, n)] for n in differ if n in given and roles[n] == RECIPE}
+    for name, (was, new) in changes.items():
+        if name not in ALLOWED_CHANGES:
+            flag = "--" + name.replace("_", "-")
             message = (
-                f"{flag} {getattr(args, name)} contradicts the {old[name]} that {ckpt_path} was trained with: "
+                f"{flag} {new} contradicts the {was} that {ckpt_path} was trained with: "
                 f"leave {flag} out to continue the run as it was, or start a new run in another --out-dir"
             )
             raise same_on_every_rank(UserError(message))
-        else:
-            changes[name] = [old[name], getattr(args, name)]
-    if args.max_steps < ckpt["step"]:
-        raise UserError(f"--max-steps {args.max_steps} is below the {ckpt['step']} steps {ckpt_path} has done")
-    return changes, taken
+    max_steps = taken.get("max_steps", args.max_steps)
+    if max_steps < ckpt["step"]:
+        raise UserError(f"--max-steps {max_steps} is below the {ckpt['step']} steps {ckpt_path} has done")
+    return taken, changes
 
 
 def resume_checkpoint(args, given, roles, ddp, master_process):
-    """(path, checkpoint, the run's id, allowed changes) for --resume, else (None, None, a new
-    run's id, {}); rank 0 says what a resume changed and took (report_resume). Rank 0 claims the
-    out-dir first (claim_out_dir) and picks the checkpoint, so that every rank loads the same one
-    (multi-node: the out-dir must be shared); a mistake it finds there ends every rank alike, said
-    once. The other ranks wait in the fence (see fence). roles: reconcile_resume's."""
+    """(path, checkpoint, the run's id, the flags it sets, the allowed changes) for --resume, else
+    (None, None, a new run's id, {}, {}); rank 0 says what a resume changed and took (report_resume).
+    Rank 0 claims the out-dir first (claim_out_dir) and picks the checkpoint, so that every rank
+    loads the same one (multi-node: the out-dir must be shared); a mistake it finds there ends every
+    rank alike, said once. The other ranks wait in the fence (see fence). roles: reconcile_resume's."""
     oom_phase("loading the checkpoint")
     picked = [None, None]  # the checkpoint's path, rank 0's error
     if master_process:
@@ -103,10 +94,10 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
     if path is not None:
         ckpt = load_training_checkpoint(path)
         run_id = ckpt.get("run_id", path)
-        changes, taken = reconcile_resume(args, given, roles, ckpt, path)
+        taken, changes = reconcile_resume(args, given, roles, ckpt, path)
     if master_process:
-        report_resume(changes, taken)
-    return path, ckpt, run_id, changes
+        report_resume(changes, {name: value for name, value in taken.items() if roles[name] == RUN_SETTING})
+    return path, ckpt, run_id, taken, changes
 
 
 def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, ddp_rank):

@@ -219,12 +219,12 @@ def check_sampling(model, enc, prompt, max_new_tokens, autocast_dtype, master_pr
     return sampling
 
 
-def log_samples(step, model, sampling, max_new_tokens, log, out_dir, batch, should_stop):
+def log_samples(step, model, sampling, max_new_tokens, autocast_dtype, log, should_stop):
     """Samples of the prompt after `step` updates (every rank samples, rank 0 logs them), unless a
-    stop signal cut them short; sampling: check_sampling's, batch: where and in what dtype."""
+    stop signal cut them short; sampling: check_sampling's."""
     n = sampling["num_samples"]
-    oom_phase("sampling", step=step, out_dir=out_dir, num_samples=n, max_new_tokens=max_new_tokens)
-    with autocast(torch.device(batch["device"]).type, batch["autocast_dtype"]):
+    oom_phase("sampling", step=step, num_samples=n, max_new_tokens=max_new_tokens)
+    with autocast(next(model.parameters()).device.type, autocast_dtype):
         samples = sample_text(model, max_new_tokens=max_new_tokens, stop=should_stop, **sampling)
     if samples is not None:
         log({"step": step, "samples": samples})

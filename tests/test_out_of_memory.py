@@ -21,6 +21,7 @@ from support.out_of_memory import (
     forget_phases,
     hellaswag_out_of_memory,
     oom_phase,
+    oom_run,
     training_out_of_memory,
 )
 from train_gpt2 import GPTConfig
@@ -161,11 +162,9 @@ def test_out_of_memory_in_the_val_loss_eval_gets_its_advice_not_the_training_ste
     assert sorted(read_log(out)[1]) == list(range(6))
 
 
-def batch_of(config=None, device="cpu", autocast_dtype=None):
-    """The values a batch phase carries (train_gpt2.set_precision_and_seeds' batch, and the model's
-    config): the recipe's -B 64 of -T 1024, 524,288 tokens a step."""
-    config = config or GPTConfig()
-    return dict(config=config, device=device, autocast_dtype=autocast_dtype, B=64, T=1024, total_batch_size=524288)
+def recipe_run(out, config=None, device="cpu", autocast_dtype=None):
+    """oom_run as train_gpt2.py records its run, for the recipe's -B 64 of -T 1024, 524,288 tokens a step."""
+    oom_run(config or GPTConfig(), device, autocast_dtype, B=64, T=1024, total_batch_size=524288, out_dir=out)
 
 
 def test_the_advice_is_the_marked_phases_not_the_function_names(tmp_path):
@@ -180,7 +179,9 @@ def test_the_advice_is_the_marked_phases_not_the_function_names(tmp_path):
         evaluate_val_loss()
     assert training_out_of_memory(raised.value) is None
     assert out_of_memory_line(raised.value, "host memory", training_out_of_memory) == "out of host memory (MemoryError)"
-    oom_phase("HellaSwag eval", step=250, out_dir=out)
+    recipe_run(out)
+    assert training_out_of_memory(raised.value) is None  # the run's shape alone is no phase
+    oom_phase("HellaSwag eval", step=250)
     oom_phase("scoring HellaSwag", batch_tokens=65536)
     assert training_out_of_memory() == (
         "in the HellaSwag eval at step 250: turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores "
@@ -191,7 +192,8 @@ def test_the_advice_is_the_marked_phases_not_the_function_names(tmp_path):
         "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 32768), or use a smaller --model"
     )
     forget_phases()
-    oom_phase("training step", step=250, first=False, out_dir=out, **batch_of())
+    recipe_run(out)
+    oom_phase("training step", step=250, first=False)
     with pytest.raises(MemoryError) as raised:
         evaluate_val_loss()
     assert training_out_of_memory(raised.value).startswith("in training step 250 (-B 64 rows of -T 1024): lower -B")
@@ -237,7 +239,8 @@ def first_step_error(tmp_path, config, autocast_dtype):
     batch: -B 64 of -T 1024, 524,288 tokens), as run_cli gets it."""
     forget_phases()
     out = str(tmp_path / "out")
-    oom_phase("training step", step=0, first=True, out_dir=out, **batch_of(config, "cuda:0", autocast_dtype))
+    recipe_run(out, config, "cuda:0", autocast_dtype)
+    oom_phase("training step", step=0, first=True)
     return training_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
 
 
