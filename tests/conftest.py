@@ -1,12 +1,16 @@
-"""The fixtures, and the tests' environment, set here at import: the offline data in
-../shared/data, tiktoken's cache (for the reference tokenizer), no network. The helpers the tests
-share are in helpers.py."""
+"""The fixtures, and the tests' environment, set here at import: no network. The data the tests
+read ships in the repository (tests/assets/README.md); tiktoken's GPT-2 files, the reference
+tokenizer's, are put in a cache folder for the session. The helpers the tests share are in
+helpers.py."""
 
 import contextlib
+import hashlib
+import json
 import os
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,31 +21,65 @@ from helpers import ROOT, random_shards, save_tiny_hf_gpt2, tiny_args, write_sha
 from support.shards import get_tokenizer
 from train_gpt2 import GPTConfig
 
-
-def _find_shared_data():
-    for base in (ROOT, *ROOT.parents):
-        candidate = base / "shared" / "data"
-        if (candidate / "tiktoken_cache").is_dir():
-            return candidate
-    env = os.environ.get("SHARED_DATA")
-    if env and Path(env, "tiktoken_cache").is_dir():
-        return Path(env)
-    raise RuntimeError("cannot find shared/data beside the repository (set SHARED_DATA to its path)")
-
-
-SHARED_DATA = _find_shared_data()
-# tiktoken.get_encoding("gpt2"), the reference the shipped tokenizer is tested against, reads its
-# files from here instead of downloading them; the scripts need none (support/gpt2_bpe/)
-os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_DATA / "tiktoken_cache")
 # never reach for the network in tests
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+ASSETS = Path(__file__).parent / "assets"
+GPT2_BPE = ROOT / "support" / "gpt2_bpe" / "vocab.bpe"
+# tiktoken's "gpt2" files: where it downloads them from, and their sha256 as tiktoken_ext/openai_public.py pins them
+TIKTOKEN_GPT2 = {
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe": (
+        GPT2_BPE,
+        "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    ),
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json": (
+        ASSETS / "encoder.json",
+        "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    ),
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiktoken_cache(tmp_path_factory):
+    """tiktoken.get_encoding("gpt2"), the reference the shipped tokenizer is tested against, reads
+    GPT-2's published files from a cache folder, each named by the sha1 of its URL, instead of
+    downloading them: the shipped ones, checked against tiktoken's hashes. The scripts need none."""
+    cache = tmp_path_factory.mktemp("tiktoken_cache")
+    for url, (path, sha256) in TIKTOKEN_GPT2.items():
+        data = path.read_bytes()
+        assert hashlib.sha256(data).hexdigest() == sha256, f"{path} is not GPT-2's published file"
+        (cache / hashlib.sha1(url.encode()).hexdigest()).write_bytes(data)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+        yield cache
+
 
 @pytest.fixture(scope="session")
-def shared_data():
-    return SHARED_DATA
+def assets():
+    """The data the tests read, shipped in the repository (tests/assets/README.md)."""
+    return SimpleNamespace(
+        hellaswag=ASSETS / "hellaswag_val_450.jsonl",  # HellaSwag val's first 300 rows and first 150 WikiHow ones
+        fineweb=ASSETS / "fineweb_batch_000001.parquet",  # 100 FineWeb documents, 174,082 tokens
+        shakespeare=ROOT / "data" / "tinyshakespeare.txt",  # Tiny Shakespeare's first 999,985 bytes
+        encoder_json=ASSETS / "encoder.json",  # GPT-2's, with support/gpt2_bpe/vocab.bpe
+        vocab_bpe=GPT2_BPE,
+        reference=json.loads((ASSETS / "reference_numbers.json").read_text()),
+    )
+
+
+@pytest.fixture(scope="session")
+def full_hellaswag():
+    """All 10,042 rows of HellaSwag's val set, too large to ship: hellaswag/hellaswag_val.jsonl in
+    the folder GPT2_TEST_DATA names; the test is skipped without it."""
+    folder = os.environ.get("GPT2_TEST_DATA")
+    path = Path(folder or "", "hellaswag", "hellaswag_val.jsonl")
+    if not folder or not path.is_file():
+        pytest.skip(
+            f"needs all of HellaSwag's val set: hellaswag/hellaswag_val.jsonl in GPT2_TEST_DATA ({folder or 'unset'})"
+        )
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -120,12 +158,12 @@ def short_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def shakespeare_export(tmp_path_factory, shared_data, enc):
+def shakespeare_export(tmp_path_factory, assets, enc):
     """(checkpoint, its --export-hf folder) of a tiny model (tiny_args: 2 layers, 32 wide, vocabulary
     padded to 50,304; block size 128, which holds every HellaSwag ending, as lm-eval requires)
     trained 40 steps on Tiny Shakespeare: real text, real tokens. Read, never changed."""
     tmp = tmp_path_factory.mktemp("shakespeare")
-    tokens = [enc.eot_token] + enc.encode_ordinary((shared_data / "tinyshakespeare" / "input.txt").read_text())
+    tokens = [enc.eot_token] + enc.encode_ordinary(assets.shakespeare.read_text())
     (tmp / "data").mkdir()
     write_shard(tmp / "data" / "ts_val_000000.npy", tokens[:4096])
     write_shard(tmp / "data" / "ts_train_000001.npy", tokens[4096:])

@@ -18,11 +18,11 @@ from support.cli import UserError
 
 
 @pytest.mark.slow
-def test_tiny_bench_writes_table_and_json(tmp_path, shared_data):
+def test_tiny_bench_writes_table_and_json(tmp_path, assets):
     pq = pytest.importorskip("pyarrow.parquet")  # the fineweb section reads the parquet sample
     out = tmp_path / "bench.json"
-    docs = shared_data / "fineweb_sample" / "*.parquet"
-    hellaswag = shared_data / "hellaswag" / "hellaswag_val.jsonl"
+    docs = assets.fineweb
+    hellaswag = assets.hellaswag
     args = ("--tiny", "--out", out, "--docs", docs, "--hellaswag-data", hellaswag)
     r = cli(*args, script="bench.py", cwd=tmp_path, process=True)  # the loader's memory: a fresh process's
     assert r.returncode == 0, r.stderr[-3000:]
@@ -79,9 +79,7 @@ def test_tiny_bench_writes_table_and_json(tmp_path, shared_data):
 
     # fineweb: the first 20 documents of the sample, counted with tiktoken called directly
     enc = tiktoken.get_encoding("gpt2")
-    texts = []
-    for path in sorted((shared_data / "fineweb_sample").glob("*.parquet")):
-        texts += pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    texts = pq.read_table(assets.fineweb, columns=["text"]).column("text").to_pylist()
     assert report["sections"]["fineweb"]["tokens"] == sum(len(enc.encode_ordinary(t)) for t in texts[:20])
 
     assert report["sections"]["hellaswag"]["examples_per_round"] == 8

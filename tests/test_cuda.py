@@ -50,10 +50,10 @@ def train(*args, env=None):
 
 
 @pytest.fixture(scope="module")
-def shakespeare(tmp_path_factory, shared_data, enc):
+def shakespeare(tmp_path_factory, assets, enc):
     """Tiny Shakespeare as shards: real text, so that a loss can fall. ~300k train tokens."""
     data = tmp_path_factory.mktemp("shakespeare_gpu")
-    tokens = [enc.eot_token] + enc.encode_ordinary((shared_data / "tinyshakespeare" / "input.txt").read_text())
+    tokens = [enc.eot_token] + enc.encode_ordinary(assets.shakespeare.read_text())
     tokens = np.array(tokens, dtype=np.uint16)
     write_shard(str(data / "ts_val_000000.npy"), tokens[:32_768])
     write_shard(str(data / "ts_train_000001.npy"), tokens[32_768:])
@@ -85,14 +85,12 @@ def test_compiled_bf16_124m_loss_falls(run_124m):
     assert all(0 < steps[s]["mfu"] < 1 if known else steps[s]["mfu"] is None for s in range(1, 20))
 
 
-def test_torchrun_one_rank_over_nccl(shakespeare, run_124m, tmp_path, shared_data):
+def test_torchrun_one_rank_over_nccl(shakespeare, run_124m, tmp_path, assets):
     """DDP with one rank (NCCL, compile, bf16) trains as the plain run and evaluates too."""
     out = tmp_path / "ddp"
     flags = "--max-steps 20 --eval-every 20 --val-tokens 16384 --hellaswag-every 20 --hellaswag-limit 40"
     flags += " --sample-every 20 --num-samples 2 --max-new-tokens 8"
-    args = gpu_args(
-        shakespeare, out, *flags.split(), "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl"
-    )
+    args = gpu_args(shakespeare, out, *flags.split(), "--hellaswag-data", assets.hellaswag)
     r = run(*torchrun_command(*args, nproc=1), env={"NCCL_DEBUG": "VERSION"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "NCCL version" in r.stdout + r.stderr  # the process group really is NCCL's
@@ -237,8 +235,8 @@ def _hellaswag_scores(model, enc, examples, device):
     return sum_loss.cpu(), n_tokens.cpu()
 
 
-def test_hellaswag_cuda_fp32_predicts_as_the_cpu(eval_model, enc, shared_data, fp32_exact):
-    examples = hellaswag.load_examples(str(shared_data / "hellaswag" / "hellaswag_val.jsonl"), limit=200)
+def test_hellaswag_cuda_fp32_predicts_as_the_cpu(eval_model, enc, assets, fp32_exact):
+    examples = hellaswag.load_examples(str(assets.hellaswag), limit=200)
     cpu_loss, cpu_n = _hellaswag_scores(eval_model, enc, examples, "cpu")
     gpu_loss, gpu_n = _hellaswag_scores(eval_model.to("cuda"), enc, examples, "cuda")
     eval_model.to("cpu")
@@ -291,9 +289,9 @@ def test_greedy_samples_cuda_fp32_equal_the_cpu(eval_model, enc, fp32_exact):
     assert text == [enc.decode(gpu[0].tolist())] * 2
 
 
-def test_bench_tiny_on_cuda(tmp_path, shared_data):
+def test_bench_tiny_on_cuda(tmp_path, assets):
     out = tmp_path / "bench.json"
-    hellaswag = ("--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl")
+    hellaswag = ("--hellaswag-data", assets.hellaswag)
     only = ("--only", "ceiling,loader,train,hellaswag,sample")  # fineweb tokenizes on the CPU: test_bench's
     r = run(sys.executable, ROOT / "bench.py", "--tiny", "--device", "cuda", "--out", out, *hellaswag, *only)
     assert r.returncode == 0, r.stderr[-3000:]

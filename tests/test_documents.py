@@ -27,17 +27,17 @@ from support.documents import (
         (lambda tmp, data: [str(tmp / "nothing*.parquet")], "text", "no files match"),
         (lambda tmp, data: [str(tmp / "missing.txt")], "text", "does not exist"),
         (lambda tmp, data: [str(tmp)], "text", "is a directory"),
-        (lambda tmp, data: [str(data / "reference" / "reference_numbers.json")], "text", "unknown file type"),
+        (lambda tmp, data: [str(data.encoder_json)], "text", "unknown file type"),
         (lambda tmp, data: [str(tmp / "bad.parquet")], "text", "not a readable parquet file"),
-        (lambda tmp, data: [str(data / "fineweb_sample" / "batch_000001.parquet")], "body", "has no 'body' column"),
+        (lambda tmp, data: [str(data.fineweb)], "body", "has no 'body' column"),
     ],
     ids=["glob-matches-nothing", "missing-file", "directory", "unknown-type", "not-parquet", "missing-column"],
 )
-def test_bad_input_is_one_line_error(tmp_path, shared_data, make_paths, text_field, message):
+def test_bad_input_is_one_line_error(tmp_path, assets, make_paths, text_field, message):
     """Found before any work: when the names are expanded, or in check_inputs' first row."""
     (tmp_path / "bad.parquet").write_bytes(b"this is not parquet")
     with pytest.raises(UserError, match=message) as e:
-        check_inputs(expand_inputs(make_paths(tmp_path, shared_data)), text_field)
+        check_inputs(expand_inputs(make_paths(tmp_path, assets)), text_field)
     assert "\n" not in str(e.value)
 
 
@@ -68,12 +68,12 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_first_document(tmp_path, suff
     assert list(read_documents(str(tmp_path / f"doc{suffix}"), "text")) == [text]
 
 
-def test_a_resumed_runs_skip_passes_over_whole_files_and_rows(tmp_path, shared_data, monkeypatch):
+def test_a_resumed_runs_skip_passes_over_whole_files_and_rows(tmp_path, assets, monkeypatch):
     """local_documents(skip=n) is every document after the first n; whole files skipped are not read."""
     pytest.importorskip("pyarrow")
     (tmp_path / "a.txt").write_text("the first file")
     (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(3)))
-    parquet = str(shared_data / "fineweb_sample" / "batch_000001.parquet")
+    parquet = str(assets.fineweb)
     paths = [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), parquet, str(tmp_path / "a.txt")]
     every = list(local_documents(paths, "text"))
     assert every[:4] == ["the first file", "row 0", "row 1", "row 2"] and every[-1] == "the first file"

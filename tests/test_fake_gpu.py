@@ -42,13 +42,13 @@ def results(out):
     return [{k: r[k] for k in RESULTS if k in r} for r in read_log(out)[0] if "event" not in r]
 
 
-def args_for(data, out, shared_data, *flags):
-    hs = ("--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl")
+def args_for(data, out, assets, *flags):
+    hs = ("--hellaswag-data", assets.hellaswag)
     return tiny_args(data, out, *EVALS, *hs, *flags)
 
 
 @pytest.fixture(scope="module")
-def runs(data, shared_data, tmp_path_factory):
+def runs(data, assets, tmp_path_factory):
     """run(gpu or "cpu", *flags) -> (its folder, the FakeGPU or None): the shared tiny run on a faked
     GPUS[gpu] (eager), or on the CPU; each made once in the module."""
     made = {}
@@ -57,11 +57,11 @@ def runs(data, shared_data, tmp_path_factory):
         if (where, flags) not in made:
             out = tmp_path_factory.mktemp(where)
             if where == "cpu":
-                assert train_gpt2.main(args_for(data, out, shared_data, "--device", "cpu", *flags)) == 0
+                assert train_gpt2.main(args_for(data, out, assets, "--device", "cpu", *flags)) == 0
                 made[where, flags] = out, None
             else:
                 with faked(where) as fake:
-                    args = args_for(data, out, shared_data, "--device", "cuda", "--no-compile", *flags)
+                    args = args_for(data, out, assets, "--device", "cuda", "--no-compile", *flags)
                     assert train_gpt2.main(args) == 0
                 made[where, flags] = out, fake
         return made[where, flags]
@@ -114,7 +114,7 @@ def test_deterministic_on_a_gpu_sets_cudnn_cublas_and_attention(fake_gpu, data, 
 
 
 def test_ddp_on_a_gpu_takes_its_local_rank_joins_over_nccl_and_trains_as_one_process(
-    runs, fake_gpu, data, shared_data, tmp_path, monkeypatch
+    runs, fake_gpu, data, assets, tmp_path, monkeypatch
 ):
     """torchrun's environment for a world of 1, in this process: the CUDA lines of DDP run (the
     two-rank job: test_bench_sections_on_a_gpu, the ladder's DDP rung)."""
@@ -123,14 +123,14 @@ def test_ddp_on_a_gpu_takes_its_local_rank_joins_over_nccl_and_trains_as_one_pro
         monkeypatch.setenv(name, str(value))
     monkeypatch.setattr(support.ddp, "_fence_group", [])  # the fence's group ends with this test's process group
     fake = fake_gpu("H100")
-    assert train_gpt2.main(args_for(data, tmp_path / "ddp", shared_data, "--device", "cuda", "--no-compile")) == 0
+    assert train_gpt2.main(args_for(data, tmp_path / "ddp", assets, "--device", "cuda", "--no-compile")) == 0
     assert fake.asked_for("set_device") == [("cuda:0",)] and fake.asked_for("init_process_group") == [("nccl",)]
     assert fake.asked_for("DistributedDataParallel") == [([0],)]
     assert results(tmp_path / "ddp") == results(runs("H100")[0])
 
 
-def test_hellaswag_script_on_a_gpu_scores_as_the_cpu_in_its_dtype(runs, fake_gpu, shared_data, capsys):
-    data = shared_data / "hellaswag" / "hellaswag_val.jsonl"
+def test_hellaswag_script_on_a_gpu_scores_as_the_cpu_in_its_dtype(runs, fake_gpu, assets, capsys):
+    data = assets.hellaswag
     argv = ["-m", str(runs("H100")[0]), "--limit", "8", "--data", str(data)]
     hellaswag.main([*argv, "-d", "cpu", "--dtype", "bfloat16"])
     on_cpu = capsys.readouterr().out
@@ -227,9 +227,9 @@ def test_nothing_of_the_fake_is_left_after_it():
 
 
 @pytest.mark.slow
-def test_compile_is_the_default_on_a_gpu_and_trains_as_eager(runs, fake_gpu, data, shared_data, tmp_path):
+def test_compile_is_the_default_on_a_gpu_and_trains_as_eager(runs, fake_gpu, data, assets, tmp_path):
     fake_gpu("H100")
-    assert train_gpt2.main(args_for(data, tmp_path / "compiled", shared_data, "--device", "cuda")) == 0
+    assert train_gpt2.main(args_for(data, tmp_path / "compiled", assets, "--device", "cuda")) == 0
     assert read_log(tmp_path / "compiled")[0][0]["config"]["compile"] is True
     compiled, eager = results(tmp_path / "compiled"), results(runs("H100")[0])
     assert [r.keys() for r in compiled] == [r.keys() for r in eager]
@@ -239,7 +239,7 @@ def test_compile_is_the_default_on_a_gpu_and_trains_as_eager(runs, fake_gpu, dat
 
 
 @pytest.mark.slow
-def test_bench_sections_on_a_gpu(fake_gpu, shared_data, tmp_path):
+def test_bench_sections_on_a_gpu(fake_gpu, assets, tmp_path):
     """Each --tiny section with CUDA-only lines, on two faked GPUs: the ladder's DDP rung is
     train_gpt2.py --compile under torchrun (NCCL as gloo). The train section's first forward runs out
     of GPU memory: it halves fp32's B."""
@@ -248,7 +248,7 @@ def test_bench_sections_on_a_gpu(fake_gpu, shared_data, tmp_path):
     fake.out_of_memory(training, times=1)
     out = tmp_path / "bench.json"
     argv = ["--tiny", "--device", "cuda", "--out", str(out), "--only", "train,ceiling,sample,ladder,hellaswag"]
-    report = bench.main([*argv, "--hellaswag-data", str(shared_data / "hellaswag" / "hellaswag_val.jsonl")])
+    report = bench.main([*argv, "--hellaswag-data", str(assets.hellaswag)])
     assert report["machine"]["device"] == GPUS["H100"]["name"] and not any("skipped" in s for s in report["sections"])
     assert report["sections"]["train"]["tiny"]["config"]["B"] == {"fp32": 1, "bf16": 2}
     ladder = {row["rung"]: row for row in report["sections"]["ladder"]["rungs"]}

@@ -5,6 +5,7 @@ HellaSwag file it cannot use is one warning and the run goes on."""
 
 import errno
 import io
+import itertools
 import json
 import os
 import platform
@@ -30,8 +31,8 @@ from train_gpt2 import GPT
 
 
 @pytest.fixture(scope="module")
-def val_path(shared_data):
-    return shared_data / "hellaswag" / "hellaswag_val.jsonl"
+def val_path(assets):
+    return assets.hellaswag
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,8 @@ def examples(val_path):
 
 
 @pytest.fixture(scope="module")
-def reference(shared_data):
-    return json.loads((shared_data / "reference" / "reference_numbers.json").read_text())
+def reference(assets):
+    return assets.reference
 
 
 def plain_losses(logits_of, enc, example, block_size):
@@ -77,8 +78,8 @@ def counts_by_hand(examples, preds, preds_norm):
 # Data and tokens
 
 
-def test_full_validation_file_loads(examples, reference):
-    ref = reference["hellaswag_val"]
+def test_full_validation_file_loads(full_hellaswag, reference):
+    ref, examples = reference["hellaswag_val"], hellaswag.load_examples(str(full_hellaswag))
     assert len(examples) == ref["num_examples"] == hellaswag.NUM_VAL
     assert dict(Counter(str(ex["label"]) for ex in examples)) == ref["label_counts"]
     assert dict(Counter(ex["split_type"] for ex in examples)) == ref["split_type_counts"]
@@ -98,7 +99,7 @@ def test_a_file_that_cannot_be_read_is_one_line(monkeypatch, val_path):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(hellaswag, "open", failing_open, raising=False)
-    with pytest.raises(HellaSwagDataError, match="hellaswag_val.jsonl cannot be read: Input/output error"):
+    with pytest.raises(HellaSwagDataError, match=f"{val_path.name} cannot be read: Input/output error"):
         hellaswag.load_examples(str(val_path))
 
 
@@ -121,9 +122,9 @@ def test_malformed_line_is_named(tmp_path, val_path):
 
 
 @pytest.mark.parametrize("label", [4, -1, True, None], ids=["4", "-1", "bool", "missing"])
-def test_hellaswag_label_out_of_range_is_named(tmp_path, shared_data, label):
+def test_hellaswag_label_out_of_range_is_named(tmp_path, val_path, label):
     # a string label is refused in test_malformed_line_is_named; these are the other wrong labels
-    lines = (shared_data / "hellaswag" / "hellaswag_val.jsonl").read_text().splitlines()[:3]
+    lines = val_path.read_text().splitlines()[:3]
     row = json.loads(lines[1])
     row["label"] = label
     if label is None:
@@ -139,8 +140,8 @@ def test_a_cache_that_is_an_html_page_or_cut_short_is_refused(tmp_path, val_path
     with pytest.raises(HellaSwagDataError, match=r"bad cache: .*line 1 is not valid JSON.*delete"):
         hellaswag.load_examples(cache_dir=str(tmp_path))
     data = val_path.read_bytes()
-    cache.write_bytes(b"".join(data.splitlines(keepends=True)[:1000]))  # cut at a line end
-    with pytest.raises(HellaSwagDataError, match="has 1000 rows, expected 10042"):
+    cache.write_bytes(b"".join(data.splitlines(keepends=True)[:100]))  # cut at a line end
+    with pytest.raises(HellaSwagDataError, match="has 100 rows, expected 10042"):
         hellaswag.load_examples(cache_dir=str(tmp_path))
     cut = data[: len(data) // 2]  # cut inside a line: that line is named
     cache.write_bytes(cut)
@@ -172,18 +173,19 @@ def online(monkeypatch):
 
 
 def test_the_download_writes_the_original_file(tmp_path, monkeypatch, val_path, online):
-    urls = []
+    urls, rows = [], val_path.read_bytes().splitlines(keepends=True)
+    body = b"".join(itertools.islice(itertools.cycle(rows), hellaswag.NUM_VAL))  # the original's count of rows
 
     def urlopen(url, timeout=None):
         urls.append(url)
-        return FakeResponse(val_path.read_bytes())
+        return FakeResponse(body)
 
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
     assert len(hellaswag.load_examples(cache_dir=str(tmp_path / "cache"), limit=3)) == 3
     assert urls == [hellaswag.DATA_URL]
     # the cache is the original jsonl byte for byte, and nothing else is left beside it
     assert os.listdir(tmp_path / "cache") == [hellaswag.CACHE_NAME]
-    assert (tmp_path / "cache" / hellaswag.CACHE_NAME).read_bytes() == val_path.read_bytes()
+    assert (tmp_path / "cache" / hellaswag.CACHE_NAME).read_bytes() == body
     monkeypatch.setattr(urllib.request, "urlopen", no_network)  # the second time reads the cache
     assert len(hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))) == 10042
 

@@ -192,11 +192,11 @@ TEXTS = [
 ]
 
 
-def test_export_holds_gpt2s_own_bpe_files(shakespeare_export, shared_data):
+def test_export_holds_gpt2s_own_bpe_files(shakespeare_export, assets):
     # written from the shipped vocab.bpe: OpenAI's encoder.json and vocab.bpe, byte for byte
     export = shakespeare_export[1]
-    assert (export / "vocab.json").read_bytes() == (shared_data / "gpt2_bpe" / "encoder.json").read_bytes()
-    assert (export / "merges.txt").read_bytes() == (shared_data / "gpt2_bpe" / "vocab.bpe").read_bytes()
+    assert (export / "vocab.json").read_bytes() == assets.encoder_json.read_bytes()
+    assert (export / "merges.txt").read_bytes() == assets.vocab_bpe.read_bytes()
 
 
 def test_every_exported_file_has_a_new_files_mode(shakespeare_export):
@@ -209,8 +209,8 @@ def test_every_exported_file_has_a_new_files_mode(shakespeare_export):
     assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
 
 
-def test_autotokenizer_on_an_export_is_tiktokens_gpt2(shakespeare_export, shared_data, enc):
-    texts = TEXTS + [(shared_data / "tinyshakespeare" / "input.txt").read_text()[:20000]]
+def test_autotokenizer_on_an_export_is_tiktokens_gpt2(shakespeare_export, assets, enc):
+    texts = TEXTS + [assets.shakespeare.read_text()[:20000]]
     export = shakespeare_export[1]
     for use_fast in (True, False):
         tok = AutoTokenizer.from_pretrained(export, use_fast=use_fast)
@@ -519,7 +519,7 @@ class RunsCode:
         return os.system, (self.command,)
 
 
-def test_a_pytorch_model_bin_that_pickles_code_is_refused_and_nothing_runs(tmp_path, hf_tiny_dir, shared_data):
+def test_a_pytorch_model_bin_that_pickles_code_is_refused_and_nothing_runs(tmp_path, hf_tiny_dir, assets):
     """hellaswag.py -m, --sample-from and --init-from: one line pointing to safetensors; the marker is never made."""
     hf_dir, marker = tmp_path / "hf", tmp_path / "MARKER"
     shutil.copytree(hf_tiny_dir, hf_dir)
@@ -531,9 +531,7 @@ def test_a_pytorch_model_bin_that_pickles_code_is_refused_and_nothing_runs(tmp_p
     commands = {
         "--sample-from": lambda: train_gpt2.main(["--sample-from", str(hf_dir), "--device", "cpu"]),
         "--init-from": lambda: train_gpt2.main(tiny_args(data, tmp_path / "out", "--init-from", hf_dir)),
-        "hellaswag.py -m": lambda: hellaswag.main(
-            ["-m", str(hf_dir), "--data", str(shared_data / "hellaswag" / "hellaswag_val.jsonl"), "--limit", "4"]
-        ),
+        "hellaswag.py -m": lambda: hellaswag.main(["-m", str(hf_dir), "--data", str(assets.hellaswag), "--limit", "4"]),
     }
     for name, run in commands.items():
         with pytest.raises(UserError) as e:

@@ -44,8 +44,8 @@ def test_tasks_read_hellaswag_pys_cache_by_default():
     assert utils.CACHE == os.path.join(hellaswag.DEFAULT_CACHE_DIR, hellaswag.CACHE_NAME)
 
 
-def test_tasks_read_the_jsonl_metadata_names(tmp_path, shared_data):
-    lines = (shared_data / "hellaswag" / "hellaswag_val.jsonl").read_text(encoding="utf-8").splitlines()[:3]
+def test_tasks_read_the_jsonl_metadata_names(tmp_path, assets):
+    lines = assets.hellaswag.read_text(encoding="utf-8").splitlines()[:3]
     (tmp_path / "hs.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     # lm-eval passes every task's metadata (its version, the model's arguments) along with ours
     rows = task_utils().hellaswag_rows(hellaswag_data=str(tmp_path / "hs.jsonl"), version=1.0, pretrained="x")
@@ -72,13 +72,13 @@ def test_local_task_is_lm_evals_own_but_for_its_data():
 
 
 @pytest.fixture(scope="module")
-def harness(shakespeare_export, shared_data, tmp_path_factory, enc):
+def harness(shakespeare_export, assets, tmp_path_factory, enc):
     import lm_eval  # noqa: PLC0415  seconds to import: only this module's fixture runs it
     from lm_eval.tasks import TaskManager  # noqa: PLC0415  as above
 
     ckpt, export = shakespeare_export
     tmp = tmp_path_factory.mktemp("lm_eval")
-    lines = (shared_data / "hellaswag" / "hellaswag_val.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = assets.hellaswag.read_text(encoding="utf-8").splitlines()
     lines = lines[:150] + [line for line in lines if '"source_id": "wikihow' in line][:50]
     (tmp / "hellaswag_val.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = lm_eval.simple_evaluate(

@@ -133,7 +133,7 @@ def test_committed_notebook_is_clean():
     assert nb.metadata.kernelspec.name == "python3"
 
 
-def test_clean_log_summary_baselines_and_pngs(tmp_path, kernel_env, shared_data):
+def test_clean_log_summary_baselines_and_pngs(tmp_path, kernel_env, assets):
     log = write_log(tmp_path / "run", clean_records())
     nb, out = run_notebook(log, tmp_path)
     s = out["summary"]
@@ -146,7 +146,7 @@ def test_clean_log_summary_baselines_and_pngs(tmp_path, kernel_env, shared_data)
     assert s["step_time_s"] == pytest.approx(50 * 0.1)
     assert (s["redone_steps"], s["skipped_lines"], s["partial_last_line"]) == (0, 0, False)
     # the baselines are the published ones, kept in one place
-    ref = json.loads((shared_data / "reference" / "reference_numbers.json").read_text())["build_nanogpt_plot_baselines"]
+    ref = assets.reference["build_nanogpt_plot_baselines"]
     assert out["baselines"]["gpt2_val_loss"]["124M"] == ref["openai_gpt2_val_loss_on_fineweb_edu_val_shard"]["124M"]
     assert out["baselines"]["gpt2_hellaswag"] == ref["hellaswag_gpt2"]
     assert out["baselines"]["gpt3_hellaswag"] == ref["hellaswag_gpt3"]
@@ -270,11 +270,11 @@ def expected_summary(path):
 
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory, shared_data, enc):
+def real_run(tmp_path_factory, assets, enc):
     """Run 1 trains 12 steps with checkpoints after 6 and 12; run 2 resumes from the one after 6
     and redoes steps 6..11, appending to the same log. Returns (run-1 log text, out dir)."""
     data = tmp_path_factory.mktemp("shards")
-    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()[:20000]
+    text = assets.shakespeare.read_text()[:20000]
     tokens = np.array([enc.eot_token] + enc.encode_ordinary(text), dtype=np.uint16)
     np.save(data / "edufineweb_val_000000.npy", tokens[:2048])
     np.save(data / "edufineweb_train_000001.npy", tokens[2048:])
@@ -282,7 +282,7 @@ def real_run(tmp_path_factory, shared_data, enc):
     flags = "--device cpu --n-layer 2 --n-head 2 --n-embd 32 --block-size 64 -B 4 -T 32 --total-batch-size 128"
     flags += " --max-steps 12 --warmup-steps 2 --max-lr 3e-3 --eval-every 4 --val-tokens 512 --hellaswag-every 6"
     flags += " --hellaswag-limit 8 --sample-every 0 --ckpt-every 6 --keep-ckpts 0"
-    hellaswag = shared_data / "hellaswag" / "hellaswag_val.jsonl"
+    hellaswag = assets.hellaswag
     args = ["--data-dir", data, "--out-dir", out, *flags.split(), "--hellaswag-data", hellaswag]
     assert train_gpt2.main(list(map(str, args))) == 0
     first = (out / "log.jsonl").read_text()
@@ -319,7 +319,7 @@ def test_real_resumed_log(real_run, tmp_path, kernel_env):
     assert text_of(nb, "stderr") == ""
 
 
-def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env, shared_data):
+def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env, assets):
     """`jupyter execute` shows no cell output: the summary table still reaches the terminal, the log's numbers."""
     _, run_dir = real_run
     log = tmp_path / "run" / "log.jsonl"
@@ -337,7 +337,7 @@ def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env
     assert r.returncode == 0, r.stderr
     rows = {line[:18].strip(): line[18:] for line in r.stdout.splitlines() if len(line) > 18}
     want = expected_summary(log)
-    ref = json.loads((shared_data / "reference" / "reference_numbers.json").read_text())["build_nanogpt_plot_baselines"]
+    ref = assets.reference["build_nanogpt_plot_baselines"]
     gpt2_loss = ref["openai_gpt2_val_loss_on_fineweb_edu_val_shard"]["124M"]
     assert f"summary of {log}" in r.stdout
     assert rows["last step"] == f"{want['last_step']} of 12"

@@ -219,9 +219,9 @@ def test_every_phase_a_script_marks_has_its_advice():
     assert sorted(marked_phases("hellaswag.py")) == sorted(HELLASWAG_ADVICE)
 
 
-def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_config, enc, shared_data, monkeypatch):
+def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_config, enc, assets, monkeypatch):
     model = train_gpt2.GPT(tiny_config).eval()
-    examples = hellaswag.load_examples(str(shared_data / "hellaswag" / "hellaswag_val.jsonl"), limit=4)
+    examples = hellaswag.load_examples(str(assets.hellaswag), limit=4)
 
     def hidden_states(*args, **kwargs):
         raise MemoryError()

@@ -159,9 +159,9 @@ def test_a_second_run_into_a_running_runs_folder_is_refused(data, tmp_path, posi
     assert not list(out.glob(LOCK_FILE + "*"))
 
 
-def test_fineweb_input_writes_the_tokens_of_the_text(tmp_path, posix_less, shared_data):
+def test_fineweb_input_writes_the_tokens_of_the_text(tmp_path, posix_less, assets):
     env, ran_without_them = posix_less
-    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()[:20000]
+    text = assets.shakespeare.read_text()[:20000]
     (tmp_path / "a.txt").write_text(text)
     out = tmp_path / "shards"
     r = run(
@@ -187,7 +187,7 @@ unlock_folder(lock)
 """
 
 
-def test_fineweb_into_a_folder_another_fineweb_holds_is_refused(tmp_path, posix_less, shared_data):
+def test_fineweb_into_a_folder_another_fineweb_holds_is_refused(tmp_path, posix_less, assets):
     env, ran_without_them = posix_less
     out = tmp_path / "shards"
     out.mkdir()
@@ -202,7 +202,7 @@ def test_fineweb_into_a_folder_another_fineweb_holds_is_refused(tmp_path, posix_
     try:
         assert holder.stdout.readline() == "held\n"
         before = sorted(os.listdir(out))
-        r = run(env, "--input", shared_data / "tinyshakespeare" / "input.txt", "--out-dir", out, script="fineweb.py")
+        r = run(env, "--input", assets.shakespeare, "--out-dir", out, script="fineweb.py")
         assert_one_line_error(r, f"--out-dir {out} is in use by another fineweb.py (pid {holder.pid} on ")
         ran_without_them(r.pid)
         assert sorted(os.listdir(out)) == before == [fineweb.FOLDER_LOCK, fineweb.FOLDER_LOCK + ".msvcrt"]
@@ -213,9 +213,9 @@ def test_fineweb_into_a_folder_another_fineweb_holds_is_refused(tmp_path, posix_
     assert os.listdir(out) == []  # given back: the folder as it was
 
 
-def test_hellaswag_scores_as_with_them(short_run, posix_less, shared_data, capsys):
+def test_hellaswag_scores_as_with_them(short_run, posix_less, assets, capsys):
     env, ran_without_them = posix_less
-    args = ["-m", short_run[1], "--data", shared_data / "hellaswag" / "hellaswag_val.jsonl", "--limit", 6, "-d", "cpu"]
+    args = ["-m", short_run[1], "--data", assets.hellaswag, "--limit", 6, "-d", "cpu"]
     r = run(env, *args, script="hellaswag.py")
     assert r.returncode == 0, r.stderr
     ran_without_them(r.pid)

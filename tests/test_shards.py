@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import tiktoken
+from transformers import GPT2TokenizerFast
 
 import fineweb
 import train_gpt2
@@ -59,19 +60,22 @@ UNICODE = [
 ]
 
 
-def test_tokenizer_is_tiktokens_gpt2(enc, shared_data):
-    """The shipped vocab.bpe's tokenizer is tiktoken's gpt2: every token, and texts both ways."""
-    reference = tiktoken.get_encoding("gpt2")  # conftest points TIKTOKEN_CACHE_DIR at shared/data
+def test_tokenizer_is_tiktokens_gpt2(enc, assets, tmp_path):
+    """The shipped vocab.bpe's tokenizer is tiktoken's gpt2: every token, and texts both ways; and
+    transformers' GPT-2 tokenizer, a second implementation, tokenizes the texts as it does."""
+    reference = tiktoken.get_encoding("gpt2")  # from GPT-2's published files (conftest's tiktoken_cache)
+    shutil.copy(assets.encoder_json, tmp_path / "vocab.json")
+    shutil.copy(assets.vocab_bpe, tmp_path / "merges.txt")
     assert (enc.n_vocab, enc.eot_token, enc.max_token_value) == (reference.n_vocab, reference.eot_token, 50256)
     assert [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)] == [
         reference.decode_single_token_bytes(i) for i in range(reference.n_vocab)
     ]
-    texts = [(shared_data / "tinyshakespeare" / "input.txt").read_text(), *UNICODE]
-    for path in sorted((shared_data / "fineweb_sample").glob("*.parquet")):
-        texts += pq.read_table(path, columns=["text"]).column("text").to_pylist()
-    assert len(texts) == 1 + len(UNICODE) + 1000
+    texts = [assets.shakespeare.read_text(), *UNICODE]
+    texts += pq.read_table(assets.fineweb, columns=["text"]).column("text").to_pylist()
+    assert len(texts) == 1 + len(UNICODE) + 100
     ours = enc.encode_ordinary_batch(texts)
     assert ours == reference.encode_ordinary_batch(texts)
+    assert ours == GPT2TokenizerFast.from_pretrained(tmp_path)(texts)["input_ids"]
     assert [enc.decode(ids) for ids in ours] == texts
     special = "a<|endoftext|>b <|endoftext|>"
     assert enc.encode(special, allowed_special="all") == reference.encode(special, allowed_special="all")
@@ -97,7 +101,7 @@ def test_fineweb_tokenizes_offline_without_tiktokens_files(tmp_path, enc):
     assert r.returncode == 0, r.stderr
     assert os.listdir(tmp_path / "empty_cache") == []
     tokens = np.load(tmp_path / "shards" / "edufineweb_val_000000.npy").tolist()
-    assert tokens == [50256, *tiktoken.get_encoding("gpt2").encode_ordinary(text)]  # tiktoken's own, from shared/data
+    assert tokens == [50256, *tiktoken.get_encoding("gpt2").encode_ordinary(text)]  # tiktoken's own
 
 
 def test_a_changed_vocab_bpe_is_refused_naming_the_git_command(tmp_path, monkeypatch):
@@ -135,8 +139,8 @@ def test_a_text_file_as_data_dir_points_to_fineweb(tmp_path):
     assert text.read_text().startswith("First Citizen") and not (tmp_path / "out").exists()
 
 
-def test_max_shards_1_says_there_is_no_train_shard_and_the_command_that_adds_one(tmp_path, capsys, shared_data):
-    (tmp_path / "input.txt").write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:20000])
+def test_max_shards_1_says_there_is_no_train_shard_and_the_command_that_adds_one(tmp_path, capsys, assets):
+    (tmp_path / "input.txt").write_text(assets.shakespeare.read_text()[:20000])
     data = tmp_path / "data"
     fineweb.main(
         ["--input", str(tmp_path / "input.txt"), "--out-dir", str(data), "--shard-size", "2000", "--max-shards", "1"]
@@ -261,18 +265,18 @@ def test_token_ids_outside_the_vocab(tmp_path):
     assert not (tmp_path / "out" / "log.jsonl").exists()
 
 
-def fineweb_of(tmp_path, shared_data, chars, shard_size, name):
+def fineweb_of(tmp_path, assets, chars, shard_size, name):
     """fineweb.py's shards of the first chars characters of tiny shakespeare, in tmp_path / name."""
     text = tmp_path / "input.txt"
-    text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:chars])
+    text.write_text(assets.shakespeare.read_text()[:chars])
     out = tmp_path / name
     fineweb.main(["--input", str(text), "--out-dir", str(out), "--shard-size", str(shard_size), "--workers", "1"])
     return out
 
 
 @pytest.fixture
-def fineweb_folder(tmp_path, shared_data):
-    return fineweb_of(tmp_path, shared_data, 200_000, 20_000, "shards")
+def fineweb_folder(tmp_path, assets):
+    return fineweb_of(tmp_path, assets, 200_000, 20_000, "shards")
 
 
 def manifest_shards(folder):
@@ -284,9 +288,9 @@ def manifest_shards(folder):
 
 
 @pytest.fixture
-def big_shards(tmp_path, shared_data):
+def big_shards(tmp_path, assets):
     """Shards of 40,000 tokens: the fingerprint's sampled blocks leave bytes between them."""
-    return fineweb_of(tmp_path, shared_data, 300_000, 40_000, "big")
+    return fineweb_of(tmp_path, assets, 300_000, 40_000, "big")
 
 
 def unsampled_position(path, at_least=1024):
@@ -416,10 +420,10 @@ def test_a_manifest_that_cannot_be_read_is_one_warning_line(tmp_path, manifest):
 
 
 @pytest.fixture
-def tiny_text(tmp_path, shared_data):
+def tiny_text(tmp_path, assets):
     """The first 40,000 characters of tiny shakespeare as its own input file."""
     text = tmp_path / "tiny.txt"
-    text.write_text((shared_data / "tinyshakespeare" / "input.txt").read_text()[:40000])
+    text.write_text(assets.shakespeare.read_text()[:40000])
     return text
 
 

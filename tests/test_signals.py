@@ -204,14 +204,14 @@ def ctrl_c_at_the_third_poll(monkeypatch, args):
 
 @pytest.mark.parametrize("evaluation", ["val loss", "HellaSwag"])
 def test_ctrl_c_during_a_long_eval_stops_it_at_the_next_batch_with_a_checkpoint(
-    evaluation, tmp_path, shared_data, monkeypatch, capsys
+    evaluation, tmp_path, assets, monkeypatch, capsys
 ):
     """An eval of minutes at 124M (the val loss of millions of tokens, the whole HellaSwag set): Ctrl-C
     during it is honoured between two of its batches, the run stops with step 0's checkpoint, and
     the eval logs no half result; a long val eval says where it is."""
     data, out = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=5000), tmp_path / "out"
     hellaswag = ("--hellaswag-every", 1, "--hellaswag-limit", 200)
-    hellaswag += ("--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl")
+    hellaswag += ("--hellaswag-data", assets.hellaswag)
     flags = ("--eval-every", 1, "--val-tokens", 4096) if evaluation == "val loss" else ("--eval-every", 0, *hellaswag)
     polls = ctrl_c_at_the_third_poll(monkeypatch, tiny_args(data, out, "--max-steps", 2, *flags))
     assert polls == 3  # no batch after the one the Ctrl-C came in, nor anything else

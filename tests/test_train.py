@@ -82,9 +82,9 @@ OVERFIT_STEPS = 150
 
 
 @pytest.fixture(scope="module")
-def overfit_run(tmp_path_factory, shared_data, enc):
+def overfit_run(tmp_path_factory, assets, enc):
     data = tmp_path_factory.mktemp("shakespeare")
-    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()
+    text = assets.shakespeare.read_text()
     encode = lambda s: [enc.eot_token] + enc.encode_ordinary(s)  # noqa: E731  (as fineweb.py writes)
     write_shard(data / "ts_val_000000.npy", encode(text[:4000]))
     train = encode(text[4000:12000])  # about 2,400 tokens: a model this small can memorise them
@@ -94,7 +94,7 @@ def overfit_run(tmp_path_factory, shared_data, enc):
     flags = f"--max-steps {OVERFIT_STEPS} --warmup-steps 10 --max-lr 0.01 -B 4 -T 32 --total-batch-size 128"
     flags += f" --eval-every 75 --val-tokens 1024 --hellaswag-every {OVERFIT_STEPS} --hellaswag-limit 8"
     flags += f" --sample-every {OVERFIT_STEPS} --num-samples 2 --max-new-tokens 12 --peak-flops 1e12"
-    args = tiny_args(data, out, *flags.split(), "--hellaswag-data", shared_data / "hellaswag" / "hellaswag_val.jsonl")
+    args = tiny_args(data, out, *flags.split(), "--hellaswag-data", assets.hellaswag)
     assert train_gpt2.main(args) == 0
     return data, out
 
@@ -127,13 +127,13 @@ def test_logged_val_loss_is_the_final_models(overfit_run):
     assert logged == pytest.approx(loss.item(), rel=1e-5)
 
 
-def test_logged_hellaswag_and_samples_are_the_final_models(overfit_run, shared_data, enc):
+def test_logged_hellaswag_and_samples_are_the_final_models(overfit_run, assets, enc):
     _, out = overfit_run
     records, _ = read_log(out)
     model = load_model(str(out / f"ckpt_{OVERFIT_STEPS:06d}.pt")).eval()
     hs = [r for r in records if "hellaswag" in r]
     assert [r["step"] for r in hs] == [0, OVERFIT_STEPS] and hs[-1]["hellaswag_n"] == 8
-    examples = hellaswag.load_examples(str(shared_data / "hellaswag" / "hellaswag_val.jsonl"), limit=8)
+    examples = hellaswag.load_examples(str(assets.hellaswag), limit=8)
     counts = hellaswag.evaluate(model, hellaswag.prepare(examples, enc), "cpu")
     assert hs[-1]["hellaswag"] == counts["correct_norm"] / 8 and hs[-1]["hellaswag_acc"] == counts["correct"] / 8
     samples = [r["samples"] for r in records if "samples" in r]

@@ -15,7 +15,7 @@ from support.device import compile_problem
 
 
 @pytest.mark.slow
-def test_compiled_run_matches_eager_and_evaluates(tmp_path, shared_data):
+def test_compiled_run_matches_eager_and_evaluates(tmp_path, assets):
     data = random_shards(tmp_path / "data")
     common = (
         "--max-steps",
@@ -27,7 +27,7 @@ def test_compiled_run_matches_eager_and_evaluates(tmp_path, shared_data):
         "--hellaswag-limit",
         4,
         "--hellaswag-data",
-        shared_data / "hellaswag" / "hellaswag_val.jsonl",
+        assets.hellaswag,
         "--sample-every",
         3,
         "--num-samples",

@@ -11,11 +11,11 @@ from helpers import cli, hangup_default, random_shards, read_log, signal_at_step
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, shared_data):
+def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, assets):
     # B*T = 32 tokens; 2 ranks read 64 per micro-step. Shards of 64k+1 tokens leave no tail in
     # either layout, so both runs see the same tokens in the same order
     data = random_shards(tmp_path / "data", train_lengths=(321, 257), val_length=257)
-    hellaswag = shared_data / "hellaswag" / "hellaswag_val.jsonl"
+    hellaswag = assets.hellaswag
 
     def args(out):
         flags = "--total-batch-size 128 --max-steps 5 --eval-every 5 --hellaswag-every 5 --hellaswag-limit 6"

@@ -118,9 +118,9 @@ def offline(tmp_path, monkeypatch):
     wandb.teardown()
 
 
-def test_offline_run_holds_what_log_jsonl_records(tmp_path, offline, shared_data):
+def test_offline_run_holds_what_log_jsonl_records(tmp_path, offline, assets):
     data, out = random_shards(tmp_path / "data"), tmp_path / "tiny-run"
-    hellaswag = shared_data / "hellaswag" / "hellaswag_val.jsonl"
+    hellaswag = assets.hellaswag
     flags = "--wandb-project tiny --eval-every 3 --sample-every 3 --num-samples 2 --max-new-tokens 4"
     flags += " --hellaswag-every 3 --hellaswag-limit 4"
     args = tiny_args(data, out, *flags.split(), "--hellaswag-data", hellaswag)
