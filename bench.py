@@ -410,7 +410,7 @@ def main(argv=None):
     report["seconds"] = time.time() - t_start
     report["machine"]["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     report["table"] = table(report["rows"])
-    write_atomic(args.out, lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()), elsewhere="--out")
+    write_atomic(args.out, lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()))
     m = report["machine"]
     load = (
         ", load average {:.1f} at the start".format(m["load_average_at_start"][0]) if m["load_average_at_start"] else ""

@@ -129,7 +129,7 @@ def download(cache_path):
         ) from None
     os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
     # a cut download never leaves a partial cache; a link at its name is refused (no flag to name: any caller's)
-    write_atomic(cache_path, lambda f: f.write(text.encode("utf-8")), elsewhere=None)
+    write_atomic(cache_path, lambda f: f.write(text.encode("utf-8")))
 
 
 def load_examples(path=None, cache_dir=None, limit=None):

@@ -129,7 +129,7 @@ def run_items(items, report, budget_s, write, clock=time.monotonic, started=None
 def write_report(path, report):
     """The report as JSON at path, atomically: a reader, or a machine taken back mid-write, sees the
     whole previous report or the whole new one."""
-    write_atomic(path, lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()), elsewhere="--out")
+    write_atomic(path, lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()))
 
 
 # Each child runs under this watcher, which reads a pipe whose other end only bench.py holds: when
