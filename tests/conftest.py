@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import export_hf
 import train_gpt2
 from fake_gpu import faked
 from helpers import ROOT, random_shards, save_tiny_hf_gpt2, tiny_args, write_shard
@@ -121,7 +122,7 @@ def short_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shakespeare_export(tmp_path_factory, shared_data, enc):
-    """(checkpoint, its --export-hf folder) of a tiny model (tiny_args: 2 layers, 32 wide, vocabulary
+    """(checkpoint, its export_hf.py folder) of a tiny model (tiny_args: 2 layers, 32 wide, vocabulary
     padded to 50,304; block size 128, which holds every HellaSwag ending, as lm-eval requires)
     trained 40 steps on Tiny Shakespeare: real text, real tokens. Read, never changed."""
     tmp = tmp_path_factory.mktemp("shakespeare")
@@ -132,7 +133,7 @@ def shakespeare_export(tmp_path_factory, shared_data, enc):
     args = tiny_args(tmp / "data", tmp / "run", "--block-size", 128, "--max-steps", 40, "--warmup-steps", 4)
     assert train_gpt2.main([*args, "--ckpt-every", 40, "--eval-every", 0]) == 0
     ckpt = tmp / "run" / "ckpt_000040.pt"
-    assert train_gpt2.main(["--export-hf", str(ckpt), str(tmp / "hf")]) == 0
+    assert export_hf.main([str(ckpt), str(tmp / "hf")]) == 0
     return ckpt, tmp / "hf"
 
 

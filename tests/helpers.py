@@ -220,10 +220,10 @@ def heap_after(script, mode, args):
     return [int(v) for v in proc.stdout.split()[-2:]]
 
 
-def user_error(args):
-    """train_gpt2.main(args) must stop with a one-line UserError; returns its message."""
+def user_error(args, main=None):
+    """main(args) (a script's; train_gpt2.main by default) must stop with a one-line UserError; returns its message."""
     with pytest.raises(UserError) as e:
-        train_gpt2.main([str(a) for a in args])
+        (main or train_gpt2.main)([str(a) for a in args])
     assert "\n" not in str(e.value)
     return str(e.value)
 
