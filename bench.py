@@ -6,7 +6,7 @@ runs its contenders interleaved (A B A B ...), drops the warm-up rounds, and rep
 min-max; a ratio is the ratio of the medians, with the min-max of the per-round (paired) ratios.
 On a CPU, from the train section on, glibc's malloc keeps freed memory, as training and
 hellaswag.py run there (support.device.keep_freed_memory); the sections before it (sample among them,
-as `--sample-from` runs) have glibc's default.
+as sample.py runs) have glibc's default.
 
   ceiling    fp32 and bf16 GFLOP/s of a large square torch.mm: what this device can do with the
              kernels torch uses (on a CPU also fp32 through oneDNN, for reference: torch.mm and

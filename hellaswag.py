@@ -52,7 +52,7 @@ from support.cli import ArgumentParser, UserError, first_line, flag_type, run_cl
 from support.ddp import fence
 from support.device import keep_freed_memory, pick_device
 from support.files import jsonl_rows, write_atomic
-from support.hf_interop import hf_model_from_checkpoint, load_hf_model
+from support.hf_interop import hf_gpt2, load_hf_model
 from support.model_files import find_model
 from support.offline import offline_var, unreachable
 from support.out_of_memory import hellaswag_out_of_memory, oom_phase
@@ -542,8 +542,10 @@ def load_model(spec, device):
     built from its state dict, its vocabulary as it is, so that it scores as our GPT in training
     does. This file never imports train_gpt2.py (train_gpt2.py imports it)."""
     kind, path = find_model(spec)
-    model = load_hf_model(path) if kind == "transformers" else hf_model_from_checkpoint(load_checkpoint(path), path)
-    return model.to(device).eval()
+    if kind == "transformers":
+        return load_hf_model(path).to(device).eval()
+    ckpt = load_checkpoint(path)
+    return hf_gpt2(ckpt["model_config"], ckpt["model"], f"checkpoint {path}", attn_implementation="sdpa").to(device)
 
 
 POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")  # --limit, --batch-tokens

@@ -11,9 +11,7 @@ Usage:
     python train_gpt2.py                                   # the same on one GPU (or CPU: slow)
     python train_gpt2.py --resume                          # continue from the newest log/ckpt_*.pt
     python train_gpt2.py @configs/laptop.txt --max-steps 400   # a laptop's tiny run: a preset, typed flags win
-    python train_gpt2.py --sample-from gpt2                      # sample from OpenAI GPT-2
-    python train_gpt2.py --sample-from log --prompt "Hello,"     # from a run's newest checkpoint
-    python train_gpt2.py --export-hf log/ckpt_019073.pt gpt2_ours  # our checkpoint -> transformers dir
+A run's samples: python sample.py log; as a transformers folder: python export_hf.py log gpt2_ours
 """
 
 import os
@@ -41,13 +39,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hellaswag
 from support.checkpoints import all_rng_states, load_checkpoint, save_training_state
 from support.checks import Number, check_args, check_data, check_init_shape, check_model_fits
-from support.cli import ArgumentParser, UserError, run_cli, said_on_interrupt, same_on_every_rank
+from support.cli import ArgumentParser, UserError, run_cli, same_on_every_rank
 from support.ddp import setup_distributed
-from support.device import choose_compile, keep_freed_memory, pick_device, set_deterministic
+from support.device import choose_compile, keep_freed_memory, set_deterministic
 from support.divergence import NonFiniteGuard
-from support.dry_run import dry_run_job
 from support.gpu import peak_flops
-from support.hf_interop import check_state_dict, load_hf_gpt2, save_hf_gpt2
+from support.hf_interop import check_state_dict, load_hf_gpt2
 from support.model_files import find_model
 from support.out_dir import missing_folders, release_out_dir, remove_made_folders
 from support.out_of_memory import forget_phases, oom_phase, oom_run, training_out_of_memory
@@ -55,9 +52,8 @@ from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale
 from support.presets import expand_presets
 from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
 from support.run_log import RunLog
-from support.sampling import check_sampling, log_samples, print_samples
+from support.sampling import add_sampling_flags, check_sampling, log_samples
 from support.shards import (
-    GPT2_VOCAB,
     ShardFile,
     check_batch_fits,
     check_batch_ids,
@@ -133,7 +129,7 @@ class Block(nn.Module):
 
 def _embedding(n, dim, fill):
     # fill=False leaves the weight empty: on the meta device, nn.Embedding's own N(0, 1) fill
-    # imports torch._dynamo, seconds of a hellaswag.py or --sample-from start-up on a CPU
+    # imports torch._dynamo, seconds of a hellaswag.py or sample.py start-up on a CPU
     return nn.Embedding(n, dim) if fill else nn.Embedding(n, dim, _weight=torch.empty(n, dim))
 
 
@@ -232,14 +228,6 @@ class GPT(nn.Module):
         directory (save_pretrained output)."""
         config, state_dict = load_hf_gpt2(name_or_dir)  # transformers' layout turned into ours
         return cls.from_state_dict(GPTConfig(**config), state_dict, name_or_dir)
-
-    def export_hf(self, out_dir):
-        """Write this model as a transformers GPT2LMHeadModel directory (vocab trimmed to 50257,
-        tied embeddings) with GPT-2's tokenizer; out_dir must be new, empty or an earlier export."""
-        save_hf_gpt2(asdict(self.config), self.state_dict(), out_dir)
-        padding = self.config.vocab_size - GPT2_VOCAB
-        rows = f"; its {padding} padding rows of the vocabulary left out" if padding else ""
-        print(f"wrote a transformers GPT-2 directory to {out_dir}: the model and GPT-2's tokenizer{rows}")
 
 
 def flops_per_token(config, T):
@@ -615,9 +603,7 @@ def command_line():
     add("--out-dir", default="log", help="log.jsonl and checkpoints of one run go here")
     add("--resume", nargs="?", const="latest", metavar="CKPT", help="the newest in --out-dir, CKPT, a run's folder")
     add("--init-from", default="scratch", help="scratch, gpt2*, a transformers dir, a checkpoint, a run's folder")
-    add("--sample-from", metavar="MODEL", help="gpt2*, a transformers dir, a checkpoint, a run's folder")
-    add("--export-hf", nargs=2, metavar=("CKPT", "DIR"), help="write our checkpoint as a transformers dir")
-    add("--dry-run", action="store_true", help="run a job's start-up checks, then exit: nothing is written")
+    add("--dry-run", action="store_true", help="run the start-up checks, then exit: nothing is trained or written")
     add("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
     add("--dtype", default="auto", choices=("auto", *AUTOCAST_DTYPES), help="auto: see the README")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (None: on for CUDA)")
@@ -644,7 +630,7 @@ def command_line():
     add("--beta2", type=Number.FRACTION, default=0.95, help="AdamW beta2")
     add("--adam-eps", type=Number.ABOVE_ZERO, default=1e-8, help="AdamW epsilon")
     add("--grad-clip", type=Number.AMOUNT, default=1.0, help="max global grad norm; 0 turns clipping off")
-    add("--seed", type=int, default=1337, help="model init, shard order")
+    add("--seed", type=Number.SEED, default=1337, help="model init, shard order")
     add("--no-shuffle", action="store_true", help="read the shards in name order every epoch")
     add = group("data, evaluation, sampling, checkpoints (with --resume: the run's unless given)", RUN_SETTING)
     add("--data-dir", default="edu_fineweb10B", help="folder of *_train_*/*_val_* .npy or .bin shards")
@@ -654,11 +640,7 @@ def command_line():
     add("--hellaswag-limit", type=Number.POSITIVE, default=None, help="only the first N HellaSwag examples")
     add("--hellaswag-data", help="a local HellaSwag jsonl (None: hellaswag.py's cache or download)")
     add("--sample-every", type=Number.COUNT, default=250, help="print samples every N steps (0: never)")
-    add("--prompt", default="Hello, I'm a language model,", help="'' starts from <|endoftext|>")
-    add("--num-samples", type=Number.POSITIVE, default=4)
-    add("--max-new-tokens", type=Number.POSITIVE, default=32)
-    add("--temperature", type=Number.AMOUNT, default=1.0, help="0: greedy")
-    add("--top-k", type=Number.COUNT, default=50, help="sample among the k likeliest tokens (0: all)")
+    add_sampling_flags(add)  # --prompt, --num-samples, --max-new-tokens, --temperature, --top-k: sample.py's too
     add("--ckpt-every", type=Number.COUNT, default=1000, help="checkpoint every N steps, and at the end")
     add("--keep-ckpts", type=Number.COUNT, default=3, help="keep this run's newest N checkpoints (0: all)")
     add("--deterministic", action="store_true", help="CUDA kernels that rerun and resume bitwise equal")
@@ -686,20 +668,6 @@ def parse_args(argv=None):
 def main(argv=None):
     args, given = parse_args(argv)
     forget_phases()  # a start of its own: no phase of an earlier main() in this process is in progress
-    if args.sample_from or args.export_hf:
-        check_args(args, 1)  # the sampling settings; training's do not matter here
-        if args.dry_run:  # the device, the model, the prompt, the export's folder; nothing loaded or written
-            pick_device(args.device)
-            return dry_run_job(args.sample_from, args.export_hf, get_tokenizer(), args.prompt, args.max_new_tokens)
-    if args.sample_from:
-        model = load_model(args.sample_from, pick_device(args.device)[0])
-        settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
-        return print_samples(model, get_tokenizer(), args.prompt, args.max_new_tokens, seed=args.seed, **settings)
-    if args.export_hf:
-        ckpt_path, out_dir = args.export_hf
-        with said_on_interrupt(f"interrupted: nothing was exported ({out_dir} is as it was); run the command again"):
-            load_model(ckpt_path).export_hf(out_dir)
-        return 0
     made = missing_folders(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else []  # rank 0 makes it
     try:
         return train(args, given)

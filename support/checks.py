@@ -13,7 +13,7 @@ from support.wandb_log import wandb_problem
 
 
 class Number:
-    """The types of train_gpt2.py's number flags (flag_type), each beside its flag in command_line."""
+    """The types of the scripts' number flags (flag_type), each beside its flag in its parser."""
 
     COUNT = flag_type(int, lambda n: n >= 0, "0 or more")  # steps, tokens, checkpoints: 0 is never / none
     POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")  # sizes and counts the code divides or loops by
@@ -21,6 +21,8 @@ class Number:
     ABOVE_ZERO = flag_type(float, lambda x: x > 0, "above 0")
     FRACTION = flag_type(float, lambda x: 0 <= x < 1, "in [0, 1)")  # AdamW's betas
     FINITE = flag_type(float, lambda x: True, "finite")
+    SEED = flag_type(int, lambda n: 0 <= n < 2**32, f"between 0 and {2**32 - 1:,}")  # numpy's generators (shard order)
+    TORCH_SEED = flag_type(int, lambda n: -(2**63) <= n < 2**64, f"between {-(2**63)} and {2**64 - 1:,}")  # sample.py's
     # c10d counts the timeout in whole milliseconds (below 1 ms it is 0, and every wait fails at
     # once), the ranks of a job take about a second to join even on one machine, and torch turns the
     # seconds into int64 nanoseconds, which larger ones overflow
@@ -32,23 +34,19 @@ class Number:
     )
 
 
-def check_args(args, world_size, given=frozenset(), warmup_lr=None):
-    """The flags against one another, the job and the machine, as one-line errors before the run
-    does anything (each flag's own range is its type's, at parse time). given: the flags on the
-    command line; warmup_lr(step, max_lr, warmup_steps): a training run's warm-up (check_warmup)."""
+def check_args(args, world_size, given, warmup_lr):
+    """The flags against one another and the machine, as one-line errors before the run does
+    anything (each flag's own range is its type's, at parse time). given: the flags on the
+    command line; warmup_lr(step, max_lr, warmup_steps): the recipe's warm-up (check_warmup)."""
 
     def need(ok, message):
         if not ok:
             raise same_on_every_rank(UserError(message))
 
-    need(not (args.sample_from and args.export_hf), "--sample-from and --export-hf are two different jobs: pass one")
     need(
         args.min_lr is None or 0 <= args.min_lr <= args.max_lr,
         f"--min-lr {args.min_lr} must be between 0 and --max-lr {args.max_lr}",
     )
-    # numpy's generators (the shard order) take 0 .. 2**32 - 1; torch's (sampling) -2**63 .. 2**64 - 1
-    low, high = (-(2**63), 2**64 - 1) if args.sample_from else (0, 2**32 - 1)
-    need(low <= args.seed <= high, f"--seed must be between {low} and {high:,}, not {args.seed}")
     need(args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
     need(args.vocab_size >= GPT2_VOCAB, f"--vocab-size {args.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens")
     need(
@@ -73,8 +71,7 @@ def check_args(args, world_size, given=frozenset(), warmup_lr=None):
         need(problem is None, problem)
     elif args.wandb_run_name and not args.resume:  # on --resume the run's project counts
         need(False, f"--wandb-run-name {args.wandb_run_name} names a wandb run: pass --wandb-project too")
-    if not (args.sample_from or args.export_hf):  # a training run's warm-up
-        check_warmup(args, given, warmup_lr)
+    check_warmup(args, given, warmup_lr)
 
 
 def check_warmup(args, given, warmup_lr):

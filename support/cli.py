@@ -3,7 +3,6 @@ argument parser that raises it, and run_cli, the wrapper around a script's main(
 a Ctrl-C and an out-of-memory each as one line; torch-free, as fineweb.py is."""
 
 import argparse
-import contextlib
 import math
 import os
 import re
@@ -118,17 +117,6 @@ def run_cli(main, interrupted="interrupted", out_of_memory=None):
         print(str(e) or interrupted, file=sys.stderr)  # its own words, if it has any (signals.Interrupted)
         code = 130
     sys.exit(code if isinstance(code, int) else 0)
-
-
-@contextlib.contextmanager
-def said_on_interrupt(message):
-    """A Ctrl-C inside is reported with message (run_cli prints a KeyboardInterrupt's own words)."""
-    try:
-        yield
-    except KeyboardInterrupt as e:
-        if str(e):
-            raise  # it says something already
-        raise KeyboardInterrupt(message) from None
 
 
 def memory_kind(e):

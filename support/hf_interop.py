@@ -2,6 +2,7 @@
 dict in, state dict out, or its GPT2LMHeadModel built from a name, a folder or our checkpoint), and
 GPT-2's tokenizer files written from the shipped vocab.bpe."""
 
+import contextlib
 import json
 import os
 import pickle
@@ -19,7 +20,7 @@ from support.offline import offline_var
 from support.shards import GPT2_BPE, GPT2_VOCAB, get_tokenizer, read_gpt2_bpe
 
 HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-EXPORT_MARK = "train_gpt2.py --export-hf"  # config.json's "exported_by": a folder export_hf may replace
+EXPORT_MARK = "export_hf.py"  # config.json's "exported_by": a folder an export may replace
 
 
 # everything an export writes: save_pretrained's files for a GPT2LMHeadModel (shards and their index
@@ -50,7 +51,7 @@ def hub_name_is_cached(name):
 def check_hub_reachable(name, timeout=3.0):
     """Refuse at once, in one line, to fetch `name` (not in the local cache) when offline use is
     set or the Hub does not answer: transformers would retry for half a minute, then not say why."""
-    fix = "pass a local transformers GPT-2 directory instead (save_pretrained output, or --export-hf's)"
+    fix = "pass a local transformers GPT-2 directory instead (save_pretrained output, or export_hf.py's)"
     var = offline_var(("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     if var:
         raise UserError(
@@ -69,20 +70,28 @@ def check_hub_reachable(name, timeout=3.0):
         ) from None
 
 
+class _Writable(Exception):
+    """Raised where the export starts to write: write_dir_atomic removes what it made, as on any failure."""
+
+
+def _stop_writing(tmp):
+    raise _Writable
+
+
 def check_export_target(out_dir):
-    """The absolute folder export_hf may write: a new one, an empty one, or an earlier export (only
+    """The absolute folder an export may write: a new one, an empty one, or an earlier export (only
     save_pretrained's plain files, config.json marked EXPORT_MARK), which is replaced."""
     given = str(out_dir)
     if not given:  # not the current folder: a name left empty by mistake
-        raise UserError(
-            "--export-hf CKPT '' names no folder: name the folder to write, e.g. --export-hf CKPT gpt2_ours"
-        )
+        raise UserError("DIR '' names no folder: name the folder to write, e.g. python export_hf.py CKPT gpt2_ours")
     if os.path.islink(given) and not os.path.exists(given):
-        raise UserError(f"--export-hf target {given} is a symbolic link to nothing: name a new folder")
-    out_dir = os.path.realpath(given)  # a link to an earlier export: replace that folder, keep the link
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        example = os.path.splitext(given)[0] + "_hf"
-        raise UserError(f"--export-hf target {given} is a file, not a folder: name a new folder, e.g. {example}")
+        raise UserError(f"export target {given} is a symbolic link to nothing: name a new folder")
+    out_dir = found = os.path.realpath(given)  # a link to an earlier export: replace that folder, keep the link
+    while not os.path.exists(found):  # the folder, or the nearest of its parents that exists
+        found = os.path.dirname(found)
+    if not os.path.isdir(found):
+        example = os.path.splitext(found)[0] + "_hf"
+        raise UserError(f"export target {given}: {found} is a file, not a folder: name a new folder, e.g. {example}")
     names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
     foreign = [
         n
@@ -102,9 +111,11 @@ def check_export_target(out_dir):
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise UserError(
-            f"--export-hf target {given} is not empty and not an earlier export (it holds {foreign[0]}{more}): "
+            f"export target {given} is not empty and not an earlier export (it holds {foreign[0]}{more}): "
             f"name a new or empty folder; nothing was changed"
         )
+    with contextlib.suppress(_Writable):  # tried, not guessed: its hidden folder made where the export writes
+        write_dir_atomic(out_dir, _stop_writing, "the export")
     return out_dir
 
 
@@ -209,21 +220,20 @@ def gpt2_config(config, vocab_size, **extra):
     )
 
 
-def hf_model_from_checkpoint(ckpt, path):
-    """The model of our checkpoint (load_checkpoint's dict) as transformers'
-    GPT2LMHeadModel with SDPA attention, in memory: its vocabulary as it is (the padding rows
-    kept), so that its losses are our GPT's. Every key and shape is checked, as our loader does."""
-    config = ckpt["model_config"]
+def hf_gpt2(config, sd, source, vocab_size=None, **extra):
+    """Our model (config dict, our state dict) as transformers' GPT2LMHeadModel, in memory, every key
+    and shape checked as our loader checks them (a UserError naming source); its vocabulary cut to
+    vocab_size rows (None: as it is, the padding rows kept, so that its losses are our GPT's)."""
     from transformers import GPT2LMHeadModel  # noqa: PLC0415  2 s to import: only building a transformers model needs it
 
-    hf_config = gpt2_config(config, config["vocab_size"], attn_implementation="sdpa")
-    with torch.device("meta"):  # no random init to throw away: the checkpoint's tensors become the weights
+    hf_config = gpt2_config(config, vocab_size or config["vocab_size"], **extra)
+    with torch.device("meta"):  # no random init to throw away: our tensors become the weights
         hf = GPT2LMHeadModel(hf_config)
     if any(True for _ in hf.buffers()):  # a transformers whose attention keeps buffers (a causal mask): real ones
         hf = GPT2LMHeadModel(hf_config)
     shapes = {k: v.shape[::-1] if k.endswith(HF_TRANSPOSED) else v.shape for k, v in hf.state_dict().items()}
-    check_state_dict(shapes, ckpt["model"], f"checkpoint {path}")
-    hf.load_state_dict(state_dict_to_hf(ckpt["model"], vocab_size=config["vocab_size"]), assign=True)
+    check_state_dict({**shapes, **dict.fromkeys(TIED, (config["vocab_size"], config["n_embd"]))}, sd, source)
+    hf.load_state_dict(state_dict_to_hf(sd, vocab_size=hf_config.vocab_size), assign=True)
     hf.tie_weights()  # assigned one key at a time: tie them again
     return hf.eval()
 
@@ -257,20 +267,17 @@ def save_gpt2_tokenizer(enc, folder, model_max_length):
     tok.save_pretrained(folder)
 
 
-def save_hf_gpt2(config, sd, out_dir):
+def save_hf_gpt2(config, sd, out_dir, source="the model"):
     """Write a model (config dict, our state dict) as a transformers GPT2LMHeadModel directory
     (vocab trimmed to 50257, tied embeddings) with GPT-2's tokenizer: every model this repo trains
     reads tiktoken's gpt2 ids (fineweb.py's shards), and the rows of a larger --vocab-size past
-    50257 are padding. out_dir must be new, empty or an earlier export (check_export_target)."""
+    50257 are padding. out_dir must be new, empty or an earlier export (check_export_target); source:
+    what sd is, for the line that refuses weights that do not fit config (hf_gpt2)."""
     out_dir = check_export_target(out_dir)  # refuse before the slow part
     enc = get_tokenizer()
-    from transformers import GPT2LMHeadModel  # noqa: PLC0415  2 s to import: only the export needs it, after its checks
-    from transformers.utils import logging as hf_logging  # noqa: PLC0415  as above
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415  2 s to import: only the export needs it
 
-    hf = GPT2LMHeadModel(gpt2_config(config, GPT2_VOCAB, exported_by=EXPORT_MARK))
-    sd_hf = hf.state_dict()
-    for k, v in state_dict_to_hf(sd).items():
-        sd_hf[k].copy_(v)
+    hf = hf_gpt2(config, sd, source, GPT2_VOCAB, exported_by=EXPORT_MARK)
 
     def write(folder):
         hf.save_pretrained(folder)

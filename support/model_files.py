@@ -1,4 +1,4 @@
-"""Where a model named on the command line (--init-from, --sample-from, --export-hf, hellaswag.py
+"""Where a model named on the command line (--init-from, sample.py, export_hf.py, hellaswag.py
 -m) lives: an OpenAI GPT-2 name, a transformers folder, our checkpoint or a run's folder, and its
 shape read without its weights."""
 
@@ -39,8 +39,8 @@ def find_model(spec):
 
 
 def model_config_of(spec):
-    """{"block_size", "vocab_size"} of a model as --sample-from and --export-hf take it, found and
-    read without its weights: a checkpoint's zip CRCs and pickle (weights_only; the tensors mapped,
+    """{"block_size", "vocab_size"} of a model as sample.py takes it, found and read without its
+    weights (its --dry-run): a checkpoint's zip CRCs and pickle (weights_only; the tensors mapped,
     not read), a transformers folder's config.json beside its weights, a GPT-2 name in the local
     cache or on a Hub that answers."""
     kind, path = find_model(spec)

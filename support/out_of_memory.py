@@ -115,9 +115,6 @@ TRAINING_ADVICE = {
     "writing the checkpoint": lambda step: then_resume(
         f"while writing the checkpoint of step {step}", None, "free host memory for it"
     ),
-    "sample-from": lambda num_samples, max_new_tokens: (
-        f"while sampling: {fewer_samples(num_samples)[1]} or --max-new-tokens {max_new_tokens}"
-    ),
 }
 
 
@@ -144,3 +141,18 @@ def hellaswag_out_of_memory(e=None):
     """For run_cli: hellaswag.py's flag to lower, from its "scoring HellaSwag" phase's batch_tokens."""
     phase, values = latest_phase(HELLASWAG_ADVICE)
     return None if phase is None else HELLASWAG_ADVICE[phase](**values)
+
+
+# --- sample.py -------------------------------------------------------------------------------------
+
+SAMPLE_ADVICE = {
+    "drawing samples": lambda num_samples, max_new_tokens: (
+        f"while sampling: {fewer_samples(num_samples)[1]} or --max-new-tokens {max_new_tokens}"
+    )
+}
+
+
+def sample_out_of_memory(e=None):
+    """For run_cli: sample.py's flags to lower, from its "drawing samples" phase."""
+    phase, values = latest_phase(SAMPLE_ADVICE)
+    return None if phase is None else SAMPLE_ADVICE[phase](**values)

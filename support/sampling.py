@@ -1,6 +1,6 @@
 """Generating text from a model: the KV cache a sample decodes with, the draw of each token, the
-(compiled) one-token decode step, generate, and the prompt and samples that training (checked at
-its start, logged mid-run) and --sample-from print. The model is passed in: any GPT whose
+(compiled) one-token decode step, generate, and the prompt, flags and samples that training
+(checked at its start, logged mid-run) and sample.py share. The model is passed in: any GPT whose
 hidden_states takes a cache (see KVCache) and whose lm_head gives the logits."""
 
 import math
@@ -8,6 +8,7 @@ import math
 import torch
 from torch.nn import functional as F
 
+from support.checks import Number
 from support.cli import UserError
 from support.out_of_memory import oom_phase
 from support.precision import autocast
@@ -163,14 +164,29 @@ def generate(
     return out
 
 
-# --- Text in, text out: the prompt, and the samples a run or --sample-from prints ----------------
+# --- Text in, text out: the flags, the prompt, and the samples a run logs (sample.py prints them) -
 
 
-def encode_prompt(enc, prompt, block_size):
-    """The prompt's tokens; an empty prompt starts from <|endoftext|>, as a new document would."""
+def add_sampling_flags(add):
+    """The sampling flags of train_gpt2.py (its mid-run samples) and sample.py; add: add_argument."""
+    add("--prompt", default="Hello, I'm a language model,", help="'' starts from <|endoftext|>")
+    add("--num-samples", type=Number.POSITIVE, default=4)
+    add("--max-new-tokens", type=Number.POSITIVE, default=32)
+    add("--temperature", type=Number.AMOUNT, default=1.0, help="0: greedy")
+    add("--top-k", type=Number.COUNT, default=50, help="sample among the k likeliest tokens (0: all)")
+
+
+def encode_prompt(enc, prompt, block_size, max_new_tokens, say=True):
+    """The prompt's tokens; an empty prompt starts from <|endoftext|>, as a new document would.
+    generate stops at the model's window: say, a note when the prompt and max_new_tokens overrun it."""
     tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else [enc.eot_token]
     if len(tokens) >= block_size:
         raise UserError(f"--prompt is {len(tokens)} tokens, the model reads at most {block_size - 1} before a new one")
+    if say and len(tokens) + max_new_tokens > block_size:
+        print(
+            f"note: samples stop at the model's {block_size}-token window: {block_size - len(tokens)} new tokens "
+            f"after the {len(tokens)}-token prompt, not --max-new-tokens {max_new_tokens}"
+        )
     return tokens
 
 
@@ -189,29 +205,13 @@ def sample_text(
     return None if out is None else [enc.decode(row.tolist()) for row in out]
 
 
-def print_samples(model, enc, prompt, max_new_tokens, **settings):
-    """--sample-from: samples of prompt, printed one per line; settings: sample_text's (num_samples,
-    temperature, top_k, seed). Returns 0, the job's exit code."""
-    oom_phase("sample-from", num_samples=settings["num_samples"], max_new_tokens=max_new_tokens)
-    block_size = model.config.block_size
-    tokens = encode_prompt(enc, prompt, block_size)
-    note_if_samples_stop_early(len(tokens), max_new_tokens, block_size)
-    texts = sample_text(model, enc, enc.decode(tokens), max_new_tokens=max_new_tokens, **settings)
-    for i, text in enumerate(texts):
-        print(f"sample {i}: {text}")
-    return 0
-
-
 def check_sampling(model, enc, prompt, max_new_tokens, autocast_dtype, master_process, **settings):
     """A training run's samples, checked at start: the prompt tokenized and fitted to the model's
     window (rank 0 says when the samples stop early), and one token drawn with settings
     (num_samples, temperature, top_k): a bad prompt or setting fails now, not at the first sample
     step hours in. Returns sample_text's keyword arguments for the run's samples; its fixed seed
     gives the same noise at every sample step, so the samples show what was learned."""
-    block_size = model.config.block_size
-    tokens = encode_prompt(enc, prompt, block_size)
-    if master_process:
-        note_if_samples_stop_early(len(tokens), max_new_tokens, block_size)
+    tokens = encode_prompt(enc, prompt, model.config.block_size, max_new_tokens, say=master_process)
     sampling = dict(enc=enc, prompt=enc.decode(tokens), **settings)
     oom_phase("sampling check", num_samples=settings["num_samples"])
     with autocast(next(model.parameters()).device.type, autocast_dtype):  # every rank samples, here and mid-run
@@ -228,13 +228,3 @@ def log_samples(step, model, sampling, max_new_tokens, autocast_dtype, log, shou
         samples = sample_text(model, max_new_tokens=max_new_tokens, stop=should_stop, **sampling)
     if samples is not None:
         log({"step": step, "samples": samples})
-
-
-def note_if_samples_stop_early(n_prompt, max_new_tokens, block_size):
-    """generate stops at the model's window: say so when the prompt and --max-new-tokens overrun it."""
-    room = block_size - n_prompt
-    if max_new_tokens > room:
-        print(
-            f"note: samples stop at the model's {block_size}-token window: {room} new tokens after the "
-            f"{n_prompt}-token prompt, not --max-new-tokens {max_new_tokens}"
-        )

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import export_hf
 import train_gpt2
 from fake_gpu import faked
 from helpers import ROOT, random_shards, save_tiny_hf_gpt2, tiny_args, write_shard
@@ -159,7 +160,7 @@ def short_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shakespeare_export(tmp_path_factory, assets, enc):
-    """(checkpoint, its --export-hf folder) of a tiny model (tiny_args: 2 layers, 32 wide, vocabulary
+    """(checkpoint, its export_hf.py folder) of a tiny model (tiny_args: 2 layers, 32 wide, vocabulary
     padded to 50,304; block size 128, which holds every HellaSwag ending, as lm-eval requires)
     trained 40 steps on Tiny Shakespeare: real text, real tokens. Read, never changed."""
     tmp = tmp_path_factory.mktemp("shakespeare")
@@ -170,7 +171,7 @@ def shakespeare_export(tmp_path_factory, assets, enc):
     args = tiny_args(tmp / "data", tmp / "run", "--block-size", 128, "--max-steps", 40, "--warmup-steps", 4)
     assert train_gpt2.main([*args, "--ckpt-every", 40, "--eval-every", 0]) == 0
     ckpt = tmp / "run" / "ckpt_000040.pt"
-    assert train_gpt2.main(["--export-hf", str(ckpt), str(tmp / "hf")]) == 0
+    assert export_hf.main([str(ckpt), str(tmp / "hf")]) == 0
     return ckpt, tmp / "hf"
 
 

@@ -72,13 +72,13 @@ def write_known_shards(folder, lengths, ext="npy", val_length=0):
     return shards
 
 
-TINY_RUN = [word for _, words in preset_lines(ROOT / "configs" / "tests.txt") for word in words]
+TINY_RUN = [word for _, words in preset_lines(ROOT / "tests" / "tiny_run.txt") for word in words]
 
 
 def tiny_args(data_dir, out_dir, *extra):
-    """The tests' tiny run, configs/tests.txt's flags (a 2-layer, 32-wide model on the CPU, 6 steps),
+    """The tests' tiny run, tests/tiny_run.txt's flags (a 2-layer, 32-wide model on the CPU, 6 steps),
     on data_dir into out_dir; later flags override earlier ones. The preset's flags are listed,
-    not passed as @configs/tests.txt, so that a test can leave one out."""
+    not passed as @tests/tiny_run.txt, so that a test can leave one out."""
     return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), *TINY_RUN, *map(str, extra)]
 
 
@@ -220,10 +220,10 @@ def heap_after(script, mode, args):
     return [int(v) for v in proc.stdout.split()[-2:]]
 
 
-def user_error(args):
-    """train_gpt2.main(args) must stop with a one-line UserError; returns its message."""
+def user_error(args, main=None):
+    """main(args) (a script's; train_gpt2.main by default) must stop with a one-line UserError; returns its message."""
     with pytest.raises(UserError) as e:
-        train_gpt2.main([str(a) for a in args])
+        (main or train_gpt2.main)([str(a) for a in args])
     assert "\n" not in str(e.value)
     return str(e.value)
 

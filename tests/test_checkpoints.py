@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import sample
 import train_gpt2
 from helpers import fail_nth_write, random_shards, read_log, same_weights, tiny_args, user_error
 from support import checkpoints, files
@@ -163,7 +164,7 @@ def test_pickle_carrying_code_is_refused(short_run, tmp_path):
 
 @pytest.mark.parametrize("model_config", [{"n_layer": 2}, [2, 2, 32]], ids=["keys missing", "not a dict"])
 def test_a_checkpoint_whose_model_config_is_no_gpts_is_refused_when_loaded(tmp_path, model_config):
-    """Checked once in load_checkpoint, for every reader (training, hellaswag.py, --sample-from, --export-hf)."""
+    """Checked once in load_checkpoint, for every reader (training, hellaswag.py, sample.py, export_hf.py)."""
     torch.save({"model": {}, "model_config": model_config}, tmp_path / "ckpt.pt")
     with pytest.raises(
         UserError, match=r"ckpt\.pt is not a train_gpt2\.py checkpoint \(no model / GPT model_config\)$"
@@ -178,8 +179,8 @@ def test_a_refused_pickle_says_what_the_file_is_not_and_what_works(tmp_path, hf_
     path = tmp_path / "model.pt"
     torch.save({"model": np.float64(1.0) if spec == "a numpy scalar" else pathlib.PurePath("x")}, path)
     args = ["--prompt", "Hi", "--num-samples", "1", "--max-new-tokens", "2", "--device", "cpu"]
-    msg = user_error(["--sample-from", path, *args])
+    msg = user_error([path, *args], sample.main)
     assert msg.startswith(f"{path} is not a checkpoint written by train_gpt2.py (or is one of an older format)")
     assert "weights_only" not in msg and "\x1b" not in msg  # torch's advice and its terminal colours
     assert "a transformers GPT-2 as its folder (config.json beside its weights, as save_pretrained writes it)" in msg
-    assert train_gpt2.main(["--sample-from", str(hf_tiny_dir), *args]) == 0  # the advice: such a folder loads
+    assert sample.main([str(hf_tiny_dir), *args]) == 0  # the advice: such a folder loads

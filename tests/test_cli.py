@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import ROOT, assert_one_line_error, cli, tiny_args
-from support.cli import UserError, memory_kind, out_of_memory_line, said_on_interrupt
+from support.cli import UserError, memory_kind, out_of_memory_line
 
 # ----------------------------------------------------------------------------------------------
 # run_cli: a mistake is one line, an interrupt its own words
@@ -28,7 +28,9 @@ def test_a_flag_argparse_cannot_parse_is_one_line_not_the_usage(tmp_path):
         ("train_gpt2.py", "parse_args", ["--keep-ckpts", "1.5"], "argument --keep-ckpts: invalid int value: '1.5'"),
         ("train_gpt2.py", "parse_args", ["--max-st", "3"], "unrecognized arguments: --max-st 3"),
         ("train_gpt2.py", "parse_args", ["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
-        ("train_gpt2.py", "parse_args", ["--export-hf", "x"], "argument --export-hf: expected 2 arguments"),
+        ("train_gpt2.py", "parse_args", ["--sample-from", "gpt2"], "unrecognized arguments: --sample-from gpt2"),
+        ("sample.py", "main", ["gpt2", "--top-k", "some"], "argument --top-k: invalid int value: 'some'"),
+        ("export_hf.py", "main", ["log/ckpt_000001.pt"], "the following arguments are required: DIR"),
         ("fineweb.py", "parse_args", ["--format", "txt"], "argument --format: invalid choice: 'txt'"),
         ("hellaswag.py", "main", ["--limit", "ten"], "argument --limit: invalid int value: 'ten'"),
         ("hellaswag.py", "main", ["--modle", "gpt2"], "unrecognized arguments: --modle gpt2"),
@@ -49,12 +51,6 @@ def test_run_cli_prints_an_interrupts_own_words():
     code = "from support.cli import run_cli\ndef main():\n    raise KeyboardInterrupt('its own words')\nrun_cli(main)"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 130 and r.stderr.strip() == "its own words"
-
-
-def test_said_on_interrupt_keeps_a_message_it_has():
-    with pytest.raises(KeyboardInterrupt) as e, said_on_interrupt("the job's words"):
-        raise KeyboardInterrupt("its own words")
-    assert str(e.value) == "its own words"
 
 
 # ----------------------------------------------------------------------------------------------

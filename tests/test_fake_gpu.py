@@ -1,7 +1,7 @@
 """The scripts' CUDA-only lines, run with `--device cuda` on a faked GPU (fake_gpu.py; docs/gpus.md
 says what that checks and what it cannot): a tiny run at compute capability 9.0 (bf16) and 7.5 (fp16
 and its loss scaler) computes what the CPU computes in that dtype, with its evaluations, samples and
-checkpoints; --resume, --deterministic, DDP, hellaswag.py, --sample-from, --export-hf; a 16 GB card's
+checkpoints; --resume, --deterministic, DDP, hellaswag.py, sample.py, export_hf.py; a 16 GB card's
 limits and out-of-memory advice. Slow: compile, bench.py's sections and --gpu-check on "cuda". Last,
 every CUDA-only place the scripts have must have run under the fake, or be listed as one it cannot run."""
 
@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 import bench
+import export_hf
 import hellaswag
+import sample
 import support.ddp
 import train_gpt2
 from benchmarks import gpu_check
@@ -140,19 +142,19 @@ def test_hellaswag_script_on_a_gpu_scores_as_the_cpu_in_its_dtype(runs, fake_gpu
     assert fake.asked_for("pin_memory")
 
 
-def test_sample_from_on_a_gpu_prints_the_cpus_samples(runs, fake_gpu, capsys):
-    argv = ["--sample-from", str(runs("H100")[0]), "--num-samples", "2", "--max-new-tokens", "8"]
-    assert train_gpt2.main([*argv, "--device", "cpu"]) == 0
+def test_sample_py_on_a_gpu_prints_the_cpus_samples(runs, fake_gpu, capsys):
+    argv = [str(runs("H100")[0]), "--num-samples", "2", "--max-new-tokens", "8"]
+    assert sample.main([*argv, "--device", "cpu"]) == 0
     on_cpu = capsys.readouterr().out
     fake_gpu("H100")
-    assert train_gpt2.main([*argv, "--device", "cuda"]) == 0
+    assert sample.main([*argv, "--device", "cuda"]) == 0
     assert capsys.readouterr().out == on_cpu and on_cpu.count("sample ") == 2
 
 
 def test_export_hf_of_a_gpu_runs_checkpoint_loads_back_with_its_weights(runs, fake_gpu, tmp_path):
     ckpt = str(runs("H100")[0] / "ckpt_000004.pt")
     fake_gpu("H100")
-    assert train_gpt2.main(["--export-hf", ckpt, str(tmp_path / "hf")]) == 0
+    assert export_hf.main([ckpt, str(tmp_path / "hf")]) == 0
     ours, back = train_gpt2.load_model(ckpt).state_dict(), train_gpt2.load_model(str(tmp_path / "hf")).state_dict()
     assert ours.keys() == back.keys()
     assert all(torch.equal(ours[k][: len(back[k])], back[k]) for k in ours)  # the vocabulary's padding left out

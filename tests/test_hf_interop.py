@@ -1,13 +1,12 @@
-"""support/hf_interop.py, through train_gpt2.py's command line: --export-hf never deletes or
-overwrites what it did not write (docs/reliability.md, rules 3 and 4), --sample-from a Hub name fails
-at once in one line where the Hub cannot be used (rule 8), and a transformers folder is read in exactly
-(--init-from) or refused. Faults inside the write are injected with monkeypatch."""
+"""support/hf_interop.py: an export (save_hf_gpt2) is what transformers' own tools load as GPT-2, and a
+fault inside its write (injected with monkeypatch) leaves everything as it was (which targets it
+refuses: test_export_hf.py); a Hub name (sample.py's) fails at once in one line where the Hub cannot be
+used (docs/reliability.md, rule 8); a transformers folder is read in exactly (--init-from) or refused."""
 
 import errno
 import os
 import shutil
 import stat
-import subprocess
 import urllib.error
 
 import huggingface_hub
@@ -20,161 +19,16 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
 
 import hellaswag
+import sample
 import train_gpt2
-from helpers import assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args, user_error
+from helpers import assert_one_line_error, cli, random_shards, read_log, snapshot, tiny_args
 from support import files, hf_interop
+from support.checkpoints import load_checkpoint
 from support.cli import UserError
+from support.hf_interop import save_hf_gpt2
 from support.sampling import generate
 from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT, load_model
-
-
-def export_error(ckpt, target):
-    """The one-line UserError of --export-hf ckpt target, in this process."""
-    return user_error(["--export-hf", ckpt, target])
-
-
-@pytest.fixture
-def run_copy(short_run, tmp_path):
-    """A private copy of a tiny run's folder (ckpt_000001.pt, ckpt_000002.pt, log.jsonl) as tmp_path/log."""
-    shutil.copytree(short_run[1], tmp_path / "log")
-    assert {"ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"} <= set(os.listdir(tmp_path / "log"))
-    return tmp_path / "log"
-
-
-def logits_match(hf_dir, ckpt):
-    """The transformers model in hf_dir computes our checkpoint's logits."""
-    ours = load_model(str(ckpt)).eval()
-    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
-    idx = torch.randint(0, GPT2_VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, _ = ours(idx)
-        b = hf(idx).logits
-    return (a[..., :GPT2_VOCAB] - b).abs().max().item() < 1e-5
-
-
-# ----------------------------------------------------------------------------------------------
-# Refusals, through the command line
-
-
-def test_the_checkpoints_own_folder_is_refused(run_copy, tmp_path, monkeypatch):
-    # a run's folder as the target: it must never delete the checkpoints and the log
-    before = snapshot(tmp_path)
-    r = cli("--export-hf", run_copy / "ckpt_000002.pt", run_copy, cwd=tmp_path)
-    assert_one_line_error(r, "ckpt_000001.pt", "not an earlier export")
-    assert snapshot(tmp_path) == before
-    # relative paths and a trailing slash name the same folder
-    monkeypatch.chdir(tmp_path)
-    assert "not an earlier export" in export_error("log/ckpt_000002.pt", "log/")
-    assert snapshot(tmp_path) == before
-
-
-@pytest.mark.parametrize(
-    "kind", ["users_file", "subfolder", "foreign_hf_model", "export_plus_notes", "empty_config", "linked_file"]
-)
-def test_a_folder_export_hf_did_not_write_is_refused(run_copy, tmp_path, hf_tiny_dir, kind):
-    target = tmp_path / "victim"
-    if kind == "users_file":
-        target.mkdir()
-        (target / "notes.txt").write_text("mine")
-    elif kind == "subfolder":
-        (target / "sub").mkdir(parents=True)
-        (target / "sub" / "a.txt").write_text("mine")
-    elif kind == "foreign_hf_model":  # a user's own save_pretrained output: same file names, not ours
-        shutil.copytree(hf_tiny_dir, target)
-    elif kind == "export_plus_notes":  # an earlier export that the user has since added to
-        train_gpt2.load_model(str(run_copy / "ckpt_000001.pt")).export_hf(target)
-        (target / "README.md").write_text("my notes")
-    elif kind == "empty_config":  # the right names, but config.json is not ours (or anyone's)
-        target.mkdir()
-        (target / "config.json").write_text("")
-    elif kind == "linked_file":  # an earlier export whose weights are a link to a file of the user's
-        train_gpt2.load_model(str(run_copy / "ckpt_000001.pt")).export_hf(target)
-        (target / "model.safetensors").unlink()
-        (target / "model.safetensors").symlink_to(run_copy / "ckpt_000001.pt")
-    before = snapshot(tmp_path)
-    message = export_error(run_copy / "ckpt_000002.pt", target)
-    assert "victim" in message and "new or empty folder" in message
-    assert kind != "users_file" or "notes.txt" in message
-    assert snapshot(tmp_path) == before
-
-
-@pytest.mark.parametrize(
-    "kind", ["the_checkpoint_itself", "the_other_checkpoint", "other_file", "dangling_link", "link_to_file"]
-)
-def test_a_target_that_is_not_a_folder_is_refused(run_copy, tmp_path, kind):
-    checkpoints = {"the_checkpoint_itself": "ckpt_000002.pt", "the_other_checkpoint": "ckpt_000001.pt"}
-    target = run_copy / checkpoints[kind] if kind in checkpoints else tmp_path / "target"
-    if kind == "other_file":
-        target.write_text("a file of mine")
-    elif kind == "dangling_link":
-        target.symlink_to(tmp_path / "nowhere")
-    elif kind == "link_to_file":
-        (tmp_path / "file.txt").write_text("mine")
-        target.symlink_to(tmp_path / "file.txt")
-    before = snapshot(tmp_path)
-    message = export_error(run_copy / "ckpt_000002.pt", target)
-    assert str(target) in message and (kind != "the_checkpoint_itself" or "is a file, not a folder" in message)
-    assert snapshot(tmp_path) == before  # no .export_* folder left behind either
-
-
-@pytest.mark.parametrize("dry_run", [False, True])
-def test_an_empty_export_folder_name_is_refused_by_name_not_read_as_the_current_folder(
-    run_copy, tmp_path, monkeypatch, dry_run
-):
-    here = tmp_path / "here"
-    here.mkdir()
-    monkeypatch.chdir(here)  # an empty folder: '' read as it would be written into
-    msg = user_error(["--export-hf", run_copy / "ckpt_000002.pt", "", *(["--dry-run"] if dry_run else [])])
-    assert msg.startswith("--export-hf CKPT '' names no folder") and os.listdir(here) == []
-
-
-# ----------------------------------------------------------------------------------------------
-# What it may write: a new folder, an empty one, an earlier export (replaced), through a link
-
-
-def test_new_empty_and_earlier_export_folders(run_copy, tmp_path):
-    before = snapshot(tmp_path)
-    nested = tmp_path / "exports" / "a" / "b"
-    r = cli("--export-hf", run_copy / "ckpt_000001.pt", nested, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    rows = "its 47 padding rows of the vocabulary left out"  # the checkpoint's 50,304 rows, 50,257 exported
-    assert (
-        r.stdout.strip() == f"wrote a transformers GPT-2 directory to {nested}: the model and GPT-2's tokenizer; {rows}"
-    )
-    assert logits_match(nested, run_copy / "ckpt_000001.pt")
-    after = snapshot(tmp_path)
-    assert {k: v for k, v in after.items() if k in before} == before  # nothing that was there changed
-    assert all(k.startswith("exports") for k in set(after) - set(before))
-    assert sorted(os.listdir(nested)) == [
-        "config.json",
-        "generation_config.json",
-        "merges.txt",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "vocab.json",
-    ]
-    assert oct(os.stat(nested).st_mode & 0o777) == oct(os.stat(nested.parent).st_mode & 0o777)  # not mkdtemp's 0700
-
-    # the same folder again, from the other checkpoint: an earlier export is replaced
-    assert train_gpt2.main(["--export-hf", str(run_copy / "ckpt_000002.pt"), str(nested)]) == 0
-    assert logits_match(nested, run_copy / "ckpt_000002.pt")
-    assert set(snapshot(tmp_path)) == set(after)  # no hidden folder left beside it
-
-    # through a symbolic link: the folder it points to is replaced, the link stays
-    (tmp_path / "link").symlink_to(nested)
-    assert train_gpt2.main(["--export-hf", str(run_copy / "ckpt_000001.pt"), str(tmp_path / "link")]) == 0
-    assert os.readlink(tmp_path / "link") == str(nested)
-    assert logits_match(nested, run_copy / "ckpt_000001.pt")
-
-    # an empty folder is used as it is; a folder inside the run folder is fine too
-    (tmp_path / "empty").mkdir()
-    for target in (tmp_path / "empty", run_copy / "hf"):
-        assert train_gpt2.main(["--export-hf", str(run_copy / "ckpt_000002.pt"), str(target)]) == 0
-        assert logits_match(target, run_copy / "ckpt_000002.pt")
-    assert {"ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"} <= set(os.listdir(run_copy))
-
 
 # ----------------------------------------------------------------------------------------------
 # The export in transformers' own tools: AutoTokenizer, AutoModelForCausalLM, pipeline, offline
@@ -223,9 +77,9 @@ def test_autotokenizer_on_an_export_is_tiktokens_gpt2(shakespeare_export, assets
         assert tok("<|endoftext|>")["input_ids"] == [enc.eot_token]  # a special token, as tiktoken allows it
 
 
-def test_pipeline_greedy_continuation_is_the_models_own(short_run, tmp_path, enc):
+def test_pipeline_greedy_continuation_is_the_models_own(short_run, export, tmp_path, enc):
     ckpt = short_run[1] / "ckpt_000002.pt"
-    train_gpt2.load_model(str(ckpt)).export_hf(tmp_path / "hf")
+    export(tmp_path / "hf")
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")).__name__ == "GPT2LMHeadModel"
     pipe = pipeline("text-generation", model=str(tmp_path / "hf"), device="cpu")
     model, continued = load_model(str(ckpt)).eval(), set()
@@ -240,7 +94,7 @@ def test_pipeline_greedy_continuation_is_the_models_own(short_run, tmp_path, enc
     assert len(continued) >= 5  # continuations of many tokens, not one repeated
 
 
-def test_a_tokenizer_transformers_builds_wrong_is_refused(tiny_model, tmp_path, monkeypatch):
+def test_a_tokenizer_transformers_builds_wrong_is_refused(export, tmp_path, monkeypatch):
     # a transformers that reads GPT2TokenizerFast's arguments otherwise (4.x takes vocab_file=)
     # builds a tokenizer without GPT-2's merges: refused in one line, nothing written
     real_init = transformers.GPT2TokenizerFast.__init__
@@ -250,7 +104,7 @@ def test_a_tokenizer_transformers_builds_wrong_is_refused(tiny_model, tmp_path, 
 
     monkeypatch.setattr(transformers.GPT2TokenizerFast, "__init__", init_without_merges)
     with pytest.raises(UserError, match=r"did not build GPT-2's tokenizer.*pip install -U transformers") as e:
-        tiny_model.export_hf(tmp_path / "hf")
+        export(tmp_path / "hf")
     assert "\n" not in str(e.value)
     assert os.listdir(tmp_path) == []
 
@@ -260,8 +114,10 @@ def test_a_tokenizer_transformers_builds_wrong_is_refused(tiny_model, tmp_path, 
 
 
 @pytest.fixture
-def tiny_model(short_run):
-    return load_model(str(short_run[1] / "ckpt_000002.pt"))
+def export(short_run):
+    """export(target): save_hf_gpt2 of a tiny run's last checkpoint to target."""
+    ckpt = load_checkpoint(str(short_run[1] / "ckpt_000002.pt"))
+    return lambda target: save_hf_gpt2(ckpt["model_config"], ckpt["model"], target)
 
 
 def fail_save(monkeypatch, exc, after_bytes=1000):
@@ -279,10 +135,10 @@ def fail_save(monkeypatch, exc, after_bytes=1000):
 
 @pytest.mark.parametrize("earlier", [False, True], ids=["new", "over_earlier_export"])
 @pytest.mark.parametrize("fault", ["disk_full", "safetensors_disk_full", "ctrl_c"])
-def test_fault_mid_write_leaves_everything_as_it_was(tiny_model, tmp_path, monkeypatch, fault, earlier):
+def test_fault_mid_write_leaves_everything_as_it_was(export, tmp_path, monkeypatch, fault, earlier):
     target = tmp_path / "hf" if earlier else tmp_path / "new" / "hf"
     if earlier:
-        tiny_model.export_hf(target)
+        export(target)
     before = snapshot(tmp_path)
     exc = {
         "disk_full": OSError(errno.ENOSPC, "No space left on device"),
@@ -294,17 +150,17 @@ def test_fault_mid_write_leaves_everything_as_it_was(tiny_model, tmp_path, monke
     fail_save(monkeypatch, exc)
     if fault == "ctrl_c":
         with pytest.raises(KeyboardInterrupt):
-            tiny_model.export_hf(target)
+            export(target)
     else:
         with pytest.raises(UserError, match=r"No space left on device\): nothing was changed") as e:
-            tiny_model.export_hf(target)
+            export(target)
         assert "\n" not in str(e.value)
     assert snapshot(tmp_path) == before  # the parent it made is gone too
 
 
-def test_failed_rename_puts_the_earlier_export_back(tiny_model, tmp_path, monkeypatch):
+def test_failed_rename_puts_the_earlier_export_back(export, tmp_path, monkeypatch):
     target = tmp_path / "hf"
-    tiny_model.export_hf(target)
+    export(target)
     before = snapshot(tmp_path)
     real_replace = os.replace
 
@@ -315,87 +171,27 @@ def test_failed_rename_puts_the_earlier_export_back(tiny_model, tmp_path, monkey
 
     monkeypatch.setattr(files.os, "replace", replace)
     with pytest.raises(UserError, match="Invalid cross-device link"):
-        tiny_model.export_hf(target)
+        export(target)
     assert snapshot(tmp_path) == before
 
 
-def test_unwritable_parent_is_one_line(tiny_model, tmp_path, monkeypatch):
+def test_unwritable_parent_is_one_line(export, tmp_path, monkeypatch):
     def mkdtemp(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
     monkeypatch.setattr(files.tempfile, "mkdtemp", mkdtemp)
     with pytest.raises(UserError, match="Permission denied"):
-        tiny_model.export_hf(tmp_path / "a" / "b" / "hf")
+        export(tmp_path / "a" / "b" / "hf")
     assert os.listdir(tmp_path) == []  # the parents it made are removed again
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_read_only_parent_cli(short_run, tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o555)
-    try:
-        r = cli("--export-hf", short_run[1] / "ckpt_000002.pt", ro / "hf", cwd=tmp_path)
-        assert_one_line_error(r, "Permission denied")
-        assert os.listdir(ro) == []
-    finally:
-        ro.chmod(0o755)
-
-
-def tmpfs(mnt, *options):
-    """A tmpfs mounted at the new folder mnt (its mount options); the test is skipped where mounting is not allowed."""
-    mnt.mkdir()
-    if shutil.which("mount") is None or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", *options, "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=True)
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 64 KiB tmpfs, where the weights cannot fit."""
-    yield from tmpfs(tmp_path / "small", "-o", "size=64k")
-
-
-def test_real_full_disk_cli(short_run, small_disk, tmp_path):
-    (small_disk / "keep.txt").write_text("mine")
-    before = snapshot(small_disk)
-    r = cli("--export-hf", short_run[1] / "ckpt_000002.pt", small_disk / "new" / "hf", cwd=tmp_path)
-    assert_one_line_error(r, "No space left on device", "nothing was changed")
-    assert snapshot(small_disk) == before
-
-
-@pytest.fixture
-def mount_point(tmp_path):
-    """A folder no rename can replace, as `docker -v host:/export` or a tmpfs gives."""
-    yield from tmpfs(tmp_path / "export")
-
-
-def test_an_export_into_a_mount_point_is_written_into_it(short_run, mount_point, capsys):
-    """The dry run says it can; the export, and one over it, replace the files in it, nothing of ours left."""
-    ckpt, ckpt_1 = short_run[1] / "ckpt_000002.pt", short_run[1] / "ckpt_000001.pt"
-    assert train_gpt2.main(["--export-hf", str(ckpt), str(mount_point), "--dry-run"]) == 0
-    assert f"can be exported to {mount_point}; nothing was written" in capsys.readouterr().out
-    assert os.listdir(mount_point) == []
-    assert train_gpt2.main(["--export-hf", str(ckpt), str(mount_point)]) == 0
-    assert os.path.ismount(mount_point) and logits_match(mount_point, ckpt)
-    written = sorted(os.listdir(mount_point))
-    assert "model.safetensors" in written and not [n for n in written if n.startswith(".")]
-    (mount_point / "special_tokens_map.json").write_text("{}")  # an earlier export's file this one does not write
-    assert train_gpt2.main(["--export-hf", str(ckpt_1), str(mount_point)]) == 0
-    assert sorted(os.listdir(mount_point)) == written and logits_match(mount_point, ckpt_1)
-
-
 # ----------------------------------------------------------------------------------------------
-# --sample-from a Hub name without the Hub: one line at once, and a cached model still loads
+# sample.py with a Hub name without the Hub: one line at once, and a cached model still loads
 
 
 def sample_cli(spec, env, cwd):
-    """--sample-from spec in a process of its own: huggingface_hub reads its variables (env) at import."""
-    return cli("--sample-from", spec, "--device", "cpu", "--num-samples", 2, "--max-new-tokens", 4, cwd=cwd, env=env)
+    """sample.py spec in a process of its own: huggingface_hub reads its variables (env) at import."""
+    return cli(spec, "--num-samples", 2, "--max-new-tokens", 4, script="sample.py", cwd=cwd, env=env)
 
 
 def hub_env(tmp_path, **extra):
@@ -506,7 +302,7 @@ def test_hf_dir_with_a_missing_key_is_refused(tmp_path, hf_tiny_dir):
     with pytest.raises(UserError, match=r"transformer\.h\.1\.mlp\.c_fc\.weight is missing") as e:
         train_gpt2.load_model(str(hf_dir))
     assert "\n" not in str(e.value)
-    assert_one_line_error(cli("--sample-from", hf_dir, "--device", "cpu"), "c_fc.weight is missing")
+    assert_one_line_error(cli(hf_dir, "--device", "cpu", script="sample.py"), "c_fc.weight is missing")
 
 
 class RunsCode:
@@ -520,7 +316,7 @@ class RunsCode:
 
 
 def test_a_pytorch_model_bin_that_pickles_code_is_refused_and_nothing_runs(tmp_path, hf_tiny_dir, assets):
-    """hellaswag.py -m, --sample-from and --init-from: one line pointing to safetensors; the marker is never made."""
+    """hellaswag.py -m, sample.py and --init-from: one line pointing to safetensors; the marker is never made."""
     hf_dir, marker = tmp_path / "hf", tmp_path / "MARKER"
     shutil.copytree(hf_tiny_dir, hf_dir)
     weights = load_file(hf_dir / "model.safetensors")
@@ -529,7 +325,7 @@ def test_a_pytorch_model_bin_that_pickles_code_is_refused_and_nothing_runs(tmp_p
     (hf_dir / "model.safetensors").unlink()
     data = random_shards(tmp_path / "data")
     commands = {
-        "--sample-from": lambda: train_gpt2.main(["--sample-from", str(hf_dir), "--device", "cpu"]),
+        "sample.py": lambda: sample.main([str(hf_dir), "--device", "cpu"]),
         "--init-from": lambda: train_gpt2.main(tiny_args(data, tmp_path / "out", "--init-from", hf_dir)),
         "hellaswag.py -m": lambda: hellaswag.main(["-m", str(hf_dir), "--data", str(assets.hellaswag), "--limit", "4"]),
     }

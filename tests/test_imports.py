@@ -14,12 +14,13 @@ import pytest
 from helpers import ROOT
 
 PACKAGES = ("support", "benchmarks")
-SCRIPTS = ("train_gpt2", "fineweb", "hellaswag", "bench")
-# The design's script -> script imports, by the importing script or package: training runs
-# hellaswag's eval; the benchmarks measure the scripts. Nothing else: hellaswag and fineweb import
-# no script, support/ imports no script and nothing of benchmarks/.
+SCRIPTS = ("train_gpt2", "sample", "export_hf", "fineweb", "hellaswag", "bench")
+# The design's script -> script imports, by the importer: training runs hellaswag's eval, sample.py
+# samples the recipe's model, the benchmarks measure the scripts. Nothing else: hellaswag, fineweb and
+# export_hf import no script, support/ imports no script and nothing of benchmarks/.
 ALLOWED_SCRIPT_IMPORTS = {
     "train_gpt2": {"hellaswag"},
+    "sample": {"train_gpt2"},
     "bench": {"train_gpt2", "hellaswag", "fineweb"},
     "benchmarks": {"train_gpt2", "hellaswag", "fineweb"},
 }

@@ -1,6 +1,5 @@
 """The model is exactly GPT-2: parameter count, init, a checkpoint loaded, and transformers parity
-both ways (a transformers folder through --sample-from too). Generating text: test_sampling.py; the
-tokenizer: test_shards.py."""
+both ways. Generating text: test_sampling.py; the tokenizer: test_shards.py."""
 
 import math
 import re
@@ -12,8 +11,9 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from helpers import ROOT, cli, save_tiny_hf_gpt2
+from helpers import ROOT, save_tiny_hf_gpt2
 from support.checkpoints import load_checkpoint
+from support.hf_interop import save_hf_gpt2
 from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT, GPTConfig, model_from_checkpoint
 
@@ -148,7 +148,7 @@ def test_export_roundtrip(tmp_path, tiny_config, trained):
         loss.backward()
         opt.step()
         opt.zero_grad()
-    model.export_hf(tmp_path / "hf")
+    save_hf_gpt2(asdict(config), model.state_dict(), tmp_path / "hf")
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.vocab_size == GPT2_VOCAB
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
@@ -159,14 +159,6 @@ def test_export_roundtrip(tmp_path, tiny_config, trained):
         theirs = hf(idx).logits
     # the padded model's extra logits are not part of GPT-2's vocabulary
     assert (ours[..., :GPT2_VOCAB] - theirs).abs().max().item() < 1e-5
-
-
-def test_sample_cli_from_local_hf_dir(hf_tiny_dir):
-    r = cli("--sample-from", hf_tiny_dir, "--device", "cpu")
-    assert r.returncode == 0, r.stderr
-    lines = [line for line in r.stdout.splitlines() if line.startswith("sample ")]
-    assert len(lines) == 4
-    assert all("Hello, I'm a language model," in line for line in lines)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""support/model_files.py, through real runs of train_gpt2.py: a run's folder where a model is
-expected (--sample-from, --init-from, --export-hf, hellaswag.py -m) means its newest checkpoint, said in
-a note, as --resume takes it (past a damaged one, another run's, a misnamed one); a folder with no
-model in it, or a mistyped checkpoint, is one line naming what the folder holds; a checkpoint that
-is not there is one line through the command line too."""
+"""support/model_files.py, through the scripts: a run's folder where a model is expected (sample.py,
+--init-from, export_hf.py, hellaswag.py -m) means its newest checkpoint, said in a note, as --resume
+takes it (past a damaged one, another run's, a misnamed one); a folder with no model in it, or a
+mistyped checkpoint, is one line naming what the folder holds (through the command line:
+test_sample.py)."""
 
 import shutil
 
@@ -10,18 +10,20 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
+import export_hf
 import hellaswag
+import sample
 import train_gpt2
-from helpers import assert_one_line_error, cli, read_log, tiny_args, user_error
+from helpers import read_log, tiny_args, user_error
 
 
 def test_a_run_folder_as_the_model_means_its_newest_checkpoint(short_run, capsys):
     out = short_run[1]  # ckpt_000001.pt and ckpt_000002.pt
     args = ["--prompt", "Hi", "--num-samples", "1", "--max-new-tokens", "4", "--device", "cpu"]
-    assert train_gpt2.main(["--sample-from", str(out), *args]) == 0
+    assert sample.main([str(out), *args]) == 0
     note, *from_folder = capsys.readouterr().out.splitlines()
     assert note.endswith(f"using its newest checkpoint, {out / 'ckpt_000002.pt'}")
-    assert train_gpt2.main(["--sample-from", str(out / "ckpt_000002.pt"), *args]) == 0
+    assert sample.main([str(out / "ckpt_000002.pt"), *args]) == 0
     assert from_folder == capsys.readouterr().out.splitlines()
     weights = lambda spec: train_gpt2.load_model(str(spec)).state_dict()["lm_head.weight"]  # noqa: E731
     assert torch.equal(weights(out), weights(out / "ckpt_000002.pt"))
@@ -42,20 +44,16 @@ def test_init_from_a_run_folder_starts_from_its_newest_checkpoint(short_run, tmp
 
 def test_a_folder_with_no_model_in_it_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    msg = user_error(["--sample-from", tmp_path])
+    msg = user_error([tmp_path], sample.main)
     assert "neither a transformers model" in msg and "ckpt_*.pt" in msg
 
 
 def test_a_mistyped_checkpoint_names_the_ones_its_folder_holds(short_run, tmp_path):
     out = short_run[1]
-    msg = user_error(["--sample-from", out / "ckpt_000009.pt"])
+    msg = user_error([out / "ckpt_000009.pt"], sample.main)
     assert "ckpt_000009.pt' does not exist" in msg and msg.endswith(f"{out} holds ckpt_000002.pt, ckpt_000001.pt")
-    msg = user_error(["--sample-from", tmp_path / "gtp2"])  # nothing beside it to suggest
+    msg = user_error([tmp_path / "gtp2"], sample.main)  # nothing beside it to suggest
     assert "does not exist, and is not a GPT-2 name (gpt2, " in msg and "holds" not in msg
-
-
-def test_sample_cli_bad_model_is_one_line_error(tmp_path):
-    assert_one_line_error(cli("--sample-from", tmp_path / "missing.pt", "--device", "cpu"), "missing.pt")
 
 
 @pytest.fixture
@@ -80,12 +78,12 @@ def test_every_loader_of_a_run_folder_falls_back_past_a_cut_short_newest_checkpo
     out, older = damaged_newest, damaged_newest / "ckpt_000001.pt"
     capsys.readouterr()
     args = ["--prompt", "Hi", "--num-samples", "1", "--max-new-tokens", "4", "--device", "cpu"]
-    assert train_gpt2.main(["--sample-from", str(out), *args]) == 0
+    assert sample.main([str(out), *args]) == 0
     said = capsys.readouterr()
     assert "cannot be loaded safely" in skipped(said.err) and f"using its newest checkpoint, {older}" in said.out
-    assert train_gpt2.main(["--sample-from", str(older), *args]) == 0
+    assert sample.main([str(older), *args]) == 0
     assert said.out.splitlines()[1:] == capsys.readouterr().out.splitlines()  # the same samples
-    assert train_gpt2.main(["--export-hf", str(out), str(tmp_path / "hf")]) == 0
+    assert export_hf.main([str(out), str(tmp_path / "hf")]) == 0
     skipped(capsys.readouterr().err)
     exported = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").state_dict()["lm_head.weight"]
     ours = train_gpt2.load_model(str(older)).state_dict()["lm_head.weight"]

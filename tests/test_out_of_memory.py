@@ -17,11 +17,13 @@ from helpers import ROOT, GiB, assert_one_line_error, random_shards, read_log, s
 from support.cli import out_of_memory_line, run_cli
 from support.out_of_memory import (
     HELLASWAG_ADVICE,
+    SAMPLE_ADVICE,
     TRAINING_ADVICE,
     forget_phases,
     hellaswag_out_of_memory,
     oom_phase,
     oom_run,
+    sample_out_of_memory,
     training_out_of_memory,
 )
 from train_gpt2 import GPTConfig
@@ -197,7 +199,9 @@ def test_the_advice_is_the_marked_phases_not_the_function_names(tmp_path):
     with pytest.raises(MemoryError) as raised:
         evaluate_val_loss()
     assert training_out_of_memory(raised.value).startswith("in training step 250 (-B 64 rows of -T 1024): lower -B")
-    assert hellaswag_out_of_memory(raised.value) is None
+    assert hellaswag_out_of_memory(raised.value) is None and sample_out_of_memory(raised.value) is None
+    oom_phase("drawing samples", num_samples=4, max_new_tokens=32)
+    assert sample_out_of_memory() == "while sampling: lower --num-samples 4 (e.g. 2) or --max-new-tokens 32"
     forget_phases()
 
 
@@ -217,6 +221,7 @@ def test_every_phase_a_script_marks_has_its_advice():
     assert len(training) >= 10, training  # the ast walk found the marks
     assert sorted(training) == sorted(TRAINING_ADVICE), training
     assert sorted(marked_phases("hellaswag.py")) == sorted(HELLASWAG_ADVICE)
+    assert sorted(marked_phases("sample.py")) == sorted(SAMPLE_ADVICE)
 
 
 def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_config, enc, assets, monkeypatch):

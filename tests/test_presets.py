@@ -1,7 +1,6 @@
 """support/presets.py and configs/: a preset's flags land in the run as if typed, the flags typed on
-the command line win whatever their order, the recipe's presets are train_gpt2.py's defaults, a
-run from a preset resumes, and a preset that is missing or wrong is one line naming the file, the
-line and the fix."""
+the command line win whatever their order, a run from a preset resumes, and a preset that is
+missing or wrong is one line naming the file, the line and the fix."""
 
 import re
 
@@ -11,6 +10,7 @@ import train_gpt2
 from helpers import ROOT, headers, read_log, tiny_args, user_error
 
 CONFIGS = ROOT / "configs"
+TINY_RUN = f"@{ROOT / 'tests' / 'tiny_run.txt'}"  # the tests' tiny run (tiny_args)
 
 
 def parsed(*argv):
@@ -29,11 +29,6 @@ def test_the_laptop_preset_is_the_flags_it_lists():
     }  # every other flag at its default
 
 
-@pytest.mark.parametrize("preset", ["gpu8.txt", "gpu1.txt"])
-def test_the_recipes_presets_are_the_defaults(preset):
-    assert parsed(f"@{CONFIGS / preset}") == parsed()
-
-
 def test_flags_typed_win_before_or_after_the_preset():
     preset = f"@{CONFIGS / 'laptop.txt'}"
     for argv in ([preset, "--max-steps", 50, "-B", 8], ["--max-steps", 50, "-B", 8, preset]):
@@ -42,14 +37,12 @@ def test_flags_typed_win_before_or_after_the_preset():
 
 
 def test_the_tests_tiny_run_is_its_preset():
-    assert parsed(*tiny_args("data", "out")) == parsed(
-        f"@{CONFIGS / 'tests.txt'}", "--data-dir", "data", "--out-dir", "out"
-    )
+    assert parsed(*tiny_args("data", "out")) == parsed(TINY_RUN, "--data-dir", "data", "--out-dir", "out")
 
 
 def test_the_log_header_records_the_presets_flags_and_the_run_resumes(data, tmp_path):
     out = tmp_path / "run"
-    preset = f"@{CONFIGS / 'tests.txt'}"
+    preset = TINY_RUN
     assert train_gpt2.main([preset, "--data-dir", data, "--out-dir", out, "--ckpt-every", 3, "--max-steps", 3]) == 0
     config = headers(out)[0]["config"]
     assert (config["n_layer"], config["n_embd"], config["total_batch_size"], config["max_steps"]) == (2, 32, 64, 3)
@@ -76,7 +69,6 @@ def test_a_flags_value_is_never_a_preset(tmp_path):
     preset.write_text("--prompt '@alice said hi'\n")
     for argv in (["--prompt", "@alice said hi"], ["--prompt=@alice said hi"], [f"@{preset}"]):
         assert parsed(*argv)["prompt"] == "@alice said hi"
-    assert parsed("--export-hf", "ckpt.pt", "@hf")["export_hf"] == ["ckpt.pt", "@hf"]
     assert parsed("--resume", f"@{preset}")["prompt"] == "@alice said hi"  # --resume's value is optional
 
 

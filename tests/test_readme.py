@@ -43,7 +43,7 @@ def test_first_block_is_the_laptop_run():
     cmds = commands(code_blocks("bash")[0])
     assert [c for c in cmds if c.startswith(INSTALL)] == cmds[:2]  # installing, then the run itself
     assert any(c.startswith("python train_gpt2.py @configs/laptop.txt") for c in cmds)
-    assert cmds[-1].startswith("python train_gpt2.py --sample-from")
+    assert cmds[-1].startswith("python sample.py log_tiny")
 
 
 @pytest.mark.slow  # the laptop run itself: minutes on 2 cores

@@ -2,8 +2,8 @@
 recomputing the whole prefix (greedy and seeded top-k), no growing tensors, no padding ids, the
 compiled decode step giving the same tokens as the eager one, a temperature so low that the logits
 overflow sampling greedily, and a stop request polled before every token; then, through real runs of
-train_gpt2.py, each sampling setting having its effect in training and with --sample-from, the
-model's window said where samples stop at it, and sampling exercised before step 0."""
+train_gpt2.py, each sampling setting having its effect in training, the model's window said where
+samples stop at it, and sampling exercised before step 0 (sample.py's own: test_sample.py)."""
 
 import pytest
 import torch
@@ -179,7 +179,7 @@ def test_generation_polls_the_stop_request_before_every_token(model, monkeypatch
 
 
 # ----------------------------------------------------------------------------------------------
-# Sampling in a run and with --sample-from: each setting has its effect, the window is said,
+# Sampling in a run: each setting has its effect, the window is said,
 # and what runs mid-training is exercised before step 0
 
 
@@ -229,27 +229,6 @@ def test_legitimate_sampling_settings_work(data, tmp_path, enc, flags, prompt, n
             )
             assert texts == [enc.decode(row.tolist()) for row in draw(None)], step
             assert texts != [enc.decode(row.tolist()) for row in draw(50)]  # the setting changes the draw
-
-
-def test_sample_from_at_a_tiny_temperature_equals_greedy(short_run, capsys):
-    out = short_run[1]
-    base = ["--sample-from", out, "--num-samples", 2, "--max-new-tokens", 8, "--device", "cpu"]
-    said = {}
-    for t in (0, 1e-40):
-        assert train_gpt2.main([str(a) for a in base + ["--temperature", t]]) == 0
-        said[t] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sample ")]
-    assert said[1e-40] == said[0] and not any(line.endswith("!!!!!!!!") for line in said[0])
-
-
-def test_sample_from_says_where_samples_stop_at_the_window(short_run, enc, capsys):
-    out = short_run[1]  # a 64-token window
-    n_prompt = len(enc.encode("word " * 39 + "word"))
-    args = ["--sample-from", out, "--prompt", "word " * 39 + "word", "--num-samples", 1, "--device", "cpu"]
-    assert train_gpt2.main([str(a) for a in [*args, "--max-new-tokens", 50]]) == 0
-    said = capsys.readouterr().out
-    assert f"{64 - n_prompt} new tokens after the {n_prompt}-token prompt, not --max-new-tokens 50" in said
-    assert train_gpt2.main([str(a) for a in [*args, "--max-new-tokens", 64 - n_prompt]]) == 0
-    assert "window" not in capsys.readouterr().out  # it fits: nothing to say
 
 
 def test_a_prompt_longer_than_the_window_is_refused_at_start(data, tmp_path):

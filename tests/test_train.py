@@ -1,5 +1,5 @@
 """The training run: schedule, optimizer groups, FLOPs, gradient accumulation, a tiny overfit run
-with its evaluations, log and checkpoint, --help and --val-tokens 0. What a support/ module does in
+with its evaluations, log and checkpoint, --help, --dry-run and --val-tokens 0. What a support/ module does in
 a run is tested in that module's file: tests/test_resume.py, test_signals.py, test_checks.py, ..."""
 
 import math
@@ -10,7 +10,7 @@ import torch
 
 import hellaswag
 import train_gpt2
-from helpers import cli, random_shards, read_log, strict_records, tiny_args, write_shard
+from helpers import cli, random_shards, read_log, strict_records, tiny_args, user_error, write_shard
 from support.checkpoints import load_checkpoint
 from support.sampling import sample_text
 from train_gpt2 import GPT, GPTConfig, flops_per_token, get_lr, load_model
@@ -166,7 +166,7 @@ def test_checkpoint_has_plain_names_and_training_state(overfit_run):
 
 
 # ----------------------------------------------------------------------------------------------
-# --help, and the val loss turned off
+# --help, --dry-run, and the val loss turned off
 
 
 def test_help_shows_defaults_and_the_usage_examples_intact(monkeypatch):
@@ -178,6 +178,18 @@ def test_help_shows_defaults_and_the_usage_examples_intact(monkeypatch):
     flat = " ".join(r.stdout.split())
     for text in ("(default: 64)", "(default: 524288)", "(default: 0.0006)", "(default: 715)", "(default: log)"):
         assert text in flat, text
+    assert "--sample-from" not in flat and "--export-hf" not in flat  # training only: sample.py, export_hf.py
+
+
+def test_dry_run_runs_the_start_up_checks_and_writes_nothing(data, tmp_path, capsys):
+    out = tmp_path / "new" / "out"
+    args = tiny_args(data, out, "--sample-every", 2, "--eval-every", 2)
+    assert train_gpt2.main(args + ["--dry-run"]) == 0
+    assert "dry run: the flags, the data, --out-dir and the sampling check are fine" in capsys.readouterr().out
+    assert not (tmp_path / "new").exists()
+    assert "--prompt" in user_error(args + ["--dry-run", "--prompt", "word " * 100])  # the sampling check ran
+    assert "does not exist" in user_error(tiny_args(tmp_path / "no_data", out, "--dry-run"))  # the data checks ran
+    assert not (tmp_path / "new").exists()
 
 
 def test_val_tokens_0_turns_the_val_loss_off(data, tmp_path):

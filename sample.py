@@ -1,0 +1,54 @@
+"""
+Sample from a GPT-2 (train_gpt2.py's GPT): OpenAI's, a transformers folder, our checkpoint or a run's folder.
+
+Usage:
+    python sample.py gpt2                                  # OpenAI GPT-2 124M: from the Hub once, then its cache
+    python sample.py log_tiny --prompt "ROMEO:"            # a run's newest checkpoint
+    python sample.py log/ckpt_019073.pt --temperature 0    # greedy: the likeliest token every step
+"""
+
+import os
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not a traceback from inside an import
+    signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
+
+import argparse
+
+from support.checks import Number
+from support.cli import ArgumentParser, run_cli
+from support.device import pick_device
+from support.model_files import model_config_of
+from support.out_of_memory import oom_phase, sample_out_of_memory
+from support.sampling import add_sampling_flags, encode_prompt, sample_text
+from support.shards import get_tokenizer
+from train_gpt2 import load_model
+
+
+def main(argv=None):
+    p = ArgumentParser(prog="sample.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="gpt2*, a transformers folder, our checkpoint or a run's folder")
+    add_sampling_flags(p.add_argument)  # --prompt, --num-samples, --max-new-tokens, --temperature, --top-k
+    p.add_argument("--seed", type=Number.TORCH_SEED, default=1337, help="the same seed and flags: the same samples")
+    p.add_argument("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
+    p.add_argument("--dry-run", action="store_true", help="check the model, the prompt and the flags; load no weights")
+    args = p.parse_args(argv)
+    device, _ = pick_device(args.device)
+    enc = get_tokenizer()
+    if args.dry_run:  # the model found, its window read from its files (no weights loaded), the prompt fitted to it
+        encode_prompt(enc, args.prompt, model_config_of(args.model)["block_size"], args.max_new_tokens)
+        print(f"dry run: {args.model}, the prompt and the sampling flags are fine; nothing was sampled")
+        return 0
+    model = load_model(args.model, device)
+    tokens = encode_prompt(enc, args.prompt, model.config.block_size, args.max_new_tokens)
+    oom_phase("drawing samples", num_samples=args.num_samples, max_new_tokens=args.max_new_tokens)
+    settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
+    texts = sample_text(model, enc, enc.decode(tokens), max_new_tokens=args.max_new_tokens, seed=args.seed, **settings)
+    for i, text in enumerate(texts):
+        print(f"sample {i}: {text}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main, out_of_memory=sample_out_of_memory)
