@@ -38,7 +38,6 @@ from helpers import (
     user_error,
     write_shard,
 )
-from support import shards
 from support.checkpoints import load_checkpoint
 from support.cli import UserError
 from support.shards import ShardFile, fineweb_command, load_shard, shard_fingerprint
@@ -104,17 +103,6 @@ def test_fineweb_tokenizes_offline_without_tiktokens_files(tmp_path, enc):
     assert tokens == [50256, *tiktoken.get_encoding("gpt2").encode_ordinary(text)]  # tiktoken's own
 
 
-def test_a_changed_vocab_bpe_is_refused_naming_the_git_command(tmp_path, monkeypatch):
-    # line ends converted to CRLF (a Windows checkout without .gitattributes) would change every merge
-    crlf = tmp_path / "vocab.bpe"
-    crlf.write_bytes(open(shards.GPT2_BPE, "rb").read().replace(b"\n", b"\r\n"))
-    monkeypatch.setattr(shards, "GPT2_BPE", str(crlf))
-    with pytest.raises(
-        UserError, match=r"is not OpenAI's GPT-2 vocab.bpe .* `git checkout -- support/gpt2_bpe/vocab.bpe`"
-    ):
-        shards.read_gpt2_bpe()
-
-
 # ----------------------------------------------------------------------------------------------
 # Finding and reading the shards
 
@@ -139,7 +127,7 @@ def test_a_text_file_as_data_dir_points_to_fineweb(tmp_path):
     assert text.read_text().startswith("First Citizen") and not (tmp_path / "out").exists()
 
 
-def test_max_shards_1_says_there_is_no_train_shard_and_the_command_that_adds_one(tmp_path, capsys, assets):
+def test_max_shards_1_says_there_is_no_train_shard_and_how_to_add_one(tmp_path, capsys, assets):
     (tmp_path / "input.txt").write_text(assets.shakespeare.read_text()[:20000])
     data = tmp_path / "data"
     fineweb.main(
@@ -149,15 +137,11 @@ def test_max_shards_1_says_there_is_no_train_shard_and_the_command_that_adds_one
     assert note.startswith("note: there is no train shard: this run stopped within shard 0, edufineweb_val_000000.npy")
     assert note.endswith("run it again with --max-shards 2 (it adds a train shard)")
     args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0)
-    msg = user_error(args)
-    assert msg.startswith(
-        f"no train shards (*_train_NNNNNN.npy or .bin) in {data}: fineweb.py stopped at --max-shards 1"
+    assert user_error(args).startswith(f"no train shards (*_train_NNNNNN.npy or .bin) in {data}")
+    fineweb.main(
+        ["--input", str(tmp_path / "input.txt"), "--out-dir", str(data), "--shard-size", "2000", "--max-shards", "2"]
     )
-    command = msg.split("add a train shard with `")[1].rstrip("`")
-    assert shlex.split(command)[:2] == ["python", "fineweb.py"] and "--max-shards 2" in command
-    fineweb.main(shlex.split(command)[2:])  # the command, as given
-    assert (data / "edufineweb_train_000001.npy").is_file()
-    assert train_gpt2.main(args) == 0
+    assert train_gpt2.main(args) == 0  # the note's advice
 
 
 def test_a_shard_as_data_dir_names_its_folder_and_that_command_works(tmp_path):
@@ -182,7 +166,7 @@ def test_bin_shard_with_bad_header(tmp_path):
     write_shard(data / "x_train_000001.bin", np.arange(1000))
     with open(data / "x_train_000001.bin", "r+b") as f:
         f.truncate(1024 + 900)  # the header still says 1,000 tokens
-    assert "truncated" in user_error(tiny_args(data, tmp_path / "out"))
+    assert "cannot read this token shard" in user_error(tiny_args(data, tmp_path / "out"))
 
 
 def test_truncated_npy_shard(tmp_path):
@@ -366,7 +350,7 @@ def test_a_bad_id_in_the_val_set_is_refused_naming_its_position(big_shards, tmp_
 
 
 # ----------------------------------------------------------------------------------------------
-# A manifest is believed only for the shards it lists that are on disk with the sizes it records
+# A manifest is believed only for the shards it lists that are on disk
 
 
 @pytest.mark.parametrize("kept", [0, 1, 3])
@@ -384,35 +368,13 @@ def test_a_manifest_copied_into_a_half_written_folder_is_not_finished(fineweb_fo
         r,
         f"--data-dir {half} is unfinished",
         f"lists {listed[kept]['file']}, which is not there",
-        f"({missing} of its {len(listed)} shards are missing)",
+        f"({missing} of its {len(listed)} shards are missing;",
     )
     command = shlex.split(line.split("`")[1])
     assert command[:2] == ["python", "fineweb.py"] and command[command.index("--out-dir") + 1] == str(half)
     fineweb.main([*command[2:], "--workers", "1"])  # the command it names finishes the folder
     assert all((half / s["file"]).read_bytes() == (fineweb_folder / s["file"]).read_bytes() for s in listed)
     assert DataLoaderLite(str(half), "train", 2, 8, vocab_size=50304).batches_per_epoch > 0
-
-
-@pytest.mark.parametrize("change", ["truncated", "grown", "val truncated"])
-def test_a_shard_of_another_size_than_its_manifest_records_is_refused(fineweb_folder, tmp_path, change):
-    shard = manifest_shards(fineweb_folder)[0 if change.startswith("val") else 2]
-    path = fineweb_folder / shard["file"]
-    data = path.read_bytes()
-    path.write_bytes(data[:-2000] if "truncated" in change else data + bytes(2000))
-    size = os.path.getsize(path)
-    r = cli(*tiny_args(fineweb_folder, tmp_path / "out", "--max-steps", 2))
-    assert_one_line_error(r, f"lists {shard['file']} as {shard['bytes']:,} bytes, but it is {size:,}", "fineweb.py")
-
-
-@pytest.mark.parametrize("manifest", [b"{not json", b"[]"])
-def test_a_manifest_that_cannot_be_read_is_one_warning_line(tmp_path, manifest):
-    data, out = random_shards(tmp_path / "data"), tmp_path / "out"
-    (data / "edufineweb_manifest.json").write_bytes(manifest)
-    r = cli(*tiny_args(data, out, "--max-steps", 2))
-    assert r.returncode == 0, r.stderr
-    [line] = [line for line in r.stderr.splitlines() if "manifest" in line]  # once, though read at each look
-    assert line.startswith(f"warning: cannot read {data / 'edufineweb_manifest.json'} as fineweb.py's manifest (")
-    assert line.endswith("): whether fineweb.py finished the folder is not checked")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -491,11 +453,11 @@ def regenerate(data, lengths, val_length=600, seed=3):
 @pytest.mark.parametrize(
     "change, words",
     [
-        (lambda d: regenerate(d, (700, 500)), "rand_train_000001.npy is 1,528 bytes, the run's was 1,328"),
-        (lambda d: regenerate(d, (600, 600), seed=4), "rand_train_000001.npy holds other tokens than the run's"),
+        (lambda d: regenerate(d, (700, 500)), "rand_train_000001.npy is rewritten"),
+        (lambda d: regenerate(d, (600, 600), seed=4), "rand_train_000001.npy is rewritten"),
         (lambda d: regenerate(d, (600, 600, 600)), "rand_train_000003.npy is new"),
         (lambda d: (d / "rand_train_000002.npy").unlink(), "rand_train_000002.npy is missing"),
-        (lambda d: write_shard(d / "rand_val_000000.npy", range(900)), "rand_val_000000.npy is 1,928 bytes"),
+        (lambda d: write_shard(d / "rand_val_000000.npy", range(900)), "rand_val_000000.npy is rewritten"),
     ],
     ids=["another-shard-size", "other-tokens", "a-shard-added", "a-shard-removed", "another-val-set"],
 )
