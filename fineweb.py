@@ -146,7 +146,7 @@ def load_manifest(path, config):
         return {"config": config, "shards": [], "complete": False}
     with open(path) as f:
         manifest = json.load(f)
-    old, shards = manifest["config"], manifest["shards"]
+    old = manifest["config"]
     if old != config:
         diff = [k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
         shown = ", ".join(
@@ -157,18 +157,8 @@ def load_manifest(path, config):
             f"{path} was written by a different configuration ({shown}): use another --out-dir, "
             f"or delete that folder's shards and manifest to start over"
         )
-    # keep the shards still whole on disk; the first missing or changed one and all after it are redone
-    intact = []
-    for shard in shards:
-        file = os.path.join(os.path.dirname(path), shard["file"])
-        if not os.path.isfile(file) or os.path.getsize(file) != shard["bytes"]:
-            print(f"{file} is missing or changed: redoing it and the shards after it", file=sys.stderr)
-            break
-        intact.append(shard)
-    loaded = {"config": config, "shards": intact, "complete": manifest["complete"] and len(intact) == len(shards)}
-    if manifest.get("limit") is not None and len(intact) == len(shards):
-        loaded["limit"] = manifest["limit"]  # it stopped where --max-tokens / --max-shards asked: finished as asked
-    return loaded
+    manifest.pop("stop_at", None)  # the stop flags of the run that wrote it: this run's replace them
+    return manifest
 
 
 def save_manifest(path, manifest):

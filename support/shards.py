@@ -201,10 +201,11 @@ def shard_fingerprint(path, blocks=16, block=4096):
 
 def check_fineweb_finished(data_dir):
     """A folder whose fineweb.py manifest says it is unfinished (fineweb.py still writing it, or
-    stopped by a kill or an error), or lists a shard that is not there (a copy cut short), is
-    refused, naming the command that finishes it: a run would train on what is there, and could not
-    be resumed once fineweb.py adds the rest. A stop at --max-tokens / --max-shards is finished as
-    asked. Shards with no manifest (llm.c's, the user's own) are not fineweb.py's to judge."""
+    stopped by a kill or an error) is refused, naming the command that finishes it: a run would
+    train on what is there, and could not be resumed once fineweb.py adds the rest. A stop at
+    --max-tokens / --max-shards is finished as asked. A manifest that lists a shard not there (a
+    copy cut short) is refused too. Shards with no manifest (llm.c's, the user's own) are not
+    fineweb.py's to judge."""
     for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
         try:
             with open(os.path.join(data_dir, name), encoding="utf-8") as f:
@@ -221,9 +222,9 @@ def check_fineweb_finished(data_dir):
         missing = [s["file"] for s in manifest["shards"] if not os.path.isfile(os.path.join(data_dir, s["file"]))]
         if missing:
             raise UserError(
-                f"--data-dir {data_dir} is unfinished: its {name} lists {missing[0]}, which is not there "
-                f"({len(missing)} of its {len(manifest['shards'])} shards are missing; a copy cut short?); finish it "
-                f"with `{command}`, then start the run"
+                f"--data-dir {data_dir} is not whole: its {name} lists {missing[0]}, which is not there "
+                f"({len(missing)} of its {len(manifest['shards'])} shards are missing): copy the folder again from "
+                f"where fineweb.py wrote it"
             )
 
 

@@ -272,14 +272,6 @@ def test_manifest_from_other_config_is_refused(tmp_path):
     assert file_bytes(tmp_path / "out") == before  # refused without touching anything
 
 
-def test_missing_shard_is_redone(tmp_path, assets):
-    tiny_shards(tmp_path, assets)
-    before = file_bytes(tmp_path / "out")
-    os.remove(tmp_path / "out" / "edufineweb_train_000002.npy")
-    tiny_shards(tmp_path, assets)
-    assert file_bytes(tmp_path / "out") == before
-
-
 def online(monkeypatch):
     """Online without the network: no offline flags, and every TCP connection (check_online's) opens."""
     for var in HUB_OFFLINE_VARS:
