@@ -116,10 +116,8 @@ def load_shard(path):
 
 class ShardFile:
     """A token shard the loader trains on, held open and read a slice at a time (shard[a:b] is a uint16
-    array), not memory-mapped: a shard cut short under a running run (truncate, a copy over it) would
-    kill the process at a read through a map (SIGBUS, exit 135, no message, every step since the last
-    checkpoint lost); a read comes back short instead, and says so in one line. Held open, it reads
-    the file as it was opened, as a map does: a shard renamed over it is not read."""
+    array), not memory-mapped: it reads the file as it was opened, so a shard renamed over it (a
+    fineweb.py rerun into the folder) is not read, and a file cut short under it is no SIGBUS."""
 
     def __init__(self, path):
         tokens = load_shard(path)  # its checks; its length and where its tokens start
@@ -132,18 +130,7 @@ class ShardFile:
     def __getitem__(self, index):  # a slice, as the loader takes them
         start, stop, _ = index.indices(self.length)
         self.file.seek(self.offset + 2 * start)
-        data = self.file.read(2 * max(0, stop - start))
-        if len(data) < 2 * max(0, stop - start):
-            raise UserError(
-                f"{self.path} was cut short while this run read it ({self.length:,} tokens when opened, "
-                f"{os.fstat(self.file.fileno()).st_size:,} bytes now): restore it (rerun the fineweb.py that "
-                f"wrote it), then continue with --resume"
-            )
-        return np.frombuffer(data, dtype=np.uint16)
-
-    def __del__(self):
-        if getattr(self, "file", None):
-            self.file.close()
+        return np.frombuffer(self.file.read(2 * max(0, stop - start)), dtype=np.uint16)
 
 
 # --- the names: {prefix}_{split}_{index}.npy (or .bin), shard 0 the val split -------------------

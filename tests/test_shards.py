@@ -189,44 +189,6 @@ def test_shards_are_memory_mapped(tmp_path):
         assert len(shard) == 1000 and np.array_equal(shard[990:1005], np.arange(990, 1000))
 
 
-CUT_SHORT = """
-import os, sys
-from support.cli import UserError
-from train_gpt2 import DataLoaderLite, load_val_tokens
-data = sys.argv[1]
-loader = DataLoaderLite(data, "train", 4, 64, shuffle=False)
-val = load_val_tokens(data, 8000)
-loader.next_batch()
-for path in (loader.path, os.path.join(data, "s_val_000000.npy")):
-    os.truncate(path, 4096)  # cut short while the run reads it: one page left
-print(int(val.astype("int64").sum()), flush=True)  # the val set, after its shard was cut
-try:
-    while True:
-        loader.next_batch()
-except UserError as e:
-    print(e)
-    sys.exit(3)
-"""
-
-
-def test_a_shard_cut_short_while_the_run_reads_it_is_one_line_not_a_bus_error(tmp_path):
-    """A shard truncated under a run is one line (a memory map would die of SIGBUS); the val set is kept."""
-    rng = np.random.default_rng(0)
-    val, train = rng.integers(0, 50257, 10_000), rng.integers(0, 50257, 100_000)
-    write_shard(tmp_path / "s_val_000000.npy", val)
-    write_shard(tmp_path / "s_train_000001.npy", train)
-    r = subprocess.run(
-        [sys.executable, "-c", CUT_SHORT, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
-    said = r.stdout.strip().splitlines()
-    assert said[0] == str(int(val[:8001].sum()))
-    assert said[1].startswith(f"{tmp_path / 's_train_000001.npy'} was cut short while this run read it (100,000 tokens")
-    assert said[1].endswith(
-        "4,096 bytes now): restore it (rerun the fineweb.py that wrote it), then continue with --resume"
-    )
-
-
 def test_shards_smaller_than_one_batch_name_the_largest_and_the_fix(tmp_path):
     # 150 tokens in all, but a batch (B 2 x T 32, + 1 for the targets: 65) is cut from one shard
     data = random_shards(tmp_path / "data", train_lengths=(40, 50, 60))
