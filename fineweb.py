@@ -21,7 +21,6 @@ import argparse
 import collections
 import concurrent.futures
 import json
-import math
 import os
 import queue
 import re
@@ -358,20 +357,11 @@ def _summary(summary, shards, **extra):
 # Command line
 
 
-def whole(text):
-    """100000000, 100_000_000 or 1e8 as an int; 1.5, nan or inf are no whole number (argparse says so)."""
-    value = float(text) if "e" in text.lower() else int(text)
-    if not math.isfinite(value) or value != int(value):
-        raise ValueError(text)
-    return int(value)
-
-
-whole.__name__ = "whole number"  # argparse's "invalid whole number value: '1.5'"
-POSITIVE = flag_type(whole, lambda n: n >= 1, "at least 1")
+POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")
 # the shard is built in memory (2 bytes a token) before it is written, and llm.c's .bin header counts
 # its tokens in an int32
-SHARD_SIZE = flag_type(whole, lambda n: n < 2**31, "below 2**31 (2,147,483,648), 4 GiB in memory")
-WORKERS = flag_type(whole, lambda n: 1 <= n <= 256, "from 1 to 256 (threads beyond the cores only add overhead)")
+SHARD_SIZE = flag_type(int, lambda n: n < 2**31, "below 2**31 (2,147,483,648), 4 GiB in memory")
+WORKERS = flag_type(int, lambda n: 1 <= n <= 256, "from 1 to 256 (threads beyond the cores only add overhead)")
 # the smallest shard: one GPT-2 context (block_size 1,024) and the token after it, the longest sequence
 # train_gpt2.py cuts from a shard (a batch never spans two)
 MIN_SHARD_SIZE = 1025

@@ -333,19 +333,16 @@ def test_cli_prints_one_line_and_exits_1(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--shard-size", "1e13"], r"argument --shard-size: must be below 2\*\*31 \(2,147,483,648\), 4 GiB in memory"),
-        (["--shard-size", "1.5"], r"argument --shard-size: invalid whole number value: '1.5'"),
-        (["--shard-size", "1e999"], r"invalid whole number value: '1e999'"),
+        (["--shard-size", "10000000000000"], r"--shard-size: must be below 2\*\*31 \(2,147,483,648\), 4 GiB in memory"),
+        (["--shard-size", "1e8"], r"argument --shard-size: invalid int value: '1e8'"),
         (["--shard-size", "0"], r"--shard-size 0 is too small"),
         (["--shard-size", "1"], r"^--shard-size 1 is too small: a shard must hold one GPT-2 context of 1,024 tokens"),
         (
             ["--shard-size", "1024"],
             r"^--shard-size 1,024 is too small: .*; pass at least 1025, e.g. --shard-size 100000 ",
         ),
-        (["--format", "bin", "--shard-size", "3e9", "--workers", "1"], r"--shard-size: must be below 2\*\*31"),
-        (["--max-tokens", "nan"], r"invalid whole number value: 'nan'"),
         (["--max-tokens", "-5"], r"--max-tokens: must be at least 1, not -5"),
-        (["--max-shards", "2.5"], r"invalid whole number value: '2.5'"),
+        (["--max-shards", "2.5"], r"invalid int value: '2.5'"),
         (["--workers", "100000"], r"--workers: must be from 1 to 256 \(threads beyond the cores only add overhead\)"),
         (["--workers", "0"], r"--workers: must be from 1 to 256"),
         (["--prefix", ""], r"--prefix '': a shard name prefix is a plain name"),
