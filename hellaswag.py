@@ -154,9 +154,8 @@ def load_examples(path=None, cache_dir=None, limit=None):
 # - the LM head and log-softmax run only at the 1.27M positions that predict an ending token (the
 #   50,304-wide head is a third of a 124M model's FLOPs per position, most of a small model's);
 # - a batch holds rows of similar length; the batches are built once per (window, device, share
-#   of the examples), by array operations (no Python step per token), copied to the
-#   device in one piece and kept there, and the scores stay there until the end: no host sync
-#   per batch.
+#   of the examples), by array operations (no Python step per token), copied to the device once
+#   and kept there, and the scores stay there until the end: no host sync per batch.
 # Examples whose longest (context + ending) does not fit the window, and transformers models with
 # eager attention (which takes no boolean mask), are scored one row per ending, still with the head
 # only at the scored positions.
@@ -327,23 +326,6 @@ def _row_batches(p, exs, slot, block_size, batch_tokens):
     return batches
 
 
-def _upload(batches, device):
-    """The batches' arrays copied to the device as one buffer (pinned on CUDA): one allocation and
-    one transfer instead of one per array (~550 on the full set). -> the batches as views of it."""
-    arrays = [a for b in batches for a in b.values()]
-    buf = torch.from_numpy(np.concatenate([np.zeros(0, dtype=np.int64)] + [a.ravel() for a in arrays]))
-    if torch.device(device).type == "cuda":
-        buf = buf.pin_memory()  # pinned: the copy need not wait for the GPU
-    buf = buf.to(device, non_blocking=True)
-    out, at = [], 0
-    for b in batches:
-        out.append({})
-        for k, a in b.items():
-            out[-1][k] = buf[at : at + a.size].view(a.shape)
-            at += a.size
-    return out
-
-
 def _batches(p, share, block_size, packed, batch_tokens, device):
     """This share's batches on the device and the number of scored tokens of each of its endings
     (len(share), 4), built once; slot 4 k + j is ending j of share[k]."""
@@ -360,7 +342,8 @@ def _batches(p, share, block_size, packed, batch_tokens, device):
         batches += _row_batches(p, share[~fits], slot, block_size, batch_tokens)
         n_tokens = np.minimum(end_len, np.minimum(row_len, block_size + 1) - 1)  # a cut row scores fewer
         p.batches.clear()  # keep one set: a training run asks for the same one every time
-        p.batches[key] = (_upload(batches, device), torch.from_numpy(n_tokens))
+        on_device = [{k: torch.from_numpy(a).to(device) for k, a in b.items()} for b in batches]
+        p.batches[key] = (on_device, torch.from_numpy(n_tokens))
     return p.batches[key]
 
 
@@ -437,8 +420,6 @@ def evaluate(
     split_types = sorted(set(SPLIT_TYPES) | set(prepared.split_types))
     share = list(range(rank, len(prepared), world_size))
     counts = {f"{k}{t}": 0 for t in ("", *(f"_{s}" for s in split_types)) for k in ("n", "correct", "correct_norm")}
-    if should_stop is not None and should_stop():
-        return None
     if share:
         result = ending_losses(model, prepared, device, share, autocast_dtype, should_stop, progress, batch_tokens)
         if result is None:

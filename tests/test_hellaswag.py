@@ -468,7 +468,7 @@ def test_should_stop_ends_the_eval_between_batches(small, examples, enc):
 
     prepared = hellaswag.prepare(examples[:300], enc)
     assert hellaswag.evaluate(small["ours"], prepared, "cpu", should_stop=should_stop, batch_tokens=2000) is None
-    assert len(asked) == 4  # asked before the eval and before each batch; stopped before the third of many
+    assert len(asked) == 4  # asked before each batch; stopped before the fourth of many
     assert hellaswag.evaluate(small["ours"], prepared, "cpu", should_stop=lambda: True) is None
 
 
