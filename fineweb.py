@@ -421,14 +421,6 @@ def check_args(args):
     for k, v in HUB_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if not args.input and not args.dataset:
-        raise UserError("--dataset is empty: name a Hub dataset (default HuggingFaceFW/fineweb-edu), or pass --input")
-    if not args.input and not args.split:
-        raise UserError("--split is empty: name the dataset's split, e.g. train")
-    if not args.text_field:
-        raise UserError("--text-field is empty: name the column or field that holds the text (default text)")
-    if not args.out_dir:
-        raise UserError("--out-dir is empty: name a folder (default edu_fineweb10B)")
     prefix = args.prefix
     if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or "\0" in prefix:
         raise UserError(
