@@ -90,7 +90,7 @@ def _read_jsonl(path):
             return parse_rows(f, path)
     except UnicodeDecodeError as e:
         raise HellaSwagDataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:  # no read permission, an I/O error
+    except OSError as e:  # not there, a folder, no read permission, an I/O error
         raise HellaSwagDataError(f"{path} cannot be read: {e.strerror or first_line(e)}") from None
 
 
@@ -124,10 +124,6 @@ def load_examples(path=None, cache_dir=None, limit=None):
     cache_dir (default ~/.cache/gpt2-repro/hellaswag) is read, downloading it first if absent.
     limit keeps the first limit examples."""
     if path is not None:
-        if os.path.isdir(path):
-            raise HellaSwagDataError(f"{path} is a folder: pass the path of a HellaSwag jsonl file in it")
-        if not os.path.isfile(path):
-            raise HellaSwagDataError(f"{path} does not exist: pass the path of a HellaSwag jsonl file")
         examples = _read_jsonl(path)
         if not examples:
             raise HellaSwagDataError(f"{path} holds no examples: pass a HellaSwag jsonl file")

@@ -114,7 +114,7 @@ def test_malformed_line_is_named(tmp_path, val_path):
     bad.write_text(lines[0] + json.dumps(row) + "\n")
     with pytest.raises(HellaSwagDataError, match="line 2: label '3' is not an int"):
         hellaswag.load_examples(str(bad))
-    with pytest.raises(HellaSwagDataError, match="does not exist"):
+    with pytest.raises(HellaSwagDataError, match="missing.jsonl cannot be read: No such file or directory"):
         hellaswag.load_examples(str(tmp_path / "missing.jsonl"))
     bad.write_text("\n")
     with pytest.raises(HellaSwagDataError, match="holds no examples"):
@@ -534,8 +534,8 @@ def test_cli_bad_data_is_one_line(tmp_path):
     r = cli("-m", "gpt2", "--data", bad, script="hellaswag.py")  # as the user sees it
     assert_one_line_error(r, "bad.jsonl line 2 is not valid JSON")
     for data, message in (  # the other mistakes raise the same one-line error, in this process
-        (tmp_path / "none.jsonl", "does not exist"),
-        (tmp_path, "is a folder: pass the path of a HellaSwag jsonl file in it"),
+        (tmp_path / "none.jsonl", "none.jsonl cannot be read: No such file or directory"),
+        (tmp_path, "cannot be read: Is a directory"),
     ):
         with pytest.raises(HellaSwagDataError) as e:
             hellaswag.main(["-m", "gpt2", "--data", str(data)])
