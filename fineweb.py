@@ -24,6 +24,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -156,7 +157,6 @@ def load_manifest(path, config):
             f"{path} was written by a different configuration ({shown}): use another --out-dir, "
             f"or delete that folder's shards and manifest to start over"
         )
-    manifest.pop("stop_at", None)  # the stop flags of the run that wrote it: this run's replace them
     return manifest
 
 
@@ -188,11 +188,12 @@ FOLDER_LOCK = ".fineweb.lock"  # in --out-dir while a run writes there; its text
 # The run
 
 
-def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None, max_shards=None):
+def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None, max_shards=None, command=None):
     """Tokenize documents into shards in out_dir, resuming from its manifest.
 
     open_documents(skip) returns the documents after the first `skip`. config (a JSON-able dict
-    with at least shard_size, prefix and format) must match the manifest's to resume.
+    with at least shard_size, prefix and format) must match the manifest's to resume. command: this
+    run's, which the manifest keeps for training to name while the folder is unfinished.
     Returns a summary dict."""
     created = not os.path.isdir(out_dir)
     try:
@@ -201,23 +202,19 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror or e}") from None
     try:
-        return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards)
+        return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command)
     finally:
         unlock_folder(lock)
         if created and not os.listdir(out_dir):
             os.rmdir(out_dir)  # stopped before anything was written: leave no empty folder behind
 
 
-def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards):
+def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command):
     shard_size, prefix = config["shard_size"], config["prefix"]
     manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
     had_manifest = os.path.exists(manifest_path)
     manifest = load_manifest(manifest_path, config)
-    # this run's stop flags, written with the manifest: the command that finishes a folder this run
-    # leaves unfinished (support.shards.fineweb_command) stops where it asked
-    stop_at = {k: v for k, v in (("max_tokens", max_tokens), ("max_shards", max_shards)) if v is not None}
-    if stop_at:
-        manifest["stop_at"] = stop_at
+    manifest["command"] = command  # rerun, it finishes what this run leaves unfinished, and stops where it asked
     shards = manifest["shards"]
     check_no_foreign_shards(out_dir, config, had_manifest)
 
@@ -437,6 +434,7 @@ def check_args(args):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.input:
         paths = expand_inputs(args.input)
@@ -464,7 +462,8 @@ def main(argv=None):
         prefix=args.prefix,
         format=args.format,
     )
-    s = build_shards(open_documents, config, args.out_dir, args.workers, args.max_tokens, args.max_shards)
+    command = f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["python", os.path.relpath(__file__), *argv])
+    s = build_shards(open_documents, config, args.out_dir, args.workers, args.max_tokens, args.max_shards, command)
     where = f"{s['tokens']:,} tokens from {s['documents']:,} documents in {s['shards']} shards in {s['out_dir']}"
     if s["nothing_to_do"]:
         print(f"nothing to do: {where} already (delete the folder to start over)")

@@ -4,7 +4,6 @@ makes on them before step 0 (finished, ids below the vocabulary, the same data a
 trained on), and on every batch's ids as it is read (check_batch_ids)."""
 
 import functools
-import glob
 import hashlib
 import json
 import os
@@ -194,12 +193,9 @@ def check_fineweb_finished(data_dir):
     copy cut short) is refused too. Shards with no manifest (llm.c's, the user's own) are not
     fineweb.py's to judge."""
     for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
-        try:
-            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
-                manifest = json.load(f)
-            command = fineweb_command(manifest["config"], data_dir, manifest.get("stop_at"))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue  # another program's file: not fineweb.py's to judge
+        with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+            manifest = json.load(f)
+        command = manifest["command"]  # the fineweb.py command that wrote it, from the folder it ran in
         if not (manifest["complete"] or manifest.get("limit") is not None):
             raise UserError(
                 f"--data-dir {data_dir} is unfinished: its {name} says fineweb.py has not written all of its "
@@ -213,34 +209,6 @@ def check_fineweb_finished(data_dir):
                 f"({len(missing)} of its {len(manifest['shards'])} shards are missing): copy the folder again from "
                 f"where fineweb.py wrote it"
             )
-
-
-def fineweb_command(config, data_dir, stop_at=None):
-    """The fineweb.py command that writes (and, rerun, finishes) the shards a manifest's config
-    describes into data_dir: its flags that differ from fineweb.py's defaults, and the --max-tokens /
-    --max-shards its run stopped at (stop_at, the manifest's record of them), so that it finishes the
-    folder as that run was asked to, not with the whole input."""
-    source, command = config["source"], ["python", "fineweb.py"]
-    if "input" in source:
-        paths = [entry["path"] for entry in source["input"]]
-        folders, kinds = {os.path.dirname(p) for p in paths}, {os.path.splitext(p)[1] for p in paths}
-        pattern = os.path.join(*folders, "*" + "".join(kinds)) if len(folders) == len(kinds) == 1 else None
-        if len(paths) > 3 and pattern and sorted(glob.glob(pattern)) == paths:
-            paths = [pattern]  # fineweb.py expands the glob itself
-        command += ["--input", *paths]
-    else:
-        defaults = {"dataset": "HuggingFaceFW/fineweb-edu", "name": "sample-10BT", "split": "train"}
-        for key, default in defaults.items():
-            if source.get(key) != default:
-                command += [f"--{key}", source.get(key) or ""]
-    command += ["--out-dir", data_dir]
-    defaults = {"text_field": "text", "prefix": "edufineweb", "shard_size": 100_000_000, "format": "npy"}
-    for key, default in defaults.items():  # fineweb.py's defaults
-        if config.get(key, default) != default:
-            command += [f"--{key.replace('_', '-')}", str(config[key])]
-    for key, value in sorted((stop_at or {}).items()):
-        command += [f"--{key.replace('_', '-')}", str(int(value))]
-    return shlex.join(command)
 
 
 def check_batch_fits(batches_per_epoch, sizes, chunk, data_dir, split):

@@ -49,7 +49,9 @@ def ordered(shards):
 
 
 def file_bytes(out_dir):
-    return {name: open(os.path.join(out_dir, name), "rb").read() for name in sorted(os.listdir(out_dir))}
+    """Each file's bytes; the manifest's but for its command, which names that run's own flags and folder."""
+    files = {name: open(os.path.join(out_dir, name), "rb").read() for name in sorted(os.listdir(out_dir))}
+    return {n: json.dumps({**json.loads(b), "command": None}) if n.endswith(".json") else b for n, b in files.items()}
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ from helpers import (
 )
 from support.checkpoints import load_checkpoint
 from support.cli import UserError
-from support.shards import ShardFile, fineweb_command, load_shard, shard_fingerprint
+from support.shards import ShardFile, load_shard, shard_fingerprint
 from train_gpt2 import DataLoaderLite
 
 # ----------------------------------------------------------------------------------------------
@@ -364,8 +364,10 @@ def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(
     r = cli(*tiny_args(shards, out, "--max-steps", 2))
     line = assert_one_line_error(r, f"--data-dir {shards} is unfinished", "fineweb.py has not written all")
     assert snapshot(tmp_path) == before and not out.exists()
-    command = line.split("`")[1]
-    assert command == " ".join([f"python fineweb.py --input {tiny_text} --out-dir {shards} --shard-size 2000", *stop])
+    command = line.split("`")[1]  # the run's own command, from the folder it ran in
+    where = str(ROOT) if how == "SIGKILL" else os.getcwd()
+    script = os.path.relpath(fineweb.__file__, where)
+    assert command == f"cd {shlex.quote(where)} && " + shlex.join(["python", script, *args])
     done = as_typed(command)  # its `python` is the one running the tests, whatever is first on PATH
     assert done.returncode == 0, done.stderr
     asked = tmp_path / "asked"  # the run as it was asked, uninterrupted: the same files
@@ -373,23 +375,10 @@ def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(
     assert summary["complete"] == (not stop) and (not stop or summary["tokens"] in (6000, 7000))
     names = sorted(p.name for p in asked.iterdir())
     assert sorted(p.name for p in shards.iterdir()) == names
-    assert all((shards / n).read_bytes() == (asked / n).read_bytes() for n in names)
+    manifest = lambda folder: {**json.loads((folder / "edufineweb_manifest.json").read_text()), "command": None}  # noqa: E731
+    assert manifest(shards) == manifest(asked)  # its own command, with its own --out-dir, aside
+    assert all((shards / n).read_bytes() == (asked / n).read_bytes() for n in names if n.endswith(".npy"))
     assert train_gpt2.main(tiny_args(shards, out, "--max-steps", 2, "--eval-every", 0)) == 0
-
-
-def test_fineweb_command_uses_a_glob_for_a_whole_folder_and_hub_flags(tmp_path):
-    files = [tmp_path / f"part_{i}.jsonl" for i in range(5)]
-    for f in files:
-        f.write_text('{"text": "x"}\n')
-    config = {"source": {"input": [{"path": str(f)} for f in files]}, "shard_size": 100_000_000, "prefix": "p"}
-    assert fineweb_command(config, "d") == f"python fineweb.py --input '{tmp_path}/*.jsonl' --out-dir d --prefix p"
-    files[-1].unlink()  # the glob would miss nothing but the folder no longer holds all: name them
-    assert fineweb_command(config, "d").count("part_") == 5
-    hub = {"source": {"dataset": "HuggingFaceFW/fineweb", "name": None, "split": "train"}, "shard_size": 10}
-    assert (
-        fineweb_command(hub, "d")
-        == "python fineweb.py --dataset HuggingFaceFW/fineweb --name '' --out-dir d --shard-size 10"
-    )
 
 
 # ----------------------------------------------------------------------------------------------
