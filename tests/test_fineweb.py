@@ -405,29 +405,26 @@ def test_input_within_the_smallest_shard_is_told_to_add_input(tmp_path):
     [
         ({"docs.jsonl": b""}, "no documents in the input"),
         ({"docs.jsonl": b"\n\n  \n"}, "no documents in the input"),
+        ({"none.parquet": None}, "no documents in the input"),  # a parquet table of no rows
         ({"a.txt": b"", "b.jsonl": b'{"text": ""}\n'}, "the input's 2 documents are all empty"),
     ],
-    ids=["empty-file", "blank-lines", "empty-texts"],
+    ids=["empty-file", "blank-lines", "empty-parquet", "empty-texts"],
 )
-def test_empty_input_says_no_documents(tmp_path, files, message):
+@pytest.mark.parametrize("out_dir", ["new", "the user's empty folder"])
+def test_empty_input_says_no_documents(tmp_path, files, message, out_dir):
     for name, content in files.items():
-        (tmp_path / name).write_bytes(content)
+        if content is None:
+            pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+            pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), tmp_path / name)
+        else:
+            (tmp_path / name).write_bytes(content)
+    if out_dir != "new":
+        (tmp_path / "out").mkdir()
     before = snapshot(tmp_path)
     r = cli("--input", *files, "--out-dir", "out", "--workers", "1", script="fineweb.py", cwd=tmp_path)
     assert_one_line_error(r, match=message)
     assert "done" not in r.stdout
-    assert snapshot(tmp_path) == before  # no manifest, no empty out-dir
-
-
-def test_empty_parquet_says_no_documents(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), tmp_path / "none.parquet")
-    (tmp_path / "out").mkdir()
-    before = snapshot(tmp_path)
-    with pytest.raises(UserError, match="no documents in the input"):
-        fineweb.main(["--input", str(tmp_path / "none.parquet"), "--out-dir", str(tmp_path / "out")])
-    assert snapshot(tmp_path) == before  # the user's empty folder stays
+    assert snapshot(tmp_path) == before  # no manifest; a folder made for nothing removed, the user's kept
 
 
 def tiny_shards(tmp_path, assets, out="out", extra=()):

@@ -103,35 +103,33 @@ def test_a_file_that_cannot_be_read_is_one_line(monkeypatch, val_path):
         hellaswag.load_examples(str(val_path))
 
 
-def test_malformed_line_is_named(tmp_path, val_path):
-    lines = val_path.read_text().splitlines(keepends=True)[:5]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("".join(lines[:2] + ['{"ctx": "cut off\n'] + lines[3:]))
-    with pytest.raises(HellaSwagDataError, match=r"bad\.jsonl line 3 is not valid JSON"):
-        hellaswag.load_examples(str(bad))
-    row = json.loads(lines[1])
-    row["label"] = str(row["label"])  # the Hub's string label is not the original format
-    bad.write_text(lines[0] + json.dumps(row) + "\n")
-    with pytest.raises(HellaSwagDataError, match="line 2: label '3' is not an int"):
-        hellaswag.load_examples(str(bad))
-    with pytest.raises(HellaSwagDataError, match="missing.jsonl cannot be read: No such file or directory"):
-        hellaswag.load_examples(str(tmp_path / "missing.jsonl"))
-    bad.write_text("\n")
-    with pytest.raises(HellaSwagDataError, match="holds no examples"):
-        hellaswag.load_examples(str(bad))
+GOOD = {"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0, "split_type": "indomain"}
 
 
-@pytest.mark.parametrize("label", [4, -1, True, None], ids=["4", "-1", "bool", "missing"])
-def test_hellaswag_label_out_of_range_is_named(tmp_path, val_path, label):
-    # a string label is refused in test_malformed_line_is_named; these are the other wrong labels
-    lines = val_path.read_text().splitlines()[:3]
-    row = json.loads(lines[1])
-    row["label"] = label
-    if label is None:
-        del row["label"]
-    (tmp_path / "h.jsonl").write_text("\n".join([lines[0], json.dumps(row), lines[2]]) + "\n")
-    with pytest.raises(hellaswag.HellaSwagDataError, match=r"h\.jsonl line 2: label .* is not an int from 0 to 3"):
+def row(**change):
+    """A jsonl line: GOOD with fields changed (None: left out)."""
+    return json.dumps({k: v for k, v in {**GOOD, **change}.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (row() + '\n{"ctx": "cut off', r"h\.jsonl line 2 is not valid JSON"),
+        (row(label="3"), r"h\.jsonl line 1: label '3' is not an int from 0 to 3"),  # the Hub's string label
+        (row(label=4), r"line 1: label 4 is not an int from 0 to 3"),
+        (row(label=-1), r"line 1: label -1 is not an int"),
+        (row(label=True), r"line 1: label True is not an int"),
+        (row(label=None), r"line 1: label None is not an int"),
+        (row(endings=["a", "b", "c"]), r"line 1: not a HellaSwag example \(a list of 4 endings\)"),
+        ("", r"h\.jsonl holds no examples"),
+    ],
+    ids=["cut", "string-label", "label-4", "label-minus-1", "bool-label", "no-label", "3-endings", "empty"],
+)
+def test_a_file_it_cannot_score_is_named_in_one_line(tmp_path, text, message):
+    (tmp_path / "h.jsonl").write_text(text + "\n")
+    with pytest.raises(HellaSwagDataError, match=message) as e:
         hellaswag.load_examples(str(tmp_path / "h.jsonl"))
+    assert "\n" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -114,19 +114,6 @@ def test_missing_data_folder_cli(tmp_path):
     assert "nope" in r.stderr and "fineweb.py" in r.stderr
 
 
-def test_empty_data_folder(tmp_path):
-    (tmp_path / "empty").mkdir()
-    assert "no train shards" in user_error(tiny_args(tmp_path / "empty", tmp_path / "out"))
-
-
-def test_a_text_file_as_data_dir_points_to_fineweb(tmp_path):
-    text = tmp_path / "input.txt"
-    text.write_text("First Citizen: Before we proceed any further, hear me speak.\n")
-    msg = user_error(tiny_args(text, tmp_path / "out"))
-    assert "is a file, not a folder of shards" in msg and f"fineweb.py --input {text}" in msg
-    assert text.read_text().startswith("First Citizen") and not (tmp_path / "out").exists()
-
-
 def test_max_shards_1_says_there_is_no_train_shard_and_how_to_add_one(tmp_path, capsys, assets):
     (tmp_path / "input.txt").write_text(assets.shakespeare.read_text()[:20000])
     data = tmp_path / "data"
