@@ -9,6 +9,7 @@ import errno
 import io
 import json
 import os
+import random
 import re
 import runpy
 import shlex
@@ -126,11 +127,17 @@ def hangup_default():
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
+class Overran(BaseException):
+    """cli()'s in-process run went past its timeout: a BaseException, as a process's kill is beyond
+    the script's reach, so that no `except Exception` (an OSError's one-line error) turns a hang into an exit 1."""
+
+
 def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **kwargs):
     """Run one of the scripts as a user would, in cwd; the CompletedProcess. In this process by
     default: the script's file run as __main__ (runpy), so its own run_cli reports what main(argv)
-    raised, stdout and stderr captured, and what it changed in this process (the environment, the
-    folder, signal handlers, torch's settings) put back. With process=True, an env (Popen's) or
+    raised, stdout and stderr captured, a sys.exit's message printed and its code 1 as python's,
+    and what it changed in this process (the environment, the folder, signal handlers, torch's
+    settings, the global random generators) put back. With process=True, an env (Popen's) or
     script "-c" (python -c's code): a python process of its own."""
     argv = [str(a) for a in args]
     if process or script == "-c" or "env" in kwargs:
@@ -139,10 +146,11 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s}
     environ, folder, argv0 = dict(os.environ), os.getcwd(), sys.argv
     torch_state = torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()
+    rngs = random.getstate(), np.random.get_state(), torch.get_rng_state()
     out, err, code = io.StringIO(), io.StringIO(), 0
 
     def overran(signum, frame):
-        raise TimeoutError(f"{script} {' '.join(argv)} did not end within {timeout} s")
+        raise Overran(f"{script} {' '.join(argv)} did not end within {timeout} s")
 
     alarm = hasattr(signal, "SIGALRM")  # a run that a bug keeps going fails, as a process's timeout does
     if alarm:
@@ -153,8 +161,10 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
         sys.argv = [str(ROOT / script), *argv]
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             runpy.run_path(str(ROOT / script), run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (e.code is not None)
+    except SystemExit as e:  # as python ends: None is 0, anything but a number is printed and is 1
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=err)
     finally:
         if alarm:
             signal.alarm(0)
@@ -166,6 +176,9 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
             signal.signal(s, handler)
         torch.use_deterministic_algorithms(torch_state[0])
         torch.set_float32_matmul_precision(torch_state[1])
+        random.setstate(rngs[0])
+        np.random.set_state(rngs[1])
+        torch.set_rng_state(rngs[2])
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
