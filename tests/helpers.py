@@ -371,6 +371,33 @@ def start_run(*args, torchrun=False, script="train_gpt2.py", **kwargs):
     return subprocess.Popen(command, **{**options, **kwargs})
 
 
+def started_until(said, *args, **kwargs):
+    """start_run(*args, **kwargs), its stdout unbuffered, returned once the script has said `said`: a
+    line of its stdout that starts with it, or for "import M", python's import-time line of M or a
+    module in it (PYTHONPROFILEIMPORTTIME, on stderr); the scripts set their Ctrl-C handler at their
+    top, before they import torch or numpy. A wait on what the script says, never on the clock."""
+    module = said.removeprefix("import ") if said.startswith("import ") else None
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PYTHONPROFILEIMPORTTIME": "1"} if module else {})}
+    proc = start_run(*args, env=env, **kwargs)
+    wanted = rf"import time:.*\| +{module}(\.|$)" if module else re.escape(said)
+    next((line for line in (proc.stderr if module else proc.stdout) if re.match(wanted, line)), None)
+    return proc
+
+
+def signal_on(said, *args, signum=signal.SIGINT, times=1, **kwargs):
+    """The script of started_until(said, *args, **kwargs) sent `signum` `times` times, to its process
+    group with start_new_session (a terminal's Ctrl-C); -> (the Popen, once it has ended (killed if
+    not within 120 s), its stdout, its stderr without python's import-time lines)."""
+    proc = started_until(said, *args, **kwargs)
+    try:
+        for _ in range(times):
+            os.killpg(proc.pid, signum) if kwargs.get("start_new_session") else proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc, out, "".join(line for line in err.splitlines(keepends=True) if not line.startswith("import time:"))
+
+
 def wait_for_step(proc, out, step, timeout=240):
     """Poll out/log.jsonl until it records training step `step`; the process must still be running then."""
     log, deadline = Path(out) / "log.jsonl", time.time() + timeout

@@ -4,16 +4,14 @@ numbers hold up against arithmetic done here by hand. No speed is asserted: CI m
 import json
 import math
 import os
-import signal
 import stat
-import time
 
 import pytest
 import tiktoken
 
 import hellaswag
 from bench import parse_args, plan
-from helpers import assert_one_line_error, cli, snapshot, start_run
+from helpers import assert_one_line_error, cli, signal_on, snapshot
 from support.cli import UserError
 
 
@@ -115,10 +113,7 @@ def test_only_empty_is_one_line_and_measures_nothing(tmp_path):
 
 
 def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
-    proc = start_run("--tiny", "--out", tmp_path / "b.json", script="bench.py")
-    time.sleep(0.3)  # inside `import torch` (about 1 s here)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    proc, out, err = signal_on("import torch", "--tiny", "--out", tmp_path / "b.json", script="bench.py")
     assert proc.returncode == 130 and err.strip() == "interrupted", err
 
 
