@@ -429,15 +429,15 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def ranks_without_agent(args, world_size=2, stagger=0.0, timeout=300):
+def ranks_without_agent(args, world_size=2, one_by_one=False, timeout=300):
     """train_gpt2.py's ranks started as torchrun starts them (its environment variables), without
-    its agent, which would stop the others once one has failed; each rank after the first
-    `stagger` s after the one before. -> ([each rank's exit code], [each rank's (stdout, stderr)])."""
+    its agent, which would stop the others once one has failed; with one_by_one, each rank once the
+    one before has ended. -> ([each rank's exit code], [each rank's (stdout, stderr)])."""
     env = {**os.environ, "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ranks = []
     for rank in range(world_size):
-        if rank and stagger:
-            time.sleep(stagger)
+        if rank and one_by_one:
+            ranks[-1].wait(timeout=timeout)
         ranks.append(
             subprocess.Popen(
                 [sys.executable, "train_gpt2.py", *map(str, args)],

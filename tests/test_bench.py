@@ -22,7 +22,8 @@ def test_tiny_bench_writes_table_and_json(tmp_path, shared_data):
     docs = shared_data / "fineweb_sample" / "*.parquet"
     hellaswag = shared_data / "hellaswag" / "hellaswag_val.jsonl"
     args = ("--tiny", "--out", out, "--docs", docs, "--hellaswag-data", hellaswag)
-    r = cli(*args, script="bench.py", cwd=tmp_path, process=True)  # the loader's memory: a fresh process's
+    # a fresh process: the loader's memory. About 80 s idle on 2 cores: 600 s guards a hang, with room for 5x slower
+    r = cli(*args, script="bench.py", cwd=tmp_path, process=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["table"] in r.stdout  # the printed table is the one saved
