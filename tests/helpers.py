@@ -411,17 +411,6 @@ def wait_for_step(proc, out, step, timeout=240):
     raise AssertionError(f"step {step} never logged")
 
 
-def signal_at_step(proc, out, step, signum, timeout=120):
-    """Send the running proc `signum` once out/log.jsonl records step `step`; its (stdout, stderr)
-    once it has ended (killed if it has not within `timeout` s)."""
-    try:
-        wait_for_step(proc, out, step)
-        proc.send_signal(signum)
-        return proc.communicate(timeout=timeout)
-    finally:
-        proc.kill()
-
-
 def free_port():
     """A TCP port free on 127.0.0.1 now: a MASTER_PORT or a rendezvous endpoint."""
     with socket.socket() as sock:
