@@ -26,7 +26,6 @@ import train_gpt2
 from benchmarks import gpu_check
 from fake_gpu import GPUS, LINES_RUN, ROOT, SCANNED, faked
 from helpers import free_port, read_log, refused_before_step_0, tiny_args, write_shard
-from support.checkpoints import load_checkpoint
 from support.cli import UserError, run_cli
 from support.out_of_memory import training_out_of_memory
 
@@ -84,15 +83,13 @@ def test_dtype_auto_picks_by_compute_capability_and_trains_as_the_cpu_does_in_it
     # what it asked of the GPU: TF32 for fp32 matmuls, pinned batches, a wait before each step's clock
     assert fake.asked_for("set_float32_matmul_precision") == [("high",)]
     assert fake.asked_for("pin_memory") and fake.asked_for("synchronize") == [(0,)] * 4
-    assert load_checkpoint(str(out / "ckpt_000004.pt"))["rng"][0]["cuda"].dtype == torch.uint8
 
 
 def test_resume_on_a_gpu_goes_on_as_the_run_did(runs, fake_gpu, tmp_path):
     out, _ = runs("H100")
-    fake = fake_gpu("H100")
+    fake_gpu("H100")
     args = ["--resume", out / "ckpt_000002.pt", "--out-dir", tmp_path / "resumed", "--device", "cuda", "--no-compile"]
     assert train_gpt2.main([str(a) for a in args]) == 0
-    assert fake.asked_for("set_rng_state") == [(0,)]
     after_2 = [r for r in results(out) if r["step"] > 2 or (r["step"] == 2 and "train_loss" in r)]
     assert results(tmp_path / "resumed") == after_2  # step 2's evals are in its checkpoint already
 

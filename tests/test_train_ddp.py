@@ -67,7 +67,7 @@ def test_a_signal_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path, signu
     _, steps = read_log(out)
     last = max(steps)
     ckpt = load_checkpoint(str(out / f"ckpt_{last + 1:06d}.pt"))
-    assert ckpt["step"] == last + 1 and ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2
+    assert ckpt["step"] == last + 1 and ckpt["world_size"] == 2
     # what README says the user sees: the checkpoint written, then torchrun's own traceback and exit 1
     assert f"wrote {out / f'ckpt_{last + 1:06d}.pt'}" in stdout
     assert proc.returncode == 1 and f"SignalException: Process {proc.pid} got signal: {int(signum)}" in stderr
