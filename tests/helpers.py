@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -379,8 +380,11 @@ def started_until(said, *args, **kwargs):
     module = said.removeprefix("import ") if said.startswith("import ") else None
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PYTHONPROFILEIMPORTTIME": "1"} if module else {})}
     proc = start_run(*args, env=env, **kwargs)
+    guard = threading.Timer(300, proc.kill)  # a run that hangs before it says it: killed, its pipes end
+    guard.start()
     wanted = rf"import time:.*\| +{module}(\.|$)" if module else re.escape(said)
     next((line for line in (proc.stderr if module else proc.stdout) if re.match(wanted, line)), None)
+    guard.cancel()
     return proc
 
 
