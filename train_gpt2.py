@@ -37,7 +37,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
-from support.checkpoints import all_rng_states, load_checkpoint, save_training_state
+from support.checkpoints import load_checkpoint, save_training_state
 from support.checks import Number, check_args, check_data, check_init_shape, check_model_fits
 from support.cli import ArgumentParser, UserError, run_cli, same_on_every_rank
 from support.ddp import setup_distributed
@@ -499,10 +499,10 @@ def train(args, given=frozenset()):
     log.header(run_id, name, start_step or None, changes, {**vars(args), **derived, "flops_per_token": flops})
     peak = args.peak_flops or (peak_flops(name) if device_type == "cuda" else None)  # MFU: of one GPU's peak
 
-    def checkpoint(step):  # every rank: the RNG states are gathered from all, rank 0 writes
+    def checkpoint(step):  # every rank: rank 0 writes, the others wait for it
         ckpt = dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), data=train_loader.state_dict())
         ckpt.update(scaler=scaler.state_dict() if scaler.is_enabled() else None, model_config=asdict(raw_model.config))
-        ckpt.update(rng=all_rng_states(device_type, ddp, ddp_world_size), run_id=run_id, step=step, val_loss=val_loss)
+        ckpt.update(run_id=run_id, step=step, val_loss=val_loss)
         ckpt.update(world_size=ddp_world_size, data_identity=train_loader.identity)  # the shards it started on
         ckpt.update(train_config={**vars(args), "data_dir": os.path.abspath(args.data_dir)})  # --resume from anywhere
         return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp)

@@ -1,14 +1,13 @@
 """What --resume continues with: the recipe and settings it takes from the checkpoint (which one:
-support.out_dir.pick_checkpoint), the changes it allows, and the optimizer, data position and RNG
-state it restores."""
+support.out_dir.pick_checkpoint), the changes it allows, and the optimizer, data position and loss
+scale it restores."""
 
 import os
 import time
 
-import torch
 import torch.distributed as dist
 
-from support.checkpoints import load_training_checkpoint, set_rng_state
+from support.checkpoints import load_training_checkpoint
 from support.cli import UserError, same_on_every_rank
 from support.ddp import fence
 from support.out_dir import claim_out_dir, pick_checkpoint
@@ -101,10 +100,12 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
 
 
 def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, ddp_rank):
-    """The optimizer, data position, this rank's RNG and fp16's loss scaler as a checkpoint left
-    them (a checkpoint of a bf16 or fp32 run has no scaler: fp16 starts at its first scale), on the
-    data it was trained on (the loader's identity); returns the step to start at and the last val
-    loss. A new run (ckpt None) starts at 0: the seeds are untouched."""
+    """The optimizer, data position and fp16's loss scaler as a checkpoint left them (a checkpoint of
+    a bf16 or fp32 run has no scaler: fp16 starts at its first scale), on the data it was trained on
+    (the loader's identity); returns the step to start at and the last val loss. A new run (ckpt
+    None) starts at 0. No random state: after the model's init nothing in the recipe draws from the
+    global generators (the shard order comes from (seed, epoch), samples from their own seeded
+    generator, and the model has no dropout)."""
     oom_phase("loading the checkpoint")
     if ckpt is None:
         return 0, None
@@ -114,8 +115,6 @@ def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, ddp_rank)
     loader.load_state_dict(ckpt["data"])
     if scaler.is_enabled() and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
-    if ddp_rank < len(ckpt["rng"]):
-        set_rng_state(ckpt["rng"][ddp_rank], torch.device(loader.device).type)
     if ddp_rank == 0:
         print(f"resuming from {ckpt_path} at step {ckpt['step']}")
     return ckpt["step"], ckpt.get("val_loss")

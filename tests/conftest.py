@@ -97,8 +97,9 @@ def hf_tiny_dir(tmp_path_factory):
 @pytest.fixture
 def fake_gpu():
     """fake_gpu(gpu="H100", count=1): count faked CUDA GPUs of fake_gpu.GPUS[gpu] ("H100" 9.0 80 GB,
-    "A4000" 8.6 16 GB, "T4" 7.5 16 GB) for the rest of the test, in this process and the ones it
-    starts; undone after it. Returns the FakeGPU, which records what the program asked of it."""
+    "A100" 8.0 40 GB, "A100 80GB", "RTX 3090" 8.6 24 GB, "A4000" 8.6 16 GB, "T4" 7.5 16 GB) for the
+    rest of the test, in this process and the ones it starts; undone after it. Returns the FakeGPU,
+    which records what the program asked of it."""
     with contextlib.ExitStack() as stack:
         yield lambda gpu="H100", count=1: stack.enter_context(faked(gpu, count))
 

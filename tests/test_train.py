@@ -162,7 +162,7 @@ def test_checkpoint_has_plain_names_and_training_state(overfit_run):
     assert ckpt["step"] == OVERFIT_STEPS and ckpt["optimizer"]["state"]
     assert ckpt["data"]["shards"] == ["ts_train_000001.npy", "ts_train_000002.npy"]
     assert ckpt["val_loss"] == [r for r in read_log(out)[0] if "val_loss" in r][-1]["val_loss"]
-    assert len(ckpt["rng"]) == 1 and ckpt["train_config"]["max_steps"] == OVERFIT_STEPS
+    assert ckpt["train_config"]["max_steps"] == OVERFIT_STEPS
 
 
 # ----------------------------------------------------------------------------------------------
