@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import fineweb
-from helpers import assert_one_line_error, cli, fail_nth_write, snapshot, start_run, started_until, state_of
+from helpers import assert_one_line_error, cli, fail_nth_write, snapshot, start_run, started_until
 from support import files, offline
 from support.cli import UserError
 from support.documents import HUB_OFFLINE_VARS
