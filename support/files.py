@@ -81,6 +81,21 @@ def write_atomic(path, write, mode="wb"):
         raise
 
 
+def existing_part(path):
+    """path, or the nearest of its folders that exists ("." for a relative path none of whose do)."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path or "."
+
+
+def check_folder(path, flag):
+    """A folder flag whose path, or the nearest of its folders that exists, is a file: one line."""
+    found = existing_part(path)
+    if not os.path.isdir(found):
+        where = f"{flag} {path}" if found == path else f"{flag} {path}: {found}"
+        raise UserError(f"{where} is a file, not a folder: name a folder")
+
+
 def disk_error(e, what, then):
     """One line for a failed write; 'make room' only when the disk is really full."""
     full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)

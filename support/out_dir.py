@@ -10,7 +10,7 @@ import sys
 import torch
 
 from support.cli import UserError
-from support.files import disk_error, lock_folder, log_records, unlock_folder
+from support.files import check_folder, disk_error, existing_part, lock_folder, log_records, unlock_folder
 
 # ----------------------------------------------------------------------------------------------
 # The names a run writes: its log.jsonl, its checkpoints and their temporary files, its lock
@@ -45,6 +45,17 @@ def checkpoint_paths(out_dir):
         return []
     found = [(step, name) for name in os.listdir(out_dir) if (step := step_of_name(name)) is not None]
     return [os.path.join(out_dir, name) for _, name in sorted(found, reverse=True)]
+
+
+def checkpoints_near(path):
+    """For a checkpoint or run's folder named that does not exist (a step or a folder mistyped): the
+    nearest folder that does and the checkpoints in it, as the end of a line."""
+    folder = existing_part(path)
+    if not os.path.isdir(folder):
+        return f": {folder} is a file, not a folder"
+    found = [os.path.basename(p) for p in checkpoint_paths(folder)]
+    held = ", ".join(found[:3]) + (" ..." if len(found) > 3 else "") if found else "no checkpoint (ckpt_*.pt)"
+    return f"; {folder} holds {held}"
 
 
 def free_name(path, tag):
@@ -103,6 +114,7 @@ def claim_out_dir(out_dir, resume):
         raise UserError(
             "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
         )
+    check_folder(out_dir, "--out-dir")
     note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -251,6 +263,10 @@ def pick_checkpoint(resume, out_dir, load):
         if path is None:
             print(f"no checkpoint in {out_dir} to resume from: starting a new run")
     elif resume:
+        if not os.path.exists(resume):
+            raise UserError(
+                f"--resume {resume} does not exist{checkpoints_near(resume)}: pass a checkpoint or a run's folder"
+            )
         path, ckpt = resume, load(resume)
         check_resume_target(out_dir, path, ckpt)
     return path, ckpt

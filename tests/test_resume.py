@@ -182,6 +182,12 @@ def test_a_longer_max_steps_is_allowed_and_said(data, run4, capsys):
     assert header["changed_on_resume"] == {"max_steps": [4, 6]} and header["resumed_from"] == 4
 
 
+def test_a_mistyped_resume_path_names_the_nearest_folder_and_its_checkpoints(data, run4):
+    for typo in (run4 / "ckpt_000009.pt", run4 / "ckpts" / "ckpt_000004.pt"):
+        said = f"--resume {typo} does not exist; {run4} holds ckpt_000004.pt, ckpt_000002.pt"
+        refused_before_step_0(tiny_args(data, run4, "--resume", typo), run4, said)
+
+
 def test_max_steps_below_the_checkpoint_is_refused(data, run4):
     msg = user_error(tiny_args(data, run4, "--max-steps", 3, "--warmup-steps", 5, "--resume"))
     assert "--max-steps 3" in msg and "4 steps" in msg
