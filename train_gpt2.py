@@ -494,9 +494,10 @@ def train(args, given=frozenset()):
         return 0
     name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or device
     derived = dict(grad_accum_steps=grad_accum_steps, world_size=ddp_world_size, dtype=dtype, dtype_reason=why)
-    derived.update(compile=use_compile, min_lr=min_lr, model_config=asdict(raw_model.config))
+    derived.update(compile=use_compile, model_config=asdict(raw_model.config), flops_per_token=flops)
+    config = {**vars(args), "data_dir": os.path.abspath(args.data_dir)}  # the run's flags: --resume from anywhere
     log = RunLog(args.out_dir, master_process, args.max_steps)
-    log.header(run_id, name, start_step or None, changes, {**vars(args), **derived, "flops_per_token": flops})
+    log.header(run_id, name, start_step or None, changes, {**config, **derived})
     peak = args.peak_flops or (peak_flops(name) if device_type == "cuda" else None)  # MFU: of one GPU's peak
 
     def checkpoint(step):  # every rank: the RNG states are gathered from all, rank 0 writes
@@ -504,7 +505,7 @@ def train(args, given=frozenset()):
         ckpt.update(scaler=scaler.state_dict() if scaler.is_enabled() else None, model_config=asdict(raw_model.config))
         ckpt.update(rng=all_rng_states(device_type, ddp, ddp_world_size), run_id=run_id, step=step, val_loss=val_loss)
         ckpt.update(world_size=ddp_world_size, data_identity=train_loader.identity)  # the shards it started on
-        ckpt.update(train_config={**vars(args), "data_dir": os.path.abspath(args.data_dir)})  # --resume from anywhere
+        ckpt.update(train_config=config)
         return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp)
 
     stop = StopRequest(args.out_dir)
