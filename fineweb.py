@@ -45,7 +45,7 @@ from support.documents import (
     hub_documents,
     local_documents,
 )
-from support.files import lock_folder, unlock_folder, write_atomic
+from support.files import check_folder, lock_folder, unlock_folder, write_atomic
 from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_path, write_shard
 
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
@@ -500,6 +500,7 @@ def check_args(args):
         raise UserError("--text-field is empty: name the column or field that holds the text (default text)")
     if not args.out_dir:
         raise UserError("--out-dir is empty: name a folder (default edu_fineweb10B)")
+    check_folder(args.out_dir, "--out-dir")
     prefix = args.prefix
     if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or "\0" in prefix:
         raise UserError(

@@ -130,14 +130,16 @@ def one_thread_per_process():
 
 @pytest.fixture
 def read_only(tmp_path):
-    """make(folder): folder, bind-mounted read-only onto itself (root writes through chmod);
-    skipped where mounting is not allowed."""
+    """make(folder, writable=False): folder, bind-mounted onto itself, read-only (root writes through
+    chmod) unless writable; skipped where mounting is not allowed."""
     mounted = []
 
-    def make(folder):
+    def make(folder, writable=False):
         if shutil.which("mount") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
-            pytest.skip("a read-only bind mount needs root")
+            pytest.skip("a bind mount needs root")
         for cmd in (["mount", "--bind", folder, folder], ["mount", "-o", "remount,bind,ro", folder, folder]):
+            if writable and cmd[1] != "--bind":
+                break
             r = subprocess.run([*map(str, cmd)], capture_output=True, text=True)
             if r.returncode != 0:
                 pytest.skip(f"cannot mount read-only here: {r.stderr.strip()}")

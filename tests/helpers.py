@@ -234,6 +234,15 @@ def heap_after(script, mode, args):
     return [int(v) for v in proc.stdout.split()[-2:]]
 
 
+def help_entries(text):
+    """{each option string: its entry in a script's --help text, on one line}."""
+    entries = re.split(r"\n  (?=-)", text.split("\noptions:\n", 1)[1])
+    usage = {entry: re.split(r"\s{2,}", entry.strip(), maxsplit=1)[0] for entry in entries}  # "-B B, --batch-size B"
+    return {
+        flag: " ".join(entry.split()) for entry in entries for flag in re.findall(r"(?:^|, )(-[\w-]+)", usage[entry])
+    }
+
+
 def user_error(args, main=None):
     """main(args) (a script's; train_gpt2.main by default) must stop with a one-line UserError; returns its message."""
     with pytest.raises(UserError) as e:

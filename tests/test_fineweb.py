@@ -253,7 +253,7 @@ def test_pool_reads_only_a_bounded_amount_ahead(enc):
 def test_unwritable_out_dir(tmp_path):
     (tmp_path / "doc.txt").write_text("hello")
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(UserError, match="cannot write to --out-dir"):  # a folder inside a file: fails even as root
+    with pytest.raises(UserError, match="a_file is a file, not a folder"):  # a folder inside a file: even as root
         fineweb.main(["--input", str(tmp_path / "doc.txt"), "--out-dir", str(tmp_path / "a_file" / "shards")])
 
 

@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import urllib.error
@@ -82,6 +83,13 @@ def test_full_validation_file_loads(full_hellaswag, reference):
     assert dict(Counter(str(ex["label"]) for ex in examples)) == ref["label_counts"]
     assert dict(Counter(ex["split_type"] for ex in examples)) == ref["split_type_counts"]
     assert examples[0]["ind"] == 24 and examples[0]["label"] == 3
+
+
+def test_gpt2_124m_is_quoted_everywhere_as_the_number_this_scoring_reproduces(reference):
+    """OpenAI GPT-2 124M's acc_norm over all 10,042 rows (hellaswag.py's docstring), not another run's."""
+    acc_norm = reference["hellaswag_gpt2_reference_accuracy"]["gpt2_124M"]["completion_style_this_script"]["acc_norm"]
+    for path in ("hellaswag.py", "README.md", "play.ipynb", "docs/evaluation.md", "docs/reproduction.md"):
+        assert set(re.findall(r"0\.29\d+", (ROOT / path).read_text())) == {str(acc_norm)}, path
 
 
 def test_render_example_zero(examples, enc, reference):
