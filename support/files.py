@@ -103,15 +103,18 @@ def disk_error(e, what, then):
     return UserError(f"cannot write {what} ({getattr(e, 'strerror', None) or e}): {fix}, then {then}")
 
 
-def lock_folder(folder, name, who, note=""):
+def lock_folder(folder, name, who, note="", dry_run=False):
     """Hold folder for this process's life: a second `who` started into it is refused in one line
     naming the holder, whose pid, host, start and command (note: more on the pid) this writes to
     the file `name` in folder (by rename, as every write here). The lock is flock on the folder
     itself, or on Windows msvcrt.locking on NAME.msvcrt held open (Windows deletes no open file): a
     user's `rm` of a file cannot undo it, and the OS gives it back when the process ends, a kill
     included. Returns what unlock_folder takes; None where the file system cannot lock (some
-    network file systems), said in a warning."""
+    network file systems), said in a warning. dry_run: only whether another holds it; nothing is
+    made or written."""
     path = os.path.join(folder, name)
+    if not fcntl and dry_run and not os.path.exists(path + ".msvcrt"):
+        return None  # no lock file: no process holds the folder
     fd = os.open(folder, os.O_RDONLY) if fcntl else os.open(path + ".msvcrt", os.O_RDWR | os.O_CREAT)
     try:
         if fcntl:
@@ -135,6 +138,8 @@ def lock_folder(folder, name, who, note=""):
         raise UserError(
             f"--out-dir {folder} is in use by another {who}{holder}: wait for it to end, or pass another --out-dir"
         ) from None
+    if dry_run:
+        return fd, None
     command = " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]]).replace("\n", " ")
     command = command if len(command) <= 160 else command[:157] + "..."
     since = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -151,10 +156,10 @@ def unlock_folder(lock):
     if lock is None:
         return
     fd, path = lock
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, TypeError):  # TypeError: a dry run's, which wrote no file
         os.remove(path)
     os.close(fd)
-    if not fcntl:
+    if not fcntl and path:
         with contextlib.suppress(OSError):
             os.remove(path + ".msvcrt")
 

@@ -110,7 +110,8 @@ def claim_out_dir(out_dir, resume, dry_run=False):
     pruned instead of its own and its log drawn as one curve with theirs, so it is refused. The
     folder is locked for this process's life (support.files.lock_folder), given back by
     release_out_dir; a checkpoint write a kill cut short is removed. Rank 0 alone claims it. A dry
-    run makes, locks and removes nothing: it checks the folder as it finds it (or none)."""
+    run makes, writes and removes nothing: it checks the folder as it finds it (or none), and is
+    refused where the real run would be."""
     if not out_dir:
         raise UserError(
             "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
@@ -120,7 +121,8 @@ def claim_out_dir(out_dir, resume, dry_run=False):
     try:
         if not dry_run:
             os.makedirs(out_dir, exist_ok=True)
-            _claim["lock"] = lock_folder(out_dir, LOCK_FILE, "run", note)
+        if os.path.isdir(out_dir):  # a dry run too: refused where the real run would be
+            _claim["lock"] = lock_folder(out_dir, LOCK_FILE, "run", note, dry_run)
     except OSError as e:
         raise UserError(f"cannot create or open --out-dir {out_dir}: {e.strerror}") from None
     check_names_at_start(out_dir)  # with the folder held: no other run changes it meanwhile
