@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from support.cli import ArgumentParser, UserError, flag_type, run_cli
 from support.documents import check_inputs, check_online, default_workers, expand_inputs, hub_documents, local_documents
-from support.files import lock_folder, unlock_folder, write_atomic
+from support.files import check_folder, lock_folder, unlock_folder, write_atomic
 from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_path, write_shard
 
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
@@ -418,6 +418,7 @@ def check_args(args):
     for k, v in HUB_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    check_folder(args.out_dir, "--out-dir")
     prefix = args.prefix
     if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or "\0" in prefix:
         raise UserError(

@@ -14,8 +14,6 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not a traceback from inside an import
     signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
 
-import argparse
-
 from support.checks import Number
 from support.cli import ArgumentParser, run_cli
 from support.device import pick_device
@@ -23,15 +21,15 @@ from support.model_files import model_config_of
 from support.out_of_memory import oom_phase, sample_out_of_memory
 from support.sampling import add_sampling_flags, encode_prompt, sample_text
 from support.shards import get_tokenizer
-from train_gpt2 import load_model
+from train_gpt2 import HelpFormatter, load_model
 
 
 def main(argv=None):
-    p = ArgumentParser(prog="sample.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="sample.py", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL", help="gpt2*, a transformers folder, our checkpoint or a run's folder")
     add_sampling_flags(p.add_argument)  # --prompt, --num-samples, --max-new-tokens, --temperature, --top-k
     p.add_argument("--seed", type=Number.TORCH_SEED, default=1337, help="the same seed and flags: the same samples")
-    p.add_argument("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N, mps or cpu (None: the best available)")
     p.add_argument("--dry-run", action="store_true", help="check the model, the prompt and the flags; load no weights")
     args = p.parse_args(argv)
     device, _ = pick_device(args.device)

@@ -37,7 +37,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
-from support.checkpoints import all_rng_states, load_checkpoint, save_training_state
+from support.checkpoints import load_checkpoint, save_training_state
 from support.checks import Number, check_args, check_data, check_init_shape, check_model_fits
 from support.cli import ArgumentParser, UserError, run_cli, same_on_every_rank
 from support.ddp import setup_distributed
@@ -494,17 +494,18 @@ def train(args, given=frozenset()):
         return 0
     name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or device
     derived = dict(grad_accum_steps=grad_accum_steps, world_size=ddp_world_size, dtype=dtype, dtype_reason=why)
-    derived.update(compile=use_compile, min_lr=min_lr, model_config=asdict(raw_model.config))
+    derived.update(compile=use_compile, model_config=asdict(raw_model.config), flops_per_token=flops)
+    config = {**vars(args), "data_dir": os.path.abspath(args.data_dir)}  # the run's flags: --resume from anywhere
     log = RunLog(args.out_dir, master_process, args.max_steps)
-    log.header(run_id, name, start_step or None, changes, {**vars(args), **derived, "flops_per_token": flops})
+    log.header(run_id, name, start_step or None, changes, {**config, **derived})
     peak = args.peak_flops or (peak_flops(name) if device_type == "cuda" else None)  # MFU: of one GPU's peak
 
-    def checkpoint(step):  # every rank: the RNG states are gathered from all, rank 0 writes
+    def checkpoint(step):  # every rank: rank 0 writes, the others wait for it
         ckpt = dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), data=train_loader.state_dict())
         ckpt.update(scaler=scaler.state_dict() if scaler.is_enabled() else None, model_config=asdict(raw_model.config))
-        ckpt.update(rng=all_rng_states(device_type, ddp, ddp_world_size), run_id=run_id, step=step, val_loss=val_loss)
+        ckpt.update(run_id=run_id, step=step, val_loss=val_loss)
         ckpt.update(world_size=ddp_world_size, data_identity=train_loader.identity)  # the shards it started on
-        ckpt.update(train_config={**vars(args), "data_dir": os.path.abspath(args.data_dir)})  # --resume from anywhere
+        ckpt.update(train_config=config)
         return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp)
 
     stop = StopRequest(args.out_dir)
@@ -604,15 +605,15 @@ def command_line():
     add("--resume", nargs="?", const="latest", metavar="CKPT", help="the newest in --out-dir, CKPT, a run's folder")
     add("--init-from", default="scratch", help="scratch, gpt2*, a transformers dir, a checkpoint, a run's folder")
     add("--dry-run", action="store_true", help="run the start-up checks, then exit: nothing is trained or written")
-    add("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
+    add("--device", default=None, help="cuda, cuda:N, mps or cpu (None: the best available)")
     add("--dtype", default="auto", choices=("auto", *AUTOCAST_DTYPES), help="auto: see the README")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (None: on for CUDA)")
     add("--peak-flops", type=Number.ABOVE_ZERO, help="the device's peak FLOP/s, for MFU (None: a table of GPUs)")
     add("--ddp-timeout", type=Number.DDP_SECONDS, default=1800, help="seconds a rank waits for the others")
     add = group("model (the recipe: with --resume, the checkpoint's; another value is refused)", RECIPE)
-    add("--n-layer", type=Number.POSITIVE, default=12)
-    add("--n-head", type=Number.POSITIVE, default=12)
-    add("--n-embd", type=Number.POSITIVE, default=768)
+    add("--n-layer", type=Number.POSITIVE, default=12, help="transformer blocks")
+    add("--n-head", type=Number.POSITIVE, default=12, help="attention heads per block")
+    add("--n-embd", type=Number.POSITIVE, default=768, help="the residual stream's width")
     add("--vocab-size", type=int, default=50304, help="50257 padded to a multiple of 128: faster matmuls")
     add("--block-size", type=Number.POSITIVE, default=1024, help="the model's context length")
     add = group(

@@ -1,16 +1,13 @@
 """Checkpoint files as plain dicts: a run's training state written atomically, pruned to this run's
-newest few (keeping one known good), loaded without running code, and the random-number state they
-carry. Which files in a run's folder are the run's own is support/out_dir.py's."""
+newest few (keeping one known good), and loaded without running code. Which files in a run's folder
+are the run's own is support/out_dir.py's."""
 
 import os
 import pickle
-import random
 import re
 import zipfile
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from support.cli import UserError, first_line
 from support.ddp import fence
@@ -125,42 +122,10 @@ def refused_pickle(path, e):
 def load_training_checkpoint(path):
     """A checkpoint that holds a run's training state, not just weights."""
     ckpt = load_checkpoint(path)
-    missing = [k for k in ("optimizer", "step", "data", "rng") if k not in ckpt]
+    missing = [k for k in ("optimizer", "step", "data") if k not in ckpt]
     if missing:
         raise UserError(
             f"checkpoint {path} has no training state ({', '.join(missing)}): "
             f"start a new run from its weights with --init-from {path}"
         )
     return ckpt
-
-
-def get_rng_state(device_type):
-    """Every random generator's state, as tensors and plain values (weights_only-loadable)."""
-    # numpy's state holds a numpy array, which weights_only loading refuses: keep it as a tensor
-    _, key, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos)}
-    numpy_state.update(has_gauss=int(has_gauss), gauss=float(gauss))
-    return {
-        "python": random.getstate(),
-        "numpy": numpy_state,
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None,
-    }
-
-
-def set_rng_state(state, device_type):
-    random.setstate(state["python"])
-    s = state["numpy"]
-    np.random.set_state(("MT19937", s["key"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if device_type == "cuda" and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def all_rng_states(device_type, ddp, ddp_world_size):
-    """Every rank's RNG state, gathered on every rank: a checkpoint resumes each rank's draws."""
-    if not ddp:
-        return [get_rng_state(device_type)]
-    states = [None] * ddp_world_size
-    dist.all_gather_object(states, get_rng_state(device_type))
-    return states

@@ -81,6 +81,21 @@ def write_atomic(path, write, mode="wb"):
         raise
 
 
+def existing_part(path):
+    """path, or the nearest of its folders that exists ("." for a relative path none of whose do)."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path or "."
+
+
+def check_folder(path, flag):
+    """A folder flag whose path, or the nearest of its folders that exists, is a file: one line."""
+    found = existing_part(path)
+    if not os.path.isdir(found):
+        where = f"{flag} {path}" if found == path else f"{flag} {path}: {found}"
+        raise UserError(f"{where} is a file, not a folder: name a folder")
+
+
 def disk_error(e, what, then):
     """One line for a failed write; 'make room' only when the disk is really full."""
     full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
@@ -88,15 +103,18 @@ def disk_error(e, what, then):
     return UserError(f"cannot write {what} ({getattr(e, 'strerror', None) or e}): {fix}, then {then}")
 
 
-def lock_folder(folder, name, who, note=""):
+def lock_folder(folder, name, who, note="", dry_run=False):
     """Hold folder for this process's life: a second `who` started into it is refused in one line
     naming the holder, whose pid, host, start and command (note: more on the pid) this writes to
     the file `name` in folder (by rename, as every write here). The lock is flock on the folder
     itself, or on Windows msvcrt.locking on NAME.msvcrt held open (Windows deletes no open file): a
     user's `rm` of a file cannot undo it, and the OS gives it back when the process ends, a kill
     included. Returns what unlock_folder takes; None where the file system cannot lock (some
-    network file systems), said in a warning."""
+    network file systems), said in a warning. dry_run: only whether another holds it; nothing is
+    made or written."""
     path = os.path.join(folder, name)
+    if not fcntl and dry_run and not os.path.exists(path + ".msvcrt"):
+        return None  # no lock file: no process holds the folder
     fd = os.open(folder, os.O_RDONLY) if fcntl else os.open(path + ".msvcrt", os.O_RDWR | os.O_CREAT)
     try:
         if fcntl:
@@ -120,6 +138,8 @@ def lock_folder(folder, name, who, note=""):
         raise UserError(
             f"--out-dir {folder} is in use by another {who}{holder}: wait for it to end, or pass another --out-dir"
         ) from None
+    if dry_run:
+        return fd, None
     command = " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]]).replace("\n", " ")
     command = command if len(command) <= 160 else command[:157] + "..."
     since = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -136,23 +156,37 @@ def unlock_folder(lock):
     if lock is None:
         return
     fd, path = lock
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, TypeError):  # TypeError: a dry run's, which wrote no file
         os.remove(path)
     os.close(fd)
-    if not fcntl:
+    if not fcntl and path:
         with contextlib.suppress(OSError):
             os.remove(path + ".msvcrt")
+
+
+MOUNTINFO_ESCAPES = {ord(c): f"\\{ord(c):03o}" for c in " \t\n\\"}  # how /proc/self/mountinfo writes these
+
+
+def is_mount_point(path):
+    """os.path.ismount, which misses a bind mount of a folder of the same file system (`mount
+    --bind`, `docker -v`), and on Linux also the mount points /proc/self/mountinfo lists."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            points = {line.split()[4] for line in f}
+    except OSError:  # not Linux
+        points = set()
+    return os.path.ismount(path) or os.path.realpath(path).translate(MOUNTINFO_ESCAPES) in points
 
 
 def write_dir_atomic(out_dir, write, what):
     """write(tmp) fills a hidden folder beside out_dir, which then takes out_dir's place (a folder
     already there is renamed aside first and deleted last: the caller checked it may go). A mount
-    point (`docker -v host:dir`, a tmpfs) cannot be renamed: the hidden folder is made inside it,
-    and its files take the places of those there (a file of the earlier folder not written again
-    is deleted). On any failure, a full disk and Ctrl-C included, the hidden folders and the
-    parents this made are removed and out_dir is as it was."""
+    point (`docker -v host:dir`, a tmpfs, a bind mount) cannot be renamed: the hidden folder is made
+    inside it, and its files take the places of those there (a file of the earlier folder not
+    written again is deleted). On any failure, a full disk and Ctrl-C included, the hidden
+    folders and the parents this made are removed and out_dir is as it was."""
     parent = os.path.dirname(out_dir)
-    into = os.path.ismount(out_dir)
+    into = is_mount_point(out_dir)
     made = []  # parent folders this call creates, deepest first
     d = parent
     while not os.path.isdir(d):

@@ -15,7 +15,7 @@ import urllib.request
 import torch
 
 from support.cli import UserError, first_line
-from support.files import write_dir_atomic
+from support.files import existing_part, write_dir_atomic
 from support.offline import offline_var
 from support.shards import GPT2_BPE, GPT2_VOCAB, get_tokenizer, read_gpt2_bpe
 
@@ -86,9 +86,8 @@ def check_export_target(out_dir):
         raise UserError("DIR '' names no folder: name the folder to write, e.g. python export_hf.py CKPT gpt2_ours")
     if os.path.islink(given) and not os.path.exists(given):
         raise UserError(f"export target {given} is a symbolic link to nothing: name a new folder")
-    out_dir = found = os.path.realpath(given)  # a link to an earlier export: replace that folder, keep the link
-    while not os.path.exists(found):  # the folder, or the nearest of its parents that exists
-        found = os.path.dirname(found)
+    out_dir = os.path.realpath(given)  # a link to an earlier export: replace that folder, keep the link
+    found = existing_part(out_dir)
     if not os.path.isdir(found):
         example = os.path.splitext(found)[0] + "_hf"
         raise UserError(f"export target {given}: {found} is a file, not a folder: name a new folder, e.g. {example}")

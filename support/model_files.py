@@ -8,7 +8,7 @@ import os
 from support.checkpoints import load_checkpoint
 from support.cli import UserError
 from support.hf_interop import HF_NAMES, check_hub_reachable, hub_name_is_cached
-from support.out_dir import checkpoint_paths, newest_of_its_run
+from support.out_dir import checkpoints_near, newest_of_its_run
 from support.shards import GPT2_VOCAB
 
 GPT2_BLOCK_SIZE = 1024  # n_positions of every OpenAI GPT-2 (gpt2 .. gpt2-xl)
@@ -31,11 +31,8 @@ def find_model(spec):
         return "transformers", spec
     if os.path.isfile(spec):
         return "checkpoint", spec
-    # most often a checkpoint's step mistyped: say which ones its folder holds
-    folder = os.path.dirname(spec) or "."
-    found = [os.path.basename(p) for p in checkpoint_paths(folder)]
-    there = f"; {folder} holds {', '.join(found[:3])}" + (" ..." if len(found) > 3 else "") if found else ""
-    raise UserError(f"{spec!r} does not exist, and is not a GPT-2 name ({', '.join(HF_NAMES)}){there}")
+    # most often a checkpoint's step or a folder mistyped: say what the nearest folder holds
+    raise UserError(f"{spec!r} does not exist, and is not a GPT-2 name ({', '.join(HF_NAMES)}){checkpoints_near(spec)}")
 
 
 def model_config_of(spec):

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from support.cli import UserError
-from support.files import disk_error, lock_folder, log_records, unlock_folder
+from support.files import check_folder, disk_error, existing_part, lock_folder, log_records, unlock_folder
 
 # ----------------------------------------------------------------------------------------------
 # The names a run writes: its log.jsonl, its checkpoints and their temporary files, its lock
@@ -45,6 +45,17 @@ def checkpoint_paths(out_dir):
         return []
     found = [(step, name) for name in os.listdir(out_dir) if (step := step_of_name(name)) is not None]
     return [os.path.join(out_dir, name) for _, name in sorted(found, reverse=True)]
+
+
+def checkpoints_near(path):
+    """For a checkpoint or run's folder named that does not exist (a step or a folder mistyped): the
+    nearest folder that does and the checkpoints in it, as the end of a line."""
+    folder = existing_part(path)
+    if not os.path.isdir(folder):
+        return f": {folder} is a file, not a folder"
+    found = [os.path.basename(p) for p in checkpoint_paths(folder)]
+    held = ", ".join(found[:3]) + (" ..." if len(found) > 3 else "") if found else "no checkpoint (ckpt_*.pt)"
+    return f"; {folder} holds {held}"
 
 
 def free_name(path, tag):
@@ -94,19 +105,24 @@ def remove_made_folders(made):
 _claim = {}  # this process's lock on its --out-dir (claim_out_dir), given back by release_out_dir
 
 
-def claim_out_dir(out_dir, resume):
+def claim_out_dir(out_dir, resume, dry_run=False):
     """An out-dir belongs to one run: a new run next to another run's checkpoints would have them
     pruned instead of its own and its log drawn as one curve with theirs, so it is refused. The
     folder is locked for this process's life (support.files.lock_folder), given back by
-    release_out_dir; a checkpoint write a kill cut short is removed. Rank 0 alone claims it."""
+    release_out_dir; a checkpoint write a kill cut short is removed. Rank 0 alone claims it. A dry
+    run makes, writes and removes nothing: it checks the folder as it finds it (or none), and is
+    refused where the real run would be."""
     if not out_dir:
         raise UserError(
             "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
         )
+    check_folder(out_dir, "--out-dir")
     note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
     try:
-        os.makedirs(out_dir, exist_ok=True)
-        _claim["lock"] = lock_folder(out_dir, LOCK_FILE, "run", note)
+        if not dry_run:
+            os.makedirs(out_dir, exist_ok=True)
+        if os.path.isdir(out_dir):  # a dry run too: refused where the real run would be
+            _claim["lock"] = lock_folder(out_dir, LOCK_FILE, "run", note, dry_run)
     except OSError as e:
         raise UserError(f"cannot create or open --out-dir {out_dir}: {e.strerror}") from None
     check_names_at_start(out_dir)  # with the folder held: no other run changes it meanwhile
@@ -118,6 +134,8 @@ def claim_out_dir(out_dir, resume):
         )
     if os.path.lexists(log) and os.path.basename(log) not in theirs:
         print(f"note: {log} holds only the start of a run that never trained a step: this run's records follow it")
+    if dry_run:
+        return
     for name in [n for n in os.listdir(out_dir) if step_of_name(n, temporary=True) is not None]:
         print(f"removing the unfinished {name}")  # a checkpoint write of this run cut short by a kill
         try:
@@ -233,10 +251,11 @@ def newest_of_its_run(out_dir, load, then):
 # What --resume continues from, and the names the run will write
 
 
-def pick_checkpoint(resume, out_dir, load):
+def pick_checkpoint(resume, out_dir, load, dry_run=False):
     """Rank 0's choice at start, after claim_out_dir: (path, checkpoint) for --resume (resume:
     "latest" or a checkpoint's path), (None, None) for a new run. load: how a checkpoint holding a
-    run's training state is loaded."""
+    run's training state is loaded. A run killed before its first checkpoint is started anew: (None,
+    {"train_config": its flags, from its log's header}). A dry run renames nothing."""
     path, ckpt = None, None
     if resume == "latest":
         then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
@@ -244,13 +263,21 @@ def pick_checkpoint(resume, out_dir, load):
         log = log_path(out_dir)
         if path is None and (runs := log_runs(log)):
             # killed before its first checkpoint: nothing to continue, so the same command starts it
-            # anew (a spot script that repeats --resume goes on); the dead run's log is kept aside
-            aside = free_name(log, runs[-1])
-            os.rename(log, aside)
-            print(f"note: run {runs[-1]} stopped before its first checkpoint; its log is now {aside}")
-        if path is None:
+            # anew with its flags (a spot script that repeats --resume goes on); its log is kept aside
+            aside, run = free_name(log, runs[-1]), runs[-1]
+            header = next(r for r in log_records(log) if r.get("event") == "header" and r.get("run_id") == run)
+            ckpt = {"train_config": header.get("config", {})}
+            if not dry_run:
+                os.rename(log, aside)
+            said = f"would be set aside as {aside} (not in a dry run)" if dry_run else f"is now {aside}"
+            print(f"note: run {run} stopped before its first checkpoint: it starts anew with its flags; its log {said}")
+        elif path is None:
             print(f"no checkpoint in {out_dir} to resume from: starting a new run")
     elif resume:
+        if not os.path.exists(resume):
+            raise UserError(
+                f"--resume {resume} does not exist{checkpoints_near(resume)}: pass a checkpoint or a run's folder"
+            )
         path, ckpt = resume, load(resume)
         check_resume_target(out_dir, path, ckpt)
     return path, ckpt

@@ -1,14 +1,13 @@
 """What --resume continues with: the recipe and settings it takes from the checkpoint (which one:
-support.out_dir.pick_checkpoint), the changes it allows, and the optimizer, data position and RNG
-state it restores."""
+support.out_dir.pick_checkpoint), the changes it allows, and the optimizer, data position and loss
+scale it restores."""
 
 import os
 import time
 
-import torch
 import torch.distributed as dist
 
-from support.checkpoints import load_training_checkpoint, set_rng_state
+from support.checkpoints import load_training_checkpoint
 from support.cli import UserError, same_on_every_rank
 from support.ddp import fence
 from support.out_dir import claim_out_dir, pick_checkpoint
@@ -48,15 +47,20 @@ def resume_folder(resume, out_dir, given):
     return {"out_dir": resume, "resume": "latest"}
 
 
+def differing(config, args, roles):
+    """{flag: its value in config} for each flag of the recipe or a run setting (roles: {flag: RECIPE,
+    RUN_SETTING or None}) whose value there is not the command line's."""
+    return {n: config[n] for n in roles if roles[n] and n in config and config[n] != getattr(args, n)}
+
+
 def reconcile_resume(args, given, roles, ckpt, ckpt_path):
     """The checkpoint's recipe and settings against the command line (roles: {flag: RECIPE or
     RUN_SETTING}); refuses contradictions. Returns the flags the checkpoint sets, {flag: its value}
     (the recipe's and the run settings left out), and the allowed changes, {flag: [checkpoint's
     value, new value]}."""
-    old = ckpt.get("train_config", {})
-    differ = [n for n in roles if roles[n] is not None and n in old and old[n] != getattr(args, n)]
-    taken = {n: old[n] for n in differ if n not in given}
-    changes = {n: [old[n], getattr(args, n)] for n in differ if n in given and roles[n] == RECIPE}
+    differ = differing(ckpt.get("train_config", {}), args, roles)
+    taken = {n: value for n, value in differ.items() if n not in given}
+    changes = {n: [value, getattr(args, n)] for n, value in differ.items() if n in given and roles[n] == RECIPE}
     for name, (was, new) in changes.items():
         if name not in ALLOWED_CHANGES:
             flag = "--" + name.replace("_", "-")
@@ -73,16 +77,18 @@ def reconcile_resume(args, given, roles, ckpt, ckpt_path):
 
 def resume_checkpoint(args, given, roles, ddp, master_process):
     """(path, checkpoint, the run's id, the flags it sets, the allowed changes) for --resume, else
-    (None, None, a new run's id, {}, {}); rank 0 says what a resume changed and took (report_resume).
+    (None, None, a new run's id, {}, {}); a run killed before its first checkpoint: its flags from its
+    log's header set, the given ones winning. Rank 0 says what a resume changed and took (report_resume).
     Rank 0 claims the out-dir first (claim_out_dir) and picks the checkpoint, so that every rank
     loads the same one (multi-node: the out-dir must be shared); a mistake it finds there ends every
     rank alike, said once. The other ranks wait in the fence (see fence). roles: reconcile_resume's."""
     oom_phase("loading the checkpoint")
-    picked = [None, None]  # the checkpoint's path, rank 0's error
+    picked = [None, None, {}]  # the checkpoint's path, rank 0's error, the flags of a run started anew
     if master_process:
         try:
-            claim_out_dir(args.out_dir, args.resume)
-            picked[0], _ = pick_checkpoint(args.resume, args.out_dir, load_training_checkpoint)
+            claim_out_dir(args.out_dir, args.resume, args.dry_run)
+            picked[0], ckpt = pick_checkpoint(args.resume, args.out_dir, load_training_checkpoint, args.dry_run)
+            picked[2] = ckpt["train_config"] if picked[0] is None and ckpt else {}
         except UserError as e:
             picked[1] = str(e)
     if ddp:
@@ -90,21 +96,25 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
     if picked[1] is not None:
         raise same_on_every_rank(UserError(picked[1]))
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"  # a new run's: when, and bytes no other has
-    path, ckpt, changes, taken = picked[0], None, {}, {}
+    path, ckpt, changes = picked[0], None, {}
+    # a run killed before its first checkpoint starts anew with its flags (picked[2]), the given ones winning
+    taken = {n: value for n, value in differing(picked[2], args, roles).items() if n not in given}
     if path is not None:
         ckpt = load_training_checkpoint(path)
         run_id = ckpt.get("run_id", path)
         taken, changes = reconcile_resume(args, given, roles, ckpt, path)
-    if master_process:
-        report_resume(changes, {name: value for name, value in taken.items() if roles[name] == RUN_SETTING})
+    if master_process:  # a run started anew says each flag it took, a resumed one the run settings
+        report_resume(changes, taken if picked[2] else {n: v for n, v in taken.items() if roles[n] == RUN_SETTING})
     return path, ckpt, run_id, taken, changes
 
 
 def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, ddp_rank):
-    """The optimizer, data position, this rank's RNG and fp16's loss scaler as a checkpoint left
-    them (a checkpoint of a bf16 or fp32 run has no scaler: fp16 starts at its first scale), on the
-    data it was trained on (the loader's identity); returns the step to start at and the last val
-    loss. A new run (ckpt None) starts at 0: the seeds are untouched."""
+    """The optimizer, data position and fp16's loss scaler as a checkpoint left them (a checkpoint of
+    a bf16 or fp32 run has no scaler: fp16 starts at its first scale), on the data it was trained on
+    (the loader's identity); returns the step to start at and the last val loss. A new run (ckpt
+    None) starts at 0. No random state: after the model's init nothing in the recipe draws from the
+    global generators (the shard order comes from (seed, epoch), samples from their own seeded
+    generator, and the model has no dropout)."""
     oom_phase("loading the checkpoint")
     if ckpt is None:
         return 0, None
@@ -114,8 +124,6 @@ def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, ddp_rank)
     loader.load_state_dict(ckpt["data"])
     if scaler.is_enabled() and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
-    if ddp_rank < len(ckpt["rng"]):
-        set_rng_state(ckpt["rng"][ddp_rank], torch.device(loader.device).type)
     if ddp_rank == 0:
         print(f"resuming from {ckpt_path} at step {ckpt['step']}")
     return ckpt["step"], ckpt.get("val_loss")
@@ -127,4 +135,4 @@ def report_resume(changes, taken):
         print(f"note: --{name.replace('_', '-')} {old} -> {new} on resume: {ALLOWED_CHANGES[name]}")
     if taken:
         flags = ", ".join(f"--{name.replace('_', '-')} {value!r}" for name, value in taken.items())
-        print(f"note: continuing with the run's {flags} (flags left out on --resume are the checkpoint's)")
+        print(f"note: continuing with the run's {flags} (flags left out on --resume are the run's)")

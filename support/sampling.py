@@ -160,8 +160,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=No
 def add_sampling_flags(add):
     """The sampling flags of train_gpt2.py (its mid-run samples) and sample.py; add: add_argument."""
     add("--prompt", default="Hello, I'm a language model,", help="'' starts from <|endoftext|>")
-    add("--num-samples", type=Number.POSITIVE, default=4)
-    add("--max-new-tokens", type=Number.POSITIVE, default=32)
+    add("--num-samples", type=Number.POSITIVE, default=4, help="samples drawn at once")
+    add("--max-new-tokens", type=Number.POSITIVE, default=32, help="tokens each sample adds to the prompt")
     add("--temperature", type=Number.AMOUNT, default=1.0, help="0: greedy")
     add("--top-k", type=Number.COUNT, default=50, help="sample among the k likeliest tokens (0: all)")
 

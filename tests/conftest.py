@@ -97,8 +97,9 @@ def hf_tiny_dir(tmp_path_factory):
 @pytest.fixture
 def fake_gpu():
     """fake_gpu(gpu="H100", count=1): count faked CUDA GPUs of fake_gpu.GPUS[gpu] ("H100" 9.0 80 GB,
-    "A4000" 8.6 16 GB, "T4" 7.5 16 GB) for the rest of the test, in this process and the ones it
-    starts; undone after it. Returns the FakeGPU, which records what the program asked of it."""
+    "A100" 8.0 40 GB, "A100 80GB", "RTX 3090" 8.6 24 GB, "A4000" 8.6 16 GB, "T4" 7.5 16 GB) for the
+    rest of the test, in this process and the ones it starts; undone after it. Returns the FakeGPU,
+    which records what the program asked of it."""
     with contextlib.ExitStack() as stack:
         yield lambda gpu="H100", count=1: stack.enter_context(faked(gpu, count))
 
@@ -129,14 +130,16 @@ def one_thread_per_process():
 
 @pytest.fixture
 def read_only(tmp_path):
-    """make(folder): folder, bind-mounted read-only onto itself (root writes through chmod);
-    skipped where mounting is not allowed."""
+    """make(folder, writable=False): folder, bind-mounted onto itself, read-only (root writes through
+    chmod) unless writable; skipped where mounting is not allowed."""
     mounted = []
 
-    def make(folder):
+    def make(folder, writable=False):
         if shutil.which("mount") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
-            pytest.skip("a read-only bind mount needs root")
+            pytest.skip("a bind mount needs root")
         for cmd in (["mount", "--bind", folder, folder], ["mount", "-o", "remount,bind,ro", folder, folder]):
+            if writable and cmd[1] != "--bind":
+                break
             r = subprocess.run([*map(str, cmd)], capture_output=True, text=True)
             if r.returncode != 0:
                 pytest.skip(f"cannot mount read-only here: {r.stderr.strip()}")

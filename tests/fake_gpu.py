@@ -9,8 +9,9 @@ What the program sees, without a way to tell it from a GPU:
   get_device_properties with the attributes torch's type stubs declare, no others;
 - a tensor made or moved to "cuda"/"cuda:N" is a CPU tensor (a torch function mode; an index past
   the GPU count is CUDA's invalid device ordinal), pin_memory() leaves it as it is;
-- autocast and GradScaler on "cuda" run as the CPU's, a cuda Generator is a CPU one, an NCCL
-  process group is gloo (and DDP's device_ids are dropped for the CPU module);
+- autocast and GradScaler on "cuda" run as the CPU's, a cuda Generator is a CPU one (the default
+  one's state, torch.cuda.get_rng_state, is CUDA's 16 bytes), an NCCL process group is gloo (and
+  DDP's device_ids are dropped for the CPU module);
 - torch.set_float32_matmul_precision refuses a value torch only warns about.
 torch's own code keeps seeing the CPU build: is_available(), is_initialized() and device_count()
 answer as the GPU only to the project's files, so that torch's compiler keeps to its CPU path.
@@ -43,6 +44,9 @@ GiB = 2**30
 # name (torch.cuda.get_device_name), compute capability, memory as CUDA reports it, SM count
 GPUS = {
     "H100": dict(name="NVIDIA H100 80GB HBM3", capability=(9, 0), memory=int(79.1 * GiB), sms=132),
+    "A100 80GB": dict(name="NVIDIA A100-SXM4-80GB", capability=(8, 0), memory=int(79.2 * GiB), sms=108),
+    "A100": dict(name="NVIDIA A100-SXM4-40GB", capability=(8, 0), memory=int(39.4 * GiB), sms=108),
+    "RTX 3090": dict(name="NVIDIA GeForce RTX 3090", capability=(8, 6), memory=int(23.6 * GiB), sms=82),
     "A4000": dict(name="NVIDIA RTX A4000", capability=(8, 6), memory=int(15.7 * GiB), sms=48),
     "T4": dict(name="Tesla T4", capability=(7, 5), memory=int(14.7 * GiB), sms=40),
 }
@@ -62,6 +66,14 @@ def device_properties():
             fields = [n for n in node.body if isinstance(n, ast.AnnAssign)]
             return {n.target.id: "" if ast.unparse(n.annotation) == "str" else 0 for n in fields}
     raise RuntimeError(f"{stubs} declares no _CudaDeviceProperties")
+
+
+def philox_state(seed, offset=0):
+    """A CUDA generator's state as torch.cuda.get_rng_state returns it: 16 bytes, its Philox seed and
+    offset as two little-endian uint64."""
+    return torch.frombuffer(
+        bytearray((seed % 2**64).to_bytes(8, "little") + offset.to_bytes(8, "little")), dtype=torch.uint8
+    )
 
 
 def asked_by_the_project():
@@ -135,7 +147,7 @@ class FakeGPU:
         self.properties = properties()
         for attribute, value in values.items():
             setattr(self.properties, attribute, value)
-        self.generator = torch.Generator()  # the cuda generator's state (nothing draws from it on the CPU)
+        self.rng_state = philox_state(0)  # the cuda generator's (nothing draws from it on the CPU)
         self.asked = []  # (function, its arguments), in the order the program asked
         self.nccl = False  # the default process group was asked for as NCCL
         self.oom = None  # (when, how many more), see out_of_memory
@@ -210,11 +222,13 @@ class FakeGPU:
             self.current = self.index(device)
 
         def set_rng_state(new_state, device):
-            self.record("set_rng_state", self.index(device))
-            self.generator.set_state(new_state)
+            self.index(device)
+            if new_state.dtype != torch.uint8 or new_state.numel() != 16:  # a CPU generator's is 5056 bytes
+                raise RuntimeError("RNG state is wrong size")
+            self.rng_state = new_state.clone()
 
         def seed(seed):
-            self.generator.manual_seed(seed)
+            self.rng_state = philox_state(seed)
 
         def to_the_project(name, value):  # value to the project's code, the real answer to torch's
             real = getattr(torch.cuda, name)
@@ -233,9 +247,10 @@ class FakeGPU:
             # the fake cannot measure GPU memory: its statistics are zeros, their asking recorded
             max_memory_allocated=recorded("max_memory_allocated", 0),
             reset_peak_memory_stats=recorded("reset_peak_memory_stats"),
-            get_rng_state=of_device(self.generator.get_state),
+            get_rng_state=of_device(lambda: self.rng_state.clone()),
             set_rng_state=set_rng_state,
             manual_seed_all=seed,  # what torch.manual_seed calls
+            is_bf16_supported=lambda including_emulation: self.capability >= (8, 0) or including_emulation,
         )
 
     def install(self, monkeypatch):

@@ -9,6 +9,7 @@ import errno
 import io
 import json
 import os
+import random
 import re
 import runpy
 import shlex
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -126,11 +128,17 @@ def hangup_default():
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
+class Overran(BaseException):
+    """cli()'s in-process run went past its timeout: a BaseException, as a process's kill is beyond
+    the script's reach, so that no `except Exception` (an OSError's one-line error) turns a hang into an exit 1."""
+
+
 def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **kwargs):
     """Run one of the scripts as a user would, in cwd; the CompletedProcess. In this process by
     default: the script's file run as __main__ (runpy), so its own run_cli reports what main(argv)
-    raised, stdout and stderr captured, and what it changed in this process (the environment, the
-    folder, signal handlers, torch's settings) put back. With process=True, an env (Popen's) or
+    raised, stdout and stderr captured, a sys.exit's message printed and its code 1 as python's,
+    and what it changed in this process (the environment, the folder, signal handlers, torch's
+    settings, the global random generators) put back. With process=True, an env (Popen's) or
     script "-c" (python -c's code): a python process of its own."""
     argv = [str(a) for a in args]
     if process or script == "-c" or "env" in kwargs:
@@ -139,10 +147,11 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s}
     environ, folder, argv0 = dict(os.environ), os.getcwd(), sys.argv
     torch_state = torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()
+    rngs = random.getstate(), np.random.get_state(), torch.get_rng_state()
     out, err, code = io.StringIO(), io.StringIO(), 0
 
     def overran(signum, frame):
-        raise TimeoutError(f"{script} {' '.join(argv)} did not end within {timeout} s")
+        raise Overran(f"{script} {' '.join(argv)} did not end within {timeout} s")
 
     alarm = hasattr(signal, "SIGALRM")  # a run that a bug keeps going fails, as a process's timeout does
     if alarm:
@@ -153,8 +162,10 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
         sys.argv = [str(ROOT / script), *argv]
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             runpy.run_path(str(ROOT / script), run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (e.code is not None)
+    except SystemExit as e:  # as python ends: None is 0, anything but a number is printed and is 1
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=err)
     finally:
         if alarm:
             signal.alarm(0)
@@ -166,6 +177,9 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
             signal.signal(s, handler)
         torch.use_deterministic_algorithms(torch_state[0])
         torch.set_float32_matmul_precision(torch_state[1])
+        random.setstate(rngs[0])
+        np.random.set_state(rngs[1])
+        torch.set_rng_state(rngs[2])
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
@@ -218,6 +232,15 @@ def heap_after(script, mode, args):
     )
     assert proc.returncode == 0, proc.stderr
     return [int(v) for v in proc.stdout.split()[-2:]]
+
+
+def help_entries(text):
+    """{each option string: its entry in a script's --help text, on one line}."""
+    entries = re.split(r"\n  (?=-)", text.split("\noptions:\n", 1)[1])
+    usage = {entry: re.split(r"\s{2,}", entry.strip(), maxsplit=1)[0] for entry in entries}  # "-B B, --batch-size B"
+    return {
+        flag: " ".join(entry.split()) for entry in entries for flag in re.findall(r"(?:^|, )(-[\w-]+)", usage[entry])
+    }
 
 
 def user_error(args, main=None):
@@ -358,6 +381,36 @@ def start_run(*args, torchrun=False, script="train_gpt2.py", **kwargs):
     return subprocess.Popen(command, **{**options, **kwargs})
 
 
+def started_until(said, *args, **kwargs):
+    """start_run(*args, **kwargs), its stdout unbuffered, returned once the script has said `said`: a
+    line of its stdout that starts with it, or for "import M", python's import-time line of M or a
+    module in it (PYTHONPROFILEIMPORTTIME, on stderr); the scripts set their Ctrl-C handler at their
+    top, before they import torch or numpy. A wait on what the script says, never on the clock."""
+    module = said.removeprefix("import ") if said.startswith("import ") else None
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PYTHONPROFILEIMPORTTIME": "1"} if module else {})}
+    proc = start_run(*args, env=env, **kwargs)
+    guard = threading.Timer(300, proc.kill)  # a run that hangs before it says it: killed, its pipes end
+    guard.start()
+    wanted = rf"import time:.*\| +{module}(\.|$)" if module else re.escape(said)
+    next((line for line in (proc.stderr if module else proc.stdout) if re.match(wanted, line)), None)
+    guard.cancel()
+    return proc
+
+
+def signal_on(said, *args, signum=signal.SIGINT, times=1, **kwargs):
+    """The script of started_until(said, *args, **kwargs) sent `signum` `times` times, to its process
+    group with start_new_session (a terminal's Ctrl-C); -> (the Popen, once it has ended (killed if
+    not within 120 s), its stdout, its stderr without python's import-time lines)."""
+    proc = started_until(said, *args, **kwargs)
+    try:
+        for _ in range(times):
+            os.killpg(proc.pid, signum) if kwargs.get("start_new_session") else proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc, out, "".join(line for line in err.splitlines(keepends=True) if not line.startswith("import time:"))
+
+
 def wait_for_step(proc, out, step, timeout=240):
     """Poll out/log.jsonl until it records training step `step`; the process must still be running then."""
     log, deadline = Path(out) / "log.jsonl", time.time() + timeout
@@ -371,17 +424,6 @@ def wait_for_step(proc, out, step, timeout=240):
     raise AssertionError(f"step {step} never logged")
 
 
-def signal_at_step(proc, out, step, signum, timeout=120):
-    """Send the running proc `signum` once out/log.jsonl records step `step`; its (stdout, stderr)
-    once it has ended (killed if it has not within `timeout` s)."""
-    try:
-        wait_for_step(proc, out, step)
-        proc.send_signal(signum)
-        return proc.communicate(timeout=timeout)
-    finally:
-        proc.kill()
-
-
 def free_port():
     """A TCP port free on 127.0.0.1 now: a MASTER_PORT or a rendezvous endpoint."""
     with socket.socket() as sock:
@@ -389,15 +431,15 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def ranks_without_agent(args, world_size=2, stagger=0.0, timeout=300):
+def ranks_without_agent(args, world_size=2, one_by_one=False, timeout=300):
     """train_gpt2.py's ranks started as torchrun starts them (its environment variables), without
-    its agent, which would stop the others once one has failed; each rank after the first
-    `stagger` s after the one before. -> ([each rank's exit code], [each rank's (stdout, stderr)])."""
+    its agent, which would stop the others once one has failed; with one_by_one, each rank once the
+    one before has ended. -> ([each rank's exit code], [each rank's (stdout, stderr)])."""
     env = {**os.environ, "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ranks = []
     for rank in range(world_size):
-        if rank and stagger:
-            time.sleep(stagger)
+        if rank and one_by_one:
+            ranks[-1].wait(timeout=timeout)
         ranks.append(
             subprocess.Popen(
                 [sys.executable, "train_gpt2.py", *map(str, args)],

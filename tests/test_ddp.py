@@ -31,11 +31,11 @@ def test_a_ddp_timeout_c10d_cannot_wait_is_one_line_under_torchrun(tmp_path):
 
 @pytest.mark.slow
 def test_ranks_that_do_not_join_within_the_timeout_say_so_in_one_line_each(tmp_path):
-    """Rank 1 starts 5 s after rank 0 with --ddp-timeout 1: rank 0's join times out, and rank 1
-    then finds no one to join; each says so in one line naming --ddp-timeout, exit 1 (as torchrun
+    """Rank 1 starts once rank 0 has ended, with --ddp-timeout 1: rank 0's join timed out, and rank 1
+    finds no one to join; each says so in one line naming --ddp-timeout, exit 1 (as torchrun
     starts them: its environment variables, without its agent, which would end rank 1 early)."""
     args = tiny_args(random_shards(tmp_path / "data"), tmp_path / "out", "--ddp-timeout", 1)
-    codes, outputs = ranks_without_agent(args, stagger=5)
+    codes, outputs = ranks_without_agent(args, one_by_one=True)
     assert codes == [1, 1], outputs
     for rank, (_, stderr) in enumerate(outputs):
         said = [line for line in stderr.splitlines() if line.startswith("error: ")]

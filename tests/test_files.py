@@ -4,7 +4,8 @@ swap and the parent after it; seen through os.fsync and os.replace themselves, b
 (device, inode) of what each fsync reached: a write that skips one fails here), and a link at
 either of write_atomic's names is replaced, never written through; the folder lock refuses a second
 holder on each mechanism, an `rm` of its file notwithstanding; a failed write's line says "make
-room" only when the disk is full; jsonl_rows names a bad line. (train_gpt2.py's use of the lock:
+room" only when the disk is full; a file where a folder goes is one line in every script; jsonl_rows
+names a bad line. (train_gpt2.py's use of the lock:
 test_out_dir.py; fineweb.py's: test_fineweb.py; without fcntl: test_portable.py.)"""
 
 import errno
@@ -15,7 +16,9 @@ import sys
 
 import pytest
 
-from helpers import assert_one_line_error, cli, tiny_args
+import fineweb
+import train_gpt2
+from helpers import assert_one_line_error, cli, snapshot, tiny_args, user_error
 from support import files
 from support.cli import UserError
 from support.files import jsonl_rows, lock_folder, unlock_folder, write_atomic, write_dir_atomic
@@ -91,6 +94,26 @@ def test_a_write_error_that_is_not_a_full_disk_does_not_say_make_room(data, tmp_
     line = assert_one_line_error(r, "log.jsonl")
     assert "make room" not in line
     json.dumps(line)
+
+
+@pytest.mark.parametrize(
+    "main, flags",
+    [
+        (train_gpt2.main, ["--out-dir", "f"]),
+        (train_gpt2.main, ["--out-dir", "f/run"]),
+        (train_gpt2.main, ["--data-dir", "f"]),
+        (train_gpt2.main, ["--resume", "f/ckpt_000004.pt"]),
+        (fineweb.main, ["--input", "in.txt", "--out-dir", "f"]),
+    ],
+    ids=["--out-dir", "--out-dir under it", "--data-dir", "--resume under it", "fineweb.py --out-dir"],
+)
+def test_a_file_where_a_folder_goes_is_one_line_naming_it(tmp_path, monkeypatch, main, flags):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "f").write_text("a file of mine")
+    before = snapshot(tmp_path)
+    msg = user_error(tiny_args("data", "out", *flags) if main is train_gpt2.main else flags, main)
+    assert msg.startswith(f"{flags[-2]} {flags[-1]}") and "f is a file, not a folder" in msg
+    assert snapshot(tmp_path) == before
 
 
 # ----------------------------------------------------------------------------------------------

@@ -302,7 +302,7 @@ if len(sys.argv) > 3:
     subprocess.Popen([sys.executable, "-c", sys.argv[2], *sys.argv[3:]])
 else:
     open(sys.argv[2], "w").close()
-time.sleep(120)
+time.sleep(600)
 """
 
 KILLED_MID_ITEM = """
@@ -337,7 +337,7 @@ def test_kill_9_of_bench_ends_its_child_and_what_that_started(tmp_path):
                         pids.append(int(lock.read_text()))
             return pids
 
-        deadline = time.monotonic() + 15  # the child would sleep 120 s
+        deadline = time.monotonic() + 120  # within seconds; the child would sleep 600 s
         while (living := still_running()) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert living == [], "still running after bench.py was killed"

@@ -53,7 +53,9 @@ def test_a_mistyped_checkpoint_names_the_ones_its_folder_holds(short_run, tmp_pa
     msg = user_error([out / "ckpt_000009.pt"], sample.main)
     assert "ckpt_000009.pt' does not exist" in msg and msg.endswith(f"{out} holds ckpt_000002.pt, ckpt_000001.pt")
     msg = user_error([tmp_path / "gtp2"], sample.main)  # nothing beside it to suggest
-    assert "does not exist, and is not a GPT-2 name (gpt2, " in msg and "holds" not in msg
+    assert "does not exist, and is not a GPT-2 name (gpt2, " in msg and msg.endswith(
+        f"{tmp_path} holds no checkpoint (ckpt_*.pt)"
+    )
 
 
 @pytest.fixture

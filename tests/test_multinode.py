@@ -171,8 +171,7 @@ def test_two_nodes_train_as_one_job_and_only_global_rank_0_writes(two_node_runs)
     assert len(headers) == 1 and headers[0]["config"]["world_size"] == 2 and headers[0]["device"]  # one writer
     assert [r["step"] for r in records if "train_loss" in r] == list(range(8))  # each step logged once
     ckpt = load_checkpoint(str(ref.folder / f"node{writer}" / "out" / "ckpt_000008.pt"))
-    # each rank's random state, gathered from both nodes; no CUDA state: each rank ran on the CPU
-    assert ckpt["world_size"] == 2 and [s["cuda"] for s in ckpt["rng"]] == [None, None]
+    assert ckpt["world_size"] == 2
 
 
 @pytest.mark.slow

@@ -148,7 +148,8 @@ def test_clean_log_summary_baselines_and_pngs(tmp_path, kernel_env, assets):
     # the baselines are the published ones, kept in one place
     ref = assets.reference["build_nanogpt_plot_baselines"]
     assert out["baselines"]["gpt2_val_loss"]["124M"] == ref["openai_gpt2_val_loss_on_fineweb_edu_val_shard"]["124M"]
-    assert out["baselines"]["gpt2_hellaswag"] == ref["hellaswag_gpt2"]
+    gpt2_124m = assets.reference["hellaswag_gpt2_reference_accuracy"]["gpt2_124M"]["completion_style_this_script"]
+    assert out["baselines"]["gpt2_hellaswag"] == {**ref["hellaswag_gpt2"], "124M": gpt2_124m["acc_norm"]}
     assert out["baselines"]["gpt3_hellaswag"] == ref["hellaswag_gpt3"]
     assert_pngs(log.parent)
     # the figures are shown in the notebook too, and nothing complained on stderr
@@ -339,6 +340,7 @@ def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env
     want = expected_summary(log)
     ref = assets.reference["build_nanogpt_plot_baselines"]
     gpt2_loss = ref["openai_gpt2_val_loss_on_fineweb_edu_val_shard"]["124M"]
+    gpt2_hs = assets.reference["hellaswag_gpt2_reference_accuracy"]["gpt2_124M"]["completion_style_this_script"]
     assert f"summary of {log}" in r.stdout
     assert rows["last step"] == f"{want['last_step']} of 12"
     assert rows["tokens seen"].startswith(f"{want['tokens']:,} ")
@@ -348,8 +350,7 @@ def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env
         assert rows[name] == f"{value:.4f} at step {step}   (OpenAI GPT-2 124M: {gpt2_loss})"
     step, acc = want["best_hellaswag"]
     assert rows["best HellaSwag"] == (
-        f"{acc:.4f} at step {step}   (OpenAI GPT-2 124M: {ref['hellaswag_gpt2']['124M']}, "
-        f"GPT-3: {ref['hellaswag_gpt3']['124M']})"
+        f"{acc:.4f} at step {step}   (OpenAI GPT-2 124M: {gpt2_hs['acc_norm']}, GPT-3: {ref['hellaswag_gpt3']['124M']})"
     )
     assert rows["wall time"].endswith(f"({want['step_time_s']:,.0f} s of training steps)")
     assert_pngs(log.parent)

@@ -85,14 +85,14 @@ def test_a_run_killed_before_its_first_step_is_not_another_run(tmp_path, capsys)
 
 
 def test_a_second_process_into_a_running_runs_folder_is_refused_naming_it(data, tmp_path):
-    """A new run, a --resume, and a --resume after a user's `rm` of the lock file (the folder itself is
-    locked: the refusal then cannot name the holder); the running run goes on untouched."""
+    """A new run, its dry run, a --resume, and a --resume after a user's `rm` of the lock file (the folder
+    itself is locked: the refusal then cannot name the holder); the running run goes on untouched."""
     out = tmp_path / "out"
     first = start_run(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2))
     try:
         wait_for_step(first, out, 3)  # it has written checkpoints: a --resume would take one
         assert (out / LOCK_FILE).read_text().startswith(f"pid {first.pid} on {socket.gethostname()}, since ")
-        for extra in ([], ["--resume"], ["--resume"]):
+        for extra in ([], ["--dry-run"], ["--resume"], ["--resume"]):
             r = cli(*tiny_args(data, out, "--max-steps", 100000, *extra), timeout=60)
             if (out / LOCK_FILE).exists():
                 line = assert_one_line_error(r, f"--out-dir {out} is in use by another run (pid {first.pid} on ")
@@ -103,7 +103,7 @@ def test_a_second_process_into_a_running_runs_folder_is_refused_naming_it(data, 
                     line
                     == f"error: --out-dir {out} is in use by another run: wait for it to end, or pass another --out-dir"
                 )
-            if extra:
+            if "--resume" in extra:
                 (out / LOCK_FILE).unlink(missing_ok=True)  # "a stale lock", as a user takes it
         assert first.poll() is None  # the first run goes on, untouched
         first.send_signal(signal.SIGTERM)

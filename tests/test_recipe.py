@@ -4,6 +4,7 @@ fp16 against torch's AMP recipe, overflowing steps included): the logged loss, g
 and the weights and AdamW's moments of every step's checkpoint, are the reference's, bit for bit."""
 
 import math
+import random
 from contextlib import nullcontext
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import train_gpt2
-from helpers import random_shards, read_log, tiny_args
+from helpers import at_step, random_shards, read_log, tiny_args
 from support import precision
 from train_gpt2 import GPT, GPTConfig
 
@@ -166,12 +167,22 @@ def test_every_step_equals_the_reference_bitwise(recipe_run):
                 assert torch.equal(ckpt["optimizer"]["state"][i][key], ref[key]), (step, i, key)
 
 
-def test_a_resume_with_every_flag_left_out_continues_the_recipe_bitwise(recipe_run, tmp_path):
+def test_a_resume_with_every_flag_left_out_continues_the_recipe_bitwise(recipe_run, tmp_path, monkeypatch):
     """`--resume <folder>` holding the step-3 checkpoint alone takes the whole recipe from it, data order
-    included: steps 3-5 give the uninterrupted run's weights and moments, bit for bit."""
+    included: steps 3-5 give the uninterrupted run's weights and moments, bit for bit. The checkpoint
+    holds no random state, and needs none: the global generators scrambled after each step change nothing."""
     _, out = recipe_run
     run = folder_with_checkpoint(out, tmp_path / "run", 3)
+    scrambled = []
+
+    def scramble():  # new seeds after each step: a draw from a global generator would show
+        scrambled.append(1)
+        for seed in (random.seed, np.random.seed, torch.manual_seed):
+            seed(1000 + len(scrambled))
+
+    at_step(monkeypatch, dict.fromkeys((3, 4, 5), scramble))
     assert train_gpt2.main(["--resume", str(run), "--device", "cpu"]) == 0
+    assert len(scrambled) == 3
     assert sorted(read_log(run)[1]) == [3, 4, 5]
     assert_resumed_bitwise(out, run, (4, 5, 6))
 

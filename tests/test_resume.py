@@ -182,6 +182,12 @@ def test_a_longer_max_steps_is_allowed_and_said(data, run4, capsys):
     assert header["changed_on_resume"] == {"max_steps": [4, 6]} and header["resumed_from"] == 4
 
 
+def test_a_mistyped_resume_path_names_the_nearest_folder_and_its_checkpoints(data, run4):
+    for typo in (run4 / "ckpt_000009.pt", run4 / "ckpts" / "ckpt_000004.pt"):
+        said = f"--resume {typo} does not exist; {run4} holds ckpt_000004.pt, ckpt_000002.pt"
+        refused_before_step_0(tiny_args(data, run4, "--resume", typo), run4, said)
+
+
 def test_max_steps_below_the_checkpoint_is_refused(data, run4):
     msg = user_error(tiny_args(data, run4, "--max-steps", 3, "--warmup-steps", 5, "--resume"))
     assert "--max-steps 3" in msg and "4 steps" in msg
@@ -311,25 +317,44 @@ class Killed(BaseException):
     """The process dies here (a spot instance reclaimed): nothing after it runs in the loop."""
 
 
-def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_anew_with_its_log_kept_aside(
-    data, tmp_path, monkeypatch, capsys
-):
+@pytest.fixture
+def dead_run(data, tmp_path, monkeypatch):
+    """(its folder, its run id, its log): a run killed at step 3, before its first checkpoint."""
     out = tmp_path / "out"
     at_step(monkeypatch, {3: lambda: (_ for _ in ()).throw(Killed())})
     with pytest.raises(Killed):
         train_gpt2.main(tiny_args(data, out, "--ckpt-every", 0))
     monkeypatch.undo()
-    dead_log = (out / "log.jsonl").read_bytes()
     assert sorted(read_log(out)[1]) == [0, 1, 2] and not list(out.glob("ckpt_*.pt"))
-    run_id = headers(out)[0]["run_id"]
+    return out, headers(out)[0]["run_id"], (out / "log.jsonl").read_bytes()
+
+
+def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_anew_with_its_flags_and_log_kept_aside(
+    dead_run, capsys
+):
+    out, run_id, dead_log = dead_run
     (out / f"log.jsonl.{run_id}").write_text("a file of the user's at the first name\n")
-    assert train_gpt2.main(tiny_args(data, out, "--ckpt-every", 0, "--resume")) == 0  # what a spot script repeats
-    assert f"note: run {run_id} stopped before its first checkpoint; its log is now {out}/log.jsonl.{run_id}1" in (
-        capsys.readouterr().out
+    # what a spot script repeats, with none of the run's flags: the dead run's own, a given one winning
+    assert train_gpt2.main(["--out-dir", out, "--device", "cpu", "--resume", "--max-steps", 5]) == 0
+    said = capsys.readouterr().out
+    assert (
+        f"stopped before its first checkpoint: it starts anew with its flags; its log is now {out}/log.jsonl.{run_id}1"
+        in said
     )
+    assert "note: continuing with the run's --n-layer 2, --n-head 2, --n-embd 32, " in said
     assert (out / f"log.jsonl.{run_id}1").read_bytes() == dead_log  # kept whole, beside the user's file
     assert (out / f"log.jsonl.{run_id}").read_text() == "a file of the user's at the first name\n"
-    assert sorted(read_log(out)[1]) == list(range(6)) and headers(out)[0]["run_id"] != run_id
+    assert sorted(read_log(out)[1]) == list(range(5)) and headers(out)[0]["run_id"] != run_id
+    assert headers(out)[0]["config"]["n_embd"] == 32
+
+
+def test_a_dry_run_of_that_resume_changes_nothing_and_says_what_the_run_would_do(data, dead_run, capsys):
+    out, run_id, _ = dead_run
+    (out / ".ckpt_000002.pt.tmp").write_bytes(b"a checkpoint write cut short")
+    before = snapshot(out.parent)
+    assert train_gpt2.main(tiny_args(data, out, "--resume", "--dry-run")) == 0
+    assert snapshot(out.parent) == before  # no log renamed, no temporary removed, no lock file
+    assert f"its log would be set aside as {out}/log.jsonl.{run_id} (not in a dry run)" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------------------

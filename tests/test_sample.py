@@ -7,7 +7,7 @@ import pytest
 
 import sample
 import train_gpt2
-from helpers import assert_one_line_error, cli
+from helpers import assert_one_line_error, cli, help_entries
 from support import sampling
 
 
@@ -78,3 +78,9 @@ def test_a_dry_run_checks_the_model_and_prompt_and_samples_nothing(
     out = capsys.readouterr().out
     assert f"dry run: {spec}, the prompt and the sampling flags are fine; nothing was sampled" in out
     assert "note: samples stop at the model's" in out  # the run's block_size 64 (the tiny HF model's 128)
+
+
+def test_help_shows_every_flags_default():
+    entries = help_entries(cli("--help", script="sample.py").stdout)
+    assert entries["--num-samples"].endswith("(default: 4)") and entries["--device"].endswith("(default: None)")
+    assert [flag for flag, entry in entries.items() if "(default: " not in entry] == ["-h", "--help"]

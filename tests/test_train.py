@@ -3,6 +3,7 @@ with its evaluations, log and checkpoint, --help, --dry-run and --val-tokens 0. 
 a run is tested in that module's file: tests/test_resume.py, test_signals.py, test_checks.py, ..."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 import hellaswag
 import train_gpt2
-from helpers import cli, random_shards, read_log, strict_records, tiny_args, user_error, write_shard
+from helpers import ROOT, cli, help_entries, random_shards, read_log, strict_records, tiny_args, user_error, write_shard
 from support.checkpoints import load_checkpoint
 from support.sampling import sample_text
 from train_gpt2 import GPT, GPTConfig, flops_per_token, get_lr, load_model
@@ -162,23 +163,40 @@ def test_checkpoint_has_plain_names_and_training_state(overfit_run):
     assert ckpt["step"] == OVERFIT_STEPS and ckpt["optimizer"]["state"]
     assert ckpt["data"]["shards"] == ["ts_train_000001.npy", "ts_train_000002.npy"]
     assert ckpt["val_loss"] == [r for r in read_log(out)[0] if "val_loss" in r][-1]["val_loss"]
-    assert len(ckpt["rng"]) == 1 and ckpt["train_config"]["max_steps"] == OVERFIT_STEPS
+    assert ckpt["train_config"]["max_steps"] == OVERFIT_STEPS
 
 
 # ----------------------------------------------------------------------------------------------
 # --help, --dry-run, and the val loss turned off
 
 
-def test_help_shows_defaults_and_the_usage_examples_intact(monkeypatch):
+def test_help_shows_every_flags_default_and_the_usage_examples_intact(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # the width argparse wraps the help at
     r = cli("--help")
     assert r.returncode == 0
     assert "python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe" in r.stdout
     assert "python train_gpt2.py @configs/laptop.txt --max-steps 400   # a laptop's" in r.stdout
-    flat = " ".join(r.stdout.split())
-    for text in ("(default: 64)", "(default: 524288)", "(default: 0.0006)", "(default: 715)", "(default: log)"):
-        assert text in flat, text
-    assert "--sample-from" not in flat and "--export-hf" not in flat  # training only: sample.py, export_hf.py
+    parser, roles = train_gpt2.command_line()
+    entries = help_entries(r.stdout)
+    for name in roles:
+        assert f"(default: {parser.get_default(name)})" in entries["--" + name.replace("_", "-")], name
+    assert "--sample-from" not in entries and "--export-hf" not in entries  # training only: sample.py, export_hf.py
+
+
+def test_the_flag_table_of_docs_training_md_is_the_parsers():
+    """Every flag, with its default: a number or a name as the parser has it, words for None and off."""
+    parser, roles = train_gpt2.command_line()
+    table = {}
+    for flags, defaults in re.findall(r"^\| (`-.*?) \| (.*?) \|", (ROOT / "docs" / "training.md").read_text(), re.M):
+        for flag, shown in zip(flags.split(" / "), defaults.split(" / "), strict=True):  # a default a flag
+            table[re.match(r"`--([\w-]+)", flag)[1].replace("-", "_")] = shown.strip('`"')
+    assert sorted(table) == sorted(roles)
+    for name, shown in table.items():
+        default, number = parser.get_default(name), re.fullmatch(r"[\d,.e+-]+", shown)
+        if default in (None, False):
+            assert not number, name
+        else:
+            assert (float(shown.replace(",", "")) if number else shown) == default, name
 
 
 def test_dry_run_runs_the_start_up_checks_and_writes_nothing(data, tmp_path, capsys):

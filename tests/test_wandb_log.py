@@ -46,7 +46,7 @@ def wandb_records(path):
     assert not parts  # no record cut short
 
 
-def finished_records(path, timeout=30):
+def finished_records(path, timeout=120):
     """A finished run's records. wandb's service writes the file in the background and may flush
     its last blocks just after run.finish() returns: wait for the exit record, the file's last."""
     deadline = time.monotonic() + timeout
