@@ -21,9 +21,10 @@ import argparse
 import collections
 import concurrent.futures
 import json
-import math
 import os
 import queue
+import re
+import shlex
 import signal
 import sys
 import threading
@@ -36,15 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from support.cli import ArgumentParser, UserError, flag_type, run_cli
-from support.documents import (
-    check_inputs,
-    check_online,
-    default_workers,
-    describe_inputs,
-    expand_inputs,
-    hub_documents,
-    local_documents,
-)
+from support.documents import check_inputs, check_online, default_workers, expand_inputs, hub_documents, local_documents
 from support.files import check_folder, lock_folder, unlock_folder, write_atomic
 from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_path, write_shard
 
@@ -150,65 +143,21 @@ def tokenize_docs(documents, workers=None):
 def load_manifest(path, config):
     """The shards a previous run of this configuration finished, or a fresh manifest."""
     if not os.path.exists(path):
-        return {"config": config, "shards": [], "complete": False, "started": 0}
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-        old, shards, complete = manifest["config"], manifest["shards"], manifest["complete"]
-        old = check_same_inputs(path, old, config)
-        if old != config:
-            diff = [k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
-            shown = ", ".join(f"{k} {old.get(k)!r:.60} there, {config.get(k)!r:.60} now" for k in diff)
-            raise UserError(
-                f"{path} was written by a different configuration ({shown}): use another --out-dir, "
-                f"or delete that folder's shards and manifest to start over"
-            )
-        # keep the shards still whole on disk; the first missing or changed one and all after it are redone
-        intact = []
-        for shard in shards:
-            file = os.path.join(os.path.dirname(path), shard["file"])
-            if not os.path.isfile(file) or os.path.getsize(file) != shard["bytes"]:
-                print(f"{file} is missing or changed: redoing it and the shards after it", file=sys.stderr)
-                break
-            intact.append(shard)
-        # started: shards 0 .. started-1 are this configuration's names, finished or begun (a kill
-        # between a shard's rename and the manifest's leaves one the list does not name yet)
-        started = max(int(manifest["started"]), len(shards))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return {"config": config, "shards": [], "complete": False}
+    with open(path) as f:
+        manifest = json.load(f)
+    old = manifest["config"]
+    if old != config:
+        diff = [k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
+        shown = ", ".join(
+            f"{k} {old.get(k)!r} there, {config.get(k)!r} now" if k != "source" else "the input (files or sizes)"
+            for k in diff
+        )
         raise UserError(
-            f"{path} is not a readable manifest ({type(e).__name__}): use another --out-dir, or delete "
-            f"that folder's shards and manifest to start over"
-        ) from None
-    loaded = {
-        "config": config,
-        "shards": intact,
-        "complete": complete and len(intact) == len(shards),
-        "started": started,
-    }
-    if manifest.get("limit") is not None and len(intact) == len(shards):
-        loaded["limit"] = manifest["limit"]  # it stopped where --max-tokens / --max-shards asked: finished as asked
-    return loaded
-
-
-def check_same_inputs(path, old, config):
-    """Inputs are known by their bytes (size and sha256), in order, not by their names: an input
-    edited in place, even at the same size, is refused, as the shards written so far hold its
-    old text and a resume would skip documents by count in the new one. The same bytes under
-    another path (the files moved) are the same input. Returns old with the source as now."""
-    before, after = (c["source"].get("input") if isinstance(c.get("source"), dict) else None for c in (old, config))
-    if before is None or after is None:
-        return old
-    content = [[(e["bytes"], e["sha256"]) for e in inputs] for inputs in (before, after)]
-    if content[0] == content[1]:
-        return {**old, "source": config["source"]}
-    i = next(i for i in range(max(map(len, content))) if i >= min(map(len, content)) or content[0][i] != content[1][i])
-    name = (after[i] if i < len(after) else before[i])["path"]  # the first input that differs, by place
-    raise UserError(
-        f"--input {name} changed since the shards in {os.path.dirname(path)} were written from it (other bytes, or "
-        f"an input added, removed or moved in the order): refused, since those shards hold the old text and a "
-        f"resume would skip documents by count in the new one; put the original back to resume, or tokenize the "
-        f"input as it is now into another --out-dir"
-    )
+            f"{path} was written by a different configuration ({shown}): use another --out-dir, "
+            f"or delete that folder's shards and manifest to start over"
+        )
+    return manifest
 
 
 def save_manifest(path, manifest):
@@ -216,12 +165,14 @@ def save_manifest(path, manifest):
     write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 
-def check_no_foreign_shards(out_dir, config, started):
-    """Training reads every *_train_* / *_val_* file of the folder: refuse to mix ours (the names
-    0 .. started-1 of this configuration) with others' (a run of another --prefix, shards whose
-    manifest was deleted, the user's files), and never delete them."""
-    ours = {os.path.basename(shard_path(out_dir, config["prefix"], i, config["format"])) for i in range(started)}
-    foreign = sorted(n for n in os.listdir(out_dir) if SHARD_NAME.fullmatch(n) and n not in ours)
+def check_no_foreign_shards(out_dir, config, had_manifest):
+    """Training reads every *_train_* / *_val_* file of the folder: refuse to mix ours (this
+    configuration's names, where its manifest is) with others' (a run of another --prefix, shards
+    whose manifest was deleted, the user's files), and never delete them."""
+    ours = re.compile(rf"{re.escape(config['prefix'])}_(val|train)_\d+\.{config['format']}")
+    foreign = [
+        n for n in sorted(os.listdir(out_dir)) if SHARD_NAME.fullmatch(n) and not (had_manifest and ours.fullmatch(n))
+    ]
     if foreign:
         raise UserError(
             f"{out_dir} holds {len(foreign)} shard file(s) this run's manifest does not list ({', '.join(foreign[:3])}"
@@ -237,11 +188,12 @@ FOLDER_LOCK = ".fineweb.lock"  # in --out-dir while a run writes there; its text
 # The run
 
 
-def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None, max_shards=None):
+def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None, max_shards=None, command=None):
     """Tokenize documents into shards in out_dir, resuming from its manifest.
 
     open_documents(skip) returns the documents after the first `skip`. config (a JSON-able dict
-    with at least shard_size, prefix and format) must match the manifest's to resume.
+    with at least shard_size, prefix and format) must match the manifest's to resume. command: this
+    run's, which the manifest keeps for training to name while the folder is unfinished.
     Returns a summary dict."""
     created = not os.path.isdir(out_dir)
     try:
@@ -250,25 +202,21 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror or e}") from None
     try:
-        return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards)
+        return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command)
     finally:
         unlock_folder(lock)
         if created and not os.listdir(out_dir):
             os.rmdir(out_dir)  # stopped before anything was written: leave no empty folder behind
 
 
-def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards):
+def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command):
     shard_size, prefix = config["shard_size"], config["prefix"]
     manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
     had_manifest = os.path.exists(manifest_path)
     manifest = load_manifest(manifest_path, config)
-    # this run's stop flags, written with the manifest: the command that finishes a folder this run
-    # leaves unfinished (support.shards.fineweb_command) stops where it asked
-    stop_at = {k: v for k, v in (("max_tokens", max_tokens), ("max_shards", max_shards)) if v is not None}
-    if stop_at:
-        manifest["stop_at"] = stop_at
+    manifest["command"] = command  # rerun, it finishes what this run leaves unfinished, and stops where it asked
     shards = manifest["shards"]
-    check_no_foreign_shards(out_dir, config, manifest["started"])
+    check_no_foreign_shards(out_dir, config, had_manifest)
 
     # --max-shards is a token limit too: max_shards full shards
     limit = min(max_tokens or float("inf"), max_shards * shard_size if max_shards else float("inf"))
@@ -291,7 +239,7 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
     documents = open_documents(writer.docs_done)  # before the bar: a dataset that cannot be opened is just an error
     t0, pos0 = time.time(), pos
     try:
-        pos = _write_shards(writer, tokenize_batches(documents, workers), pos, limit, had_manifest)
+        pos = _write_shards(writer, tokenize_batches(documents, workers), pos, limit)
     except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
         raise UserError(
             f"cannot write to {out_dir} ({e.strerror or e}): the shards finished before are kept; "
@@ -302,9 +250,9 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
 
 
 class ShardWriter:
-    """The shard being filled, and the manifest that lists the finished ones: each shard's name is
-    claimed in the manifest before its file exists, and the shard listed after the rename (the
-    manifest rewritten whole, atomically), so the manifest never names a file that is not there."""
+    """The shard being filled, and the manifest that lists the finished ones: a shard is listed
+    after its rename (the manifest rewritten whole, atomically), so the manifest never names a file
+    that is not there."""
 
     def __init__(self, out_dir, config, manifest, manifest_path):
         self.out_dir, self.prefix, self.fmt = out_dir, config["prefix"], config["format"]
@@ -327,8 +275,7 @@ class ShardWriter:
     def finish_shard(self, end_doc, carry):
         """The tokens added since the last shard, written as the next shard and listed. end_doc: the
         index of the first document that does not end in it; carry: that document's tokens in it."""
-        if self.manifest["started"] <= len(self.shards):  # the name claimed before the file exists (load_manifest)
-            self.manifest["started"] = len(self.shards) + 1
+        if not self.shards:  # the manifest before the first shard: every shard file is named by one
             save_manifest(self.manifest_path, self.manifest)
         path = shard_path(self.out_dir, self.prefix, len(self.shards), self.fmt)
         write_shard(path, self.buf[: self.fill], self.fmt)
@@ -342,21 +289,11 @@ class ShardWriter:
                 carry=carry,  # tokens of the next document (split across shards) already in this one
             )
         )
-        self.manifest["started"] = max(self.manifest["started"], len(self.shards) + 1)  # and the next name claimed
         save_manifest(self.manifest_path, self.manifest)
         self.fill, self.shard_start_doc = 0, end_doc
 
-    def drop_stale_shards(self):
-        """Our own shards past the list's end (left by a redo that stopped sooner): training must not read them."""
-        for i in range(len(self.shards), self.manifest["started"]):
-            path = shard_path(self.out_dir, self.prefix, i, self.fmt)
-            if os.path.exists(path):
-                os.remove(path)
-        self.manifest["started"] = len(self.shards)
-        save_manifest(self.manifest_path, self.manifest)
 
-
-def _write_shards(writer, stream, pos, limit, had_manifest):
+def _write_shards(writer, stream, pos, limit):
     """The tokenized documents (stream, from tokenize_batches) into shards, from token pos up to
     limit or the end of the input (the last shard partial, the manifest marked complete); returns
     the tokens written by then."""
@@ -385,8 +322,6 @@ def _write_shards(writer, stream, pos, limit, had_manifest):
                 break
         else:  # the input is exhausted: write the last, partial shard
             if not shards and pos == pos0 + batch_first_doc - docs_done:  # nothing, or only the EOTs of empty texts
-                if not had_manifest and os.path.exists(writer.manifest_path):
-                    os.remove(writer.manifest_path)  # ours, from this run: nothing is left behind
                 n = batch_first_doc - docs_done
                 raise UserError(
                     (f"the input's {n:,} documents are all empty" if n else "no documents in the input")
@@ -397,7 +332,7 @@ def _write_shards(writer, stream, pos, limit, had_manifest):
             manifest["complete"] = True
         if not manifest["complete"]:
             manifest["limit"] = int(limit)  # stopped where --max-tokens / --max-shards asked: training may use it
-        writer.drop_stale_shards()
+        save_manifest(writer.manifest_path, manifest)
     finally:
         stream.close()  # stops the worker pool, also on an early stop or an error
         bar.close()
@@ -419,20 +354,11 @@ def _summary(summary, shards, **extra):
 # Command line
 
 
-def whole(text):
-    """100000000, 100_000_000 or 1e8 as an int; 1.5, nan or inf are no whole number (argparse says so)."""
-    value = float(text) if "e" in text.lower() else int(text)
-    if not math.isfinite(value) or value != int(value):
-        raise ValueError(text)
-    return int(value)
-
-
-whole.__name__ = "whole number"  # argparse's "invalid whole number value: '1.5'"
-POSITIVE = flag_type(whole, lambda n: n >= 1, "at least 1")
+POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")
 # the shard is built in memory (2 bytes a token) before it is written, and llm.c's .bin header counts
 # its tokens in an int32
-SHARD_SIZE = flag_type(whole, lambda n: n < 2**31, "below 2**31 (2,147,483,648), 4 GiB in memory")
-WORKERS = flag_type(whole, lambda n: 1 <= n <= 256, "from 1 to 256 (threads beyond the cores only add overhead)")
+SHARD_SIZE = flag_type(int, lambda n: n < 2**31, "below 2**31 (2,147,483,648), 4 GiB in memory")
+WORKERS = flag_type(int, lambda n: 1 <= n <= 256, "from 1 to 256 (threads beyond the cores only add overhead)")
 # the smallest shard: one GPT-2 context (block_size 1,024) and the token after it, the longest sequence
 # train_gpt2.py cuts from a shard (a batch never spans two)
 MIN_SHARD_SIZE = 1025
@@ -492,14 +418,6 @@ def check_args(args):
     for k, v in HUB_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if not args.input and not args.dataset:
-        raise UserError("--dataset is empty: name a Hub dataset (default HuggingFaceFW/fineweb-edu), or pass --input")
-    if not args.input and not args.split:
-        raise UserError("--split is empty: name the dataset's split, e.g. train")
-    if not args.text_field:
-        raise UserError("--text-field is empty: name the column or field that holds the text (default text)")
-    if not args.out_dir:
-        raise UserError("--out-dir is empty: name a folder (default edu_fineweb10B)")
     check_folder(args.out_dir, "--out-dir")
     prefix = args.prefix
     if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or "\0" in prefix:
@@ -517,14 +435,14 @@ def check_args(args):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.input:
         paths = expand_inputs(args.input)
         check_inputs(paths, args.text_field)
-        # each file's size and sha256 go in the manifest: resuming over other input would skip the wrong
-        # documents; a file with the bytes of an earlier one is left out (read once)
-        source = {"input": describe_inputs(paths, args.workers)}
-        paths = [entry["path"] for entry in source["input"]]
+        paths = list(dict.fromkeys(map(os.path.realpath, paths)))  # a file named twice (a glob and its path) once
+        # each file's size goes in the manifest: resuming over input that grew would skip the wrong documents
+        source = {"input": [{"path": path, "bytes": os.path.getsize(path)} for path in paths]}
 
         def open_documents(skip):
             return local_documents(paths, args.text_field, skip)
@@ -545,7 +463,8 @@ def main(argv=None):
         prefix=args.prefix,
         format=args.format,
     )
-    s = build_shards(open_documents, config, args.out_dir, args.workers, args.max_tokens, args.max_shards)
+    command = f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["python", os.path.relpath(__file__), *argv])
+    s = build_shards(open_documents, config, args.out_dir, args.workers, args.max_tokens, args.max_shards, command)
     where = f"{s['tokens']:,} tokens from {s['documents']:,} documents in {s['shards']} shards in {s['out_dir']}"
     if s["nothing_to_do"]:
         print(f"nothing to do: {where} already (delete the folder to start over)")

@@ -8,7 +8,7 @@ from benchmarks.settings import TRAIN_CONFIGS
 from benchmarks.timing import interleave, rates, stats, timed
 from support.device import compile_problem
 from support.precision import AUTOCAST_DTYPES, pick_dtype
-from support.sampling import generate, sample_text
+from support.sampling import draw_noise, generate, next_token, sample_text
 from support.shards import get_tokenizer
 from train_gpt2 import GPT, GPTConfig
 
@@ -23,6 +23,16 @@ def eval_model(name, device, vocab_size=50257):
     return GPT(config).to(device).eval()  # random weights: the speed does not depend on them
 
 
+@torch.no_grad()
+def recompute(model, idx, n, generator):
+    """The plain way, for reference: the whole prefix recomputed for every token, drawn as generate draws."""
+    for _ in range(n):
+        logits, _ = model(idx)
+        noise = draw_noise(len(idx), 1.0, generator, idx.device)
+        idx = torch.cat([idx, next_token(logits[:, -1], 1.0, 50, noise)[:, None]], dim=1)
+    return idx
+
+
 def bench_sample(s, device, device_type):
     enc = get_tokenizer()
     model = eval_model(s["eval_model"], device)
@@ -32,7 +42,10 @@ def bench_sample(s, device, device_type):
     def sampler(use_cache, n_tokens, compile=False):
         def run():  # the same seed every call: the same tokens drawn, the same work
             g = torch.Generator(device=device).manual_seed(42)
-            generate(model, prompt, n_tokens, generator=g, use_cache=use_cache, compile=compile)
+            if use_cache:
+                generate(model, prompt, n_tokens, generator=g, compile=compile)
+            else:
+                recompute(model, prompt, n_tokens, g)
 
         return run
 

@@ -5,7 +5,6 @@ are the run's own is support/out_dir.py's."""
 import os
 import pickle
 import re
-import sys
 import zipfile
 
 import torch
@@ -55,10 +54,7 @@ def prune(out_dir, keep, run_id):
     kept = [path for path, good in health[:keep] if good] or [path for path, good in health if good][:1]
     for old in found[keep:]:
         if old not in kept and run_id_of(old) == run_id:
-            try:
-                os.remove(old)
-            except OSError as e:  # another user's file in a shared (sticky) folder: kept, the run goes on
-                print(f"warning: could not remove {old} ({e.strerror}): kept", file=sys.stderr, flush=True)
+            os.remove(old)
 
 
 def save_training_state(ckpt, out_dir, keep, master_process, ddp):

@@ -1,15 +1,12 @@
 """Where fineweb.py's documents come from: local .txt, .jsonl and .parquet files (their names
-expanded, their encoding checked before any work, their content fingerprinted for the manifest) or
-a Hugging Face dataset streamed from the Hub, each as an iterator of strings; and the threads that
-read and tokenize them by default (default_workers); torch-free, as fineweb.py is."""
+expanded, their encoding checked before any work) or a Hugging Face dataset streamed from the Hub,
+each as an iterator of strings; and the threads that read and tokenize them by default
+(default_workers); torch-free, as fineweb.py is."""
 
 import codecs
-import concurrent.futures
 import glob
-import hashlib
 import os
 import shlex
-import sys
 import urllib.parse
 import urllib.request
 
@@ -38,70 +35,37 @@ def expand_inputs(patterns):
             raise UserError(f"--input {path} does not exist")
         if not path.endswith(INPUT_TYPES):
             raise UserError(f"--input {path}: unknown file type, use {', '.join(INPUT_TYPES)}")
-    return paths  # one file named twice (a glob and its path, a link) is read once: describe_inputs
+    return paths
 
 
 TEXT_PROBE = 1 << 16  # bytes of a .txt / .jsonl file whose encoding is checked before any work
 
 
 def check_encoding(path, head):
-    """Refuse text that is not UTF-8, seen in its first bytes `head`: UTF-16 or UTF-32 (with a
-    byte-order mark, or without one: every other byte NUL), other NUL-holding (binary) files,
-    and invalid UTF-8. tiktoken would take UTF-16 text without a mark as text full of NULs."""
-
-    def convert(name):
-        root, ext = os.path.splitext(path)
-        command = f"iconv -f {name} -t UTF-8 {shlex.quote(path)} > {shlex.quote(root + '.utf8' + ext)}"
-        return f"convert it to UTF-8 (e.g. {command}) and pass that file"
-
-    boms = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"))
-    boms += ((codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
-    for bom, name in boms:
+    """Refuse text that is not UTF-8, seen in its first bytes `head`: tiktoken would take UTF-16 (what
+    Windows PowerShell's `>` writes) as text full of NULs, and a binary file as text."""
+    for bom, name in (
+        (codecs.BOM_UTF32_LE, "UTF-32"),
+        (codecs.BOM_UTF16_LE, "UTF-16"),
+        (codecs.BOM_UTF16_BE, "UTF-16"),
+    ):
         if head.startswith(bom):
-            raise UserError(f"{path} is {name} text (its byte-order mark says so), not UTF-8: {convert(name)}")
-    if b"\0" in head:
-        even, odd = head[0::2], head[1::2]
-        if max(even.count(0) / max(len(even), 1), odd.count(0) / max(len(odd), 1)) > 0.3:
-            name = "UTF-16LE" if odd.count(0) > even.count(0) else "UTF-16BE"
+            root, ext = os.path.splitext(path)
+            command = f"iconv -f {name} -t UTF-8 {shlex.quote(path)} > {shlex.quote(root + '.utf8' + ext)}"
             raise UserError(
-                f"{path} holds a NUL byte beside every other character: {name} text without a byte-order mark, "
-                f"not UTF-8: {convert(name)}"
+                f"{path} is {name} text (its byte-order mark says so), not UTF-8: convert it (e.g. {command})"
             )
-        raise UserError(f"{path} holds NUL bytes: not a text file (fineweb.py reads UTF-8 text)")
+    if b"\0" in head:
+        raise UserError(f"{path} holds NUL bytes: not UTF-8 text (UTF-16 without a byte-order mark? binary?)")
     try:
         codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not UTF-8 text (byte {e.start} is not UTF-8): convert it to UTF-8") from None
 
 
-def file_digest(path):
-    """sha256 of a file's bytes, in hex: what a resume compares an input by."""
-    try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
-
-
 def default_workers():
     """The cores this process may run on (its affinity where the OS has one): the default thread count."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def describe_inputs(paths, workers=None):
-    """[{path, bytes, sha256}] for the inputs, hashed in threads (hashlib releases the GIL); a file
-    whose bytes equal an earlier one's (the same file named twice, a link to it, a copy) is left
-    out, said in a note: the same text twice would put the val shard's documents in train too."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(paths), workers or default_workers())) as pool:
-        digests = list(pool.map(file_digest, paths))
-    described, seen = [], {}
-    for path, digest in zip(paths, digests, strict=True):
-        if digest in seen:
-            print(f"note: --input {path} has the same bytes as {seen[digest]}: it is read once", file=sys.stderr)
-            continue
-        seen[digest] = path
-        described.append({"path": os.path.abspath(path), "bytes": os.path.getsize(path), "sha256": digest})
-    return described
 
 
 def _text(value, where):
@@ -116,10 +80,7 @@ def read_documents(path, text_field):
         # utf-8-sig: a UTF-8 byte-order mark is not a character of the first document
         if path.endswith(".txt"):
             with open(path, encoding="utf-8-sig", newline="") as f:  # newline="": the text exactly as stored
-                text = f.read()
-            if "\0" in text:  # past the start check_encoding looked at
-                raise UserError(f"{path} holds NUL characters: not UTF-8 text (UTF-16? binary?)")
-            yield text
+                yield f.read()
         elif path.endswith(".jsonl"):
             with open(path, encoding="utf-8-sig") as f:
                 for lineno, row in jsonl_rows(f, path):

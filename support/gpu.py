@@ -29,11 +29,8 @@ def fitting_B(B, T, gpu_memory):
 
 
 def gpu_memory_of(device):
-    """Total bytes of the CUDA device's memory, or None elsewhere (or where it cannot be read)."""
-    try:
-        return torch.cuda.get_device_properties(device).total_memory if torch.device(device).type == "cuda" else None
-    except Exception:  # after a failed allocation the driver may refuse too: no estimate then
-        return None
+    """Total bytes of the CUDA device's memory, or None elsewhere."""
+    return torch.cuda.get_device_properties(device).total_memory if torch.device(device).type == "cuda" else None
 
 
 # peak dense bf16 tensor-core FLOP/s from NVIDIA's datasheets, matched in this order against

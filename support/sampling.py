@@ -122,15 +122,12 @@ def compiled_decode(model, B, max_len, device):
 
 
 @torch.no_grad()
-def generate(
-    model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True, compile=False, stop=None
-):
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, compile=False, stop=None):
     """idx (B, T) with up to max_new_tokens sampled tokens appended, stopping at the model's
-    block_size; temperature 0 is greedy, padding ids (>= 50257) never come out. use_cache: a
-    KVCache and one token per step (False recomputes the whole prefix each token: the plain
-    reference). compile: a compiled one-token step (CUDA graphs on a GPU, where eager decoding waits
-    on kernel launches). stop: polled before every token (a stop signal mid-sample); when it says
-    True, None is returned."""
+    block_size; temperature 0 is greedy, padding ids (>= 50257) never come out. The prompt fills a
+    KVCache in one pass, then each token is one step. compile: a compiled one-token step (CUDA graphs
+    on a GPU, where eager decoding waits on kernel launches). stop: polled before every token (a stop
+    signal mid-sample); when it says True, None is returned."""
     B, T0 = idx.shape
     n_new = max(0, min(max_new_tokens, model.config.block_size - T0))
     out = idx.new_empty(B, T0 + n_new)  # preallocated: no torch.cat per token
@@ -138,13 +135,6 @@ def generate(
     if n_new == 0:
         return out
     draw = lambda: draw_noise(B, temperature, generator, idx.device)  # noqa: E731
-    if not use_cache:
-        for t in range(T0, T0 + n_new):
-            if stop is not None and stop():
-                return None
-            logits, _ = model(out[:, :t])
-            out[:, t] = next_token(logits[:, -1], temperature, top_k, draw())
-        return out
     if compile:
         step, cache = compiled_decode(model, B, T0 + n_new, idx.device)
     else:

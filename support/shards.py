@@ -1,16 +1,14 @@
 """Token shards on disk, torch-free (numpy and tiktoken): the GPT-2 tokenizer they hold ids of, their
 format and names (fineweb.py writes them, train_gpt2.py reads them), and the checks a run
-makes on them before step 0 (finished, not mixed, ids below the vocabulary, the same data a
-checkpoint was trained on), and on every batch's ids as it is read (check_batch_ids)."""
+makes on them before step 0 (finished, ids below the vocabulary, the same data a checkpoint was
+trained on), and on every batch's ids as it is read (check_batch_ids)."""
 
 import functools
-import glob
 import hashlib
 import json
 import os
 import re
 import shlex
-import sys
 
 import numpy as np
 import tiktoken
@@ -23,7 +21,6 @@ GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding and are nev
 
 # --- the tokenizer: GPT-2's, built from OpenAI's vocab.bpe, shipped in support/gpt2_bpe/ -------------
 GPT2_BPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_bpe", "vocab.bpe")
-GPT2_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 # GPT-2's split of text into the pieces BPE encodes apart (contractions, letters, digits, other
 # symbols, each with one leading space; runs of spaces) as its encoder.py writes it, with possessive
 # quantifiers (++), which give back nothing they matched, and a last \s for its \s+, which can only
@@ -46,16 +43,10 @@ def read_gpt2_bpe():
     merges as (first, second) spellings), a spelling being the token's bytes in stand-in characters.
     Ids 0-255 are the bytes in their stand-ins' order (the printable ones first), and the i-th merge
     of the file makes token 256 + i, the two spellings joined."""
-    with open(GPT2_BPE, "rb") as f:
-        raw = f.read()
-    if hashlib.sha256(raw).hexdigest() != GPT2_BPE_SHA256:  # edited, or its line ends converted (.gitattributes)
-        raise UserError(
-            f"{GPT2_BPE} is not OpenAI's GPT-2 vocab.bpe (its sha256 differs): restore it with "
-            f"`git checkout -- support/gpt2_bpe/vocab.bpe`"
-        )
+    with open(GPT2_BPE, encoding="utf-8") as f:
+        words = f.read().split()  # "#version: 0.2", then a pair a line; no stand-in is a space
     chars = byte_stand_ins()
     tokens = {chars[b]: bytes([b]) for b in sorted(range(256), key=chars.__getitem__)}
-    words = raw.decode("utf-8").split()  # "#version: 0.2", then a pair a line; no stand-in is a space
     merges = list(zip(words[2::2], words[3::2], strict=True))
     for first, second in merges:
         tokens[first + second] = tokens[first] + tokens[second]
@@ -110,17 +101,10 @@ def load_shard(path):
     try:
         if path.endswith(".bin"):
             header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
-            if len(header) < SHARD_HEADER_INTS or header[0] != SHARD_MAGIC:
-                raise UserError(f"{path}: not an llm.c token shard (its header does not start with {SHARD_MAGIC})")
-            if header[1] != SHARD_VERSION:
-                raise UserError(f"{path}: shard version {header[1]}; only version {SHARD_VERSION} is read")
-            n = int(header[2])
-            have = (os.path.getsize(path) - SHARD_HEADER_INTS * 4) // 2
-            if n != have:
-                raise UserError(f"{path}: the header says {n:,} tokens but the file holds {have:,}: truncated?")
-            if n == 0:
-                return np.empty(0, dtype=np.uint16)  # mmap cannot map zero bytes
-            return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_INTS * 4, shape=(n,))
+            if len(header) < SHARD_HEADER_INTS or list(header[:2]) != [SHARD_MAGIC, SHARD_VERSION]:
+                raise UserError(f"{path}: not an llm.c token shard (its header does not start {SHARD_MAGIC}, 1)")
+            # a file shorter than its header says fails to map: one line below
+            return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_INTS * 4, shape=(int(header[2]),))
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
         raise UserError(f"{path}: cannot read this token shard ({first_line(e)}): rewrite it with fineweb.py") from None
@@ -131,10 +115,8 @@ def load_shard(path):
 
 class ShardFile:
     """A token shard the loader trains on, held open and read a slice at a time (shard[a:b] is a uint16
-    array), not memory-mapped: a shard cut short under a running run (truncate, a copy over it) would
-    kill the process at a read through a map (SIGBUS, exit 135, no message, every step since the last
-    checkpoint lost); a read comes back short instead, and says so in one line. Held open, it reads
-    the file as it was opened, as a map does: a shard renamed over it is not read."""
+    array), not memory-mapped: it reads the file as it was opened, so a shard renamed over it (a
+    fineweb.py rerun into the folder) is not read, and a file cut short under it is no SIGBUS."""
 
     def __init__(self, path):
         tokens = load_shard(path)  # its checks; its length and where its tokens start
@@ -147,18 +129,7 @@ class ShardFile:
     def __getitem__(self, index):  # a slice, as the loader takes them
         start, stop, _ = index.indices(self.length)
         self.file.seek(self.offset + 2 * start)
-        data = self.file.read(2 * max(0, stop - start))
-        if len(data) < 2 * max(0, stop - start):
-            raise UserError(
-                f"{self.path} was cut short while this run read it ({self.length:,} tokens when opened, "
-                f"{os.fstat(self.file.fileno()).st_size:,} bytes now): restore it (rerun the fineweb.py that "
-                f"wrote it), then continue with --resume"
-            )
-        return np.frombuffer(data, dtype=np.uint16)
-
-    def __del__(self):
-        if getattr(self, "file", None):
-            self.file.close()
+        return np.frombuffer(self.file.read(2 * max(0, stop - start)), dtype=np.uint16)
 
 
 # --- the names: {prefix}_{split}_{index}.npy (or .bin), shard 0 the val split -------------------
@@ -190,27 +161,12 @@ def find_shards(data_dir, split, required=False):
         raise UserError(f"data folder {data_dir} does not exist: write shards with fineweb.py or pass --data-dir")
     check_fineweb_finished(data_dir)
     names = sorted(n for n in os.listdir(data_dir) if (m := SHARD_NAME.fullmatch(n)) and m.group(1) == split)
-    if len({os.path.splitext(n)[1] for n in names}) > 1:
-        raise UserError(f"{data_dir} holds both .npy and .bin {split} shards: keep one format")
     if required and not names:
-        fix = stopped_in_the_val_shard(data_dir) or "write them with `python fineweb.py` or pass --data-dir"
-        raise UserError(f"no {split} shards (*_{split}_NNNNNN.npy or .bin) in {data_dir}: {fix}")
+        raise UserError(
+            f"no {split} shards (*_{split}_NNNNNN.npy or .bin) in {data_dir}: write them with `python fineweb.py` "
+            f"or pass --data-dir"
+        )
     return [os.path.join(data_dir, n) for n in names]
-
-
-def stopped_in_the_val_shard(data_dir):
-    """Why data_dir has no train shard when fineweb.py stopped at --max-shards 1 or --max-tokens
-    within shard 0 (the val shard), with the command that adds train shards; else None."""
-    for manifest in fineweb_manifests(data_dir).values():
-        stop_at = manifest.get("stop_at") or {}
-        if stop_at and len(manifest["shards"]) == 1:
-            flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in sorted(stop_at.items()))
-            command = fineweb_command(manifest["config"], data_dir, {"max_shards": 2})
-            return (
-                f"fineweb.py stopped at {flags} within shard 0, which is held out for validation; add a train "
-                f"shard with `{command}`"
-            )
-    return None
 
 
 def shard_fingerprint(path, blocks=16, block=4096):
@@ -229,95 +185,30 @@ def shard_fingerprint(path, blocks=16, block=4096):
 # --- the checks a run makes on them --------------------------------------------------------------
 
 
-def fineweb_manifests(data_dir):
-    """{name: manifest} of fineweb.py's manifests in data_dir (a file that is not one is passed over,
-    with a warning), each with its command: the fineweb.py command that writes, and rerun finishes, that folder."""
-    found = {}
-    for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
-        path = os.path.join(data_dir, name)
-        try:
-            with open(path, encoding="utf-8") as f:
-                manifest = json.load(f)
-            manifest["command"] = fineweb_command(manifest["config"], data_dir, manifest.get("stop_at"))
-            sizes = {s["file"]: int(s["bytes"]) for s in manifest["shards"]}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
-            said = f"cannot read {path} as fineweb.py's manifest ({type(e).__name__})"
-            warn_once(f"{said}: whether fineweb.py finished the folder is not checked")
-            continue
-        found[name] = {**manifest, "sizes": sizes}
-    return found
-
-
-@functools.cache
-def warn_once(message):
-    """A warning said once by a process (the shards are looked for several times a run), by each node's first."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
 def check_fineweb_finished(data_dir):
     """A folder whose fineweb.py manifest says it is unfinished (fineweb.py still writing it, or
     stopped by a kill or an error) is refused, naming the command that finishes it: a run would
     train on what is there, and could not be resumed once fineweb.py adds the rest. A stop at
-    --max-tokens / --max-shards is finished as asked. A manifest that says finished is believed
-    only if every shard it lists is there with the size it records (listed_but_not_there): a copy
-    cut short is refused like an unfinished folder. Shards with no manifest (llm.c's, the user's
-    own) are not fineweb.py's to judge."""
-    for name, manifest in fineweb_manifests(data_dir).items():
-        command = manifest["command"]
+    --max-tokens / --max-shards is finished as asked. A manifest that lists a shard not there (a
+    copy cut short) is refused too. Shards with no manifest (llm.c's, the user's own) are not
+    fineweb.py's to judge."""
+    for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
+        with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+            manifest = json.load(f)
+        command = manifest["command"]  # the fineweb.py command that wrote it, from the folder it ran in
         if not (manifest["complete"] or manifest.get("limit") is not None):
             raise UserError(
                 f"--data-dir {data_dir} is unfinished: its {name} says fineweb.py has not written all of its "
                 f"input (it is still writing, or it was stopped); finish it with `{command}` (or wait for the "
                 f"fineweb.py writing it), then start the run"
             )
-        if damage := listed_but_not_there(data_dir, manifest["sizes"]):
+        missing = [s["file"] for s in manifest["shards"] if not os.path.isfile(os.path.join(data_dir, s["file"]))]
+        if missing:
             raise UserError(
-                f"--data-dir {data_dir} is unfinished: its {name} lists {damage}, so the folder is not the one "
-                f"fineweb.py finished (a copy cut short, or another folder's manifest); finish it with `{command}` "
-                f"(it rewrites that shard and those after it), then start the run"
+                f"--data-dir {data_dir} is not whole: its {name} lists {missing[0]}, which is not there "
+                f"({len(missing)} of its {len(manifest['shards'])} shards are missing): copy the folder again from "
+                f"where fineweb.py wrote it"
             )
-
-
-def listed_but_not_there(data_dir, sizes):
-    """What is wrong with the first shard a manifest lists ({file: bytes}) that is not on disk as
-    recorded (missing, or of another size than fineweb.py wrote), or None."""
-    for file, size in sizes.items():
-        path = os.path.join(data_dir, file)
-        if not os.path.isfile(path):
-            missing = sum(not os.path.isfile(os.path.join(data_dir, f)) for f in sizes)
-            return f"{file}, which is not there ({missing} of its {len(sizes)} shards are missing)"
-        if os.path.getsize(path) != size:
-            return f"{file} as {size:,} bytes, but it is {os.path.getsize(path):,}"
-    return None
-
-
-def fineweb_command(config, data_dir, stop_at=None):
-    """The fineweb.py command that writes (and, rerun, finishes) the shards a manifest's config
-    describes into data_dir: its flags that differ from fineweb.py's defaults, and the --max-tokens /
-    --max-shards its run stopped at (stop_at, the manifest's record of them), so that it finishes the
-    folder as that run was asked to, not with the whole input."""
-    source, command = config["source"], ["python", "fineweb.py"]
-    if "input" in source:
-        paths = [entry["path"] for entry in source["input"]]
-        folders, kinds = {os.path.dirname(p) for p in paths}, {os.path.splitext(p)[1] for p in paths}
-        pattern = os.path.join(*folders, "*" + "".join(kinds)) if len(folders) == len(kinds) == 1 else None
-        if len(paths) > 3 and pattern and sorted(glob.glob(pattern)) == paths:
-            paths = [pattern]  # fineweb.py expands the glob itself
-        command += ["--input", *paths]
-    else:
-        defaults = {"dataset": "HuggingFaceFW/fineweb-edu", "name": "sample-10BT", "split": "train"}
-        for key, default in defaults.items():
-            if source.get(key) != default:
-                command += [f"--{key}", source.get(key) or ""]
-    command += ["--out-dir", data_dir]
-    defaults = {"text_field": "text", "prefix": "edufineweb", "shard_size": 100_000_000, "format": "npy"}
-    for key, default in defaults.items():  # fineweb.py's defaults
-        if config.get(key, default) != default:
-            command += [f"--{key.replace('_', '-')}", str(config[key])]
-    for key, value in sorted((stop_at or {}).items()):
-        command += [f"--{key.replace('_', '-')}", str(int(value))]
-    return shlex.join(command)
 
 
 def check_batch_fits(batches_per_epoch, sizes, chunk, data_dir, split):
@@ -345,29 +236,21 @@ def check_same_data(saved, now, ckpt_path, data_dir):
         for name in sorted(set(was) | set(is_)):
             if was.get(name) == is_.get(name):
                 continue
-            if name not in is_:
-                what = f"{name} is missing"
-            elif name not in was:
-                what = f"{name} is new (the run's data had no such shard)"
-            elif was[name][0] != is_[name][0]:
-                what = f"{name} is {is_[name][0]:,} bytes, the run's was {was[name][0]:,}"
-            else:
-                what = f"{name} holds other tokens than the run's (the same size)"
+            what = "missing" if name not in is_ else "new" if name not in was else "rewritten (other bytes)"
             raise same_on_every_rank(
                 UserError(
-                    f"--data-dir {data_dir} is not the data {ckpt_path} was trained on: {what}; resume on the "
-                    f"run's own shards, or start a new run from its weights with --init-from {ckpt_path} in a new "
-                    f"--out-dir"
+                    f"--data-dir {data_dir} is not the data {ckpt_path} was trained on: {name} is {what}; resume on "
+                    f"the run's own shards, or start a new run from its weights with --init-from {ckpt_path} in a "
+                    f"new --out-dir"
                 )
             )
 
 
 def check_batch_ids(tokens, vocab_size, path, start):
     """The tokens a batch (or the val set) reads, from position `start` of the shard at path, returned
-    as they are once no id in them is past the vocabulary. The start check trusts a manifest's record
-    for ids its fingerprint does not sample: an id written between them is caught here, in one line
-    before the step that would crash on it (an IndexError, a device assert on CUDA, hours in). A max
-    over B*T uint16 ids on the CPU: next to nothing (benchmarks/loader.py times it)."""
+    as they are once no id in them is past the vocabulary: the start reads only each shard's first
+    ids, and an id past it would crash the step (an IndexError, a device assert on CUDA, hours in).
+    A max over B*T uint16 ids on the CPU: next to nothing (benchmarks/loader.py times it)."""
     if vocab_size is None or not len(tokens) or int(tokens.max()) < vocab_size:
         return tokens
     at = int(np.argmax(tokens >= vocab_size))

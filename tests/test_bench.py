@@ -177,7 +177,10 @@ def test_ladder_png_place_taken_by_a_folder_is_refused_before_anything_is_measur
     "flags, words",
     [
         (["fineweb", "--docs", "{tmp}/none/*.parquet"], ["no files match --docs", "none/*.parquet"]),
-        (["hellaswag", "--hellaswag-data", "{tmp}/hs.jsonl"], ["--hellaswag-data", "hs.jsonl does not exist"]),
+        (
+            ["hellaswag", "--hellaswag-data", "{tmp}/hs.jsonl"],
+            ["--hellaswag-data", "hs.jsonl cannot be read: No such file or directory"],
+        ),
     ],
 )
 def test_data_flag_that_names_no_data_is_refused_before_anything_is_measured(tmp_path, flags, words):

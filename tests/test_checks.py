@@ -198,10 +198,6 @@ CASES = {
         lambda tmp: find_shards(str(tmp / "none"), "train"),
         lambda tmp: f"data folder {tmp}/none does not exist: write shards with fineweb.py or pass --data-dir",
     ),
-    ".npy and .bin shards": (
-        lambda tmp: find_shards(folder(tmp, "d", "a_train_000001.npy", "a_train_000002.bin"), "train"),
-        lambda tmp: f"{tmp}/d holds both .npy and .bin train shards: keep one format",
-    ),
     "no train shards": (
         lambda tmp: find_shards(folder(tmp, "d", "a_val_000000.npy"), "train", required=True),
         lambda tmp: (
@@ -217,15 +213,11 @@ CASES = {
     "a shard of the run missing": (same_data(), not_the_data("s_train_000001.npy is missing")),
     "a shard the run did not have": (
         same_data(train=[["s_train_000001.npy", 100, "d1"], ["s_train_000002.npy", 100, "d2"]]),
-        not_the_data("s_train_000002.npy is new (the run's data had no such shard)"),
+        not_the_data("s_train_000002.npy is new"),
     ),
-    "a shard of another size": (
-        same_data(train=[["s_train_000001.npy", 2000, "d1"]]),
-        not_the_data("s_train_000001.npy is 2,000 bytes, the run's was 100"),
-    ),
-    "a shard of other tokens": (
+    "a shard of other bytes": (
         same_data(train=[["s_train_000001.npy", 100, "other"]]),
-        not_the_data("s_train_000001.npy holds other tokens than the run's (the same size)"),
+        not_the_data("s_train_000001.npy is rewritten (other bytes)"),
     ),
     "a batch's token id past the vocabulary": (
         lambda tmp: check_batch_ids(np.array([5, 50303, 50304, 60000], dtype=np.uint16), 50304, "s.npy", 1_234_565),
@@ -296,7 +288,7 @@ def refusal_sites():
 def test_every_refusal_has_a_case(tmp_path):
     """Each need(...) and raise in the checks is hit by a case above (each flag of a loop by its own)."""
     sites = refusal_sites()
-    assert len(sites) >= 24  # the ast walk found the checks (check_args' alone: 8)
+    assert len(sites) >= 20  # the ast walk found the checks (check_args' alone: 8)
     hit = set()
     for name, (case, _) in CASES.items():
         _, (function, line, flag) = refusal(case, tmp_path / name.replace("/", "_"))

@@ -1,24 +1,15 @@
 """support/documents.py: fineweb.py's inputs read as documents (a .txt whole, a .jsonl or .parquet
 row each, a UTF-8 byte-order mark dropped), a resumed run's skip that passes over whole files
-unread, the inputs described by their bytes, and bad input refused in one line that names the file
+unread, and bad input refused in one line that names the file
 (and the line). fineweb.py's runs over these inputs, end to end: test_fineweb.py."""
 
-import hashlib
 import json
-import os
 
 import pytest
 
 from support import documents
 from support.cli import UserError
-from support.documents import (
-    check_inputs,
-    describe_inputs,
-    expand_inputs,
-    hub_documents,
-    local_documents,
-    read_documents,
-)
+from support.documents import check_inputs, expand_inputs, hub_documents, local_documents, read_documents
 
 
 @pytest.mark.parametrize(
@@ -84,18 +75,6 @@ def test_a_resumed_runs_skip_passes_over_whole_files_and_rows(tmp_path, assets, 
     monkeypatch.setattr(documents, "read_documents", lambda path, field: read.append(path) or real(path, field))
     assert list(local_documents(paths, "text", skip=4 + rows)) == ["the first file"]
     assert read == [str(tmp_path / "b.jsonl"), paths[3]]  # the parquet file passed over unread
-
-
-def test_inputs_are_described_by_their_bytes_and_the_same_bytes_are_read_once(tmp_path, capsys):
-    (tmp_path / "a.txt").write_text("some text")
-    (tmp_path / "copy.txt").write_text("some text")
-    (tmp_path / "b.txt").write_text("other text")
-    paths = [str(tmp_path / name) for name in ("a.txt", "copy.txt", "b.txt")]
-    digest = lambda path: hashlib.sha256(open(path, "rb").read()).hexdigest()  # noqa: E731
-    assert describe_inputs(paths, workers=2) == [
-        {"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": digest(p)} for p in (paths[0], paths[2])
-    ]
-    assert f"note: --input {paths[1]} has the same bytes as {paths[0]}: it is read once" in capsys.readouterr().err
 
 
 def test_hub_dataset_that_cannot_be_opened(monkeypatch):

@@ -3,7 +3,6 @@ against a plain one-row-per-forward loop, sharding, stopping, the data sources (
 network calls replaced by local data), offline detection and refusing bad data; in training, a
 HellaSwag file it cannot use is one warning and the run goes on."""
 
-import errno
 import io
 import itertools
 import json
@@ -79,7 +78,7 @@ def counts_by_hand(examples, preds, preds_norm):
 
 def test_full_validation_file_loads(full_hellaswag, reference):
     ref, examples = reference["hellaswag_val"], hellaswag.load_examples(str(full_hellaswag))
-    assert len(examples) == ref["num_examples"] == hellaswag.NUM_VAL
+    assert len(examples) == ref["num_examples"] == 10042
     assert dict(Counter(str(ex["label"]) for ex in examples)) == ref["label_counts"]
     assert dict(Counter(ex["split_type"] for ex in examples)) == ref["split_type_counts"]
     assert examples[0]["ind"] == 24 and examples[0]["label"] == 3
@@ -100,60 +99,33 @@ def test_render_example_zero(examples, enc, reference):
     assert ending_tokens[3] == enc.encode(" starts pulling up roofing on a roof.")
 
 
-def test_a_file_that_cannot_be_read_is_one_line(monkeypatch, val_path):
-    def failing_open(*args, **kwargs):  # as a disk error or missing read permission would
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(hellaswag, "open", failing_open, raising=False)
-    with pytest.raises(HellaSwagDataError, match=f"{val_path.name} cannot be read: Input/output error"):
-        hellaswag.load_examples(str(val_path))
+GOOD = {"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0, "split_type": "indomain"}
 
 
-def test_malformed_line_is_named(tmp_path, val_path):
-    lines = val_path.read_text().splitlines(keepends=True)[:5]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("".join(lines[:2] + ['{"ctx": "cut off\n'] + lines[3:]))
-    with pytest.raises(HellaSwagDataError, match=r"bad\.jsonl line 3 is not valid JSON"):
-        hellaswag.load_examples(str(bad))
-    row = json.loads(lines[1])
-    row["label"] = str(row["label"])  # the Hub's string label is not the original format
-    bad.write_text(lines[0] + json.dumps(row) + "\n")
-    with pytest.raises(HellaSwagDataError, match="line 2: label '3' is not an int"):
-        hellaswag.load_examples(str(bad))
-    with pytest.raises(HellaSwagDataError, match="does not exist"):
-        hellaswag.load_examples(str(tmp_path / "missing.jsonl"))
-    bad.write_text("\n")
-    with pytest.raises(HellaSwagDataError, match="holds no examples"):
-        hellaswag.load_examples(str(bad))
+def row(**change):
+    """A jsonl line: GOOD with fields changed (None: left out)."""
+    return json.dumps({k: v for k, v in {**GOOD, **change}.items() if v is not None})
 
 
-@pytest.mark.parametrize("label", [4, -1, True, None], ids=["4", "-1", "bool", "missing"])
-def test_hellaswag_label_out_of_range_is_named(tmp_path, val_path, label):
-    # a string label is refused in test_malformed_line_is_named; these are the other wrong labels
-    lines = val_path.read_text().splitlines()[:3]
-    row = json.loads(lines[1])
-    row["label"] = label
-    if label is None:
-        del row["label"]
-    (tmp_path / "h.jsonl").write_text("\n".join([lines[0], json.dumps(row), lines[2]]) + "\n")
-    with pytest.raises(hellaswag.HellaSwagDataError, match=r"h\.jsonl line 2: label .* is not an int from 0 to 3"):
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (row() + '\n{"ctx": "cut off', r"h\.jsonl line 2 is not valid JSON"),
+        (row(label="3"), r"h\.jsonl line 1: label '3' is not an int from 0 to 3"),  # the Hub's string label
+        (row(label=4), r"line 1: label 4 is not an int from 0 to 3"),
+        (row(label=-1), r"line 1: label -1 is not an int"),
+        (row(label=True), r"line 1: label True is not an int"),
+        (row(label=None), r"line 1: label None is not an int"),
+        (row(endings=["a", "b", "c"]), r"line 1: not a HellaSwag example \(a list of 4 endings\)"),
+        ("", r"h\.jsonl holds no examples"),
+    ],
+    ids=["cut", "string-label", "label-4", "label-minus-1", "bool-label", "no-label", "3-endings", "empty"],
+)
+def test_a_file_it_cannot_score_is_named_in_one_line(tmp_path, text, message):
+    (tmp_path / "h.jsonl").write_text(text + "\n")
+    with pytest.raises(HellaSwagDataError, match=message) as e:
         hellaswag.load_examples(str(tmp_path / "h.jsonl"))
-
-
-def test_a_cache_that_is_an_html_page_or_cut_short_is_refused(tmp_path, val_path):
-    cache = tmp_path / hellaswag.CACHE_NAME
-    cache.write_text("<!DOCTYPE html>\n<html><body>404: Not Found</body></html>\n")
-    with pytest.raises(HellaSwagDataError, match=r"bad cache: .*line 1 is not valid JSON.*delete"):
-        hellaswag.load_examples(cache_dir=str(tmp_path))
-    data = val_path.read_bytes()
-    cache.write_bytes(b"".join(data.splitlines(keepends=True)[:100]))  # cut at a line end
-    with pytest.raises(HellaSwagDataError, match="has 100 rows, expected 10042"):
-        hellaswag.load_examples(cache_dir=str(tmp_path))
-    cut = data[: len(data) // 2]  # cut inside a line: that line is named
-    cache.write_bytes(cut)
-    last_line = cut.count(b"\n") + 1
-    with pytest.raises(HellaSwagDataError, match=f"line {last_line} is not valid JSON"):
-        hellaswag.load_examples(cache_dir=str(tmp_path))
+    assert "\n" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +152,7 @@ def online(monkeypatch):
 
 def test_the_download_writes_the_original_file(tmp_path, monkeypatch, val_path, online):
     urls, rows = [], val_path.read_bytes().splitlines(keepends=True)
-    body = b"".join(itertools.islice(itertools.cycle(rows), hellaswag.NUM_VAL))  # the original's count of rows
+    body = b"".join(itertools.islice(itertools.cycle(rows), 10042))  # the original's count of rows
 
     def urlopen(url, timeout=None):
         urls.append(url)
@@ -204,10 +176,9 @@ def http_404(val_path):
     "response, message",
     [
         (lambda v: FakeResponse(b"<html>Service unavailable</html>"), "line 1 is not valid JSON"),
-        (lambda v: FakeResponse(b"".join(v.read_bytes().splitlines(keepends=True)[:100])), "100 rows, expected 10042"),
         (http_404, "HTTP Error 404"),
     ],
-    ids=["html", "short", "http-404"],
+    ids=["html", "http-404"],
 )
 def test_bad_download_is_not_cached(tmp_path, monkeypatch, val_path, response, message, online):
     monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: response(val_path))
@@ -491,7 +462,7 @@ def test_should_stop_ends_the_eval_between_batches(small, examples, enc):
 
     prepared = hellaswag.prepare(examples[:300], enc)
     assert hellaswag.evaluate(small["ours"], prepared, "cpu", should_stop=should_stop, batch_tokens=2000) is None
-    assert len(asked) == 4  # asked before the eval and before each batch; stopped before the third of many
+    assert len(asked) == 4  # asked before each batch; stopped before the fourth of many
     assert hellaswag.evaluate(small["ours"], prepared, "cpu", should_stop=lambda: True) is None
 
 
@@ -555,21 +526,12 @@ def test_cli_bad_data_is_one_line(tmp_path):
     r = cli("-m", "gpt2", "--data", bad, script="hellaswag.py")  # as the user sees it
     assert_one_line_error(r, "bad.jsonl line 2 is not valid JSON")
     for data, message in (  # the other mistakes raise the same one-line error, in this process
-        (tmp_path / "none.jsonl", "does not exist"),
-        (tmp_path, "is a folder: pass the path of a HellaSwag jsonl file in it"),
+        (tmp_path / "none.jsonl", "none.jsonl cannot be read: No such file or directory"),
+        (tmp_path, "cannot be read: Is a directory"),
     ):
         with pytest.raises(HellaSwagDataError) as e:
             hellaswag.main(["-m", "gpt2", "--data", str(data)])
         assert message in str(e.value) and "\n" not in str(e.value)
-
-
-def test_cli_offline_without_data_is_one_quick_line(tmp_path):
-    # conftest sets HF_HUB_OFFLINE for the tests, and this subprocess inherits it
-    r = cli("-m", "gpt2", "--cache-dir", tmp_path / "cache", script="hellaswag.py")
-    assert r.returncode == 1
-    assert r.stderr.startswith("error: cannot download HellaSwag (HF_HUB_OFFLINE is set)") and r.stderr.count("\n") == 1
-    assert "pass --data path/to/hellaswag_val.jsonl" in r.stderr
-    assert not (tmp_path / "cache").exists()
 
 
 def test_import_needs_neither_transformers_nor_the_trainer():

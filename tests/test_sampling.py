@@ -28,10 +28,20 @@ def model(tiny_config):
     return model
 
 
+@torch.no_grad()
+def recompute(model, idx, n, temperature=1.0, top_k=50, generator=None):
+    """The plain reference: the whole prefix recomputed for every token, drawn as generate draws."""
+    for _ in range(min(n, model.config.block_size - idx.size(1))):
+        logits, _ = model(idx)
+        noise = sampling.draw_noise(len(idx), temperature, generator, idx.device)
+        idx = torch.cat([idx, next_token(logits[:, -1], temperature, top_k, noise)[:, None]], dim=1)
+    return idx
+
+
 def test_greedy_kv_cache_equals_recompute_up_to_block_size(model):
     idx = torch.randint(0, GPT2_VOCAB, (3, 7))
-    cached = generate(model, idx, 100, temperature=0, use_cache=True)  # runs into the 64-position window
-    full = generate(model, idx, 100, temperature=0, use_cache=False)
+    cached = generate(model, idx, 100, temperature=0)  # runs into the 64-position window
+    full = recompute(model, idx, 100, temperature=0)
     assert cached.shape == (3, 64) and torch.equal(cached[:, :7], idx)
     assert torch.equal(cached, full)
 
@@ -40,7 +50,7 @@ def test_seeded_top_k_is_reproducible_and_equal_to_recompute(model):
     idx = torch.randint(0, GPT2_VOCAB, (2, 4))
     a = generate(model, idx, 30, top_k=20, generator=torch.Generator().manual_seed(7))
     b = generate(model, idx, 30, top_k=20, generator=torch.Generator().manual_seed(7))
-    c = generate(model, idx, 30, top_k=20, generator=torch.Generator().manual_seed(7), use_cache=False)
+    c = recompute(model, idx, 30, top_k=20, generator=torch.Generator().manual_seed(7))
     d = generate(model, idx, 30, top_k=20, generator=torch.Generator().manual_seed(8))
     assert torch.equal(a, b) and torch.equal(a, c) and not torch.equal(a, d)
     assert len(set(a[:, 4:].flatten().tolist())) > 20  # the draws vary: the comparison is not empty
@@ -161,21 +171,19 @@ class Countdown:
         return self.polls >= self.n
 
 
-@pytest.mark.parametrize("use_cache", [True, False])
-def test_generation_polls_the_stop_request_before_every_token(model, monkeypatch, use_cache):
+def test_generation_polls_the_stop_request_before_every_token(model, monkeypatch):
     forwards = []
     real = model.hidden_states
     monkeypatch.setattr(model, "hidden_states", lambda *a, **k: forwards.append(1) or real(*a, **k))
     idx = torch.randint(0, GPT2_VOCAB, (2, 3))
     stop = Countdown(5)  # says stop before the 5th token
-    assert generate(model, idx, 50, use_cache=use_cache, stop=stop) is None
-    # the prompt's pass and 4 one-token steps, or 4 recomputes of the whole prefix
-    assert stop.polls == 5 and len(forwards) == (5 if use_cache else 4)
+    assert generate(model, idx, 50, stop=stop) is None
+    assert stop.polls == 5 and len(forwards) == 5  # the prompt's pass and 4 one-token steps
     # never asked to stop: the whole sample, the same tokens as without a stop request
     torch.manual_seed(1)
-    a = generate(model, idx, 20, use_cache=use_cache, stop=lambda: False)
+    a = generate(model, idx, 20, stop=lambda: False)
     torch.manual_seed(1)
-    assert torch.equal(a, generate(model, idx, 20, use_cache=use_cache))
+    assert torch.equal(a, generate(model, idx, 20))
 
 
 # ----------------------------------------------------------------------------------------------

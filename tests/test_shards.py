@@ -1,11 +1,10 @@
 """support/shards.py, mostly through real runs of train_gpt2.py: the GPT-2 tokenizer the shards
-hold ids of; a data folder that is missing, empty or a text file; shards that are truncated or have
-a wrong header, and shards memory-mapped; every shard smaller than one batch; token ids past the
-model's vocabulary (each shard's first ids at start), and in every batch and the val set as they
-are read (an id past a shard's first 1,024 tokens); a folder
-fineweb.py has not finished, or whose manifest lists shards missing or of another size, refused
-naming the command that finishes it; and a checkpoint continued only on
-the shards its run started on (moved shards are the same data). Each refusal is one line before
+hold ids of; a data folder that is missing or a shard; shards that are truncated or have a wrong
+header, and shards memory-mapped; every shard smaller than one batch; token ids past the model's
+vocabulary (each shard's first ids at start), and in every batch and the val set as they are read
+(an id past a shard's first 1,024 tokens); a folder fineweb.py has not finished, refused naming the
+command that finishes it, or whose manifest lists shards missing; and a checkpoint continued only
+on the shards its run started on (moved shards are the same data). Each refusal is one line before
 step 0."""
 
 import json
@@ -38,10 +37,9 @@ from helpers import (
     user_error,
     write_shard,
 )
-from support import shards
 from support.checkpoints import load_checkpoint
 from support.cli import UserError
-from support.shards import ShardFile, fineweb_command, load_shard, shard_fingerprint
+from support.shards import ShardFile, load_shard
 from train_gpt2 import DataLoaderLite
 
 # ----------------------------------------------------------------------------------------------
@@ -104,17 +102,6 @@ def test_fineweb_tokenizes_offline_without_tiktokens_files(tmp_path, enc):
     assert tokens == [50256, *tiktoken.get_encoding("gpt2").encode_ordinary(text)]  # tiktoken's own
 
 
-def test_a_changed_vocab_bpe_is_refused_naming_the_git_command(tmp_path, monkeypatch):
-    # line ends converted to CRLF (a Windows checkout without .gitattributes) would change every merge
-    crlf = tmp_path / "vocab.bpe"
-    crlf.write_bytes(open(shards.GPT2_BPE, "rb").read().replace(b"\n", b"\r\n"))
-    monkeypatch.setattr(shards, "GPT2_BPE", str(crlf))
-    with pytest.raises(
-        UserError, match=r"is not OpenAI's GPT-2 vocab.bpe .* `git checkout -- support/gpt2_bpe/vocab.bpe`"
-    ):
-        shards.read_gpt2_bpe()
-
-
 # ----------------------------------------------------------------------------------------------
 # Finding and reading the shards
 
@@ -126,20 +113,7 @@ def test_missing_data_folder_cli(tmp_path):
     assert "nope" in r.stderr and "fineweb.py" in r.stderr
 
 
-def test_empty_data_folder(tmp_path):
-    (tmp_path / "empty").mkdir()
-    assert "no train shards" in user_error(tiny_args(tmp_path / "empty", tmp_path / "out"))
-
-
-def test_a_text_file_as_data_dir_points_to_fineweb(tmp_path):
-    text = tmp_path / "input.txt"
-    text.write_text("First Citizen: Before we proceed any further, hear me speak.\n")
-    msg = user_error(tiny_args(text, tmp_path / "out"))
-    assert "is a file, not a folder of shards" in msg and f"fineweb.py --input {text}" in msg
-    assert text.read_text().startswith("First Citizen") and not (tmp_path / "out").exists()
-
-
-def test_max_shards_1_says_there_is_no_train_shard_and_the_command_that_adds_one(tmp_path, capsys, assets):
+def test_max_shards_1_says_there_is_no_train_shard_and_how_to_add_one(tmp_path, capsys, assets):
     (tmp_path / "input.txt").write_text(assets.shakespeare.read_text()[:20000])
     data = tmp_path / "data"
     fineweb.main(
@@ -149,15 +123,11 @@ def test_max_shards_1_says_there_is_no_train_shard_and_the_command_that_adds_one
     assert note.startswith("note: there is no train shard: this run stopped within shard 0, edufineweb_val_000000.npy")
     assert note.endswith("run it again with --max-shards 2 (it adds a train shard)")
     args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0)
-    msg = user_error(args)
-    assert msg.startswith(
-        f"no train shards (*_train_NNNNNN.npy or .bin) in {data}: fineweb.py stopped at --max-shards 1"
+    assert user_error(args).startswith(f"no train shards (*_train_NNNNNN.npy or .bin) in {data}")
+    fineweb.main(
+        ["--input", str(tmp_path / "input.txt"), "--out-dir", str(data), "--shard-size", "2000", "--max-shards", "2"]
     )
-    command = msg.split("add a train shard with `")[1].rstrip("`")
-    assert shlex.split(command)[:2] == ["python", "fineweb.py"] and "--max-shards 2" in command
-    fineweb.main(shlex.split(command)[2:])  # the command, as given
-    assert (data / "edufineweb_train_000001.npy").is_file()
-    assert train_gpt2.main(args) == 0
+    assert train_gpt2.main(args) == 0  # the note's advice
 
 
 def test_a_shard_as_data_dir_names_its_folder_and_that_command_works(tmp_path):
@@ -182,7 +152,7 @@ def test_bin_shard_with_bad_header(tmp_path):
     write_shard(data / "x_train_000001.bin", np.arange(1000))
     with open(data / "x_train_000001.bin", "r+b") as f:
         f.truncate(1024 + 900)  # the header still says 1,000 tokens
-    assert "truncated" in user_error(tiny_args(data, tmp_path / "out"))
+    assert "cannot read this token shard" in user_error(tiny_args(data, tmp_path / "out"))
 
 
 def test_truncated_npy_shard(tmp_path):
@@ -203,44 +173,6 @@ def test_shards_are_memory_mapped(tmp_path):
         # the loader's: read from the file, a slice at a time
         shard = ShardFile(str(tmp_path / name))
         assert len(shard) == 1000 and np.array_equal(shard[990:1005], np.arange(990, 1000))
-
-
-CUT_SHORT = """
-import os, sys
-from support.cli import UserError
-from train_gpt2 import DataLoaderLite, load_val_tokens
-data = sys.argv[1]
-loader = DataLoaderLite(data, "train", 4, 64, shuffle=False)
-val = load_val_tokens(data, 8000)
-loader.next_batch()
-for path in (loader.path, os.path.join(data, "s_val_000000.npy")):
-    os.truncate(path, 4096)  # cut short while the run reads it: one page left
-print(int(val.astype("int64").sum()), flush=True)  # the val set, after its shard was cut
-try:
-    while True:
-        loader.next_batch()
-except UserError as e:
-    print(e)
-    sys.exit(3)
-"""
-
-
-def test_a_shard_cut_short_while_the_run_reads_it_is_one_line_not_a_bus_error(tmp_path):
-    """A shard truncated under a run is one line (a memory map would die of SIGBUS); the val set is kept."""
-    rng = np.random.default_rng(0)
-    val, train = rng.integers(0, 50257, 10_000), rng.integers(0, 50257, 100_000)
-    write_shard(tmp_path / "s_val_000000.npy", val)
-    write_shard(tmp_path / "s_train_000001.npy", train)
-    r = subprocess.run(
-        [sys.executable, "-c", CUT_SHORT, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
-    said = r.stdout.strip().splitlines()
-    assert said[0] == str(int(val[:8001].sum()))
-    assert said[1].startswith(f"{tmp_path / 's_train_000001.npy'} was cut short while this run read it (100,000 tokens")
-    assert said[1].endswith(
-        "4,096 bytes now): restore it (rerun the fineweb.py that wrote it), then continue with --resume"
-    )
 
 
 def test_shards_smaller_than_one_batch_name_the_largest_and_the_fix(tmp_path):
@@ -289,33 +221,15 @@ def manifest_shards(folder):
 
 @pytest.fixture
 def big_shards(tmp_path, assets):
-    """Shards of 40,000 tokens: the fingerprint's sampled blocks leave bytes between them."""
+    """fineweb.py's shards of 40,000 tokens."""
     return fineweb_of(tmp_path, assets, 300_000, 40_000, "big")
 
 
-def unsampled_position(path, at_least=1024):
-    """The first token index (from at_least on) whose two bytes shard_fingerprint does not read,
-    found from the file's size and the fingerprint's layout (16 blocks of 4096 bytes spread evenly
-    between the first and the last)."""
-    size, block, blocks = os.path.getsize(path), 4096, 16
-    last = max(0, size - block)
-    read = [(last * i // (blocks + 1), last * i // (blocks + 1) + block) for i in range(blocks + 2)]
-    offset = np.load(path, mmap_mode="r").offset
-    for i in range(at_least, (size - offset) // 2):
-        b = offset + 2 * i
-        if not any(lo < b + 2 and b < hi for lo, hi in read):
-            return i
-    raise AssertionError(f"{path}: every byte is sampled")
-
-
-def put_unsampled_id(path, token_id, position=None):
-    """token_id written at a token the fingerprint does not read; its record stays trusted."""
-    before = shard_fingerprint(str(path))
-    position = unsampled_position(str(path)) if position is None else position
+def put_id(path, token_id, position=1500):
+    """token_id at position of the shard at path: past its first 1,024 ids, which the start checks."""
     tokens = np.load(path)
     tokens[position] = token_id
     np.save(path, tokens)
-    assert shard_fingerprint(str(path)) == before  # the data identity does not see it either
     return position
 
 
@@ -323,12 +237,11 @@ def big_train_shards(folder):
     return [folder / s["file"] for s in manifest_shards(folder) if s["split"] == "train" and s["tokens"] == 40000]
 
 
-def test_a_bad_id_between_the_sampled_blocks_stops_the_run_at_its_batch(big_shards, tmp_path):
-    # -B 16 -T 64: step 1 reads tokens 1,024..2,048 of its shard, over the fingerprint's first gap
+def test_a_bad_id_past_the_start_checks_stops_the_run_at_its_batch(big_shards, tmp_path):
+    # -B 16 -T 64: step 1 reads tokens 1,024..2,048 of its shard
     shards = big_train_shards(big_shards)
     assert shards
-    positions = {p.name: put_unsampled_id(p, 50400) for p in shards}
-    assert all(1024 <= i < 2048 for i in positions.values())
+    positions = {p.name: put_id(p, 50400) for p in shards}
     args = tiny_args(big_shards, tmp_path / "out", "-B", 16, "-T", 64, "--total-batch-size", 1024, "--max-steps", 3)
     line = assert_one_line_error(cli(*args, "--eval-every", 0), "holds token id 50400 at position")
     name = line.split(" holds ")[0].rsplit("/", 1)[1]
@@ -339,7 +252,7 @@ def test_a_bad_id_between_the_sampled_blocks_stops_the_run_at_its_batch(big_shar
 @pytest.mark.parametrize("token_id, refused", [(50303, False), (50304, True), (65535, True)])
 def test_every_batch_is_checked_up_to_the_last_id_of_the_vocabulary(big_shards, token_id, refused):
     path = big_train_shards(big_shards)[0]
-    at = put_unsampled_id(path, token_id)
+    at = put_id(path, token_id)
     loader = DataLoaderLite(str(big_shards), "train", 4, 64, shuffle=False, vocab_size=50304)  # the start passes
     batches = range(loader.batches_per_epoch)
     if not refused:
@@ -352,21 +265,17 @@ def test_every_batch_is_checked_up_to_the_last_id_of_the_vocabulary(big_shards, 
     assert loader.pos <= at <= loader.pos + 256  # stopped at the batch that holds it (its targets too)
 
 
-@pytest.mark.parametrize("position", [None, 0, 4095])
+@pytest.mark.parametrize("position", [0, 1500, 4095])
 def test_a_bad_id_in_the_val_set_is_refused_naming_its_position(big_shards, tmp_path, position):
     path = big_shards / "edufineweb_val_000000.npy"
-    at = put_unsampled_id(path, 60000) if position is None else position
-    if position is not None:
-        tokens = np.load(path)
-        tokens[at] = 60000
-        np.save(path, tokens)
+    at = put_id(path, 60000, position)
     msg = user_error(tiny_args(big_shards, tmp_path / "out", "--val-tokens", 4096))
     assert msg.startswith(f"{path} holds token id 60000 at position {at:,}, past --vocab-size 50304")
     assert not (tmp_path / "out" / "log.jsonl").exists()
 
 
 # ----------------------------------------------------------------------------------------------
-# A manifest is believed only for the shards it lists that are on disk with the sizes it records
+# A manifest is believed only for the shards it lists that are on disk
 
 
 @pytest.mark.parametrize("kept", [0, 1, 3])
@@ -380,39 +289,15 @@ def test_a_manifest_copied_into_a_half_written_folder_is_not_finished(fineweb_fo
         shutil.copy(fineweb_folder / shard["file"], half)
     r = cli(*tiny_args(half, tmp_path / "out", "--max-steps", 2))
     missing = len(listed) - kept
-    line = assert_one_line_error(
+    assert_one_line_error(
         r,
-        f"--data-dir {half} is unfinished",
+        f"--data-dir {half} is not whole",
         f"lists {listed[kept]['file']}, which is not there",
-        f"({missing} of its {len(listed)} shards are missing)",
+        f"({missing} of its {len(listed)} shards are missing): copy the folder again",
     )
-    command = shlex.split(line.split("`")[1])
-    assert command[:2] == ["python", "fineweb.py"] and command[command.index("--out-dir") + 1] == str(half)
-    fineweb.main([*command[2:], "--workers", "1"])  # the command it names finishes the folder
-    assert all((half / s["file"]).read_bytes() == (fineweb_folder / s["file"]).read_bytes() for s in listed)
+    shutil.rmtree(half)
+    shutil.copytree(fineweb_folder, half)  # the advice
     assert DataLoaderLite(str(half), "train", 2, 8, vocab_size=50304).batches_per_epoch > 0
-
-
-@pytest.mark.parametrize("change", ["truncated", "grown", "val truncated"])
-def test_a_shard_of_another_size_than_its_manifest_records_is_refused(fineweb_folder, tmp_path, change):
-    shard = manifest_shards(fineweb_folder)[0 if change.startswith("val") else 2]
-    path = fineweb_folder / shard["file"]
-    data = path.read_bytes()
-    path.write_bytes(data[:-2000] if "truncated" in change else data + bytes(2000))
-    size = os.path.getsize(path)
-    r = cli(*tiny_args(fineweb_folder, tmp_path / "out", "--max-steps", 2))
-    assert_one_line_error(r, f"lists {shard['file']} as {shard['bytes']:,} bytes, but it is {size:,}", "fineweb.py")
-
-
-@pytest.mark.parametrize("manifest", [b"{not json", b"[]"])
-def test_a_manifest_that_cannot_be_read_is_one_warning_line(tmp_path, manifest):
-    data, out = random_shards(tmp_path / "data"), tmp_path / "out"
-    (data / "edufineweb_manifest.json").write_bytes(manifest)
-    r = cli(*tiny_args(data, out, "--max-steps", 2))
-    assert r.returncode == 0, r.stderr
-    [line] = [line for line in r.stderr.splitlines() if "manifest" in line]  # once, though read at each look
-    assert line.startswith(f"warning: cannot read {data / 'edufineweb_manifest.json'} as fineweb.py's manifest (")
-    assert line.endswith("): whether fineweb.py finished the folder is not checked")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,8 +327,10 @@ def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(
     r = cli(*tiny_args(shards, out, "--max-steps", 2))
     line = assert_one_line_error(r, f"--data-dir {shards} is unfinished", "fineweb.py has not written all")
     assert snapshot(tmp_path) == before and not out.exists()
-    command = line.split("`")[1]
-    assert command == " ".join([f"python fineweb.py --input {tiny_text} --out-dir {shards} --shard-size 2000", *stop])
+    command = line.split("`")[1]  # the run's own command, from the folder it ran in
+    where = str(ROOT) if how == "SIGKILL" else os.getcwd()
+    script = os.path.relpath(fineweb.__file__, where)
+    assert command == f"cd {shlex.quote(where)} && " + shlex.join(["python", script, *args])
     done = as_typed(command)  # its `python` is the one running the tests, whatever is first on PATH
     assert done.returncode == 0, done.stderr
     asked = tmp_path / "asked"  # the run as it was asked, uninterrupted: the same files
@@ -451,23 +338,10 @@ def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(
     assert summary["complete"] == (not stop) and (not stop or summary["tokens"] in (6000, 7000))
     names = sorted(p.name for p in asked.iterdir())
     assert sorted(p.name for p in shards.iterdir()) == names
-    assert all((shards / n).read_bytes() == (asked / n).read_bytes() for n in names)
+    manifest = lambda folder: {**json.loads((folder / "edufineweb_manifest.json").read_text()), "command": None}  # noqa: E731
+    assert manifest(shards) == manifest(asked)  # its own command, with its own --out-dir, aside
+    assert all((shards / n).read_bytes() == (asked / n).read_bytes() for n in names if n.endswith(".npy"))
     assert train_gpt2.main(tiny_args(shards, out, "--max-steps", 2, "--eval-every", 0)) == 0
-
-
-def test_fineweb_command_uses_a_glob_for_a_whole_folder_and_hub_flags(tmp_path):
-    files = [tmp_path / f"part_{i}.jsonl" for i in range(5)]
-    for f in files:
-        f.write_text('{"text": "x"}\n')
-    config = {"source": {"input": [{"path": str(f)} for f in files]}, "shard_size": 100_000_000, "prefix": "p"}
-    assert fineweb_command(config, "d") == f"python fineweb.py --input '{tmp_path}/*.jsonl' --out-dir d --prefix p"
-    files[-1].unlink()  # the glob would miss nothing but the folder no longer holds all: name them
-    assert fineweb_command(config, "d").count("part_") == 5
-    hub = {"source": {"dataset": "HuggingFaceFW/fineweb", "name": None, "split": "train"}, "shard_size": 10}
-    assert (
-        fineweb_command(hub, "d")
-        == "python fineweb.py --dataset HuggingFaceFW/fineweb --name '' --out-dir d --shard-size 10"
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -491,11 +365,11 @@ def regenerate(data, lengths, val_length=600, seed=3):
 @pytest.mark.parametrize(
     "change, words",
     [
-        (lambda d: regenerate(d, (700, 500)), "rand_train_000001.npy is 1,528 bytes, the run's was 1,328"),
-        (lambda d: regenerate(d, (600, 600), seed=4), "rand_train_000001.npy holds other tokens than the run's"),
+        (lambda d: regenerate(d, (700, 500)), "rand_train_000001.npy is rewritten"),
+        (lambda d: regenerate(d, (600, 600), seed=4), "rand_train_000001.npy is rewritten"),
         (lambda d: regenerate(d, (600, 600, 600)), "rand_train_000003.npy is new"),
         (lambda d: (d / "rand_train_000002.npy").unlink(), "rand_train_000002.npy is missing"),
-        (lambda d: write_shard(d / "rand_val_000000.npy", range(900)), "rand_val_000000.npy is 1,928 bytes"),
+        (lambda d: write_shard(d / "rand_val_000000.npy", range(900)), "rand_val_000000.npy is rewritten"),
     ],
     ids=["another-shard-size", "other-tokens", "a-shard-added", "a-shard-removed", "another-val-set"],
 )
