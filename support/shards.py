@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import sys
 
 import numpy as np
 import tiktoken
@@ -116,7 +117,8 @@ def load_shard(path):
 class ShardFile:
     """A token shard the loader trains on, held open and read a slice at a time (shard[a:b] is a uint16
     array), not memory-mapped: it reads the file as it was opened, so a shard renamed over it (a
-    fineweb.py rerun into the folder) is not read, and a file cut short under it is no SIGBUS."""
+    fineweb.py rerun into the folder) is not read, and a file cut short under it is one line, where
+    a read through a map would die of SIGBUS."""
 
     def __init__(self, path):
         tokens = load_shard(path)  # its checks; its length and where its tokens start
@@ -129,7 +131,13 @@ class ShardFile:
     def __getitem__(self, index):  # a slice, as the loader takes them
         start, stop, _ = index.indices(self.length)
         self.file.seek(self.offset + 2 * start)
-        return np.frombuffer(self.file.read(2 * max(0, stop - start)), dtype=np.uint16)
+        data = self.file.read(2 * max(0, stop - start))
+        if len(data) < 2 * max(0, stop - start):  # truncated in place under the run
+            raise UserError(
+                f"{self.path} was cut short while this run read it ({self.length:,} tokens when opened): restore "
+                f"it (rerun the fineweb.py that wrote it), then continue with --resume"
+            )
+        return np.frombuffer(data, dtype=np.uint16)
 
 
 # --- the names: {prefix}_{split}_{index}.npy (or .bin), shard 0 the val split -------------------
@@ -193,22 +201,35 @@ def check_fineweb_finished(data_dir):
     copy cut short) is refused too. Shards with no manifest (llm.c's, the user's own) are not
     fineweb.py's to judge."""
     for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
-        with open(os.path.join(data_dir, name), encoding="utf-8") as f:
-            manifest = json.load(f)
-        command = manifest["command"]  # the fineweb.py command that wrote it, from the folder it ran in
-        if not (manifest["complete"] or manifest.get("limit") is not None):
+        path = os.path.join(data_dir, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                manifest = json.load(f)
+            command, listed = manifest["command"], [s["file"] for s in manifest["shards"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:  # damaged, or not fineweb.py's
+            said = f"cannot read {path} as fineweb.py's manifest ({type(e).__name__})"
+            warn_once(f"{said}: whether fineweb.py finished the folder is not checked")
+            continue
+        if not (manifest.get("complete") or manifest.get("limit") is not None):
             raise UserError(
                 f"--data-dir {data_dir} is unfinished: its {name} says fineweb.py has not written all of its "
                 f"input (it is still writing, or it was stopped); finish it with `{command}` (or wait for the "
                 f"fineweb.py writing it), then start the run"
             )
-        missing = [s["file"] for s in manifest["shards"] if not os.path.isfile(os.path.join(data_dir, s["file"]))]
+        missing = [file for file in listed if not os.path.isfile(os.path.join(data_dir, file))]
         if missing:
             raise UserError(
                 f"--data-dir {data_dir} is not whole: its {name} lists {missing[0]}, which is not there "
-                f"({len(missing)} of its {len(manifest['shards'])} shards are missing): copy the folder again from "
+                f"({len(missing)} of its {len(listed)} shards are missing): copy the folder again from "
                 f"where fineweb.py wrote it"
             )
+
+
+@functools.cache
+def warn_once(message):
+    """A warning said once a process (the shards are looked for several times a run) and once a node."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def check_batch_fits(batches_per_epoch, sizes, chunk, data_dir, split):

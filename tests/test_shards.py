@@ -175,6 +175,27 @@ def test_shards_are_memory_mapped(tmp_path):
         assert len(shard) == 1000 and np.array_equal(shard[990:1005], np.arange(990, 1000))
 
 
+def test_a_shard_cut_short_while_the_run_reads_it_is_one_line_not_a_bus_error(tmp_path):
+    write_shard(tmp_path / "s_train_000001.npy", np.arange(100_000) % 50257)
+    loader = DataLoaderLite(str(tmp_path), "train", 4, 64, shuffle=False)
+    loader.next_batch()
+    os.truncate(loader.path, 4096)  # in place, under the run: a read through a memory map would SIGBUS
+    with pytest.raises(UserError, match=r"s_train_000001.npy was cut short while this run read it \(100,000 tokens "):
+        while True:
+            loader.next_batch()
+
+
+@pytest.mark.parametrize("manifest", [b"{not json", b"[]"])
+def test_a_manifest_that_cannot_be_read_is_one_warning_line(tmp_path, manifest):
+    data, out = random_shards(tmp_path / "data"), tmp_path / "out"
+    (data / "edufineweb_manifest.json").write_bytes(manifest)
+    r = cli(*tiny_args(data, out, "--max-steps", 2))
+    assert r.returncode == 0, r.stderr
+    [line] = [line for line in r.stderr.splitlines() if "manifest" in line]  # once, though read at each look
+    assert line.startswith(f"warning: cannot read {data / 'edufineweb_manifest.json'} as fineweb.py's manifest (")
+    assert line.endswith("): whether fineweb.py finished the folder is not checked")
+
+
 def test_shards_smaller_than_one_batch_name_the_largest_and_the_fix(tmp_path):
     # 150 tokens in all, but a batch (B 2 x T 32, + 1 for the targets: 65) is cut from one shard
     data = random_shards(tmp_path / "data", train_lengths=(40, 50, 60))
