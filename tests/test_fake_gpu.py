@@ -1,10 +1,5 @@
-"""The scripts' CUDA-only lines, run with `--device cuda` on a faked GPU (fake_gpu.py; docs/gpus.md
-says what that checks and what it cannot): a tiny run at compute capability 9.0 and 8.0 (bf16) and
-7.5 (fp16 and its loss scaler) computes what the CPU computes in that dtype, with its evaluations,
-samples and checkpoints; --resume, --deterministic, DDP, hellaswag.py, sample.py, export_hf.py; a
-16 GB card's limits; the -B that out-of-memory advice names on a 24 GB card and a 40 GB A100. Slow:
-compile, bench.py's sections and --gpu-check on "cuda". Last, every CUDA-only place the scripts have
-must have run under the fake, or be listed as one it cannot run."""
+"""The scripts with `--device cuda` on a faked GPU (fake_gpu.py): at compute capability 9.0, 8.0 and 7.5
+they compute what the CPU computes in that dtype; last, every CUDA-only place must have run on the fake."""
 
 import ast
 import io
@@ -51,8 +46,7 @@ def args_for(data, out, assets, *flags):
 
 @pytest.fixture(scope="module")
 def runs(data, assets, tmp_path_factory):
-    """run(gpu or "cpu", *flags) -> (its folder, the FakeGPU or None): the shared tiny run on a faked
-    GPUS[gpu] (eager), or on the CPU; each made once in the module."""
+    """run(gpu or "cpu", *flags) -> (its folder, the FakeGPU or None): the tiny run, each made once."""
     made = {}
 
     def run(where, *flags):
@@ -116,8 +110,7 @@ def test_deterministic_on_a_gpu_sets_cudnn_cublas_and_attention(fake_gpu, data, 
 def test_ddp_on_a_gpu_takes_its_local_rank_joins_over_nccl_and_trains_as_one_process(
     runs, fake_gpu, data, assets, tmp_path, monkeypatch
 ):
-    """torchrun's environment for a world of 1, in this process: the CUDA lines of DDP run (the
-    two-rank job: test_bench_sections_on_a_gpu, the ladder's DDP rung)."""
+    """torchrun's environment for a world of 1 in this process (two ranks: test_bench_sections_on_a_gpu)."""
     env = dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
@@ -168,8 +161,7 @@ def test_a_model_too_big_for_a_16_gb_gpu_is_refused_before_it_is_built(fake_gpu,
 
 @pytest.mark.parametrize("gpu, fits", [("RTX 3090", 16), ("A100", 32)])
 def test_out_of_memory_names_the_B_the_gpu_fits(fake_gpu, tmp_path, capsys, gpu, fits):
-    """The recipe's model (12 layers, 768 wide) at B 64 x T 1024 runs out in its first step:
-    docs/gpus.md's -B for the GPU's memory, 90% of it usable (a 24 GB card would fit -B 32 in all)."""
+    """The recipe's model at B 64 x T 1024 runs out in its first step: the -B for 90% of the GPU's memory."""
     (tmp_path / "data").mkdir()
     write_shard(tmp_path / "data" / "ids_train_000001.npy", np.arange(70_000) % 256)
     recipe = ("--n-layer", 12, "--n-head", 12, "--n-embd", 768, "--block-size", 1024)
@@ -249,9 +241,8 @@ def test_compile_is_the_default_on_a_gpu_and_trains_as_eager(runs, fake_gpu, dat
 
 @pytest.mark.slow
 def test_bench_sections_on_a_gpu(fake_gpu, assets, tmp_path):
-    """Each --tiny section with CUDA-only lines, on two faked GPUs: the ladder's DDP rung is
-    train_gpt2.py --compile under torchrun (NCCL as gloo). The train section's first forward runs out
-    of GPU memory: it halves fp32's B."""
+    """Each --tiny section on two faked GPUs (the DDP rung: torchrun); the train section's first forward runs
+    out of GPU memory: it halves fp32's B."""
     fake = fake_gpu("H100", count=2)
     training = lambda func, args, kwargs: func is F.scaled_dot_product_attention and torch.is_grad_enabled()  # noqa: E731
     fake.out_of_memory(training, times=1)
@@ -269,8 +260,7 @@ def test_bench_sections_on_a_gpu(fake_gpu, assets, tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_items_on_a_gpu(fake_gpu, tmp_path, monkeypatch):
-    """bench.py --gpu-check --tiny --device cuda: every item runs. The CUDA tier's own pytest runs
-    without the fake (its tests need a real GPU, and report skipped)."""
+    """bench.py --gpu-check --tiny --device cuda: every item runs (the CUDA tier's pytest without the fake)."""
     real = gpu_check.cuda_tier
 
     def cuda_tier(tmp, timeout):
@@ -322,8 +312,7 @@ def cannot_run(path, function, code):
 
 
 def code_lines(path):
-    """{line number: (the function it is in, or None; its code)} of a Python file, comments and
-    docstrings left out."""
+    """{line number: (its function or None, its code)} of a Python file, comments and docstrings left out."""
     source = path.read_text()
     lines, docstrings, functions = source.splitlines(), set(), {}
     for node in ast.walk(ast.parse(source)):  # outer nodes first: a nested function's lines are its own
@@ -359,9 +348,7 @@ def ran_here(request):
 
 @pytest.mark.slow
 def test_every_cuda_only_place_runs_under_the_fake(request, tmp_path):
-    """Last in this file: the lines the tests of this file ran under the fake in this process, and
-    for those it did not run (the quick tier, in CI's slow run; another pytest-xdist worker's), the
-    lines a pytest run of them reports."""
+    """Last in this file: the lines its tests ran in this process, and those a pytest run of the others reports."""
     ran = list(RAN)
     lines = {(path, line) for path, line in LINES_RUN}
     left_out = ["--deselect", request.node.nodeid] + [a for nodeid in ran for a in ("--deselect", nodeid)]
