@@ -1,10 +1,6 @@
-"""Faults thrown at whole runs of train_gpt2.py, end to end: SIGKILL at random moments (during
-start-up, while a checkpoint is written, a few steps in), then --resume; the console going away
-mid-run; a DDP rank killed or frozen. Each must end in an exact continuation or a prompt failure
-that leaves the run whole; nothing finished is ever lost.
-
-A fault within one support module is tested in that module's file (test_checkpoints.py,
-test_divergence.py, test_shards.py, ...); the table in docs/reliability.md names them all."""
+"""Faults thrown at whole runs of train_gpt2.py: SIGKILL at random moments then --resume, the console gone,
+a DDP rank killed or frozen; each ends in an exact continuation or a prompt failure that leaves the run
+whole. A fault within one support module is tested in that module's file (docs/reliability.md)."""
 
 import json
 import os
@@ -98,11 +94,8 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
 
 
 @pytest.mark.slow
-def test_training_outlives_its_closed_stdout(tmp_path):
-    """`python train_gpt2.py ... | tee train.log`, and tee dies with the ssh session: the prints
-    meet a closed pipe. The run must go on to its last step (its record is log.jsonl and the
-    checkpoints), not end with a BrokenPipeError."""
-    data = random_shards(tmp_path / "data")
+def test_training_outlives_its_closed_stdout(data, tmp_path):
+    """`python train_gpt2.py ... | tee train.log`, and tee dies with the ssh session: the run goes on to its end."""
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 400, "--eval-every", 100, "--ckpt-every", 200)
     proc = start_run(*args)
@@ -121,8 +114,7 @@ def test_training_outlives_its_closed_stdout(tmp_path):
 
 
 def hit_rank_1(tmp_path, sig, *extra):
-    """torchrun 2 CPU ranks (gloo); once they are 2 steps in, send rank 1 `sig`. Returns torchrun's
-    exit code, the seconds it took to exit after the signal, and its output. Never leaves a process."""
+    """torchrun 2 CPU ranks, rank 1 sent sig 2 steps in; -> (torchrun's exit code, seconds to it, its output)."""
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 100000, "--eval-every", 0, *extra)
@@ -151,9 +143,8 @@ def hit_rank_1(tmp_path, sig, *extra):
 
 
 def assert_run_left_whole(out):
-    """What a run whose rank died leaves: a log of whole JSON lines whose steps run 0, 1, 2, ...
-    with none missing, and a newest checkpoint (every 2 steps) that loads with its training state,
-    of a step the log has done."""
+    """A log of whole JSON lines, steps 0, 1, 2, ... none missing, and a newest checkpoint that loads, of a step
+    the log has done."""
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]  # a cut line fails
     steps = [r["step"] for r in records if "train_loss" in r]
     assert len(steps) >= 3 and steps == list(range(len(steps))), steps
@@ -173,9 +164,7 @@ def test_ddp_rank_killed_ends_torchrun_quickly(tmp_path):
 
 @pytest.mark.slow
 def test_ddp_rank_frozen_times_out(tmp_path):
-    # a frozen rank (SIGSTOP: a hung disk, a stuck driver) looks alive to torchrun; only the
-    # collective timeout ends the other rank's wait, then torchrun kills the frozen one (after its
-    # 30 s grace period for SIGTERM, which a stopped process cannot act on)
+    # a frozen rank (a hung disk) looks alive to torchrun: the collective timeout ends the other's wait
     returncode, waited, output = hit_rank_1(tmp_path, signal.SIGSTOP, "--ddp-timeout", 5, "--ckpt-every", 2)
     assert returncode != 0 and waited < 200, output[-2000:]  # 5 + 30 s and a few; a hang: 1800 s
     assert "Timed out" in output

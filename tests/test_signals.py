@@ -1,9 +1,5 @@
-"""support/signals.py, through real runs of train_gpt2.py (started in the background as a user
-starts it, or in the test's process): SIGTERM and SIGHUP stop a run at the next step boundary with
-a usable checkpoint (under nohup a hangup is ignored, as asked); Ctrl-C during start-up, or a
-second one, is one line and exit 130; a stop during a long val or HellaSwag eval, or while the run
-samples, comes within seconds (a token), with a checkpoint and no half record; and the interrupt's
-line says what the folder holds to continue from. (Under torchrun: test_train_ddp.py.)"""
+"""support/signals.py through runs of train_gpt2.py: SIGTERM and SIGHUP stop at the next step with a
+checkpoint, Ctrl-C is one line, a stop during an eval or sampling comes within a batch or a token."""
 
 import itertools
 import json
@@ -28,8 +24,7 @@ from train_gpt2 import DataLoaderLite, load_model
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # a scheduler; a closed terminal
-def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
-    data = random_shards(tmp_path / "data")
+def test_sigterm_or_sighup_writes_a_usable_checkpoint(data, tmp_path, signum):
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 100000)
     proc, stdout, stderr = signal_on("step     2/", *args, signum=signum, preexec_fn=hangup_default)
@@ -51,8 +46,7 @@ def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
 
 @pytest.mark.parametrize("launcher, stops", [(None, False), (os.getppid(), False), (os.getppid() + 1, True)])
 def test_under_torchrun_a_rank_whose_parent_changed_stops_as_for_sigterm(monkeypatch, capsys, launcher, stops):
-    """signals.TORCHRUN: torchrun's pid as the rank started, None for a plain run, which goes on
-    reparented (nohup). Another parent: torchrun is gone (a `kill -9`, done in test_train_ddp.py)."""
+    """signals.TORCHRUN: torchrun's pid as the rank started (None: a plain run); another parent: it is gone."""
     monkeypatch.setattr(signals, "TORCHRUN", launcher, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")
     stop = StopRequest("log")
@@ -63,8 +57,7 @@ def test_under_torchrun_a_rank_whose_parent_changed_stops_as_for_sigterm(monkeyp
 
 
 @pytest.mark.slow
-def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
-    data = random_shards(tmp_path / "data")
+def test_under_nohup_a_hangup_does_not_stop_the_run(data, tmp_path):
     out = tmp_path / "out"
     nohup = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # noqa: E731  what nohup does before exec
     args = tiny_args(data, out, "--max-steps", 300, "--eval-every", 0)
@@ -80,8 +73,7 @@ def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
 
 @pytest.mark.parametrize("said", ["import torch", "model: ", "step     0/", "step     2/"])
 def test_ctrl_c_during_start_up_or_twice_is_one_line(data, tmp_path, said):
-    """One Ctrl-C once the run has said it is importing torch, reading the data (after the model) or
-    in its first step; two at step 2."""
+    """One Ctrl-C while torch loads, after the model is built or in step 0; two at step 2."""
     flags = "--max-steps 100000 --warmup-steps 1 --eval-every 1 --val-tokens 512".split()
     times = 2 if said == "step     2/" else 1
     proc, out, err = signal_on(said, *tiny_args(data, tmp_path / "out", *flags), times=times)
@@ -120,8 +112,7 @@ def test_a_second_ctrl_c_says_what_the_folder_holds_to_continue_from(data, tmp_p
 
 
 class CtrlCMidWrite:
-    """A checkpoint's file that gets `n` Ctrl-Cs once torch.save has written some of it: a user
-    pressing Ctrl-C again while the checkpoint the first one asked for is written (seconds at 124M)."""
+    """A checkpoint's file that gets n Ctrl-Cs once torch.save has written some of it."""
 
     def __init__(self, f, n):
         self.f, self.n, self.calls = f, n, 0
@@ -139,10 +130,8 @@ class CtrlCMidWrite:
 
 @pytest.mark.parametrize("more", [1, 2])
 def test_ctrl_c_again_while_the_stop_checkpoint_is_written(data, tmp_path, monkeypatch, capsys, more):
-    """Ctrl-C at step 3, then `more` Ctrl-Cs while step 4's checkpoint is written. One more: a line
-    says the checkpoint is being written and what a further stop costs, the write finishes and the
-    run stops with it. Two more: the run ends at once, its previous checkpoint the newest and named
-    in the one line. Never torch's traceback (the stop raised inside torch.save's writer)."""
+    """Ctrl-C at step 3, then `more` while step 4's checkpoint is written: one more, a line says so and the
+    write finishes; two, the run ends at once, its previous checkpoint named. Never torch's traceback."""
     out, stopped, real_save = tmp_path / "out", [], torch.save
     save = lambda obj, f, **kw: real_save(obj, CtrlCMidWrite(f, more if stopped else 0), **kw)  # noqa: E731
     monkeypatch.setattr(torch, "save", save)
@@ -176,9 +165,8 @@ def test_ctrl_c_again_while_the_stop_checkpoint_is_written(data, tmp_path, monke
 
 
 def ctrl_c_at_the_third_poll(monkeypatch, args):
-    """train_gpt2.main(args) run as the command runs it (run_cli), with a Ctrl-C as the run polls its
-    stop request for the 3rd time (the 2nd batch of step 0's eval), each eval batch 11 s apart on the
-    run's clock. -> (stderr, how many times the run polled): the stop is honoured at that poll."""
+    """run_cli(train_gpt2.main(args)) with a Ctrl-C at its 3rd stop poll (the 2nd batch of step 0's eval),
+    each eval batch 11 s apart on its clock; -> how many times it polled."""
     polls, real = [], StopRequest.__call__
 
     def poll(self):
@@ -199,9 +187,8 @@ def ctrl_c_at_the_third_poll(monkeypatch, args):
 def test_ctrl_c_during_a_long_eval_stops_it_at_the_next_batch_with_a_checkpoint(
     evaluation, tmp_path, assets, monkeypatch, capsys
 ):
-    """An eval of minutes at 124M (the val loss of millions of tokens, the whole HellaSwag set): Ctrl-C
-    during it is honoured between two of its batches, the run stops with step 0's checkpoint, and
-    the eval logs no half result; a long val eval says where it is."""
+    """Ctrl-C during an eval (minutes at 124M) is honoured at its next batch, with step 0's checkpoint and no
+    half result; a long val eval says where it is."""
     data, out = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=5000), tmp_path / "out"
     hellaswag = ("--hellaswag-every", 1, "--hellaswag-limit", 200)
     hellaswag += ("--hellaswag-data", assets.hellaswag)
@@ -214,8 +201,7 @@ def test_ctrl_c_during_a_long_eval_stops_it_at_the_next_batch_with_a_checkpoint(
 
 
 def test_sigterm_while_a_run_samples_stops_it_within_a_token_with_a_checkpoint(data, tmp_path, monkeypatch):
-    """SIGTERM arrives at the 3rd token of step 2's samples (40 tokens each): the run stops there, with
-    step 2's checkpoint, and logs no half samples."""
+    """SIGTERM at the 3rd token of step 2's samples: the run stops there, step 2's checkpoint, no half samples."""
     out, tokens = tmp_path / "out", []
     real = sampling.decode_step
 
