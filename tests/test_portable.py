@@ -1,9 +1,6 @@
-"""Without the POSIX-only names (as on Windows): training, --resume, fineweb.py --input and
-hellaswag.py run, and a second run into a running run's folder is still refused. Simulated on this
-machine: a sitecustomize.py removes SIGHUP, fcntl, os.pread/pwrite, os.killpg,
-os.sched_getaffinity and os.fork before the script starts (and puts a stand-in for Windows'
-msvcrt.locking, on flock, where the lock finds it), and records in each child that they are gone
-(so the run under test cannot have used them)."""
+"""Without the POSIX-only names (as on Windows), simulated by a sitecustomize.py that removes them and
+records in each child that they are gone: training, --resume, fineweb.py, hellaswag.py run, and a second
+run into a running run's folder is refused."""
 
 import json
 import os

@@ -1,6 +1,5 @@
-"""The README as a newcomer follows it: its first commands, run as written in a fresh clone with no
-../shared beside it and no network, tokenize the shipped text, train a tiny model and sample from
-it; its transformers snippet runs on an export."""
+"""The README as a newcomer follows it: its first commands, in a fresh clone offline, train and sample;
+its transformers snippet runs on an export."""
 
 import json
 import os

@@ -1,7 +1,5 @@
-"""sample.py: samples from each kind of model it takes, a temperature so low that it is greedy, torch's
-whole seed range, the model's window said where samples stop at it; a bad model, prompt or seed is
-one line before anything is sampled, and --dry-run makes those checks without loading weights or
-sampling. (Generating text itself: test_sampling.py; where a named model lives: test_model_files.py.)"""
+"""sample.py: each kind of model, greedy at a tiny temperature, torch's whole seed range, the window said;
+a mistake is one line before anything is sampled, and --dry-run checks without loading or sampling."""
 
 import pytest
 

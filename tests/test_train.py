@@ -1,6 +1,5 @@
-"""The training run: schedule, optimizer groups, FLOPs, gradient accumulation, a tiny overfit run
-with its evaluations, log and checkpoint, --help, --dry-run and --val-tokens 0. What a support/ module does in
-a run is tested in that module's file: tests/test_resume.py, test_signals.py, test_checks.py, ..."""
+"""The training run: schedule, optimizer groups, FLOPs, gradient accumulation, a tiny overfit run with
+its evaluations, log and checkpoint, --help, --dry-run and --val-tokens 0."""
 
 import math
 
