@@ -1,6 +1,5 @@
-"""bench.py --gpu-check: items run in order within --budget-s, one whose estimate does not fit is
-skipped and says why, the JSON is whole after every item (also when the run is killed), and the
-tiny run on a CPU goes through every item a CPU can run. No speed is asserted: CI machines vary."""
+"""bench.py --gpu-check: items run in order within --budget-s, one whose estimate does not fit is skipped
+and says why, the JSON is whole after every item, and the tiny run goes through every item a CPU can run."""
 
 import ast
 import json
@@ -240,49 +239,17 @@ def test_tiny_gpu_check_on_a_cpu_runs_every_item_a_cpu_can(tmp_path):
     assert recipe["tok_per_sec"]["n"] == 4 and recipe["tok_per_sec"]["median"] > 0  # 6 steps, the first 2 dropped
     assert recipe["step0_ms"] > 0 and recipe["peak_memory_gib"] is None  # no GPU memory on a CPU
 
-    # the ladder: 7-9 against rung 7, then 1-6, the rungs a CPU cannot run say why
+    # the ladder: 7-10, then 1-6, one table (its rows' numbers: test_ladder.py's tiny ladder)
     rows = {row["rung"]: row for row in report["ladder"]["rungs"]}
     for k in (7, 8, 9, 1, 3, 5, 6):
         assert rows[k]["measured"], k
-    for k in (8, 9):
-        diff = max(abs(a - b) for a, b in zip(rows[k]["losses"], rows[7]["losses"], strict=True))
-        assert rows[k]["loss_vs_rung7_max_abs_diff"] == diff <= rows[k]["loss_vs_rung7_tol"]
     assert rows[7]["loss_max_abs_diff"] == max(
         abs(a - b) for a, b in zip(rows[7]["losses"], rows[1]["losses"], strict=True)
     )
-    for k in (10, 11, 12):
-        assert not rows[k]["measured"] and rows[k]["note"].startswith("CUDA only")
     assert not rows["7+"]["measured"] and report["ladder"]["losses_agree"]
     assert [row["rung"] for row in items["ladder_7_to_10"]["result"]["rungs"]] == [7, "7+", 8, 9, 10]
     assert report["ladder"]["table"] in r.stdout and report["ladder"]["headline"]["text"] in r.stdout
     assert (tmp_path / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.mark.slow
-def test_a_run_killed_after_an_item_leaves_a_whole_json_of_the_items_before(tmp_path):
-    """SIGKILL once the JSON holds 2 items: it parses, with items 1..N (N >= 2) and the rest to do."""
-    out = tmp_path / "check.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    cmd = [sys.executable, str(ROOT / "bench.py"), "--gpu-check", "--tiny", "--device", "cpu", "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            if out.exists() and len(json.loads(out.read_text())["items"]) >= 2:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    report = json.loads(out.read_text())
-    n = len(report["items"])
-    assert n >= 2 and [e["name"] for e in report["items"]] == ITEM_NAMES[:n]
-    assert report["to_do"] == ITEM_NAMES[n:]
-    assert report["items"][0]["status"] == report["items"][1]["status"] == "done"
-    assert report["items"][1]["result"]["recipe"]["losses_finite"]
 
 
 # a child of --gpu-check that starts a grandchild, each holding a lock on a file of its own (its pid
