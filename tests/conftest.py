@@ -103,10 +103,6 @@ def tiny_config():
     return GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)
 
 
-# ----------------------------------------------------------------------------------------------
-# Tiny training runs
-
-
 @pytest.fixture(scope="session", autouse=True)
 def one_thread_per_process():
     """Other test runs share these cores: with 2 threads a step often waits for a descheduled sibling

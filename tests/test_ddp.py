@@ -7,9 +7,6 @@ import pytest
 
 from helpers import random_shards, ranks_without_agent, read_log, tiny_args, torchrun
 
-# ----------------------------------------------------------------------------------------------
-# Joining: within --ddp-timeout, or one line from each rank
-
 
 @pytest.mark.slow
 def test_a_ddp_timeout_c10d_cannot_wait_is_one_line_under_torchrun(tmp_path):
@@ -35,10 +32,6 @@ def test_ranks_that_do_not_join_within_the_timeout_say_so_in_one_line_each(tmp_p
         assert len(said) == 1 and "pass a longer --ddp-timeout (e.g. 60)" in said[0], stderr
         assert "Traceback" not in stderr
     assert not (tmp_path / "out" / "log.jsonl").exists()
-
-
-# ----------------------------------------------------------------------------------------------
-# The fence: the other ranks wait while rank 0 works alone
 
 
 # rank 0's disk takes 8 s per checkpoint: longer than the 3 s --ddp-timeout
@@ -69,10 +62,6 @@ def test_a_short_ddp_timeout_survives_slow_checkpoints_and_long_samples(data, tm
     assert time.time() - t0 > 16  # the slow writes happened: two checkpoints of 8 s
     assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000004.pt"]
     assert [len(x["samples"]) for x in read_log(out)[0] if "samples" in x] == [256, 256]
-
-
-# ----------------------------------------------------------------------------------------------
-# A mistake is said once a node, and every rank exits the same way
 
 
 @pytest.mark.parametrize(

@@ -223,10 +223,6 @@ def test_nothing_of_the_fake_is_left_after_it():
         torch.zeros(1, device="cuda")  # "Torch not compiled with CUDA enabled"
 
 
-# ----------------------------------------------------------------------------------------------
-# Slow: compile, bench.py's sections and --gpu-check, then the count of every CUDA-only place
-
-
 @pytest.mark.slow
 def test_compile_is_the_default_on_a_gpu_and_trains_as_eager(runs, fake_gpu, data, assets, tmp_path):
     fake_gpu("H100")

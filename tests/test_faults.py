@@ -18,9 +18,6 @@ from helpers import ROOT, random_shards, read_log, same_weights, start_run, tiny
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.out_dir import checkpoint_paths
 
-# ----------------------------------------------------------------------------------------------
-# train_gpt2.py: SIGKILL at any moment
-
 
 def newest_checkpoint(out):
     paths = checkpoint_paths(str(out))
@@ -89,10 +86,6 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
     print("kills:", hit)
 
 
-# ----------------------------------------------------------------------------------------------
-# train_gpt2.py: the console goes away
-
-
 @pytest.mark.slow
 def test_training_outlives_its_closed_stdout(data, tmp_path):
     """`python train_gpt2.py ... | tee train.log`, and tee dies with the ssh session: the run goes on to its end."""
@@ -107,10 +100,6 @@ def test_training_outlives_its_closed_stdout(data, tmp_path):
     _, steps = read_log(out)
     assert sorted(steps) == list(range(400))
     assert (out / "ckpt_000400.pt").exists()  # named by the steps done
-
-
-# ----------------------------------------------------------------------------------------------
-# train_gpt2.py: a DDP rank dies
 
 
 def hit_rank_1(tmp_path, sig, *extra):

@@ -29,9 +29,6 @@ from support.sampling import generate
 from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT, load_model
 
-# ----------------------------------------------------------------------------------------------
-# The export in transformers' own tools: AutoTokenizer, AutoModelForCausalLM, pipeline, offline
-
 TEXTS = [
     "Hello world",
     " leading space, trailing space ",
@@ -106,10 +103,6 @@ def test_a_tokenizer_transformers_builds_wrong_is_refused(export, tmp_path, monk
     assert os.listdir(tmp_path) == []
 
 
-# ----------------------------------------------------------------------------------------------
-# Faults during the write: nothing that was there is gone, nothing of ours is left
-
-
 @pytest.fixture
 def export(short_run):
     """export(target): save_hf_gpt2 of a tiny run's last checkpoint to target."""
@@ -180,10 +173,6 @@ def test_unwritable_parent_is_one_line(export, tmp_path, monkeypatch):
     with pytest.raises(UserError, match="Permission denied"):
         export(tmp_path / "a" / "b" / "hf")
     assert os.listdir(tmp_path) == []  # the parents it made are removed again
-
-
-# ----------------------------------------------------------------------------------------------
-# sample.py with a Hub name without the Hub: one line at once, and a cached model still loads
 
 
 def sample_cli(spec, env, cwd):
@@ -267,10 +256,6 @@ def test_cached_hub_name_loads_without_the_network(tmp_path, hf_tiny_dir):
     r = sample_cli("gpt2", hub_env(tmp_path), tmp_path)
     assert r.returncode == 0, r.stderr
     assert len([line for line in r.stdout.splitlines() if line.startswith("sample ")]) == 2
-
-
-# ----------------------------------------------------------------------------------------------
-# transformers' weights in: --init-from a transformers folder; a missing key or other numerics refused
 
 
 def test_init_from_a_transformers_dir(data, tmp_path, hf_tiny_dir):

@@ -158,10 +158,6 @@ def project_graph():
     return import_graph(ROOT)
 
 
-# ----------------------------------------------------------------------------------------------
-# The project
-
-
 def test_the_project_modules_import_one_another_in_no_cycle():
     project, _ = project_graph()
     cycles = find_cycles({a: set(targets) for a, targets in project.items()})
@@ -197,10 +193,6 @@ def test_the_graph_holds_every_project_module_and_the_known_imports():
     assert "support.cli" in project["train_gpt2"] and "support" in project["train_gpt2"]
     assert any(imp.target == "torch" for imp in external["train_gpt2"])
     assert any(m.startswith("benchmarks.") for m in project["bench"])
-
-
-# ----------------------------------------------------------------------------------------------
-# The machinery, on graphs and projects made here
 
 
 @pytest.mark.parametrize(

@@ -19,9 +19,6 @@ from support.cli import run_cli
 from support.signals import StopRequest
 from train_gpt2 import DataLoaderLite, load_model
 
-# ----------------------------------------------------------------------------------------------
-# SIGTERM and SIGHUP: a checkpoint at the next step boundary
-
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # a scheduler; a closed terminal
 def test_sigterm_or_sighup_writes_a_usable_checkpoint(data, tmp_path, signum):
@@ -65,10 +62,6 @@ def test_under_nohup_a_hangup_does_not_stop_the_run(data, tmp_path):
     assert proc.returncode == 0, stderr
     assert "caught" not in stdout
     assert sorted(read_log(out)[1]) == list(range(300))
-
-
-# ----------------------------------------------------------------------------------------------
-# Ctrl-C is prompt and clean
 
 
 @pytest.mark.parametrize("said", ["import torch", "model: ", "step     0/", "step     2/"])
@@ -158,10 +151,6 @@ def test_ctrl_c_again_while_the_stop_checkpoint_is_written(data, tmp_path, monke
     # what the folder holds continues the run to its end
     assert train_gpt2.main(["--resume", "--out-dir", str(out), "--device", "cpu", "--max-steps", 6]) == 0
     assert sorted(read_log(out)[1]) == list(range(6))
-
-
-# ----------------------------------------------------------------------------------------------
-# Every signal is honoured within one step's time, evals and sampling included
 
 
 def ctrl_c_at_the_third_poll(monkeypatch, args):

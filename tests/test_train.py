@@ -14,9 +14,6 @@ from support.checkpoints import load_checkpoint
 from support.sampling import sample_text
 from train_gpt2 import GPT, GPTConfig, flops_per_token, get_lr, load_model
 
-# ----------------------------------------------------------------------------------------------
-# schedule, optimizer, FLOPs
-
 
 def test_lr_schedule():
     lr = lambda step: get_lr(step, 6e-4, 6e-5, 715, 19073)  # noqa: E731
@@ -53,10 +50,6 @@ def test_flops_per_token_gpt2_124m():
     assert round(flops_per_token(config, 1024) / 1e6) == 855
 
 
-# ----------------------------------------------------------------------------------------------
-# gradient accumulation
-
-
 def test_grad_accumulation_equals_one_big_batch(tmp_path):
     """The training loop's micro-steps (4 of B 2) give the loss and gradient norm of one
     forward/backward over the same 8 rows (B 8, no accumulation)."""
@@ -73,9 +66,6 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
     assert first[2]["train_loss"] == pytest.approx(first[8]["train_loss"], rel=1e-6)
     assert first[2]["grad_norm"] == pytest.approx(first[8]["grad_norm"], rel=1e-5)
 
-
-# ----------------------------------------------------------------------------------------------
-# a tiny model overfits tiny shakespeare, with val loss, HellaSwag and samples in its log
 
 OVERFIT_STEPS = 150
 
@@ -162,10 +152,6 @@ def test_checkpoint_has_plain_names_and_training_state(overfit_run):
     assert ckpt["data"]["shards"] == ["ts_train_000001.npy", "ts_train_000002.npy"]
     assert ckpt["val_loss"] == [r for r in read_log(out)[0] if "val_loss" in r][-1]["val_loss"]
     assert ckpt["train_config"]["max_steps"] == OVERFIT_STEPS
-
-
-# ----------------------------------------------------------------------------------------------
-# --help, --dry-run, and the val loss turned off
 
 
 def test_help_shows_defaults_and_the_usage_examples_intact(monkeypatch):
