@@ -163,13 +163,6 @@ def test_flag_without_the_package_is_one_line_at_start(tmp_path, monkeypatch):
     assert plain.returncode == 0 and "wandb" not in plain.stdout + plain.stderr, plain.stderr[-2000:]
 
 
-def test_flags_wandb_cannot_take_are_one_line_at_start(tmp_path):
-    data, out = random_shards(tmp_path / "data"), tmp_path / "out"
-    assert "--wandb-project too" in user_error(tiny_args(data, out, "--wandb-run-name", "x"))
-    assert "none of / \\ # ? % :" in user_error(tiny_args(data, out, "--wandb-project", "me/gpt2"))
-    assert not out.exists()
-
-
 @pytest.mark.parametrize(
     "failure",
     [
