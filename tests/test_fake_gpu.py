@@ -282,22 +282,11 @@ CUDA_ONLY = re.compile(
     r"|(==|!=)\s*[\"']cuda[\"']|[\"']cuda[\"']\s+(not )?in\b|autocast\([\"']cuda|device=[\"']cuda"
 )
 
-# What the fake cannot run: (file, the function, a regex its line matches, why)
-CANNOT = (
-    (
-        "benchmarks/gpu_check.py",
-        None,
-        r"torch\.cuda\.(is_initialized|max_memory_allocated)",
-        "PEAK_WRAPPER: code in a string that train_gpt2.py's process runs (python -c), where no file line is "
-        "traced; test_gpu_check_items_on_a_gpu asserts the peak it wrote, the fake's",
-    ),
-    (
-        "benchmarks/ladder.py",
-        "rung_7_plus",
-        r"torch\.cuda\.empty_cache",
-        "rung 7+ is the gpt2 config's alone (the 124M model at B 64 x T 1024: minutes a step on a CPU); the same "
-        "call runs in the ladder's other functions",
-    ),
+# What the fake cannot run: PEAK_WRAPPER, a string train_gpt2.py's process runs, where no line is traced
+# (test_gpu_check_items_on_a_gpu asserts the peak it wrote); rung 7+, the 124M model at B 64 x T 1024
+CANNOT = (  # (file, the function, a regex its line matches, why)
+    ("benchmarks/gpu_check.py", None, r"torch\.cuda\.(is_initialized|max_memory_allocated)", "python -c code"),
+    ("benchmarks/ladder.py", "rung_7_plus", r"torch\.cuda\.empty_cache", "the 124M model: minutes a step"),
 )
 
 

@@ -42,24 +42,19 @@ sys.modules["fcntl"] = None  # `import fcntl` raises ImportError, as on Windows
 sys.modules["msvcrt"] = _Msvcrt  # the lock Windows takes, in a stand-in
 del signal.SIGHUP
 signal.SIGBREAK = signal.SIGUSR1  # Windows' Ctrl-Break, which has no Linux counterpart
-for name in ("pread", "pwrite", "killpg", "sched_getaffinity", "fork", "forkpty", "getloadavg"):
+NAMES = ("pread", "pwrite", "killpg", "sched_getaffinity", "fork", "forkpty", "getloadavg")
+for name in NAMES:
     if hasattr(os, name):
         delattr(os, name)
 
 
 def gone():
-    try:
-        import fcntl  # noqa: F401
-        fcntl_gone = False
-    except ImportError:
-        fcntl_gone = True
-    names = ["pread", "pwrite", "killpg", "sched_getaffinity", "fork"]
     files = sys.modules.get("support.files")  # which lock it took: flock, or msvcrt.locking without fcntl
     return {
         "pid": os.getpid(),
-        "fcntl": fcntl_gone,
+        "fcntl": "fcntl" in sys.modules and sys.modules["fcntl"] is None,  # what makes `import fcntl` fail
         "SIGHUP": not hasattr(signal, "SIGHUP"),
-        "os": not any(hasattr(os, n) for n in names),
+        "os": not any(hasattr(os, n) for n in NAMES),
         "lock": ("flock" if files.fcntl else "msvcrt" if files.msvcrt else None) if files else None,
     }
 
