@@ -403,16 +403,7 @@ def ranks_without_agent(args, world_size=2, one_by_one=False, one_per_node=False
     for rank in range(world_size):
         if rank and one_by_one:
             ranks[-1].wait(timeout=timeout)
-        ranks.append(
-            subprocess.Popen(
-                [sys.executable, "train_gpt2.py", *map(str, args)],
-                cwd=ROOT,
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(0 if one_per_node else rank)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        ranks.append(start_run(*args, env={**env, "RANK": str(rank), "LOCAL_RANK": str(0 if one_per_node else rank)}))
     outputs = [proc.communicate(timeout=timeout) for proc in ranks]
     return [proc.returncode for proc in ranks], outputs
 
