@@ -312,38 +312,26 @@ class FakeGPU:
         return init
 
 
-class LinesRun:
-    """Adds the lines of SCANNED_FILES that run while started (sys.settrace) to LINES_RUN."""
-
-    def start(self):
-        self.before = sys.gettrace()
-        sys.settrace(self.call)
-
-    def stop(self):
-        sys.settrace(self.before)
-
-    def call(self, frame, event, arg):
-        return self.line if frame.f_code.co_filename in SCANNED_FILES else None
-
-    def line(self, frame, event, arg):
-        if event == "line":
-            LINES_RUN.add((frame.f_code.co_filename, frame.f_lineno))
-        return self.line
+def record_line(frame, event, arg):
+    """sys.settrace's tracer that adds the lines of SCANNED_FILES that run to LINES_RUN."""
+    if event == "line":
+        LINES_RUN.add((frame.f_code.co_filename, frame.f_lineno))
+    return record_line if event != "call" or frame.f_code.co_filename in SCANNED_FILES else None
 
 
 @contextlib.contextmanager
 def faked(gpu="H100", count=1):
     """count GPUs of GPUS[gpu] in this process and the ones it starts, their lines recorded, until the block ends."""
-    fake, lines = FakeGPU(gpu, count), LinesRun()
+    fake, before = FakeGPU(gpu, count), sys.gettrace()
     with pytest.MonkeyPatch.context() as monkeypatch:
         fake.install(monkeypatch)
         monkeypatch.setenv("FAKE_GPU", f"{gpu},{count}")
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(BOOT), os.environ.get("PYTHONPATH")])))
-        lines.start()
+        sys.settrace(record_line)
         try:
             yield fake
         finally:
-            lines.stop()
+            sys.settrace(before)
             fake.uninstall()
             if os.environ.get("FAKE_GPU_LINES"):  # a pytest run that test_fake_gpu.py started reports them
                 with open(os.environ["FAKE_GPU_LINES"], "a") as f:

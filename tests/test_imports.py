@@ -187,7 +187,6 @@ def test_the_data_side_loads_no_torch(path):
 
 
 def test_the_graph_holds_every_project_module_and_the_known_imports():
-    """The walk reads what it should: every module, the support package, the benchmarks' modules."""
     project, external = project_graph()
     assert {"train_gpt2", "fineweb", "hellaswag", "bench", "support", "support.cli", "benchmarks"} <= set(project)
     assert "support.cli" in project["train_gpt2"] and "support" in project["train_gpt2"]

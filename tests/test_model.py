@@ -173,7 +173,6 @@ def test_trained_scale_logits_match_transformers(hf_trained_scale_dir):
     ],
 )
 def test_trained_scale_tolerance_tells_numerics_errors_from_float_noise(hf_trained_scale_dir, error):
-    """Each error, made in transformers' model, moves the logits far past the parity tolerance."""
     _, right = _trained_scale_logits(hf_trained_scale_dir)
     _, wrong = _trained_scale_logits(hf_trained_scale_dir, **error)
     assert (wrong - right).abs().max().item() > 10 * TRAINED_SCALE_TOL

@@ -17,7 +17,6 @@ def sample_lines(capsys, *args):
 
 @pytest.mark.parametrize("model", ["run", "transformers"])
 def test_the_default_prompt_at_a_tiny_temperature_is_greedy_whatever_the_seed(short_run, hf_tiny_dir, capsys, model):
-    """Greedy samples do not depend on the seed: the two ends of torch's seed range give the same."""
     flags = [short_run[1] if model == "run" else hf_tiny_dir, "--num-samples", 2, "--max-new-tokens", 8]
     greedy = sample_lines(capsys, *flags, "--temperature", 0, "--seed", -(2**63))
     assert len(greedy) == 2 and all("Hello, I'm a language model," in line for line in greedy)

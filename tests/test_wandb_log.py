@@ -171,7 +171,6 @@ def test_flag_without_the_package_is_one_line_at_start(tmp_path, monkeypatch):
     ],
 )
 def test_an_installed_wandb_that_cannot_be_imported_is_one_line_at_start(tmp_path, monkeypatch, failure):
-    """Found before step 0, in one line naming the reinstall, not a warning with the run going on unlogged."""
     broken = tmp_path / "site" / "wandb"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text(f"raise {failure}\n")
