@@ -7,14 +7,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
 import train_gpt2
-from helpers import ROOT, random_shards, read_log, same_weights, start_run, tiny_args, wait_for_step
+from helpers import cli, random_shards, read_log, same_weights, start_run, tiny_args, wait_for_step
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.out_dir import checkpoint_paths
 
@@ -32,9 +31,9 @@ def step_records(out):
 def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path):
     data = random_shards(tmp_path / "data", train_lengths=(200, 250))  # 2 epochs: the shuffle is resumed too
     steps_args = ("--max-steps", 12, "--ckpt-every", 2, "--keep-ckpts", 2, "--eval-every", 3)
-    cmd = lambda out, *extra: [sys.executable, "train_gpt2.py", *map(str, tiny_args(data, out, *steps_args, *extra))]  # noqa: E731,E501
+    args = lambda out, *extra: tiny_args(data, out, *steps_args, *extra)  # noqa: E731
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # what a run printed before its kill is not lost
-    ref = subprocess.run(cmd(tmp_path / "ref"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ref = cli(*args(tmp_path / "ref"), process=True)
     assert ref.returncode == 0, ref.stderr
     out = tmp_path / "out"
     rng = random.Random(8)
@@ -43,9 +42,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
     hit = []
     for when in plan:
         expected = newest_checkpoint(out)  # what --resume must pick: the newest complete checkpoint
-        proc = subprocess.Popen(
-            [*cmd(out), "--resume"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        proc = start_run(*args(out), "--resume", env=env)
         try:
             deadline, records = time.time() + 120, step_records(out)
             if when == "start-up":  # after 0 to 4 of its start-up lines (the device, the model, ...)
@@ -73,7 +70,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
             when if when != "checkpoint write" or list(out.glob("*.pt.tmp")) else "just after a checkpoint write"
         )
     assert hit.count("checkpoint write") >= 1, hit  # at least one kill really cut a checkpoint in half
-    final = subprocess.run([*cmd(out), "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    final = cli(*args(out), "--resume", process=True)
     assert final.returncode == 0, final.stderr
     assert not list(out.glob("*.tmp"))
     ref_steps, steps = read_log(tmp_path / "ref")[1], read_log(out)[1]

@@ -93,14 +93,7 @@ def posix_less(tmp_path):
 
 def run(env, *args, script="train_gpt2.py"):
     """Run a script as a user would, in env; the CompletedProcess, with its pid."""
-    proc = subprocess.Popen(
-        [sys.executable, script, *map(str, args)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_run(*args, script=script, env=env)
     stdout, stderr = proc.communicate(timeout=300)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     done.pid = proc.pid
