@@ -199,14 +199,6 @@ def test_junit_outcomes_are_read_per_test(tmp_path):
     assert all(t["seconds"] >= 0 for t in tests.values())
 
 
-def cuda_test_names():
-    """The test functions of tests/test_cuda.py, read from its source."""
-    tree = ast.parse((ROOT / "tests" / "test_cuda.py").read_text())
-    return {
-        f"tests.test_cuda::{n.name}" for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
-    }
-
-
 @pytest.mark.slow
 def test_tiny_gpu_check_on_a_cpu_runs_every_item_a_cpu_can(tmp_path):
     out = tmp_path / "check.json"
@@ -226,7 +218,11 @@ def test_tiny_gpu_check_on_a_cpu_runs_every_item_a_cpu_can(tmp_path):
 
     # the CUDA tier: pytest's outcome for every test in the file, skipped here without CUDA
     tier = items["cuda_tier"]["result"]
-    assert set(tier["tests"]) == cuda_test_names()
+    tests = ast.parse((ROOT / "tests" / "test_cuda.py").read_text()).body
+    names = {
+        f"tests.test_cuda::{n.name}" for n in tests if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
+    }
+    assert set(tier["tests"]) == names
     assert {t["outcome"] for t in tier["tests"].values()} == {"skipped"}
     assert all("needs a CUDA GPU" in t["message"] for t in tier["tests"].values())
 

@@ -20,15 +20,6 @@ from support.checkpoints import load_checkpoint
 STEPS = ("--max-steps", 8, "--ckpt-every", 2, "--eval-every", 0)
 
 
-def node_command(node_rank, rendezvous, port, rdzv_id, *args):
-    """The README's command for one node of two: --node_rank and --master_addr, or the c10d rendezvous."""
-    if rendezvous == "static":
-        launch = [f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]
-    else:
-        launch = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={rdzv_id}"]
-    return torchrun_command(*args, nproc=1, script=ROOT / "train_gpt2.py", launch=["--nnodes=2", *launch])
-
-
 class TwoNodes:
     """Two nodes launched, each a torchrun in a working folder of its own (its local disk), output in files."""
 
@@ -40,9 +31,13 @@ class TwoNodes:
         for node in (0, 1):
             (folder / f"node{node}").mkdir(parents=True)
             out, err = (open(folder / f"node{node}.{s}", "w") for s in ("out", "err"))
+            # the README's command for one node of two: --node_rank and --master_addr, or the c10d rendezvous
+            launch = [f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+            if rendezvous == "c10d":
+                launch = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={rdzv_id}"]
             self.nodes.append(
                 subprocess.Popen(
-                    node_command(node, rendezvous, port, rdzv_id, *args),
+                    torchrun_command(*args, nproc=1, script=ROOT / "train_gpt2.py", launch=["--nnodes=2", *launch]),
                     cwd=folder / f"node{node}",
                     env=env,
                     stdout=out,
