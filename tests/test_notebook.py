@@ -35,7 +35,7 @@ def kernel_env(tmp_path_factory):
 
 
 def run_notebook(log_path, cwd, **params):
-    """play.ipynb run with injected parameters; -> (the executed nb, its `summary` and `BASELINES` at the end)."""
+    """play.ipynb run with injected parameters; -> (the executed nb, its `summary`, its `BASELINES`)."""
     import nbformat  # noqa: PLC0415  (optional: kernel_env skips without it)
     from nbclient import NotebookClient  # noqa: PLC0415  (optional: kernel_env skips without it)
     from nbformat.v4 import new_code_cell  # noqa: PLC0415  (optional: kernel_env skips without it)
@@ -46,8 +46,8 @@ def run_notebook(log_path, cwd, **params):
     nb.cells.insert(i + 1, new_code_cell("\n".join(f"{k} = {v!r}" for k, v in values.items())))
     nb.cells.append(new_code_cell("print(json.dumps({'summary': summary, 'baselines': BASELINES}))"))
     NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
-    last = nb.cells[-1].outputs
-    return nb, json.loads("".join(o.get("text", "") for o in last if o.get("name") == "stdout"))
+    said = json.loads("".join(o.get("text", "") for o in nb.cells[-1].outputs if o.get("name") == "stdout"))
+    return nb, said["summary"], said["baselines"]
 
 
 def assert_pngs(folder):
@@ -122,41 +122,29 @@ def test_committed_notebook_is_clean():
     assert nb.metadata.kernelspec.name == "python3"
 
 
-def test_clean_log_summary_baselines_and_pngs(tmp_path, kernel_env, assets):
-    log = write_log(tmp_path / "run", clean_records())
-    nb, out = run_notebook(log, tmp_path)
-    s = out["summary"]
+def test_a_log_still_being_written_summary_baselines_and_pngs(tmp_path, kernel_env, assets):
+    """A clean run's log, then a NaN val loss at step 50 (as RunLog writes one) and step 50's record half written."""
+    partial = json.dumps(step_record(50, 5.0))[:40]
+    log = write_log(tmp_path / "run", [*clean_records(), {"step": 50, "val_loss": "NaN"}], tail=partial)
+    nb, s, baselines = run_notebook(tmp_path / "run", tmp_path)  # the run folder works as well as the file
     assert s["last_step"] == 49
     assert s["tokens"] == 50 * 1024
     assert s["last_train_loss"] == pytest.approx(10.0 - 4.9)
-    assert s["last_val_loss"] == [49, 6.3]
+    assert s["last_val_loss"][0] == 50 and math.isnan(s["last_val_loss"][1])
     assert s["best_val_loss"] == [40, 6.2]
     assert s["best_hellaswag"] == [20, 0.27]
     assert s["step_time_s"] == pytest.approx(50 * 0.1)
-    assert (s["redone_steps"], s["skipped_lines"], s["partial_last_line"]) == (0, 0, False)
+    assert (s["redone_steps"], s["skipped_lines"], s["partial_last_line"]) == (0, 0, True)
     # the baselines are the published ones, kept in one place
     ref = assets.reference["build_nanogpt_plot_baselines"]
-    assert out["baselines"]["gpt2_val_loss"]["124M"] == ref["openai_gpt2_val_loss_on_fineweb_edu_val_shard"]["124M"]
-    assert out["baselines"]["gpt2_hellaswag"] == ref["hellaswag_gpt2"]
-    assert out["baselines"]["gpt3_hellaswag"] == ref["hellaswag_gpt3"]
+    assert baselines["gpt2_val_loss"]["124M"] == ref["openai_gpt2_val_loss_on_fineweb_edu_val_shard"]["124M"]
+    assert baselines["gpt2_hellaswag"] == ref["hellaswag_gpt2"]
+    assert baselines["gpt3_hellaswag"] == ref["hellaswag_gpt3"]
     assert_pngs(log.parent)
     # the figures are shown in the notebook too, and nothing complained on stderr
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == len(PNGS)
     assert text_of(nb, "stderr") == ""
-
-
-def test_log_still_being_written_with_a_nan_val_loss(tmp_path, kernel_env):
-    # a NaN val loss at step 50, then step 50's record half written
-    partial = json.dumps(step_record(50, 5.0))[:40]
-    log = write_log(tmp_path / "run", [*clean_records(), {"step": 50, "val_loss": "NaN"}], tail=partial)
-    _, out = run_notebook(tmp_path / "run", tmp_path)  # the run folder works as well as the file
-    s = out["summary"]
-    assert s["partial_last_line"] is True
-    assert s["skipped_lines"] == 0
-    assert s["last_step"] == 49 and s["tokens"] == 50 * 1024
-    assert s["best_val_loss"] == [40, 6.2] and s["last_val_loss"][0] == 50 and math.isnan(s["last_val_loss"][1])
-    assert_pngs(log.parent)
 
 
 def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel_env):
@@ -173,8 +161,7 @@ def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel_env):
     second += [{"step": 25, "val_loss": 6.5}] + [step_record(s, 4.0, dt_ms=50.0) for s in range(25, 28)]
     path = write_log(tmp_path / "run", first, tail=killed + "\n" + "".join(json.dumps(r) + "\n" for r in second))
 
-    _, out = run_notebook(path, tmp_path)
-    s = out["summary"]
+    _, s, _ = run_notebook(path, tmp_path)
     # step records 0..19 from run 1 and 20..27 from run 2; run 1's 28, 29 and val at 30 are gone
     assert s["last_step"] == 27
     assert s["tokens"] == 28 * 1024
@@ -193,8 +180,7 @@ def test_a_record_whose_step_is_not_a_number_is_passed_over_and_named(tmp_path, 
     records.insert(5, {"step": "3", "train_loss": 1.0})  # a hand-edited or foreign record: line 6
     records.insert(9, {"step": 7, "train_loss": "low"})  # line 10
     log = write_log(tmp_path / "run", records)
-    nb, out = run_notebook(log, tmp_path)
-    s = out["summary"]
+    nb, s, _ = run_notebook(log, tmp_path)
     assert s["passed_over"] == ["line 6 (step '3')", "line 10 (step 7)"]
     assert (s["last_step"], s["best_val_loss"], s["tokens"]) == (49, [40, 6.2], 50 * 1024)  # the rest as it is
     said = text_of(nb)
@@ -276,8 +262,7 @@ def test_real_resumed_log(real_run, tmp_path, kernel_env):
     assert [r["resumed_from"] for r in records if r.get("event") == "header"] == [None, 6]
     step_ids = [r["step"] for r in records if "train_loss" in r]
     assert sorted(step_ids) == sorted(list(range(12)) + list(range(6, 12)))  # steps 6..11 twice
-    nb, out = run_notebook(run_dir, tmp_path)
-    s = out["summary"]
+    nb, s, _ = run_notebook(run_dir, tmp_path)
     for key, value in expected_summary(run_dir / "log.jsonl").items():
         assert s[key] == pytest.approx(value), key
     assert (s["last_step"], s["redone_steps"], s["skipped_lines"], s["partial_last_line"]) == (11, 6, 0, False)
@@ -324,8 +309,8 @@ def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env
 def test_play_ipynb_on_a_read_only_run_folder_prints_its_summary(tmp_path, kernel_env, read_only):
     log = write_log(tmp_path / "run", clean_records())
     read_only(log.parent)
-    nb, out = run_notebook(log, tmp_path)
-    assert out["summary"]["last_step"] == 49 and out["summary"]["best_val_loss"] == [40, 6.2]
+    nb, s, _ = run_notebook(log, tmp_path)
+    assert s["last_step"] == 49 and s["best_val_loss"] == [40, 6.2]
     said = text_of(nb)
     for name in ("loss.png", "hellaswag.png", "throughput.png"):
         assert f"could not save {name} in {log.parent} (Read-only file system)" in said
@@ -343,8 +328,7 @@ def test_play_ipynb_shows_the_last_run_and_names_the_other_runs(tmp_path, kernel
         return records
 
     log = write_log(tmp_path / "run", run("A", 10, 9.0, val=9.5) + run("B", 5, 8.0) + run("B", 7, 7.0, True, 7.5))
-    nb, out = run_notebook(log, tmp_path)
-    s = out["summary"]
+    nb, s, _ = run_notebook(log, tmp_path)
     assert (s["run_id"], s["other_runs"], s["restarts"]) == ("B", ["A"], 1)
     assert (s["last_step"], s["last_train_loss"], s["last_val_loss"], s["redone_steps"]) == (6, 7.0, [0, 7.5], 0)
     said = text_of(nb)
