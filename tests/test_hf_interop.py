@@ -7,6 +7,7 @@ import os
 import shutil
 import stat
 import urllib.error
+from pathlib import Path
 
 import huggingface_hub
 import numpy as np
@@ -110,19 +111,6 @@ def export(short_run):
     return lambda target: save_hf_gpt2(ckpt["model_config"], ckpt["model"], target)
 
 
-def fail_save(monkeypatch, exc, after_bytes=1000):
-    """save_pretrained writes config.json and part of the weights, then raises exc."""
-
-    def save_pretrained(self, folder, *args, **kwargs):
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            f.write("{}")
-        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
-            f.write(b"\0" * after_bytes)
-        raise exc
-
-    monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", save_pretrained)
-
-
 @pytest.mark.parametrize("earlier", [False, True], ids=["new", "over_earlier_export"])
 @pytest.mark.parametrize("fault", ["disk_full", "safetensors_disk_full", "ctrl_c"])
 def test_fault_mid_write_leaves_everything_as_it_was(export, tmp_path, monkeypatch, fault, earlier):
@@ -137,7 +125,13 @@ def test_fault_mid_write_leaves_everything_as_it_was(export, tmp_path, monkeypat
         ),
         "ctrl_c": KeyboardInterrupt(),
     }[fault]
-    fail_save(monkeypatch, exc)
+
+    def save_pretrained(self, folder, *args, **kwargs):  # config.json and part of the weights, then the fault
+        (Path(folder) / "config.json").write_text("{}")
+        (Path(folder) / "model.safetensors").write_bytes(b"\0" * 1000)
+        raise exc
+
+    monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", save_pretrained)
     if fault == "ctrl_c":
         with pytest.raises(KeyboardInterrupt):
             export(target)
@@ -239,20 +233,12 @@ def test_unreachable_hub_fails_before_transformers_tries(tmp_path, monkeypatch):
         train_gpt2.GPT.from_pretrained("gpt2-large")
 
 
-def fake_hub_cache(cache, name, hf_dir):
-    """The layout huggingface_hub downloads into: models--<name>/snapshots/<rev>/ and refs/main."""
-    rev = "0" * 40
-    snap = cache / f"models--{name}" / "snapshots" / rev
-    snap.mkdir(parents=True)
-    for f in ("config.json", "model.safetensors"):
-        shutil.copy(hf_dir / f, snap / f)
-    (cache / f"models--{name}" / "refs").mkdir()
-    (cache / f"models--{name}" / "refs" / "main").write_text(rev)
-
-
 def test_cached_hub_name_loads_without_the_network(tmp_path, hf_tiny_dir):
-    # a tiny model under the name gpt2, no offline flag, an unreachable Hub: it loads from the cache
-    fake_hub_cache(tmp_path / "hf_cache", "gpt2", hf_tiny_dir)
+    # a tiny model under the name gpt2, no offline flag, an unreachable Hub: it loads from the cache,
+    # laid out as huggingface_hub downloads: models--<name>/snapshots/<rev>/ and refs/main
+    shutil.copytree(hf_tiny_dir, tmp_path / "hf_cache" / "models--gpt2" / "snapshots" / ("0" * 40))
+    (tmp_path / "hf_cache" / "models--gpt2" / "refs").mkdir()
+    (tmp_path / "hf_cache" / "models--gpt2" / "refs" / "main").write_text("0" * 40)
     r = sample_cli("gpt2", hub_env(tmp_path), tmp_path)
     assert r.returncode == 0, r.stderr
     assert len([line for line in r.stdout.splitlines() if line.startswith("sample ")]) == 2

@@ -146,9 +146,16 @@ def test_ctrl_c_again_while_the_stop_checkpoint_is_written(data, tmp_path, monke
     assert sorted(read_log(out)[1]) == list(range(6))
 
 
-def ctrl_c_at_the_third_poll(monkeypatch, args):
-    """run_cli(train_gpt2.main(args)) with a Ctrl-C at its 3rd stop poll (the 2nd batch of step 0's eval),
-    each eval batch 11 s apart on its clock; -> how many times it polled."""
+@pytest.mark.parametrize("evaluation", ["val loss", "HellaSwag"])
+def test_ctrl_c_during_a_long_eval_stops_it_at_the_next_batch_with_a_checkpoint(
+    evaluation, tmp_path, assets, monkeypatch, capsys
+):
+    """Ctrl-C during an eval (minutes at 124M), at the run's 3rd stop poll (its 2nd batch, each 11 s apart on the
+    run's clock), is honoured at that poll, with step 0's checkpoint and no half result; a long val eval says so."""
+    data, out = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=5000), tmp_path / "out"
+    hellaswag = ("--hellaswag-every", 1, "--hellaswag-limit", 200)
+    hellaswag += ("--hellaswag-data", assets.hellaswag)
+    flags = ("--eval-every", 1, "--val-tokens", 4096) if evaluation == "val loss" else ("--eval-every", 0, *hellaswag)
     polls, real = [], StopRequest.__call__
 
     def poll(self):
@@ -159,24 +166,9 @@ def ctrl_c_at_the_third_poll(monkeypatch, args):
     clock = itertools.count(step=11)
     monkeypatch.setattr(train_gpt2, "time", SimpleNamespace(time=lambda: next(clock), perf_counter=time.perf_counter))
     with pytest.raises(SystemExit) as e:
-        run_cli(lambda: train_gpt2.main(args))
+        run_cli(lambda: train_gpt2.main(tiny_args(data, out, "--max-steps", 2, *flags)))
     monkeypatch.undo()
-    assert e.value.code == 130
-    return len(polls)
-
-
-@pytest.mark.parametrize("evaluation", ["val loss", "HellaSwag"])
-def test_ctrl_c_during_a_long_eval_stops_it_at_the_next_batch_with_a_checkpoint(
-    evaluation, tmp_path, assets, monkeypatch, capsys
-):
-    """Ctrl-C during an eval (minutes at 124M) is honoured at its next batch, with step 0's checkpoint and no
-    half result; a long val eval says where it is."""
-    data, out = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=5000), tmp_path / "out"
-    hellaswag = ("--hellaswag-every", 1, "--hellaswag-limit", 200)
-    hellaswag += ("--hellaswag-data", assets.hellaswag)
-    flags = ("--eval-every", 1, "--val-tokens", 4096) if evaluation == "val loss" else ("--eval-every", 0, *hellaswag)
-    polls = ctrl_c_at_the_third_poll(monkeypatch, tiny_args(data, out, "--max-steps", 2, *flags))
-    assert polls == 3  # no batch after the one the Ctrl-C came in, nor anything else
+    assert e.value.code == 130 and len(polls) == 3  # no batch after the one the Ctrl-C came in, nor anything else
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert (out / "ckpt_000000.pt").exists() and not any("val_loss" in r or "hellaswag" in r for r in records)
     assert evaluation == "HellaSwag" or "val loss: batch 2/" in capsys.readouterr().err
