@@ -30,7 +30,6 @@ from support.out_of_memory import training_out_of_memory
 # the tiny run every test here shares: val loss at 2 and 4, HellaSwag, a sample and a checkpoint at 4
 EVALS = ("--max-steps", 4, "--ckpt-every", 2, "--eval-every", 2, "--hellaswag-every", 4, "--hellaswag-limit", 4)
 EVALS += ("--sample-every", 4, "--num-samples", 1, "--max-new-tokens", 4)
-OOM = dict(out_of_memory=training_out_of_memory)  # train_gpt2.py's run_cli hook
 RESULTS = ("step", "train_loss", "grad_norm", "loss_scale", "val_loss", "hellaswag", "samples")
 
 
@@ -166,11 +165,11 @@ def test_out_of_memory_names_the_B_the_gpu_fits(fake_gpu, tmp_path, capsys, gpu,
     write_shard(tmp_path / "data" / "ids_train_000001.npy", np.arange(70_000) % 256)
     recipe = ("--n-layer", 12, "--n-head", 12, "--n-embd", 768, "--block-size", 1024)
     flags = "-B 64 -T 1024 --total-batch-size 65536 --max-steps 1"
-    args = tiny_args(tmp_path / "data", tmp_path / "out", *flags.split(), *recipe)
+    args = tiny_args(tmp_path / "data", tmp_path / "out", *flags.split(), *recipe, "--device", "cuda", "--no-compile")
     fake = fake_gpu(gpu)
     fake.out_of_memory(lambda func, args, kwargs: func is F.embedding)  # the forward's first op
-    with pytest.raises(SystemExit) as e:
-        run_cli(lambda: train_gpt2.main([*args, "--device", "cuda", "--no-compile", "--eval-every", 0]), **OOM)
+    with pytest.raises(SystemExit) as e:  # run_cli as train_gpt2.py calls it, with its out-of-memory hook
+        run_cli(lambda: train_gpt2.main([*args, "--eval-every", 0]), out_of_memory=training_out_of_memory)
     assert e.value.code == 1
     assert capsys.readouterr().err.splitlines() == [
         f"error: out of GPU memory in the first training step (-B 64 rows of -T 1024): lower -B (e.g. -B {fits}, "
@@ -224,18 +223,6 @@ def test_nothing_of_the_fake_is_left_after_it():
 
 
 @pytest.mark.slow
-def test_compile_is_the_default_on_a_gpu_and_trains_as_eager(runs, fake_gpu, data, assets, tmp_path):
-    fake_gpu("H100")
-    assert train_gpt2.main(args_for(data, tmp_path / "compiled", assets, "--device", "cuda")) == 0
-    assert read_log(tmp_path / "compiled")[0][0]["config"]["compile"] is True
-    compiled, eager = results(tmp_path / "compiled"), results(runs("H100")[0])
-    assert [r.keys() for r in compiled] == [r.keys() for r in eager]
-    for a, b in zip(compiled, eager, strict=True):
-        for key in {"train_loss", "val_loss"} & a.keys():
-            assert a[key] == pytest.approx(b[key], rel=1e-4)
-
-
-@pytest.mark.slow
 def test_bench_sections_on_a_gpu(fake_gpu, assets, tmp_path):
     """Each --tiny section on two faked GPUs (the DDP rung: torchrun); the train section's first forward runs
     out of GPU memory: it halves fp32's B."""
@@ -282,18 +269,12 @@ CUDA_ONLY = re.compile(
     r"|(==|!=)\s*[\"']cuda[\"']|[\"']cuda[\"']\s+(not )?in\b|autocast\([\"']cuda|device=[\"']cuda"
 )
 
-# What the fake cannot run: PEAK_WRAPPER, a string train_gpt2.py's process runs, where no line is traced
-# (test_gpu_check_items_on_a_gpu asserts the peak it wrote); rung 7+, the 124M model at B 64 x T 1024
-CANNOT = (  # (file, the function, a regex its line matches, why)
-    ("benchmarks/gpu_check.py", None, r"torch\.cuda\.(is_initialized|max_memory_allocated)", "python -c code"),
-    ("benchmarks/ladder.py", "rung_7_plus", r"torch\.cuda\.empty_cache", "the 124M model: minutes a step"),
+# What the fake cannot run (file, function or None, a regex its line matches): PEAK_WRAPPER, code a process
+# runs as python -c (test_gpu_check_items_on_a_gpu asserts its peak); rung 7+, the 124M model, minutes a step
+CANNOT = (
+    ("benchmarks/gpu_check.py", None, r"torch\.cuda\.(is_initialized|max_memory_allocated)"),
+    ("benchmarks/ladder.py", "rung_7_plus", r"torch\.cuda\.empty_cache"),
 )
-
-
-def cannot_run(path, function, code):
-    """Why the fake cannot run this place (CANNOT), or None."""
-    cannot = (why for f, fn, regex, why in CANNOT if f == path and fn in (None, function) and re.search(regex, code))
-    return next(cannot, None)
 
 
 def code_lines(path):
@@ -312,14 +293,11 @@ def code_lines(path):
 
 
 def cuda_only_places():
-    """[(path from ROOT, line number, function, code)] of every line of SCANNED that matches CUDA_ONLY."""
+    """[(path from ROOT, line number, code)] of every line of SCANNED that matches CUDA_ONLY, CANNOT's left out."""
     paths = sorted(p for pattern in SCANNED for p in ROOT.glob(pattern))
-    return [
-        (str(p.relative_to(ROOT)), i, function, code)
-        for p in paths
-        for i, (function, code) in code_lines(p).items()
-        if CUDA_ONLY.search(code)
-    ]
+    places = [(str(p.relative_to(ROOT)), i, fn, code) for p in paths for i, (fn, code) in code_lines(p).items()]
+    cannot = lambda f, fn, code: any(f == g and h in (None, fn) and re.search(r, code) for g, h, r in CANNOT)  # noqa: E731
+    return [(f, i, code) for f, i, fn, code in places if CUDA_ONLY.search(code) and not cannot(f, fn, code)]
 
 
 RAN = []  # the tests of this file that ran in this process (a pytest-xdist worker runs some of them)
@@ -345,8 +323,8 @@ def test_every_cuda_only_place_runs_under_the_fake(request, tmp_path):
     if report.exists():
         lines |= {(p, int(n)) for p, n in (line.rsplit(":", 1) for line in report.read_text().splitlines())}
     places = cuda_only_places()
-    run = [(f, i) for f, i, _, _ in places if (str(ROOT / f), i) in lines]
-    not_run = [f"{f}:{i}: {code}" for f, i, fn, code in places if (f, i) not in run and not cannot_run(f, fn, code)]
+    run = [(f, i) for f, i, _ in places if (str(ROOT / f), i) in lines]
+    not_run = [f"{f}:{i}: {code}" for f, i, code in places if (f, i) not in run]
     assert not not_run, (
         "no test ran these CUDA-only lines on the fake GPU:\n" + "\n".join(not_run) + child.stdout[-3000:]
     )
