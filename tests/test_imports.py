@@ -12,9 +12,8 @@ from helpers import ROOT
 
 PACKAGES = ("support", "benchmarks")
 SCRIPTS = ("train_gpt2", "sample", "export_hf", "fineweb", "hellaswag", "bench")
-# The design's script -> script imports, by the importer: training runs hellaswag's eval, sample.py
-# samples the recipe's model, the benchmarks measure the scripts. Nothing else: hellaswag, fineweb and
-# export_hf import no script, support/ imports no script and nothing of benchmarks/.
+# The design's script -> script imports (training runs hellaswag's eval, sample.py the recipe's model, the
+# benchmarks measure the scripts); nothing else, and support/ imports no script and nothing of benchmarks/.
 ALLOWED_SCRIPT_IMPORTS = {
     "train_gpt2": {"hellaswag"},
     "sample": {"train_gpt2"},
@@ -130,18 +129,14 @@ def describe_cycle(cycle, project):
     return "\n".join(lines)
 
 
-def owner(module):
-    """The script or package a module belongs to: 'support', 'benchmarks', or the module itself."""
-    return module.split(".")[0]
-
-
 def forbidden_imports(project):
     """(importer, imported, its Imports) outside ALLOWED_SCRIPT_IMPORTS, and support/ importing benchmarks/."""
     bad = []
     for a, targets in sorted(project.items()):
         for b, imps in sorted(targets.items()):
-            to_script = b in SCRIPTS and b != a and b not in ALLOWED_SCRIPT_IMPORTS.get(owner(a), ())
-            if to_script or (owner(a) == "support" and owner(b) == "benchmarks"):
+            owner_a, owner_b = a.split(".")[0], b.split(".")[0]  # the script or the package (support, benchmarks)
+            to_script = b in SCRIPTS and b != a and b not in ALLOWED_SCRIPT_IMPORTS.get(owner_a, ())
+            if to_script or (owner_a == "support" and owner_b == "benchmarks"):
                 bad.append((a, b, imps))
     return bad
 
@@ -218,15 +213,16 @@ def write_project(root, files):
     return root
 
 
-def test_a_function_local_import_closes_a_cycle_and_the_message_names_it(tmp_path):
+def test_the_walk_on_a_project_made_here_names_its_imports_cycles_and_torch(tmp_path):
     root = write_project(
         tmp_path,
         {
             "train_gpt2.py": "import os\nfrom support.common import x\n",
             "hellaswag.py": "from support import common\n\ndef f():\n    import train_gpt2\n",
             "support/__init__.py": "",
-            "support/common.py": "from . import sibling\n",
+            "support/common.py": "from . import sibling\n\ndef f():\n    from support.machine import g\n",
             "support/sibling.py": "import numpy as np\n",
+            "support/machine.py": "import torch.nn as nn\n",
         },
     )
     project, external = import_graph(root)
@@ -235,10 +231,15 @@ def test_a_function_local_import_closes_a_cycle_and_the_message_names_it(tmp_pat
         "support.common": [Import("support.common", "hellaswag.py", 1, False)],
         "train_gpt2": [Import("train_gpt2", "hellaswag.py", 4, True)],
     }
-    assert set(project["support.common"]) == {"support", "support.sibling"}  # relative, resolved
+    assert set(project["support.common"]) == {"support", "support.sibling", "support.machine"}  # relative, resolved
     assert [imp.target for imp in external["support.sibling"]] == ["numpy"]
     assert find_cycles({a: set(t) for a, t in project.items()}) == []
+    ((chain, imp),) = torch_paths("hellaswag", project, external)  # the shortest chain, through a function
+    assert chain == ["hellaswag", "support.common", "support.machine"]
+    assert imp == Import("torch", "support/machine.py", 1, False)
+    assert torch_paths("support.sibling", project, external) == []
 
+    # a function-local import closes a cycle, and the message names where each import is
     (root / "train_gpt2.py").write_text("import os\n\ndef evaluate():\n    import hellaswag\n")
     project, _ = import_graph(root)
     (cycle,) = find_cycles({a: set(t) for a, t in project.items()})
@@ -248,21 +249,3 @@ def test_a_function_local_import_closes_a_cycle_and_the_message_names_it(tmp_pat
         "    train_gpt2 -> hellaswag: train_gpt2.py:4 (inside a function)"
     )
     assert [(a, b) for a, b, _ in forbidden_imports(project)] == [("hellaswag", "train_gpt2")]
-
-
-def test_torch_is_found_through_the_project_and_named_with_its_chain(tmp_path):
-    root = write_project(
-        tmp_path,
-        {
-            "fineweb.py": "from support import common\n",
-            "support/__init__.py": "",
-            "support/common.py": "def f():\n    from support.machine import g\n",
-            "support/machine.py": "import torch.nn as nn\n",
-            "support/documents.py": "import json\n",
-        },
-    )
-    project, external = import_graph(root)
-    ((chain, imp),) = torch_paths("fineweb", project, external)
-    assert chain == ["fineweb", "support.common", "support.machine"]
-    assert imp == Import("torch", "support/machine.py", 1, False)
-    assert torch_paths("support.documents", project, external) == []
