@@ -18,11 +18,6 @@ from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.out_dir import checkpoint_paths
 
 
-def newest_checkpoint(out):
-    paths = checkpoint_paths(str(out))
-    return paths[0] if paths else None
-
-
 def step_records(out):
     return sum('"train_loss"' in line for line in open(out / "log.jsonl")) if (out / "log.jsonl").exists() else 0
 
@@ -41,7 +36,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
     plan = ["start-up", "checkpoint write", "steps", "checkpoint write", "steps"]
     hit = []
     for when in plan:
-        expected = newest_checkpoint(out)  # what --resume must pick: the newest complete checkpoint
+        expected = (checkpoint_paths(str(out)) or [None])[0]  # what --resume must pick: the newest complete one
         proc = start_run(*args(out), "--resume", env=env)
         try:
             deadline, records = time.time() + 120, step_records(out)

@@ -1,6 +1,7 @@
 """--wandb-project: rank 0 mirrors log.jsonl to a wandb run (offline here, read back from its .wandb file),
 a resume continues it, a missing package is one line, and a wandb that fails or hangs never stops training."""
 
+import contextlib
 import json
 import struct
 import sys
@@ -42,27 +43,19 @@ def wandb_records(path):
     assert not parts  # no record cut short
 
 
-def finished_records(path, timeout=120):
-    """A finished run's records, once its exit record is there (wandb flushes after run.finish() returns)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            records = list(wandb_records(path))
-            if any(r.WhichOneof("record_type") == "exit" for r in records):
-                return records
-        except Exception:
-            pass  # a block half written
-        time.sleep(0.1)
-    return list(wandb_records(path))
-
-
 def offline_runs(wandb_dir):
     """The offline runs under wandb_dir, oldest first: id, project, name, config, history rows, exit code."""
     runs = []
     for run_dir in sorted(Path(wandb_dir).glob("wandb/offline-run-*")):
         (path,) = run_dir.glob("*.wandb")
         run = {"dir": run_dir, "config": {}, "history": [], "exit_code": None}
-        for r in finished_records(path):
+        for _ in range(1200):  # wandb flushes the last blocks after run.finish() returns: wait for the exit record
+            with contextlib.suppress(Exception):  # a block half written
+                records = list(wandb_records(path))
+                if any(r.WhichOneof("record_type") == "exit" for r in records):
+                    break
+            time.sleep(0.1)
+        for r in wandb_records(path):
             kind = r.WhichOneof("record_type")
             if kind == "run":
                 run.update(id=r.run.run_id, project=r.run.project, name=r.run.display_name)
