@@ -187,8 +187,7 @@ def as_typed(command, *extra, cwd=ROOT):
     return r
 
 
-# After a script's main(): the MiB of a 64 MiB tensor glibc mapped on its own, and the MiB the heap keeps
-# once it is freed; "off" puts glibc's defaults in place of the script's keep_freed_memory (the reference).
+# After main(): the MiB of a 64 MiB tensor glibc mapped on its own, the MiB the heap keeps once it is freed
 MALLOC_PROBE = """
 import ctypes, importlib, sys, torch
 script = importlib.import_module(sys.argv[2])

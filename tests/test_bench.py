@@ -64,9 +64,8 @@ def test_tiny_bench_writes_table_and_json(tmp_path, assets):
         assert tok["max"] == pytest.approx(2 * 32 / step["min"])  # tokens per step over the fastest step
         assert 0 < train["mfu"][variant]["median"]
 
-    # loader: 2 shards of 200,000 tokens, B x T tokens per batch (+1 target token), then 2 more
-    # batches into the next epoch: on a CPU B 1 x T 1024, (200,000 - 1) // 1024 = 195 batches a
-    # shard; a GPU reads the gpt2 config's larger B. 2 shard switches either way
+    # loader: 2 shards of 200,000 tokens, B x T (+1) a batch, then 2 into the next epoch: on a CPU B 1 x T 1024,
+    # (200,000 - 1) // 1024 = 195 batches a shard (a GPU reads the gpt2 config's larger B); 2 shard switches
     loader = report["sections"]["loader"]
     assert loader["T"] == 1024 and (loader["B"] == 1 or report["machine"]["device"] != "cpu")
     assert loader["batches"] == 2 * ((200_000 - 1) // (loader["B"] * 1024)) + 2 and loader["switches"] == 2

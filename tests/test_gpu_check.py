@@ -22,8 +22,7 @@ ITEM_NAMES = ["cuda_tier", "recipe", "ladder_7_to_10", "ladder_1_to_6", "ladder_
 
 
 class Stubs:
-    """Stub items on a clock that moves on by the seconds each takes, the report written to out; seen[name]:
-    the report as saved when that item started."""
+    """Stub items on a clock that moves by the seconds each takes; seen[name]: out's report as that item started."""
 
     def __init__(self, out):
         self.out, self.now, self.seen = out, 1000.0, {}
@@ -150,9 +149,8 @@ def test_gpu_check_flags_are_checked_before_anything_runs(argv, words):
 
 
 def test_gpu_check_default_budget():
-    assert (
-        parse_args(["--gpu-check"]).budget_s == 480 and parse_args(["--gpu-check", "--budget-s", "60"]).budget_s == 60
-    )
+    assert parse_args(["--gpu-check"]).budget_s == 480
+    assert parse_args(["--gpu-check", "--budget-s", "60"]).budget_s == 60
 
 
 def test_gpu_check_on_a_cpu_without_tiny_is_refused(tmp_path):
@@ -248,8 +246,7 @@ def test_tiny_gpu_check_on_a_cpu_runs_every_item_a_cpu_can(tmp_path):
     assert (tmp_path / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# a child of --gpu-check that starts a grandchild, each holding a lock on a file of its own (its pid
-# in it) while it lives; the grandchild then says it is ready, and both sleep
+# a child of --gpu-check starts a grandchild, each holding a lock on a file with its pid; then both sleep
 HOLD = """
 import fcntl, os, subprocess, sys, time
 held = open(sys.argv[1], "w")

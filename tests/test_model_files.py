@@ -18,10 +18,8 @@ def test_init_from_a_run_folder_starts_from_its_newest_checkpoint(short_run, tmp
     data, out = short_run
     loss = {}
     for name, spec in (("folder", out), ("newest", out / "ckpt_000002.pt"), ("older", out / "ckpt_000001.pt")):
-        assert (
-            train_gpt2.main(tiny_args(data, tmp_path / name, "--max-steps", 1, "--eval-every", 0, "--init-from", spec))
-            == 0
-        )
+        args = tiny_args(data, tmp_path / name, "--max-steps", 1, "--eval-every", 0, "--init-from", spec)
+        assert train_gpt2.main(args) == 0
         loss[name] = read_log(tmp_path / name)[1][0]["train_loss"]
     assert loss["folder"] == loss["newest"] != loss["older"]
 

@@ -175,8 +175,7 @@ def test_a_resume_with_every_flag_left_out_continues_the_recipe_bitwise(recipe_r
     assert_resumed_bitwise(out, run, (4, 5, 6))
 
 
-# fp16: a first loss scale at which the first steps' gradients overflow (from about 2**19 here), so that
-# the scaler's skip and its step are both checked
+# fp16 from a loss scale the first steps' gradients overflow at (from 2**19 here): the scaler skips, then steps
 FP16_INIT_SCALE = 2.0**20
 
 
