@@ -1,7 +1,5 @@
-"""The fixtures, and the tests' environment, set here at import: no network. The data the tests
-read ships in the repository (tests/assets/README.md); tiktoken's GPT-2 files, the reference
-tokenizer's, are put in a cache folder for the session. The helpers the tests share are in
-helpers.py."""
+"""The fixtures, and the tests' environment (no network). The data the tests read ships in the
+repository (tests/assets/README.md); the helpers the tests share are in helpers.py."""
 
 import contextlib
 import hashlib
@@ -44,9 +42,8 @@ TIKTOKEN_GPT2 = {
 
 @pytest.fixture(scope="session", autouse=True)
 def tiktoken_cache(tmp_path_factory):
-    """tiktoken.get_encoding("gpt2"), the reference the shipped tokenizer is tested against, reads
-    GPT-2's published files from a cache folder, each named by the sha1 of its URL, instead of
-    downloading them: the shipped ones, checked against tiktoken's hashes. The scripts need none."""
+    """tiktoken's GPT-2 files (the reference tokenizer's) in its cache folder, named by the sha1 of their
+    URL: the shipped ones, checked against tiktoken's hashes, so that it downloads nothing."""
     cache = tmp_path_factory.mktemp("tiktoken_cache")
     for url, (path, sha256) in TIKTOKEN_GPT2.items():
         data = path.read_bytes()
@@ -72,8 +69,7 @@ def assets():
 
 @pytest.fixture(scope="session")
 def full_hellaswag():
-    """All 10,042 rows of HellaSwag's val set, too large to ship: hellaswag/hellaswag_val.jsonl in
-    the folder GPT2_TEST_DATA names; the test is skipped without it."""
+    """HellaSwag's whole val set (too large to ship) in GPT2_TEST_DATA/hellaswag/; skipped without it."""
     folder = os.environ.get("GPT2_TEST_DATA")
     path = Path(folder or "", "hellaswag", "hellaswag_val.jsonl")
     if not folder or not path.is_file():
@@ -96,10 +92,8 @@ def hf_tiny_dir(tmp_path_factory):
 
 @pytest.fixture
 def fake_gpu():
-    """fake_gpu(gpu="H100", count=1): count faked CUDA GPUs of fake_gpu.GPUS[gpu] ("H100" 9.0 80 GB,
-    "A100" 8.0 40 GB, "A100 80GB", "RTX 3090" 8.6 24 GB, "A4000" 8.6 16 GB, "T4" 7.5 16 GB) for the
-    rest of the test, in this process and the ones it starts; undone after it. Returns the FakeGPU,
-    which records what the program asked of it."""
+    """fake_gpu(gpu="H100", count=1): count faked GPUs of fake_gpu.GPUS[gpu] for the rest of the test, in
+    this process and the ones it starts; the FakeGPU, which records what the program asked of it."""
     with contextlib.ExitStack() as stack:
         yield lambda gpu="H100", count=1: stack.enter_context(faked(gpu, count))
 
@@ -109,23 +103,16 @@ def tiny_config():
     return GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)
 
 
-# ----------------------------------------------------------------------------------------------
-# Tiny training runs
-
-
 @pytest.fixture(scope="session", autouse=True)
 def one_thread_per_process():
-    """Other test runs share these cores: with 2 threads a step often waits for a descheduled
-    sibling thread, and runs 3-5x slower than with one. Subprocesses inherit OMP_NUM_THREADS."""
-    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    """Other test runs share these cores: with 2 threads a step often waits for a descheduled sibling
+    thread, 3-5x slower than with one. Subprocesses inherit OMP_NUM_THREADS."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
     torch.set_num_threads(threads)
-    if env is None:
-        del os.environ["OMP_NUM_THREADS"]
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
 
 
 @pytest.fixture
@@ -163,9 +150,8 @@ def short_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shakespeare_export(tmp_path_factory, assets, enc):
-    """(checkpoint, its export_hf.py folder) of a tiny model (tiny_args: 2 layers, 32 wide, vocabulary
-    padded to 50,304; block size 128, which holds every HellaSwag ending, as lm-eval requires)
-    trained 40 steps on Tiny Shakespeare: real text, real tokens. Read, never changed."""
+    """(checkpoint, its export_hf.py folder) of a tiny model (block size 128: every HellaSwag ending fits,
+    as lm-eval requires) trained 40 steps on Tiny Shakespeare. Read, never changed."""
     tmp = tmp_path_factory.mktemp("shakespeare")
     tokens = [enc.eot_token] + enc.encode_ordinary(assets.shakespeare.read_text())
     (tmp / "data").mkdir()
@@ -179,15 +165,13 @@ def shakespeare_export(tmp_path_factory, assets, enc):
 
 
 def pytest_configure(config):
-    """Files go to pytest-xdist's workers in the order collected (pytest_collection_modifyitems),
-    not sorted by their number of tests, which would put test_readme.py's one slow test last."""
+    """pytest-xdist's workers get the files in the order collected, not sorted by their number of tests."""
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --loadscope-reorder
         config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):
-    """test_readme.py's tests first: its fresh clone trains the README's laptop run, the slow tier's
-    longest test by far, so that on 2 xdist workers (--dist loadfile) the other files run beside it."""
+    """test_readme.py first: its laptop run is the slow tier's longest test, the other files run beside it."""
     items.sort(key=lambda item: item.path.name != "test_readme.py")
 
 

@@ -1,27 +1,9 @@
 """A CUDA GPU faked on a CPU-only torch, so that the CPU tests run the scripts' CUDA-only lines
-(`--device cuda`): a misspelled torch.cuda function, a keyword torch does not take or a name not
-imported there fails here, not first on a rented GPU. docs/gpus.md says what this checks and what
-it cannot (kernels, GPU numerics, speed, memory, a tensor left on the wrong device).
-
-What the program sees, without a way to tell it from a GPU:
-- torch.cuda answers as a GPU of the given compute capability, name and memory does, each function
-  stubbed with torch's own signature (a wrong keyword or argument is torch's TypeError), and
-  get_device_properties with the attributes torch's type stubs declare, no others;
-- a tensor made or moved to "cuda"/"cuda:N" is a CPU tensor (a torch function mode; an index past
-  the GPU count is CUDA's invalid device ordinal), pin_memory() leaves it as it is;
-- autocast and GradScaler on "cuda" run as the CPU's, a cuda Generator is a CPU one (the default
-  one's state, torch.cuda.get_rng_state, is CUDA's 16 bytes), an NCCL process group is gloo (and
-  DDP's device_ids are dropped for the CPU module);
-- torch.set_float32_matmul_precision refuses a value torch only warns about.
-torch's own code keeps seeing the CPU build: is_available(), is_initialized() and device_count()
-answer as the GPU only to the project's files, so that torch's compiler keeps to its CPU path.
-
-What the program asked of the GPU is kept in FakeGPU.asked, [(function, its arguments)], and
-FakeGPU.switches() (matmul precision, cuDNN and SDPA switches, deterministic algorithms); the lines
-of SCANNED files that ran while the fake was in place go into LINES_RUN. faked() puts the fake in
-place and takes it away again (conftest.py's fake_gpu fixture); it exports FAKE_GPU and puts
-tests/fake_gpu_boot on PYTHONPATH, so that the processes a test starts (torchrun's ranks, a
-script's helpers) install the same fake at their start."""
+(docs/gpus.md says what that checks and what it cannot). torch.cuda answers as the GPU with torch's
+own signatures, "cuda" tensors live on the CPU, autocast, GradScaler and NCCL run as the CPU's; torch's
+own code keeps seeing the CPU build. FakeGPU.asked records what the program asked; LINES_RUN, the
+lines of SCANNED files that ran. faked() exports FAKE_GPU and puts tests/fake_gpu_boot on PYTHONPATH,
+so that the processes a test starts install the same fake."""
 
 import ast
 import contextlib
@@ -58,8 +40,7 @@ LINES_RUN = set()  # (path, line number)
 
 
 def device_properties():
-    """{attribute: a zero of its type} of torch.cuda.get_device_properties()'s result, as torch's type
-    stubs declare them (a CPU build's _CudaDeviceProperties is an empty stand-in)."""
+    """{attribute: a zero of its type} of get_device_properties()'s result, as torch's type stubs declare them."""
     stubs = Path(torch.__file__).parent / "_C" / "__init__.pyi"
     for node in ast.parse(stubs.read_text()).body:
         if isinstance(node, ast.ClassDef) and node.name == "_CudaDeviceProperties":
@@ -69,23 +50,20 @@ def device_properties():
 
 
 def philox_state(seed, offset=0):
-    """A CUDA generator's state as torch.cuda.get_rng_state returns it: 16 bytes, its Philox seed and
-    offset as two little-endian uint64."""
+    """A CUDA generator's state (torch.cuda.get_rng_state): Philox seed and offset, two little-endian uint64."""
     return torch.frombuffer(
         bytearray((seed % 2**64).to_bytes(8, "little") + offset.to_bytes(8, "little")), dtype=torch.uint8
     )
 
 
 def asked_by_the_project():
-    """Whether the call of the stub this is asked from came from the project's code (a file under
-    ROOT outside site-packages, or `python -c` code), not from torch's."""
+    """Whether the stub's caller is the project's code (under ROOT outside site-packages, or `python -c`)."""
     path = sys._getframe(3).f_code.co_filename  # up from here: the fake, stub()'s wrapper, its caller
     return path == "<string>" or (path.startswith(str(ROOT)) and f"{os.sep}site-packages{os.sep}" not in path)
 
 
 def stub(real, fake):
-    """fake, called as real is: the arguments are bound to real's signature first (a wrong keyword
-    or a missing argument raises the TypeError real would), then passed to fake by name."""
+    """fake, called as real is: bound to real's signature (real's TypeError), then passed to fake by name."""
     signature = inspect.signature(real)
 
     @functools.wraps(real)
@@ -112,8 +90,7 @@ def on_the_cpu(real, argument):
 
 
 class CudaOnTheCPU(TorchFunctionMode):
-    """Tensors made or moved to "cuda"/"cuda:N" live on the CPU; a call the fake was told to fail
-    (FakeGPU.out_of_memory) raises CUDA's OutOfMemoryError."""
+    """Tensors on "cuda"/"cuda:N" live on the CPU; a call FakeGPU.out_of_memory names raises CUDA's OOM error."""
 
     def __init__(self, gpu):
         super().__init__()
@@ -184,8 +161,7 @@ class FakeGPU:
         return [args for n, args in self.asked if n == name]
 
     def out_of_memory(self, when, times=None):
-        """From now on a torch call for which when(func, args, kwargs) is true raises CUDA's
-        OutOfMemoryError (the first `times` such calls; None: all of them)."""
+        """A torch call for which when(func, args, kwargs) holds raises CUDA's OutOfMemoryError (times: None, all)."""
         self.oom = (when, times)
 
     def maybe_out_of_memory(self, func, args, kwargs):
@@ -336,38 +312,26 @@ class FakeGPU:
         return init
 
 
-class LinesRun:
-    """Adds the lines of SCANNED_FILES that run while started (sys.settrace) to LINES_RUN."""
-
-    def start(self):
-        self.before = sys.gettrace()
-        sys.settrace(self.call)
-
-    def stop(self):
-        sys.settrace(self.before)
-
-    def call(self, frame, event, arg):
-        return self.line if frame.f_code.co_filename in SCANNED_FILES else None
-
-    def line(self, frame, event, arg):
-        if event == "line":
-            LINES_RUN.add((frame.f_code.co_filename, frame.f_lineno))
-        return self.line
+def record_line(frame, event, arg):
+    """sys.settrace's tracer that adds the lines of SCANNED_FILES that run to LINES_RUN."""
+    if event == "line":
+        LINES_RUN.add((frame.f_code.co_filename, frame.f_lineno))
+    return record_line if event != "call" or frame.f_code.co_filename in SCANNED_FILES else None
 
 
 @contextlib.contextmanager
 def faked(gpu="H100", count=1):
     """count GPUs of GPUS[gpu] in this process and the ones it starts, their lines recorded, until the block ends."""
-    fake, lines = FakeGPU(gpu, count), LinesRun()
+    fake, before = FakeGPU(gpu, count), sys.gettrace()
     with pytest.MonkeyPatch.context() as monkeypatch:
         fake.install(monkeypatch)
         monkeypatch.setenv("FAKE_GPU", f"{gpu},{count}")
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(BOOT), os.environ.get("PYTHONPATH")])))
-        lines.start()
+        sys.settrace(record_line)
         try:
             yield fake
         finally:
-            lines.stop()
+            sys.settrace(before)
             fake.uninstall()
             if os.environ.get("FAKE_GPU_LINES"):  # a pytest run that test_fake_gpu.py started reports them
                 with open(os.environ["FAKE_GPU_LINES"], "a") as f:

@@ -1,8 +1,5 @@
-"""Helpers the tests share, imported by name (`from helpers import ...`; pyproject.toml puts tests/
-and the repository root on pytest's path): tiny training runs and their logs, scripts run as a user
-would run them, in the background and under torchrun, tiny transformers models, the one-line error
-checks, and faults injected into a run in the test's process (a full disk, an action at a step).
-The fixtures are in conftest.py."""
+"""Helpers the tests share (`from helpers import ...`): tiny runs and their logs, the scripts run as a
+user runs them, tiny transformers models, one-line error checks, faults injected into a run."""
 
 import contextlib
 import errno
@@ -36,9 +33,8 @@ GiB = 2**30
 
 
 def write_shard(path, tokens):
-    """A shard written by the test itself, independently of fineweb.py: np.save of uint16 (.npy),
-    or the llm.c layout (.bin): 256 little-endian int32 (magic 20240520, version 1, token count,
-    zeros), then uint16 tokens."""
+    """A shard written independently of fineweb.py: np.save of uint16 (.npy), or llm.c's .bin (256
+    little-endian int32: magic 20240520, version 1, token count, zeros; then uint16 tokens)."""
     tokens = np.asarray(tokens, dtype=np.uint16)
     if str(path).endswith(".bin"):
         header = np.zeros(256, dtype="<i4")
@@ -78,16 +74,14 @@ TINY_RUN = [word for _, words in preset_lines(ROOT / "tests" / "tiny_run.txt") f
 
 
 def tiny_args(data_dir, out_dir, *extra):
-    """The tests' tiny run, tests/tiny_run.txt's flags (a 2-layer, 32-wide model on the CPU, 6 steps),
-    on data_dir into out_dir; later flags override earlier ones. The preset's flags are listed,
-    not passed as @tests/tiny_run.txt, so that a test can leave one out."""
+    """tests/tiny_run.txt's flags (2 layers, 32 wide, on the CPU, 6 steps) on data_dir into out_dir, then
+    extra (the later flag wins); listed, not passed as @tests/tiny_run.txt, so that a test can leave one out."""
     return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), *TINY_RUN, *map(str, extra)]
 
 
 def read_log(out_dir):
-    """(all records, {step: the last record of that step}) of out_dir/log.jsonl. A resumed run
-    repeats steps: the last one counts. A line cut short by a kill is skipped. A step record is
-    a trained step (train_loss), a skipped one (skipped) or one fp16's loss scaler skipped (scaler_skipped)."""
+    """(all records, {step: its last step record}) of out_dir/log.jsonl: a resumed run repeats steps,
+    the last counts; a line cut short by a kill is skipped."""
     records = []
     for line in open(os.path.join(out_dir, "log.jsonl")):
         try:
@@ -123,23 +117,19 @@ def same_weights(a, b):
 
 
 def hangup_default():
-    """preexec_fn of a child a test sends SIGHUP: SIGHUP's default action there, also when the tests
-    run under nohup (which ignores SIGHUP, and a child inherits that)."""
+    """preexec_fn of a child a test sends SIGHUP: its default action, also under nohup (which ignores it)."""
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 class Overran(BaseException):
-    """cli()'s in-process run went past its timeout: a BaseException, as a process's kill is beyond
-    the script's reach, so that no `except Exception` (an OSError's one-line error) turns a hang into an exit 1."""
+    """cli()'s in-process run went past its timeout: a BaseException, so that no `except Exception` turns
+    a hang into an exit 1."""
 
 
 def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **kwargs):
-    """Run one of the scripts as a user would, in cwd; the CompletedProcess. In this process by
-    default: the script's file run as __main__ (runpy), so its own run_cli reports what main(argv)
-    raised, stdout and stderr captured, a sys.exit's message printed and its code 1 as python's,
-    and what it changed in this process (the environment, the folder, signal handlers, torch's
-    settings, the global random generators) put back. With process=True, an env (Popen's) or
-    script "-c" (python -c's code): a python process of its own."""
+    """Run a script as a user would, in cwd; the CompletedProcess. By default in this process (runpy as
+    __main__, its exit as python's, what it changed in the process put back); with process=True, an env
+    or script "-c" (python -c's code), in a python process of its own."""
     argv = [str(a) for a in args]
     if process or script == "-c" or "env" in kwargs:
         command = [sys.executable, script if script == "-c" else str(ROOT / script), *argv]
@@ -184,9 +174,8 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
 
 
 def as_typed(command, *extra, cwd=ROOT):
-    """A command a message advises, run as the user types it: its `python SCRIPT ...` parts (joined by
-    &&) through cli() with `extra` flags added, the others by the shell. The CompletedProcess of the
-    last part run (the first to fail)."""
+    """A command a message advises, as typed: its `python SCRIPT ...` parts (&&) through cli() with extra
+    added, the others by the shell; the CompletedProcess of the last part run (the first to fail)."""
     for part in command.split(" && "):
         argv = shlex.split(part)
         if argv[0] == "python":
@@ -198,10 +187,7 @@ def as_typed(command, *extra, cwd=ROOT):
     return r
 
 
-# After a script's main() on the CPU, in the same interpreter: how many MiB of a live 64 MiB tensor
-# glibc mapped on its own (mmap) and how many MiB the heap still holds once it is freed. "off"
-# stands in glibc's defaults for the script's keep_freed_memory (support.device's), as the reference
-# a check must tell apart from "on" (the script as it is).
+# After main(): the MiB of a 64 MiB tensor glibc mapped on its own, the MiB the heap keeps once it is freed
 MALLOC_PROBE = """
 import ctypes, importlib, sys, torch
 script = importlib.import_module(sys.argv[2])
@@ -221,15 +207,9 @@ print(mapped, libc.mallinfo2().arena >> 20)
 """
 
 
-def heap_after(script, mode, args):
-    """(MiB mapped on its own, MiB the heap keeps) after `script`.main(args), "on" or "off"; see MALLOC_PROBE."""
-    proc = subprocess.run(
-        [sys.executable, "-c", MALLOC_PROBE, mode, script, *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def heap_after(module, mode, args):
+    """(MiB mapped on its own, MiB the heap keeps) after `module`.main(args), "on" or "off"; see MALLOC_PROBE."""
+    proc = cli(MALLOC_PROBE, mode, module, *args, script="-c", timeout=120)
     assert proc.returncode == 0, proc.stderr
     return [int(v) for v in proc.stdout.split()[-2:]]
 
@@ -252,9 +232,8 @@ def user_error(args, main=None):
 
 
 def assert_one_line_error(proc, *words, match=None):
-    """A refused input as the user sees it: exit 1, no traceback, one `error:` line naming the problem
-    (each of words in it, and the regex match found in it), after nothing but a progress bar's
-    lines (tqdm's, with their [elapsed, rate])."""
+    """A refused input as the user sees it: exit 1, one `error:` line holding each of words (and the regex
+    match), after nothing but a progress bar's lines (tqdm's, with their [elapsed, rate])."""
     *bar, line = proc.stderr.strip().split("\n")
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert line.startswith("error: ") and all(re.search(r"\[\d+:\d\d[,<]", b) for b in bar), proc.stderr[-2000:]
@@ -265,9 +244,8 @@ def assert_one_line_error(proc, *words, match=None):
 
 
 def snapshot(folder):
-    """Every entry under folder, hidden ones too: a file's bytes and mode, a folder's mode, a link's
-    target. Nothing that existed may go or change, and an empty temporary folder left behind, a
-    parent folder made and not removed, or a replaced link all show."""
+    """Every entry under folder, hidden ones too: a file's bytes and mode, a folder's mode, a link's target
+    (an empty folder left behind, a parent made and not removed, a replaced link: all show)."""
     state = {}
     for dirpath, dirnames, filenames in os.walk(folder):
         for name in dirnames + filenames:
@@ -326,8 +304,7 @@ class FullDisk:
 
 
 def fail_nth_write(monkeypatch, module, suffix, n, room=1000):
-    """Make the n-th file that `module` opens for writing with a name ending in `suffix` run out
-    of disk after `room` bytes. Only that module's open() is replaced."""
+    """The n-th file `module` opens for writing, its name ending in suffix, runs out of disk after room bytes."""
     opened = []
 
     def open_(path, mode="r", *args, **kwargs):
@@ -343,8 +320,7 @@ def fail_nth_write(monkeypatch, module, suffix, n, room=1000):
 
 
 def at_step(monkeypatch, actions):
-    """Run actions[step]() as training step `step` computes its learning rate (after its checkpoint,
-    before its log record)."""
+    """actions[step]() as training step `step` computes its lr (after its checkpoint, before its record)."""
     real = train_gpt2.get_lr
 
     def get_lr(step, *args):
@@ -360,8 +336,7 @@ def at_step(monkeypatch, actions):
 
 
 def torchrun_command(*args, nproc=2, script="train_gpt2.py", wrap=None, launch=("--standalone",)):
-    """torchrun's command line (`python -m torch.distributed.run`): `nproc` ranks a node of `script`,
-    or of the python code `wrap` that runs it; `launch`, the rendezvous flags (one machine by default)."""
+    """torchrun's command line: nproc ranks a node of script, or of the python code wrap; launch: rendezvous flags."""
     program = ["--no-python", sys.executable, "-c", wrap] if wrap else [str(script)]
     launcher = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}"]
     return [*launcher, *program, *map(str, args)]
@@ -374,18 +349,15 @@ def torchrun(*args, nproc=2, wrap=None, timeout=300, **kwargs):
 
 
 def start_run(*args, torchrun=False, script="train_gpt2.py", **kwargs):
-    """A script (train_gpt2.py, or under a 2-rank torchrun with torchrun=True) started in the
-    background as a user would; its output piped as text unless kwargs (Popen's) say otherwise. The Popen."""
+    """The Popen of a script (or a 2-rank torchrun of train_gpt2.py) started in the background, piped as text."""
     command = torchrun_command(*args) if torchrun else [sys.executable, str(ROOT / script), *map(str, args)]
     options = {"cwd": ROOT, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     return subprocess.Popen(command, **{**options, **kwargs})
 
 
 def started_until(said, *args, **kwargs):
-    """start_run(*args, **kwargs), its stdout unbuffered, returned once the script has said `said`: a
-    line of its stdout that starts with it, or for "import M", python's import-time line of M or a
-    module in it (PYTHONPROFILEIMPORTTIME, on stderr); the scripts set their Ctrl-C handler at their
-    top, before they import torch or numpy. A wait on what the script says, never on the clock."""
+    """start_run(*args, **kwargs), returned once the script has said `said`: a stdout line starting with it,
+    or for "import M", python's import-time line of M or a module in it (PYTHONPROFILEIMPORTTIME, stderr)."""
     module = said.removeprefix("import ") if said.startswith("import ") else None
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PYTHONPROFILEIMPORTTIME": "1"} if module else {})}
     proc = start_run(*args, env=env, **kwargs)
@@ -398,9 +370,8 @@ def started_until(said, *args, **kwargs):
 
 
 def signal_on(said, *args, signum=signal.SIGINT, times=1, **kwargs):
-    """The script of started_until(said, *args, **kwargs) sent `signum` `times` times, to its process
-    group with start_new_session (a terminal's Ctrl-C); -> (the Popen, once it has ended (killed if
-    not within 120 s), its stdout, its stderr without python's import-time lines)."""
+    """started_until(said, ...) sent signum `times` times (to its process group with start_new_session);
+    -> (the Popen once ended (killed after 120 s), its stdout, its stderr without import-time lines)."""
     proc = started_until(said, *args, **kwargs)
     try:
         for _ in range(times):
@@ -431,25 +402,16 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def ranks_without_agent(args, world_size=2, one_by_one=False, timeout=300):
-    """train_gpt2.py's ranks started as torchrun starts them (its environment variables), without
-    its agent, which would stop the others once one has failed; with one_by_one, each rank once the
-    one before has ended. -> ([each rank's exit code], [each rank's (stdout, stderr)])."""
+def ranks_without_agent(args, world_size=2, one_by_one=False, one_per_node=False, timeout=300):
+    """train_gpt2.py's ranks with torchrun's variables, without its agent (which stops the others once one
+    fails); one_by_one: each once the one before has ended; one_per_node: each rank LOCAL_RANK 0 of a node
+    of its own. -> ([each rank's exit code], [each rank's (stdout, stderr)])."""
     env = {**os.environ, "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ranks = []
     for rank in range(world_size):
         if rank and one_by_one:
             ranks[-1].wait(timeout=timeout)
-        ranks.append(
-            subprocess.Popen(
-                [sys.executable, "train_gpt2.py", *map(str, args)],
-                cwd=ROOT,
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        ranks.append(start_run(*args, env={**env, "RANK": str(rank), "LOCAL_RANK": str(0 if one_per_node else rank)}))
     outputs = [proc.communicate(timeout=timeout) for proc in ranks]
     return [proc.returncode for proc in ranks], outputs
 
@@ -465,9 +427,8 @@ def perturb_norms_and_biases(name, p):
 
 
 def save_tiny_hf_gpt2(path, n_embd=64, init=perturb_norms_and_biases):
-    """A random transformers GPT2LMHeadModel (seed 0; 2 layers, 4 heads, n_embd wide, 128
-    positions, no dropout), each parameter then changed in place by init(name, p), saved with
-    save_pretrained into path; returns path."""
+    """A random transformers GPT2LMHeadModel (seed 0; 2 layers, 4 heads, n_embd wide, 128 positions, no
+    dropout), each parameter then changed by init(name, p), saved with save_pretrained into path."""
     from transformers import GPT2Config, GPT2LMHeadModel  # noqa: PLC0415  (after conftest sets the offline variables)
 
     torch.manual_seed(0)
@@ -482,14 +443,8 @@ def save_tiny_hf_gpt2(path, n_embd=64, init=perturb_norms_and_biases):
     return path
 
 
-def state_of(path):
-    """A file's bytes and mtime (nanoseconds), or None where there is none: what a refusal must leave."""
-    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
-
-
 def fineweb_stopped_after(monkeypatch, n, args):
-    """fineweb.main(args) stopped by Ctrl-C (a KeyboardInterrupt) as its n-th shard is in place:
-    the manifest made whole as the run stops, as a user's Ctrl-C leaves it."""
+    """fineweb.main(args) stopped by Ctrl-C (a KeyboardInterrupt) as its n-th shard is in place."""
     real, written = fineweb.write_shard, []
 
     def write_then_stop(path, tokens, fmt="npy"):
@@ -505,8 +460,7 @@ def fineweb_stopped_after(monkeypatch, n, args):
 
 
 def fineweb_killed_after(n, args):
-    """fineweb.py run with args in a process SIGKILLed as its n-th shard is in place (before it is
-    listed in the manifest): what a kill leaves, with no handler of ours running."""
+    """fineweb.py args in a process SIGKILLed as its n-th shard is in place, before the manifest lists it."""
     script = (
         "import os, signal, sys\nimport fineweb\nreal, written = fineweb.write_shard, []\n"
         "def write_shard(path, tokens, fmt='npy'):\n    real(path, tokens, fmt)\n    written.append(path)\n"

@@ -6,13 +6,9 @@ import sys
 
 import pytest
 
-from helpers import heap_after, random_shards, tiny_args
+from helpers import heap_after, tiny_args
 from support.cli import UserError
 from support.device import choose_compile
-
-# ----------------------------------------------------------------------------------------------
-# torch.compile: checked only where it would be on; one that cannot work is a note by default,
-# an error when asked for
 
 
 def test_default_compile_that_cannot_work_is_a_note_and_eager(capsys):
@@ -53,15 +49,9 @@ def test_compile_asked_for_that_cannot_work_is_a_user_error():
     assert e.value.every_rank  # torchrun: each node's first process alone says it
 
 
-# ----------------------------------------------------------------------------------------------
-# glibc's allocator keeps freed memory in the heap on a CPU run
-
-
 @pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
-def test_a_cpu_run_keeps_freed_memory_in_the_heap(tmp_path):
-    # glibc's default maps each big block on its own and unmaps it when freed: every step of a CPU
-    # run would fault its activations in again (half the step time of a small model)
-    data = random_shards(tmp_path / "data")
+def test_a_cpu_run_keeps_freed_memory_in_the_heap(data, tmp_path):
+    # glibc's default maps a big block on its own, unmapped when freed: each step would fault it in again
     got = {
         mode: heap_after("train_gpt2", mode, tiny_args(data, tmp_path / mode, "--max-steps", 1, "--eval-every", 0))
         for mode in ("on", "off")

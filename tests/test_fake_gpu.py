@@ -1,10 +1,5 @@
-"""The scripts' CUDA-only lines, run with `--device cuda` on a faked GPU (fake_gpu.py; docs/gpus.md
-says what that checks and what it cannot): a tiny run at compute capability 9.0 and 8.0 (bf16) and
-7.5 (fp16 and its loss scaler) computes what the CPU computes in that dtype, with its evaluations,
-samples and checkpoints; --resume, --deterministic, DDP, hellaswag.py, sample.py, export_hf.py; a
-16 GB card's limits; the -B that out-of-memory advice names on a 24 GB card and a 40 GB A100. Slow:
-compile, bench.py's sections and --gpu-check on "cuda". Last, every CUDA-only place the scripts have
-must have run under the fake, or be listed as one it cannot run."""
+"""The scripts with `--device cuda` on a faked GPU (fake_gpu.py): at compute capability 9.0, 8.0 and 7.5
+they compute what the CPU computes in that dtype; last, every CUDA-only place must have run on the fake."""
 
 import ast
 import io
@@ -35,7 +30,6 @@ from support.out_of_memory import training_out_of_memory
 # the tiny run every test here shares: val loss at 2 and 4, HellaSwag, a sample and a checkpoint at 4
 EVALS = ("--max-steps", 4, "--ckpt-every", 2, "--eval-every", 2, "--hellaswag-every", 4, "--hellaswag-limit", 4)
 EVALS += ("--sample-every", 4, "--num-samples", 1, "--max-new-tokens", 4)
-OOM = dict(out_of_memory=training_out_of_memory)  # train_gpt2.py's run_cli hook
 RESULTS = ("step", "train_loss", "grad_norm", "loss_scale", "val_loss", "hellaswag", "samples")
 
 
@@ -51,8 +45,7 @@ def args_for(data, out, assets, *flags):
 
 @pytest.fixture(scope="module")
 def runs(data, assets, tmp_path_factory):
-    """run(gpu or "cpu", *flags) -> (its folder, the FakeGPU or None): the shared tiny run on a faked
-    GPUS[gpu] (eager), or on the CPU; each made once in the module."""
+    """run(gpu or "cpu", *flags) -> (its folder, the FakeGPU or None): the tiny run, each made once."""
     made = {}
 
     def run(where, *flags):
@@ -116,8 +109,7 @@ def test_deterministic_on_a_gpu_sets_cudnn_cublas_and_attention(fake_gpu, data, 
 def test_ddp_on_a_gpu_takes_its_local_rank_joins_over_nccl_and_trains_as_one_process(
     runs, fake_gpu, data, assets, tmp_path, monkeypatch
 ):
-    """torchrun's environment for a world of 1, in this process: the CUDA lines of DDP run (the
-    two-rank job: test_bench_sections_on_a_gpu, the ladder's DDP rung)."""
+    """torchrun's environment for a world of 1 in this process (two ranks: test_bench_sections_on_a_gpu)."""
     env = dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
@@ -167,17 +159,16 @@ def test_a_model_too_big_for_a_16_gb_gpu_is_refused_before_it_is_built(fake_gpu,
 
 @pytest.mark.parametrize("gpu, fits", [("RTX 3090", 16), ("A100", 32)])
 def test_out_of_memory_names_the_B_the_gpu_fits(fake_gpu, tmp_path, capsys, gpu, fits):
-    """The recipe's model (12 layers, 768 wide) at B 64 x T 1024 runs out in its first step:
-    docs/gpus.md's -B for the GPU's memory, 90% of it usable (a 24 GB card would fit -B 32 in all)."""
+    """The recipe's model at B 64 x T 1024 runs out in its first step: the -B for 90% of the GPU's memory."""
     (tmp_path / "data").mkdir()
     write_shard(tmp_path / "data" / "ids_train_000001.npy", np.arange(70_000) % 256)
     recipe = ("--n-layer", 12, "--n-head", 12, "--n-embd", 768, "--block-size", 1024)
     flags = "-B 64 -T 1024 --total-batch-size 65536 --max-steps 1"
-    args = tiny_args(tmp_path / "data", tmp_path / "out", *flags.split(), *recipe)
+    args = tiny_args(tmp_path / "data", tmp_path / "out", *flags.split(), *recipe, "--device", "cuda", "--no-compile")
     fake = fake_gpu(gpu)
     fake.out_of_memory(lambda func, args, kwargs: func is F.embedding)  # the forward's first op
-    with pytest.raises(SystemExit) as e:
-        run_cli(lambda: train_gpt2.main([*args, "--device", "cuda", "--no-compile", "--eval-every", 0]), **OOM)
+    with pytest.raises(SystemExit) as e:  # run_cli as train_gpt2.py calls it, with its out-of-memory hook
+        run_cli(lambda: train_gpt2.main([*args, "--eval-every", 0]), out_of_memory=training_out_of_memory)
     assert e.value.code == 1
     assert capsys.readouterr().err.splitlines() == [
         f"error: out of GPU memory in the first training step (-B 64 rows of -T 1024): lower -B (e.g. -B {fits}, "
@@ -230,27 +221,10 @@ def test_nothing_of_the_fake_is_left_after_it():
         torch.zeros(1, device="cuda")  # "Torch not compiled with CUDA enabled"
 
 
-# ----------------------------------------------------------------------------------------------
-# Slow: compile, bench.py's sections and --gpu-check, then the count of every CUDA-only place
-
-
-@pytest.mark.slow
-def test_compile_is_the_default_on_a_gpu_and_trains_as_eager(runs, fake_gpu, data, assets, tmp_path):
-    fake_gpu("H100")
-    assert train_gpt2.main(args_for(data, tmp_path / "compiled", assets, "--device", "cuda")) == 0
-    assert read_log(tmp_path / "compiled")[0][0]["config"]["compile"] is True
-    compiled, eager = results(tmp_path / "compiled"), results(runs("H100")[0])
-    assert [r.keys() for r in compiled] == [r.keys() for r in eager]
-    for a, b in zip(compiled, eager, strict=True):
-        for key in {"train_loss", "val_loss"} & a.keys():
-            assert a[key] == pytest.approx(b[key], rel=1e-4)
-
-
 @pytest.mark.slow
 def test_bench_sections_on_a_gpu(fake_gpu, assets, tmp_path):
-    """Each --tiny section with CUDA-only lines, on two faked GPUs: the ladder's DDP rung is
-    train_gpt2.py --compile under torchrun (NCCL as gloo). The train section's first forward runs out
-    of GPU memory: it halves fp32's B."""
+    """Each --tiny section on two faked GPUs (the DDP rung: torchrun); the train section's first forward runs
+    out of GPU memory: it halves fp32's B."""
     fake = fake_gpu("H100", count=2)
     training = lambda func, args, kwargs: func is F.scaled_dot_product_attention and torch.is_grad_enabled()  # noqa: E731
     fake.out_of_memory(training, times=1)
@@ -268,8 +242,7 @@ def test_bench_sections_on_a_gpu(fake_gpu, assets, tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_items_on_a_gpu(fake_gpu, tmp_path, monkeypatch):
-    """bench.py --gpu-check --tiny --device cuda: every item runs. The CUDA tier's own pytest runs
-    without the fake (its tests need a real GPU, and report skipped)."""
+    """bench.py --gpu-check --tiny --device cuda: every item runs (the CUDA tier's pytest without the fake)."""
     real = gpu_check.cuda_tier
 
     def cuda_tier(tmp, timeout):
@@ -295,34 +268,16 @@ CUDA_ONLY = re.compile(
     r"|(==|!=)\s*[\"']cuda[\"']|[\"']cuda[\"']\s+(not )?in\b|autocast\([\"']cuda|device=[\"']cuda"
 )
 
-# What the fake cannot run: (file, the function, a regex its line matches, why)
+# What the fake cannot run (file, function or None, a regex its line matches): PEAK_WRAPPER, code a process
+# runs as python -c (test_gpu_check_items_on_a_gpu asserts its peak); rung 7+, the 124M model, minutes a step
 CANNOT = (
-    (
-        "benchmarks/gpu_check.py",
-        None,
-        r"torch\.cuda\.(is_initialized|max_memory_allocated)",
-        "PEAK_WRAPPER: code in a string that train_gpt2.py's process runs (python -c), where no file line is "
-        "traced; test_gpu_check_items_on_a_gpu asserts the peak it wrote, the fake's",
-    ),
-    (
-        "benchmarks/ladder.py",
-        "rung_7_plus",
-        r"torch\.cuda\.empty_cache",
-        "rung 7+ is the gpt2 config's alone (the 124M model at B 64 x T 1024: minutes a step on a CPU); the same "
-        "call runs in the ladder's other functions",
-    ),
+    ("benchmarks/gpu_check.py", None, r"torch\.cuda\.(is_initialized|max_memory_allocated)"),
+    ("benchmarks/ladder.py", "rung_7_plus", r"torch\.cuda\.empty_cache"),
 )
 
 
-def cannot_run(path, function, code):
-    """Why the fake cannot run this place (CANNOT), or None."""
-    cannot = (why for f, fn, regex, why in CANNOT if f == path and fn in (None, function) and re.search(regex, code))
-    return next(cannot, None)
-
-
 def code_lines(path):
-    """{line number: (the function it is in, or None; its code)} of a Python file, comments and
-    docstrings left out."""
+    """{line number: (its function or None, its code)} of a Python file, comments and docstrings left out."""
     source = path.read_text()
     lines, docstrings, functions = source.splitlines(), set(), {}
     for node in ast.walk(ast.parse(source)):  # outer nodes first: a nested function's lines are its own
@@ -337,14 +292,11 @@ def code_lines(path):
 
 
 def cuda_only_places():
-    """[(path from ROOT, line number, function, code)] of every line of SCANNED that matches CUDA_ONLY."""
+    """[(path from ROOT, line number, code)] of every line of SCANNED that matches CUDA_ONLY, CANNOT's left out."""
     paths = sorted(p for pattern in SCANNED for p in ROOT.glob(pattern))
-    return [
-        (str(p.relative_to(ROOT)), i, function, code)
-        for p in paths
-        for i, (function, code) in code_lines(p).items()
-        if CUDA_ONLY.search(code)
-    ]
+    places = [(str(p.relative_to(ROOT)), i, fn, code) for p in paths for i, (fn, code) in code_lines(p).items()]
+    cannot = lambda f, fn, code: any(f == g and h in (None, fn) and re.search(r, code) for g, h, r in CANNOT)  # noqa: E731
+    return [(f, i, code) for f, i, fn, code in places if CUDA_ONLY.search(code) and not cannot(f, fn, code)]
 
 
 RAN = []  # the tests of this file that ran in this process (a pytest-xdist worker runs some of them)
@@ -358,9 +310,7 @@ def ran_here(request):
 
 @pytest.mark.slow
 def test_every_cuda_only_place_runs_under_the_fake(request, tmp_path):
-    """Last in this file: the lines the tests of this file ran under the fake in this process, and
-    for those it did not run (the quick tier, in CI's slow run; another pytest-xdist worker's), the
-    lines a pytest run of them reports."""
+    """Last in this file: the lines its tests ran in this process, and those a pytest run of the others reports."""
     ran = list(RAN)
     lines = {(path, line) for path, line in LINES_RUN}
     left_out = ["--deselect", request.node.nodeid] + [a for nodeid in ran for a in ("--deselect", nodeid)]
@@ -372,8 +322,8 @@ def test_every_cuda_only_place_runs_under_the_fake(request, tmp_path):
     if report.exists():
         lines |= {(p, int(n)) for p, n in (line.rsplit(":", 1) for line in report.read_text().splitlines())}
     places = cuda_only_places()
-    run = [(f, i) for f, i, _, _ in places if (str(ROOT / f), i) in lines]
-    not_run = [f"{f}:{i}: {code}" for f, i, fn, code in places if (f, i) not in run and not cannot_run(f, fn, code)]
+    run = [(f, i) for f, i, _ in places if (str(ROOT / f), i) in lines]
+    not_run = [f"{f}:{i}: {code}" for f, i, code in places if (f, i) not in run]
     assert not not_run, (
         "no test ran these CUDA-only lines on the fake GPU:\n" + "\n".join(not_run) + child.stdout[-3000:]
     )

@@ -1,34 +1,21 @@
-"""Faults thrown at whole runs of train_gpt2.py, end to end: SIGKILL at random moments (during
-start-up, while a checkpoint is written, a few steps in), then --resume; the console going away
-mid-run; a DDP rank killed or frozen. Each must end in an exact continuation or a prompt failure
-that leaves the run whole; nothing finished is ever lost.
-
-A fault within one support module is tested in that module's file (test_checkpoints.py,
-test_divergence.py, test_shards.py, ...); the table in docs/reliability.md names them all."""
+"""Faults thrown at whole runs of train_gpt2.py: SIGKILL at random moments then --resume, the console gone,
+a DDP rank killed or frozen; each ends in an exact continuation or a prompt failure that leaves the run
+whole. A fault within one support module is tested in that module's file (docs/reliability.md)."""
 
 import json
 import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
 import train_gpt2
-from helpers import ROOT, random_shards, read_log, same_weights, start_run, tiny_args, wait_for_step
+from helpers import cli, random_shards, read_log, same_weights, start_run, tiny_args, wait_for_step
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.out_dir import checkpoint_paths
-
-# ----------------------------------------------------------------------------------------------
-# train_gpt2.py: SIGKILL at any moment
-
-
-def newest_checkpoint(out):
-    paths = checkpoint_paths(str(out))
-    return paths[0] if paths else None
 
 
 def step_records(out):
@@ -39,9 +26,9 @@ def step_records(out):
 def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path):
     data = random_shards(tmp_path / "data", train_lengths=(200, 250))  # 2 epochs: the shuffle is resumed too
     steps_args = ("--max-steps", 12, "--ckpt-every", 2, "--keep-ckpts", 2, "--eval-every", 3)
-    cmd = lambda out, *extra: [sys.executable, "train_gpt2.py", *map(str, tiny_args(data, out, *steps_args, *extra))]  # noqa: E731,E501
+    args = lambda out, *extra: tiny_args(data, out, *steps_args, *extra)  # noqa: E731
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # what a run printed before its kill is not lost
-    ref = subprocess.run(cmd(tmp_path / "ref"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ref = cli(*args(tmp_path / "ref"), process=True)
     assert ref.returncode == 0, ref.stderr
     out = tmp_path / "out"
     rng = random.Random(8)
@@ -49,10 +36,8 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
     plan = ["start-up", "checkpoint write", "steps", "checkpoint write", "steps"]
     hit = []
     for when in plan:
-        expected = newest_checkpoint(out)  # what --resume must pick: the newest complete checkpoint
-        proc = subprocess.Popen(
-            [*cmd(out), "--resume"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        expected = (checkpoint_paths(str(out)) or [None])[0]  # what --resume must pick: the newest complete one
+        proc = start_run(*args(out), "--resume", env=env)
         try:
             deadline, records = time.time() + 120, step_records(out)
             if when == "start-up":  # after 0 to 4 of its start-up lines (the device, the model, ...)
@@ -80,7 +65,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
             when if when != "checkpoint write" or list(out.glob("*.pt.tmp")) else "just after a checkpoint write"
         )
     assert hit.count("checkpoint write") >= 1, hit  # at least one kill really cut a checkpoint in half
-    final = subprocess.run([*cmd(out), "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    final = cli(*args(out), "--resume", process=True)
     assert final.returncode == 0, final.stderr
     assert not list(out.glob("*.tmp"))
     ref_steps, steps = read_log(tmp_path / "ref")[1], read_log(out)[1]
@@ -93,16 +78,9 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
     print("kills:", hit)
 
 
-# ----------------------------------------------------------------------------------------------
-# train_gpt2.py: the console goes away
-
-
 @pytest.mark.slow
-def test_training_outlives_its_closed_stdout(tmp_path):
-    """`python train_gpt2.py ... | tee train.log`, and tee dies with the ssh session: the prints
-    meet a closed pipe. The run must go on to its last step (its record is log.jsonl and the
-    checkpoints), not end with a BrokenPipeError."""
-    data = random_shards(tmp_path / "data")
+def test_training_outlives_its_closed_stdout(data, tmp_path):
+    """`python train_gpt2.py ... | tee train.log`, and tee dies with the ssh session: the run goes on to its end."""
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 400, "--eval-every", 100, "--ckpt-every", 200)
     proc = start_run(*args)
@@ -116,13 +94,8 @@ def test_training_outlives_its_closed_stdout(tmp_path):
     assert (out / "ckpt_000400.pt").exists()  # named by the steps done
 
 
-# ----------------------------------------------------------------------------------------------
-# train_gpt2.py: a DDP rank dies
-
-
 def hit_rank_1(tmp_path, sig, *extra):
-    """torchrun 2 CPU ranks (gloo); once they are 2 steps in, send rank 1 `sig`. Returns torchrun's
-    exit code, the seconds it took to exit after the signal, and its output. Never leaves a process."""
+    """torchrun 2 CPU ranks, rank 1 sent sig 2 steps in; -> (torchrun's exit code, seconds to it, its output)."""
     data = random_shards(tmp_path / "data")
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 100000, "--eval-every", 0, *extra)
@@ -151,9 +124,8 @@ def hit_rank_1(tmp_path, sig, *extra):
 
 
 def assert_run_left_whole(out):
-    """What a run whose rank died leaves: a log of whole JSON lines whose steps run 0, 1, 2, ...
-    with none missing, and a newest checkpoint (every 2 steps) that loads with its training state,
-    of a step the log has done."""
+    """A log of whole JSON lines, steps 0, 1, 2, ... none missing, and a newest checkpoint that loads, of a step
+    the log has done."""
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]  # a cut line fails
     steps = [r["step"] for r in records if "train_loss" in r]
     assert len(steps) >= 3 and steps == list(range(len(steps))), steps
@@ -173,9 +145,7 @@ def test_ddp_rank_killed_ends_torchrun_quickly(tmp_path):
 
 @pytest.mark.slow
 def test_ddp_rank_frozen_times_out(tmp_path):
-    # a frozen rank (SIGSTOP: a hung disk, a stuck driver) looks alive to torchrun; only the
-    # collective timeout ends the other rank's wait, then torchrun kills the frozen one (after its
-    # 30 s grace period for SIGTERM, which a stopped process cannot act on)
+    # a frozen rank (a hung disk) looks alive to torchrun: the collective timeout ends the other's wait
     returncode, waited, output = hit_rank_1(tmp_path, signal.SIGSTOP, "--ddp-timeout", 5, "--ckpt-every", 2)
     assert returncode != 0 and waited < 200, output[-2000:]  # 5 + 30 s and a few; a hang: 1800 s
     assert "Timed out" in output

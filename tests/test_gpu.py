@@ -1,14 +1,10 @@
-"""support/gpu.py: the micro-batch a GPU's memory fits, from the recipe's peak measured on an H100
-(41.2 GiB at B 64, T 1024), against numbers worked by hand (the out-of-memory advice that names it:
-test_out_of_memory.py). No GPU needed."""
+"""support/gpu.py: the -B a GPU's memory fits, from the recipe's peak measured on an H100 (41.2 GiB at
+B 64, T 1024), against numbers worked by hand."""
 
 import pytest
 
 from helpers import GiB
 from support.gpu import fitting_B, training_memory
-
-# ----------------------------------------------------------------------------------------------
-# The -B a GPU's memory fits
 
 # Worked by hand: the fixed part is 16 bytes (fp32 weight, gradient, AdamW's two moments) x
 # 124,475,904 parameters = 1.855 GiB; the rest of 41.2 GiB over B 64 is (41.2 - 1.855) / 64 =

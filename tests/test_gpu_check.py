@@ -1,6 +1,5 @@
-"""bench.py --gpu-check: items run in order within --budget-s, one whose estimate does not fit is
-skipped and says why, the JSON is whole after every item (also when the run is killed), and the
-tiny run on a CPU goes through every item a CPU can run. No speed is asserted: CI machines vary."""
+"""bench.py --gpu-check: items run in order within --budget-s, one whose estimate does not fit is skipped
+and says why, the JSON is whole after every item, and the tiny run goes through every item a CPU can run."""
 
 import ast
 import json
@@ -22,99 +21,93 @@ from support.cli import UserError
 ITEM_NAMES = ["cuda_tier", "recipe", "ladder_7_to_10", "ladder_1_to_6", "ladder_11_12"]
 
 
-class Clock:
-    """A clock the stub items move on by the seconds they say they take."""
+class Stubs:
+    """Stub items on a clock that moves by the seconds each takes; seen[name]: out's report as that item started."""
 
-    def __init__(self):
-        self.now = 1000.0
+    def __init__(self, out):
+        self.out, self.now, self.seen = out, 1000.0, {}
+        self.clock = lambda: self.now
 
-    def __call__(self):
-        return self.now
+    def item(self, name, estimate_s, takes_s, fail=False):
+        def run():
+            self.seen[name] = json.loads(self.out.read_text())
+            self.now += takes_s
+            if fail:
+                raise RuntimeError(f"{name} broke")
+            return {"value": name}
 
+        return Item(name, f"the {name} item", lambda: (estimate_s, "a stub's"), run)
 
-def stub_item(name, clock, estimate_s, takes_s, out, seen, fail=False):
-    """An item that, when it runs, reads the report as saved so far (into seen[name]), then takes
-    takes_s on the clock; fail: it raises after that."""
-
-    def run():
-        seen[name] = json.loads(out.read_text())
-        clock.now += takes_s
-        if fail:
-            raise RuntimeError(f"{name} broke")
-        return {"value": name}
-
-    return Item(name, f"the {name} item", lambda: (estimate_s, "a stub's"), run)
+    def run(self, items, budget_s=100, started=None):
+        report = {"command": "python bench.py --gpu-check"}
+        return run_items(items, report, budget_s, lambda r: write_report(self.out, r), self.clock, started)
 
 
-def test_items_run_in_order_and_one_whose_estimate_does_not_fit_is_skipped_with_why(tmp_path):
-    out, clock, seen = tmp_path / "check.json", Clock(), {}
+@pytest.fixture
+def stubs(tmp_path):
+    return Stubs(tmp_path / "check.json")
+
+
+def test_items_run_in_order_and_one_whose_estimate_does_not_fit_is_skipped_with_why(stubs):
     items = [
-        stub_item("a", clock, 10, 30, out, seen),  # 100 s left: runs, leaves 70
-        stub_item("b", clock, 80, 5, out, seen),  # 80 > 70: skipped
-        stub_item("c", clock, 70, 20, out, seen),  # 70 <= 70: runs, leaves 50
-        stub_item("d", clock, 60, 1, out, seen),  # 60 > 50: skipped
+        stubs.item("a", 10, 30),  # 100 s left: runs, leaves 70
+        stubs.item("b", 80, 5),  # 80 > 70: skipped
+        stubs.item("c", 70, 20),  # 70 <= 70: runs, leaves 50
+        stubs.item("d", 60, 1),  # 60 > 50: skipped
     ]
-    report = run_items(items, {"command": "python bench.py --gpu-check"}, 100, lambda r: write_report(out, r), clock)
+    report = stubs.run(items)
     assert [(e["name"], e["status"]) for e in report["items"]] == [
         ("a", "done"),
         ("b", "skipped"),
         ("c", "done"),
         ("d", "skipped"),
     ]
-    assert set(seen) == {"a", "c"}  # a skipped item never ran
+    assert set(stubs.seen) == {"a", "c"}  # a skipped item never ran
     b, d = report["items"][1], report["items"][3]
     assert b["why"] == "its estimate, 80 s (a stub's), is more than the 70 s left of --budget-s 100"
     assert d["why"] == "its estimate, 60 s (a stub's), is more than the 50 s left of --budget-s 100"
     assert [e.get("seconds") for e in report["items"]] == [30, None, 20, None]
     assert report["items"][0]["result"] == {"value": "a"} and report["to_do"] == []
-    assert json.loads(out.read_text()) == report  # the file holds the final report
+    assert json.loads(stubs.out.read_text()) == report  # the file holds the final report
 
 
-def test_the_budget_counts_from_the_start_given(tmp_path):
+def test_the_budget_counts_from_the_start_given(stubs):
     """What ran before the items (torch's import, the compile check) is spent from the budget too."""
-    out, clock, seen = tmp_path / "check.json", Clock(), {}
-    items = [stub_item("a", clock, 60, 1, out, seen), stub_item("b", clock, 40, 1, out, seen)]
-    report = run_items(items, {"command": "python bench.py"}, 100, lambda r: write_report(out, r), clock, clock() - 50)
+    report = stubs.run([stubs.item("a", 60, 1), stubs.item("b", 40, 1)], started=stubs.clock() - 50)
     assert [e["status"] for e in report["items"]] == ["skipped", "done"]
     assert report["items"][0]["why"].endswith("is more than the 50 s left of --budget-s 100")
 
 
-def test_the_json_is_whole_after_every_item_and_holds_the_items_before(tmp_path):
+def test_the_json_is_whole_after_every_item_and_holds_the_items_before(stubs, tmp_path):
     """The file as each item starts (what a kill then leaves): the items before it, the rest to do."""
-    out, clock, seen = tmp_path / "check.json", Clock(), {}
     names = ["one", "two", "three"]
-    items = [stub_item(name, clock, 1, 1, out, seen) for name in names]
-    run_items(items, {"command": "python bench.py --gpu-check"}, 100, lambda r: write_report(out, r), clock)
+    stubs.run([stubs.item(name, 1, 1) for name in names])
     for k, name in enumerate(names):
-        saved = seen[name]
+        saved = stubs.seen[name]
         assert [e["name"] for e in saved["items"]] == names[:k]
         assert saved["to_do"] == names[k:]
         assert all(e["status"] == "done" for e in saved["items"])
     assert sorted(os.listdir(tmp_path)) == ["check.json"]  # no temporary file left beside it
 
 
-def test_a_failing_item_is_recorded_and_the_next_one_runs(tmp_path):
-    out, clock, seen = tmp_path / "check.json", Clock(), {}
-    items = [stub_item("a", clock, 1, 2, out, seen, fail=True), stub_item("b", clock, 1, 1, out, seen)]
-    report = run_items(items, {"command": "python bench.py --gpu-check"}, 100, lambda r: write_report(out, r), clock)
-    a, b = report["items"]
+def test_a_failing_item_is_recorded_and_the_next_one_runs(stubs):
+    a, b = stubs.run([stubs.item("a", 1, 2, fail=True), stubs.item("b", 1, 1)])["items"]
     assert a["status"] == "failed" and a["error"] == "RuntimeError: a broke" and "raise RuntimeError" in a["traceback"]
     assert a["seconds"] == 2 and b["status"] == "done"
-    assert json.loads(out.read_text())["items"][0]["error"] == "RuntimeError: a broke"
+    assert json.loads(stubs.out.read_text())["items"][0]["error"] == "RuntimeError: a broke"
 
 
-def test_an_item_not_for_this_device_is_listed_as_such_whatever_the_budget(tmp_path):
-    out, clock, seen = tmp_path / "check.json", Clock(), {}
-    item = stub_item("gpu", clock, 10_000, 1, out, seen)
+def test_an_item_not_for_this_device_is_listed_as_such_whatever_the_budget(stubs):
+    item = stubs.item("gpu", 10_000, 1)
     item.not_here = lambda: "CUDA only"
-    report = run_items([item], {"command": "python bench.py --gpu-check"}, 1, lambda r: write_report(out, r), clock)
+    report = stubs.run([item], budget_s=1)
     assert report["items"][0] == {
         "name": "gpu",
         "what": "the gpu item",
         "status": "not run on this device",
         "why": "CUDA only",
     }
-    assert seen == {}
+    assert stubs.seen == {}
 
 
 def test_estimates_use_the_first_compile_this_run_timed(tmp_path):
@@ -156,9 +149,8 @@ def test_gpu_check_flags_are_checked_before_anything_runs(argv, words):
 
 
 def test_gpu_check_default_budget():
-    assert (
-        parse_args(["--gpu-check"]).budget_s == 480 and parse_args(["--gpu-check", "--budget-s", "60"]).budget_s == 60
-    )
+    assert parse_args(["--gpu-check"]).budget_s == 480
+    assert parse_args(["--gpu-check", "--budget-s", "60"]).budget_s == 60
 
 
 def test_gpu_check_on_a_cpu_without_tiny_is_refused(tmp_path):
@@ -205,14 +197,6 @@ def test_junit_outcomes_are_read_per_test(tmp_path):
     assert all(t["seconds"] >= 0 for t in tests.values())
 
 
-def cuda_test_names():
-    """The test functions of tests/test_cuda.py, read from its source."""
-    tree = ast.parse((ROOT / "tests" / "test_cuda.py").read_text())
-    return {
-        f"tests.test_cuda::{n.name}" for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
-    }
-
-
 @pytest.mark.slow
 def test_tiny_gpu_check_on_a_cpu_runs_every_item_a_cpu_can(tmp_path):
     out = tmp_path / "check.json"
@@ -232,7 +216,11 @@ def test_tiny_gpu_check_on_a_cpu_runs_every_item_a_cpu_can(tmp_path):
 
     # the CUDA tier: pytest's outcome for every test in the file, skipped here without CUDA
     tier = items["cuda_tier"]["result"]
-    assert set(tier["tests"]) == cuda_test_names()
+    tests = ast.parse((ROOT / "tests" / "test_cuda.py").read_text()).body
+    names = {
+        f"tests.test_cuda::{n.name}" for n in tests if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
+    }
+    assert set(tier["tests"]) == names
     assert {t["outcome"] for t in tier["tests"].values()} == {"skipped"}
     assert all("needs a CUDA GPU" in t["message"] for t in tier["tests"].values())
 
@@ -245,53 +233,20 @@ def test_tiny_gpu_check_on_a_cpu_runs_every_item_a_cpu_can(tmp_path):
     assert recipe["tok_per_sec"]["n"] == 4 and recipe["tok_per_sec"]["median"] > 0  # 6 steps, the first 2 dropped
     assert recipe["step0_ms"] > 0 and recipe["peak_memory_gib"] is None  # no GPU memory on a CPU
 
-    # the ladder: 7-9 against rung 7, then 1-6, the rungs a CPU cannot run say why
+    # the ladder: 7-10, then 1-6, one table (its rows' numbers: test_ladder.py's tiny ladder)
     rows = {row["rung"]: row for row in report["ladder"]["rungs"]}
     for k in (7, 8, 9, 1, 3, 5, 6):
         assert rows[k]["measured"], k
-    for k in (8, 9):
-        diff = max(abs(a - b) for a, b in zip(rows[k]["losses"], rows[7]["losses"], strict=True))
-        assert rows[k]["loss_vs_rung7_max_abs_diff"] == diff <= rows[k]["loss_vs_rung7_tol"]
     assert rows[7]["loss_max_abs_diff"] == max(
         abs(a - b) for a, b in zip(rows[7]["losses"], rows[1]["losses"], strict=True)
     )
-    for k in (10, 11, 12):
-        assert not rows[k]["measured"] and rows[k]["note"].startswith("CUDA only")
     assert not rows["7+"]["measured"] and report["ladder"]["losses_agree"]
     assert [row["rung"] for row in items["ladder_7_to_10"]["result"]["rungs"]] == [7, "7+", 8, 9, 10]
     assert report["ladder"]["table"] in r.stdout and report["ladder"]["headline"]["text"] in r.stdout
     assert (tmp_path / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow
-def test_a_run_killed_after_an_item_leaves_a_whole_json_of_the_items_before(tmp_path):
-    """SIGKILL once the JSON holds 2 items: it parses, with items 1..N (N >= 2) and the rest to do."""
-    out = tmp_path / "check.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    cmd = [sys.executable, str(ROOT / "bench.py"), "--gpu-check", "--tiny", "--device", "cpu", "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            if out.exists() and len(json.loads(out.read_text())["items"]) >= 2:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    report = json.loads(out.read_text())
-    n = len(report["items"])
-    assert n >= 2 and [e["name"] for e in report["items"]] == ITEM_NAMES[:n]
-    assert report["to_do"] == ITEM_NAMES[n:]
-    assert report["items"][0]["status"] == report["items"][1]["status"] == "done"
-    assert report["items"][1]["result"]["recipe"]["losses_finite"]
-
-
-# a child of --gpu-check that starts a grandchild, each holding a lock on a file of its own (its pid
-# in it) while it lives; the grandchild then says it is ready, and both sleep
+# a child of --gpu-check starts a grandchild, each holding a lock on a file with its pid; then both sleep
 HOLD = """
 import fcntl, os, subprocess, sys, time
 held = open(sys.argv[1], "w")

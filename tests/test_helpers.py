@@ -1,6 +1,5 @@
-"""helpers.py's cli(), which most tests of the scripts run them through: in the test's process it
-reports a script's end as python does, ends one past its timeout whatever the script catches, and
-leaves nothing of the script's behind."""
+"""helpers.cli(): it reports a script's end as python does, ends one past its timeout whatever the
+script catches, and leaves nothing of the script's behind."""
 
 import random
 
@@ -19,8 +18,8 @@ def draws():
 
 def test_a_sys_exit_message_is_printed_with_exit_1_and_the_random_generators_are_put_back(tmp_path):
     script = tmp_path / "script.py"
-    script.write_text("import random, sys, numpy, torch\nrandom.seed(0)\nnumpy.random.seed(0)\ntorch.manual_seed(0)\n")
-    script.write_text(script.read_text() + "sys.exit('error: its words')\n")
+    seeded = "random.seed(0)\nnumpy.random.seed(0)\ntorch.manual_seed(0)\n"
+    script.write_text(f"import random, sys, numpy, torch\n{seeded}sys.exit('error: its words')\n")
     for seed in SEEDS:
         seed(1)
     expected = draws()

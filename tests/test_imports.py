@@ -1,8 +1,5 @@
-"""The project's imports, read from the source with ast (nothing is imported): every `import` and
-`from ... import`, at the top of a file or inside a function, of the top-level scripts, support/ and
-benchmarks/. The modules import one another in no cycle; a script imports another script only
-where the design has it; the data side (fineweb.py and the support modules it shares) loads no
-torch, through any module of the project either."""
+"""The project's imports, read from the source with ast (top-level and inside functions): no cycle, a
+script imports another only where the design has it, and the data side loads no torch."""
 
 import ast
 import functools
@@ -15,9 +12,8 @@ from helpers import ROOT
 
 PACKAGES = ("support", "benchmarks")
 SCRIPTS = ("train_gpt2", "sample", "export_hf", "fineweb", "hellaswag", "bench")
-# The design's script -> script imports, by the importer: training runs hellaswag's eval, sample.py
-# samples the recipe's model, the benchmarks measure the scripts. Nothing else: hellaswag, fineweb and
-# export_hf import no script, support/ imports no script and nothing of benchmarks/.
+# The design's script -> script imports (training runs hellaswag's eval, sample.py the recipe's model, the
+# benchmarks measure the scripts); nothing else, and support/ imports no script and nothing of benchmarks/.
 ALLOWED_SCRIPT_IMPORTS = {
     "train_gpt2": {"hellaswag"},
     "sample": {"train_gpt2"},
@@ -29,8 +25,7 @@ TORCH_FREE = ("fineweb.py", *(f"support/{name}.py" for name in ("cli", "files", 
 
 
 class Import(NamedTuple):
-    """One module named by an import statement: `target` (absolute, as written) in `path` at `line`,
-    `local` when the statement is inside a function (it runs when the function is called)."""
+    """One module an import statement names (absolute) in path at line; local: inside a function."""
 
     target: str
     path: str
@@ -42,8 +37,7 @@ class Import(NamedTuple):
 
 
 def project_modules(root):
-    """{module name: its file} of the project's own modules: the top-level .py files, and those of
-    support/ and benchmarks/ (a package's __init__.py under the package's name)."""
+    """{module name: its file}: the top-level .py files, support/'s and benchmarks/' (__init__.py as the package)."""
     modules = {p.stem: p for p in sorted(root.glob("*.py"))}
     for package in PACKAGES:
         for p in sorted((root / package).glob("*.py")):
@@ -52,8 +46,7 @@ def project_modules(root):
 
 
 def imports_in(module, path, root):
-    """Every import statement of the module in `path`, top-level and inside functions alike: an
-    Import per module it names (`from a import b` names a.b, which is a module or a name in a)."""
+    """An Import per module each import statement in path names (`from a import b`: a, and a.b)."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     rel = str(path.relative_to(root))
@@ -78,9 +71,8 @@ def imports_in(module, path, root):
 
 
 def import_graph(root):
-    """(project, external): project[a][b], the Imports by which project module a imports project
-    module b (`import a.b.c` runs a, a.b and a.b.c: each is imported); external[a], a's Imports of
-    modules outside the project, by their top-level name."""
+    """(project, external): project[a][b], the Imports by which module a imports project module b (`import
+    a.b.c` imports a, a.b and a.b.c); external[a], a's Imports of other modules, by their top-level name."""
     modules = project_modules(root)
     project, external = {m: {} for m in modules}, {m: [] for m in modules}
     for module, path in modules.items():
@@ -116,9 +108,7 @@ def shortest_path(graph, start, goal):
 
 
 def find_cycles(graph):
-    """The cycles of graph ({node: its successors}) as [a, b, ..., a], each starting at its least
-    node, sorted: for every edge that lies on a cycle, the shortest cycle through it. An empty list
-    where the graph has none."""
+    """The shortest cycle through each edge of graph that lies on one, as [a, b, ..., a] from its least node."""
     cycles = set()
     for node, successors in graph.items():
         for succ in successors:
@@ -139,51 +129,28 @@ def describe_cycle(cycle, project):
     return "\n".join(lines)
 
 
-def owner(module):
-    """The script or package a module belongs to: 'support', 'benchmarks', or the module itself."""
-    return module.split(".")[0]
-
-
 def forbidden_imports(project):
-    """(importer, imported, its Imports) of each import outside the design: a script imported by
-    anything but ALLOWED_SCRIPT_IMPORTS says, and support/ importing benchmarks/."""
+    """(importer, imported, its Imports) outside ALLOWED_SCRIPT_IMPORTS, and support/ importing benchmarks/."""
     bad = []
     for a, targets in sorted(project.items()):
         for b, imps in sorted(targets.items()):
-            to_script = b in SCRIPTS and b != a and b not in ALLOWED_SCRIPT_IMPORTS.get(owner(a), ())
-            if to_script or (owner(a) == "support" and owner(b) == "benchmarks"):
+            owner_a, owner_b = a.split(".")[0], b.split(".")[0]  # the script or the package (support, benchmarks)
+            to_script = b in SCRIPTS and b != a and b not in ALLOWED_SCRIPT_IMPORTS.get(owner_a, ())
+            if to_script or (owner_a == "support" and owner_b == "benchmarks"):
                 bad.append((a, b, imps))
     return bad
 
 
 def torch_paths(start, project, external):
-    """Each way module `start` loads torch: the chain of project modules from start to one that
-    imports torch, and that Import. BFS: the shortest chain to each such module."""
-    came_from, queue, found = {start: None}, deque([start]), []
-    while queue:
-        module = queue.popleft()
-        for imp in external[module]:
-            if imp.target == "torch":
-                chain, node = [], module
-                while node is not None:
-                    chain.append(node)
-                    node = came_from[node]
-                found.append((chain[::-1], imp))
-        for succ in sorted(project[module]):
-            if succ not in came_from:
-                came_from[succ] = module
-                queue.append(succ)
-    return found
+    """(the shortest chain of modules from start to one that imports torch, that Import) for each such module."""
+    chains = {m: shortest_path(project, start, m) for m in project}
+    return [(chains[m], imp) for m in sorted(project) if chains[m] for imp in external[m] if imp.target == "torch"]
 
 
 @functools.cache
 def project_graph():
     """import_graph of the repository, read once."""
     return import_graph(ROOT)
-
-
-# ----------------------------------------------------------------------------------------------
-# The project
 
 
 def test_the_project_modules_import_one_another_in_no_cycle():
@@ -215,16 +182,11 @@ def test_the_data_side_loads_no_torch(path):
 
 
 def test_the_graph_holds_every_project_module_and_the_known_imports():
-    """The walk reads what it should: every module, the support package, the benchmarks' modules."""
     project, external = project_graph()
     assert {"train_gpt2", "fineweb", "hellaswag", "bench", "support", "support.cli", "benchmarks"} <= set(project)
     assert "support.cli" in project["train_gpt2"] and "support" in project["train_gpt2"]
     assert any(imp.target == "torch" for imp in external["train_gpt2"])
     assert any(m.startswith("benchmarks.") for m in project["bench"])
-
-
-# ----------------------------------------------------------------------------------------------
-# The machinery, on graphs and projects made here
 
 
 @pytest.mark.parametrize(
@@ -251,15 +213,16 @@ def write_project(root, files):
     return root
 
 
-def test_a_function_local_import_closes_a_cycle_and_the_message_names_it(tmp_path):
+def test_the_walk_on_a_project_made_here_names_its_imports_cycles_and_torch(tmp_path):
     root = write_project(
         tmp_path,
         {
             "train_gpt2.py": "import os\nfrom support.common import x\n",
             "hellaswag.py": "from support import common\n\ndef f():\n    import train_gpt2\n",
             "support/__init__.py": "",
-            "support/common.py": "from . import sibling\n",
+            "support/common.py": "from . import sibling\n\ndef f():\n    from support.machine import g\n",
             "support/sibling.py": "import numpy as np\n",
+            "support/machine.py": "import torch.nn as nn\n",
         },
     )
     project, external = import_graph(root)
@@ -268,10 +231,15 @@ def test_a_function_local_import_closes_a_cycle_and_the_message_names_it(tmp_pat
         "support.common": [Import("support.common", "hellaswag.py", 1, False)],
         "train_gpt2": [Import("train_gpt2", "hellaswag.py", 4, True)],
     }
-    assert set(project["support.common"]) == {"support", "support.sibling"}  # relative, resolved
+    assert set(project["support.common"]) == {"support", "support.sibling", "support.machine"}  # relative, resolved
     assert [imp.target for imp in external["support.sibling"]] == ["numpy"]
     assert find_cycles({a: set(t) for a, t in project.items()}) == []
+    ((chain, imp),) = torch_paths("hellaswag", project, external)  # the shortest chain, through a function
+    assert chain == ["hellaswag", "support.common", "support.machine"]
+    assert imp == Import("torch", "support/machine.py", 1, False)
+    assert torch_paths("support.sibling", project, external) == []
 
+    # a function-local import closes a cycle, and the message names where each import is
     (root / "train_gpt2.py").write_text("import os\n\ndef evaluate():\n    import hellaswag\n")
     project, _ = import_graph(root)
     (cycle,) = find_cycles({a: set(t) for a, t in project.items()})
@@ -281,42 +249,3 @@ def test_a_function_local_import_closes_a_cycle_and_the_message_names_it(tmp_pat
         "    train_gpt2 -> hellaswag: train_gpt2.py:4 (inside a function)"
     )
     assert [(a, b) for a, b, _ in forbidden_imports(project)] == [("hellaswag", "train_gpt2")]
-
-
-def test_torch_is_found_through_the_project_and_named_with_its_chain(tmp_path):
-    root = write_project(
-        tmp_path,
-        {
-            "fineweb.py": "from support import common\n",
-            "support/__init__.py": "",
-            "support/common.py": "def f():\n    from support.machine import g\n",
-            "support/machine.py": "import torch.nn as nn\n",
-            "support/documents.py": "import json\n",
-        },
-    )
-    project, external = import_graph(root)
-    ((chain, imp),) = torch_paths("fineweb", project, external)
-    assert chain == ["fineweb", "support.common", "support.machine"]
-    assert imp == Import("torch", "support/machine.py", 1, False)
-    assert torch_paths("support.documents", project, external) == []
-
-
-def test_a_cycle_made_on_purpose_in_a_copy_of_the_project_is_found(tmp_path):
-    """A copy of the project's modules in which fineweb.py and support/cli.py import each other,
-    inside functions: the walk finds that cycle, which the project itself does not have."""
-    for path in project_modules(ROOT).values():
-        copy = tmp_path / path.relative_to(ROOT)
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        copy.write_text(path.read_text())
-    for name, other in (("fineweb.py", "support.cli"), ("support/cli.py", "fineweb")):
-        with open(tmp_path / name, "a") as f:
-            f.write(f"\n\ndef on_purpose():\n    import {other}\n")
-
-    def cycles(root):
-        project, _ = import_graph(root)
-        return find_cycles({a: set(t) for a, t in project.items()})
-
-    made = [cycle for cycle in cycles(tmp_path) if cycle not in cycles(ROOT)]
-    assert ["fineweb", "support.cli", "fineweb"] in made, made
-    # the edge added, in each cycle made
-    assert all(("support.cli", "fineweb") in zip(cycle, cycle[1:], strict=False) for cycle in made), made

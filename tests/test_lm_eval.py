@@ -1,8 +1,5 @@
-"""lm-evaluation-harness on an export, offline, with the task files the repository ships in
-lm_eval_tasks/ (the README's lm_eval line): the completion-style HellaSwag task scores each example
-as hellaswag.py scores the checkpoint, and lm-eval's own hellaswag task, run on the same local rows,
-rewrites the context and normalizes acc_norm by characters, as docs/evaluation.md says. One lm-eval
-run (both tasks, 200 examples) serves the slow tests."""
+"""lm-evaluation-harness on an export with the shipped task files (README's lm_eval line): the completion
+task scores as hellaswag.py does; lm-eval's own hellaswag rewrites the context, as docs/evaluation.md says."""
 
 import importlib.util
 import json

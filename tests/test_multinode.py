@@ -1,8 +1,5 @@
-"""The README's multi-node commands, on one machine as two nodes of one rank each: two torchruns
-over 127.0.0.1 (gloo on the CPU), joined by --node_rank/--master_addr or by the c10d rendezvous.
-They train as one job, global rank 0 alone writes, a signal to one node stops both with a
-checkpoint, and the same command with --resume finishes exactly as the run never stopped; each
-worker takes the GPU of its local rank."""
+"""The README's multi-node commands as two one-rank torchruns over 127.0.0.1: one job, global rank 0 alone
+writes, a signal to one node stops both with a checkpoint, --resume finishes as if never stopped."""
 
 import json
 import os
@@ -17,26 +14,14 @@ import pytest
 import torch
 
 import train_gpt2
-from helpers import ROOT, free_port, random_shards, read_log, tiny_args, torchrun_command
+from helpers import ROOT, free_port, random_shards, read_log, same_weights, tiny_args, torchrun_command
 from support.checkpoints import load_checkpoint
 
 STEPS = ("--max-steps", 8, "--ckpt-every", 2, "--eval-every", 0)
 
 
-def node_command(node_rank, rendezvous, port, rdzv_id, *args):
-    """The README's command for one node of two with one rank each, 127.0.0.1 for the first node's
-    address: --node_rank with --master_addr/--master_port, or the c10d rendezvous, which numbers
-    the nodes itself and takes no --node_rank."""
-    if rendezvous == "static":
-        launch = [f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]
-    else:
-        launch = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={rdzv_id}"]
-    return torchrun_command(*args, nproc=1, script=ROOT / "train_gpt2.py", launch=["--nnodes=2", *launch])
-
-
 class TwoNodes:
-    """One two-node launch: each node a torchrun in a working folder of its own (its local disk:
-    a relative path written there shows up as a file in it), its output in files outside both."""
+    """Two nodes launched, each a torchrun in a working folder of its own (its local disk), output in files."""
 
     def __init__(self, folder, rendezvous, args):
         self.folder, self.workers, self.ranks = folder, {}, {}
@@ -46,9 +31,13 @@ class TwoNodes:
         for node in (0, 1):
             (folder / f"node{node}").mkdir(parents=True)
             out, err = (open(folder / f"node{node}.{s}", "w") for s in ("out", "err"))
+            # the README's command for one node of two: --node_rank and --master_addr, or the c10d rendezvous
+            launch = [f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+            if rendezvous == "c10d":
+                launch = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={rdzv_id}"]
             self.nodes.append(
                 subprocess.Popen(
-                    node_command(node, rendezvous, port, rdzv_id, *args),
+                    torchrun_command(*args, nproc=1, script=ROOT / "train_gpt2.py", launch=["--nnodes=2", *launch]),
                     cwd=folder / f"node{node}",
                     env=env,
                     stdout=out,
@@ -116,10 +105,8 @@ class TwoNodes:
 
 @pytest.fixture(scope="module")
 def two_node_runs(tmp_path_factory):
-    """Three two-node launches on the same data: a run never stopped (the --node_rank form, each
-    node with its own --out-dir, relative: disks not shared), then with c10d a run into one shared
-    --out-dir that a SIGTERM to one node stops after its first checkpoint, then the same command
-    with --resume."""
+    """A run never stopped (--node_rank, a relative --out-dir on each node's disk); with c10d, a run into one
+    shared --out-dir that a SIGTERM to one node stops after its first checkpoint; then it with --resume."""
     tmp = tmp_path_factory.mktemp("multinode")
     data = random_shards(tmp / "data")
     launches = []
@@ -135,8 +122,7 @@ def two_node_runs(tmp_path_factory):
         while not (shared / "ckpt_000002.pt").exists() or len(stopped.find_workers()) < 2:
             assert time.time() < deadline and all(n.poll() is None for n in stopped.nodes), stopped.output()
             time.sleep(0.01)
-        # a spot instance's notice reaches one machine: the node that does not hold rank 0, so
-        # that the checkpoint must come from the other one
+        # a spot instance's notice reaches the node without rank 0: the checkpoint must come from the other
         other = 1 - stopped.rank0_node()
         os.kill(stopped.nodes[other].pid, signal.SIGTERM)  # torchrun passes it on to its worker
         stopped.signalled = other
@@ -158,8 +144,7 @@ def test_two_nodes_train_as_one_job_and_only_global_rank_0_writes(two_node_runs)
     assert ref.returncodes == [0, 0], ref.output()
     writer = ref.rank0_node()
     assert writer == 0  # --node_rank=0's
-    # rank 0 wrote the log and the checkpoints into its node's --out-dir; the other node's
-    # working folder holds nothing at all: no log, checkpoint, lock or empty --out-dir
+    # rank 0 wrote into its node's --out-dir; the other node's folder holds nothing, not even an --out-dir
     assert ref.files(1 - writer) == []
     assert ref.files(writer) == [
         "out",
@@ -189,8 +174,7 @@ def test_a_signal_to_one_node_stops_both_with_rank_0s_checkpoint(two_node_runs):
     stopped, shared = two_node_runs.stopped, two_node_runs.shared
     writer, signalled = stopped.rank0_node(), stopped.signalled
     assert signalled != writer
-    # the signalled node's worker said so; both stopped at the same step, and rank 0, on the
-    # other node, wrote that step's checkpoint: before the end of the run
+    # the signalled node said so; both stopped at one step, whose checkpoint rank 0 (the other node) wrote
     assert "caught SIGTERM: stopping after this step with a checkpoint" in stopped.stdout(signalled), stopped.output()
     steps = [json.loads(line)["step"] for line in stopped.log.splitlines() if '"train_loss"' in line]
     stop = len(steps)
@@ -219,8 +203,7 @@ def test_the_same_command_with_resume_finishes_as_the_run_never_stopped(two_node
         for key in ("train_loss", "grad_norm", "lr", "tokens", "epoch"):
             assert steps[s][key] == ref_steps[s][key], (s, key)
     a = load_checkpoint(str(ref.folder / "node0" / "out" / "ckpt_000008.pt"))["model"]
-    b = load_checkpoint(str(shared / "ckpt_000008.pt"))["model"]
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(a, load_checkpoint(str(shared / "ckpt_000008.pt"))["model"])
 
 
 @pytest.mark.parametrize(
@@ -230,9 +213,7 @@ def test_the_same_command_with_resume_finishes_as_the_run_never_stopped(two_node
 def test_a_rank_takes_the_gpu_of_its_local_rank_not_its_global_rank(
     monkeypatch, tmp_path, rank, local_rank, world_size
 ):
-    """On CUDA each worker takes GPU LOCAL_RANK of its own node, whatever its global RANK: node 1's
-    only worker is rank 1 and must use cuda:0. This machine has no GPU: torch.cuda's answers are
-    faked and the process group is not joined; the device and backend the code picks are real."""
+    """Node 1's only worker is rank 1 and must use cuda:0 (torch.cuda's answers faked, no group joined)."""
     env = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": local_rank + 1}
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))

@@ -1,6 +1,5 @@
-"""play.ipynb runs headless against training logs (clean, still being written, resumed; a NaN val
-loss, a read-only run folder, several runs in one log) and reports the numbers the log holds; the
-committed notebook is clean."""
+"""play.ipynb, run headless on training logs made up and real (being written, resumed, several runs),
+reports the numbers the log holds; the committed notebook is clean."""
 
 import json
 import math
@@ -22,8 +21,7 @@ PNGS = ("loss.png", "hellaswag.png", "throughput.png")
 
 @pytest.fixture(scope="module")
 def kernel_env(tmp_path_factory):
-    """A python3 kernelspec that runs this interpreter, first on JUPYTER_PATH (not the user's own);
-    without the optional nbformat, nbclient, ipykernel or matplotlib the notebook tests are skipped."""
+    """A python3 kernelspec of this interpreter first on JUPYTER_PATH; skipped without the notebook packages."""
     for module in ("nbformat", "nbclient", "ipykernel", "matplotlib"):
         pytest.importorskip(module)
     base = tmp_path_factory.mktemp("jupyter")
@@ -31,18 +29,13 @@ def kernel_env(tmp_path_factory):
     spec.mkdir(parents=True)
     argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
     (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "Python 3", "language": "python"}))
-    old = os.environ.get("JUPYTER_PATH")
-    os.environ["JUPYTER_PATH"] = str(base)
-    yield
-    if old is None:
-        del os.environ["JUPYTER_PATH"]
-    else:
-        os.environ["JUPYTER_PATH"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_PATH", str(base))
+        yield
 
 
 def run_notebook(log_path, cwd, **params):
-    """Execute play.ipynb with papermill-style injected parameters; returns (executed nb, what the
-    notebook's `summary` and `BASELINES` hold at the end)."""
+    """play.ipynb run with injected parameters; -> (the executed nb, its `summary`, its `BASELINES`)."""
     import nbformat  # noqa: PLC0415  (optional: kernel_env skips without it)
     from nbclient import NotebookClient  # noqa: PLC0415  (optional: kernel_env skips without it)
     from nbformat.v4 import new_code_cell  # noqa: PLC0415  (optional: kernel_env skips without it)
@@ -53,8 +46,8 @@ def run_notebook(log_path, cwd, **params):
     nb.cells.insert(i + 1, new_code_cell("\n".join(f"{k} = {v!r}" for k, v in values.items())))
     nb.cells.append(new_code_cell("print(json.dumps({'summary': summary, 'baselines': BASELINES}))"))
     NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
-    last = nb.cells[-1].outputs
-    return nb, json.loads("".join(o.get("text", "") for o in last if o.get("name") == "stdout"))
+    said = json.loads("".join(o.get("text", "") for o in nb.cells[-1].outputs if o.get("name") == "stdout"))
+    return nb, said["summary"], said["baselines"]
 
 
 def assert_pngs(folder):
@@ -72,10 +65,6 @@ def text_of(nb, stream=None):
     """What the notebook's code cells printed (to stream alone, where named)."""
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     return "".join(o.get("text", "") for o in outputs if stream in (None, o.get("name")))
-
-
-# ----------------------------------------------------------------------------------------------
-# Synthetic logs in the contract's format, with values chosen so the expected summary is known
 
 
 def header(resumed_from=None):
@@ -128,29 +117,30 @@ def test_committed_notebook_is_clean():
     for cell in nb.cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, "commit the notebook with its outputs cleared"
-    # no machine paths: absolute POSIX paths under the usual roots, or Windows drive paths
+    # no machine paths
     assert not re.search(r"(?<![\w.])/(work|home|tmp|Users|root|mnt)/|[A-Za-z]:\\\\", text)
     assert nb.metadata.kernelspec.name == "python3"
 
 
-def test_clean_log_summary_baselines_and_pngs(tmp_path, kernel_env, assets):
-    log = write_log(tmp_path / "run", clean_records())
-    nb, out = run_notebook(log, tmp_path)
-    s = out["summary"]
+def test_a_log_still_being_written_summary_baselines_and_pngs(tmp_path, kernel_env, assets):
+    """A clean run's log, then a NaN val loss at step 50 (as RunLog writes one) and step 50's record half written."""
+    partial = json.dumps(step_record(50, 5.0))[:40]
+    log = write_log(tmp_path / "run", [*clean_records(), {"step": 50, "val_loss": "NaN"}], tail=partial)
+    nb, s, baselines = run_notebook(tmp_path / "run", tmp_path)  # the run folder works as well as the file
     assert s["last_step"] == 49
     assert s["tokens"] == 50 * 1024
     assert s["last_train_loss"] == pytest.approx(10.0 - 4.9)
-    assert s["last_val_loss"] == [49, 6.3]
+    assert s["last_val_loss"][0] == 50 and math.isnan(s["last_val_loss"][1])
     assert s["best_val_loss"] == [40, 6.2]
     assert s["best_hellaswag"] == [20, 0.27]
     assert s["step_time_s"] == pytest.approx(50 * 0.1)
-    assert (s["redone_steps"], s["skipped_lines"], s["partial_last_line"]) == (0, 0, False)
+    assert (s["redone_steps"], s["skipped_lines"], s["partial_last_line"]) == (0, 0, True)
     # the baselines are the published ones, kept in one place
     ref = assets.reference["build_nanogpt_plot_baselines"]
-    assert out["baselines"]["gpt2_val_loss"]["124M"] == ref["openai_gpt2_val_loss_on_fineweb_edu_val_shard"]["124M"]
+    assert baselines["gpt2_val_loss"]["124M"] == ref["openai_gpt2_val_loss_on_fineweb_edu_val_shard"]["124M"]
     gpt2_124m = assets.reference["hellaswag_gpt2_reference_accuracy"]["gpt2_124M"]["completion_style_this_script"]
-    assert out["baselines"]["gpt2_hellaswag"] == {**ref["hellaswag_gpt2"], "124M": gpt2_124m["acc_norm"]}
-    assert out["baselines"]["gpt3_hellaswag"] == ref["hellaswag_gpt3"]
+    assert baselines["gpt2_hellaswag"] == {**ref["hellaswag_gpt2"], "124M": gpt2_124m["acc_norm"]}
+    assert baselines["gpt3_hellaswag"] == ref["hellaswag_gpt3"]
     assert_pngs(log.parent)
     # the figures are shown in the notebook too, and nothing complained on stderr
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
@@ -158,23 +148,8 @@ def test_clean_log_summary_baselines_and_pngs(tmp_path, kernel_env, assets):
     assert text_of(nb, "stderr") == ""
 
 
-def test_log_still_being_written_with_a_nan_val_loss(tmp_path, kernel_env):
-    # a NaN val loss at step 50 (as RunLog writes a non-finite one), then the writer is midway
-    # through step 50's record: no newline yet
-    partial = json.dumps(step_record(50, 5.0))[:40]
-    log = write_log(tmp_path / "run", [*clean_records(), {"step": 50, "val_loss": "NaN"}], tail=partial)
-    _, out = run_notebook(tmp_path / "run", tmp_path)  # the run folder works as well as the file
-    s = out["summary"]
-    assert s["partial_last_line"] is True
-    assert s["skipped_lines"] == 0
-    assert s["last_step"] == 49 and s["tokens"] == 50 * 1024
-    assert s["best_val_loss"] == [40, 6.2] and s["last_val_loss"][0] == 50 and math.isnan(s["last_val_loss"][1])
-    assert_pngs(log.parent)
-
-
 def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel_env):
-    # run 1 evaluates every 5 steps and checkpoints after 20 updates; it is killed after step
-    # record 29 and the val eval at 30, while writing step record 30
+    # run 1 (val every 5 steps, a checkpoint after 20) killed while writing step record 30
     val_1 = {0: 10.9, 5: 9.0, 10: 8.0, 15: 7.0, 20: 6.0, 25: 5.0, 30: 4.0}
     first = [header()]
     for s in range(30):
@@ -182,14 +157,12 @@ def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel_env):
         first.append(step_record(s, 8.0, dt_ms=100.0))
     first.append({"step": 30, "val_loss": val_1[30]})
     killed = json.dumps(step_record(30, 8.0))[:25]
-    # run 2 resumes from that checkpoint (20 updates done), so it skips the eval at 20 and redoes
-    # step records 20..; as train_gpt2.py does, it starts its records on a fresh line
+    # run 2 resumes from that checkpoint and redoes step records 20.. (starting on a fresh line)
     second = [header(resumed_from=20)] + [step_record(s, 4.0, dt_ms=50.0) for s in range(20, 25)]
     second += [{"step": 25, "val_loss": 6.5}] + [step_record(s, 4.0, dt_ms=50.0) for s in range(25, 28)]
     path = write_log(tmp_path / "run", first, tail=killed + "\n" + "".join(json.dumps(r) + "\n" for r in second))
 
-    _, out = run_notebook(path, tmp_path)
-    s = out["summary"]
+    _, s, _ = run_notebook(path, tmp_path)
     # step records 0..19 from run 1 and 20..27 from run 2; run 1's 28, 29 and val at 30 are gone
     assert s["last_step"] == 27
     assert s["tokens"] == 28 * 1024
@@ -208,8 +181,7 @@ def test_a_record_whose_step_is_not_a_number_is_passed_over_and_named(tmp_path, 
     records.insert(5, {"step": "3", "train_loss": 1.0})  # a hand-edited or foreign record: line 6
     records.insert(9, {"step": 7, "train_loss": "low"})  # line 10
     log = write_log(tmp_path / "run", records)
-    nb, out = run_notebook(log, tmp_path)
-    s = out["summary"]
+    nb, s, _ = run_notebook(log, tmp_path)
     assert s["passed_over"] == ["line 6 (step '3')", "line 10 (step 7)"]
     assert (s["last_step"], s["best_val_loss"], s["tokens"]) == (49, [40, 6.2], 50 * 1024)  # the rest as it is
     said = text_of(nb)
@@ -240,13 +212,8 @@ def test_missing_log_is_a_clear_error(tmp_path, kernel_env):
         run_notebook("log_tiny", tmp_path)
 
 
-# ----------------------------------------------------------------------------------------------
-# A real log: train_gpt2.py trains a tiny model on tiny shakespeare, then resumes from a checkpoint
-
-
 def expected_summary(path):
-    """What the notebook should report, by the contract's plain rule: complete lines only, the
-    last record per step counts."""
+    """The summary by the contract's plain rule: complete lines only, the last record per step counts."""
     lines = path.read_text().split("\n")[:-1]  # whatever follows the last newline is unfinished
     steps, val, hella = {}, {}, {}
     for r in map(json.loads, filter(str.strip, lines)):
@@ -272,8 +239,7 @@ def expected_summary(path):
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory, assets, enc):
-    """Run 1 trains 12 steps with checkpoints after 6 and 12; run 2 resumes from the one after 6
-    and redoes steps 6..11, appending to the same log. Returns (run-1 log text, out dir)."""
+    """(run 1's log text, the folder): 12 steps, checkpoints after 6 and 12, then a resume from 6 redoes 6..11."""
     data = tmp_path_factory.mktemp("shards")
     text = assets.shakespeare.read_text()[:20000]
     tokens = np.array([enc.eot_token] + enc.encode_ordinary(text), dtype=np.uint16)
@@ -291,28 +257,13 @@ def real_run(tmp_path_factory, assets, enc):
     return first, out
 
 
-def test_real_log_still_being_written(real_run, tmp_path, kernel_env):
-    first, _ = real_run
-    log = tmp_path / "writing" / "log.jsonl"
-    log.parent.mkdir()
-    log.write_text(first[: first.rstrip("\n").rfind("\n") + 30])  # the last record cut after 29 characters
-    _, out = run_notebook(log, tmp_path)
-    s = out["summary"]
-    assert s["partial_last_line"] is True and s["skipped_lines"] == 0
-    for key, value in expected_summary(log).items():
-        assert s[key] == pytest.approx(value), key
-    assert s["max_steps"] == 12
-    assert_pngs(log.parent)
-
-
 def test_real_resumed_log(real_run, tmp_path, kernel_env):
     _, run_dir = real_run
     records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     assert [r["resumed_from"] for r in records if r.get("event") == "header"] == [None, 6]
     step_ids = [r["step"] for r in records if "train_loss" in r]
     assert sorted(step_ids) == sorted(list(range(12)) + list(range(6, 12)))  # steps 6..11 twice
-    nb, out = run_notebook(run_dir, tmp_path)
-    s = out["summary"]
+    nb, s, _ = run_notebook(run_dir, tmp_path)
     for key, value in expected_summary(run_dir / "log.jsonl").items():
         assert s[key] == pytest.approx(value), key
     assert (s["last_step"], s["redone_steps"], s["skipped_lines"], s["partial_last_line"]) == (11, 6, 0, False)
@@ -356,15 +307,11 @@ def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env
     assert_pngs(log.parent)
 
 
-# ----------------------------------------------------------------------------------------------
-# Logs at their edges: a read-only run folder, several runs in one log
-
-
 def test_play_ipynb_on_a_read_only_run_folder_prints_its_summary(tmp_path, kernel_env, read_only):
     log = write_log(tmp_path / "run", clean_records())
     read_only(log.parent)
-    nb, out = run_notebook(log, tmp_path)
-    assert out["summary"]["last_step"] == 49 and out["summary"]["best_val_loss"] == [40, 6.2]
+    nb, s, _ = run_notebook(log, tmp_path)
+    assert s["last_step"] == 49 and s["best_val_loss"] == [40, 6.2]
     said = text_of(nb)
     for name in ("loss.png", "hellaswag.png", "throughput.png"):
         assert f"could not save {name} in {log.parent} (Read-only file system)" in said
@@ -382,8 +329,7 @@ def test_play_ipynb_shows_the_last_run_and_names_the_other_runs(tmp_path, kernel
         return records
 
     log = write_log(tmp_path / "run", run("A", 10, 9.0, val=9.5) + run("B", 5, 8.0) + run("B", 7, 7.0, True, 7.5))
-    nb, out = run_notebook(log, tmp_path)
-    s = out["summary"]
+    nb, s, _ = run_notebook(log, tmp_path)
     assert (s["run_id"], s["other_runs"], s["restarts"]) == ("B", ["A"], 1)
     assert (s["last_step"], s["last_train_loss"], s["last_val_loss"], s["redone_steps"]) == (6, 7.0, [0, 7.5], 0)
     said = text_of(nb)

@@ -1,11 +1,8 @@
-"""support/out_of_memory.py: running out of memory is one `error:` line saying what ran out (host
-or GPU memory), during what (the phase the script marked) and the flag to lower; under a real memory
-limit (RLIMIT_AS) the advice, followed, trains in the same folder. The CUDA error is stubbed."""
+"""support/out_of_memory.py: out of memory is one line naming what ran out, in which marked phase, and the
+flag to lower; under a real memory limit (RLIMIT_AS) the advice, followed, trains in the same folder."""
 
 import ast
 import re
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +10,7 @@ import torch
 
 import hellaswag
 import train_gpt2
-from helpers import ROOT, GiB, assert_one_line_error, random_shards, read_log, strict_records, tiny_args
+from helpers import ROOT, GiB, assert_one_line_error, cli, random_shards, read_log, strict_records, tiny_args
 from support.cli import out_of_memory_line, run_cli
 from support.out_of_memory import (
     HELLASWAG_ADVICE,
@@ -28,13 +25,7 @@ from support.out_of_memory import (
 )
 from train_gpt2 import GPTConfig
 
-# ----------------------------------------------------------------------------------------------
-# Under a real memory limit: one line, and its advice, followed, trains
-
-
-# Runs train_gpt2.py as `python train_gpt2.py ...` does, in a process whose address space is capped
-# at what the imports map plus argv[1] MiB: an allocation past that fails as on a machine that is
-# out of memory (RLIMIT_AS; the heavy imports come first, so that they are not what fails).
+# train_gpt2.py in a process whose address space is capped at what its imports map plus argv[1] MiB
 LIMITED = """
 import resource, runpy, sys
 import numpy, torch, fineweb, train_gpt2
@@ -47,18 +38,11 @@ runpy.run_path("train_gpt2.py", run_name="__main__")
 
 
 def limited(headroom_mib, *args):
-    return subprocess.run(
-        [sys.executable, "-c", LIMITED, str(headroom_mib), *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return cli(LIMITED, headroom_mib, *args, script="-c")
 
 
 def follow(message, args, flag):
-    """args with the advice's `flag VALUE` (its last one: `e.g. flag VALUE`, `--resume flag VALUE`) and
-    --resume when the advice says it."""
+    """args with the advice's last `flag VALUE`, and --resume where the advice says it."""
     value = re.findall(rf"{flag} (\d+)", message)[-1]
     i = args.index(flag) if flag in args else None
     args = args[:i] + args[i + 2 :] if i is not None else list(args)
@@ -72,8 +56,7 @@ def big_data(tmp_path_factory):
 
 @pytest.mark.slow
 def test_out_of_memory_in_the_first_step_names_B_and_lowering_it_trains(big_data, tmp_path):
-    """A 64 x 64 micro-batch (800 MB of logits) under a 400 MiB cap; the advice, followed in the same folder
-    without --resume (the failed start is no run), keeps the total batch and trains."""
+    """B 64 x T 64 (800 MB of logits) under a 400 MiB cap: the advice, followed in the same folder, trains."""
     out = tmp_path / "out"
     args = tiny_args(big_data, out, "-B", 64, "-T", 64, "--total-batch-size", 4096, "--max-steps", 2, "--eval-every", 0)
     r = limited(400, *args)
@@ -94,11 +77,8 @@ def test_out_of_memory_in_the_first_step_names_B_and_lowering_it_trains(big_data
 
 @pytest.mark.slow
 def test_out_of_memory_while_sampling_mid_run_keeps_the_checkpoint_and_resume_continues(big_data, tmp_path):
-    """Samples of 1,000 tokens at step 2 need a KV cache the start-up check (one token) never
-    allocates: out of memory there names --num-samples and the checkpoint that stands; --resume with
-    the advice's --num-samples continues from it to the end. Many thin layers: a large KV cache per
-    token (16 layers x 64 wide: 8 KiB per sample and token) under a cheap output layer; greedy, so no
-    per-token noise is drawn. Under the 365 MiB cap 64 and 32 samples do not fit, 16 do."""
+    """1,000-token samples at step 2 need a KV cache the start-up check never allocates (16 thin layers: 8 KiB
+    a sample and token; under 365 MiB 16 samples fit, 32 do not): the advice, --resume, runs to the end."""
     out = tmp_path / "out"
     flags = "--n-layer 16 --n-head 4 --n-embd 64 --temperature 0 --block-size 1024 -B 1 -T 16 --total-batch-size 16"
     flags += " --max-steps 4 --warmup-steps 1 --eval-every 0 --sample-every 2 --max-new-tokens 1000 --num-samples 64"
@@ -135,12 +115,8 @@ def test_out_of_memory_building_a_too_wide_model_names_the_model_flags(data, tmp
     assert_one_line_error(r, "out of host memory while building the model", "--n-layer or --n-embd")
 
 
-# ----------------------------------------------------------------------------------------------
-# The advice is the innermost phase the script marked, not the functions it failed in
-
-
 def test_out_of_memory_in_the_val_loss_eval_gets_its_advice_not_the_training_steps(data, tmp_path, monkeypatch, capsys):
-    """The model's forward, which the training step calls too: the val-loss eval's line; its advice trains on."""
+    """The model's forward, which the training step calls too, fails in the val-loss eval: its own line."""
     out = tmp_path / "out"
     args = tiny_args(data, out, "--eval-every", 2, "--ckpt-every", 1)
     real = train_gpt2.GPT.forward
@@ -240,8 +216,7 @@ def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_con
 
 
 def first_step_error(tmp_path, config, autocast_dtype):
-    """The advice for a run of `config` that ran out of GPU memory in its first step (the recipe's
-    batch: -B 64 of -T 1024, 524,288 tokens), as run_cli gets it."""
+    """The advice for a run of config out of GPU memory in its first step at the recipe's batch."""
     forget_phases()
     out = str(tmp_path / "out")
     recipe_run(out, config, "cuda:0", autocast_dtype)
@@ -258,16 +233,11 @@ def test_out_of_gpu_memory_names_the_B_the_memory_estimate_fits_where_it_holds(t
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     recipe = GPTConfig(vocab_size=50304)
-    line = first_step_error(tmp_path, recipe, torch.bfloat16)
-    assert asked == ["cuda:0"]
-    assert line == (
-        "in the first training step (-B 64 rows of -T 1024): lower -B (e.g. -B 16, which this GPU's 23.6 GiB "
-        "should fit, see docs/gpus.md: the total batch stays 524,288 tokens, accumulated over more micro-steps); "
-        "no checkpoint was written yet: start the run again with -B 16 in a new --out-dir"
-    )
-    assert "e.g. -B 16, which" in first_step_error(tmp_path, recipe, torch.float16)
-    # where the estimate does not hold, the advice halves -B: fp32 (no autocast), another model,
-    # and a -B the estimate says fits but that has just run out (an eager run, another process)
+    # the whole line, through a run on a faked 24 GB card: test_fake_gpu's test_out_of_memory_names_the_B_the_gpu_fits
+    for dtype in (torch.bfloat16, torch.float16):
+        assert "lower -B (e.g. -B 16, which this GPU's 23.6 GiB" in first_step_error(tmp_path, recipe, dtype)
+    assert asked == ["cuda:0", "cuda:0"]
+    # where the estimate does not hold, -B halves: fp32, another model, a -B it says fits that ran out
     halved = "lower -B (e.g. -B 32: the total batch"
     assert halved in first_step_error(tmp_path, recipe, None)
     wider = GPTConfig(vocab_size=50304, n_layer=24, n_head=16, n_embd=1024)

@@ -1,9 +1,6 @@
-"""Without the POSIX-only names (as on Windows): training, --resume, fineweb.py --input and
-hellaswag.py run, and a second run into a running run's folder is still refused. Simulated on this
-machine: a sitecustomize.py removes SIGHUP, fcntl, os.pread/pwrite, os.killpg,
-os.sched_getaffinity and os.fork before the script starts (and puts a stand-in for Windows'
-msvcrt.locking, on flock, where the lock finds it), and records in each child that they are gone
-(so the run under test cannot have used them)."""
+"""Without the POSIX-only names (as on Windows), simulated by a sitecustomize.py that removes them and
+records in each child that they are gone: training, --resume, fineweb.py, hellaswag.py run, and a second
+run into a running run's folder is refused."""
 
 import json
 import os
@@ -45,24 +42,19 @@ sys.modules["fcntl"] = None  # `import fcntl` raises ImportError, as on Windows
 sys.modules["msvcrt"] = _Msvcrt  # the lock Windows takes, in a stand-in
 del signal.SIGHUP
 signal.SIGBREAK = signal.SIGUSR1  # Windows' Ctrl-Break, which has no Linux counterpart
-for name in ("pread", "pwrite", "killpg", "sched_getaffinity", "fork", "forkpty", "getloadavg"):
+NAMES = ("pread", "pwrite", "killpg", "sched_getaffinity", "fork", "forkpty", "getloadavg")
+for name in NAMES:
     if hasattr(os, name):
         delattr(os, name)
 
 
 def gone():
-    try:
-        import fcntl  # noqa: F401
-        fcntl_gone = False
-    except ImportError:
-        fcntl_gone = True
-    names = ["pread", "pwrite", "killpg", "sched_getaffinity", "fork"]
     files = sys.modules.get("support.files")  # which lock it took: flock, or msvcrt.locking without fcntl
     return {
         "pid": os.getpid(),
-        "fcntl": fcntl_gone,
+        "fcntl": "fcntl" in sys.modules and sys.modules["fcntl"] is None,  # what makes `import fcntl` fail
         "SIGHUP": not hasattr(signal, "SIGHUP"),
-        "os": not any(hasattr(os, n) for n in names),
+        "os": not any(hasattr(os, n) for n in NAMES),
         "lock": ("flock" if files.fcntl else "msvcrt" if files.msvcrt else None) if files else None,
     }
 
@@ -101,14 +93,7 @@ def posix_less(tmp_path):
 
 def run(env, *args, script="train_gpt2.py"):
     """Run a script as a user would, in env; the CompletedProcess, with its pid."""
-    proc = subprocess.Popen(
-        [sys.executable, script, *map(str, args)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_run(*args, script=script, env=env)
     stdout, stderr = proc.communicate(timeout=300)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     done.pid = proc.pid

@@ -1,6 +1,5 @@
-"""support/presets.py and configs/: a preset's flags land in the run as if typed, the flags typed on
-the command line win whatever their order, a run from a preset resumes, and a preset that is
-missing or wrong is one line naming the file, the line and the fix."""
+"""support/presets.py and configs/: a preset's flags land as if typed, typed flags win, a preset run
+resumes, and a wrong preset is one line naming the file, the line and the fix."""
 
 import re
 

@@ -1,6 +1,5 @@
-"""The README as a newcomer follows it: its first commands, run as written in a fresh clone with no
-../shared beside it and no network, tokenize the shipped text, train a tiny model and sample from
-it; its transformers snippet runs on an export."""
+"""The README as a newcomer follows it: its first commands, in a fresh clone offline, train and sample;
+its transformers snippet runs on an export."""
 
 import json
 import os
@@ -24,15 +23,13 @@ def code_blocks(language):
 
 
 def commands(block):
-    """A bash block's commands: a line ending in a backslash joined to the next, blank lines and
-    comment lines left out (a command's trailing comment is bash's to drop)."""
+    """A bash block's commands, a backslash's line joined to the next, blank and comment lines left out."""
     joined = re.sub(r"\\\n\s*", " ", block)
     return [line.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 def offline_env(**more):
-    """The environment of a new user offline: no SHARED_DATA or TIKTOKEN_CACHE_DIR, the Hub off, and
-    `python` the interpreter running the tests (its environment holds requirements.txt)."""
+    """A new user's environment offline: no test data or tiktoken cache, the Hub off, `python` this interpreter."""
     env = {k: v for k, v in os.environ.items() if k not in ("SHARED_DATA", "TIKTOKEN_CACHE_DIR")}
     bin_dir = str(Path(sys.executable).parent)
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PATH=bin_dir + os.pathsep + env.get("PATH", ""), **more)

@@ -1,7 +1,5 @@
-"""The training step against a reference written in the test: train_gpt2.main runs a few steps of a
-tiny model with every part of the recipe active, and the test repeats them with plain torch (and in
-fp16 against torch's AMP recipe, overflowing steps included): the logged loss, gradient norm and lr,
-and the weights and AdamW's moments of every step's checkpoint, are the reference's, bit for bit."""
+"""train_gpt2.main's steps, every part of the recipe active, against the same steps in plain torch (fp16:
+torch's AMP recipe, overflows included): logged numbers, weights and AdamW's moments equal, bit for bit."""
 
 import math
 import random
@@ -16,8 +14,7 @@ from helpers import at_step, random_shards, read_log, tiny_args
 from support import precision
 from train_gpt2 import GPT, GPTConfig
 
-# the recipe of the run, every setting away from its default so that a setting lost on the way
-# to the optimizer (or the schedule, or the clip) shows
+# every setting away from its default, so that one lost on the way to the optimizer shows
 SEED, STEPS, WARMUP = 7, 6, 2
 MAX_LR, MIN_LR = 3e-3, 4e-4
 WEIGHT_DECAY, BETAS, EPS = 0.3, (0.8, 0.99), 1e-6
@@ -28,8 +25,7 @@ SHARDS = (300, 200)  # 9 and 6 chunks of B*T: step 4 reads the second shard, pas
 
 
 def lr_at(step):
-    """Linear warm-up over WARMUP steps (step 0 at MAX_LR / WARMUP), then a cosine from MAX_LR
-    down to MIN_LR at STEPS: GPT-2's schedule as build-nanogpt writes it."""
+    """Linear warm-up over WARMUP steps, then a cosine from MAX_LR down to MIN_LR at STEPS."""
     if step < WARMUP:
         return MAX_LR * (step + 1) / WARMUP
     progress = (step - WARMUP) / (STEPS - WARMUP)
@@ -37,8 +33,7 @@ def lr_at(step):
 
 
 def batches(data_dir):
-    """(x, y) micro-batches as the recipe reads them: the train shards in name order, B*T
-    consecutive tokens (+1 for the targets) at a time, a shard's tail too short for one skipped."""
+    """(x, y) micro-batches: the train shards in name order, B*T tokens (+1) at a time, a short tail skipped."""
     for path in sorted(data_dir.glob("*_train_*.npy")):
         tokens = torch.from_numpy(np.load(path).astype(np.int64))
         for start in range(0, len(tokens) - B * T, B * T):
@@ -47,9 +42,8 @@ def batches(data_dir):
 
 
 def reference_steps(data_dir, fp16_init_scale=None):
-    """The recipe's STEPS steps, written plainly; yields (loss, grad norm, lr, loss scale, model, optimizer)
-    after each. AdamW fused, as the recipe's (the single-tensor one rounds otherwise in the last bit). With
-    fp16_init_scale, fp16 autocast and a GradScaler from that scale; the norm is the unscaled gradients'."""
+    """The recipe's steps written plainly (AdamW fused, as the recipe's: the last bit differs otherwise), with
+    fp16_init_scale in fp16 with a GradScaler; yields (loss, grad norm, lr, loss scale, model, optimizer)."""
     torch.manual_seed(SEED)  # what train_gpt2 seeds before it builds the model
     model = GPT(GPTConfig(**CONFIG))
     params = list(model.parameters())  # the tied wte / lm_head weight once
@@ -114,23 +108,25 @@ def folder_with_checkpoint(out, folder, step):
     return folder
 
 
+def assert_same_state(ckpt, weights, moments, step):
+    """ckpt holds the weights and AdamW's moments and step counts ({parameter index: state}), bit for bit."""
+    for name, p in weights.items():
+        assert torch.equal(ckpt["model"][name], p), (step, name, (ckpt["model"][name] - p).abs().max().item())
+    for i, ref in moments.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ckpt["optimizer"]["state"][i][key], ref[key]), (step, i, key)
+
+
 def assert_resumed_bitwise(out, run, steps, scaler=False):
-    """run's checkpoints of `steps` hold the weights and AdamW moments (and with scaler=True the
-    GradScaler's state) of the uninterrupted run `out`'s, bit for bit."""
+    """run's checkpoints of steps hold out's weights, AdamW state (and GradScaler's), bit for bit."""
     for step in steps:
         a, b = checkpoint(out, step), checkpoint(run, step)
-        if scaler:
-            assert b["scaler"] == a["scaler"], step
-        for name, p in a["model"].items():
-            assert torch.equal(b["model"][name], p), (step, name)
-        for i, state in a["optimizer"]["state"].items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(b["optimizer"]["state"][i][key], state[key]), (step, i, key)
+        assert not scaler or b["scaler"] == a["scaler"], step
+        assert_same_state(b, a["model"], a["optimizer"]["state"], step)
 
 
 def test_the_run_exercises_every_part_of_the_recipe(recipe_run):
-    """The comparisons below can only fail if the run visits what they check: 2 micro-steps,
-    warm-up and cosine, a gradient norm above the clip at every step, a second shard."""
+    """The run visits what the tests below check: 2 micro-steps, warm-up and cosine, the clip, a second shard."""
     _, out = recipe_run
     records, steps = read_log(out)
     assert records[0]["config"]["grad_accum_steps"] == 2
@@ -142,19 +138,14 @@ def test_the_run_exercises_every_part_of_the_recipe(recipe_run):
 
 
 def test_every_step_equals_the_reference_bitwise(recipe_run):
-    """After every step: the logged loss, gradient norm (before clipping) and lr, the weights, and
-    AdamW's hyperparameters and moments are the reference's, bit for bit (CPU, one thread)."""
+    """After every step: the logged loss, norm and lr, the weights, AdamW's settings and moments, bit for bit."""
     data, out = recipe_run
     _, logged = read_log(out)
     for step, (loss, norm, lr, _, model, optimizer) in enumerate(reference_steps(data)):
         assert (logged[step]["train_loss"], logged[step]["grad_norm"], logged[step]["lr"]) == (loss, norm, lr), step
         ckpt = checkpoint(out, step + 1)
         assert ckpt["step"] == step + 1
-        ours = ckpt["model"]
-        for name, p in model.state_dict().items():
-            assert torch.equal(ours[name], p), (step, name, (ours[name] - p).abs().max().item())
-        # AdamW's moments, parameter by parameter in the optimizer's order (decayed group first)
-        ref_state = optimizer.state_dict()
+        ref_state = optimizer.state_dict()  # parameter by parameter in the optimizer's order, decayed group first
         assert len(ckpt["optimizer"]["param_groups"]) == len(ref_state["param_groups"]) == 2
         for group, ref_group in zip(ckpt["optimizer"]["param_groups"], ref_state["param_groups"], strict=True):
             for key in ("lr", "betas", "eps", "weight_decay"):
@@ -162,15 +153,12 @@ def test_every_step_equals_the_reference_bitwise(recipe_run):
             assert group["params"] == ref_group["params"]
         n_params = len(list(model.parameters()))  # every parameter has moments, the tied one once
         assert sorted(ckpt["optimizer"]["state"]) == sorted(ref_state["state"]) == list(range(n_params))
-        for i, ref in ref_state["state"].items():
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(ckpt["optimizer"]["state"][i][key], ref[key]), (step, i, key)
+        assert_same_state(ckpt, model.state_dict(), ref_state["state"], step)
 
 
 def test_a_resume_with_every_flag_left_out_continues_the_recipe_bitwise(recipe_run, tmp_path, monkeypatch):
-    """`--resume <folder>` holding the step-3 checkpoint alone takes the whole recipe from it, data order
-    included: steps 3-5 give the uninterrupted run's weights and moments, bit for bit. The checkpoint
-    holds no random state, and needs none: the global generators scrambled after each step change nothing."""
+    """`--resume <folder>` of step 3's checkpoint alone takes the whole recipe from it: steps 3-5 as the run's,
+    bit for bit; scrambling the global random generators after each step changes nothing."""
     _, out = recipe_run
     run = folder_with_checkpoint(out, tmp_path / "run", 3)
     scrambled = []
@@ -187,10 +175,7 @@ def test_a_resume_with_every_flag_left_out_continues_the_recipe_bitwise(recipe_r
     assert_resumed_bitwise(out, run, (4, 5, 6))
 
 
-# fp16: the recipe's steps in fp16 autocast with a GradScaler (reference_steps with a first scale).
-# Its first scale is high enough that the first steps' scaled gradients overflow fp16
-# (above 65504): the scaler skips them and halves the scale until the gradients fit, so both of
-# its paths are checked. (This model's gradients overflow from a scale of about 2**19.)
+# fp16 from a loss scale the first steps' gradients overflow at (from 2**19 here): the scaler skips, then steps
 FP16_INIT_SCALE = 2.0**20
 
 
@@ -222,18 +207,14 @@ def test_fp16_steps_equal_the_gradscaler_reference(fp16_run):
             skipped.append(step)
         ours = checkpoint(out, step + 1)
         assert ours.get("scaler", {}).get("scale") == (scale if math.isfinite(norm) else scale / 2), step
-        for name, p in model.state_dict().items():
-            assert torch.equal(ours["model"][name], p), (step, name, (ours["model"][name] - p).abs().max().item())
-        for i, ref in optimizer.state_dict()["state"].items():
-            if ref["step"] > 0:  # the reference's optimizer makes its (zero) state on a skipped first step too
-                for key in ("exp_avg", "exp_avg_sq", "step"):
-                    assert torch.equal(ours["optimizer"]["state"][i][key], ref[key]), (step, i, key)
+        # the reference's optimizer makes its (zero) state on a skipped first step too
+        moments = {i: ref for i, ref in optimizer.state_dict()["state"].items() if ref["step"] > 0}
+        assert_same_state(ours, model.state_dict(), moments, step)
     assert skipped == [0, 1]  # the run visits both paths: the first two overflow, the rest train
 
 
 def test_an_fp16_resume_continues_the_loss_scale_bitwise(fp16_run, tmp_path):
-    """From step 3's checkpoint (scale lowered to 2**18; a fresh scaler would overflow at 2**20 again):
-    steps 3-5 log the uninterrupted run's losses and scales, its weights, moments and scaler, bit for bit."""
+    """From step 3's checkpoint (scale 2**18; a fresh one would overflow again) steps 3-5 are the run's, bitwise."""
     _, out = fp16_run
     run = folder_with_checkpoint(out, tmp_path / "run", 3)
     assert checkpoint(run, 3)["scaler"]["scale"] == FP16_INIT_SCALE / 4

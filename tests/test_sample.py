@@ -1,7 +1,5 @@
-"""sample.py: samples from each kind of model it takes, a temperature so low that it is greedy, torch's
-whole seed range, the model's window said where samples stop at it; a bad model, prompt or seed is
-one line before anything is sampled, and --dry-run makes those checks without loading weights or
-sampling. (Generating text itself: test_sampling.py; where a named model lives: test_model_files.py.)"""
+"""sample.py: each kind of model, greedy at a tiny temperature, torch's whole seed range, the window said;
+a mistake is one line before anything is sampled, and --dry-run checks without loading or sampling."""
 
 import pytest
 
@@ -19,7 +17,6 @@ def sample_lines(capsys, *args):
 
 @pytest.mark.parametrize("model", ["run", "transformers"])
 def test_the_default_prompt_at_a_tiny_temperature_is_greedy_whatever_the_seed(short_run, hf_tiny_dir, capsys, model):
-    """Greedy samples do not depend on the seed: the two ends of torch's seed range give the same."""
     flags = [short_run[1] if model == "run" else hf_tiny_dir, "--num-samples", 2, "--max-new-tokens", 8]
     greedy = sample_lines(capsys, *flags, "--temperature", 0, "--seed", -(2**63))
     assert len(greedy) == 2 and all("Hello, I'm a language model," in line for line in greedy)

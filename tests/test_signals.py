@@ -1,9 +1,5 @@
-"""support/signals.py, through real runs of train_gpt2.py (started in the background as a user
-starts it, or in the test's process): SIGTERM and SIGHUP stop a run at the next step boundary with
-a usable checkpoint (under nohup a hangup is ignored, as asked); Ctrl-C during start-up, or a
-second one, is one line and exit 130; a stop during a long val or HellaSwag eval, or while the run
-samples, comes within seconds (a token), with a checkpoint and no half record; and the interrupt's
-line says what the folder holds to continue from. (Under torchrun: test_train_ddp.py.)"""
+"""support/signals.py through runs of train_gpt2.py: SIGTERM and SIGHUP stop at the next step with a
+checkpoint, Ctrl-C is one line, a stop during an eval or sampling comes within a batch or a token."""
 
 import itertools
 import json
@@ -23,13 +19,9 @@ from support.cli import run_cli
 from support.signals import StopRequest
 from train_gpt2 import DataLoaderLite, load_model
 
-# ----------------------------------------------------------------------------------------------
-# SIGTERM and SIGHUP: a checkpoint at the next step boundary
-
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # a scheduler; a closed terminal
-def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
-    data = random_shards(tmp_path / "data")
+def test_sigterm_or_sighup_writes_a_usable_checkpoint(data, tmp_path, signum):
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 100000)
     proc, stdout, stderr = signal_on("step     2/", *args, signum=signum, preexec_fn=hangup_default)
@@ -51,8 +43,7 @@ def test_sigterm_or_sighup_writes_a_usable_checkpoint(tmp_path, signum):
 
 @pytest.mark.parametrize("launcher, stops", [(None, False), (os.getppid(), False), (os.getppid() + 1, True)])
 def test_under_torchrun_a_rank_whose_parent_changed_stops_as_for_sigterm(monkeypatch, capsys, launcher, stops):
-    """signals.TORCHRUN: torchrun's pid as the rank started, None for a plain run, which goes on
-    reparented (nohup). Another parent: torchrun is gone (a `kill -9`, done in test_train_ddp.py)."""
+    """signals.TORCHRUN: torchrun's pid as the rank started (None: a plain run); another parent: it is gone."""
     monkeypatch.setattr(signals, "TORCHRUN", launcher, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")
     stop = StopRequest("log")
@@ -63,8 +54,7 @@ def test_under_torchrun_a_rank_whose_parent_changed_stops_as_for_sigterm(monkeyp
 
 
 @pytest.mark.slow
-def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
-    data = random_shards(tmp_path / "data")
+def test_under_nohup_a_hangup_does_not_stop_the_run(data, tmp_path):
     out = tmp_path / "out"
     nohup = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # noqa: E731  what nohup does before exec
     args = tiny_args(data, out, "--max-steps", 300, "--eval-every", 0)
@@ -74,14 +64,9 @@ def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path):
     assert sorted(read_log(out)[1]) == list(range(300))
 
 
-# ----------------------------------------------------------------------------------------------
-# Ctrl-C is prompt and clean
-
-
 @pytest.mark.parametrize("said", ["import torch", "model: ", "step     0/", "step     2/"])
 def test_ctrl_c_during_start_up_or_twice_is_one_line(data, tmp_path, said):
-    """One Ctrl-C once the run has said it is importing torch, reading the data (after the model) or
-    in its first step; two at step 2."""
+    """One Ctrl-C while torch loads, after the model is built or in step 0; two at step 2."""
     flags = "--max-steps 100000 --warmup-steps 1 --eval-every 1 --val-tokens 512".split()
     times = 2 if said == "step     2/" else 1
     proc, out, err = signal_on(said, *tiny_args(data, tmp_path / "out", *flags), times=times)
@@ -90,9 +75,9 @@ def test_ctrl_c_during_start_up_or_twice_is_one_line(data, tmp_path, said):
     assert "Traceback" not in err and len(said) <= 1, err
 
 
-@pytest.mark.parametrize("ckpt_every", [0, 1])
-def test_a_second_ctrl_c_says_what_the_folder_holds_to_continue_from(data, tmp_path, monkeypatch, ckpt_every):
-    out = tmp_path / "out"
+def test_a_second_ctrl_c_before_the_first_checkpoint_says_to_start_anew(data, tmp_path, monkeypatch):
+    """Two Ctrl-Cs at step 3 with no checkpoint yet: the line says so, and its advice works (after a
+    checkpoint: test_ctrl_c_again_while_the_stop_checkpoint_is_written)."""
 
     def ctrl_c_twice():
         signal.raise_signal(signal.SIGINT)
@@ -100,28 +85,20 @@ def test_a_second_ctrl_c_says_what_the_folder_holds_to_continue_from(data, tmp_p
 
     at_step(monkeypatch, {3: ctrl_c_twice})
     with pytest.raises(KeyboardInterrupt) as e:
-        train_gpt2.main(tiny_args(data, out, "--ckpt-every", ckpt_every))
+        train_gpt2.main(tiny_args(data, tmp_path / "out", "--ckpt-every", 0))
     monkeypatch.undo()
-    said = str(e.value)  # read as run_cli reads it, once main has ended
-    if ckpt_every:
-        assert (
-            said == f"interrupted: continue from its newest checkpoint, ckpt_000003.pt, with --resume --out-dir {out}"
-        )
-    else:
-        assert said == (
-            "interrupted before the run's first checkpoint: no checkpoint to continue from; the same command with "
-            "a new --out-dir starts it again"
-        )
-        out = tmp_path / "new"  # what it says: the same command, a new --out-dir
-        assert train_gpt2.main(tiny_args(data, out, "--ckpt-every", ckpt_every)) == 0
-    # what it says works: --resume --out-dir continues the same run to its end
+    assert str(e.value) == (  # read as run_cli reads it, once main has ended
+        "interrupted before the run's first checkpoint: no checkpoint to continue from; the same command with "
+        "a new --out-dir starts it again"
+    )
+    out = tmp_path / "new"  # what it says: the same command, a new --out-dir
+    assert train_gpt2.main(tiny_args(data, out, "--ckpt-every", 0)) == 0
     assert train_gpt2.main(["--resume", "--out-dir", str(out), "--device", "cpu"]) == 0
     assert sorted(read_log(out)[1]) == list(range(6)) and len({h["run_id"] for h in headers(out)}) == 1
 
 
 class CtrlCMidWrite:
-    """A checkpoint's file that gets `n` Ctrl-Cs once torch.save has written some of it: a user
-    pressing Ctrl-C again while the checkpoint the first one asked for is written (seconds at 124M)."""
+    """A checkpoint's file that gets n Ctrl-Cs once torch.save has written some of it."""
 
     def __init__(self, f, n):
         self.f, self.n, self.calls = f, n, 0
@@ -139,10 +116,8 @@ class CtrlCMidWrite:
 
 @pytest.mark.parametrize("more", [1, 2])
 def test_ctrl_c_again_while_the_stop_checkpoint_is_written(data, tmp_path, monkeypatch, capsys, more):
-    """Ctrl-C at step 3, then `more` Ctrl-Cs while step 4's checkpoint is written. One more: a line
-    says the checkpoint is being written and what a further stop costs, the write finishes and the
-    run stops with it. Two more: the run ends at once, its previous checkpoint the newest and named
-    in the one line. Never torch's traceback (the stop raised inside torch.save's writer)."""
+    """Ctrl-C at step 3, then `more` while step 4's checkpoint is written: one more, a line says so and the
+    write finishes; two, the run ends at once, its previous checkpoint named. Never torch's traceback."""
     out, stopped, real_save = tmp_path / "out", [], torch.save
     save = lambda obj, f, **kw: real_save(obj, CtrlCMidWrite(f, more if stopped else 0), **kw)  # noqa: E731
     monkeypatch.setattr(torch, "save", save)
@@ -171,14 +146,16 @@ def test_ctrl_c_again_while_the_stop_checkpoint_is_written(data, tmp_path, monke
     assert sorted(read_log(out)[1]) == list(range(6))
 
 
-# ----------------------------------------------------------------------------------------------
-# Every signal is honoured within one step's time, evals and sampling included
-
-
-def ctrl_c_at_the_third_poll(monkeypatch, args):
-    """train_gpt2.main(args) run as the command runs it (run_cli), with a Ctrl-C as the run polls its
-    stop request for the 3rd time (the 2nd batch of step 0's eval), each eval batch 11 s apart on the
-    run's clock. -> (stderr, how many times the run polled): the stop is honoured at that poll."""
+@pytest.mark.parametrize("evaluation", ["val loss", "HellaSwag"])
+def test_ctrl_c_during_a_long_eval_stops_it_at_the_next_batch_with_a_checkpoint(
+    evaluation, tmp_path, assets, monkeypatch, capsys
+):
+    """Ctrl-C during an eval (minutes at 124M), at the run's 3rd stop poll (its 2nd batch, each 11 s apart on the
+    run's clock), is honoured at that poll, with step 0's checkpoint and no half result; a long val eval says so."""
+    data, out = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=5000), tmp_path / "out"
+    hellaswag = ("--hellaswag-every", 1, "--hellaswag-limit", 200)
+    hellaswag += ("--hellaswag-data", assets.hellaswag)
+    flags = ("--eval-every", 1, "--val-tokens", 4096) if evaluation == "val loss" else ("--eval-every", 0, *hellaswag)
     polls, real = [], StopRequest.__call__
 
     def poll(self):
@@ -189,33 +166,16 @@ def ctrl_c_at_the_third_poll(monkeypatch, args):
     clock = itertools.count(step=11)
     monkeypatch.setattr(train_gpt2, "time", SimpleNamespace(time=lambda: next(clock), perf_counter=time.perf_counter))
     with pytest.raises(SystemExit) as e:
-        run_cli(lambda: train_gpt2.main(args))
+        run_cli(lambda: train_gpt2.main(tiny_args(data, out, "--max-steps", 2, *flags)))
     monkeypatch.undo()
-    assert e.value.code == 130
-    return len(polls)
-
-
-@pytest.mark.parametrize("evaluation", ["val loss", "HellaSwag"])
-def test_ctrl_c_during_a_long_eval_stops_it_at_the_next_batch_with_a_checkpoint(
-    evaluation, tmp_path, assets, monkeypatch, capsys
-):
-    """An eval of minutes at 124M (the val loss of millions of tokens, the whole HellaSwag set): Ctrl-C
-    during it is honoured between two of its batches, the run stops with step 0's checkpoint, and
-    the eval logs no half result; a long val eval says where it is."""
-    data, out = random_shards(tmp_path / "data", train_lengths=(5000,), val_length=5000), tmp_path / "out"
-    hellaswag = ("--hellaswag-every", 1, "--hellaswag-limit", 200)
-    hellaswag += ("--hellaswag-data", assets.hellaswag)
-    flags = ("--eval-every", 1, "--val-tokens", 4096) if evaluation == "val loss" else ("--eval-every", 0, *hellaswag)
-    polls = ctrl_c_at_the_third_poll(monkeypatch, tiny_args(data, out, "--max-steps", 2, *flags))
-    assert polls == 3  # no batch after the one the Ctrl-C came in, nor anything else
+    assert e.value.code == 130 and len(polls) == 3  # no batch after the one the Ctrl-C came in, nor anything else
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert (out / "ckpt_000000.pt").exists() and not any("val_loss" in r or "hellaswag" in r for r in records)
     assert evaluation == "HellaSwag" or "val loss: batch 2/" in capsys.readouterr().err
 
 
 def test_sigterm_while_a_run_samples_stops_it_within_a_token_with_a_checkpoint(data, tmp_path, monkeypatch):
-    """SIGTERM arrives at the 3rd token of step 2's samples (40 tokens each): the run stops there, with
-    step 2's checkpoint, and logs no half samples."""
+    """SIGTERM at the 3rd token of step 2's samples: the run stops there, step 2's checkpoint, no half samples."""
     out, tokens = tmp_path / "out", []
     real = sampling.decode_step
 

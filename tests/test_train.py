@@ -1,6 +1,5 @@
-"""The training run: schedule, optimizer groups, FLOPs, gradient accumulation, a tiny overfit run
-with its evaluations, log and checkpoint, --help, --dry-run and --val-tokens 0. What a support/ module does in
-a run is tested in that module's file: tests/test_resume.py, test_signals.py, test_checks.py, ..."""
+"""The training run: schedule, optimizer groups, FLOPs, gradient accumulation, a tiny overfit run with
+its evaluations, log and checkpoint, --help, --dry-run and --val-tokens 0."""
 
 import math
 import re
@@ -15,9 +14,6 @@ from helpers import ROOT, cli, help_entries, random_shards, read_log, strict_rec
 from support.checkpoints import load_checkpoint
 from support.sampling import sample_text
 from train_gpt2 import GPT, GPTConfig, flops_per_token, get_lr, load_model
-
-# ----------------------------------------------------------------------------------------------
-# schedule, optimizer, FLOPs
 
 
 def test_lr_schedule():
@@ -34,10 +30,7 @@ def test_lr_schedule():
 def test_weight_decay_only_on_matrices_and_counts_printed(capsys):
     model = GPT(GPTConfig(vocab_size=50304))  # GPT-2 124M as trained
     opt = model.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, device_type="cpu")
-    decay, no_decay = opt.param_groups
-    name = {id(p): n for n, p in model.named_parameters()}
-    assert {name[id(p)] for p in decay["params"]} == {n for n, p in model.named_parameters() if p.dim() >= 2}
-    assert {name[id(p)] for p in no_decay["params"]} == {n for n, p in model.named_parameters() if p.dim() < 2}
+    decay, no_decay = opt.param_groups  # which tensors: test_recipe's reference groups them by dim
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert decay["betas"] == (0.9, 0.95) and decay["eps"] == 1e-8 and decay["fused"] is True
     # the counts build-nanogpt printed for this model
@@ -53,10 +46,6 @@ def test_flops_per_token_gpt2_124m():
     n = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
     assert flops_per_token(config, 1024) == 6 * n + 12 * 12 * 12 * 64 * 1024
     assert round(flops_per_token(config, 1024) / 1e6) == 855
-
-
-# ----------------------------------------------------------------------------------------------
-# gradient accumulation
 
 
 def test_grad_accumulation_equals_one_big_batch(tmp_path):
@@ -75,9 +64,6 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
     assert first[2]["train_loss"] == pytest.approx(first[8]["train_loss"], rel=1e-6)
     assert first[2]["grad_norm"] == pytest.approx(first[8]["grad_norm"], rel=1e-5)
 
-
-# ----------------------------------------------------------------------------------------------
-# a tiny model overfits tiny shakespeare, with val loss, HellaSwag and samples in its log
 
 OVERFIT_STEPS = 150
 
@@ -141,7 +127,7 @@ def test_logged_hellaswag_and_samples_are_the_final_models(overfit_run, assets, 
     assert samples == [sample_text(model, enc, "Hello, I'm a language model,", 2, 12, seed=42)]
 
 
-def test_step_records_lr_tokens_throughput_mfu(overfit_run):
+def test_step_records_tokens_throughput_mfu(overfit_run):
     _, out = overfit_run
     records, steps = read_log(out)
     header = records[0]
@@ -149,25 +135,18 @@ def test_step_records_lr_tokens_throughput_mfu(overfit_run):
     assert header["config"]["max_steps"] == OVERFIT_STEPS and header["versions"]["torch"] == torch.__version__
     config = GPTConfig(**header["config"]["model_config"])
     for s, r in steps.items():
-        assert r["lr"] == pytest.approx(get_lr(s, 1e-2, 1e-3, 10, OVERFIT_STEPS))
         assert r["tokens"] == (s + 1) * 128
         assert r["tok_per_sec"] == pytest.approx(128 / (r["dt_ms"] / 1000))
         assert r["mfu"] == pytest.approx(flops_per_token(config, 32) * r["tok_per_sec"] / 1e12)
-        assert r["grad_norm"] > 0
 
 
-def test_checkpoint_has_plain_names_and_training_state(overfit_run):
+def test_checkpoint_has_the_training_state(overfit_run):
     _, out = overfit_run
     ckpt = load_checkpoint(str(out / f"ckpt_{OVERFIT_STEPS:06d}.pt"))
-    assert not any(k.startswith("_orig_mod.") or k.startswith("module.") for k in ckpt["model"])
     assert ckpt["step"] == OVERFIT_STEPS and ckpt["optimizer"]["state"]
     assert ckpt["data"]["shards"] == ["ts_train_000001.npy", "ts_train_000002.npy"]
     assert ckpt["val_loss"] == [r for r in read_log(out)[0] if "val_loss" in r][-1]["val_loss"]
     assert ckpt["train_config"]["max_steps"] == OVERFIT_STEPS
-
-
-# ----------------------------------------------------------------------------------------------
-# --help, --dry-run, and the val loss turned off
 
 
 def test_help_shows_every_flags_default_and_the_usage_examples_intact(monkeypatch):

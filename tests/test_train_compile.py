@@ -1,7 +1,5 @@
-"""torch.compile on the CPU (inductor): the same losses as eager, and val loss, HellaSwag,
-sampling and checkpoints all work while it is on. One compile: the first costs ~25 s cold.
-Where compile cannot work (here: a C++ compiler that fails), the default trains eager with a
-note and an explicit --compile is one error line."""
+"""torch.compile on the CPU: the losses of eager, with evals, samples and checkpoints; where it cannot
+work (a C++ compiler that fails), the default trains eager with a note and --compile is one line."""
 
 import os
 
@@ -9,32 +7,15 @@ import pytest
 import torch
 
 import train_gpt2
-from helpers import assert_one_line_error, cli, random_shards, read_log, tiny_args
+from helpers import assert_one_line_error, cli, read_log, tiny_args
 from support.checkpoints import load_checkpoint
 from support.device import compile_problem
 
 
 @pytest.mark.slow
-def test_compiled_run_matches_eager_and_evaluates(tmp_path, assets):
-    data = random_shards(tmp_path / "data")
-    common = (
-        "--max-steps",
-        3,
-        "--eval-every",
-        3,
-        "--hellaswag-every",
-        3,
-        "--hellaswag-limit",
-        4,
-        "--hellaswag-data",
-        assets.hellaswag,
-        "--sample-every",
-        3,
-        "--num-samples",
-        1,
-        "--max-new-tokens",
-        6,
-    )
+def test_compiled_run_matches_eager_and_evaluates(data, tmp_path, assets):
+    flags = "--max-steps 3 --eval-every 3 --hellaswag-every 3 --hellaswag-limit 4 --sample-every 3 --num-samples 1"
+    common = (*flags.split(), "--max-new-tokens", 6, "--hellaswag-data", assets.hellaswag)
     assert train_gpt2.main(tiny_args(data, tmp_path / "eager", *common, "--no-compile")) == 0
     assert compile_problem("cpu") is None  # the start-up check's graph: compiled (and its answer kept) before counting
     torch._dynamo.reset()
@@ -64,8 +45,7 @@ def test_compiled_run_matches_eager_and_evaluates(tmp_path, assets):
 
 
 def broken_compiler(tmp_path):
-    """The environment of a process whose C++ compiler fails: Inductor reads CXX (its
-    config.cpp.cxx); an empty kernel cache, so that no kernel built before stands in for one."""
+    """The environment of a process whose C++ compiler (Inductor's CXX) fails, with an empty kernel cache."""
     cxx = tmp_path / "cxx"
     cxx.write_text("#!/bin/sh\nexit 1\n")
     cxx.chmod(0o755)
@@ -73,15 +53,13 @@ def broken_compiler(tmp_path):
 
 
 @pytest.mark.slow
-def test_compile_flag_with_a_broken_compiler_is_one_error_line_before_step_0(tmp_path):
-    data = random_shards(tmp_path / "data")
+def test_compile_flag_with_a_broken_compiler_is_one_error_line_before_step_0(data, tmp_path):
     r = cli(*tiny_args(data, tmp_path / "out", "--compile"), env=broken_compiler(tmp_path))
     assert_one_line_error(r, "--compile: torch.compile does not work on this cpu", "C++ compiler", "--no-compile")
     assert not (tmp_path / "out").exists()  # refused at start: no run folder, no step
 
 
-# train_gpt2.py as on CUDA, where compile is the default: the same program with the CPU among the
-# device types that compile unless told not to
+# train_gpt2.py with compile the default on the CPU, as on CUDA
 DEFAULT_COMPILE_ON_CPU = """
 import sys
 import support.device
@@ -93,8 +71,7 @@ run_cli(lambda: train_gpt2.main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-def test_default_compile_with_a_broken_compiler_notes_it_and_trains_eager(tmp_path):
-    data = random_shards(tmp_path / "data")
+def test_default_compile_with_a_broken_compiler_notes_it_and_trains_eager(data, tmp_path):
     extra = ("--max-steps", 2, "--eval-every", 2)
     args = tiny_args(data, tmp_path / "fallback", *extra)
     r = cli(DEFAULT_COMPILE_ON_CPU, *args, script="-c", env=broken_compiler(tmp_path))  # python -c SCRIPT args

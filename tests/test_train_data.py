@@ -1,6 +1,5 @@
-"""The training data loader (train_gpt2.py's DataLoaderLite): every token once per epoch across
-ranks, shuffling, .bin = .npy, resumable position, and the fixed val budget. The shards it reads
-and their checks: test_shards.py."""
+"""DataLoaderLite: every token once per epoch across ranks, shuffling, .bin = .npy, a resumable position,
+and the val loss's fixed budget."""
 
 import math
 

@@ -1,6 +1,5 @@
-"""DDP: 2 CPU ranks (gloo) train exactly like one process with twice the gradient accumulation
-over the same data, and evaluate the same; a signal to torchrun, or its kill -9, stops every rank
-with a checkpoint."""
+"""DDP: 2 CPU ranks (gloo) train as one process with twice the accumulation, and evaluate the same; a
+signal to torchrun, or its kill -9, stops every rank with a checkpoint."""
 
 import json
 import signal
@@ -13,10 +12,9 @@ from support.checkpoints import load_checkpoint
 
 
 def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, assets):
-    """2 ranks as torchrun starts them (without its agent: seconds sooner) and one process, each
-    step by step: the same losses, norms, evals and final weights, to float tolerance."""
-    # B*T = 32 tokens; 2 ranks read 64 per micro-step. Shards of 64k+1 tokens leave no tail in
-    # either layout, so both runs see the same tokens in the same order
+    """2 ranks (without torchrun's agent: seconds sooner) and one process: the same losses, norms, evals and
+    weights, to float tolerance."""
+    # shards of 64k+1 tokens leave no tail for 2 ranks (64 tokens a micro-step) or one: the same tokens
     data = random_shards(tmp_path / "data", train_lengths=(321, 257), val_length=257)
     hellaswag = assets.hellaswag
 
@@ -57,11 +55,8 @@ def test_two_ranks_equal_one_process_with_twice_the_accumulation(tmp_path, asset
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP, signal.SIGKILL])  # Ctrl-C; ssh dropped; kill -9
 @pytest.mark.slow
 def test_a_signal_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path, signum):
-    """Ctrl-C on `torchrun ... train_gpt2.py` reaches torchrun alone (its workers run in their
-    own sessions); torchrun passes the signal on and SIGKILLs after 30 s. A `kill -9` of torchrun
-    passes nothing on: each rank sees that its parent is gone. Every rank must stop at the same
-    step (and exit: the output's pipe ends only then) and rank 0 write a checkpoint that --resume
-    continues from."""
+    """Ctrl-C reaches torchrun alone, which passes it on; after its kill -9 each rank sees its parent gone.
+    Every rank stops at one step (and exits: the pipe ends only then) with a checkpoint --resume takes."""
     data = random_shards(tmp_path / "data", train_lengths=(2000,), val_length=257)
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 100000)

@@ -1,8 +1,7 @@
-"""--wandb-project: rank 0 mirrors every record of log.jsonl to a Weights & Biases run, a resumed run
-continues the same wandb run, the flag without the package is one line at start, and a wandb that
-fails or hangs never stops or holds up training. wandb runs offline here, into temporary folders, read
-back from its .wandb files with wandb's own protobuf messages."""
+"""--wandb-project: rank 0 mirrors log.jsonl to a wandb run (offline here, read back from its .wandb file),
+a resume continues it, a missing package is one line, and a wandb that fails or hangs never stops training."""
 
+import contextlib
 import json
 import struct
 import sys
@@ -19,10 +18,8 @@ from support import run_log
 wandb = pytest.importorskip("wandb")  # an optional dependency (requirements-dev.txt)
 wandb_internal_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
-# A .wandb file: wandb's 7-byte header (":W&B", a 2-byte magic, a version byte), then the LevelDB
-# log format: 32 KiB blocks of chunks, each a 7-byte header (crc32c, little-endian length, type:
-# 1 a whole record, 2/3/4 its first/middle/last part) and its bytes; a block's last < 7 bytes are
-# padding. A record is a serialized wandb_internal_pb2.Record.
+# A .wandb file: a 7-byte header, then LevelDB's log format: 32 KiB blocks of chunks, each a 7-byte header
+# (crc32c, length, type: 1 whole, 2/3/4 first/middle/last part) and its bytes, the block's tail padding.
 BLOCK, CHUNK_HEADER, FULL, LAST = 32768, 7, 1, 4
 
 
@@ -46,29 +43,19 @@ def wandb_records(path):
     assert not parts  # no record cut short
 
 
-def finished_records(path, timeout=120):
-    """A finished run's records. wandb's service writes the file in the background and may flush
-    its last blocks just after run.finish() returns: wait for the exit record, the file's last."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            records = list(wandb_records(path))
-            if any(r.WhichOneof("record_type") == "exit" for r in records):
-                return records
-        except Exception:
-            pass  # a block half written
-        time.sleep(0.1)
-    return list(wandb_records(path))
-
-
 def offline_runs(wandb_dir):
-    """The offline runs under wandb_dir, oldest first: id, project, name, config, history rows
-    (wandb's own _step, _runtime, _timestamp left out) and the exit code it finished with."""
+    """The offline runs under wandb_dir, oldest first: id, project, name, config, history rows, exit code."""
     runs = []
     for run_dir in sorted(Path(wandb_dir).glob("wandb/offline-run-*")):
         (path,) = run_dir.glob("*.wandb")
         run = {"dir": run_dir, "config": {}, "history": [], "exit_code": None}
-        for r in finished_records(path):
+        for _ in range(1200):  # wandb flushes the last blocks after run.finish() returns: wait for the exit record
+            with contextlib.suppress(Exception):  # a block half written
+                records = list(wandb_records(path))
+                if any(r.WhichOneof("record_type") == "exit" for r in records):
+                    break
+            time.sleep(0.1)
+        for r in wandb_records(path):
             kind = r.WhichOneof("record_type")
             if kind == "run":
                 run.update(id=r.run.run_id, project=r.run.project, name=r.run.display_name)
@@ -84,8 +71,7 @@ def offline_runs(wandb_dir):
 
 
 def assert_mirrors(run, records):
-    """The wandb run holds log.jsonl's records: the header's config as its config, every other
-    record (warnings aside) as one history row, in order, same names, same values, same step."""
+    """The wandb run holds the header's config as its config, every other record as a history row, in order."""
     header = [r for r in records if r.get("event") == "header"][-1]
     for key, value in header["config"].items():
         assert run["config"][key] == value, key
@@ -104,8 +90,7 @@ def assert_mirrors(run, records):
 
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
-    """wandb offline into a temporary WANDB_DIR, no API key or server named, git not read. The
-    wandb service the test process starts is torn down after the test."""
+    """wandb offline into a temporary WANDB_DIR, no API key or server, git not read; torn down after the test."""
     for name in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ENTITY", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_SERVICE"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)  # restored (to unset) after the test, whatever wandb set meanwhile
@@ -171,13 +156,6 @@ def test_flag_without_the_package_is_one_line_at_start(tmp_path, monkeypatch):
     assert plain.returncode == 0 and "wandb" not in plain.stdout + plain.stderr, plain.stderr[-2000:]
 
 
-def test_flags_wandb_cannot_take_are_one_line_at_start(tmp_path):
-    data, out = random_shards(tmp_path / "data"), tmp_path / "out"
-    assert "--wandb-project too" in user_error(tiny_args(data, out, "--wandb-run-name", "x"))
-    assert "none of / \\ # ? % :" in user_error(tiny_args(data, out, "--wandb-project", "me/gpt2"))
-    assert not out.exists()
-
-
 @pytest.mark.parametrize(
     "failure",
     [
@@ -186,7 +164,6 @@ def test_flags_wandb_cannot_take_are_one_line_at_start(tmp_path):
     ],
 )
 def test_an_installed_wandb_that_cannot_be_imported_is_one_line_at_start(tmp_path, monkeypatch, failure):
-    """Found before step 0, in one line naming the reinstall, not a warning with the run going on unlogged."""
     broken = tmp_path / "site" / "wandb"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text(f"raise {failure}\n")
@@ -220,8 +197,7 @@ def test_wandb_failing_after_start_leaves_training_and_log_complete(tmp_path, of
 
 
 def test_a_hung_wandb_never_holds_a_step(tmp_path, offline, monkeypatch, capsys):
-    """Stuck in its first log call: every step runs, the end waits WANDB_FINISH_TIMEOUT and says so; released,
-    wandb logs the rest."""
+    """Stuck in its first log call: every step runs, the end waits WANDB_FINISH_TIMEOUT; released, it logs the rest."""
     release, entered = threading.Event(), threading.Event()
     real_log = wandb.sdk.wandb_run.Run.log
 
