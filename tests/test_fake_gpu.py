@@ -122,8 +122,8 @@ def test_ddp_on_a_gpu_takes_its_local_rank_joins_over_nccl_and_trains_as_one_pro
 
 
 def test_hellaswag_script_on_a_gpu_scores_as_the_cpu_in_its_dtype(runs, fake_gpu, assets, capsys):
-    data = assets.hellaswag
-    argv = ["-m", str(runs("H100")[0]), "--limit", "8", "--data", str(data)]
+    argv = ["-m", str(runs("H100")[0]), "--limit", "8", "--data", str(assets.hellaswag)]
+    capsys.readouterr()  # the run's own lines, when this test is the first to ask for it
     hellaswag.main([*argv, "-d", "cpu", "--dtype", "bfloat16"])
     on_cpu = capsys.readouterr().out
     fake_gpu("H100")
@@ -133,6 +133,7 @@ def test_hellaswag_script_on_a_gpu_scores_as_the_cpu_in_its_dtype(runs, fake_gpu
 
 def test_sample_py_on_a_gpu_prints_the_cpus_samples(runs, fake_gpu, capsys):
     argv = [str(runs("H100")[0]), "--num-samples", "2", "--max-new-tokens", "8"]
+    capsys.readouterr()
     assert sample.main([*argv, "--device", "cpu"]) == 0
     on_cpu = capsys.readouterr().out
     fake_gpu("H100")

@@ -273,10 +273,6 @@ def test_links_at_the_names_a_run_writes_are_replaced_never_written_through(data
     assert sorted(os.listdir(out)) == ["ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"]
 
 
-# ----------------------------------------------------------------------------------------------
-# What a user trips on at a run's folder (issue 47): each said in one line whose advice works
-
-
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_users_text_at_a_checkpoints_name_is_no_checkpoint_and_setting_it_aside_runs(data, tmp_path, resume):
     """Said to be no checkpoint of this program, with the `mv` that sets it aside; that, then the command, runs."""
