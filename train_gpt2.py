@@ -418,7 +418,7 @@ def evaluate_val_loss(model, val_tokens, B, T, device, autocast_dtype=None, rank
         rows = np.stack([val_tokens[j * T : j * T + T + 1] for j in mine[i : i + B]]).astype(np.int64)
         buf = torch.from_numpy(rows).to(device)
         with autocast(device_type, autocast_dtype):
-            _, loss = model(buf[:, :-1], buf[:, 1:])
+            loss = model(buf[:, :-1], buf[:, 1:])[1]
         totals[0] += loss.float() * buf[:, 1:].numel()
     model.train()
     if world_size > 1:  # every rank reaches this, interrupted or not: no rank waits for another
@@ -549,7 +549,7 @@ def train(args, given=frozenset()):
             # decides in forward whether to, so no_sync() covers forward and backward
             with model.no_sync() if ddp and micro_step < grad_accum_steps - 1 else nullcontext():
                 with autocast(device_type, autocast_dtype):
-                    _, loss = model(x, y)
+                    loss = model(x, y)[1]  # logits not kept: held, they would sit beside the next batch's
                 # each micro-batch's loss is a mean over B*T tokens; the batch's is the mean of those
                 loss = loss / grad_accum_steps
                 loss_accum += loss.detach()

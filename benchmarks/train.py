@@ -73,7 +73,7 @@ def train_step_fn(model, optimizer, loader, autocast_dtype, grad_accum_steps=1):
         for _ in range(grad_accum_steps):
             x, y = loader.next_batch()
             with train_gpt2.autocast(device_type, autocast_dtype):
-                _, loss = model(x, y)
+                loss = model(x, y)[1]  # as the recipe: the logits not kept
             loss = loss / grad_accum_steps
             loss_accum = loss_accum + loss.detach()  # before the next micro-batch: CUDA graphs reuse the output
             scaler.scale(loss).backward()
