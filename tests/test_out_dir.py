@@ -33,9 +33,6 @@ from helpers import (
 )
 from support.out_dir import LOCK_FILE
 
-# ----------------------------------------------------------------------------------------------
-# One run per folder
-
 
 @pytest.mark.parametrize("existing", ["ckpt_000004.pt", "log.jsonl"])
 def test_a_new_run_in_another_runs_out_dir_is_refused(data, tmp_path, existing):
@@ -78,10 +75,6 @@ def test_a_run_killed_before_its_first_step_is_not_another_run(tmp_path, capsys)
     assert "holds only the start of a run that never trained a step" in capsys.readouterr().out
     assert len(headers(out)) == 2 and sorted(read_log(out)[1]) == [0, 1]
     assert "holds another run" in user_error([*args, "--val-tokens", 4096])  # now it holds a run: a new one is refused
-
-
-# ----------------------------------------------------------------------------------------------
-# A running run holds its folder
 
 
 def test_a_second_process_into_a_running_runs_folder_is_refused_naming_it(data, tmp_path):
@@ -164,10 +157,6 @@ def test_under_torchrun_the_job_locks_once_and_a_second_job_is_refused(data, tmp
     assert not (out / LOCK_FILE).exists()
 
 
-# ----------------------------------------------------------------------------------------------
-# A start that fails leaves the folder as it found it
-
-
 def test_a_run_refused_at_start_leaves_no_empty_out_dir(tmp_path):
     # the folders the run would have made go again; a folder the user made (empty) stays
     missing = tmp_path / "new" / "out"
@@ -219,10 +208,6 @@ def test_a_resume_that_crashes_before_its_first_step_resumes_again(data, tmp_pat
     assert sorted(read_log(out)[1]) == [0, 1, 2, 3] and len(run_ids(out)) == 1
 
 
-# ----------------------------------------------------------------------------------------------
-# A damaged log is refused, not appended to
-
-
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
 def test_a_log_whose_header_is_damaged_is_refused_and_moving_it_aside_resumes(data, tmp_path, damage):
     """Refused before a second run is appended after its steps; the advised `mv`, then --resume, runs."""
@@ -249,11 +234,6 @@ def test_a_log_of_only_a_header_is_still_no_run(data, tmp_path):
     (out / "log.jsonl").write_text((first / "log.jsonl").read_text().split("\n", 1)[0] + "\n")
     assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2)) == 0
     assert sorted(read_log(out)[1]) == [0, 1]
-
-
-# ----------------------------------------------------------------------------------------------
-# Links at the names a run writes reach no file: every write is renamed into place, the log opened
-# with O_NOFOLLOW
 
 
 def test_links_at_the_names_a_run_writes_are_replaced_never_written_through(data, tmp_path):
