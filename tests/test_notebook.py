@@ -34,8 +34,20 @@ def kernel_env(tmp_path_factory):
         yield
 
 
-def run_notebook(log_path, cwd, **params):
-    """play.ipynb run with injected parameters; -> (the executed nb, its `summary`, its `BASELINES`)."""
+@pytest.fixture(scope="module")
+def kernel(kernel_env):
+    """One python3 kernel for the module's runs (a start costs more than a run); each run resets its namespace."""
+    from jupyter_client.manager import KernelManager  # noqa: PLC0415  (optional: kernel_env skips without it)
+
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel()
+    yield km
+    km.shutdown_kernel(now=True)
+
+
+def run_notebook(kernel, log_path, cwd, **params):
+    """play.ipynb run in kernel, in folder cwd, with injected parameters; -> (the executed nb, its `summary`,
+    its `BASELINES`)."""
     import nbformat  # noqa: PLC0415  (optional: kernel_env skips without it)
     from nbclient import NotebookClient  # noqa: PLC0415  (optional: kernel_env skips without it)
     from nbformat.v4 import new_code_cell  # noqa: PLC0415  (optional: kernel_env skips without it)
@@ -44,8 +56,9 @@ def run_notebook(log_path, cwd, **params):
     i = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
     values = {"log_path": str(log_path), **params}
     nb.cells.insert(i + 1, new_code_cell("\n".join(f"{k} = {v!r}" for k, v in values.items())))
+    nb.cells.insert(0, new_code_cell(f"%reset -f\nimport os\nos.chdir({str(cwd)!r})"))  # as a fresh kernel there
     nb.cells.append(new_code_cell("print(json.dumps({'summary': summary, 'baselines': BASELINES}))"))
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    NotebookClient(nb, km=kernel, timeout=120).execute()
     said = json.loads("".join(o.get("text", "") for o in nb.cells[-1].outputs if o.get("name") == "stdout"))
     return nb, said["summary"], said["baselines"]
 
@@ -122,11 +135,11 @@ def test_committed_notebook_is_clean():
     assert nb.metadata.kernelspec.name == "python3"
 
 
-def test_a_log_still_being_written_summary_baselines_and_pngs(tmp_path, kernel_env, assets):
+def test_a_log_still_being_written_summary_baselines_and_pngs(tmp_path, kernel, assets):
     """A clean run's log, then a NaN val loss at step 50 (as RunLog writes one) and step 50's record half written."""
     partial = json.dumps(step_record(50, 5.0))[:40]
     log = write_log(tmp_path / "run", [*clean_records(), {"step": 50, "val_loss": "NaN"}], tail=partial)
-    nb, s, baselines = run_notebook(tmp_path / "run", tmp_path)  # the run folder works as well as the file
+    nb, s, baselines = run_notebook(kernel, tmp_path / "run", tmp_path)  # the run folder works as well as the file
     assert s["last_step"] == 49
     assert s["tokens"] == 50 * 1024
     assert s["last_train_loss"] == pytest.approx(10.0 - 4.9)
@@ -148,7 +161,7 @@ def test_a_log_still_being_written_summary_baselines_and_pngs(tmp_path, kernel_e
     assert text_of(nb, "stderr") == ""
 
 
-def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel_env):
+def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel):
     # run 1 (val every 5 steps, a checkpoint after 20) killed while writing step record 30
     val_1 = {0: 10.9, 5: 9.0, 10: 8.0, 15: 7.0, 20: 6.0, 25: 5.0, 30: 4.0}
     first = [header()]
@@ -162,7 +175,7 @@ def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel_env):
     second += [{"step": 25, "val_loss": 6.5}] + [step_record(s, 4.0, dt_ms=50.0) for s in range(25, 28)]
     path = write_log(tmp_path / "run", first, tail=killed + "\n" + "".join(json.dumps(r) + "\n" for r in second))
 
-    _, s, _ = run_notebook(path, tmp_path)
+    _, s, _ = run_notebook(kernel, path, tmp_path)
     # step records 0..19 from run 1 and 20..27 from run 2; run 1's 28, 29 and val at 30 are gone
     assert s["last_step"] == 27
     assert s["tokens"] == 28 * 1024
@@ -176,12 +189,12 @@ def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel_env):
     assert_pngs(path.parent)
 
 
-def test_a_record_whose_step_is_not_a_number_is_passed_over_and_named(tmp_path, kernel_env):
+def test_a_record_whose_step_is_not_a_number_is_passed_over_and_named(tmp_path, kernel):
     records = clean_records()
     records.insert(5, {"step": "3", "train_loss": 1.0})  # a hand-edited or foreign record: line 6
     records.insert(9, {"step": 7, "train_loss": "low"})  # line 10
     log = write_log(tmp_path / "run", records)
-    nb, s, _ = run_notebook(log, tmp_path)
+    nb, s, _ = run_notebook(kernel, log, tmp_path)
     assert s["passed_over"] == ["line 6 (step '3')", "line 10 (step 7)"]
     assert (s["last_step"], s["best_val_loss"], s["tokens"]) == (49, [40, 6.2], 50 * 1024)  # the rest as it is
     said = text_of(nb)
@@ -190,26 +203,26 @@ def test_a_record_whose_step_is_not_a_number_is_passed_over_and_named(tmp_path, 
 
 
 @pytest.mark.parametrize("records", [[], [header()]], ids=["empty", "header_only"])
-def test_an_empty_log_is_said_in_one_line_and_draws_nothing(tmp_path, kernel_env, records):
+def test_an_empty_log_is_said_in_one_line_and_draws_nothing(tmp_path, kernel, records):
     from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel_env skips without it)
 
     log = write_log(tmp_path / "run", records)
     with pytest.raises(CellExecutionError) as e:
-        run_notebook(log, tmp_path)
+        run_notebook(kernel, log, tmp_path)
     line = f"NothingToDraw: {log} holds no step or eval record yet: nothing to draw; run this again once the run"
     assert line in str(e.value) and "Traceback" not in str(e.value) and "Cell In" not in str(e.value)
     assert os.listdir(log.parent) == ["log.jsonl"]  # no blank figure saved
 
 
-def test_missing_log_is_a_clear_error(tmp_path, kernel_env):
+def test_missing_log_is_a_clear_error(tmp_path, kernel):
     from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel_env skips without it)
 
     with pytest.raises(CellExecutionError, match="no training log at .*set log_path") as e:
-        run_notebook(tmp_path / "nowhere", tmp_path)
+        run_notebook(kernel, tmp_path / "nowhere", tmp_path)
     assert f"this notebook's folder, {tmp_path})" not in str(e.value)  # an absolute path: no such note
     # a relative path starts from the notebook's folder (where Jupyter runs it), not the shell's: said
     with pytest.raises(CellExecutionError, match=f"relative path starts from this notebook's folder, {tmp_path}"):
-        run_notebook("log_tiny", tmp_path)
+        run_notebook(kernel, "log_tiny", tmp_path)
 
 
 def expected_summary(path):
@@ -257,13 +270,13 @@ def real_run(tmp_path_factory, assets, enc):
     return first, out
 
 
-def test_real_resumed_log(real_run, tmp_path, kernel_env):
+def test_real_resumed_log(real_run, tmp_path, kernel):
     _, run_dir = real_run
     records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     assert [r["resumed_from"] for r in records if r.get("event") == "header"] == [None, 6]
     step_ids = [r["step"] for r in records if "train_loss" in r]
     assert sorted(step_ids) == sorted(list(range(12)) + list(range(6, 12)))  # steps 6..11 twice
-    nb, s, _ = run_notebook(run_dir, tmp_path)
+    nb, s, _ = run_notebook(kernel, run_dir, tmp_path)
     for key, value in expected_summary(run_dir / "log.jsonl").items():
         assert s[key] == pytest.approx(value), key
     assert (s["last_step"], s["redone_steps"], s["skipped_lines"], s["partial_last_line"]) == (11, 6, 0, False)
@@ -307,10 +320,10 @@ def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env
     assert_pngs(log.parent)
 
 
-def test_play_ipynb_on_a_read_only_run_folder_prints_its_summary(tmp_path, kernel_env, read_only):
+def test_play_ipynb_on_a_read_only_run_folder_prints_its_summary(tmp_path, kernel, read_only):
     log = write_log(tmp_path / "run", clean_records())
     read_only(log.parent)
-    nb, s, _ = run_notebook(log, tmp_path)
+    nb, s, _ = run_notebook(kernel, log, tmp_path)
     assert s["last_step"] == 49 and s["best_val_loss"] == [40, 6.2]
     said = text_of(nb)
     for name in ("loss.png", "hellaswag.png", "throughput.png"):
@@ -318,7 +331,7 @@ def test_play_ipynb_on_a_read_only_run_folder_prints_its_summary(tmp_path, kerne
     assert os.listdir(log.parent) == ["log.jsonl"]
 
 
-def test_play_ipynb_shows_the_last_run_and_names_the_other_runs(tmp_path, kernel_env):
+def test_play_ipynb_shows_the_last_run_and_names_the_other_runs(tmp_path, kernel):
     """Run A, then run B killed after 5 steps and restarted from 0: B's restart drawn alone, A named."""
 
     def run(run_id, steps, loss, restarted=False, val=None):
@@ -329,7 +342,7 @@ def test_play_ipynb_shows_the_last_run_and_names_the_other_runs(tmp_path, kernel
         return records
 
     log = write_log(tmp_path / "run", run("A", 10, 9.0, val=9.5) + run("B", 5, 8.0) + run("B", 7, 7.0, True, 7.5))
-    nb, s, _ = run_notebook(log, tmp_path)
+    nb, s, _ = run_notebook(kernel, log, tmp_path)
     assert (s["run_id"], s["other_runs"], s["restarts"]) == ("B", ["A"], 1)
     assert (s["last_step"], s["last_train_loss"], s["last_val_loss"], s["redone_steps"]) == (6, 7.0, [0, 7.5], 0)
     said = text_of(nb)
