@@ -144,9 +144,14 @@ def load_manifest(path, config):
     """The shards a previous run of this configuration finished, or a fresh manifest."""
     if not os.path.exists(path):
         return {"config": config, "shards": [], "complete": False}
-    with open(path) as f:
-        manifest = json.load(f)
-    old = manifest["config"]
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        old = dict(manifest["config"])
+    except (ValueError, KeyError, TypeError) as e:  # edited by hand, or another program's
+        raise UserError(
+            f"cannot read {path} as fineweb.py's manifest ({type(e).__name__}): use another --out-dir"
+        ) from None
     if old != config:
         diff = [k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
         shown = ", ".join(

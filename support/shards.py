@@ -205,7 +205,7 @@ def check_fineweb_finished(data_dir):
         try:
             with open(path, encoding="utf-8") as f:
                 manifest = json.load(f)
-            command, listed = manifest["command"], [s["file"] for s in manifest["shards"]]
+            command, listed = manifest["command"], [os.path.join(data_dir, s["file"]) for s in manifest["shards"]]
         except (OSError, ValueError, KeyError, TypeError) as e:  # damaged, or not fineweb.py's
             said = f"cannot read {path} as fineweb.py's manifest ({type(e).__name__})"
             warn_once(f"{said}: whether fineweb.py finished the folder is not checked")
@@ -216,11 +216,11 @@ def check_fineweb_finished(data_dir):
                 f"input (it is still writing, or it was stopped); finish it with `{command}` (or wait for the "
                 f"fineweb.py writing it), then start the run"
             )
-        missing = [file for file in listed if not os.path.isfile(os.path.join(data_dir, file))]
+        missing = [shard for shard in listed if not os.path.isfile(shard)]
         if missing:
             raise UserError(
-                f"--data-dir {data_dir} is not whole: its {name} lists {missing[0]}, which is not there "
-                f"({len(missing)} of its {len(listed)} shards are missing): copy the folder again from "
+                f"--data-dir {data_dir} is not whole: its {name} lists {os.path.basename(missing[0])}, which is not "
+                f"there ({len(missing)} of its {len(listed)} shards are missing): copy the folder again from "
                 f"where fineweb.py wrote it"
             )
 

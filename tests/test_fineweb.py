@@ -272,6 +272,9 @@ def test_manifest_from_other_config_is_refused(tmp_path):
     with pytest.raises(UserError, match=r"different configuration \(the input \(files or sizes\)\)"):
         fineweb.main([*args, "--shard-size", "1025"])
     assert file_bytes(tmp_path / "out") == before  # refused without touching anything
+    (tmp_path / "out" / "edufineweb_manifest.json").write_text("{not json")  # edited by hand
+    with pytest.raises(UserError, match=r"cannot read .*edufineweb_manifest.json as fineweb.py's manifest \("):
+        fineweb.main([*args, "--shard-size", "1025"])
 
 
 def online(monkeypatch):

@@ -185,7 +185,7 @@ def test_a_shard_cut_short_while_the_run_reads_it_is_one_line_not_a_bus_error(tm
             loader.next_batch()
 
 
-@pytest.mark.parametrize("manifest", [b"{not json", b"[]"])
+@pytest.mark.parametrize("manifest", [b"{not json", b"[]", b'{"command": "x", "shards": [{"file": null}]}'])
 def test_a_manifest_that_cannot_be_read_is_one_warning_line(tmp_path, manifest):
     data, out = random_shards(tmp_path / "data"), tmp_path / "out"
     (data / "edufineweb_manifest.json").write_bytes(manifest)
