@@ -98,7 +98,7 @@ from benchmarks.tokenizer import bench_fineweb, find_documents
 from benchmarks.train import bench_train
 from support.cli import ArgumentParser, UserError, run_cli
 from support.device import keep_freed_memory, pick_device
-from support.files import write_atomic
+from support.files import check_folder, write_atomic
 from support.gpu import peak_flops
 
 # sample comes before train: from train on, glibc's malloc keeps freed memory (see the docstring)
@@ -224,6 +224,7 @@ def check_out(out, ladder):
     if not os.path.basename(out):  # '' or a path that ends in a separator
         raise UserError(f"--out {out!r} names no file: name the JSON file, e.g. --out bench.json")
     if not os.path.isdir(folder):
+        check_folder(folder, f"--out {out}:")  # a file where the folder goes
         raise UserError(f"--out {out}: folder {folder} does not exist")
     if os.path.lexists(out) and not (os.path.isfile(out) and is_bench_report(out)):
         raise UserError(f"--out {out}: a file bench.py did not write is there: pass another --out")

@@ -49,7 +49,7 @@ from support.checkpoints import load_checkpoint
 from support.cli import ArgumentParser, UserError, first_line, flag_type, run_cli
 from support.ddp import fence
 from support.device import keep_freed_memory, pick_device
-from support.files import jsonl_rows, write_atomic
+from support.files import check_folder, jsonl_rows, write_atomic
 from support.hf_interop import hf_gpt2, load_hf_model
 from support.model_files import find_model
 from support.offline import offline_var, unreachable
@@ -130,6 +130,7 @@ def load_examples(path=None, cache_dir=None, limit=None):
     else:
         cache_path = os.path.join(cache_dir or DEFAULT_CACHE_DIR, CACHE_NAME)
         if not os.path.exists(cache_path):
+            check_folder(os.path.dirname(cache_path), "--cache-dir")  # before the download, not after it
             download(cache_path)
         examples = _read_jsonl(cache_path)
     return examples if limit is None else examples[:limit]

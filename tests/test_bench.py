@@ -116,6 +116,11 @@ def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
             ["--out {tmp}/results.json: a file bench.py did not write is there", "pass another --out"],
         ),
         ("ladder.png/", "--only ladder", ["the ladder draws {tmp}/ladder.png, and something else is there"]),
+        (
+            "a_file",
+            "--only ceiling --out {tmp}/a_file/b.json",
+            ["--out {tmp}/a_file/b.json: {tmp}/a_file is a file, not"],
+        ),
         (None, "--only ceiling,fineweb --docs {tmp}/none/*.parquet", ["no files match --docs", "none/*.parquet"]),
         (
             None,

@@ -25,6 +25,7 @@ import train_gpt2
 from hellaswag import HellaSwagDataError
 from helpers import ROOT, assert_one_line_error, cli, read_log, save_tiny_hf_gpt2, signal_on, tiny_args
 from support import offline
+from support.cli import UserError
 from train_gpt2 import GPT
 
 
@@ -166,6 +167,14 @@ def test_the_download_writes_the_original_file(tmp_path, monkeypatch, val_path, 
     assert (tmp_path / "cache" / hellaswag.CACHE_NAME).read_bytes() == body
     monkeypatch.setattr(urllib.request, "urlopen", no_network)  # the second time reads the cache
     assert len(hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))) == 10042
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line_before_any_download(tmp_path, monkeypatch, online):
+    monkeypatch.setattr(urllib.request, "urlopen", never)
+    (tmp_path / "a_file").write_text("mine")
+    for cache_dir, said in (("a_file", "a_file"), ("a_file/sub", "a_file/sub: {tmp}/a_file")):
+        with pytest.raises(UserError, match=f"--cache-dir {tmp_path}/{said.format(tmp=tmp_path)} is a file, not a"):
+            hellaswag.load_examples(cache_dir=str(tmp_path / cache_dir))
 
 
 def http_404(val_path):
