@@ -204,15 +204,14 @@ def test_another_max_lr_on_resume_is_allowed_and_said_in_output_and_header(data,
     assert read_log(run4_with_val_loss)[1][5]["lr"] == pytest.approx(lr)
 
 
-def test_the_readme_names_the_changes_resume_allows_and_only_those():
-    """README's Resume section and support.resume.ALLOWED_CHANGES say one thing: the sentence that
-    lists the changes --resume allows names each flag the code takes with a note, and no other."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Resume") :]
-    [sentence] = [s for s in re.split(r"(?<=\.)\s+", section.replace("\n", " ")) if "allowed and said" in s]
-    named = set(re.findall(r"`(-B|--[a-z-]+)`", sentence))
+@pytest.mark.parametrize("doc", ["README.md", "docs/training.md", "docs/reliability.md"])
+def test_the_docs_name_the_changes_resume_allows_and_only_those(doc):
+    """Where a doc lists the changes --resume allows ("allowed and said"), it names each flag
+    support.resume.ALLOWED_CHANGES takes with a note, and no other."""
+    text = (ROOT / doc).read_text().replace("\n", " ")
+    [clause] = [c for c in re.split(r"(?<=\.)\s+|;", text) if "allowed and said" in c]
     allowed = {"-B" if name == "batch_size" else "--" + name.replace("_", "-") for name in ALLOWED_CHANGES}
-    assert named == allowed, sentence
+    assert set(re.findall(r"`(-B|--[a-z-]+)`", clause)) == allowed, clause
 
 
 def test_tokens_count_stays_right_after_resume_with_another_B(data, run4, tmp_path, capsys):
