@@ -20,10 +20,13 @@ PNGS = ("loss.png", "hellaswag.png", "throughput.png")
 
 
 @pytest.fixture(scope="module")
-def kernel_env(tmp_path_factory):
-    """A python3 kernelspec of this interpreter first on JUPYTER_PATH; skipped without the notebook packages."""
+def kernel(tmp_path_factory):
+    """A python3 kernel of this interpreter (its kernelspec first on JUPYTER_PATH), one for the module's runs
+    (a start costs more than a run; each run resets its namespace); skipped without the notebook packages."""
     for module in ("nbformat", "nbclient", "ipykernel", "matplotlib"):
         pytest.importorskip(module)
+    from jupyter_client.manager import KernelManager  # noqa: PLC0415  (optional: skipped above without it)
+
     base = tmp_path_factory.mktemp("jupyter")
     spec = base / "kernels" / "python3"
     spec.mkdir(parents=True)
@@ -31,26 +34,18 @@ def kernel_env(tmp_path_factory):
     (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "Python 3", "language": "python"}))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JUPYTER_PATH", str(base))
-        yield
-
-
-@pytest.fixture(scope="module")
-def kernel(kernel_env):
-    """One python3 kernel for the module's runs (a start costs more than a run); each run resets its namespace."""
-    from jupyter_client.manager import KernelManager  # noqa: PLC0415  (optional: kernel_env skips without it)
-
-    km = KernelManager(kernel_name="python3")
-    km.start_kernel()
-    yield km
-    km.shutdown_kernel(now=True)
+        km = KernelManager(kernel_name="python3")
+        km.start_kernel()
+        yield km
+        km.shutdown_kernel(now=True)
 
 
 def run_notebook(kernel, log_path, cwd, **params):
     """play.ipynb run in kernel, in folder cwd, with injected parameters; -> (the executed nb, its `summary`,
     its `BASELINES`)."""
-    import nbformat  # noqa: PLC0415  (optional: kernel_env skips without it)
-    from nbclient import NotebookClient  # noqa: PLC0415  (optional: kernel_env skips without it)
-    from nbformat.v4 import new_code_cell  # noqa: PLC0415  (optional: kernel_env skips without it)
+    import nbformat  # noqa: PLC0415  (optional: kernel skips without it)
+    from nbclient import NotebookClient  # noqa: PLC0415  (optional: kernel skips without it)
+    from nbformat.v4 import new_code_cell  # noqa: PLC0415  (optional: kernel skips without it)
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     i = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
@@ -64,7 +59,7 @@ def run_notebook(kernel, log_path, cwd, **params):
 
 
 def assert_pngs(folder):
-    from matplotlib.image import imread  # noqa: PLC0415  (optional: kernel_env skips without it)
+    from matplotlib.image import imread  # noqa: PLC0415  (optional: kernel skips without it)
 
     for name in PNGS:
         path = folder / name
@@ -204,7 +199,7 @@ def test_a_record_whose_step_is_not_a_number_is_passed_over_and_named(tmp_path, 
 
 @pytest.mark.parametrize("records", [[], [header()]], ids=["empty", "header_only"])
 def test_an_empty_log_is_said_in_one_line_and_draws_nothing(tmp_path, kernel, records):
-    from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel_env skips without it)
+    from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel skips without it)
 
     log = write_log(tmp_path / "run", records)
     with pytest.raises(CellExecutionError) as e:
@@ -215,7 +210,7 @@ def test_an_empty_log_is_said_in_one_line_and_draws_nothing(tmp_path, kernel, re
 
 
 def test_missing_log_is_a_clear_error(tmp_path, kernel):
-    from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel_env skips without it)
+    from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel skips without it)
 
     with pytest.raises(CellExecutionError, match="no training log at .*set log_path") as e:
         run_notebook(kernel, tmp_path / "nowhere", tmp_path)
@@ -284,7 +279,7 @@ def test_real_resumed_log(real_run, tmp_path, kernel):
     assert text_of(nb, "stderr") == ""
 
 
-def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel_env, assets):
+def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel, assets):
     """`jupyter execute` shows no cell output: the summary table still reaches the terminal, the log's numbers."""
     _, run_dir = real_run
     log = tmp_path / "run" / "log.jsonl"

@@ -226,16 +226,6 @@ def test_a_log_whose_header_is_damaged_is_refused_and_moving_it_aside_resumes(da
     assert sorted(read_log(out)[1]) == [4, 5] and {h["run_id"] for h in headers(out)} == {header["run_id"]}
 
 
-def test_a_log_of_only_a_header_is_still_no_run(data, tmp_path):
-    """The start of a run that never trained a step (its header alone) is not a damaged log."""
-    first, out = tmp_path / "first", tmp_path / "out"
-    assert train_gpt2.main(tiny_args(data, first, "--max-steps", 1)) == 0
-    out.mkdir()
-    (out / "log.jsonl").write_text((first / "log.jsonl").read_text().split("\n", 1)[0] + "\n")
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2)) == 0
-    assert sorted(read_log(out)[1]) == [0, 1]
-
-
 def test_links_at_the_names_a_run_writes_are_replaced_never_written_through(data, tmp_path):
     out, mine, nothing = tmp_path / "out", [tmp_path / "mine0.txt", tmp_path / "mine1.txt"], tmp_path / "nothing"
     out.mkdir()
