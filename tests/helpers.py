@@ -187,31 +187,35 @@ def as_typed(command, *extra, cwd=ROOT):
     return r
 
 
-# After main(): the MiB of a 64 MiB tensor glibc mapped on its own, the MiB the heap keeps once it is freed
+# The MiB of a 64 MiB tensor glibc mapped on its own, and the MiB the heap keeps once it is freed: after the
+# script's imports, then after its main() (64 MiB is above the 32 MiB that glibc's mmap threshold may rise to)
 MALLOC_PROBE = """
 import ctypes, importlib, sys, torch
-script = importlib.import_module(sys.argv[2])
-if sys.argv[1] == "off":
-    script.keep_freed_memory = lambda: False
-assert script.main(sys.argv[3:]) in (0, None)
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
                  "keepcost")]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
-x = torch.ones(16 * 2**20)
-mapped = libc.mallinfo2().hblkhd >> 20
-del x
-print(mapped, libc.mallinfo2().arena >> 20)
+def mapped_then_kept():
+    x = torch.ones(16 * 2**20)
+    mapped = libc.mallinfo2().hblkhd >> 20
+    del x
+    return mapped, libc.mallinfo2().arena >> 20
+script = importlib.import_module(sys.argv[1])
+before = mapped_then_kept()
+assert script.main(sys.argv[2:]) in (0, None)
+print(*before, *mapped_then_kept())
 """
 
 
-def heap_after(module, mode, args):
-    """(MiB mapped on its own, MiB the heap keeps) after `module`.main(args), "on" or "off"; see MALLOC_PROBE."""
-    proc = cli(MALLOC_PROBE, mode, module, *args, script="-c", timeout=120)
+def heap_before_and_after(module, args):
+    """[MiB of a 64 MiB tensor mapped on its own, MiB the heap keeps once it is freed], before `module`.main(args)
+    and after it, in one process (see MALLOC_PROBE)."""
+    proc = cli(MALLOC_PROBE, module, *args, script="-c", timeout=120)
     assert proc.returncode == 0, proc.stderr
-    return [int(v) for v in proc.stdout.split()[-2:]]
+    numbers = [int(v) for v in proc.stdout.split()[-4:]]
+    return numbers[:2], numbers[2:]
 
 
 def help_entries(text):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from helpers import heap_after, tiny_args
+from helpers import heap_before_and_after, tiny_args
 from support.cli import UserError
 from support.device import choose_compile
 
@@ -52,10 +52,7 @@ def test_compile_asked_for_that_cannot_work_is_a_user_error():
 @pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_a_cpu_run_keeps_freed_memory_in_the_heap(data, tmp_path):
     # glibc's default maps a big block on its own, unmapped when freed: each step would fault it in again
-    got = {
-        mode: heap_after("train_gpt2", mode, tiny_args(data, tmp_path / mode, "--max-steps", 1, "--eval-every", 0))
-        for mode in ("on", "off")
-    }
-    assert got["off"][0] >= 64  # the reference: glibc mapped the 64 MiB on its own
-    mapped, heap_after_free = got["on"]
-    assert mapped < 64 and heap_after_free >= 64, got  # from the heap, and kept there once freed
+    before, after = heap_before_and_after("train_gpt2", tiny_args(data, tmp_path, "--max-steps", 1, "--eval-every", 0))
+    assert before[0] >= 64  # the reference: before main(), glibc mapped the 64 MiB on its own
+    mapped, heap_after_free = after
+    assert mapped < 64 and heap_after_free >= 64, (before, after)  # from the heap, and kept there once freed

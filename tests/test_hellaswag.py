@@ -516,13 +516,13 @@ def test_cli_prints_accuracy(hf_dir, small, val_path):
 
 def test_cli_on_an_export_prints_its_checkpoints_numbers(shakespeare_export, val_path):
     # the export leaves out the checkpoint's 47 padding rows, a small share of its softmax: the
-    # same predictions here, on 300 examples
+    # same predictions here, on 100 examples
     ckpt, export = shakespeare_export
     printed = {}
     for model in (ckpt, export):
-        r = cli("-m", model, "-d", "cpu", "--data", val_path, "--limit", 300, script="hellaswag.py")
+        r = cli("-m", model, "-d", "cpu", "--data", val_path, "--limit", 100, script="hellaswag.py")
         assert r.returncode == 0, r.stderr
-        assert r.stdout.startswith(f"HellaSwag {model}: 300 examples, float32\n")
+        assert r.stdout.startswith(f"HellaSwag {model}: 100 examples, float32\n")
         printed[model] = r.stdout.splitlines()[1:]
     assert printed[ckpt] == printed[export]
     assert printed[ckpt][0].startswith("acc      0.") and printed[ckpt][1].startswith("acc_norm 0.")
