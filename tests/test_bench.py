@@ -186,6 +186,7 @@ def test_named_section_without_data_is_refused_the_default_run_skips_it(monkeypa
     }
 
 
+@pytest.mark.slow  # bench.py and the compile check it starts: two processes
 def test_compile_that_does_not_work_is_refused_before_anything_is_measured(tmp_path, monkeypatch):
     """A run that compiles where torch.compile cannot (no C++ compiler): one line naming --no-compile."""
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # for bench.py's compile probe, a process

@@ -155,6 +155,7 @@ def test_txt_and_jsonl_globs_in_order_with_text_field(tmp_path, enc):
     assert sum(s["documents"] for s in manifest["shards"]) == len(docs)
 
 
+@pytest.mark.slow  # 7M tokens written, killed and finished: ~13 s
 def test_resume_after_sigkill_is_byte_identical(tmp_path, monkeypatch, parquet_copies):
     # the sample 40 times over (7M tokens, 140 shards) and one worker: the kill lands mid-run
     files, tokens = parquet_copies

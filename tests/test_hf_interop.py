@@ -233,6 +233,7 @@ def test_unreachable_hub_fails_before_transformers_tries(tmp_path, monkeypatch):
         train_gpt2.GPT.from_pretrained("gpt2-large")
 
 
+@pytest.mark.slow  # a process of its own (the Hub's variables are read at import): ~7 s of transformers
 def test_cached_hub_name_loads_without_the_network(tmp_path, hf_tiny_dir):
     # a tiny model under the name gpt2, no offline flag, an unreachable Hub: it loads from the cache,
     # laid out as huggingface_hub downloads: models--<name>/snapshots/<rev>/ and refs/main

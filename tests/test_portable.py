@@ -198,6 +198,7 @@ def test_fineweb_into_a_folder_another_fineweb_holds_is_refused(tmp_path, posix_
     assert os.listdir(out) == []  # given back: the folder as it was
 
 
+@pytest.mark.slow  # a process of its own: ~7 s of transformers
 def test_hellaswag_scores_as_with_them(short_run, posix_less, assets, capsys):
     env, ran_without_them = posix_less
     args = ["-m", short_run[1], "--data", assets.hellaswag, "--limit", 6, "-d", "cpu"]
