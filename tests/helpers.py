@@ -210,8 +210,7 @@ print(*before, *mapped_then_kept())
 
 
 def heap_before_and_after(module, args):
-    """[MiB of a 64 MiB tensor mapped on its own, MiB the heap keeps once it is freed], before `module`.main(args)
-    and after it, in one process (see MALLOC_PROBE)."""
+    """MALLOC_PROBE's [MiB mapped on its own, MiB the heap keeps] before and after `module`.main(args)."""
     proc = cli(MALLOC_PROBE, module, *args, script="-c", timeout=120)
     assert proc.returncode == 0, proc.stderr
     numbers = [int(v) for v in proc.stdout.split()[-4:]]

@@ -485,6 +485,7 @@ def test_second_run_into_the_same_folder_is_refused(tmp_path, assets):
     assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "fresh")
 
 
+@pytest.mark.slow  # with the SIGKILL test: parquet_copies writes 40 copies of the sample
 def test_two_real_runs_at_once(tmp_path, parquet_copies):
     args = ["--input", *parquet_copies[0][:30], "--out-dir", "out", "--shard-size", "50000", "--workers", "1"]
     first = start_run(*args, script="fineweb.py", cwd=tmp_path)
