@@ -52,7 +52,7 @@ from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale
 from support.presets import expand_presets
 from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
 from support.run_log import RunLog
-from support.sampling import add_sampling_flags, check_sampling, log_samples
+from support.sampling import Sampling, add_sampling_flags, check_sampling, log_samples
 from support.shards import (
     ShardFile,
     check_batch_fits,
@@ -481,14 +481,12 @@ def train(args, given=frozenset()):
 
     # --- what runs mid-training is exercised now, not first at hour three; then the log -------------
     enc = get_tokenizer() if args.hellaswag_every > 0 or args.sample_every > 0 else None
-    examples, sampling = None, None  # HellaSwag's examples, sample_text's settings (None: off)
+    examples, sampling = None, None  # HellaSwag's examples, the samples' Sampling (None: off)
     if args.hellaswag_every > 0:  # None after a warning: a run never dies for want of its side evaluation
         examples = hellaswag.load_for_run(args.hellaswag_data, args.hellaswag_limit, enc, master_process, ddp)
-    if args.sample_every > 0:  # top_k None (--top-k 0): all tokens
-        settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
-        sampling = check_sampling(
-            raw_model, enc, args.prompt, args.max_new_tokens, autocast_dtype, master_process, **settings
-        )
+    if args.sample_every > 0:  # --top-k 0: every token
+        sampling = Sampling(args.prompt, args.num_samples, args.temperature, args.top_k or None, args.max_new_tokens)
+        sampling = check_sampling(raw_model, enc, sampling, autocast_dtype, master_process)
     if args.dry_run:  # every start-up check passed; nothing is trained or written
         print("dry run: the flags, the data, --out-dir and the sampling check are fine")
         return 0
@@ -530,7 +528,7 @@ def train(args, given=frozenset()):
                 log({"step": step, **result})
         # once in a while generate some samples
         if sampling is not None and fresh and (step % args.sample_every == 0 or last_step) and step > 0 and not stop():
-            log_samples(step, raw_model, sampling, args.max_new_tokens, autocast_dtype, log, stop)
+            log_samples(step, raw_model, enc, sampling, autocast_dtype, log, stop)
         # once in a while, and when a stop signal came (every rank at the same step), save a checkpoint
         signum = stop.agreed(device, ddp)
         if signum or (step > start_step and (last_step or args.ckpt_every and step % args.ckpt_every == 0)):

@@ -4,6 +4,7 @@
 hidden_states takes a cache (see KVCache) and whose lm_head gives the logits."""
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn import functional as F
@@ -195,26 +196,41 @@ def sample_text(
     return None if out is None else [enc.decode(row.tolist()) for row in out]
 
 
-def check_sampling(model, enc, prompt, max_new_tokens, autocast_dtype, master_process, **settings):
+@dataclass(frozen=True)
+class Sampling:
+    """A training run's sampling flags; check_sampling returns them with the prompt fitted to the model."""
+
+    prompt: str
+    num_samples: int
+    temperature: float
+    top_k: int | None  # None: every token
+    max_new_tokens: int
+
+    def draw(self, model, enc, max_new_tokens, stop=None):
+        return sample_text(
+            model, enc, self.prompt, self.num_samples, max_new_tokens, self.temperature, self.top_k, stop=stop
+        )
+
+
+def check_sampling(model, enc, sampling, autocast_dtype, master_process):
     """A training run's samples, checked at start: the prompt tokenized and fitted to the model's
-    window (rank 0 says when the samples stop early), and one token drawn with settings
-    (num_samples, temperature, top_k): a bad prompt or setting fails now, not at the first sample
-    step hours in. Returns sample_text's keyword arguments for the run's samples; its fixed seed
-    gives the same noise at every sample step, so the samples show what was learned."""
-    tokens = encode_prompt(enc, prompt, model.config.block_size, max_new_tokens, say=master_process)
-    sampling = dict(enc=enc, prompt=enc.decode(tokens), **settings)
-    oom_phase("sampling check", num_samples=settings["num_samples"])
+    window (rank 0 says when the samples stop early), and one token drawn with the run's settings:
+    a bad prompt or setting fails now, not at the first sample step hours in. Returns the Sampling
+    the run's samples use; sample_text's fixed seed gives the same noise at every sample step, so
+    the samples show what was learned."""
+    tokens = encode_prompt(enc, sampling.prompt, model.config.block_size, sampling.max_new_tokens, say=master_process)
+    sampling = replace(sampling, prompt=enc.decode(tokens))
+    oom_phase("sampling check", num_samples=sampling.num_samples)
     with autocast(next(model.parameters()).device.type, autocast_dtype):  # every rank samples, here and mid-run
-        sample_text(model, max_new_tokens=1, **sampling)
+        sampling.draw(model, enc, max_new_tokens=1)
     return sampling
 
 
-def log_samples(step, model, sampling, max_new_tokens, autocast_dtype, log, should_stop):
+def log_samples(step, model, enc, sampling, autocast_dtype, log, should_stop):
     """Samples of the prompt after `step` updates (every rank samples, rank 0 logs them), unless a
     stop signal cut them short; sampling: check_sampling's."""
-    n = sampling["num_samples"]
-    oom_phase("sampling", step=step, num_samples=n, max_new_tokens=max_new_tokens)
+    oom_phase("sampling", step=step, num_samples=sampling.num_samples, max_new_tokens=sampling.max_new_tokens)
     with autocast(next(model.parameters()).device.type, autocast_dtype):
-        samples = sample_text(model, max_new_tokens=max_new_tokens, stop=should_stop, **sampling)
+        samples = sampling.draw(model, enc, sampling.max_new_tokens, stop=should_stop)
     if samples is not None:
         log({"step": step, "samples": samples})
