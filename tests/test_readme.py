@@ -30,7 +30,7 @@ def commands(block):
 
 def offline_env(**more):
     """A new user's environment offline: no test data or tiktoken cache, the Hub off, `python` this interpreter."""
-    env = {k: v for k, v in os.environ.items() if k not in ("SHARED_DATA", "TIKTOKEN_CACHE_DIR")}
+    env = {k: v for k, v in os.environ.items() if k not in ("GPT2_TEST_DATA", "TIKTOKEN_CACHE_DIR")}
     bin_dir = str(Path(sys.executable).parent)
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PATH=bin_dir + os.pathsep + env.get("PATH", ""), **more)
     return env
