@@ -453,7 +453,9 @@ def train(args, given=frozenset()):
     # --- processes and device; on --resume the checkpoint and its recipe; then every flag is checked --
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = setup_distributed(args.device, args.ddp_timeout)
     device_type, master_process = torch.device(device).type, ddp_rank == 0  # rank 0 prints, logs, checkpoints
-    ckpt_path, ckpt, run_id, taken, changes = resume_checkpoint(args, given, command_line()[1], ddp, master_process)
+    ckpt_path, ckpt, run_id, taken, changes, moved = resume_checkpoint(
+        args, given, command_line()[1], ddp, master_process
+    )
     args = argparse.Namespace(**{**vars(args), **taken})  # on --resume: the flags left out are the checkpoint's
     check_args(args, ddp_world_size, given, warmup_lr)  # the recipe as the checkpoint and the command line make it
     B, T = args.batch_size, args.seq_len
@@ -495,7 +497,7 @@ def train(args, given=frozenset()):
     derived.update(compile=use_compile, model_config=asdict(raw_model.config), flops_per_token=flops)
     config = {**vars(args), "data_dir": os.path.abspath(args.data_dir)}  # the run's flags: --resume from anywhere
     log = RunLog(args.out_dir, master_process, args.max_steps)
-    log.header(run_id, name, start_step or None, changes, {**config, **derived})
+    log.header(run_id, name, start_step or None, changes, {**config, **derived}, moved)
     peak = args.peak_flops or (peak_flops(name) if device_type == "cuda" else None)  # MFU: of one GPU's peak
 
     def checkpoint(step):  # every rank: rank 0 writes, the others wait for it

@@ -78,12 +78,15 @@ def check_finite_state(ckpt, out_dir):
 
 def checkpoint_health(out_dir):
     """[(path, known good)] of out_dir's checkpoints, newest first, from its log. Checkpoint N holds
-    the weights step N trains from: known good when the log's last record of step N (a resumed run
-    redoes steps) is a trained step, or one fp16's loss scaler skipped (its loss was finite, only the
-    scaled gradients overflowed), not a skipped one (a NaN or inf) nor missing (not trained yet)."""
+    the weights step N trains from: known good when the log's last record of step N in the line of
+    the run that wrote it is a trained step, or one fp16's loss scaler skipped (its loss was finite,
+    only the scaled gradients overflowed), not a skipped one (a NaN or inf) nor missing (not trained
+    yet). A header starts a line at the step it resumed from: the records past it are another line's."""
     trained = {}
     for record in log_records(os.path.join(out_dir, "log.jsonl")):
-        if any(k in record for k in ("train_loss", "scaler_skipped", "skipped")):
+        if record.get("event") == "header":
+            trained = {step: good for step, good in trained.items() if step <= (record.get("resumed_from") or -1)}
+        elif any(k in record for k in ("train_loss", "scaler_skipped", "skipped")):
             trained[record.get("step")] = "skipped" not in record
     return [(path, trained.get(step_of_name(path), False)) for path in checkpoint_paths(out_dir)]
 

@@ -252,11 +252,12 @@ def newest_of_its_run(out_dir, load, then):
 
 
 def pick_checkpoint(resume, out_dir, load, dry_run=False):
-    """Rank 0's choice at start, after claim_out_dir: (path, checkpoint) for --resume (resume:
-    "latest" or a checkpoint's path), (None, None) for a new run. load: how a checkpoint holding a
-    run's training state is loaded. A run killed before its first checkpoint is started anew: (None,
-    {"train_config": its flags, from its log's header}). A dry run renames nothing."""
-    path, ckpt = None, None
+    """Rank 0's choice at start, after claim_out_dir: (path, checkpoint, the paths set_aside moved
+    checkpoints to) for --resume (resume: "latest" or a checkpoint's path), (None, None, []) for a new
+    run. load: how a checkpoint holding a run's training state is loaded. A run killed before its
+    first checkpoint is started anew: (None, {"train_config": its flags, from its log's header}, []).
+    A dry run renames nothing."""
+    path, ckpt, moved = None, None, []
     if resume == "latest":
         then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
         path, ckpt = newest_of_its_run(out_dir, load, then)
@@ -280,7 +281,38 @@ def pick_checkpoint(resume, out_dir, load, dry_run=False):
             )
         path, ckpt = resume, load(resume)
         check_resume_target(out_dir, path, ckpt)
-    return path, ckpt
+        moved = set_aside(out_dir, path, ckpt["step"], dry_run)
+    return path, ckpt, moved
+
+
+def set_aside(out_dir, path, step, dry_run):
+    """--resume of a checkpoint older than out_dir's newest starts a new line of the run there: the
+    checkpoints that line would pass over (from its step on; all of them for one from another folder)
+    move into out_dir/aside_<n>/, where no pick, prune or write reaches them, said in one line. The
+    new line then prunes only its own and the one it started from. Returns where they now are, as
+    paths in out_dir (aside_1/ckpt_000009.pt), for the log."""
+    here, start = os.path.realpath(os.path.dirname(path) or ".") == os.path.realpath(out_dir), os.path.realpath(path)
+    passed = [
+        p for p in checkpoint_paths(out_dir) if (step_of_name(p) >= step or not here) and os.path.realpath(p) != start
+    ]
+    if not passed:
+        return []
+    n = 1
+    while os.path.lexists(aside := os.path.join(out_dir, f"aside_{n}")):
+        n += 1
+    moved = [os.path.join(aside, os.path.basename(p)) for p in reversed(passed)]  # oldest first
+    names = os.path.basename(moved[0]) + (f" .. {os.path.basename(moved[-1])}" if len(moved) > 1 else "")
+    print(
+        f"note: --resume {path} starts a new line of the run at step {step}: the checkpoints it passes "
+        f"over ({names}) {'would be set aside in' if dry_run else 'are now in'} {aside}/, out of reach of "
+        f"--resume, pruning and new checkpoints{' (not in a dry run)' if dry_run else ''}"
+    )
+    if dry_run:
+        return []
+    os.mkdir(aside)
+    for old, new in zip(reversed(passed), moved, strict=True):
+        os.rename(old, new)
+    return [os.path.relpath(p, out_dir) for p in moved]
 
 
 def check_resume_target(out_dir, path, ckpt):

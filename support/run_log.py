@@ -72,15 +72,17 @@ class RunLog:
         except OSError as e:
             raise disk_error(e, self.path, "start again") from None
 
-    def header(self, run_id, device_name, resumed_from, changes, config):
-        """The run's first record (and a resumed run's first in its turn): what ran, where, with what."""
+    def header(self, run_id, device_name, resumed_from, changes, config, set_aside=None):
+        """The run's first record (and a resumed run's first in its turn): what ran, where, with what;
+        set_aside: where a new line of the run moved the checkpoints it passes over (out_dir.set_aside)."""
         record = {"event": "header", "run_id": run_id, "device": device_name, "resumed_from": resumed_from}
         if self.file is not None and config.get("wandb_project"):
             name = config.get("wandb_run_name") or os.path.basename(os.path.abspath(self.out_dir))
             folder = os.environ.get("WANDB_DIR") or self.out_dir  # wandb's files beside the run's, unless set
             self.wandb = WandbMirror(config["wandb_project"], name, run_id, folder)
             RunLog.mirrored.append(self)
-        record = {**record, "changed_on_resume": changes or None, "versions": versions(), "config": config}
+        record.update(changed_on_resume=changes or None, set_aside=set_aside or None)
+        record = {**record, "versions": versions(), "config": config}
         self.clock.cadences = {kind: config.get(flag, 0) for kind, flag in StepClock.EVALS.items()}
         self(record)
 

@@ -3,6 +3,7 @@ user runs them, tiny transformers models, one-line error checks, faults injected
 
 import contextlib
 import errno
+import hashlib
 import io
 import json
 import os
@@ -109,6 +110,12 @@ def headers(out):
 def run_ids(out):
     """The run ids of the checkpoints in out: one run's folder holds one."""
     return {load_checkpoint(str(p))["run_id"] for p in out.glob("ckpt_*.pt")}
+
+
+def checkpoint_bytes(folder):
+    """{the sha256 of a checkpoint's bytes: its path} for each ckpt_*.pt anywhere under folder (set aside
+    ones too): a checkpoint lost or written over is a digest gone."""
+    return {hashlib.sha256(p.read_bytes()).hexdigest(): p for p in Path(folder).rglob("ckpt_*.pt")}
 
 
 def same_weights(a, b):

@@ -5,12 +5,22 @@ divergence works when followed: --resume past bad batches, or from the last good
 --keep-ckpts keeps) with a --max-lr below the one that diverged; a run never ends "done" on NaN."""
 
 import math
+import re
 
 import numpy as np
 import torch
 
 import train_gpt2
-from helpers import random_shards, read_log, same_weights, strict_records, tiny_args, user_error
+from helpers import (
+    checkpoint_bytes,
+    headers,
+    random_shards,
+    read_log,
+    same_weights,
+    strict_records,
+    tiny_args,
+    user_error,
+)
 from support import divergence, precision
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 
@@ -139,6 +149,31 @@ def test_divergence_at_the_start_says_start_anew_and_plain_resume_is_not_done(da
     # the advice: a new --out-dir, a lower --max-lr
     assert train_gpt2.main(tiny_args(data, tmp_path / "new", "--max-steps", 8, "--max-lr", 1e-3)) == 0
     assert all(math.isfinite(s["train_loss"]) for s in read_log(tmp_path / "new")[1].values())
+
+
+def test_a_divergence_after_going_back_is_judged_by_its_own_line_and_its_advice_works(data, tmp_path, capsys):
+    """A run trained to 9, then --resume ckpt_3 --max-lr 1e30: steps 4-6 fail, and the advice names 3, not the
+    stop checkpoint 7 (the weights that failed, whose step the old line had trained). Followed, it trains to the
+    end; a plain --resume then continues that line. Every checkpoint of the three lines is kept, unchanged."""
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 9, "--ckpt-every", 3, "--keep-ckpts", 3, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    msg = user_error([*args, "--resume", out / "ckpt_000003.pt", "--max-lr", 1e30])
+    assert "3 steps in a row (4 to 6)" in msg and f"{out / 'ckpt_000007.pt'} holds the weights they failed on" in msg
+    advised = re.search(r"--resume (\S+) --max-lr LR, LR below 1e\+30", msg)[1]
+    assert advised == str(out / "ckpt_000003.pt")
+    diverged = checkpoint_bytes(out)  # the first line's 3, 6, 9 and the diverged line's 6, 7
+    assert len(diverged) == 5 and sorted(p.name for p in out.glob("ckpt_*.pt")) == [
+        f"ckpt_00000{s}.pt" for s in (3, 6, 7)
+    ]
+    assert train_gpt2.main([*map(str, args), "--resume", advised, "--max-lr", "1e-3"]) == 0  # the advice, followed
+    assert diverged.keys() <= checkpoint_bytes(out).keys()
+    capsys.readouterr()
+    assert train_gpt2.main(["--resume", "--out-dir", str(out), "--device", "cpu", "--max-steps", "12"]) == 0
+    assert f"resuming from {out / 'ckpt_000009.pt'} at step 9" in capsys.readouterr().out
+    assert [h["resumed_from"] for h in headers(out)] == [None, 3, 3, 9] and headers(out)[-1]["config"]["max_lr"] == 1e-3
+    steps = read_log(out)[1]
+    assert sorted(steps) == list(range(12)) and all(math.isfinite(steps[s]["train_loss"]) for s in steps)
 
 
 def test_keep_ckpts_keeps_the_last_good_checkpoint_through_a_divergence(data, tmp_path):

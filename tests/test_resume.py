@@ -15,6 +15,7 @@ from helpers import (
     ROOT,
     assert_one_line_error,
     at_step,
+    checkpoint_bytes,
     cli,
     headers,
     random_shards,
@@ -306,6 +307,57 @@ def test_an_older_checkpoint_of_the_folders_own_run_resumes_there(data, two_runs
     args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2)
     assert train_gpt2.main([*map(str, args), "--resume", str(a / "ckpt_000002.pt")]) == 0
     assert [h["resumed_from"] for h in headers(a)] == [None, 2] and len(run_ids(a)) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Going back to an earlier checkpoint in the run's folder starts a new line of the run
+
+
+@pytest.fixture
+def run9(data, tmp_path):
+    """9 steps with checkpoints at 3, 6 and 9, --keep-ckpts 3."""
+    out = tmp_path / "run"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 9, "--ckpt-every", 3, "--keep-ckpts", 3)) == 0
+    return out
+
+
+def test_going_back_to_an_earlier_checkpoint_loses_none_and_plain_resume_continues_the_new_line(
+    run9, monkeypatch, capsys
+):
+    """--resume ckpt_3 --max-lr 3e-4 stopped by Ctrl-C at step 4 sets the old line's 6 and 9 aside and keeps
+    the 3 it started from; a plain --resume then continues the new line's 5, not the old line's 9."""
+    old = checkpoint_bytes(run9)
+    at_step(monkeypatch, {4: lambda: signal.raise_signal(signal.SIGINT)})
+    branch = ["--resume", str(run9 / "ckpt_000003.pt"), "--out-dir", str(run9), "--max-lr", "3e-4"]
+    assert train_gpt2.main(branch) == 128 + signal.SIGINT
+    monkeypatch.undo()
+    assert old.keys() <= checkpoint_bytes(run9).keys()  # every checkpoint's bytes, unchanged, somewhere
+    assert sorted(p.name for p in run9.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000005.pt"]
+    assert headers(run9)[-1]["set_aside"] == ["aside_1/ckpt_000006.pt", "aside_1/ckpt_000009.pt"]
+    assert f"are now in {run9 / 'aside_1'}/" in capsys.readouterr().out
+    branched = checkpoint_bytes(run9)
+    assert train_gpt2.main(["--resume", "--out-dir", str(run9), "--device", "cpu"]) == 0
+    assert f"resuming from {run9 / 'ckpt_000005.pt'} at step 5" in capsys.readouterr().out
+    assert [(h["resumed_from"], h["config"]["max_lr"]) for h in headers(run9)] == [(None, 3e-3), (3, 3e-4), (5, 3e-4)]
+    now = checkpoint_bytes(run9)  # the new line has 3 of its own (5, 6, 9): the 3 it started from is pruned
+    assert {h for h, p in branched.items() if p.name != "ckpt_000003.pt"} <= now.keys()
+    assert sorted(str(p.relative_to(run9)) for p in now.values()) == [
+        "aside_1/ckpt_000006.pt",
+        "aside_1/ckpt_000009.pt",
+        "ckpt_000005.pt",
+        "ckpt_000006.pt",
+        "ckpt_000009.pt",
+    ]
+
+
+def test_a_dry_run_of_going_back_moves_nothing_and_says_where_it_would(run9, capsys):
+    before = snapshot(run9)
+    assert train_gpt2.main(["--resume", str(run9 / "ckpt_000003.pt"), "--out-dir", str(run9), "--dry-run"]) == 0
+    assert snapshot(run9) == before
+    assert (
+        f"the checkpoints it passes over (ckpt_000006.pt .. ckpt_000009.pt) would be set aside in {run9 / 'aside_1'}/"
+        in capsys.readouterr().out
+    )
 
 
 # ----------------------------------------------------------------------------------------------
