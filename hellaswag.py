@@ -473,8 +473,8 @@ def evaluate(
 
 
 def load_for_run(path, limit, enc, master_process, ddp):
-    """The examples tokenized once for every eval of a training run, or None after one warning
-    when the data cannot be had: a run never dies for want of its side evaluation."""
+    """(the examples tokenized once for every eval of a training run, None), or (None, why not) after
+    one warning when the data cannot be had: a run never dies for want of its side evaluation."""
 
     def load():
         try:
@@ -496,8 +496,8 @@ def load_for_run(path, limit, enc, master_process, ddp):
     if problem is not None:
         if master_process:
             print(f"warning: HellaSwag evaluation is off for this run: {problem}", file=sys.stderr)
-        return None
-    return prepared
+        return None, problem
+    return prepared, None
 
 
 @torch.no_grad()

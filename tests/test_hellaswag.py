@@ -1,7 +1,8 @@
 """hellaswag.py: tokens, the fast scorer (shared contexts, head at the scored positions only)
 against a plain one-row-per-forward loop, sharding, stopping, the download from the Hub (its one call
 replaced by local rows in the Hub's shape) checked against the original, offline detection and refusing
-bad data; in training, a HellaSwag file it cannot use is one warning and the run goes on."""
+bad data; in training, a HellaSwag file it cannot use is one warning, in the log's header too, and the
+run goes on."""
 
 import hashlib
 import json
@@ -651,3 +652,14 @@ def test_hellaswag_warning_in_training_names_training_s_flag(data, tmp_path, mon
     assert r.returncode == 0, r.stderr
     warning = [line for line in r.stderr.splitlines() if "HellaSwag evaluation is off" in line]
     assert len(warning) == 1 and "--hellaswag-data" in warning[0] and "pass --data " not in warning[0]
+
+
+def test_a_run_without_hellaswag_says_why_in_its_log_header(data, tmp_path, capsys):
+    """What the warning said at start is still there later, where the user looks: the log (and play.ipynb)."""
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 1, "--hellaswag-every", 1, "--eval-every", 0, "--hellaswag-data")
+    assert train_gpt2.main([*args, str(tmp_path / "hs.jsonl")]) == 0
+    warning = capsys.readouterr().err.split("warning: HellaSwag evaluation is off for this run: ")[1].splitlines()[0]
+    assert warning == f"{tmp_path}/hs.jsonl cannot be read: No such file or directory"
+    (header,) = [r for r in read_log(out)[0] if r.get("event") == "header"]
+    assert header["config"]["hellaswag_off"] == warning
