@@ -256,6 +256,14 @@ def test_the_whole_original_converted_from_the_hub_s_form_is_itself_and_gives_th
     assert hashlib.sha256(written).hexdigest() == ORIGINAL_SHA256
 
 
+@pytest.mark.online
+def test_online_the_hub_s_hellaswag_is_the_original(tmp_path):
+    """The real download: all 10,042 rows, the pinned digests (or it refuses), cached as the original file."""
+    assert len(hellaswag.load_examples(cache_dir=str(tmp_path))) == 10042
+    written = (tmp_path / hellaswag.CACHE_NAME).read_bytes()
+    assert hashlib.sha256(written).hexdigest() == ORIGINAL_SHA256
+
+
 def test_a_cache_dir_that_is_a_file_is_one_line_before_any_download(tmp_path, monkeypatch, hub):
     import datasets  # noqa: PLC0415
 
