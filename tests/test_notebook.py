@@ -220,6 +220,17 @@ def test_missing_log_is_a_clear_error(tmp_path, kernel):
         run_notebook(kernel, "log_tiny", tmp_path)
 
 
+def test_a_run_with_hellaswag_off_says_why_where_the_curve_would_be(tmp_path, kernel):
+    why = "cannot download HellaSwag from https://huggingface.co (HF_HUB_OFFLINE is set); pass --hellaswag-data X"
+    records = clean_records()
+    records[0]["config"]["hellaswag_off"] = why  # as train_gpt2.py writes it (test_hellaswag.py)
+    log = write_log(tmp_path / "run", [r for r in records if "hellaswag" not in r])
+    nb, s, _ = run_notebook(kernel, log, tmp_path)
+    assert s["hellaswag_off"] == why and s["best_hellaswag"] is None
+    assert f"HellaSwag was off for this run: {why}" in text_of(nb)
+    assert_pngs(log.parent)
+
+
 def expected_summary(path):
     """The summary by the contract's plain rule: complete lines only, the last record per step counts."""
     lines = path.read_text().split("\n")[:-1]  # whatever follows the last newline is unfinished
