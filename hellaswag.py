@@ -17,7 +17,8 @@ script). The command line loads every -m as transformers' GPT2LMHeadModel with S
 A row longer than the model's window keeps its last block_size + 1 tokens (_row_batches); GPT-2's
 1024 positions hold every validation row (the longest is 166 tokens).
 
-Data: --data a local jsonl, else the cache, else a download of the original file (load_examples).
+Data: --data a local jsonl, else the cache, else a download from the Hugging Face Hub's Rowan/hellaswag,
+checked against the original file and cached in its form (load_examples).
 
 Usage:
     python hellaswag.py -m gpt2                    # OpenAI GPT-2 124M (gpt2-medium, ... too)
@@ -35,9 +36,10 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not 
     signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
 
 import argparse
+import hashlib
 import itertools
+import json
 import time
-import urllib.request
 
 import numpy as np
 import torch
@@ -57,7 +59,16 @@ from support.out_of_memory import hellaswag_out_of_memory, oom_phase
 from support.precision import AUTOCAST_DTYPES, pick_dtype
 from support.shards import get_tokenizer
 
-DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+HUB_DATASET = "Rowan/hellaswag"  # HellaSwag's own copy on the Hugging Face Hub (label a string there)
+# the original file's fields, in its order (WikiHow rows put ctx second), so that the cache is the original jsonl
+FIELDS = ("ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split", "split_type", "label", "endings", "source_id")
+# the original hellaswag_val.jsonl's row count and digests(): a copy that differs is refused, never cached
+ORIGINAL_ROWS = 10042
+ORIGINAL_DIGESTS = (
+    "df40a5928da24b1f bbc545cc7dc70a42 a83eed1f11dc59bf f4dbabdbdc965073 90571e07ef69e9cc 09e2d87d091d5844 "
+    "a5d2a0b058ac5998 2f1c3e46cea3b4b7 ccced27d9d3a7fad b03d3d3275976611 0ebaddc42a6564eb d4068ce62a408c8f "
+    "561c9314196ca00b fa14e9cd453f44fd a024c0241f6148f4"
+).split()
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "gpt2-repro", "hellaswag")
 CACHE_NAME = "hellaswag_val.jsonl"
 SPLIT_TYPES = ("indomain", "zeroshot")  # activity labels seen / not seen in HellaSwag's train split
@@ -94,34 +105,58 @@ def _read_jsonl(path):
         raise HellaSwagDataError(f"{path} cannot be read: {e.strerror or first_line(e)}") from None
 
 
+def digests(examples):
+    """sha256 (16 hex digits) of what the scoring reads (ctx, endings, label, split_type) of the first 1, 2,
+    4, ... rows and of all of them: two copies that differ first differ between two of these."""
+    h, out = hashlib.sha256(), []
+    for i, ex in enumerate(examples, 1):
+        h.update(json.dumps([ex["ctx"], ex["endings"], ex["label"], ex["split_type"]]).encode() + b"\n")
+        if i & (i - 1) == 0 or i == len(examples):
+            out.append(h.hexdigest()[:16])
+    return out
+
+
+def original_row(r):
+    """A Hub row as a line of the original file: label an int, the fields in its order."""
+    keys = FIELDS if r["source_id"].startswith("activitynet") else ("ind", "ctx", *FIELDS[1:4], *FIELDS[5:])
+    return json.dumps({k: int(r[k]) if k == "label" else r[k] for k in keys}) + "\n"
+
+
 def download(cache_path):
-    """Fetch the original validation file, check it (an error page must not become the data), and
-    write cache_path atomically."""
+    """Fetch the validation split from the Hub, turn it into the original jsonl (label an int, the
+    original's fields and rows in order), check it against the original, and write cache_path atomically."""
+    fix = "pass --data path/to/hellaswag_val.jsonl"
     var = offline_var(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    reason = f"{var} is set" if var else None
-    if not var and (why := unreachable(DATA_URL)):  # said at once: urllib would retry for ~27 s
-        reason = f"no network: raw.githubusercontent.com does not answer ({why})"
+    hub = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    reason = f"{var} is set" if var else unreachable(hub)  # said at once: the Hub client retries for ~30 s
     if reason:
-        raise HellaSwagDataError(f"cannot download HellaSwag ({reason}); pass --data path/to/hellaswag_val.jsonl")
-    print(f"downloading the HellaSwag validation split to {cache_path}", file=sys.stderr)
+        raise HellaSwagDataError(f"cannot download HellaSwag from {hub} ({reason}); {fix}")
+    print(f"downloading the HellaSwag validation split ({HUB_DATASET}) to {cache_path}", file=sys.stderr)
+    import datasets  # noqa: PLC0415  only a download needs datasets (half a second to import)
+
     try:
-        with urllib.request.urlopen(DATA_URL, timeout=60) as resp:
-            text = resp.read().decode("utf-8")
-        parse_rows(text.splitlines(), "the download")
-    except Exception as e:  # offline, 404, a moved file, an error page
-        raise HellaSwagDataError(
-            f"cannot download HellaSwag ({DATA_URL}: {first_line(e)}); pass --data path/to/hellaswag_val.jsonl"
-        ) from None
+        lines = [original_row(r) for r in datasets.load_dataset(HUB_DATASET, split="validation")]
+        examples = parse_rows(lines, HUB_DATASET)
+    except Exception as e:  # not found, no network, a changed schema: the library's message says which
+        raise HellaSwagDataError(f"cannot download HellaSwag ({HUB_DATASET}: {first_line(e)}); {fix}") from None
+    n, got, how = ORIGINAL_ROWS, digests(examples), None
+    if len(examples) != n:
+        how = f"has {len(examples):,} rows, not the original's {n:,}"
+    elif got != ORIGINAL_DIGESTS:  # the first 2**(k-1) rows match, the first 2**k do not
+        k = next(i for i, (a, b) in enumerate(zip(got, ORIGINAL_DIGESTS, strict=True)) if a != b)
+        how = f"differs from the original first between rows {2**k // 2 + 1:,} and {min(2**k, n):,}"
+    if how:
+        raise HellaSwagDataError(f"{HUB_DATASET}'s validation split {how} (not cached); {fix}")
     os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
     # a cut download never leaves a partial cache; a link at its name is refused (no flag to name: any caller's)
-    write_atomic(cache_path, lambda f: f.write(text.encode("utf-8")))
+    write_atomic(cache_path, lambda f: f.write("".join(lines).encode("utf-8")))
 
 
 def load_examples(path=None, cache_dir=None, limit=None):
     """The HellaSwag validation examples as parsed jsonl rows (label an int).
 
     path: a local jsonl in the original format (any number of rows). Without it, the cache in
-    cache_dir (default ~/.cache/gpt2-repro/hellaswag) is read, downloading it first if absent.
+    cache_dir (default ~/.cache/gpt2-repro/hellaswag) is read, downloaded from the Hub first if absent.
     limit keeps the first limit examples."""
     if path is not None:
         examples = _read_jsonl(path)
@@ -438,8 +473,8 @@ def evaluate(
 
 
 def load_for_run(path, limit, enc, master_process, ddp):
-    """The examples tokenized once for every eval of a training run, or None after one warning
-    when the data cannot be had: a run never dies for want of its side evaluation."""
+    """(the examples tokenized once for every eval of a training run, None), or (None, why not) after
+    one warning when the data cannot be had: a run never dies for want of its side evaluation."""
 
     def load():
         try:
@@ -461,8 +496,8 @@ def load_for_run(path, limit, enc, master_process, ddp):
     if problem is not None:
         if master_process:
             print(f"warning: HellaSwag evaluation is off for this run: {problem}", file=sys.stderr)
-        return None
-    return prepared
+        return None, problem
+    return prepared, None
 
 
 @torch.no_grad()

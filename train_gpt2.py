@@ -483,9 +483,9 @@ def train(args, given=frozenset()):
 
     # --- what runs mid-training is exercised now, not first at hour three; then the log -------------
     enc = get_tokenizer() if args.hellaswag_every > 0 or args.sample_every > 0 else None
-    examples, sampling = None, None  # HellaSwag's examples, the samples' Sampling (None: off)
+    examples, hs_off, sampling = None, None, None  # HellaSwag's examples or why not, the samples' Sampling
     if args.hellaswag_every > 0:  # None after a warning: a run never dies for want of its side evaluation
-        examples = hellaswag.load_for_run(args.hellaswag_data, args.hellaswag_limit, enc, master_process, ddp)
+        examples, hs_off = hellaswag.load_for_run(args.hellaswag_data, args.hellaswag_limit, enc, master_process, ddp)
     if args.sample_every > 0:  # --top-k 0: every token
         sampling = Sampling(args.prompt, args.num_samples, args.temperature, args.top_k or None, args.max_new_tokens)
         sampling = check_sampling(raw_model, enc, sampling, autocast_dtype, master_process)
@@ -495,6 +495,7 @@ def train(args, given=frozenset()):
     name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or device
     derived = dict(grad_accum_steps=grad_accum_steps, world_size=ddp_world_size, dtype=dtype, dtype_reason=why)
     derived.update(compile=use_compile, model_config=asdict(raw_model.config), flops_per_token=flops)
+    derived.update(hellaswag_off=hs_off)  # said in the log too, where play.ipynb shows it
     config = {**vars(args), "data_dir": os.path.abspath(args.data_dir)}  # the run's flags: --resume from anywhere
     log = RunLog(args.out_dir, master_process, args.max_steps)
     log.header(run_id, name, start_step or None, changes, {**config, **derived}, moved)

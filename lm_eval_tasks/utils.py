@@ -1,7 +1,7 @@
 """The rows lm-eval's tasks in this folder score: hellaswag.py's HellaSwag jsonl, read from disk so
 that the tasks run offline. The file is `--metadata '{"hellaswag_data": "path/to/hellaswag_val.jsonl"}'`,
 else hellaswag.py's cache (~/.cache/gpt2-repro/hellaswag/hellaswag_val.jsonl, which
-`python hellaswag.py -m gpt2_ours --limit 10` fills once, online)."""
+`python hellaswag.py -m gpt2_ours --limit 10` fills once, online, from the Hugging Face Hub's Rowan/hellaswag)."""
 
 import json
 import os

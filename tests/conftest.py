@@ -20,11 +20,6 @@ from helpers import ROOT, random_shards, save_tiny_hf_gpt2, tiny_args, write_sha
 from support.shards import get_tokenizer
 from train_gpt2 import GPTConfig
 
-# never reach for the network in tests
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
-
 ASSETS = Path(__file__).parent / "assets"
 GPT2_BPE = ROOT / "support" / "gpt2_bpe" / "vocab.bpe"
 # tiktoken's "gpt2" files: where it downloads them from, and their sha256 as tiktoken_ext/openai_public.py pins them
@@ -165,14 +160,27 @@ def shakespeare_export(tmp_path_factory, assets, enc):
 
 
 def pytest_configure(config):
-    """pytest-xdist's workers get the files in the order collected, not sorted by their number of tests."""
+    """Tests never reach for the network, but for the online ones (marked online: they check the sources
+    outside the repository that the scripts read), which only `-m online` runs (README): then the Hub's
+    clients are not told to stay offline (they read these variables once, when imported). pytest-xdist's
+    workers get the files in the order collected, not sorted by their number of tests."""
+    config.online = config.getoption("markexpr") == "online"
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if config.online:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = "1"
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --loadscope-reorder
         config.option.loadscopereorder = False
 
 
-def pytest_collection_modifyitems(items):
-    """test_readme.py first: its laptop run is the slow tier's longest test, the other files run beside it."""
+def pytest_collection_modifyitems(config, items):
+    """test_readme.py first: its laptop run is the slow tier's longest test, the other files run beside it.
+    The tiers skip the online tests, saying how to run them."""
     items.sort(key=lambda item: item.path.name != "test_readme.py")
+    for item in items:
+        if "online" in item.keywords and not config.online:
+            item.add_marker(pytest.mark.skip(reason="reads the Hugging Face Hub: run online, alone: pytest -m online"))
 
 
 @pytest.fixture(scope="module")

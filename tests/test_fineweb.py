@@ -653,3 +653,17 @@ def test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes(tmp_path, m
     assert summary["complete"] and summary["new_tokens"] == len(expected) - 200_000
     shards = [np.load(out / f) for f in summary["files"]]
     np.testing.assert_array_equal(np.concatenate(shards), expected)
+
+
+@pytest.mark.online
+def test_online_fineweb_edu_on_the_hub_is_the_text_fineweb_py_makes_shards_of(tmp_path, enc):
+    """fineweb.py's default source: its rows hold documents in `text`, and a run's first shard is the first
+    of them tokenized, each after an <|endoftext|>."""
+    import datasets  # noqa: PLC0415  (half a second: only this test needs it)
+
+    hub = fineweb.HUB_DEFAULTS
+    rows = list(datasets.load_dataset(hub["dataset"], name=hub["name"], split=hub["split"], streaming=True).take(2))
+    assert all(isinstance(row["text"], str) and len(row["text"]) > 100 for row in rows)
+    s = fineweb.main(["--out-dir", str(tmp_path), "--max-tokens", "2000", "--shard-size", "2000", "--workers", "1"])
+    want = [EOT, *enc.encode_ordinary(rows[0]["text"]), EOT, *enc.encode_ordinary(rows[1]["text"])][:2000]
+    assert s["tokens"] == 2000 and np.load(s["files"][0]).tolist() == want

@@ -1,18 +1,16 @@
 """hellaswag.py: tokens, the fast scorer (shared contexts, head at the scored positions only)
-against a plain one-row-per-forward loop, sharding, stopping, the data sources (Hub, then URL;
-network calls replaced by local data), offline detection and refusing bad data; in training, a
-HellaSwag file it cannot use is one warning and the run goes on."""
+against a plain one-row-per-forward loop, sharding, stopping, the download from the Hub (its one call
+replaced by local rows in the Hub's shape) checked against the original, offline detection and refusing
+bad data; in training, a HellaSwag file it cannot use is one warning, in the log's header too, and the
+run goes on."""
 
-import io
-import itertools
+import hashlib
 import json
 import os
 import platform
 import re
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections import Counter
 
 import pytest
@@ -130,82 +128,161 @@ def test_a_file_it_cannot_score_is_named_in_one_line(tmp_path, text, message):
 
 
 # ----------------------------------------------------------------------------------------------
-# Downloads, with local data in place of the network
+# Downloads from the Hub, with tests/assets' rows shaped as the Hub gives them in place of the network
+
+# digests() of tests/assets' 450 rows: its first 300 rows are the original's, so the first 9 (rows 1, 2, ..., 256)
+# are the original's too (hellaswag.ORIGINAL_DIGESTS); the 10th covers all 450
+DIGESTS_450 = (
+    "df40a5928da24b1f bbc545cc7dc70a42 a83eed1f11dc59bf f4dbabdbdc965073 90571e07ef69e9cc 09e2d87d091d5844 "
+    "a5d2a0b058ac5998 2f1c3e46cea3b4b7 ccced27d9d3a7fad 022a5a5531c34b8c"
+).split()
+ORIGINAL_SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"  # rowanz/hellaswag's val file
+HUB_COLUMNS = ("ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "source_id", "split", "split_type", "label")
 
 
-class FakeResponse(io.BytesIO):
-    def __init__(self, body, status=200):
-        super().__init__(body)
-        self.status = status
+def hub_rows(path, change=None):
+    """path's rows as the Hub's Rowan/hellaswag gives them: a datasets.Dataset, its columns in the Hub's
+    order and label a string; change(rows) edits the list of rows first."""
+    import datasets  # noqa: PLC0415  (half a second: only these tests need it)
+
+    rows = [{k: str(r[k]) if k == "label" else r[k] for k in HUB_COLUMNS} for r in map(json.loads, open(path))]
+    if change:
+        change(rows)
+    return datasets.Dataset.from_list(rows)
 
 
-def no_network(*args, **kwargs):
-    raise ConnectionError("offline in this test")
+def never(*args, **kwargs):
+    raise AssertionError("no download may be tried here")
 
 
 @pytest.fixture
-def online(monkeypatch):
-    """The network looking reachable (conftest's offline variables unset; the tests fake every call)."""
+def hub(monkeypatch):
+    """serve(dataset): the Hub reachable (conftest's offline variables unset, the probe answered) and
+    datasets.load_dataset returning dataset; the calls made are listed in serve.calls."""
+    import datasets  # noqa: PLC0415
+
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setattr(hellaswag, "unreachable", lambda url, timeout=3.0: None)
 
+    def serve(dataset, rows=450, digests=DIGESTS_450):
+        monkeypatch.setattr(hellaswag, "ORIGINAL_ROWS", rows)  # the test's rows are the original here
+        monkeypatch.setattr(hellaswag, "ORIGINAL_DIGESTS", digests)
 
-def test_the_download_writes_the_original_file(tmp_path, monkeypatch, val_path, online):
-    urls, rows = [], val_path.read_bytes().splitlines(keepends=True)
-    body = b"".join(itertools.islice(itertools.cycle(rows), 10042))  # the original's count of rows
+        def load_dataset(name, *args, **kwargs):
+            serve.calls.append((name, *args, kwargs))
+            return dataset
 
-    def urlopen(url, timeout=None):
-        urls.append(url)
-        return FakeResponse(body)
+        monkeypatch.setattr(datasets, "load_dataset", load_dataset)
 
-    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    serve.calls = []
+    return serve
+
+
+def test_the_450_rows_give_their_pinned_digests_and_the_originals_first_ones(val_path):
+    assert hellaswag.digests(hellaswag.load_examples(str(val_path))) == DIGESTS_450
+    assert hellaswag.ORIGINAL_DIGESTS[:9] == DIGESTS_450[:9]  # rows 1..256: the original's, as the asset's README says
+
+
+def test_the_download_writes_the_original_file_and_the_next_load_reads_it(tmp_path, monkeypatch, val_path, hub):
+    hub(hub_rows(val_path))
     assert len(hellaswag.load_examples(cache_dir=str(tmp_path / "cache"), limit=3)) == 3
-    assert urls == [hellaswag.DATA_URL]
-    # the cache is the original jsonl byte for byte, and nothing else is left beside it
+    assert hub.calls == [("Rowan/hellaswag", {"split": "validation"})]
+    # the cache is the original jsonl byte for byte (label an int, the original's field order), alone
     assert os.listdir(tmp_path / "cache") == [hellaswag.CACHE_NAME]
-    assert (tmp_path / "cache" / hellaswag.CACHE_NAME).read_bytes() == body
-    monkeypatch.setattr(urllib.request, "urlopen", no_network)  # the second time reads the cache
-    assert len(hellaswag.load_examples(cache_dir=str(tmp_path / "cache"))) == 10042
+    assert (tmp_path / "cache" / hellaswag.CACHE_NAME).read_bytes() == val_path.read_bytes()
+    import datasets  # noqa: PLC0415
+
+    monkeypatch.setattr(datasets, "load_dataset", never)  # the second time reads the cache
+    assert hellaswag.load_examples(cache_dir=str(tmp_path / "cache")) == hellaswag.load_examples(str(val_path))
 
 
-def test_a_cache_dir_that_is_a_file_is_one_line_before_any_download(tmp_path, monkeypatch, online):
-    monkeypatch.setattr(urllib.request, "urlopen", never)
+def change_ending(rows, i):
+    rows[i]["endings"] = [*rows[i]["endings"][:3], rows[i]["endings"][3] + "!"]
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (lambda rows: change_ending(rows, 299), "differs from the original first between rows 257 and 450"),
+        (lambda rows: rows[0].update(label="2"), "differs from the original first between rows 1 and 1"),
+        (lambda rows: rows[1].update(ctx=rows[1]["ctx"] + " "), "differs from the original first between rows 2 and 2"),
+        (lambda rows: rows.reverse(), "differs from the original first between rows 1 and 1"),
+        (lambda rows: rows.pop(), "has 449 rows, not the original's 450"),
+    ],
+    ids=["ending-row-300", "label-row-1", "ctx-row-2", "order", "a-row-less"],
+)
+def test_a_copy_that_differs_from_the_original_is_one_line_and_not_cached(tmp_path, val_path, hub, change, said):
+    hub(hub_rows(val_path, change))
+    with pytest.raises(HellaSwagDataError) as e:
+        hellaswag.load_examples(cache_dir=str(tmp_path))
+    assert (
+        str(e.value)
+        == f"Rowan/hellaswag's validation split {said} (not cached); pass --data path/to/hellaswag_val.jsonl"
+    )
+    assert os.listdir(tmp_path) == []
+
+
+def not_found(val_path):
+    raise FileNotFoundError("Couldn't find a dataset script at /x/hellaswag/hellaswag.py or any data file\nmore")
+
+
+@pytest.mark.parametrize(
+    "served, said",
+    [
+        (not_found, "Couldn't find a dataset script"),
+        (lambda v: hub_rows(v, lambda rows: rows[3].update(label="")), "invalid literal for int"),  # the test split's
+        (lambda v: hub_rows(v).remove_columns("source_id"), "'source_id'"),
+    ],
+    ids=["not-found", "empty-label", "a-column-less"],
+)
+def test_a_datasets_error_is_one_line_and_not_cached(tmp_path, monkeypatch, val_path, hub, served, said):
+    import datasets  # noqa: PLC0415
+
+    hub(None)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: served(val_path))
+    with pytest.raises(HellaSwagDataError) as e:
+        hellaswag.load_examples(cache_dir=str(tmp_path))
+    assert re.fullmatch(rf"cannot download HellaSwag \(Rowan/hellaswag: .*{said}.*\); pass --data \S+", str(e.value))
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_whole_original_converted_from_the_hub_s_form_is_itself_and_gives_the_pinned_digests(
+    full_hellaswag, tmp_path, hub
+):
+    hub(hub_rows(full_hellaswag), rows=10042, digests=hellaswag.ORIGINAL_DIGESTS)
+    hellaswag.load_examples(cache_dir=str(tmp_path))
+    written = (tmp_path / hellaswag.CACHE_NAME).read_bytes()
+    assert hashlib.sha256(written).hexdigest() == ORIGINAL_SHA256
+
+
+@pytest.mark.online
+def test_online_the_hub_s_hellaswag_is_the_original(tmp_path):
+    """The real download: all 10,042 rows, the pinned digests (or it refuses), cached as the original file."""
+    assert len(hellaswag.load_examples(cache_dir=str(tmp_path))) == 10042
+    written = (tmp_path / hellaswag.CACHE_NAME).read_bytes()
+    assert hashlib.sha256(written).hexdigest() == ORIGINAL_SHA256
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line_before_any_download(tmp_path, monkeypatch, hub):
+    import datasets  # noqa: PLC0415
+
+    hub(None)
+    monkeypatch.setattr(datasets, "load_dataset", never)
     (tmp_path / "a_file").write_text("mine")
     for cache_dir, said in (("a_file", "a_file"), ("a_file/sub", "a_file/sub: {tmp}/a_file")):
         with pytest.raises(UserError, match=f"--cache-dir {tmp_path}/{said.format(tmp=tmp_path)} is a file, not a"):
             hellaswag.load_examples(cache_dir=str(tmp_path / cache_dir))
 
 
-def http_404(val_path):
-    raise urllib.error.HTTPError(hellaswag.DATA_URL, 404, "Not Found", {}, None)
-
-
-@pytest.mark.parametrize(
-    "response, message",
-    [
-        (lambda v: FakeResponse(b"<html>Service unavailable</html>"), "line 1 is not valid JSON"),
-        (http_404, "HTTP Error 404"),
-    ],
-    ids=["html", "http-404"],
-)
-def test_bad_download_is_not_cached(tmp_path, monkeypatch, val_path, response, message, online):
-    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: response(val_path))
-    with pytest.raises(HellaSwagDataError, match=f"cannot download HellaSwag \\(https://raw.*: .*{message}.*--data"):
-        hellaswag.load_examples(cache_dir=str(tmp_path))
-    assert os.listdir(tmp_path) == []
-
-
-def never(*args, **kwargs):
-    raise AssertionError("no download may be tried offline")
-
-
 @pytest.mark.parametrize("var", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
 def test_offline_variable_fails_at_once(tmp_path, monkeypatch, var):
+    import datasets  # noqa: PLC0415
+
     for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv(var, "1")
-    monkeypatch.setattr(urllib.request, "urlopen", never)
+    monkeypatch.setattr(datasets, "load_dataset", never)
     monkeypatch.setattr(offline.socket, "create_connection", never)
     with pytest.raises(HellaSwagDataError, match=f"{var} is set.*pass --data path/to/hellaswag_val.jsonl"):
         hellaswag.load_examples(cache_dir=str(tmp_path / "c"))
@@ -213,7 +290,9 @@ def test_offline_variable_fails_at_once(tmp_path, monkeypatch, var):
 
 
 def test_no_network_fails_after_one_quick_probe(tmp_path, monkeypatch):
-    for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+    import datasets  # noqa: PLC0415
+
+    for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT"):
         monkeypatch.delenv(v, raising=False)
     for v in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(v, raising=False)
@@ -224,16 +303,23 @@ def test_no_network_fails_after_one_quick_probe(tmp_path, monkeypatch):
         raise OSError("Network is unreachable")
 
     monkeypatch.setattr(offline.socket, "create_connection", create_connection)
-    monkeypatch.setattr(urllib.request, "urlopen", never)
-    with pytest.raises(HellaSwagDataError, match="Network is unreachable.*pass --data path/to/hellaswag_val.jsonl"):
+    monkeypatch.setattr(datasets, "load_dataset", never)
+    said = r"^cannot download HellaSwag from https://huggingface.co \(Network is unreachable\); pass --data path/to/"
+    with pytest.raises(HellaSwagDataError, match=said):
         hellaswag.load_examples(cache_dir=str(tmp_path))
-    assert probes == [(("raw.githubusercontent.com", 443), 3.0)]
-    # behind a proxy the proxy is what must answer
+    assert probes == [(("huggingface.co", 443), 3.0)]
+    # behind a proxy the proxy is what must answer; a mirror named by HF_ENDPOINT is what is probed
     probes.clear()
     monkeypatch.setenv("https_proxy", "http://proxy.example:3128")
     with pytest.raises(HellaSwagDataError, match="Network is unreachable"):
         hellaswag.load_examples(cache_dir=str(tmp_path))
     assert probes == [(("proxy.example", 3128), 3.0)]
+    probes.clear()
+    monkeypatch.delenv("https_proxy")
+    monkeypatch.setenv("HF_ENDPOINT", "https://hf-mirror.example")
+    with pytest.raises(HellaSwagDataError, match="from https://hf-mirror.example \\(Network is unreachable"):
+        hellaswag.load_examples(cache_dir=str(tmp_path))
+    assert probes == [(("hf-mirror.example", 443), 3.0)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -574,3 +660,14 @@ def test_hellaswag_warning_in_training_names_training_s_flag(data, tmp_path, mon
     assert r.returncode == 0, r.stderr
     warning = [line for line in r.stderr.splitlines() if "HellaSwag evaluation is off" in line]
     assert len(warning) == 1 and "--hellaswag-data" in warning[0] and "pass --data " not in warning[0]
+
+
+def test_a_run_without_hellaswag_says_why_in_its_log_header(data, tmp_path, capsys):
+    """What the warning said at start is still there later, where the user looks: the log (and play.ipynb)."""
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 1, "--hellaswag-every", 1, "--eval-every", 0, "--hellaswag-data")
+    assert train_gpt2.main([*args, str(tmp_path / "hs.jsonl")]) == 0
+    warning = capsys.readouterr().err.split("warning: HellaSwag evaluation is off for this run: ")[1].splitlines()[0]
+    assert warning == f"{tmp_path}/hs.jsonl cannot be read: No such file or directory"
+    (header,) = [r for r in read_log(out)[0] if r.get("event") == "header"]
+    assert header["config"]["hellaswag_off"] == warning

@@ -311,3 +311,18 @@ def test_from_pretrained_reports_first_mismatch(tmp_path, hf_tiny_dir):
         GPT.from_pretrained(str(tmp_path))
     with pytest.raises(UserError, match="neither"):
         GPT.from_pretrained(str(tmp_path / "nope"))
+
+
+@pytest.mark.online
+@pytest.mark.parametrize(
+    "name, n_layer, n_head, n_embd",
+    [("gpt2", 12, 12, 768), ("gpt2-medium", 24, 16, 1024), ("gpt2-large", 36, 20, 1280), ("gpt2-xl", 48, 25, 1600)],
+)
+def test_online_the_gpt2_names_are_openai_s_gpt2_on_the_hub(name, n_layer, n_head, n_embd):
+    """What sample.py, hellaswag.py -m and train_gpt2.py --init-from fetch: OpenAI's GPT-2 sizes (the GPT-2
+    paper's table 2), in the form load_hf_gpt2 takes, with tensors-only weights."""
+    hf_interop.check_hub_reachable(name)  # the scripts' own first question to the Hub
+    c = GPT2Config.from_pretrained(name)
+    assert (c.n_layer, c.n_head, c.n_embd, c.n_positions, c.vocab_size) == (n_layer, n_head, n_embd, 1024, 50257)
+    assert (c.activation_function, c.layer_norm_epsilon) == ("gelu_new", 1e-5)
+    assert "model.safetensors" in huggingface_hub.list_repo_files(name)

@@ -220,6 +220,41 @@ def test_missing_log_is_a_clear_error(tmp_path, kernel):
         run_notebook(kernel, "log_tiny", tmp_path)
 
 
+def test_a_checkpoint_as_the_log_names_its_run_folder_in_one_line(tmp_path, kernel):
+    from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel skips without it)
+
+    ckpt = tmp_path / "log" / "ckpt_000006.pt"
+    write_log(ckpt.parent, clean_records())
+    ckpt.write_bytes(b"PK\x03\x04 a torch.save zip")
+    with pytest.raises(CellExecutionError) as e:
+        run_notebook(kernel, ckpt, tmp_path)
+    line = f"NothingToDraw: {ckpt} is a checkpoint: set log_path (or PLAY_LOG) to its run folder, {ckpt.parent}"
+    assert line in str(e.value) and "Traceback" not in str(e.value) and "Cell In" not in str(e.value)
+
+
+def test_jupyter_execute_on_a_folder_that_is_not_there_ends_in_one_line(tmp_path, kernel):
+    """README's `PLAY_LOG=log jupyter execute play.ipynb` before a run made log/: the notebook's own error is
+    one line, the last one (jupyter execute itself still prints the cell it stopped in above it)."""
+    env = {**os.environ, "PLAY_LOG": "no_such_log"}  # relative: from the notebook's folder
+    command = [sys.executable, "-m", "jupyter", "execute", str(NOTEBOOK)]
+    r = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    said = f"NothingToDraw: no training log at {ROOT / 'no_such_log'} (a relative path starts from this notebook's"
+    assert r.stderr.strip().splitlines()[-1].startswith(said), r.stderr[-2000:]
+    assert "FileNotFoundError" not in r.stderr and "---> " not in r.stderr  # no traceback of the notebook's code
+
+
+def test_a_run_with_hellaswag_off_says_why_where_the_curve_would_be(tmp_path, kernel):
+    why = "cannot download HellaSwag from https://huggingface.co (HF_HUB_OFFLINE is set); pass --hellaswag-data X"
+    records = clean_records()
+    records[0]["config"]["hellaswag_off"] = why  # as train_gpt2.py writes it (test_hellaswag.py)
+    log = write_log(tmp_path / "run", [r for r in records if "hellaswag" not in r])
+    nb, s, _ = run_notebook(kernel, log, tmp_path)
+    assert s["hellaswag_off"] == why and s["best_hellaswag"] is None
+    assert f"HellaSwag was off for this run: {why}" in text_of(nb)
+    assert_pngs(log.parent)
+
+
 def expected_summary(path):
     """The summary by the contract's plain rule: complete lines only, the last record per step counts."""
     lines = path.read_text().split("\n")[:-1]  # whatever follows the last newline is unfinished
@@ -302,7 +337,7 @@ def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel, as
     gpt2_hs = assets.reference["hellaswag_gpt2_reference_accuracy"]["gpt2_124M"]["completion_style_this_script"]
     assert f"summary of {log}" in r.stdout
     assert rows["last step"] == f"{want['last_step']} of 12"
-    assert rows["tokens seen"].startswith(f"{want['tokens']:,} ")
+    assert want["tokens"] == 12 * 128 and rows["tokens seen"] == "1,536 (1.536K)"  # not (0.000B)
     assert rows["last train loss"] == f"{want['last_train_loss']:.4f}"
     for key, name in (("last_val_loss", "last val loss"), ("best_val_loss", "best val loss")):
         step, value = want[key]
