@@ -250,6 +250,26 @@ def test_resume_with_a_run_folder_and_another_out_dir_is_refused(data, run4, tmp
     assert snapshot(run4) == before and not (tmp_path / "other").exists()
 
 
+def test_resume_of_a_transformers_folder_is_refused_as_a_model_pointing_to_init_from(data, hf_tiny_dir, tmp_path):
+    # save_pretrained's folder (export_hf.py's too) is a model: no run starts inside it
+    before = snapshot(hf_tiny_dir)
+    args = tiny_args(data, tmp_path / "out", "--resume", hf_tiny_dir)
+    del args[2:4]  # no --out-dir: --resume names the folder alone
+    msg = user_error(args)
+    assert (
+        msg == f"--resume {hf_tiny_dir} is a transformers model, not a run: train from it via --init-from {hf_tiny_dir}"
+    )
+    assert snapshot(hf_tiny_dir) == before
+    init = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0, "--init-from", hf_tiny_dir)
+    assert train_gpt2.main(init) == 0  # the advice, followed
+
+
+def test_an_empty_resume_is_refused_as_naming_nothing(data, run4):
+    before = snapshot(run4)
+    msg = user_error(tiny_args(data, run4, "--max-steps", 6, "--resume", ""))
+    assert msg.startswith("--resume '' names nothing:") and snapshot(run4) == before
+
+
 # ----------------------------------------------------------------------------------------------
 # A checkpoint continues its own run: in its run's folder or a new one, never another run's
 
