@@ -68,10 +68,11 @@ def reconcile_resume(args, given, roles, ckpt, ckpt_path):
     changes = {n: [value, getattr(args, n)] for n, value in differ.items() if n in given and roles[n] == RECIPE}
     for name, (was, new) in changes.items():
         if name not in ALLOWED_CHANGES:
-            flag = "--" + name.replace("_", "-")
+            flag, preset = "--" + name.replace("_", "-"), given[name]  # preset: "FILE, line N" that set it, or ""
+            where, fix = (f" ({preset})", "drop that line") if preset else ("", f"leave {flag} out")
             message = (
-                f"{flag} {new} contradicts the {was} that {ckpt_path} was trained with: "
-                f"leave {flag} out to continue the run as it was, or start a new run in another --out-dir"
+                f"{flag} {new}{where} contradicts the {was} that {ckpt_path} was trained with: "
+                f"{fix} to continue the run as it was, or start a new run in another --out-dir"
             )
             raise same_on_every_rank(UserError(message))
     max_steps = taken.get("max_steps", args.max_steps)
