@@ -97,7 +97,7 @@ def test_resume_in_a_read_only_folder_with_a_leftover_temporary_checkpoint_is_on
     (out / ".ckpt_000004.pt.tmp").write_bytes(b"PK\x03\x04cut short")
     read_only(out)
     r = cli(*tiny_args(data, out, "--max-steps", 4, "--eval-every", 0, "--resume"))
-    assert_one_line_error(r, f"--out-dir {out}", "Read-only file system", "make --out-dir writable")
+    assert_one_line_error(r, f"--out-dir {out} is read-only", "make it writable", f"--resume {out / 'ckpt_000002.pt'}")
 
 
 # ----------------------------------------------------------------------------------------------
