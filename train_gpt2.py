@@ -449,7 +449,7 @@ def build_model(args, given, ckpt, ckpt_path, device, master_process):
     return model.to(device)
 
 
-def train(args, given=frozenset()):
+def train(args, given):
     # --- processes and device; on --resume the checkpoint and its recipe; then every flag is checked --
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = setup_distributed(args.device, args.ddp_timeout)
     device_type, master_process = torch.device(device).type, ddp_rank == 0  # rank 0 prints, logs, checkpoints
