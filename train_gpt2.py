@@ -449,7 +449,7 @@ def build_model(args, given, ckpt, ckpt_path, device, master_process):
     return model.to(device)
 
 
-def train(args, given=frozenset()):
+def train(args, given):
     # --- processes and device; on --resume the checkpoint and its recipe; then every flag is checked --
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = setup_distributed(args.device, args.ddp_timeout)
     device_type, master_process = torch.device(device).type, ddp_rank == 0  # rank 0 prints, logs, checkpoints
@@ -652,19 +652,21 @@ def command_line():
 
 
 def parse_args(argv=None):
-    """(args, the flags given): on --resume, the flags left out take the checkpoint's values."""
+    """(args, the flags given, as {flag: "" typed, or "FILE, line N" of the preset that set it}): on
+    --resume, the flags left out take the checkpoint's values."""
     p, roles = command_line()
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     unset = object()  # argparse fills in no default where the namespace has a value already
     try:  # every rank of a torchrun job parses the same command line (@presets too): said once
-        args = p.parse_args(expand_presets(argv, p), argparse.Namespace(**dict.fromkeys(roles, unset)))
+        argv, set_at = expand_presets(argv, p)
+        args = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(roles, unset)))
     except UserError as e:
         raise same_on_every_rank(e) from None
-    given = {name for name, value in vars(args).items() if value is not unset}
-    for name in roles.keys() - given:
+    given = {name: set_at.get(name, "") for name, value in vars(args).items() if value is not unset}
+    for name in roles.keys() - given.keys():
         setattr(args, name, p.get_default(name))
     moved = resume_folder(args.resume, args.out_dir, given)  # --resume <a run's folder>: its --out-dir
-    return argparse.Namespace(**{**vars(args), **moved}), frozenset(given | moved.keys())
+    return argparse.Namespace(**{**vars(args), **moved}), {**given, **dict.fromkeys(moved, "")}
 
 
 def main(argv=None):

@@ -36,8 +36,8 @@ class Number:
 
 def check_args(args, world_size, given, warmup_lr):
     """The flags against one another and the machine, as one-line errors before the run does
-    anything (each flag's own range is its type's, at parse time). given: the flags on the
-    command line; warmup_lr(step, max_lr, warmup_steps): the recipe's warm-up (check_warmup)."""
+    anything (each flag's own range is its type's, at parse time). given: the flags given ({flag:
+    "FILE, line N" of a preset, or ""}); warmup_lr(step, max_lr, warmup_steps): the recipe's warm-up."""
 
     def need(ok, message):
         if not ok:
@@ -55,9 +55,10 @@ def check_args(args, world_size, given, warmup_lr):
         f"pass at most {MAX_VOCAB_SIZE} (GPT-2 has {GPT2_VOCAB:,} tokens; the default 50304 pads them to a "
         f"multiple of 128)",
     )
+    preset = f" ({given['init_from']})" if given.get("init_from") else ""  # the preset's line that set it
     need(
         not (args.resume and args.init_from != "scratch"),
-        f"--init-from {args.init_from} starts a new run, --resume continues one: pass one of them",
+        f"--init-from {args.init_from}{preset} starts a new run, --resume continues one: pass one of them",
     )
     micro = args.batch_size * args.seq_len * world_size
     need(

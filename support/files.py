@@ -103,6 +103,10 @@ def disk_error(e, what, then):
     return UserError(f"cannot write {what} ({getattr(e, 'strerror', None) or e}): {fix}, then {then}")
 
 
+# the file each script names itself in, in a folder it holds (lock_folder's name), and what the other calls it
+LOCK_HOLDERS = {".train_gpt2.lock": "a train_gpt2.py run", ".fineweb.lock": "a fineweb.py run"}
+
+
 def lock_folder(folder, name, who, note="", dry_run=False):
     """Hold folder for this process's life: a second `who` started into it is refused in one line
     naming the holder, whose pid, host, start and command (note: more on the pid) this writes to
@@ -130,13 +134,13 @@ def lock_folder(folder, name, who, note="", dry_run=False):
                 file=sys.stderr,
             )
             return None
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                holder = f" ({f.readline(500).strip()})"
-        except OSError:  # deleted by hand (or not written yet): the holder goes unnamed
-            holder = ""
+        holder, by = "", f"another {who}"  # unnamed where its file was deleted by hand (or not written yet)
+        for n, held_by in [(name, by), *LOCK_HOLDERS.items()]:  # held by the same script, or by the other
+            with contextlib.suppress(OSError), open(os.path.join(folder, n), encoding="utf-8", errors="replace") as f:
+                holder, by = f" ({f.readline(500).strip()})", held_by
+                break
         raise UserError(
-            f"--out-dir {folder} is in use by another {who}{holder}: wait for it to end, or pass another --out-dir"
+            f"--out-dir {folder} is in use by {by}{holder}: wait for it to end, or pass another --out-dir"
         ) from None
     if dry_run:
         return fd, None

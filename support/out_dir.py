@@ -125,6 +125,10 @@ def claim_out_dir(out_dir, resume, dry_run=False):
             _claim["lock"] = lock_folder(out_dir, LOCK_FILE, "run", note, dry_run)
     except OSError as e:
         raise UserError(f"cannot create or open --out-dir {out_dir}: {e.strerror}") from None
+    if os.path.isdir(out_dir) and not os.access(out_dir, os.W_OK):  # refused now, not after the whole start-up
+        ckpt = resume if resume != "latest" else next(iter(checkpoint_paths(out_dir)), None)  # what it would resume
+        fix = f"continue the run elsewhere with --resume {ckpt} --out-dir NEW_DIR" if ckpt else "pass another --out-dir"
+        raise UserError(f"--out-dir {out_dir} is read-only or another user's: make it writable, or {fix}")
     check_names_at_start(out_dir)  # with the folder held: no other run changes it meanwhile
     log, theirs = log_path(out_dir), other_runs(out_dir, None)
     if theirs and not resume:

@@ -2,6 +2,7 @@
 the command line as `@configs/laptop.txt` and read into the same flags; the flags the command line
 gives itself win, before or after the file."""
 
+import argparse
 import difflib
 import os
 import shlex
@@ -17,12 +18,13 @@ def expand_presets(argv, parser):
     typed on the command line come after them and so win (argparse keeps a flag's last value),
     whatever their order. Only an `@file` where a flag may stand is a preset: a flag's value is
     never one (`--prompt @alice`). A file that is not there, or a line that is not one of parser's
-    flags with a value it takes, is a UserError naming the file, the line and the fix."""
+    flags with a value it takes, is a UserError naming the file, the line and the fix. Returns (that
+    argv, {flag's dest: "FILE, line N"} for each flag a preset sets and the command line does not)."""
     nargs = {s: action.nargs for action in parser._actions for s in action.option_strings}
-    from_files, typed, values = [], [], 0  # values: how many of the next arguments are a flag's values
+    from_files, typed, values, set_at = [], [], 0, {}  # values: how many of the next arguments are a flag's values
     for arg in argv:
         if arg.startswith("@") and not values:
-            from_files += checked_flags(arg[1:], parser)
+            from_files += checked_flags(arg[1:], parser, set_at)
             continue
         typed.append(arg)
         if values:
@@ -30,7 +32,9 @@ def expand_presets(argv, parser):
         else:  # a flag (or a mistake argparse reports): None takes one value, "?" may be followed by a flag
             n = nargs.get(arg, 0)
             values = 1 if n is None else n if isinstance(n, int) else 0
-    return from_files + typed
+    unset = object()  # the typed flags alone: those a preset set that they leave unset
+    typed_only = parser.parse_args(typed, argparse.Namespace(**dict.fromkeys(set_at, unset)))
+    return from_files + typed, {dest: where for dest, where in set_at.items() if getattr(typed_only, dest) is unset}
 
 
 def preset_lines(path):
@@ -50,16 +54,17 @@ def preset_lines(path):
     for lineno, line in enumerate(text.splitlines(), 1):
         try:
             words = shlex.split(line, comments=True)
-        except ValueError as e:  # an unclosed quote
-            raise UserError(f"{path}, line {lineno}: {e}: close the quote") from None
+        except ValueError as e:  # an unclosed quote, or a `\` ending the line (a shell's continuation)
+            fix = "ends in \\: one flag a line, no continuation" if line.endswith("\\") else f"{e}: close the quote"
+            raise UserError(f"{path}, line {lineno}: {fix}") from None
         if words:
             lines.append((lineno, words))
     return lines
 
 
-def checked_flags(path, parser):
-    """The flags of one preset file, each line checked by parser alone. A path is looked up where
-    typed, then beside train_gpt2.py: `@configs/laptop.txt` from any folder."""
+def checked_flags(path, parser, set_at):
+    """The flags of one preset file, each line checked by parser alone ({dest: "FILE, line N"} into
+    set_at); looked up where typed, then beside train_gpt2.py: `@configs/laptop.txt` from any folder."""
     beside = CONFIGS.parent / path
     path = str(beside) if not os.path.isfile(path) and beside.is_file() else path
     flags = [s for action in parser._actions for s in action.option_strings]
@@ -76,4 +81,5 @@ def checked_flags(path, parser):
         except UserError as e:
             raise UserError(f"{where}: {e}") from None
         out += words
+        set_at[parser._option_string_actions[name].dest] = where
     return out

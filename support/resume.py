@@ -36,9 +36,14 @@ ALLOWED_CHANGES = {
 
 def resume_folder(resume, out_dir, given):
     """--resume <a run's folder> continues that run where it is: returns the flags that says, as
-    {"out_dir": that folder, "resume": "latest"} (its newest checkpoint); {} for any other --resume."""
+    {"out_dir": that folder, "resume": "latest"} (its newest checkpoint); {} for any other --resume;
+    '' (a script's empty variable) and a transformers folder (config.json: a model, not a run) refused."""
+    if resume == "":
+        raise UserError("--resume '' names nothing: pass a checkpoint, a run's folder, or --resume alone (its newest)")
     if resume in (None, "latest") or not os.path.isdir(resume):
         return {}
+    if os.path.exists(os.path.join(resume, "config.json")):
+        raise UserError(f"--resume {resume} is a transformers model, not a run: train from it via --init-from {resume}")
     if "out_dir" in given and os.path.realpath(out_dir) != os.path.realpath(resume):
         raise UserError(
             f"--resume {resume} is a run's folder, --out-dir {out_dir} another: continue that "
@@ -63,10 +68,11 @@ def reconcile_resume(args, given, roles, ckpt, ckpt_path):
     changes = {n: [value, getattr(args, n)] for n, value in differ.items() if n in given and roles[n] == RECIPE}
     for name, (was, new) in changes.items():
         if name not in ALLOWED_CHANGES:
-            flag = "--" + name.replace("_", "-")
+            flag, preset = "--" + name.replace("_", "-"), given[name]  # preset: "FILE, line N" that set it, or ""
+            where, fix = (f" ({preset})", "drop that line") if preset else ("", f"leave {flag} out")
             message = (
-                f"{flag} {new} contradicts the {was} that {ckpt_path} was trained with: "
-                f"leave {flag} out to continue the run as it was, or start a new run in another --out-dir"
+                f"{flag} {new}{where} contradicts the {was} that {ckpt_path} was trained with: "
+                f"{fix} to continue the run as it was, or start a new run in another --out-dir"
             )
             raise same_on_every_rank(UserError(message))
     max_steps = taken.get("max_steps", args.max_steps)

@@ -108,6 +108,13 @@ TYPE_CASES = {
     **{f"--seed {s}": refused_type("--seed", s, "between 0 and 4,294,967,295") for s in (-1, 2**32)},
 }
 
+
+def resume_with_an_init_from_preset(tmp):
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "ft.txt").write_text("# fine-tune GPT-2\n--init-from gpt2\n")
+    return train_gpt2.main([f"@{tmp / 'ft.txt'}", *tiny_args(tmp / "data", tmp / "out", "--resume")])
+
+
 CASES = {
     "--min-lr -1e-3": (train("--min-lr", -1e-3), "--min-lr -0.001 must be between 0 and --max-lr 0.003"),
     "--min-lr above --max-lr": (train("--min-lr", 1e-2), "--min-lr 0.01 must be between 0 and --max-lr 0.003"),
@@ -136,6 +143,12 @@ CASES = {
     "--init-from with --resume": (
         train("--init-from", "gpt2", "--resume"),
         "--init-from gpt2 starts a new run, --resume continues one: pass one of them",
+    ),
+    "--init-from from a preset with --resume": (
+        resume_with_an_init_from_preset,
+        lambda tmp: (
+            f"--init-from gpt2 ({tmp / 'ft.txt'}, line 2) starts a new run, --resume continues one: pass one of them"
+        ),
     ),
     "--max-steps inside the default warm-up": (
         lambda tmp: train_gpt2.main(no_warmup("--max-steps", 20)),

@@ -22,6 +22,7 @@ from helpers import assert_one_line_error, cli, snapshot, tiny_args, user_error
 from support import files
 from support.cli import UserError
 from support.files import jsonl_rows, lock_folder, unlock_folder, write_atomic, write_dir_atomic
+from support.out_dir import LOCK_FILE, claim_out_dir, release_out_dir
 
 # ----------------------------------------------------------------------------------------------
 # Atomic writes are durable
@@ -179,6 +180,32 @@ def test_a_second_holder_is_refused_naming_the_first_even_after_an_rm_of_its_fil
         unlock_folder(lock)
     assert os.listdir(tmp_path) == []  # given back: its files removed
     unlock_folder(lock_folder(str(tmp_path), ".x.lock", "run"))  # free again
+
+
+@pytest.mark.parametrize("holder", ["train_gpt2.py", "fineweb.py"])
+def test_a_folder_held_by_one_script_is_refused_by_the_other_naming_the_real_holder(data, tmp_path, holder):
+    """Both scripts lock a folder the same way (flock on it), each writing its holder to a file of its own
+    name: the one refused names the script that holds it, not itself."""
+    out, text = tmp_path / "out", tmp_path / "a.txt"
+    out.mkdir()
+    text.write_text("Some text to tokenize.\n" * 50)
+    if holder == "train_gpt2.py":
+        claim_out_dir(str(out), None)  # as a training run holds its --out-dir
+        lock, pid_file = None, out / LOCK_FILE
+    else:
+        lock, pid_file = lock_folder(str(out), fineweb.FOLDER_LOCK, "fineweb.py"), out / fineweb.FOLDER_LOCK
+    try:
+        if holder == "train_gpt2.py":
+            msg = user_error(["--input", text, "--out-dir", out], main=fineweb.main)
+        else:
+            msg = user_error(tiny_args(data, out, "--max-steps", 1))
+        assert msg == (
+            f"--out-dir {out} is in use by a {holder} run ({pid_file.read_text()}): wait for it to end, or pass "
+            f"another --out-dir"
+        )
+    finally:
+        release_out_dir()
+        unlock_folder(lock)
 
 
 def test_a_file_system_without_locks_is_said_not_an_error_of_the_disk(tmp_path, monkeypatch, capsys):

@@ -55,6 +55,37 @@ def test_a_folder_holding_only_the_users_files_is_fine_and_kept(data, tmp_path):
     assert {k: after[k] for k in before} == before and "ckpt_000002.pt" in after
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_folder_it_cannot_write_is_refused_when_claimed_with_advice_that_fits(
+    data, tmp_path, monkeypatch, capsys, resume
+):
+    """A read-only folder, or another user's, as os.access says it to a user who is not root (root
+    writes through a folder's mode): refused at the claim, before the model is built and the data
+    read; on --resume the advice continues the run in a folder of the user's, and works."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
+    if resume:
+        assert train_gpt2.main(args) == 0
+        args += ["--max-steps", 4, "--resume"]
+    access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda path, mode, **kw: access(path, mode, **kw) and not (mode & os.W_OK and path == str(out))
+    )
+    capsys.readouterr()
+    msg = refused_before_step_0(args, out, f"--out-dir {out} is read-only or another user's: make it writable, or ")
+    assert "model:" not in capsys.readouterr().out
+    if not resume:
+        assert msg.endswith("or pass another --out-dir")
+        return
+    ckpt = out / "ckpt_000002.pt"
+    assert msg.endswith(f"or continue the run elsewhere with --resume {ckpt} --out-dir NEW_DIR")
+    assert (
+        train_gpt2.main(tiny_args(data, tmp_path / "new", "--max-steps", 4, "--eval-every", 0, "--resume", ckpt)) == 0
+    )
+    assert sorted(read_log(tmp_path / "new")[1]) == [2, 3]
+
+
 def test_a_run_killed_before_its_first_step_is_not_another_run(tmp_path, capsys):
     """SIGKILL during step 0's long val eval leaves a log with a header and no step (nothing could
     clean up): the folder counts as empty, and the same command's retry runs there, said."""

@@ -52,6 +52,21 @@ def test_the_log_header_records_the_presets_flags_and_the_run_resumes(data, tmp_
     assert [h["resumed_from"] for h in headers(out)] == [None, 3, 5]
 
 
+def test_a_contradiction_on_resume_from_a_preset_names_its_file_and_line(data, tmp_path):
+    out, preset = tmp_path / "run", tmp_path / "mine.txt"
+    assert train_gpt2.main([TINY_RUN, "--data-dir", data, "--out-dir", out, "--max-steps", 2, "--ckpt-every", 2]) == 0
+    preset.write_text("# my run, 3 layers\n--n-layer 3\n")
+    resume = [TINY_RUN, f"@{preset}", "--data-dir", data, "--out-dir", out, "--max-steps", 4, "--resume"]
+    assert user_error(resume) == (
+        f"--n-layer 3 ({preset}, line 2) contradicts the 2 that {out / 'ckpt_000002.pt'} was trained with: "
+        f"drop that line to continue the run as it was, or start a new run in another --out-dir"
+    )
+    typed = user_error(["--n-layer", 3, *resume])  # typed, before the preset too: the command line's, not the preset's
+    assert typed.startswith("--n-layer 3 contradicts the 2") and "leave --n-layer out" in typed
+    preset.write_text("# my run, 3 layers\n")  # the advice, followed
+    assert train_gpt2.main(resume) == 0 and sorted(read_log(out)[1]) == list(range(4))
+
+
 def test_a_preset_is_found_where_typed_then_beside_train_gpt2(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # another working directory: @configs/... is the repository's
     message = user_error(["@laptp.txt"])
@@ -77,6 +92,7 @@ def test_a_flags_value_is_never_a_preset(tmp_path):
         ("--n-layr 4", ["--n-layr is not a flag of train_gpt2.py", "did you mean --n-layer?"]),
         ("--max-steps many", ["argument --max-steps: invalid int value: 'many'"]),
         ("--prompt 'unclosed", ["No closing quotation", "close the quote"]),
+        ("--n-layer 2 \\", ["ends in \\: one flag a line, no continuation"]),  # a shell's continuation
         ("--prompt café", ["byte 0xe9 is not UTF-8: save it as UTF-8"]),  # Latin-1
     ],
 )

@@ -98,7 +98,7 @@ def test_resume_in_a_read_only_folder_with_a_leftover_temporary_checkpoint_is_on
     (out / ".ckpt_000004.pt.tmp").write_bytes(b"PK\x03\x04cut short")
     read_only(out)
     r = cli(*tiny_args(data, out, "--max-steps", 4, "--eval-every", 0, "--resume"))
-    assert_one_line_error(r, f"--out-dir {out}", "Read-only file system", "make --out-dir writable")
+    assert_one_line_error(r, f"--out-dir {out} is read-only", "make it writable", f"--resume {out / 'ckpt_000002.pt'}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,6 +249,26 @@ def test_resume_with_a_run_folder_and_another_out_dir_is_refused(data, run4, tmp
     msg = user_error(tiny_args(data, tmp_path / "other", "--max-steps", 6, "--warmup-steps", 5, "--resume", run4))
     assert "is a run's folder" in msg and f"--resume --out-dir {run4}" in msg
     assert snapshot(run4) == before and not (tmp_path / "other").exists()
+
+
+def test_resume_of_a_transformers_folder_is_refused_as_a_model_pointing_to_init_from(data, hf_tiny_dir, tmp_path):
+    # save_pretrained's folder (export_hf.py's too) is a model: no run starts inside it
+    before = snapshot(hf_tiny_dir)
+    args = tiny_args(data, tmp_path / "out", "--resume", hf_tiny_dir)
+    del args[2:4]  # no --out-dir: --resume names the folder alone
+    msg = user_error(args)
+    assert (
+        msg == f"--resume {hf_tiny_dir} is a transformers model, not a run: train from it via --init-from {hf_tiny_dir}"
+    )
+    assert snapshot(hf_tiny_dir) == before
+    init = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0, "--init-from", hf_tiny_dir)
+    assert train_gpt2.main(init) == 0  # the advice, followed
+
+
+def test_an_empty_resume_is_refused_as_naming_nothing(data, run4):
+    before = snapshot(run4)
+    msg = user_error(tiny_args(data, run4, "--max-steps", 6, "--resume", ""))
+    assert msg.startswith("--resume '' names nothing:") and snapshot(run4) == before
 
 
 # ----------------------------------------------------------------------------------------------
