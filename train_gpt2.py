@@ -37,7 +37,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
-from support.checkpoints import load_checkpoint, save_training_state
+from support.checkpoints import save_training_state
 from support.checks import Number, check_args, check_data, check_init_shape, check_model_fits
 from support.cli import ArgumentParser, UserError, run_cli, same_on_every_rank
 from support.ddp import setup_distributed
@@ -244,8 +244,8 @@ def flops_per_token(config, T):
 def load_model(spec, device="cpu"):
     """A model from a name (gpt2, gpt2-medium, ...), a transformers directory, our checkpoint, or
     a training run's --out-dir (its newest checkpoint)."""
-    kind, spec = find_model(spec)
-    model = GPT.from_pretrained(spec) if kind == "transformers" else model_from_checkpoint(load_checkpoint(spec), spec)
+    kind, spec, ckpt = find_model(spec)
+    model = GPT.from_pretrained(spec) if kind == "transformers" else model_from_checkpoint(ckpt, spec)
     return model.to(device)
 
 

@@ -2,10 +2,13 @@
 newest few (keeping one known good), and loaded without running code. Which files in a run's folder
 are the run's own is support/out_dir.py's."""
 
+import mmap
 import os
 import pickle
 import re
+import struct
 import zipfile
+import zlib
 
 import torch
 
@@ -80,15 +83,13 @@ def save_training_state(ckpt, out_dir, keep, master_process, ddp):
 
 
 def load_checkpoint(path, mmap=False):
-    """Our checkpoint as a dict of tensors and plain values. weights_only=True: a checkpoint
-    carrying pickled code is refused instead of run. mmap: the tensors are mapped, not read (a
-    dry run's check, which needs only the small pickled part). Its model_config is checked here, once,
-    for every reader."""
+    """Our checkpoint as a dict of tensors and plain values, its file read once (crc_failure, then
+    torch.load from the page cache that pass filled). weights_only=True: a checkpoint carrying
+    pickled code is refused instead of run. mmap: the tensors are mapped, not read (the readers of
+    the weights alone: sample.py, hellaswag.py -m, export_hf.py, --init-from). Its model_config is
+    checked here, once, for every reader."""
     try:
-        # torch.save writes a zip with a CRC per tensor, which torch.load never checks: without
-        # this, a flipped bit on disk loads as silently wrong weights
-        with zipfile.ZipFile(path) as zf:
-            bad = zf.testzip()
+        bad = crc_failure(path)
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap) if bad is None else None
     except FileNotFoundError:
         raise UserError(f"checkpoint {path} does not exist") from None
@@ -107,6 +108,19 @@ def load_checkpoint(path, mmap=False):
     return ckpt
 
 
+def crc_failure(path):
+    """The first file in a checkpoint's zip whose bytes fail its CRC, else None. torch.save writes
+    a CRC per tensor, which torch.load never checks: without this, a flipped bit on disk loads as
+    silently wrong weights. One pass over a memory map of the file, no copy of it."""
+    with open(path, "rb") as f, zipfile.ZipFile(f) as zf, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        for info in zf.infolist():  # each file's data follows its 30-byte local header, name and extra field
+            start = info.header_offset + 30 + sum(struct.unpack_from("<HH", m, info.header_offset + 26))
+            with memoryview(m)[start : start + info.compress_size] as data:
+                if zlib.crc32(data) != info.CRC:
+                    return info.filename
+    return None
+
+
 def refused_pickle(path, e):
     """The line for a file torch.load(weights_only=True) refuses for the Python objects it pickles
     (torch's own advice, weights_only=False, would run code from a file no one vouched for)."""
@@ -120,7 +134,7 @@ def refused_pickle(path, e):
 
 
 def load_training_checkpoint(path):
-    """A checkpoint that holds a run's training state, not just weights."""
+    """A checkpoint that holds a run's training state, not just weights: read, not mapped (pruned later)."""
     ckpt = load_checkpoint(path)
     missing = [k for k in ("optimizer", "step", "data") if k not in ckpt]
     if missing:

@@ -16,21 +16,22 @@ HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_mode
 
 
 def find_model(spec):
-    """("transformers", name or folder) or ("checkpoint", file) for a model given on the command
-    line; a training run's folder means its newest checkpoint, said in a note: as --resume takes
-    it, the newest of the folder's run that loads and holds the step its name says (one passed
-    over is said in a warning: support.out_dir.newest_of_its_run)."""
+    """("transformers", name or folder, None) or ("checkpoint", file, the checkpoint loaded, its
+    tensors mapped: load_checkpoint's mmap) for a model given on the command line; a training run's
+    folder means its newest checkpoint, said in a note: as --resume takes it, the newest of the
+    folder's run that loads and holds the step its name says (one passed over is said in a warning:
+    support.out_dir.newest_of_its_run)."""
     if spec not in HF_NAMES and os.path.isdir(spec) and not os.path.exists(os.path.join(spec, "config.json")):
         then = "name the checkpoint file to use instead of the folder"
-        newest, _ = newest_of_its_run(spec, lambda path: load_checkpoint(path, mmap=True), then)
+        newest, ckpt = newest_of_its_run(spec, lambda path: load_checkpoint(path, mmap=True), then)
         if newest is None:
             raise UserError(f"{spec} holds neither a transformers model (config.json) nor our checkpoints (ckpt_*.pt)")
         print(f"{spec} is a training run's folder: using its newest checkpoint, {newest}")
-        spec = newest
+        return "checkpoint", newest, ckpt
     if spec in HF_NAMES or os.path.isdir(spec):
-        return "transformers", spec
+        return "transformers", spec, None
     if os.path.isfile(spec):
-        return "checkpoint", spec
+        return "checkpoint", spec, load_checkpoint(spec, mmap=True)
     # most often a checkpoint's step or a folder mistyped: say what the nearest folder holds
     raise UserError(f"{spec!r} does not exist, and is not a GPT-2 name ({', '.join(HF_NAMES)}){checkpoints_near(spec)}")
 
@@ -40,9 +41,9 @@ def model_config_of(spec):
     weights (its --dry-run): a checkpoint's zip CRCs and pickle (weights_only; the tensors mapped,
     not read), a transformers folder's config.json beside its weights, a GPT-2 name in the local
     cache or on a Hub that answers."""
-    kind, path = find_model(spec)
+    kind, path, ckpt = find_model(spec)
     if kind == "checkpoint":
-        return load_checkpoint(path, mmap=True)["model_config"]
+        return ckpt["model_config"]
     if path in HF_NAMES and not os.path.isdir(path):
         if not hub_name_is_cached(path):
             check_hub_reachable(path)

@@ -83,7 +83,7 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
     loads the same one (multi-node: the out-dir must be shared); a mistake it finds there ends every
     rank alike, said once. The other ranks wait in the fence (see fence). roles: reconcile_resume's."""
     oom_phase("loading the checkpoint")
-    picked = [None, None, {}]  # the checkpoint's path, rank 0's error, the flags of a run started anew
+    picked, ckpt = [None, None, {}], None  # the checkpoint's path, rank 0's error, the flags of a run started anew
     if master_process:
         try:
             claim_out_dir(args.out_dir, args.resume, args.dry_run)
@@ -96,11 +96,11 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
     if picked[1] is not None:
         raise same_on_every_rank(UserError(picked[1]))
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"  # a new run's: when, and bytes no other has
-    path, ckpt, changes = picked[0], None, {}
+    path, changes = picked[0], {}
     # a run killed before its first checkpoint starts anew with its flags (picked[2]), the given ones winning
     taken = {n: value for n, value in differing(picked[2], args, roles).items() if n not in given}
+    ckpt = None if path is None else ckpt or load_training_checkpoint(path)  # rank 0 loaded it as it picked it
     if path is not None:
-        ckpt = load_training_checkpoint(path)
         run_id = ckpt.get("run_id", path)
         taken, changes = reconcile_resume(args, given, roles, ckpt, path)
     if master_process:  # a run started anew says each flag it took, a resumed one the run settings

@@ -111,6 +111,18 @@ def run_ids(out):
     return {load_checkpoint(str(p))["run_id"] for p in out.glob("ckpt_*.pt")}
 
 
+def torch_loads(monkeypatch):
+    """[(path, mapped)] of each torch.load call from here on, as they come: the checkpoints read, and how."""
+    loads, load = [], torch.load
+
+    def counted(f, *args, **kwargs):
+        loads.append((str(f), kwargs.get("mmap", False)))
+        return load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted)
+    return loads
+
+
 def same_weights(a, b):
     """Two state dicts hold the same tensors, bit for bit."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

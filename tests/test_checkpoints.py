@@ -142,6 +142,21 @@ def test_pickle_carrying_code_is_refused(short_run, tmp_path):
     assert marker.exists()  # loaded unsafely, it runs
 
 
+@pytest.mark.parametrize("mmap", [False, True], ids=["read", "mapped"])
+def test_a_flipped_bit_in_a_weight_is_refused(short_run, tmp_path, mmap):
+    """torch.load never checks the zip's CRCs: load_checkpoint does, its tensors read or mapped alike."""
+    path, flipped = short_run[1] / "ckpt_000002.pt", tmp_path / "flipped.pt"
+    raw = bytearray(path.read_bytes())
+    weight = load_checkpoint(str(path))["model"]["transformer.h.0.mlp.c_fc.weight"].numpy().tobytes()
+    at = raw.find(weight)  # the tensor's bytes, wherever the zip put them
+    assert at > 0
+    raw[at + len(weight) // 2] ^= 1
+    flipped.write_bytes(raw)
+    torch.load(flipped, weights_only=True)  # torch alone loads it, the bit flipped
+    with pytest.raises(UserError, match=r"flipped\.pt is corrupt: its \S+/data/\d+ fails the zip CRC check$"):
+        load_checkpoint(str(flipped), mmap=mmap)
+
+
 @pytest.mark.parametrize("model_config", [{"n_layer": 2}, [2, 2, 32]], ids=["keys missing", "not a dict"])
 def test_a_checkpoint_whose_model_config_is_no_gpts_is_refused_when_loaded(tmp_path, model_config):
     """Checked once in load_checkpoint, for every reader (training, hellaswag.py, sample.py, export_hf.py)."""
