@@ -42,7 +42,7 @@ from support.checks import Number, check_args, check_data, check_init_shape, che
 from support.cli import ArgumentParser, UserError, run_cli, same_on_every_rank
 from support.ddp import setup_distributed
 from support.device import choose_compile, keep_freed_memory, set_deterministic
-from support.divergence import NonFiniteGuard
+from support.divergence import NonFiniteGuard, check_finite_state
 from support.gpu import peak_flops
 from support.hf_interop import check_state_dict, load_hf_gpt2
 from support.model_files import find_model
@@ -453,7 +453,9 @@ def train(args, given=frozenset()):
     # --- processes and device; on --resume the checkpoint and its recipe; then every flag is checked --
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = setup_distributed(args.device, args.ddp_timeout)
     device_type, master_process = torch.device(device).type, ddp_rank == 0  # rank 0 prints, logs, checkpoints
-    ckpt_path, ckpt, run_id, taken, changes = resume_checkpoint(args, given, command_line()[1], ddp, master_process)
+    ckpt_path, ckpt, run_id, taken, changes, records = resume_checkpoint(
+        args, given, command_line()[1], ddp, master_process
+    )
     args = argparse.Namespace(**{**vars(args), **taken})  # on --resume: the flags left out are the checkpoint's
     check_args(args, ddp_world_size, given, warmup_lr)  # the recipe as the checkpoint and the command line make it
     B, T = args.batch_size, args.seq_len
@@ -494,7 +496,7 @@ def train(args, given=frozenset()):
     derived = dict(grad_accum_steps=grad_accum_steps, world_size=ddp_world_size, dtype=dtype, dtype_reason=why)
     derived.update(compile=use_compile, model_config=asdict(raw_model.config), flops_per_token=flops)
     config = {**vars(args), "data_dir": os.path.abspath(args.data_dir)}  # the run's flags: --resume from anywhere
-    log = RunLog(args.out_dir, master_process, args.max_steps)
+    log = RunLog(args.out_dir, master_process, args.max_steps, records)  # the log as read at start
     log.header(run_id, name, start_step or None, changes, {**config, **derived})
     peak = args.peak_flops or (peak_flops(name) if device_type == "cuda" else None)  # MFU: of one GPU's peak
 
@@ -504,7 +506,9 @@ def train(args, given=frozenset()):
         ckpt.update(run_id=run_id, step=step, val_loss=val_loss)
         ckpt.update(world_size=ddp_world_size, data_identity=train_loader.identity)  # the shards it started on
         ckpt.update(train_config=config)
-        return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp)
+        oom_phase("writing the checkpoint", step=step)
+        check_finite_state(ckpt, args.out_dir, log.trained)  # never a checkpoint of weights that are not finite
+        return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp, log.trained)
 
     stop = StopRequest(args.out_dir)
     guard = NonFiniteGuard(log, master_process, checkpoint, args.out_dir, args.max_lr, scaler)

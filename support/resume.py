@@ -76,19 +76,23 @@ def reconcile_resume(args, given, roles, ckpt, ckpt_path):
 
 
 def resume_checkpoint(args, given, roles, ddp, master_process):
-    """(path, checkpoint, the run's id, the flags it sets, the allowed changes) for --resume, else
-    (None, None, a new run's id, {}, {}); a run killed before its first checkpoint: its flags from its
-    log's header set, the given ones winning. Rank 0 says what a resume changed and took (report_resume).
+    """(path, checkpoint, the run's id, the flags it sets, the allowed changes, rank 0's log records:
+    claim_out_dir's) for --resume, else (None, None, a new run's id, {}, {}, records); a run killed
+    before its first checkpoint: its flags from its log's header set, the given ones winning (its log
+    set aside: no records). Rank 0 says what a resume changed and took (report_resume).
     Rank 0 claims the out-dir first (claim_out_dir) and picks the checkpoint, so that every rank
     loads the same one (multi-node: the out-dir must be shared); a mistake it finds there ends every
     rank alike, said once. The other ranks wait in the fence (see fence). roles: reconcile_resume's."""
     oom_phase("loading the checkpoint")
-    picked, ckpt = [None, None, {}], None  # the checkpoint's path, rank 0's error, the flags of a run started anew
+    picked, ckpt, records = [None, None, {}], None, []  # picked: the path, rank 0's error, a new start's flags
     if master_process:
         try:
-            claim_out_dir(args.out_dir, args.resume, args.dry_run)
-            picked[0], ckpt = pick_checkpoint(args.resume, args.out_dir, load_training_checkpoint, args.dry_run)
-            picked[2] = ckpt["train_config"] if picked[0] is None and ckpt else {}
+            records = claim_out_dir(args.out_dir, args.resume, args.dry_run)
+            picked[0], ckpt = pick_checkpoint(
+                args.resume, args.out_dir, load_training_checkpoint, records, args.dry_run
+            )
+            if picked[0] is None and ckpt:  # a run killed before its first checkpoint: its log was set aside
+                picked[2], records = ckpt["train_config"], []
         except UserError as e:
             picked[1] = str(e)
     if ddp:
@@ -105,7 +109,7 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
         taken, changes = reconcile_resume(args, given, roles, ckpt, path)
     if master_process:  # a run started anew says each flag it took, a resumed one the run settings
         report_resume(changes, taken if picked[2] else {n: v for n, v in taken.items() if roles[n] == RUN_SETTING})
-    return path, ckpt, run_id, taken, changes
+    return path, ckpt, run_id, taken, changes, records
 
 
 def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, ddp_rank):
