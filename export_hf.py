@@ -16,7 +16,6 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not 
 
 import argparse
 
-from support.checkpoints import load_checkpoint
 from support.cli import ArgumentParser, UserError, run_cli
 from support.hf_interop import check_export_target, save_hf_gpt2
 from support.model_files import find_model
@@ -29,10 +28,9 @@ def main(argv=None):
     p.add_argument("out_dir", metavar="DIR", help="the folder to write: new, empty or an earlier export")
     p.add_argument("--dry-run", action="store_true", help="make the export's checks, then exit: nothing is written")
     args = p.parse_args(argv)
-    kind, path = find_model(args.ckpt)
+    kind, path, ckpt = find_model(args.ckpt)  # mapped: the weights are read once, the optimizer's state never
     if kind != "checkpoint":
         raise UserError(f"{args.ckpt} is a transformers model already: export_hf.py exports our checkpoints (*.pt)")
-    ckpt = load_checkpoint(path, mmap=True)  # mapped: the weights are read once, the optimizer's state never
     if args.dry_run:
         check_export_target(args.out_dir)  # the export's own check: its folder is made where it writes, and removed
         print(f"dry run: {path} can be exported to {args.out_dir}; nothing was written")

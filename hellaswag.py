@@ -47,7 +47,6 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from support.checkpoints import load_checkpoint
 from support.cli import ArgumentParser, UserError, first_line, flag_type, run_cli
 from support.ddp import fence
 from support.device import keep_freed_memory, pick_device
@@ -532,10 +531,9 @@ def load_model(spec, device):
     a transformers folder loaded by transformers; our checkpoint (or a run's folder: its newest)
     built from its state dict, its vocabulary as it is, so that it scores as our GPT in training
     does. This file never imports train_gpt2.py (train_gpt2.py imports it)."""
-    kind, path = find_model(spec)
+    kind, path, ckpt = find_model(spec)
     if kind == "transformers":
         return load_hf_model(path).to(device).eval()
-    ckpt = load_checkpoint(path)
     return hf_gpt2(ckpt["model_config"], ckpt["model"], f"checkpoint {path}", attn_implementation="sdpa").to(device)
 
 

@@ -37,12 +37,12 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
-from support.checkpoints import load_checkpoint, save_training_state
+from support.checkpoints import save_training_state
 from support.checks import Number, check_args, check_data, check_init_shape, check_model_fits
 from support.cli import ArgumentParser, UserError, run_cli, same_on_every_rank
 from support.ddp import setup_distributed
 from support.device import choose_compile, keep_freed_memory, set_deterministic
-from support.divergence import NonFiniteGuard
+from support.divergence import NonFiniteGuard, check_finite_state
 from support.gpu import peak_flops
 from support.hf_interop import check_state_dict, load_hf_gpt2
 from support.model_files import find_model
@@ -244,8 +244,8 @@ def flops_per_token(config, T):
 def load_model(spec, device="cpu"):
     """A model from a name (gpt2, gpt2-medium, ...), a transformers directory, our checkpoint, or
     a training run's --out-dir (its newest checkpoint)."""
-    kind, spec = find_model(spec)
-    model = GPT.from_pretrained(spec) if kind == "transformers" else model_from_checkpoint(load_checkpoint(spec), spec)
+    kind, spec, ckpt = find_model(spec)
+    model = GPT.from_pretrained(spec) if kind == "transformers" else model_from_checkpoint(ckpt, spec)
     return model.to(device)
 
 
@@ -453,7 +453,7 @@ def train(args, given):
     # --- processes and device; on --resume the checkpoint and its recipe; then every flag is checked --
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = setup_distributed(args.device, args.ddp_timeout)
     device_type, master_process = torch.device(device).type, ddp_rank == 0  # rank 0 prints, logs, checkpoints
-    ckpt_path, ckpt, run_id, taken, changes, moved = resume_checkpoint(
+    ckpt_path, ckpt, run_id, taken, changes, records, moved = resume_checkpoint(
         args, given, command_line()[1], ddp, master_process
     )
     args = argparse.Namespace(**{**vars(args), **taken})  # on --resume: the flags left out are the checkpoint's
@@ -497,7 +497,7 @@ def train(args, given):
     derived.update(compile=use_compile, model_config=asdict(raw_model.config), flops_per_token=flops)
     derived.update(hellaswag_off=hs_off)  # said in the log too, where play.ipynb shows it
     config = {**vars(args), "data_dir": os.path.abspath(args.data_dir)}  # the run's flags: --resume from anywhere
-    log = RunLog(args.out_dir, master_process, args.max_steps)
+    log = RunLog(args.out_dir, master_process, args.max_steps, records)  # the log as read at start
     log.header(run_id, name, start_step or None, changes, {**config, **derived}, moved)
     peak = args.peak_flops or (peak_flops(name) if device_type == "cuda" else None)  # MFU: of one GPU's peak
 
@@ -507,7 +507,9 @@ def train(args, given):
         ckpt.update(run_id=run_id, step=step, val_loss=val_loss)
         ckpt.update(world_size=ddp_world_size, data_identity=train_loader.identity)  # the shards it started on
         ckpt.update(train_config=config)
-        return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp)
+        oom_phase("writing the checkpoint", step=step)
+        check_finite_state(ckpt, args.out_dir, log.trained)  # never a checkpoint of weights that are not finite
+        return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp, log.trained)
 
     stop = StopRequest(args.out_dir)
     guard = NonFiniteGuard(log, master_process, checkpoint, args.out_dir, args.max_lr, scaler)

@@ -2,25 +2,27 @@
 newest few (keeping one known good), and loaded without running code. Which files in a run's folder
 are the run's own is support/out_dir.py's."""
 
+import mmap
 import os
 import pickle
 import re
+import struct
 import zipfile
+import zlib
 
 import torch
 
 from support.cli import UserError, first_line
 from support.ddp import fence
-from support.divergence import check_finite_state, checkpoint_health
+from support.divergence import known_good
 from support.files import disk_error, write_atomic
 from support.out_dir import checkpoint_path, checkpoint_paths, run_id_of
-from support.out_of_memory import oom_phase
 from support.signals import StopRequest
 
 MODEL_CONFIG_KEYS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"}  # train_gpt2.py's GPTConfig
 
 
-def save_checkpoint(ckpt, out_dir, keep):
+def save_checkpoint(ckpt, out_dir, keep, trained):
     """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
     real name), then prune: delete this run's checkpoints beyond the newest `keep`. What stands at
     the name was checked at start to be a checkpoint (support.out_dir.check_names_at_start)."""
@@ -38,38 +40,35 @@ def save_checkpoint(ckpt, out_dir, keep):
             else f"start the run again in a new --out-dir (no earlier checkpoint is in {out_dir})"
         )
         raise disk_error(cause, f"checkpoint {path}", then) from None
-    prune(out_dir, keep, ckpt["run_id"])
+    prune(out_dir, keep, ckpt["run_id"], trained)
     return path
 
 
-def prune(out_dir, keep, run_id):
+def prune(out_dir, keep, run_id, trained):
     """Delete run_id's checkpoints in out_dir beyond the newest `keep` (0: none). The newest known
-    good one stays too while none of the newest `keep` is known good yet (one more file, until a
-    newer one has trained): after a divergence, diverged_advice sends the user to it. Another run's
-    files are never touched."""
+    good one (trained: the run log's, support.divergence.known_good) stays too while none of the
+    newest `keep` is known good yet (one more file, until a newer one has trained): after a
+    divergence, diverged_advice sends the user to it. Another run's files are never touched."""
     found = checkpoint_paths(out_dir)
     if keep <= 0 or len(found) <= keep:
         return
-    health = checkpoint_health(out_dir)
-    kept = [path for path, good in health[:keep] if good] or [path for path, good in health if good][:1]
+    good = known_good(out_dir, trained)
+    kept = [path for path in found[:keep] if path in good] or good[:1]
     for old in found[keep:]:
         if old not in kept and run_id_of(old) == run_id:
             os.remove(old)
 
 
-def save_training_state(ckpt, out_dir, keep, master_process, ddp):
+def save_training_state(ckpt, out_dir, keep, master_process, ddp, trained):
     """Every rank calls it; rank 0 writes ckpt, the training state as one plain dict (train_gpt2.py
-    gathers it where it checkpoints), to out_dir (save_checkpoint: atomic, pruned to this run's
-    newest `keep`) while the other ranks wait in the fence, not in a collective that times out.
-    Weights or a val loss that are not finite are never saved (check_finite_state). Returns the
-    path written on rank 0, else None."""
-    oom_phase("writing the checkpoint", step=ckpt["step"])
-    check_finite_state(ckpt, out_dir)
+    gathers it, and checks it is finite, where it checkpoints), to out_dir (save_checkpoint: atomic,
+    pruned to this run's newest `keep`) while the other ranks wait in the fence, not in a collective
+    that times out. Returns the path written on rank 0, else None."""
     path = None
     with StopRequest.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):
         if master_process:
             try:
-                path = save_checkpoint(ckpt, out_dir, keep)
+                path = save_checkpoint(ckpt, out_dir, keep, trained)
             except RuntimeError as e:  # torch.save's writer wraps a stop signal raised inside it: a stop
                 if isinstance(e.__context__, KeyboardInterrupt):
                     raise e.__context__ from None
@@ -80,15 +79,12 @@ def save_training_state(ckpt, out_dir, keep, master_process, ddp):
 
 
 def load_checkpoint(path, mmap=False):
-    """Our checkpoint as a dict of tensors and plain values. weights_only=True: a checkpoint
-    carrying pickled code is refused instead of run. mmap: the tensors are mapped, not read (a
-    dry run's check, which needs only the small pickled part). Its model_config is checked here, once,
-    for every reader."""
+    """Our checkpoint as a dict of tensors and plain values, its file read once (crc_failure, then
+    torch.load). weights_only=True: a checkpoint carrying pickled code is refused instead of run.
+    mmap: the tensors are mapped, not read (for the weights alone: sample.py, export_hf.py, ...).
+    Its model_config is checked here, once, for every reader."""
     try:
-        # torch.save writes a zip with a CRC per tensor, which torch.load never checks: without
-        # this, a flipped bit on disk loads as silently wrong weights
-        with zipfile.ZipFile(path) as zf:
-            bad = zf.testzip()
+        bad = crc_failure(path)
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap) if bad is None else None
     except FileNotFoundError:
         raise UserError(f"checkpoint {path} does not exist") from None
@@ -107,6 +103,18 @@ def load_checkpoint(path, mmap=False):
     return ckpt
 
 
+def crc_failure(path):
+    """The first file in a checkpoint's zip whose bytes fail its CRC, else None. torch.save writes
+    a CRC per tensor, which torch.load never checks: without this, a flipped bit on disk loads as
+    silently wrong weights. One pass over a memory map of the file, no copy of it."""
+    with open(path, "rb") as f, zipfile.ZipFile(f) as zf, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        for info in zf.infolist():  # each file's data follows its 30-byte local header, name and extra field
+            start = info.header_offset + 30 + sum(struct.unpack_from("<HH", m, info.header_offset + 26))
+            with memoryview(m)[start : start + info.compress_size] as data:
+                if zlib.crc32(data) != info.CRC:
+                    return info.filename
+
+
 def refused_pickle(path, e):
     """The line for a file torch.load(weights_only=True) refuses for the Python objects it pickles
     (torch's own advice, weights_only=False, would run code from a file no one vouched for)."""
@@ -120,7 +128,7 @@ def refused_pickle(path, e):
 
 
 def load_training_checkpoint(path):
-    """A checkpoint that holds a run's training state, not just weights."""
+    """A checkpoint that holds a run's training state, not just weights: read, not mapped (pruned later)."""
     ckpt = load_checkpoint(path)
     missing = [k for k in ("optimizer", "step", "data") if k not in ckpt]
     if missing:

@@ -3,12 +3,10 @@ a row, the refusal to checkpoint weights that are not finite, which checkpoints 
 trained without a NaN or inf, and what to do then (go on from one with a lower --max-lr)."""
 
 import math
-import os
 
 import torch
 
 from support.cli import UserError, same_on_every_rank
-from support.files import log_records
 from support.out_dir import checkpoint_path, checkpoint_paths, step_of_name
 
 MAX_BAD_STEPS = 3  # non-finite steps in a row: one is skipped as a bad batch, this many mean the run diverged
@@ -56,46 +54,47 @@ class NonFiniteGuard:
                     f"{MAX_BAD_STEPS} steps in a row ({first} to {step}) had a non-finite loss or grad norm: "
                     f"stopped; {path} holds the weights they failed on (none of their updates was applied). "
                     f"If the data is at fault, --resume continues from it past these batches; else "
-                    + diverged_advice(self.out_dir, self.max_lr)
+                    + diverged_advice(known_good(self.out_dir, self.log.trained), self.out_dir, self.max_lr)
                 )
             )
         return True
 
 
-def check_finite_state(ckpt, out_dir):
+def check_finite_state(ckpt, out_dir, trained):
     """Weights or a val loss that are not finite are never saved as a checkpoint (ckpt: the dict
     about to be), and a run that has them is not done: it stops, saying which checkpoint in out_dir
-    to go on from. The same decision on every rank (the weights are the same, the val loss
-    all-reduced)."""
+    to go on from (trained: note_trained's). The same on every rank (the weights are the same, the
+    val loss all-reduced)."""
     bad = [name for name, tensor in ckpt["model"].items() if not torch.isfinite(tensor).all()]
     step, val_loss = ckpt["step"], ckpt.get("val_loss")
     if not bad and (val_loss is None or math.isfinite(val_loss)):
         return
     what = f"the weights after {step} steps are not finite ({bad[0]})" if bad else f"the val loss is {val_loss}"
-    advice = diverged_advice(out_dir, ckpt["train_config"]["max_lr"])
+    advice = diverged_advice(known_good(out_dir, trained), out_dir, ckpt["train_config"]["max_lr"])
     raise same_on_every_rank(UserError(f"{what}: the run diverged and stopped, writing no checkpoint of it; {advice}"))
 
 
-def checkpoint_health(out_dir):
-    """[(path, known good)] of out_dir's checkpoints, newest first, from its log. Checkpoint N holds
-    the weights step N trains from: known good when the log's last record of step N in the line of
-    the run that wrote it is a trained step, or one fp16's loss scaler skipped (its loss was finite,
-    only the scaled gradients overflowed), not a skipped one (a NaN or inf) nor missing (not trained
-    yet). A header starts a line at the step it resumed from: the records past it are another line's."""
-    trained = {}
-    for record in log_records(os.path.join(out_dir, "log.jsonl")):
-        if record.get("event") == "header":
-            trained = {step: good for step, good in trained.items() if step <= (record.get("resumed_from") or -1)}
-        elif any(k in record for k in ("train_loss", "scaler_skipped", "skipped")):
-            trained[record.get("step")] = "skipped" not in record
-    return [(path, trained.get(step_of_name(path), False)) for path in checkpoint_paths(out_dir)]
+def note_trained(trained, record):
+    """trained, {step: trained without a NaN or inf}, with a log's next record: a step's last record
+    decides (a resumed run redoes steps); a trained step, or one fp16's loss scaler skipped (its loss
+    was finite, only the scaled gradients overflowed), is good, a skipped one (a NaN or inf) is not. A
+    header starts a line of the run at the step it resumed from: the steps past it were another line's."""
+    if record.get("event") == "header":
+        for step in [step for step in trained if step > (record.get("resumed_from") or -1)]:
+            del trained[step]
+    elif any(k in record for k in ("train_loss", "scaler_skipped", "skipped")):
+        trained[record.get("step")] = "skipped" not in record
 
 
-def diverged_advice(out_dir, max_lr):
-    """What to do after a divergence: go on from the newest checkpoint whose weights are known good
-    (checkpoint_health) with an --max-lr below max_lr, this run's (an allowed change on --resume);
-    with none, start anew."""
-    good = [path for path, known_good in checkpoint_health(out_dir) if known_good]
+def known_good(out_dir, trained):
+    """out_dir's checkpoints whose weights are known good, newest first: checkpoint N holds the
+    weights step N trains from, good when trained[N] (note_trained), not if skipped or not trained yet."""
+    return [path for path in checkpoint_paths(out_dir) if trained.get(step_of_name(path), False)]
+
+
+def diverged_advice(good, out_dir, max_lr):
+    """What to do after a divergence: go on from good[0] (known_good's newest) with an --max-lr below
+    max_lr, this run's (an allowed change on --resume); with none, start anew."""
     if good:
         return (
             f"continue from {good[0]}, the newest checkpoint whose weights trained without a NaN or inf, with "

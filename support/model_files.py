@@ -7,8 +7,9 @@ import os
 
 from support.checkpoints import load_checkpoint
 from support.cli import UserError
+from support.files import log_records
 from support.hf_interop import HF_NAMES, check_hub_reachable, hub_name_is_cached
-from support.out_dir import checkpoints_near, newest_of_its_run
+from support.out_dir import checkpoints_near, log_path, newest_of_its_run
 from support.shards import GPT2_VOCAB
 
 GPT2_BLOCK_SIZE = 1024  # n_positions of every OpenAI GPT-2 (gpt2 .. gpt2-xl)
@@ -16,21 +17,22 @@ HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_mode
 
 
 def find_model(spec):
-    """("transformers", name or folder) or ("checkpoint", file) for a model given on the command
-    line; a training run's folder means its newest checkpoint, said in a note: as --resume takes
-    it, the newest of the folder's run that loads and holds the step its name says (one passed
-    over is said in a warning: support.out_dir.newest_of_its_run)."""
+    """("transformers", name or folder, None) or ("checkpoint", file, its dict, tensors mapped) for a
+    model given on the command line; a training run's folder means its newest checkpoint, said in a
+    note: as --resume takes it, the newest of the folder's run that loads and holds the step its name
+    says (one passed over is said in a warning: support.out_dir.newest_of_its_run)."""
     if spec not in HF_NAMES and os.path.isdir(spec) and not os.path.exists(os.path.join(spec, "config.json")):
         then = "name the checkpoint file to use instead of the folder"
-        newest, _ = newest_of_its_run(spec, lambda path: load_checkpoint(path, mmap=True), then)
+        records = log_records(log_path(spec))  # read as the folder's run is looked for
+        newest, ckpt = newest_of_its_run(spec, records, lambda path: load_checkpoint(path, mmap=True), then)
         if newest is None:
             raise UserError(f"{spec} holds neither a transformers model (config.json) nor our checkpoints (ckpt_*.pt)")
         print(f"{spec} is a training run's folder: using its newest checkpoint, {newest}")
-        spec = newest
+        return "checkpoint", newest, ckpt
     if spec in HF_NAMES or os.path.isdir(spec):
-        return "transformers", spec
+        return "transformers", spec, None
     if os.path.isfile(spec):
-        return "checkpoint", spec
+        return "checkpoint", spec, load_checkpoint(spec, mmap=True)
     # most often a checkpoint's step or a folder mistyped: say what the nearest folder holds
     raise UserError(f"{spec!r} does not exist, and is not a GPT-2 name ({', '.join(HF_NAMES)}){checkpoints_near(spec)}")
 
@@ -40,9 +42,9 @@ def model_config_of(spec):
     weights (its --dry-run): a checkpoint's zip CRCs and pickle (weights_only; the tensors mapped,
     not read), a transformers folder's config.json beside its weights, a GPT-2 name in the local
     cache or on a Hub that answers."""
-    kind, path = find_model(spec)
+    kind, path, ckpt = find_model(spec)
     if kind == "checkpoint":
-        return load_checkpoint(path, mmap=True)["model_config"]
+        return ckpt["model_config"]
     if path in HF_NAMES and not os.path.isdir(path):
         if not hub_name_is_cached(path):
             check_hub_reachable(path)

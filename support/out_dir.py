@@ -111,7 +111,7 @@ def claim_out_dir(out_dir, resume, dry_run=False):
     folder is locked for this process's life (support.files.lock_folder), given back by
     release_out_dir; a checkpoint write a kill cut short is removed. Rank 0 alone claims it. A dry
     run makes, writes and removes nothing: it checks the folder as it finds it (or none), and is
-    refused where the real run would be."""
+    refused where the real run would be. Returns the records of its log.jsonl, read here, once."""
     if not out_dir:
         raise UserError(
             "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
@@ -129,8 +129,9 @@ def claim_out_dir(out_dir, resume, dry_run=False):
         ckpt = resume if resume != "latest" else next(iter(checkpoint_paths(out_dir)), None)  # what it would resume
         fix = f"continue the run elsewhere with --resume {ckpt} --out-dir NEW_DIR" if ckpt else "pass another --out-dir"
         raise UserError(f"--out-dir {out_dir} is read-only or another user's: make it writable, or {fix}")
-    check_names_at_start(out_dir)  # with the folder held: no other run changes it meanwhile
-    log, theirs = log_path(out_dir), other_runs(out_dir, None)
+    records = list(log_records(log_path(out_dir)))  # with the folder held: no other run changes it meanwhile
+    check_names_at_start(out_dir, records)
+    log, theirs = log_path(out_dir), other_runs(out_dir, None, records)
     if theirs and not resume:
         raise UserError(
             f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}): continue it with --resume, "
@@ -139,24 +140,25 @@ def claim_out_dir(out_dir, resume, dry_run=False):
     if os.path.lexists(log) and os.path.basename(log) not in theirs:
         print(f"note: {log} holds only the start of a run that never trained a step: this run's records follow it")
     if dry_run:
-        return
+        return records
     for name in [n for n in os.listdir(out_dir) if step_of_name(n, temporary=True) is not None]:
         print(f"removing the unfinished {name}")  # a checkpoint write of this run cut short by a kill
         try:
             os.remove(os.path.join(out_dir, name))
         except OSError as e:  # a read-only folder: the run could write nothing there either
             raise disk_error(e, f"to --out-dir {out_dir} (removing {name})", "continue with --resume") from None
+    return records
 
 
-def check_names_at_start(out_dir):
+def check_names_at_start(out_dir, records):
     """At start, with the folder held: what a user put at a name the run writes is never written
     over. A file at a checkpoint's name that is no zip as torch.save writes (a user's text: no run
     to continue), and a log.jsonl that does not begin with a run's header (the user's, or a damaged
     one: this run's records would follow steps of no known run), are refused, each named with the
-    `mv` that sets it aside."""
+    `mv` that sets it aside. records: the log's."""
     log, what = log_path(out_dir), "is no checkpoint of train_gpt2.py (not the zip torch.save writes)"
     found = [(path, what) for path in checkpoint_paths(out_dir) if head(path) != ZIP]
-    if head(log, line=True) and next(log_records(log), {}).get("event") != "header":
+    if head(log, line=True) and (records or [{}])[0].get("event") != "header":
         found.append((log, "is not this run's (its first line is not a run's header)"))
     if found:
         path, what = found[0]
@@ -175,12 +177,12 @@ def release_out_dir():
 # The log's runs
 
 
-def log_runs(path):
-    """The ids of the runs log.jsonl records a trained or skipped step of, in order. A start that
-    failed before its first step (its header, perhaps a step-0 eval) is no run; a line that is not
-    JSON (one cut short by a kill) is passed over."""
+def log_runs(records):
+    """The ids of the runs a log.jsonl's records (support.files.log_records) record a trained or
+    skipped step of, in order. A start that failed before its first step (its header, perhaps a
+    step-0 eval) is no run."""
     runs, current = [], None
-    for record in log_records(path):
+    for record in records:
         if record.get("event") == "header":
             current = record.get("run_id")
         elif any(key in record for key in ("train_loss", "skipped", "scaler_skipped")) and current not in runs:
@@ -202,12 +204,11 @@ def run_id_of(path):
     return ckpt.get("run_id") if isinstance(ckpt, dict) else None
 
 
-def other_runs(out_dir, run_id, skip=None):
+def other_runs(out_dir, run_id, records, skip=None):
     """The files in out_dir of runs other than run_id (None: a new run, which no file is of):
-    checkpoints (one whose run cannot be read counts), and log.jsonl when it records another run's
-    steps. skip: the checkpoint being resumed, wherever it lies."""
-    log = log_path(out_dir)
-    found = [os.path.basename(log)] if any(r != run_id for r in log_runs(log)) else []
+    checkpoints (one whose run cannot be read counts), and log.jsonl when its records record another
+    run's steps. skip: the checkpoint being resumed, wherever it lies."""
+    found = [os.path.basename(log_path(out_dir))] if any(r != run_id for r in log_runs(records)) else []
     for path in checkpoint_paths(out_dir):
         if skip and os.path.realpath(path) == os.path.realpath(skip):
             continue
@@ -216,16 +217,16 @@ def other_runs(out_dir, run_id, skip=None):
     return found
 
 
-def newest_of_its_run(out_dir, load, then):
+def newest_of_its_run(out_dir, records, load, then):
     """(path, checkpoint) of the newest checkpoint in out_dir that loads (load(path)), holds the
-    folder's run (the last run its log.jsonl records steps of; without one, any run) and the step
+    folder's run (the last run its log's records record steps of; without one, any run) and the step
     its name says; each one passed over is said in one warning line naming the file and why. (None,
     None) for a folder with no checkpoint; with checkpoints but none of these, refused in one line
     (then: what to do instead, where another run's or a misnamed one was passed over)."""
     paths = checkpoint_paths(out_dir)
     if not paths:
         return None, None
-    run = (log_runs(log_path(out_dir)) or [None])[-1]
+    run = (log_runs(records) or [None])[-1]
     others = False
     for path in paths:
         try:
@@ -255,22 +256,22 @@ def newest_of_its_run(out_dir, load, then):
 # What --resume continues from, and the names the run will write
 
 
-def pick_checkpoint(resume, out_dir, load, dry_run=False):
-    """Rank 0's choice at start, after claim_out_dir: (path, checkpoint, the paths set_aside moved
-    checkpoints to) for --resume (resume: "latest" or a checkpoint's path), (None, None, []) for a new
-    run. load: how a checkpoint holding a run's training state is loaded. A run killed before its
-    first checkpoint is started anew: (None, {"train_config": its flags, from its log's header}, []).
-    A dry run renames nothing."""
+def pick_checkpoint(resume, out_dir, load, records, dry_run=False):
+    """Rank 0's choice at start, after claim_out_dir (records: its log's): (path, checkpoint, the paths
+    set_aside moved checkpoints to) for --resume ("latest" or a checkpoint's path), (None, None, []) for
+    a new run; load: how a checkpoint holding a run's training state is loaded. A run killed before its
+    first checkpoint starts anew: (None, {"train_config": its flags, from its log's header}, []). A dry
+    run renames nothing."""
     path, ckpt, moved = None, None, []
     if resume == "latest":
         then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
-        path, ckpt = newest_of_its_run(out_dir, load, then)
+        path, ckpt = newest_of_its_run(out_dir, records, load, then)
         log = log_path(out_dir)
-        if path is None and (runs := log_runs(log)):
+        if path is None and (runs := log_runs(records)):
             # killed before its first checkpoint: nothing to continue, so the same command starts it
             # anew with its flags (a spot script that repeats --resume goes on); its log is kept aside
             aside, run = free_name(log, runs[-1]), runs[-1]
-            header = next(r for r in log_records(log) if r.get("event") == "header" and r.get("run_id") == run)
+            header = next(r for r in records if r.get("event") == "header" and r.get("run_id") == run)
             ckpt = {"train_config": header.get("config", {})}
             if not dry_run:
                 os.rename(log, aside)
@@ -284,7 +285,7 @@ def pick_checkpoint(resume, out_dir, load, dry_run=False):
                 f"--resume {resume} does not exist{checkpoints_near(resume)}: pass a checkpoint or a run's folder"
             )
         path, ckpt = resume, load(resume)
-        check_resume_target(out_dir, path, ckpt)
+        check_resume_target(out_dir, path, ckpt, records)
         moved = set_aside(out_dir, path, ckpt["step"], dry_run)
     return path, ckpt, moved
 
@@ -319,12 +320,12 @@ def set_aside(out_dir, path, step, dry_run):
     return [os.path.relpath(p, out_dir) for p in moved]
 
 
-def check_resume_target(out_dir, path, ckpt):
+def check_resume_target(out_dir, path, ckpt, records):
     """--resume CKPT continues CKPT's run in --out-dir: refused, before anything is written, when
     that folder holds another run (its checkpoints would be overwritten, pruned, and its log mixed
     with this one's); a folder new to the run is fine, and said."""
     run_id, folder = ckpt.get("run_id", path), os.path.dirname(path) or "."
-    others = other_runs(out_dir, run_id, skip=path)
+    others = other_runs(out_dir, run_id, records, skip=path)
     if others:
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
         raise UserError(

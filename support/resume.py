@@ -82,21 +82,29 @@ def reconcile_resume(args, given, roles, ckpt, ckpt_path):
 
 
 def resume_checkpoint(args, given, roles, ddp, master_process):
-    """(path, checkpoint, the run's id, the flags it sets, the allowed changes, where the checkpoints
-    a new line passes over went) for --resume, else (None, None, a new run's id, {}, {}, []); a run
-    killed before its first checkpoint: its flags from its log's header set, the given ones winning.
-    Rank 0 says what a resume changed and took (report_resume). Rank 0 claims the out-dir first
-    (claim_out_dir) and picks the checkpoint, so that every rank loads the same one (multi-node: the
-    out-dir must be shared); a mistake it finds there ends every rank alike, said once. The other
-    ranks wait in the fence (see fence). roles: reconcile_resume's."""
+    """(path, checkpoint, the run's id, the flags it sets, the allowed changes, rank 0's log records:
+    claim_out_dir's, where the checkpoints a new line of the run passes over went: pick_checkpoint's)
+    for --resume, else (None, None, a new run's id, {}, {}, records, []); a run killed before its first
+    checkpoint: its flags from its log's header set, the given ones winning (its log set aside: no
+    records). Rank 0 says what a resume changed and took (report_resume).
+    Rank 0 claims the out-dir first (claim_out_dir) and picks the checkpoint, so that every rank
+    loads the same one (multi-node: the out-dir must be shared); a mistake it finds there ends every
+    rank alike, said once. The other ranks wait in the fence (see fence). roles: reconcile_resume's."""
     oom_phase("loading the checkpoint")
-    picked = [None, None, {}]  # the checkpoint's path, rank 0's error, the flags of a run started anew
-    moved = []  # rank 0's: where the checkpoints a new line of the run passes over went
+    picked, ckpt, records, moved = (
+        [None, None, {}],
+        None,
+        [],
+        [],
+    )  # picked: the path, rank 0's error, a new start's flags
     if master_process:
         try:
-            claim_out_dir(args.out_dir, args.resume, args.dry_run)
-            picked[0], ckpt, moved = pick_checkpoint(args.resume, args.out_dir, load_training_checkpoint, args.dry_run)
-            picked[2] = ckpt["train_config"] if picked[0] is None and ckpt else {}
+            records = claim_out_dir(args.out_dir, args.resume, args.dry_run)
+            picked[0], ckpt, moved = pick_checkpoint(
+                args.resume, args.out_dir, load_training_checkpoint, records, args.dry_run
+            )
+            if picked[0] is None and ckpt:  # a run killed before its first checkpoint: its log was set aside
+                picked[2], records = ckpt["train_config"], []
         except UserError as e:
             picked[1] = str(e)
     if ddp:
@@ -104,16 +112,16 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
     if picked[1] is not None:
         raise same_on_every_rank(UserError(picked[1]))
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"  # a new run's: when, and bytes no other has
-    path, ckpt, changes = picked[0], None, {}
+    path, changes = picked[0], {}
     # a run killed before its first checkpoint starts anew with its flags (picked[2]), the given ones winning
     taken = {n: value for n, value in differing(picked[2], args, roles).items() if n not in given}
+    ckpt = None if path is None else ckpt or load_training_checkpoint(path)  # rank 0 loaded it as it picked it
     if path is not None:
-        ckpt = load_training_checkpoint(path)
         run_id = ckpt.get("run_id", path)
         taken, changes = reconcile_resume(args, given, roles, ckpt, path)
     if master_process:  # a run started anew says each flag it took, a resumed one the run settings
         report_resume(changes, taken if picked[2] else {n: v for n, v in taken.items() if roles[n] == RUN_SETTING})
-    return path, ckpt, run_id, taken, changes, moved
+    return path, ckpt, run_id, taken, changes, records, moved
 
 
 def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, ddp_rank):

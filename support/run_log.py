@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from support.cli import UserError
+from support.divergence import note_trained
 from support.files import disk_error
 from support.out_dir import log_path
 from support.wandb_log import WandbMirror
@@ -52,13 +53,15 @@ class RunLog:
     the same file (play.ipynb keeps the last record of each step). Each record is also printed
     as its console line: one record, built once, for the file and the screen, and with
     --wandb-project for a Weights & Biases run too (WandbMirror). Only rank 0's is enabled; the
-    others' calls do nothing."""
+    others' calls do nothing. trained: note_trained's, of the records read at start and written since."""
 
     mirrored = []  # the logs with a wandb run to finish when the run ends (finish_wandb)
 
-    def __init__(self, out_dir, enabled, max_steps):
+    def __init__(self, out_dir, enabled, max_steps, records=()):
         self.path, self.file, self.max_steps = log_path(out_dir), None, max_steps
-        self.out_dir, self.wandb = out_dir, None
+        self.out_dir, self.wandb, self.trained = out_dir, None, {}
+        for record in records:
+            note_trained(self.trained, record)
         self.clock = StepClock(max_steps)  # the step line's elapsed time and ETA
         if not enabled:
             return
@@ -91,6 +94,7 @@ class RunLog:
             return
         self.clock.saw(record)
         self.write(record)
+        note_trained(self.trained, record)
         self.print(record)
         if self.wandb is not None and self.wandb.error is None:
             self.wandb(record)

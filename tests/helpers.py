@@ -118,6 +118,18 @@ def checkpoint_bytes(folder):
     return {hashlib.sha256(p.read_bytes()).hexdigest(): p for p in Path(folder).rglob("ckpt_*.pt")}
 
 
+def torch_loads(monkeypatch):
+    """[(path, mapped)] of each torch.load call from here on, as they come: the checkpoints read, and how."""
+    loads, load = [], torch.load
+
+    def counted(f, *args, **kwargs):
+        loads.append((str(f), kwargs.get("mmap", False)))
+        return load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted)
+    return loads
+
+
 def same_weights(a, b):
     """Two state dicts hold the same tensors, bit for bit."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,10 +1,9 @@
 """support/checkpoints.py, through real runs of train_gpt2.py: a failed checkpoint write stops the
-run in one line, the earlier checkpoints whole; non-finite weights are never saved; pruning removes
-only this run's checkpoints, beyond its newest; a truncated checkpoint, or one that carries pickled
-code, is refused when loaded."""
+run in one line, the earlier checkpoints whole; pruning removes only this run's checkpoints, beyond
+its newest; a truncated checkpoint, a flipped bit, or one that carries pickled code, is refused when
+loaded."""
 
 import errno
-import math
 import os
 import pathlib
 import shutil
@@ -16,7 +15,7 @@ import torch
 import sample
 import train_gpt2
 from helpers import fail_nth_write, random_shards, read_log, same_weights, tiny_args, user_error
-from support import checkpoints, files
+from support import files
 from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.cli import UserError
 
@@ -81,23 +80,7 @@ def test_a_failed_first_checkpoint_write_does_not_claim_earlier_ones(data, tmp_p
 
 
 # ----------------------------------------------------------------------------------------------
-# What is kept: finite weights only, and pruning removes only this run's checkpoints
-
-
-def test_weights_that_are_not_finite_are_never_saved(data, tmp_path, short_run):
-    """A checkpoint of non-finite weights is refused by save_training_state itself, in one line."""
-    model = train_gpt2.load_model(str(short_run[1] / "ckpt_000002.pt"))
-    with torch.no_grad():
-        model.transformer.h[0].mlp.c_fc.weight[0, 0] = math.inf
-    out = tmp_path / "out"
-    out.mkdir()
-    args, _ = train_gpt2.parse_args(tiny_args(data, out))
-    ckpt = {"model": model.state_dict(), "step": 3, "val_loss": None, "train_config": vars(args)}
-    with pytest.raises(
-        UserError, match=r"the weights after 3 steps are not finite \(transformer.h.0.mlp.c_fc.weight\)"
-    ):
-        checkpoints.save_training_state(ckpt, str(out), 3, master_process=True, ddp=False)
-    assert os.listdir(out) == []
+# What is kept: pruning removes only this run's checkpoints
 
 
 def test_pruning_removes_only_this_runs_checkpoints(data, tmp_path):
@@ -140,6 +123,21 @@ def test_pickle_carrying_code_is_refused(short_run, tmp_path):
     assert "evil.pt" in msg and not marker.exists()
     torch.load(tmp_path / "evil.pt", weights_only=False)  # the file really does carry code:
     assert marker.exists()  # loaded unsafely, it runs
+
+
+def test_a_flipped_bit_in_a_weight_is_refused_when_mapped_too(short_run, tmp_path):
+    """torch.load never checks the zip's CRCs: load_checkpoint does, its tensors mapped as read
+    (read: tests/test_resume.py's corrupt checkpoint)."""
+    path, flipped = short_run[1] / "ckpt_000002.pt", tmp_path / "flipped.pt"
+    raw = bytearray(path.read_bytes())
+    weight = load_checkpoint(str(path))["model"]["transformer.h.0.mlp.c_fc.weight"].numpy().tobytes()
+    at = raw.find(weight)  # the tensor's bytes, wherever the zip put them
+    assert at > 0
+    raw[at + len(weight) // 2] ^= 1
+    flipped.write_bytes(raw)
+    torch.load(flipped, weights_only=True)  # torch alone loads it, the bit flipped
+    with pytest.raises(UserError, match=r"flipped\.pt is corrupt: its \S+/data/\d+ fails the zip CRC check$"):
+        load_checkpoint(str(flipped), mmap=True)
 
 
 @pytest.mark.parametrize("model_config", [{"n_layer": 2}, [2, 2, 32]], ids=["keys missing", "not a dict"])

@@ -5,9 +5,11 @@ divergence works when followed: --resume past bad batches, or from the last good
 --keep-ckpts keeps) with a --max-lr below the one that diverged; a run never ends "done" on NaN."""
 
 import math
+import os
 import re
 
 import numpy as np
+import pytest
 import torch
 
 import train_gpt2
@@ -23,6 +25,7 @@ from helpers import (
 )
 from support import divergence, precision
 from support.checkpoints import load_checkpoint, load_training_checkpoint
+from support.cli import UserError
 
 # ----------------------------------------------------------------------------------------------
 # A non-finite step is skipped; several in a row stop the run
@@ -97,9 +100,28 @@ def test_fp16_overflows_the_loss_scaler_skips_are_not_divergence(tmp_path, monke
     ckpt = {s: load_checkpoint(str(out / f"ckpt_{s:06d}.pt")) for s in range(1, 6)}
     assert all(same_weights(ckpt[1]["model"], ckpt[s]["model"]) for s in (2, 3, 4))
     assert not same_weights(ckpt[4]["model"], ckpt[5]["model"])
-    health = {path: good for path, good in divergence.checkpoint_health(str(out))}
+    trained = {}
+    for record in strict_records(out):
+        divergence.note_trained(trained, record)
     # checkpoint N holds the weights step N trained from: 1-3 (scaler skips) and 4 good, 5 not trained from yet
-    assert health == {str(out / f"ckpt_{s:06d}.pt"): s < 5 for s in range(1, 6)}
+    assert divergence.known_good(str(out), trained) == [str(out / f"ckpt_{s:06d}.pt") for s in (4, 3, 2, 1)]
+
+
+def test_weights_that_are_not_finite_are_never_saved(data, tmp_path, short_run):
+    """A checkpoint of non-finite weights is refused before it is written (check_finite_state, which
+    train_gpt2 calls where it checkpoints), in one line."""
+    model = train_gpt2.load_model(str(short_run[1] / "ckpt_000002.pt"))
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = math.inf
+    out = tmp_path / "out"
+    out.mkdir()
+    args, _ = train_gpt2.parse_args(tiny_args(data, out))
+    ckpt = {"model": model.state_dict(), "step": 3, "val_loss": None, "train_config": vars(args)}
+    with pytest.raises(
+        UserError, match=r"the weights after 3 steps are not finite \(transformer.h.0.mlp.c_fc.weight\)"
+    ):
+        divergence.check_finite_state(ckpt, str(out), {})
+    assert os.listdir(out) == []
 
 
 def test_fp16_a_nonfinite_loss_is_still_a_bad_step(tmp_path, monkeypatch):

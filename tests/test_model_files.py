@@ -11,7 +11,7 @@ import export_hf
 import hellaswag
 import sample
 import train_gpt2
-from helpers import read_log, tiny_args, user_error
+from helpers import read_log, tiny_args, torch_loads, user_error
 
 
 def test_init_from_a_run_folder_starts_from_its_newest_checkpoint(short_run, tmp_path):
@@ -90,3 +90,18 @@ def test_a_loader_passes_over_another_runs_checkpoint_in_a_run_folder(short_run,
     assert "ckpt_000009.pt: it holds run " in said.err and "not this folder's run" in said.err
     assert said.out.strip().endswith(f"using its newest checkpoint, {out / 'ckpt_000002.pt'}")
     assert torch.equal(weights, train_gpt2.load_model(str(out / "ckpt_000002.pt")).state_dict()["lm_head.weight"])
+
+
+@pytest.mark.parametrize("reader", ["sample.py", "hellaswag.py -m", "export_hf.py"])
+def test_a_run_folder_is_read_once_its_weights_mapped(short_run, tmp_path, monkeypatch, reader):
+    """The checkpoint a run's folder means is the one loaded: one torch.load, its tensors mapped (only the weights
+    are read, the optimizer's state never)."""
+    out = short_run[1]
+    loads = torch_loads(monkeypatch)
+    if reader == "sample.py":
+        assert sample.main([str(out), "--max-new-tokens", "1", "--device", "cpu"]) == 0
+    elif reader == "hellaswag.py -m":
+        hellaswag.load_model(str(out), "cpu")
+    else:
+        assert export_hf.main([str(out), str(tmp_path / "hf")]) == 0
+    assert loads == [(str(out / "ckpt_000002.pt"), True)]

@@ -3,6 +3,7 @@ locks its folder (an `rm` of its lock file does not undo it), a start that fails
 behind, links at the names a run writes reach no file, and what a user trips on there is one line
 whose advice works. (The lock itself: test_files.py.)"""
 
+import builtins
 import json
 import os
 import re
@@ -32,6 +33,26 @@ from helpers import (
     wait_for_step,
 )
 from support.out_dir import LOCK_FILE
+
+
+def test_a_run_reads_its_log_once_at_start(short_run, tmp_path, monkeypatch):
+    """log.jsonl is read whole once, as the run claims its folder: whose it is, which checkpoint --resume
+    takes, and which checkpoints trained without a NaN (what pruning keeps) come from that read and the
+    records the run writes since, not from reading the file again at each checkpoint."""
+    out = tmp_path / "run"
+    shutil.copytree(short_run[1], out)
+    reads, real_open = [], builtins.open
+
+    def counted(file, mode="r", *args, **kwargs):
+        if str(file) == str(out / "log.jsonl") and mode == "r":  # a read as text (RunLog appends; reads a byte)
+            reads.append(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counted)
+    args = ["--resume", "--out-dir", str(out), "--max-steps", 6, "--ckpt-every", 1, "--keep-ckpts", 2]
+    assert train_gpt2.main([*args, "--device", "cpu"]) == 0
+    assert len(reads) == 1
+    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_000005.pt", "ckpt_000006.pt"]  # pruned
 
 
 @pytest.mark.parametrize("existing", ["ckpt_000004.pt", "log.jsonl"])

@@ -26,6 +26,7 @@ from helpers import (
     start_run,
     strict_records,
     tiny_args,
+    torch_loads,
     torchrun,
     user_error,
     wait_for_step,
@@ -35,6 +36,16 @@ from support.resume import ALLOWED_CHANGES
 
 # ----------------------------------------------------------------------------------------------
 # Which checkpoint --resume continues from: the newest that loads
+
+
+def test_a_resume_reads_its_checkpoint_once(short_run, tmp_path, monkeypatch):
+    """The checkpoint --resume picks is the one it continues from: one torch.load of it, read, not mapped."""
+    out = tmp_path / "run"
+    shutil.copytree(short_run[1], out)
+    loads = torch_loads(monkeypatch)
+    assert train_gpt2.main(["--resume", "--out-dir", str(out), "--max-steps", 3, "--device", "cpu"]) == 0
+    assert loads == [(str(out / "ckpt_000002.pt"), False)]
+    assert (out / "ckpt_000003.pt").exists()
 
 
 @pytest.mark.slow
