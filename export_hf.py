@@ -45,4 +45,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli(main, interrupted="interrupted: nothing was exported (DIR is as it was); run the command again")
+    run_cli(main, interrupted="interrupted: nothing was exported; run the command again")
