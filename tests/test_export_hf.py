@@ -4,6 +4,7 @@ refused, by --dry-run as by the export, in the same line; a new folder, an empty
 export (through a link too) and a mount point are written; a full disk or Ctrl-C leaves the target as
 it was. --dry-run loads no weights and writes nothing. (What is written: test_hf_interop.py.)"""
 
+import json
 import os
 import shutil
 import signal
@@ -33,6 +34,12 @@ def run_copy(short_run, tmp_path):
     shutil.copytree(short_run[1], tmp_path / "log")
     assert {"ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"} <= set(os.listdir(tmp_path / "log"))
     return tmp_path / "log"
+
+
+def provenance(hf_dir):
+    """(checkpoint, step) an export's config.json says it came from."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    return config["exported_from"], config["exported_step"]
 
 
 def logits_match(hf_dir, ckpt):
@@ -162,9 +169,8 @@ def test_new_empty_and_earlier_export_folders(run_copy, tmp_path, capsys):
     r = cli(run_copy / "ckpt_000001.pt", nested, script="export_hf.py", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = "its 47 padding rows of the vocabulary left out"  # the checkpoint's 50,304 rows, 50,257 exported
-    assert (
-        r.stdout.strip() == f"wrote a transformers GPT-2 directory to {nested}: the model and GPT-2's tokenizer; {rows}"
-    )
+    said = f"the model of {run_copy / 'ckpt_000001.pt'} (step 1) and GPT-2's tokenizer; {rows}"
+    assert r.stdout.strip() == f"wrote a transformers GPT-2 directory to {nested}: {said}"
     assert logits_match(nested, run_copy / "ckpt_000001.pt")
     after = snapshot(tmp_path)
     assert {k: v for k, v in after.items() if k in before} == before  # nothing that was there changed
@@ -180,8 +186,14 @@ def test_new_empty_and_earlier_export_folders(run_copy, tmp_path, capsys):
     ]
     assert oct(os.stat(nested).st_mode & 0o777) == oct(os.stat(nested.parent).st_mode & 0o777)  # not mkdtemp's 0700
 
-    # the same folder again, from the other checkpoint: an earlier export is replaced
-    assert export_hf.main([str(run_copy / "ckpt_000002.pt"), str(nested)]) == 0
+    # the same folder again, from the other checkpoint: an earlier export is replaced, and says so; each
+    # records in its config.json the checkpoint and step it came from
+    assert provenance(nested) == (str(run_copy / "ckpt_000001.pt"), 1)
+    r = cli(run_copy, nested, script="export_hf.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    said = f"the model of {run_copy / 'ckpt_000002.pt'} (step 2) and GPT-2's tokenizer; {rows}"
+    assert r.stdout.strip().endswith(f"\nreplaced the earlier export in {nested}: {said}")
+    assert provenance(nested) == (str(run_copy / "ckpt_000002.pt"), 2)
     assert logits_match(nested, run_copy / "ckpt_000002.pt")
     assert set(snapshot(tmp_path)) == set(after)  # no hidden folder left beside it
 
