@@ -656,6 +656,9 @@ def parse_args(argv=None):
     try:  # every rank of a torchrun job parses the same command line (@presets too): said once
         args = p.parse_args(expand_presets(argv, p), argparse.Namespace(**dict.fromkeys(roles, unset)))
     except UserError as e:
+        for flag, command in (("--sample-from", "sample.py MODEL"), ("--export-hf", "export_hf.py CKPT DIR")):
+            if f" {flag}" in str(e):  # retired: train_gpt2.py only trains
+                e = UserError(f"{flag} is no flag of train_gpt2.py, which only trains: use python {command}")
         raise same_on_every_rank(e) from None
     given = {name for name, value in vars(args).items() if value is not unset}
     for name in roles.keys() - given:
