@@ -35,12 +35,15 @@ def main(argv=None):
         check_export_target(args.out_dir)  # the export's own check: its folder is made where it writes, and removed
         print(f"dry run: {path} can be exported to {args.out_dir}; nothing was written")
         return 0
-    save_hf_gpt2(ckpt["model_config"], ckpt["model"], args.out_dir, f"checkpoint {path}")
+    earlier = os.path.isdir(args.out_dir) and os.listdir(args.out_dir)  # an earlier export: others are refused
+    origin = dict(exported_from=os.path.abspath(path), exported_step=ckpt["step"])  # in its config.json
+    save_hf_gpt2(ckpt["model_config"], ckpt["model"], args.out_dir, f"checkpoint {path}", **origin)
     padding = ckpt["model_config"]["vocab_size"] - GPT2_VOCAB
     rows = f"; its {padding} padding rows of the vocabulary left out" if padding else ""
-    print(f"wrote a transformers GPT-2 directory to {args.out_dir}: the model and GPT-2's tokenizer{rows}")
+    done = "replaced the earlier export in" if earlier else "wrote a transformers GPT-2 directory to"
+    print(f"{done} {args.out_dir}: the model of {path} (step {ckpt['step']}) and GPT-2's tokenizer{rows}")
     return 0
 
 
 if __name__ == "__main__":
-    run_cli(main, interrupted="interrupted: nothing was exported (DIR is as it was); run the command again")
+    run_cli(main, interrupted="interrupted: nothing was exported; run the command again")

@@ -14,7 +14,7 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not a traceback from inside an import
     signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
 
-from support.checks import Number
+from support.checks import Number, device_memory
 from support.cli import ArgumentParser, run_cli
 from support.device import pick_device
 from support.model_files import model_config_of
@@ -40,7 +40,9 @@ def main(argv=None):
         return 0
     model = load_model(args.model, device)
     tokens = encode_prompt(enc, args.prompt, model.config.block_size, args.max_new_tokens)
-    oom_phase("drawing samples", num_samples=args.num_samples, max_new_tokens=args.max_new_tokens)
+    c = model.config  # a sample holds 5 fp32 rows of logits (next_token's) and a KV cache: half the memory for them
+    fit = (device_memory(device)[0] or 0) // 2 // (4 * (5 * c.vocab_size + 2 * c.n_layer * c.block_size * c.n_embd))
+    oom_phase("drawing samples", num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, fit=fit)
     settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
     texts = sample_text(model, enc, enc.decode(tokens), max_new_tokens=args.max_new_tokens, seed=args.seed, **settings)
     for i, text in enumerate(texts):

@@ -663,6 +663,9 @@ def parse_args(argv=None):
         argv, set_at = expand_presets(argv, p)
         args = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(roles, unset)))
     except UserError as e:
+        for flag, command in (("--sample-from", "sample.py MODEL"), ("--export-hf", "export_hf.py CKPT DIR")):
+            if f" {flag}" in str(e):  # retired: train_gpt2.py only trains
+                e = UserError(f"{flag} is no flag of train_gpt2.py, which only trains: use python {command}")
         raise same_on_every_rank(e) from None
     given = {name: set_at.get(name, "") for name, value in vars(args).items() if value is not unset}
     for name in roles.keys() - given.keys():

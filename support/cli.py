@@ -8,7 +8,9 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
+import traceback
 
 
 class UserError(Exception):
@@ -90,6 +92,14 @@ class OutlivesItsReader:
         return getattr(self.stream, name)
 
 
+def on_ctrl_c(signum, frame):
+    """run_cli's Ctrl-C: KeyboardInterrupt, but not inside a finalizer (a __del__, where Python would print
+    it and go on): that one is raised again 0.1 s later, outside it."""
+    if any(f.f_code.co_name == "__del__" for f, _ in traceback.walk_stack(frame)):
+        return threading.Thread(target=lambda: (time.sleep(0.1), signal.raise_signal(signum)), daemon=True).start()
+    raise KeyboardInterrupt
+
+
 def run_cli(main, interrupted="interrupted", out_of_memory=None):
     """Run a script's main(): a UserError is one `error:` line and exit 1, Ctrl-C the one line
     `interrupted` and exit 130 (the shell's code for SIGINT); anything else is a bug and keeps
@@ -97,7 +107,7 @@ def run_cli(main, interrupted="interrupted", out_of_memory=None):
     Running out of memory is one `error:` line too: out_of_memory(the exception) says during what
     and which flag to lower (see out_of_memory_line). Under torchrun a mistake every rank makes
     alike (UserError.every_rank) is said once a node, by its LOCAL_RANK 0."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt from here on
+    signal.signal(signal.SIGINT, on_ctrl_c)  # Ctrl-C raises KeyboardInterrupt from here on
     sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
     try:
         code = main()

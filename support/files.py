@@ -250,6 +250,8 @@ def write_dir_atomic(out_dir, write, what):
             full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in reason
             fix = "make room or choose another folder" if full else "choose a folder you can write to"
             raise UserError(f"cannot write {what} to {out_dir} ({reason}): nothing was changed; {fix}") from None
+        if isinstance(e, KeyboardInterrupt):
+            raise KeyboardInterrupt(f"interrupted: {what} was not written ({out_dir} is as it was)") from None
         raise
 
 

@@ -266,17 +266,18 @@ def save_gpt2_tokenizer(enc, folder, model_max_length):
     tok.save_pretrained(folder)
 
 
-def save_hf_gpt2(config, sd, out_dir, source="the model"):
+def save_hf_gpt2(config, sd, out_dir, source="the model", **extra):
     """Write a model (config dict, our state dict) as a transformers GPT2LMHeadModel directory
     (vocab trimmed to 50257, tied embeddings) with GPT-2's tokenizer: every model this repo trains
     reads tiktoken's gpt2 ids (fineweb.py's shards), and the rows of a larger --vocab-size past
     50257 are padding. out_dir must be new, empty or an earlier export (check_export_target); source:
-    what sd is, for the line that refuses weights that do not fit config (hf_gpt2)."""
+    what sd is, for the line that refuses weights that do not fit config (hf_gpt2); extra: more keys
+    for its config.json (where the weights came from)."""
     out_dir = check_export_target(out_dir)  # refuse before the slow part
     enc = get_tokenizer()
     from transformers.utils import logging as hf_logging  # noqa: PLC0415  2 s to import: only the export needs it
 
-    hf = hf_gpt2(config, sd, source, GPT2_VOCAB, exported_by=EXPORT_MARK)
+    hf = hf_gpt2(config, sd, source, GPT2_VOCAB, exported_by=EXPORT_MARK, **extra)
 
     def write(folder):
         hf.save_pretrained(folder)

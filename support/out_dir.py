@@ -137,8 +137,9 @@ def claim_out_dir(out_dir, resume, dry_run=False):
             f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}): continue it with --resume, "
             f"or pass a new --out-dir"
         )
-    if os.path.lexists(log) and os.path.basename(log) not in theirs:
-        print(f"note: {log} holds only the start of a run that never trained a step: this run's records follow it")
+    if os.path.lexists(log) and os.path.basename(log) not in theirs:  # no step: a run killed at start, or a cut log
+        said = f"no step, though {theirs[0]} does" if theirs else "only the start of a run that never trained a step"
+        print(f"note: {log} holds {said}: this run's records follow it")
     if dry_run:
         return records
     for name in [n for n in os.listdir(out_dir) if step_of_name(n, temporary=True) is not None]:
@@ -157,7 +158,8 @@ def check_names_at_start(out_dir, records):
     one: this run's records would follow steps of no known run), are refused, each named with the
     `mv` that sets it aside. records: the log's."""
     log, what = log_path(out_dir), "is no checkpoint of train_gpt2.py (not the zip torch.save writes)"
-    found = [(path, what) for path in checkpoint_paths(out_dir) if head(path) != ZIP]
+    cut = "is 0 bytes, a checkpoint cut short (a copy or a write that did not finish)"
+    found = [(p, cut if os.path.getsize(p) == 0 else what) for p in checkpoint_paths(out_dir) if head(p) != ZIP]
     if head(log, line=True) and (records or [{}])[0].get("event") != "header":
         found.append((log, "is not this run's (its first line is not a run's header)"))
     if found:

@@ -64,9 +64,11 @@ def lower_B():
     )
 
 
-def fewer_samples(n):
-    """(the flag, the advice) for fewer samples at a time than --num-samples n."""
-    return (f"--num-samples {n // 2}" if n > 1 else None), f"lower --num-samples {n}" + (f" (e.g. {n // 2})" * (n > 1))
+def fewer_samples(n, fit=0):
+    """(the flag, the advice) for fewer samples at a time than --num-samples n: half as many, or fewer
+    where fit, the number the memory should hold (sample.py's estimate; 0: none), is lower."""
+    m = max(1, min(n // 2, fit or n))
+    return (f"--num-samples {m}" if n > 1 else None), f"lower --num-samples {n}" + (f" (e.g. {m})" * (n > 1))
 
 
 def then_resume(what, flag, fix):
@@ -146,8 +148,8 @@ def hellaswag_out_of_memory(e=None):
 # --- sample.py -------------------------------------------------------------------------------------
 
 SAMPLE_ADVICE = {
-    "drawing samples": lambda num_samples, max_new_tokens: (
-        f"while sampling: {fewer_samples(num_samples)[1]} or --max-new-tokens {max_new_tokens}"
+    "drawing samples": lambda num_samples, max_new_tokens, fit: (
+        f"while sampling: {fewer_samples(num_samples, fit)[1]} or --max-new-tokens {max_new_tokens}"
     )
 }
 

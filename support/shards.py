@@ -44,13 +44,22 @@ def read_gpt2_bpe():
     merges as (first, second) spellings), a spelling being the token's bytes in stand-in characters.
     Ids 0-255 are the bytes in their stand-ins' order (the printable ones first), and the i-th merge
     of the file makes token 256 + i, the two spellings joined."""
-    with open(GPT2_BPE, encoding="utf-8") as f:
-        words = f.read().split()  # "#version: 0.2", then a pair a line; no stand-in is a space
     chars = byte_stand_ins()
     tokens = {chars[b]: bytes([b]) for b in sorted(range(256), key=chars.__getitem__)}
-    merges = list(zip(words[2::2], words[3::2], strict=True))
-    for first, second in merges:
-        tokens[first + second] = tokens[first] + tokens[second]
+    try:  # missing, cut short or edited: every script that tokenizes stops here, in one line
+        with open(GPT2_BPE, encoding="utf-8") as f:
+            words = f.read().split()  # "#version: 0.2", then a pair a line; no stand-in is a space
+        merges = list(zip(words[2::2], words[3::2], strict=True))
+        for first, second in merges:
+            tokens[first + second] = tokens[first] + tokens[second]
+        if len(tokens) != EOT:
+            raise ValueError(f"{len(tokens)} tokens, not {EOT}")
+    except (OSError, ValueError, KeyError) as e:
+        why = e.strerror if isinstance(e, OSError) else first_line(e)
+        root = shlex.quote(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        raise UserError(
+            f"{GPT2_BPE} is missing or damaged ({why}): restore it with cd {root} && git checkout -- support/gpt2_bpe"
+        ) from None
     return tokens, merges
 
 

@@ -28,7 +28,6 @@ def test_a_flag_argparse_cannot_parse_is_one_line_not_the_usage(tmp_path):
         ("train_gpt2.py", "parse_args", ["--keep-ckpts", "1.5"], "argument --keep-ckpts: invalid int value: '1.5'"),
         ("train_gpt2.py", "parse_args", ["--max-st", "3"], "unrecognized arguments: --max-st 3"),
         ("train_gpt2.py", "parse_args", ["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
-        ("train_gpt2.py", "parse_args", ["--sample-from", "gpt2"], "unrecognized arguments: --sample-from gpt2"),
         ("sample.py", "main", ["gpt2", "--top-k", "some"], "argument --top-k: invalid int value: 'some'"),
         ("export_hf.py", "main", ["log/ckpt_000001.pt"], "the following arguments are required: DIR"),
         ("fineweb.py", "parse_args", ["--format", "txt"], "argument --format: invalid choice: 'txt'"),

@@ -4,8 +4,10 @@ refused, by --dry-run as by the export, in the same line; a new folder, an empty
 export (through a link too) and a mount point are written; a full disk or Ctrl-C leaves the target as
 it was. --dry-run loads no weights and writes nothing. (What is written: test_hf_interop.py.)"""
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 import export_hf
+import support.hf_interop
 from helpers import assert_one_line_error, cli, snapshot, user_error
 from support.shards import GPT2_VOCAB
 from train_gpt2 import load_model
@@ -31,6 +34,12 @@ def run_copy(short_run, tmp_path):
     shutil.copytree(short_run[1], tmp_path / "log")
     assert {"ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"} <= set(os.listdir(tmp_path / "log"))
     return tmp_path / "log"
+
+
+def provenance(hf_dir):
+    """(checkpoint, step) an export's config.json says it came from."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    return config["exported_from"], config["exported_step"]
 
 
 def logits_match(hf_dir, ckpt):
@@ -160,9 +169,8 @@ def test_new_empty_and_earlier_export_folders(run_copy, tmp_path, capsys):
     r = cli(run_copy / "ckpt_000001.pt", nested, script="export_hf.py", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = "its 47 padding rows of the vocabulary left out"  # the checkpoint's 50,304 rows, 50,257 exported
-    assert (
-        r.stdout.strip() == f"wrote a transformers GPT-2 directory to {nested}: the model and GPT-2's tokenizer; {rows}"
-    )
+    said = f"the model of {run_copy / 'ckpt_000001.pt'} (step 1) and GPT-2's tokenizer; {rows}"
+    assert r.stdout.strip() == f"wrote a transformers GPT-2 directory to {nested}: {said}"
     assert logits_match(nested, run_copy / "ckpt_000001.pt")
     after = snapshot(tmp_path)
     assert {k: v for k, v in after.items() if k in before} == before  # nothing that was there changed
@@ -178,8 +186,14 @@ def test_new_empty_and_earlier_export_folders(run_copy, tmp_path, capsys):
     ]
     assert oct(os.stat(nested).st_mode & 0o777) == oct(os.stat(nested.parent).st_mode & 0o777)  # not mkdtemp's 0700
 
-    # the same folder again, from the other checkpoint: an earlier export is replaced
-    assert export_hf.main([str(run_copy / "ckpt_000002.pt"), str(nested)]) == 0
+    # the same folder again, from the other checkpoint: an earlier export is replaced, and says so; each
+    # records in its config.json the checkpoint and step it came from
+    assert provenance(nested) == (str(run_copy / "ckpt_000001.pt"), 1)
+    r = cli(run_copy, nested, script="export_hf.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    said = f"the model of {run_copy / 'ckpt_000002.pt'} (step 2) and GPT-2's tokenizer; {rows}"
+    assert r.stdout.strip().endswith(f"\nreplaced the earlier export in {nested}: {said}")
+    assert provenance(nested) == (str(run_copy / "ckpt_000002.pt"), 2)
     assert logits_match(nested, run_copy / "ckpt_000002.pt")
     assert set(snapshot(tmp_path)) == set(after)  # no hidden folder left beside it
 
@@ -207,8 +221,30 @@ def test_ctrl_c_during_an_export_says_nothing_was_exported(short_run, tmp_path, 
     target = tmp_path / "hf"
     r = cli(short_run[1] / "ckpt_000002.pt", target, script="export_hf.py")
     assert r.returncode == 130
-    assert r.stderr.strip() == "interrupted: nothing was exported (DIR is as it was); run the command again"
+    assert r.stderr.strip() == f"interrupted: the export was not written ({target} is as it was)"
     assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_inside_a_finalizer_as_the_export_starts_still_stops_it(short_run, tmp_path, monkeypatch):
+    """Ctrl-C that lands in a finalizer (a __del__, which Python would print and ignore) as the export
+    builds the model it writes: no traceback, no "wrote", exit 130, and the earlier export is as it was."""
+
+    class Dropped:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+
+    target = tmp_path / "hf"
+    assert export_hf.main([str(short_run[1] / "ckpt_000001.pt"), str(target)]) == 0
+    before = snapshot(tmp_path)
+    building = support.hf_interop.hf_gpt2
+    monkeypatch.setattr(support.hf_interop, "hf_gpt2", lambda *a, **k: (Dropped(), building(*a, **k))[1])
+    r = cli(short_run[1] / "ckpt_000002.pt", target, script="export_hf.py")
+    assert (r.returncode, r.stdout) == (130, "")
+    assert r.stderr.strip() in (  # raised again 0.1 s later: as the model is built, or as it is written
+        "interrupted: nothing was exported; run the command again",
+        f"interrupted: the export was not written ({target} is as it was)",
+    )
+    assert snapshot(tmp_path) == before
 
 
 def tmpfs(mnt, *options):

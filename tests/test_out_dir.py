@@ -278,6 +278,22 @@ def test_a_log_whose_header_is_damaged_is_refused_and_moving_it_aside_resumes(da
     assert sorted(read_log(out)[1]) == [4, 5] and {h["run_id"] for h in headers(out)} == {header["run_id"]}
 
 
+@pytest.mark.parametrize("left", ["the header", "nothing"])
+def test_a_log_cut_to_no_step_beside_checkpoints_is_not_said_to_be_of_a_run_that_never_trained(
+    data, tmp_path, capsys, left
+):
+    """log.jsonl cut to its header or to nothing: the note on --resume names the checkpoint that holds steps."""
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0)) == 0
+    log = out / "log.jsonl"
+    log.write_text(log.read_text().split("\n", 1)[0] + "\n" if left == "the header" else "")
+    capsys.readouterr()
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 6, "--eval-every", 0, "--resume")) == 0
+    said = capsys.readouterr().out
+    assert f"note: {log} holds no step, though ckpt_000004.pt does: this run's records follow it" in said
+    assert "never trained" not in said and sorted(read_log(out)[1]) == [4, 5]
+
+
 def test_links_at_the_names_a_run_writes_are_replaced_never_written_through(data, tmp_path):
     out, mine, nothing = tmp_path / "out", [tmp_path / "mine0.txt", tmp_path / "mine1.txt"], tmp_path / "nothing"
     out.mkdir()
@@ -311,6 +327,19 @@ def test_a_users_text_at_a_checkpoints_name_is_no_checkpoint_and_setting_it_asid
     subprocess.run(re.search(r"\((mv [^)]+)\)", msg)[1], shell=True, check=True)  # the advice, as given
     assert train_gpt2.main(args) == 0
     assert (out / "ckpt_000006.pt.aside").read_text() == "my notes on the run\n"
+
+
+def test_a_0_byte_checkpoint_is_said_to_be_cut_short_and_setting_it_aside_resumes(data, tmp_path):
+    """A checkpoint copy killed before its first byte: cut short, not "no checkpoint of train_gpt2.py"; the
+    advised `mv`, then --resume, runs."""
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
+    assert train_gpt2.main(args) == 0
+    (out / "ckpt_000004.pt").write_bytes(b"")
+    args += ["--max-steps", 4, "--resume"]
+    msg = refused_before_step_0(args, out, f"{out / 'ckpt_000004.pt'} is 0 bytes, a checkpoint cut short", "(mv ")
+    subprocess.run(re.search(r"\((mv [^)]+)\)", msg)[1], shell=True, check=True)  # the advice, as given
+    assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == [0, 1, 2, 3]
 
 
 def test_an_empty_out_dir_is_refused_by_name(data, tmp_path, monkeypatch):

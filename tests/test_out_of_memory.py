@@ -42,6 +42,19 @@ def limited(headroom_mib, *args):
     return cli(LIMITED, headroom_mib, *args, script="-c")
 
 
+# sample.py under the same cap, which it reads as the machine's memory (support.checks.device_memory)
+SAMPLE_LIMITED = """
+import resource, runpy, sys
+import numpy, torch, sample, support.checks
+headroom = int(sys.argv[1]) * 2**20
+vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, vm + headroom))
+support.checks.device_memory = lambda device: (headroom, "the memory under the cap")
+sys.argv = ["sample.py", *sys.argv[2:]]
+runpy.run_path("sample.py", run_name="__main__")
+"""
+
+
 def follow(message, args, flag):
     """args with the advice's last `flag VALUE`, --resume or a new --out-dir where the advice says it."""
     value = re.findall(rf"{flag} (\d+)", message)[-1]
@@ -114,6 +127,19 @@ def test_out_of_memory_in_the_start_up_sampling_check_leaves_nothing(data, tmp_p
     assert not out.exists()
 
 
+def test_out_of_memory_in_sample_py_advises_a_num_samples_that_fits_and_it_samples(short_run):
+    """--num-samples 100,000,000 under a 1 GiB cap: the advice is not half of it (which ran into the OOM
+    killer) but a number the memory holds, and that many samples are drawn under the same cap."""
+    args = [short_run[1] / "ckpt_000002.pt", "--prompt", "Hi", "--max-new-tokens", 2]
+    r = cli(SAMPLE_LIMITED, 1024, *args, "--num-samples", 10**8, script="-c")
+    line = assert_one_line_error(r, "out of host memory while sampling: lower --num-samples 100000000 (e.g. ")
+    n = int(re.search(r"\(e\.g\. (\d+)\)", line)[1])
+    assert 100 < n < 10**5, line  # a sample of the 2-layer model holds about 1 MB
+    r = cli(SAMPLE_LIMITED, 1024, *args, "--num-samples", n, script="-c")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.findall(r"^sample (\d+): ", r.stdout, re.M)[-1] == str(n - 1)
+
+
 def test_out_of_memory_building_a_too_wide_model_names_the_model_flags(data, tmp_path):
     r = limited(400, *tiny_args(data, tmp_path / "out", "--n-embd", 2048, "--n-head", 1))  # 0.8 GB of weights
     assert_one_line_error(r, "out of host memory while building the model", "--n-layer or --n-embd")
@@ -180,7 +206,7 @@ def test_the_advice_is_the_marked_phases_not_the_function_names(tmp_path):
         evaluate_val_loss()
     assert training_out_of_memory(raised.value).startswith("in training step 250 (-B 64 rows of -T 1024): lower -B")
     assert hellaswag_out_of_memory(raised.value) is None and sample_out_of_memory(raised.value) is None
-    oom_phase("drawing samples", num_samples=4, max_new_tokens=32)
+    oom_phase("drawing samples", num_samples=4, max_new_tokens=32, fit=0)
     assert sample_out_of_memory() == "while sampling: lower --num-samples 4 (e.g. 2) or --max-new-tokens 32"
     forget_phases()
 

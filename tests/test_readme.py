@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, as_typed, cli, help_entries
+from support.precision import pick_dtype
 
 # the first block's install lines: the test runs in the environment it was installed into
 INSTALL = ("python -m venv ", "pip install ")
@@ -43,6 +44,48 @@ def test_first_block_is_the_laptop_run():
     assert cmds[-1].startswith("python sample.py log_tiny")
 
 
+def readme_text():
+    """The README's prose and code on one line, each run of spaces and line ends one space."""
+    return " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+
+
+def test_the_laptop_runs_shards_are_named_for_shakespeare_and_its_epochs_warning_is_explained(tmp_path):
+    """The first block's fineweb.py writes shakespeare_* shards where configs/laptop.txt reads; the laptop run's
+    warning that the data repeats, with its number of epochs, is the one the README explains."""
+    (make,) = [c for c in commands(code_blocks("bash")[0]) if c.startswith("python fineweb.py")]
+    assert as_typed(make, "--out-dir", tmp_path / "shards").returncode == 0  # typed after: this --out-dir wins
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*.npy"))[0] == "shakespeare_train_000001.npy"
+    assert all(p.name.startswith("shakespeare_") for p in (tmp_path / "shards").iterdir())
+    assert f"--data-dir {make.split('--out-dir ')[1].split()[0]}\n" in (ROOT / "configs" / "laptop.txt").read_text()
+    args = ["@configs/laptop.txt", "--data-dir", tmp_path / "shards", "--out-dir", tmp_path / "log", "--dry-run"]
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    (warning,) = re.findall(r"the data repeats \([\d.]+ epochs\)", r.stderr)
+    assert f"Its warning `{warning}` is expected" in readme_text()
+
+
+def test_the_full_runs_next_commands_show_the_laptop_runs_beside_them():
+    """README's export and notebook commands name the full run's folder (log); the laptop run's (log_tiny) are
+    beside them."""
+    text = readme_text()
+    assert "python export_hf.py log/ckpt_019073.pt gpt2_ours" in text and "PLAY_LOG=log jupyter" in text
+    assert "python export_hf.py log_tiny gpt2_ours" in text
+    assert "(the laptop run's: `PLAY_LOG=log_tiny jupyter execute play.ipynb`)" in text
+
+
+def test_dtype_auto_which_the_help_points_to_the_readme_for_is_defined_there_as_pick_dtype_picks(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert help_entries(cli("--help").stdout)["--dtype"].endswith("auto: see the README (default: auto)")
+    said = (
+        "`--dtype auto`, the default, is fp32 on a CPU or a Mac, bf16 on a CUDA GPU of compute capability 8.0 and "
+        "up, fp16 with loss scaling on older ones"
+    )
+    assert said in readme_text()
+    picks = [pick_dtype("auto", "cpu"), pick_dtype("auto", "mps"), pick_dtype("auto", "cuda", (8, 0))]
+    picks += [pick_dtype("auto", "cuda", (9, 0)), pick_dtype("auto", "cuda", (7, 5))]
+    assert [dtype for dtype, _ in picks] == ["float32", "float32", "bfloat16", "bfloat16", "float16"]
+
+
 @pytest.mark.slow  # the laptop run itself: minutes on 2 cores
 def test_first_screen_commands_train_and_sample_in_a_fresh_clone_offline(tmp_path):
     clone = tmp_path / "clone"
@@ -61,6 +104,9 @@ def test_first_screen_commands_train_and_sample_in_a_fresh_clone_offline(tmp_pat
     assert val[0] > 10 and val[-1] < val[0] - 3  # a model that learned: 10.8 at init, about 6 by step 200
     assert max(r["step"] for r in records if "train_loss" in r) == records[0]["config"]["max_steps"] - 1
     assert "ROMEO:" in outputs[-1]  # the samples, each after the prompt
+    (export,) = [c for b in code_blocks("bash") for c in commands(b) if c.startswith("python export_hf.py log_tiny")]
+    r = subprocess.run(["bash", "-c", export], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and (clone / "gpt2_ours" / "config.json").is_file(), r.stderr[-3000:]
     assert subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout == ""
 
 

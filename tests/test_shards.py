@@ -1,7 +1,8 @@
 """support/shards.py, mostly through real runs of train_gpt2.py: the GPT-2 tokenizer the shards
-hold ids of; a data folder that is missing or a shard; shards that are truncated or have a wrong
-header, and shards memory-mapped; every shard smaller than one batch; token ids past the model's
-vocabulary (each shard's first ids at start), and in every batch and the val set as they are read
+hold ids of, and its vocab.bpe missing or damaged in every script that tokenizes; a data folder
+that is missing or a shard; shards that are truncated or have a wrong header, and shards
+memory-mapped; every shard smaller than one batch; token ids past the model's vocabulary (each
+shard's first ids at start), and in every batch and the val set as they are read
 (an id past a shard's first 1,024 tokens); a folder fineweb.py has not finished, refused naming the
 command that finishes it, or whose manifest lists shards missing; and a checkpoint continued only
 on the shards its run started on (moved shards are the same data). Each refusal is one line before
@@ -21,6 +22,7 @@ import tiktoken
 from transformers import GPT2TokenizerFast
 
 import fineweb
+import support.shards
 import train_gpt2
 from helpers import (
     ROOT,
@@ -100,6 +102,39 @@ def test_fineweb_tokenizes_offline_without_tiktokens_files(tmp_path, enc):
     assert os.listdir(tmp_path / "empty_cache") == []
     tokens = np.load(tmp_path / "shards" / "edufineweb_val_000000.npy").tolist()
     assert tokens == [50256, *tiktoken.get_encoding("gpt2").encode_ordinary(text)]  # tiktoken's own
+
+
+SCRIPTS_THAT_TOKENIZE = {
+    "sample.py": ["{ckpt}", "--num-samples", 1, "--max-new-tokens", 2],
+    "export_hf.py": ["{ckpt}", "{tmp}/hf"],
+    "hellaswag.py": ["-m", "{ckpt}", "--limit", 2, "--data", ROOT / "tests/assets/hellaswag_val_450.jsonl"],
+    "fineweb.py": ["--input", ROOT / "data/tinyshakespeare.txt", "--out-dir", "{tmp}/shards"],
+    "train_gpt2.py": [*tiny_args("{data}", "{tmp}/run"), "--sample-every", 3],
+}
+
+
+@pytest.mark.parametrize(
+    "script, damage",
+    [(script, "missing") for script in SCRIPTS_THAT_TOKENIZE]
+    + [("sample.py", "cut mid-line"), ("sample.py", "cut at a line's end")],
+)
+def test_a_missing_or_damaged_vocab_bpe_is_one_line_naming_it_and_the_checkout(
+    short_run, tmp_path, monkeypatch, script, damage
+):
+    """Every script that tokenizes, with support/gpt2_bpe/vocab.bpe deleted or cut short: one line naming
+    the file and the git command that restores it, before anything is written."""
+    text = (ROOT / "support" / "gpt2_bpe" / "vocab.bpe").read_text(encoding="utf-8")
+    bpe = tmp_path / "gpt2_bpe" / "vocab.bpe"
+    bpe.parent.mkdir()
+    if damage != "missing":
+        bpe.write_text(text[: len(text) // 2] if damage == "cut mid-line" else "".join(text.splitlines(True)[:40000]))
+    monkeypatch.setattr(support.shards, "GPT2_BPE", str(bpe))
+    support.shards.get_tokenizer.cache_clear()  # built again from the file below; a failure is not cached
+    (tmp_path / "work").mkdir()
+    fill = {"ckpt": short_run[1] / "ckpt_000002.pt", "tmp": tmp_path / "work", "data": short_run[0]}
+    r = cli(*(str(a).format(**fill) for a in SCRIPTS_THAT_TOKENIZE[script]), script=script)
+    assert_one_line_error(r, str(bpe), "is missing or damaged", f"cd {ROOT} && git checkout -- support/gpt2_bpe")
+    assert "Traceback" not in r.stderr and os.listdir(tmp_path / "work") == []
 
 
 # ----------------------------------------------------------------------------------------------
