@@ -143,7 +143,9 @@ def download(cache_path):
         how = f"has {len(examples):,} rows, not the original's {n:,}"
     elif got != ORIGINAL_DIGESTS:  # the first 2**(k-1) rows match, the first 2**k do not
         k = next(i for i, (a, b) in enumerate(zip(got, ORIGINAL_DIGESTS, strict=True)) if a != b)
-        how = f"differs from the original first between rows {2**k // 2 + 1:,} and {min(2**k, n):,}"
+        first, last = 2**k // 2 + 1, min(2**k, n)
+        rows = f"at row {first:,}" if first == last else f"between rows {first:,} and {last:,}"
+        how = f"differs from the original first {rows}"
     if how:
         raise HellaSwagDataError(f"{HUB_DATASET}'s validation split {how} (not cached); {fix}")
     os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)

@@ -197,6 +197,18 @@ def test_the_download_writes_the_original_file_and_the_next_load_reads_it(tmp_pa
     assert hellaswag.load_examples(cache_dir=str(tmp_path / "cache")) == hellaswag.load_examples(str(val_path))
 
 
+def test_hellaswag_py_on_a_checkpoint_fills_the_cache_from_the_hub_and_scores_as_with_data(
+    tmp_path, short_run, val_path, hub, capsys
+):
+    hub(hub_rows(val_path))
+    ckpt, cache = str(short_run[1] / "ckpt_000002.pt"), str(tmp_path / "cache")
+    hellaswag.main(["-m", ckpt, "--cache-dir", cache, "--limit", "20", "-d", "cpu"])
+    from_hub = capsys.readouterr().out
+    assert hub.calls and os.listdir(cache) == [hellaswag.CACHE_NAME]
+    hellaswag.main(["-m", ckpt, "--data", str(val_path), "--limit", "20", "-d", "cpu"])
+    assert from_hub == capsys.readouterr().out and "acc_norm 0." in from_hub
+
+
 def change_ending(rows, i):
     rows[i]["endings"] = [*rows[i]["endings"][:3], rows[i]["endings"][3] + "!"]
 
@@ -205,9 +217,9 @@ def change_ending(rows, i):
     "change, said",
     [
         (lambda rows: change_ending(rows, 299), "differs from the original first between rows 257 and 450"),
-        (lambda rows: rows[0].update(label="2"), "differs from the original first between rows 1 and 1"),
-        (lambda rows: rows[1].update(ctx=rows[1]["ctx"] + " "), "differs from the original first between rows 2 and 2"),
-        (lambda rows: rows.reverse(), "differs from the original first between rows 1 and 1"),
+        (lambda rows: rows[0].update(label="2"), "differs from the original first at row 1"),
+        (lambda rows: rows[1].update(ctx=rows[1]["ctx"] + " "), "differs from the original first at row 2"),
+        (lambda rows: rows.reverse(), "differs from the original first at row 1"),
         (lambda rows: rows.pop(), "has 449 rows, not the original's 450"),
     ],
     ids=["ending-row-300", "label-row-1", "ctx-row-2", "order", "a-row-less"],
