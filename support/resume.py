@@ -100,7 +100,7 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
         except UserError as e:
             picked[1] = str(e)
     if ddp:
-        dist.broadcast_object_list(picked, src=0, group=fence(ddp, args.ddp_timeout))
+        dist.broadcast_object_list(picked, src=0, group=fence(ddp))
     if picked[1] is not None:
         raise same_on_every_rank(UserError(picked[1]))
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"  # a new run's: when, and bytes no other has
