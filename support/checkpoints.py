@@ -15,7 +15,6 @@ from support.divergence import check_finite_state, checkpoint_health
 from support.files import disk_error, write_atomic
 from support.out_dir import checkpoint_path, checkpoint_paths, run_id_of
 from support.out_of_memory import oom_phase
-from support.signals import StopRequest
 
 MODEL_CONFIG_KEYS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"}  # train_gpt2.py's GPTConfig
 
@@ -57,16 +56,16 @@ def prune(out_dir, keep, run_id):
             os.remove(old)
 
 
-def save_training_state(ckpt, out_dir, keep, master_process, ddp):
+def save_training_state(ckpt, out_dir, keep, master_process, ddp, stop):
     """Every rank calls it; rank 0 writes ckpt, the training state as one plain dict (train_gpt2.py
     gathers it where it checkpoints), to out_dir (save_checkpoint: atomic, pruned to this run's
     newest `keep`) while the other ranks wait in the fence, not in a collective that times out.
-    Weights or a val loss that are not finite are never saved (check_finite_state). Returns the
-    path written on rank 0, else None."""
+    Weights or a val loss that are not finite are never saved (check_finite_state); stop: the run's
+    StopRequest, told of the write. Returns the path written on rank 0, else None."""
     oom_phase("writing the checkpoint", step=ckpt["step"])
     check_finite_state(ckpt, out_dir)
     path = None
-    with StopRequest.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):
+    with stop.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):
         if master_process:
             try:
                 path = save_checkpoint(ckpt, out_dir, keep)

@@ -81,20 +81,20 @@ def reconcile_resume(args, given, roles, ckpt, ckpt_path):
     return taken, changes
 
 
-def resume_checkpoint(args, given, roles, ddp, master_process):
+def resume_checkpoint(args, given, roles, ddp, master_process, on_exit):
     """(path, checkpoint, the run's id, the flags it sets, the allowed changes, where the checkpoints
     a new line passes over went) for --resume, else (None, None, a new run's id, {}, {}, []); a run
     killed before its first checkpoint: its flags from its log's header set, the given ones winning.
     Rank 0 says what a resume changed and took (report_resume). Rank 0 claims the out-dir first
     (claim_out_dir) and picks the checkpoint, so that every rank loads the same one (multi-node: the
     out-dir must be shared); a mistake it finds there ends every rank alike, said once. The other
-    ranks wait in the fence (see fence). roles: reconcile_resume's."""
+    ranks wait in the fence (see fence). roles: reconcile_resume's; on_exit: the run's ExitStack."""
     oom_phase("loading the checkpoint")
     picked = [None, None, {}]  # the checkpoint's path, rank 0's error, the flags of a run started anew
     moved = []  # rank 0's: where the checkpoints a new line of the run passes over went
     if master_process:
         try:
-            claim_out_dir(args.out_dir, args.resume, args.dry_run)
+            claim_out_dir(args.out_dir, args.resume, on_exit, args.dry_run)
             picked[0], ckpt, moved = pick_checkpoint(args.resume, args.out_dir, load_training_checkpoint, args.dry_run)
             picked[2] = ckpt["train_config"] if picked[0] is None and ckpt else {}
         except UserError as e:

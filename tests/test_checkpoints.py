@@ -96,7 +96,7 @@ def test_weights_that_are_not_finite_are_never_saved(data, tmp_path, short_run):
     with pytest.raises(
         UserError, match=r"the weights after 3 steps are not finite \(transformer.h.0.mlp.c_fc.weight\)"
     ):
-        checkpoints.save_training_state(ckpt, str(out), 3, master_process=True, ddp=False)
+        checkpoints.save_training_state(ckpt, str(out), 3, master_process=True, ddp=False, stop=None)
     assert os.listdir(out) == []
 
 
