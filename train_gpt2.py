@@ -26,7 +26,7 @@ import math
 import platform
 import random
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -46,7 +46,7 @@ from support.divergence import NonFiniteGuard, check_finite_state
 from support.gpu import peak_flops
 from support.hf_interop import check_state_dict, load_hf_gpt2
 from support.model_files import find_model
-from support.out_dir import missing_folders, release_out_dir, remove_made_folders
+from support.out_dir import missing_folders, remove_made_folders
 from support.out_of_memory import forget_phases, oom_phase, oom_run, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
 from support.presets import expand_presets
@@ -449,12 +449,14 @@ def build_model(args, given, ckpt, ckpt_path, device, master_process):
     return model.to(device)
 
 
-def train(args, given):
+def train(args, given, on_exit):
     # --- processes and device; on --resume the checkpoint and its recipe; then every flag is checked --
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = setup_distributed(args.device, args.ddp_timeout)
+    if ddp:
+        on_exit.callback(dist.destroy_process_group)
     device_type, master_process = torch.device(device).type, ddp_rank == 0  # rank 0 prints, logs, checkpoints
     ckpt_path, ckpt, run_id, taken, changes, records, moved = resume_checkpoint(
-        args, given, command_line()[1], ddp, master_process
+        args, given, command_line()[1], ddp, master_process, on_exit
     )
     args = argparse.Namespace(**{**vars(args), **taken})  # on --resume: the flags left out are the checkpoint's
     check_args(args, ddp_world_size, given, warmup_lr)  # the recipe as the checkpoint and the command line make it
@@ -498,6 +500,7 @@ def train(args, given):
     derived.update(hellaswag_off=hs_off)  # said in the log too, where play.ipynb shows it
     config = {**vars(args), "data_dir": os.path.abspath(args.data_dir)}  # the run's flags: --resume from anywhere
     log = RunLog(args.out_dir, master_process, args.max_steps, records)  # the log as read at start
+    on_exit.callback(log.finish_wandb)  # what is queued is logged, the wandb run (if any) finished
     log.header(run_id, name, start_step or None, changes, {**config, **derived}, moved)
     peak = args.peak_flops or (peak_flops(name) if device_type == "cuda" else None)  # MFU: of one GPU's peak
 
@@ -509,9 +512,10 @@ def train(args, given):
         ckpt.update(train_config=config)
         oom_phase("writing the checkpoint", step=step)
         check_finite_state(ckpt, args.out_dir, log.trained)  # never a checkpoint of weights that are not finite
-        return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp, log.trained)
+        return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp, log.trained, stop)
 
     stop = StopRequest(args.out_dir)
+    on_exit.callback(stop.release)  # the signal handlers from before the run, back
     guard = NonFiniteGuard(log, master_process, checkpoint, args.out_dir, args.max_lr, scaler)
     for step in range(start_step, args.max_steps + 1):  # evaluate the model after `step` updates, then update
         last_step = step == args.max_steps
@@ -678,15 +682,9 @@ def main(argv=None):
     args, given = parse_args(argv)
     forget_phases()  # a start of its own: no phase of an earlier main() in this process is in progress
     made = missing_folders(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else []  # rank 0 makes it
-    try:
-        return train(args, given)
-    finally:
-        StopRequest.release()  # the signal handlers train() replaced
-        release_out_dir()  # the lock; a start that failed leaves the folder as it found it
-        remove_made_folders(made)  # a run refused at start leaves no empty --out-dir behind
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        RunLog.finish_wandb()  # last (the ranks leave together): what is queued is logged, the wandb run finished
+    with ExitStack() as on_exit:  # what the run takes, given back in reverse order however it ends
+        on_exit.callback(remove_made_folders, made)  # last: a run refused at start leaves no empty --out-dir behind
+        return train(args, given, on_exit)
 
 
 if __name__ == "__main__":

@@ -379,7 +379,7 @@ def bench_wandb_logging(s, tmp, train_result):
                 times["drained"].append((t4 - t2) / n)
             done = ", ".join(f"{k} {v[-1] * 1e3:.3f} ms" for k, v in times.items() if v) or "warm-up"
             log(f"  wandb logging: round {r + 1}/{rounds + 1}: {done}")
-        RunLog.finish_wandb()
+        logs["wandb"].finish_wandb()
     finally:
         for name, value in saved.items():
             if value is None:

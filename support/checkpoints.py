@@ -17,7 +17,6 @@ from support.ddp import fence
 from support.divergence import known_good
 from support.files import disk_error, write_atomic
 from support.out_dir import checkpoint_path, checkpoint_paths, run_id_of
-from support.signals import StopRequest
 
 MODEL_CONFIG_KEYS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"}  # train_gpt2.py's GPTConfig
 
@@ -59,13 +58,14 @@ def prune(out_dir, keep, run_id, trained):
             os.remove(old)
 
 
-def save_training_state(ckpt, out_dir, keep, master_process, ddp, trained):
+def save_training_state(ckpt, out_dir, keep, master_process, ddp, trained, stop):
     """Every rank calls it; rank 0 writes ckpt, the training state as one plain dict (train_gpt2.py
     gathers it, and checks it is finite, where it checkpoints), to out_dir (save_checkpoint: atomic,
-    pruned to this run's newest `keep`) while the other ranks wait in the fence, not in a collective
-    that times out. Returns the path written on rank 0, else None."""
+    pruned to this run's newest `keep`; trained: the log's, note_trained) while the other ranks wait
+    in the fence, not in a collective that times out; stop: the run's StopRequest, told of the write.
+    Returns the path written on rank 0, else None."""
     path = None
-    with StopRequest.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):
+    with stop.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):
         if master_process:
             try:
                 path = save_checkpoint(ckpt, out_dir, keep, trained)

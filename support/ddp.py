@@ -12,11 +12,14 @@ import torch.distributed as dist
 from support.cli import UserError, first_line
 from support.device import pick_device
 
+FENCE_TIMEOUT = 3600  # seconds the other ranks wait for what rank 0 does alone (a checkpoint write)
+
 
 def setup_distributed(device, ddp_timeout):
     """(ddp, ddp_rank, ddp_local_rank, ddp_world_size, device): torchrun sets RANK, LOCAL_RANK and
     WORLD_SIZE; each process takes GPU LOCAL_RANK of its node and joins the others (within
-    ddp_timeout seconds). Without torchrun, one process: rank 0 of 1."""
+    ddp_timeout seconds); ddp is then the gloo group of the job's fence (see fence). Without
+    torchrun, one process: rank 0 of 1, ddp False."""
     ddp = "RANK" in os.environ
     ddp_rank, ddp_local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     ddp_world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -26,6 +29,7 @@ def setup_distributed(device, ddp_timeout):
         torch.cuda.set_device(device)
     if ddp:  # a rank that freezes (not dies: torchrun sees that) fails the others' collectives after this
         join_process_group("nccl" if device_type == "cuda" else "gloo", ddp_timeout)
+        ddp = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(FENCE_TIMEOUT, ddp_timeout)))
     return ddp, ddp_rank, ddp_local_rank, ddp_world_size, device
 
 
@@ -48,21 +52,11 @@ def join_process_group(backend, ddp_timeout):
         raise UserError(f"rank {rank} could not join the job's other ranks ({reason}): {fix}") from None
 
 
-FENCE_TIMEOUT = 3600  # seconds the other ranks wait for what rank 0 does alone (a checkpoint write)
-
-
-_fence_group = []
-
-
-def fence(ddp, timeout=None):
+def fence(ddp):
     """Under torchrun, every rank waits here until all arrive, for up to FENCE_TIMEOUT seconds (or
     --ddp-timeout if longer): after work that rank 0 does alone, so that the other ranks do not
-    wait for it in a collective that --ddp-timeout ends. The first call, made by every rank at
-    start, creates the gloo group the fence waits in; timeout: the run's --ddp-timeout."""
-    if not ddp:
-        return None
-    if not _fence_group:
-        seconds = max(FENCE_TIMEOUT, timeout or 0)
-        _fence_group.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds)))
-    dist.barrier(group=_fence_group[0])
-    return _fence_group[0]
+    wait for it in a collective that --ddp-timeout ends. ddp: setup_distributed's, the gloo group
+    the fence waits in (False: one process, no wait). Returns it."""
+    if ddp:
+        dist.barrier(group=ddp)
+    return ddp

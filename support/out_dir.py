@@ -102,14 +102,11 @@ def remove_made_folders(made):
 # One run per folder: the claim at start, given back at the end
 
 
-_claim = {}  # this process's lock on its --out-dir (claim_out_dir), given back by release_out_dir
-
-
-def claim_out_dir(out_dir, resume, dry_run=False):
+def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
     """An out-dir belongs to one run: a new run next to another run's checkpoints would have them
     pruned instead of its own and its log drawn as one curve with theirs, so it is refused. The
-    folder is locked for this process's life (support.files.lock_folder), given back by
-    release_out_dir; a checkpoint write a kill cut short is removed. Rank 0 alone claims it. A dry
+    folder is locked for the run (support.files.lock_folder), given back as on_exit (the run's
+    ExitStack) closes; a checkpoint write a kill cut short is removed. Rank 0 alone claims it. A dry
     run makes, writes and removes nothing: it checks the folder as it finds it (or none), and is
     refused where the real run would be. Returns the records of its log.jsonl, read here, once."""
     if not out_dir:
@@ -122,7 +119,7 @@ def claim_out_dir(out_dir, resume, dry_run=False):
         if not dry_run:
             os.makedirs(out_dir, exist_ok=True)
         if os.path.isdir(out_dir):  # a dry run too: refused where the real run would be
-            _claim["lock"] = lock_folder(out_dir, LOCK_FILE, "run", note, dry_run)
+            on_exit.callback(unlock_folder, lock_folder(out_dir, LOCK_FILE, "run", note, dry_run))
     except OSError as e:
         raise UserError(f"cannot create or open --out-dir {out_dir}: {e.strerror}") from None
     if os.path.isdir(out_dir) and not os.access(out_dir, os.W_OK):  # refused now, not after the whole start-up
@@ -168,11 +165,6 @@ def check_names_at_start(out_dir, records):
             f"{path} {what}, and this run writes a file by that name: move it aside "
             f"(mv {shlex.quote(path)} {shlex.quote(free_name(path, 'aside'))}), then run the same command again"
         )
-
-
-def release_out_dir():
-    """As the process ends (train_gpt2.main's finally): the lock given back, its file removed."""
-    unlock_folder(_claim.pop("lock", None))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ the scripts' marks)."""
 from support.gpu import GiB, fitting_B, gpu_memory_of
 from support.out_dir import checkpoint_paths
 
+# module-level, not the run's: run_cli reads them after main() raised, marked by code with no handle on a run
 _marked = {}  # phase name -> its values; the phase marked last is last
 _run = {}  # oom_run's values: the training run the phases after it belong to
 

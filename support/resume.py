@@ -81,15 +81,15 @@ def reconcile_resume(args, given, roles, ckpt, ckpt_path):
     return taken, changes
 
 
-def resume_checkpoint(args, given, roles, ddp, master_process):
+def resume_checkpoint(args, given, roles, ddp, master_process, on_exit):
     """(path, checkpoint, the run's id, the flags it sets, the allowed changes, rank 0's log records:
     claim_out_dir's, where the checkpoints a new line of the run passes over went: pick_checkpoint's)
     for --resume, else (None, None, a new run's id, {}, {}, records, []); a run killed before its first
     checkpoint: its flags from its log's header set, the given ones winning (its log set aside: no
-    records). Rank 0 says what a resume changed and took (report_resume).
-    Rank 0 claims the out-dir first (claim_out_dir) and picks the checkpoint, so that every rank
-    loads the same one (multi-node: the out-dir must be shared); a mistake it finds there ends every
-    rank alike, said once. The other ranks wait in the fence (see fence). roles: reconcile_resume's."""
+    records). Rank 0 says what a resume changed and took (report_resume). Rank 0 claims the out-dir
+    first (claim_out_dir) and picks the checkpoint, so that every rank loads the same one (multi-node:
+    the out-dir must be shared); a mistake it finds there ends every rank alike, said once. The other
+    ranks wait in the fence (see fence). roles: reconcile_resume's; on_exit: the run's ExitStack."""
     oom_phase("loading the checkpoint")
     picked, ckpt, records, moved = (
         [None, None, {}],
@@ -99,7 +99,7 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
     )  # picked: the path, rank 0's error, a new start's flags
     if master_process:
         try:
-            records = claim_out_dir(args.out_dir, args.resume, args.dry_run)
+            records = claim_out_dir(args.out_dir, args.resume, on_exit, args.dry_run)
             picked[0], ckpt, moved = pick_checkpoint(
                 args.resume, args.out_dir, load_training_checkpoint, records, args.dry_run
             )
@@ -108,7 +108,7 @@ def resume_checkpoint(args, given, roles, ddp, master_process):
         except UserError as e:
             picked[1] = str(e)
     if ddp:
-        dist.broadcast_object_list(picked, src=0, group=fence(ddp, args.ddp_timeout))
+        dist.broadcast_object_list(picked, src=0, group=fence(ddp))
     if picked[1] is not None:
         raise same_on_every_rank(UserError(picked[1]))
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"  # a new run's: when, and bytes no other has

@@ -55,8 +55,6 @@ class RunLog:
     --wandb-project for a Weights & Biases run too (WandbMirror). Only rank 0's is enabled; the
     others' calls do nothing. trained: note_trained's, of the records read at start and written since."""
 
-    mirrored = []  # the logs with a wandb run to finish when the run ends (finish_wandb)
-
     def __init__(self, out_dir, enabled, max_steps, records=()):
         self.path, self.file, self.max_steps = log_path(out_dir), None, max_steps
         self.out_dir, self.wandb, self.trained = out_dir, None, {}
@@ -83,7 +81,6 @@ class RunLog:
             name = config.get("wandb_run_name") or os.path.basename(os.path.abspath(self.out_dir))
             folder = os.environ.get("WANDB_DIR") or self.out_dir  # wandb's files beside the run's, unless set
             self.wandb = WandbMirror(config["wandb_project"], name, run_id, folder)
-            RunLog.mirrored.append(self)
         record.update(changed_on_resume=changes or None, set_aside=set_aside or None)
         record = {**record, "versions": versions(), "config": config}
         self.clock.cadences = {kind: config.get(flag, 0) for kind, flag in StepClock.EVALS.items()}
@@ -119,23 +116,20 @@ class RunLog:
         except UserError:
             pass  # the disk is full: the console has it
 
-    @classmethod
-    def finish_wandb(cls):
-        """At the end of a run, done or not: the queued records logged and the wandb runs finished
+    def finish_wandb(self):
+        """At the end of a run, done or not: the queued records logged and the wandb run finished
         (failed if an exception is on its way out), waiting WANDB_FINISH_TIMEOUT seconds at most."""
         exit_code = 1 if sys.exc_info()[0] is not None else 0
-        while cls.mirrored:
-            log = cls.mirrored.pop()
-            mirror, log.wandb = log.wandb, None
-            if mirror is None:
-                continue  # it failed, and said so
-            if not mirror.finish(exit_code, WANDB_FINISH_TIMEOUT):
-                log.warn(
-                    f"wandb has not finished uploading after {WANDB_FINISH_TIMEOUT} s: left to it as the "
-                    f"process exits; `wandb sync` on the run's folder under wandb/ uploads what did not go"
-                )
-            elif mirror.error is not None:
-                log.warn(f"wandb stopped ({mirror.error}): log.jsonl holds every record")
+        mirror, self.wandb = self.wandb, None
+        if mirror is None:
+            return  # none, or it failed and said so
+        if not mirror.finish(exit_code, WANDB_FINISH_TIMEOUT):
+            self.warn(
+                f"wandb has not finished uploading after {WANDB_FINISH_TIMEOUT} s: left to it as the "
+                f"process exits; `wandb sync` on the run's folder under wandb/ uploads what did not go"
+            )
+        elif mirror.error is not None:
+            self.warn(f"wandb stopped ({mirror.error}): log.jsonl holds every record")
 
     def print(self, record):
         step = record.get("step")

@@ -27,37 +27,33 @@ class StopRequest:
     SIGNALS = tuple(
         getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT", "SIGBREAK") if hasattr(signal, name)
     )
-    replaced = {}  # signal -> the handler a StopRequest replaced, which release() puts back
-    writing = None  # the checkpoint being written (during_write), and whether this process says so
 
     def __init__(self, out_dir=None):
         self.signum, self.out_dir = 0, out_dir
+        self.writing = None  # the checkpoint being written (during_write), and whether this process says so
+        self.replaced = {}  # signal -> the handler this one replaced, which release() puts back
         for s in self.SIGNALS:
             if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN:
                 continue  # started under nohup: hangups are to be ignored, and are
-            StopRequest.replaced.setdefault(s, signal.getsignal(s))
-            signal.signal(s, self.on_signal)
+            self.replaced[s] = signal.signal(s, self.on_signal)
 
-    @classmethod
-    def release(cls):
+    def release(self):
         """The handlers from before the run, back: the process goes on without it (a test, a notebook)."""
-        for signum, handler in cls.replaced.items():
+        for signum, handler in self.replaced.items():
             signal.signal(signum, handler)
-        cls.replaced.clear()
 
-    @classmethod
     @contextlib.contextmanager
-    def during_write(cls, path, say):
+    def during_write(self, path, say):
         """A checkpoint written to path meanwhile (on every rank: the others wait for rank 0's write)."""
-        cls.writing = (path, say)
+        self.writing = (path, say)
         try:
             yield
         finally:
-            cls.writing = None
+            self.writing = None
 
     def on_signal(self, signum, frame):
-        if self.signum and StopRequest.writing is not None:  # a stop is said once, and waits for the write
-            (path, say), StopRequest.writing = StopRequest.writing, None
+        if self.signum and self.writing is not None:  # a stop is said once, and waits for the write
+            (path, say), self.writing = self.writing, None
             newest = [p for p in checkpoint_paths(os.path.dirname(path)) if p != path][:1]
             kept = f"{newest[0]} stays the newest" if newest else "no checkpoint is kept: it starts again from step 0"
             if say:

@@ -1,11 +1,27 @@
 """support/ddp.py through torchrun jobs of 2 CPU ranks (gloo): joining within --ddp-timeout or one line
-a rank, the fence that lets rank 0 work alone, a mistake said once a node. All slow."""
+a rank, the fence that lets rank 0 work alone, a mistake said once a node (all slow); and runs of
+torchrun's rank 0 one after another in one process."""
 
 import time
 
 import pytest
 
-from helpers import random_shards, ranks_without_agent, read_log, tiny_args, torchrun
+import train_gpt2
+from helpers import free_port, random_shards, ranks_without_agent, read_log, tiny_args, torchrun
+
+
+def test_runs_one_after_another_in_one_process_under_torchrun_need_no_reset(data, tmp_path, monkeypatch):
+    """A world of 1 (gloo) as torchrun sets it, main() twice with nothing reset between: the second joins
+    a process group of its own and fences in it, and trains as the first did."""
+    for name, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(name, str(value))
+    for out in (tmp_path / "first", tmp_path / "second"):
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        assert train_gpt2.main(tiny_args(data, out, "--ckpt-every", 3)) == 0
+    assert read_log(tmp_path / "first")[1].keys() == set(range(6))
+    assert [r["train_loss"] for r in read_log(tmp_path / "second")[1].values()] == [
+        r["train_loss"] for r in read_log(tmp_path / "first")[1].values()
+    ]
 
 
 @pytest.mark.slow

@@ -19,7 +19,6 @@ import bench
 import export_hf
 import hellaswag
 import sample
-import support.ddp
 import train_gpt2
 from benchmarks import gpu_check
 from fake_gpu import GPUS, LINES_RUN, ROOT, SCANNED, faked
@@ -113,7 +112,6 @@ def test_ddp_on_a_gpu_takes_its_local_rank_joins_over_nccl_and_trains_as_one_pro
     env = dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
-    monkeypatch.setattr(support.ddp, "_fence_group", [])  # the fence's group ends with this test's process group
     fake = fake_gpu("H100")
     assert train_gpt2.main(args_for(data, tmp_path / "ddp", assets, "--device", "cuda", "--no-compile")) == 0
     assert fake.asked_for("set_device") == [("cuda:0",)] and fake.asked_for("init_process_group") == [("nccl",)]

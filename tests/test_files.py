@@ -8,6 +8,7 @@ room" only when the disk is full; a file where a folder goes is one line in ever
 names a bad line. (train_gpt2.py's use of the lock:
 test_out_dir.py; fineweb.py's: test_fineweb.py; without fcntl: test_portable.py.)"""
 
+import contextlib
 import errno
 import json
 import os
@@ -22,7 +23,7 @@ from helpers import assert_one_line_error, cli, snapshot, tiny_args, user_error
 from support import files
 from support.cli import UserError
 from support.files import jsonl_rows, lock_folder, unlock_folder, write_atomic, write_dir_atomic
-from support.out_dir import LOCK_FILE, claim_out_dir, release_out_dir
+from support.out_dir import LOCK_FILE, claim_out_dir
 
 # ----------------------------------------------------------------------------------------------
 # Atomic writes are durable
@@ -189,8 +190,9 @@ def test_a_folder_held_by_one_script_is_refused_by_the_other_naming_the_real_hol
     out, text = tmp_path / "out", tmp_path / "a.txt"
     out.mkdir()
     text.write_text("Some text to tokenize.\n" * 50)
+    on_exit = contextlib.ExitStack()  # a training run's, which gives its --out-dir back as it ends
     if holder == "train_gpt2.py":
-        claim_out_dir(str(out), None)  # as a training run holds its --out-dir
+        claim_out_dir(str(out), None, on_exit)  # as a training run holds its --out-dir
         lock, pid_file = None, out / LOCK_FILE
     else:
         lock, pid_file = lock_folder(str(out), fineweb.FOLDER_LOCK, "fineweb.py"), out / fineweb.FOLDER_LOCK
@@ -204,7 +206,7 @@ def test_a_folder_held_by_one_script_is_refused_by_the_other_naming_the_real_hol
             f"another --out-dir"
         )
     finally:
-        release_out_dir()
+        on_exit.close()
         unlock_folder(lock)
 
 

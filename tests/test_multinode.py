@@ -221,6 +221,7 @@ def test_a_rank_takes_the_gpu_of_its_local_rank_not_its_global_rank(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", picked.append)
     monkeypatch.setattr(train_gpt2.dist, "init_process_group", lambda backend, timeout: joined.append(backend))
+    monkeypatch.setattr(train_gpt2.dist, "new_group", lambda backend, timeout: "the fence's group")
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = train_gpt2.setup_distributed("cuda", 60)
     assert ddp and (ddp_rank, ddp_local_rank, ddp_world_size) == (rank, local_rank, world_size)
     assert device == f"cuda:{local_rank}" and picked == [device] and joined == ["nccl"]

@@ -47,7 +47,7 @@ def test_under_torchrun_a_rank_whose_parent_changed_stops_as_for_sigterm(monkeyp
     monkeypatch.setattr(signals, "TORCHRUN", launcher, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")
     stop = StopRequest("log")
-    StopRequest.release()
+    stop.release()
     assert stop.agreed("cpu", ddp=False) == (signal.SIGTERM if stops else 0)
     gone = f"torchrun (pid {launcher}) is gone: stopping after this step with a checkpoint in log\n"
     assert capsys.readouterr().out == (gone if stops else "")
