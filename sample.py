@@ -7,6 +7,7 @@ Usage:
     python sample.py log/ckpt_019073.pt --temperature 0    # greedy: the likeliest token every step
 """
 
+import argparse
 import os
 import signal
 import sys
@@ -15,23 +16,27 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not 
     signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
 
 from support.checks import Number, device_memory
-from support.cli import ArgumentParser, run_cli
+from support.cli import ArgumentParser, add_flags, run_cli
 from support.device import pick_device
 from support.model_files import model_config_of
 from support.out_of_memory import oom_phase, sample_out_of_memory
-from support.sampling import add_sampling_flags, encode_prompt, sample_text
+from support.sampling import Sampling, encode_prompt, sample_text
 from support.shards import get_tokenizer
-from train_gpt2 import HelpFormatter, load_model
+from train_gpt2 import load_model
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The usage examples as written, and every flag's default in --help."""
 
 
 def main(argv=None):
     p = ArgumentParser(prog="sample.py", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL", help="gpt2*, a transformers folder, our checkpoint or a run's folder")
-    add_sampling_flags(p.add_argument)  # --prompt, --num-samples, --max-new-tokens, --temperature, --top-k
+    defaults = add_flags(p, Sampling)  # --prompt, --num-samples, --max-new-tokens, --temperature, --top-k
     p.add_argument("--seed", type=Number.TORCH_SEED, default=1337, help="the same seed and flags: the same samples")
     p.add_argument("--device", default=None, help="cuda, cuda:N, mps or cpu (None: the best available)")
     p.add_argument("--dry-run", action="store_true", help="check the model, the prompt and the flags; load no weights")
-    args = p.parse_args(argv)
+    args = p.parse_args(argv, argparse.Namespace(**defaults))  # the sampling flags left out: their defaults
     device, _ = pick_device(args.device)
     enc = get_tokenizer()
     if args.dry_run:  # the model found, its window read from its files (no weights loaded), the prompt fitted to it

@@ -1,10 +1,10 @@
 r"""
 Reproduce GPT-2 (124M) pretraining on FineWeb-Edu, in one readable file.
 
-Top to bottom, in the order of the recipe: the model, the device and its precision, the data (token
-shards), the learning-rate schedule, the val loss, and the training loop (a process per GPU under
-torchrun: DDP); the command line at the end. What keeps a run safe without changing what it computes
-(flag checks, checkpoints, resume, signals, the log) is in support/, one module per concern.
+Top to bottom, in the order of the recipe: the model and the settings (each field a flag), the device
+and its precision, the data (token shards), the learning-rate schedule, the val loss, and the training
+loop (a process per GPU under torchrun: DDP); the command line at the end. What keeps a run safe without
+changing what it computes (flag checks, checkpoints, resume, signals, the log) is in support/, one module per concern.
 
 Usage:
     python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe
@@ -27,7 +27,7 @@ import platform
 import random
 import time
 from contextlib import ExitStack, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hellaswag
 from support.checkpoints import save_training_state
 from support.checks import Number, check_args, check_data, check_init_shape, check_model_fits
-from support.cli import ArgumentParser, UserError, run_cli, same_on_every_rank
+from support.cli import ArgumentParser, UserError, add_flags, flag, run_cli, same_on_every_rank
 from support.ddp import setup_distributed
 from support.device import choose_compile, keep_freed_memory, set_deterministic
 from support.divergence import NonFiniteGuard, check_finite_state
@@ -49,10 +49,10 @@ from support.model_files import find_model
 from support.out_dir import missing_folders, remove_made_folders
 from support.out_of_memory import forget_phases, oom_phase, oom_run, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
-from support.presets import expand_presets
+from support.presets import parse_with_presets
 from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
 from support.run_log import RunLog
-from support.sampling import Sampling, add_sampling_flags, check_sampling, log_samples
+from support.sampling import Sampling, check_sampling, log_samples
 from support.shards import (
     ShardFile,
     check_batch_fits,
@@ -69,11 +69,73 @@ from support.signals import StopRequest
 
 @dataclass
 class GPTConfig:
-    block_size: int = 1024  # max sequence length
-    vocab_size: int = 50257  # 50,000 BPE merges + 256 byte tokens + <|endoftext|>
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
+    """model (the recipe: with --resume, the checkpoint's; another value is refused)"""
+
+    block_size: int = flag(1024, "the model's context length", Number.POSITIVE)  # max sequence length
+    vocab_size: int = flag(50257, "50257 padded to a multiple of 128: faster matmuls", int, flag_default=50304)
+    n_layer: int = flag(12, "transformer blocks", Number.POSITIVE)
+    n_head: int = flag(12, "attention heads per block", Number.POSITIVE)
+    n_embd: int = flag(768, "the residual stream's width", Number.POSITIVE)
+
+
+@dataclass
+class Recipe:
+    """batch, optimizer, schedule (the recipe too; on --resume -B, --max-steps and the lr may change)"""
+
+    batch_size: int = flag(64, "micro-batch rows per GPU (B)", Number.POSITIVE, short="-B")
+    seq_len: int = flag(1024, "tokens per row (T)", Number.POSITIVE, short="-T")
+    total_batch_size: int = flag(524288, "tokens per optimizer step (2**19)", Number.POSITIVE)
+    max_steps: int = flag(19073, "10B tokens / 524,288", Number.POSITIVE)
+    warmup_steps: int = flag(715, "linear warm-up steps", Number.COUNT)
+    max_lr: float = flag(6e-4, "peak learning rate", Number.ABOVE_ZERO)
+    min_lr: float | None = flag(None, "the lr the cosine ends at (None: 0.1 * max-lr)", Number.FINITE)
+    weight_decay: float = flag(0.1, "AdamW's, on matrices and embeddings only", Number.AMOUNT)
+    beta1: float = flag(0.9, "AdamW beta1", Number.FRACTION)
+    beta2: float = flag(0.95, "AdamW beta2", Number.FRACTION)
+    adam_eps: float = flag(1e-8, "AdamW epsilon", Number.ABOVE_ZERO)
+    grad_clip: float = flag(1.0, "max global grad norm; 0 turns clipping off", Number.AMOUNT)
+    seed: int = flag(1337, "model init, shard order", Number.SEED)
+    no_shuffle: bool = flag(False, "read the shards in name order every epoch")
+
+
+@dataclass
+class RunSettings:
+    """data, evaluation, sampling, checkpoints (with --resume: the run's unless given)"""
+
+    data_dir: str = flag("edu_fineweb10B", "folder of *_train_*/*_val_* .npy or .bin shards")
+    eval_every: int = flag(250, "val loss every N steps (0: never)", Number.COUNT)
+    val_tokens: int = flag(10_485_760, "val loss over this many tokens (any GPU count)", Number.COUNT)
+    hellaswag_every: int = flag(250, "HellaSwag every N steps (0: never)", Number.COUNT)
+    hellaswag_limit: int | None = flag(None, "only the first N HellaSwag examples", Number.POSITIVE)
+    hellaswag_data: str | None = flag(None, "a local HellaSwag jsonl (None: hellaswag.py's cache or download)")
+    ckpt_every: int = flag(1000, "checkpoint every N steps, and at the end", Number.COUNT)
+    keep_ckpts: int = flag(3, "keep this run's newest N checkpoints (0: all)", Number.COUNT)
+    deterministic: bool = flag(False, "CUDA kernels that rerun and resume bitwise equal")
+    wandb_project: str | None = flag(None, "log to this wandb project too (pip install wandb)", metavar="NAME")
+    wandb_run_name: str | None = flag(None, "the wandb run's name (None: the --out-dir folder's)", metavar="NAME")
+    sample_every: int = flag(250, "print samples every N steps (0: never)", Number.COUNT)
+
+
+@dataclass
+class Job:
+    """the job and the machine (never taken from a checkpoint)"""
+
+    out_dir: str = flag("log", "log.jsonl and checkpoints of one run go here")
+    resume: str | None = flag(None, "the newest in --out-dir, CKPT, a run's folder", const="latest", metavar="CKPT")
+    init_from: str = flag("scratch", "scratch, gpt2*, a transformers dir, a checkpoint, a run's folder")
+    dry_run: bool = flag(False, "run the start-up checks, then exit: nothing is trained or written")
+    device: str | None = flag(None, "cuda, cuda:N, mps or cpu (None: the best available)")
+    dtype: str = flag("auto", "auto: see the README", choices=("auto", *AUTOCAST_DTYPES))
+    compile: bool | None = flag(None, "torch.compile (None: on for CUDA)", action=argparse.BooleanOptionalAction)
+    peak_flops: float | None = flag(
+        None, "the device's peak FLOP/s, for MFU (None: a table of GPUs)", Number.ABOVE_ZERO
+    )
+    ddp_timeout: float = flag(1800, "seconds a rank waits for the others", Number.DDP_SECONDS)
+
+
+# Each dataclass of flags: their role on --resume (support/resume.py); its docstring: their group's title in --help
+FLAGS = {Job: None, GPTConfig: RECIPE, Recipe: RECIPE, RunSettings: RUN_SETTING, Sampling: RUN_SETTING}
+ROLES = {f.name: role for cls, role in FLAGS.items() for f in fields(cls)}
 
 
 class CausalSelfAttention(nn.Module):
@@ -455,10 +517,9 @@ def train(args, given, on_exit):
     if ddp:
         on_exit.callback(dist.destroy_process_group)
     device_type, master_process = torch.device(device).type, ddp_rank == 0  # rank 0 prints, logs, checkpoints
-    ckpt_path, ckpt, run_id, taken, changes, records, moved = resume_checkpoint(
-        args, given, command_line()[1], ddp, master_process, on_exit
+    ckpt_path, ckpt, run_id, args, changes, records, moved = resume_checkpoint(
+        args, given, ROLES, ddp, master_process, on_exit
     )
-    args = argparse.Namespace(**{**vars(args), **taken})  # on --resume: the flags left out are the checkpoint's
     check_args(args, ddp_world_size, given, warmup_lr)  # the recipe as the checkpoint and the command line make it
     B, T = args.batch_size, args.seq_len
     grad_accum_steps = args.total_batch_size // (B * T * ddp_world_size)
@@ -488,8 +549,8 @@ def train(args, given, on_exit):
     examples, hs_off, sampling = None, None, None  # HellaSwag's examples or why not, the samples' Sampling
     if args.hellaswag_every > 0:  # None after a warning: a run never dies for want of its side evaluation
         examples, hs_off = hellaswag.load_for_run(args.hellaswag_data, args.hellaswag_limit, enc, master_process, ddp)
-    if args.sample_every > 0:  # --top-k 0: every token
-        sampling = Sampling(args.prompt, args.num_samples, args.temperature, args.top_k or None, args.max_new_tokens)
+    if args.sample_every > 0:
+        sampling = Sampling(args.prompt, args.num_samples, args.max_new_tokens, args.temperature, args.top_k)
         sampling = check_sampling(raw_model, enc, sampling, autocast_dtype, master_process)
     if args.dry_run:  # every start-up check passed; nothing is trained or written
         print("dry run: the flags, the data, --out-dir and the sampling check are fine")
@@ -589,93 +650,34 @@ def train(args, given, on_exit):
     return 0
 
 
-# --- Command line: each flag in the group of its role on --resume (support/resume.py) ------------
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The usage examples as written, and every flag's default in --help."""
+# --- Command line: made from the flags' dataclasses (FLAGS) -------------------------------------
 
 
 def command_line():
-    """(the parser, {flag: its role on --resume}): each flag is added through the group of its role,
-    support/resume.py's RECIPE or RUN_SETTING, or None (a checkpoint never sets the job's and the
-    machine's); each number flag's type refuses what the code cannot use."""
-    p = ArgumentParser(prog="train_gpt2.py", description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
-    roles = {}
-
-    def group(title, role):  # -> add(flag, ...): argparse's add_argument, the flag's role recorded
-        g = p.add_argument_group(title)
-        return lambda *names, **kwargs: roles.update({g.add_argument(*names, **kwargs).dest: role})
-
-    add = group("the job and the machine (never taken from a checkpoint)", None)
-    add("--out-dir", default="log", help="log.jsonl and checkpoints of one run go here")
-    add("--resume", nargs="?", const="latest", metavar="CKPT", help="the newest in --out-dir, CKPT, a run's folder")
-    add("--init-from", default="scratch", help="scratch, gpt2*, a transformers dir, a checkpoint, a run's folder")
-    add("--dry-run", action="store_true", help="run the start-up checks, then exit: nothing is trained or written")
-    add("--device", default=None, help="cuda, cuda:N, mps or cpu (None: the best available)")
-    add("--dtype", default="auto", choices=("auto", *AUTOCAST_DTYPES), help="auto: see the README")
-    add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (None: on for CUDA)")
-    add("--peak-flops", type=Number.ABOVE_ZERO, help="the device's peak FLOP/s, for MFU (None: a table of GPUs)")
-    add("--ddp-timeout", type=Number.DDP_SECONDS, default=1800, help="seconds a rank waits for the others")
-    add = group("model (the recipe: with --resume, the checkpoint's; another value is refused)", RECIPE)
-    add("--n-layer", type=Number.POSITIVE, default=12, help="transformer blocks")
-    add("--n-head", type=Number.POSITIVE, default=12, help="attention heads per block")
-    add("--n-embd", type=Number.POSITIVE, default=768, help="the residual stream's width")
-    add("--vocab-size", type=int, default=50304, help="50257 padded to a multiple of 128: faster matmuls")
-    add("--block-size", type=Number.POSITIVE, default=1024, help="the model's context length")
-    add = group(
-        "batch, optimizer, schedule (the recipe too; on --resume -B, --max-steps and the lr may change)", RECIPE
-    )
-    add("--batch-size", "-B", type=Number.POSITIVE, default=64, help="micro-batch rows per GPU (B)")
-    add("--seq-len", "-T", type=Number.POSITIVE, default=1024, help="tokens per row (T)")
-    add("--total-batch-size", type=Number.POSITIVE, default=524288, help="tokens per optimizer step (2**19)")
-    add("--max-steps", type=Number.POSITIVE, default=19073, help="10B tokens / 524,288")
-    add("--warmup-steps", type=Number.COUNT, default=715, help="linear warm-up steps")
-    add("--max-lr", type=Number.ABOVE_ZERO, default=6e-4, help="peak learning rate")
-    add("--min-lr", type=Number.FINITE, default=None, help="the lr the cosine ends at (None: 0.1 * max-lr)")
-    add("--weight-decay", type=Number.AMOUNT, default=0.1, help="AdamW's, on matrices and embeddings only")
-    add("--beta1", type=Number.FRACTION, default=0.9, help="AdamW beta1")
-    add("--beta2", type=Number.FRACTION, default=0.95, help="AdamW beta2")
-    add("--adam-eps", type=Number.ABOVE_ZERO, default=1e-8, help="AdamW epsilon")
-    add("--grad-clip", type=Number.AMOUNT, default=1.0, help="max global grad norm; 0 turns clipping off")
-    add("--seed", type=Number.SEED, default=1337, help="model init, shard order")
-    add("--no-shuffle", action="store_true", help="read the shards in name order every epoch")
-    add = group("data, evaluation, sampling, checkpoints (with --resume: the run's unless given)", RUN_SETTING)
-    add("--data-dir", default="edu_fineweb10B", help="folder of *_train_*/*_val_* .npy or .bin shards")
-    add("--eval-every", type=Number.COUNT, default=250, help="val loss every N steps (0: never)")
-    add("--val-tokens", type=Number.COUNT, default=10_485_760, help="val loss over this many tokens (any GPU count)")
-    add("--hellaswag-every", type=Number.COUNT, default=250, help="HellaSwag every N steps (0: never)")
-    add("--hellaswag-limit", type=Number.POSITIVE, default=None, help="only the first N HellaSwag examples")
-    add("--hellaswag-data", help="a local HellaSwag jsonl (None: hellaswag.py's cache or download)")
-    add("--sample-every", type=Number.COUNT, default=250, help="print samples every N steps (0: never)")
-    add_sampling_flags(add)  # --prompt, --num-samples, --max-new-tokens, --temperature, --top-k: sample.py's too
-    add("--ckpt-every", type=Number.COUNT, default=1000, help="checkpoint every N steps, and at the end")
-    add("--keep-ckpts", type=Number.COUNT, default=3, help="keep this run's newest N checkpoints (0: all)")
-    add("--deterministic", action="store_true", help="CUDA kernels that rerun and resume bitwise equal")
-    add("--wandb-project", metavar="NAME", help="log to this wandb project too (pip install wandb)")
-    add("--wandb-run-name", metavar="NAME", help="the wandb run's name (None: the --out-dir folder's)")
-    return p, roles
+    """(the parser of FLAGS' flags, {flag: its default}); parsed, its namespace holds the flags given (add_flags)."""
+    formatter = argparse.RawDescriptionHelpFormatter  # the usage examples as written; add_flags says the defaults
+    p = ArgumentParser(prog="train_gpt2.py", description=__doc__, formatter_class=formatter, allow_abbrev=False)
+    defaults = {}
+    for cls in FLAGS:
+        if cls is not Sampling:  # Sampling's flags (sample.py's too) join RunSettings' group
+            group = p.add_argument_group(cls.__doc__)
+        defaults.update(add_flags(group, cls))
+    return p, defaults
 
 
 def parse_args(argv=None):
-    """(args, the flags given, as {flag: "" typed, or "FILE, line N" of the preset that set it}): on
-    --resume, the flags left out take the checkpoint's values."""
-    p, roles = command_line()
+    """(args: the defaults, the flags given over them; {flag given: "" typed, or "FILE, line N" of its preset})."""
+    p, defaults = command_line()
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    unset = object()  # argparse fills in no default where the namespace has a value already
     try:  # every rank of a torchrun job parses the same command line (@presets too): said once
-        argv, set_at = expand_presets(argv, p)
-        args = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(roles, unset)))
+        typed, given = parse_with_presets(argv, p)
     except UserError as e:
-        for flag, command in (("--sample-from", "sample.py MODEL"), ("--export-hf", "export_hf.py CKPT DIR")):
-            if f" {flag}" in str(e):  # retired: train_gpt2.py only trains
-                e = UserError(f"{flag} is no flag of train_gpt2.py, which only trains: use python {command}")
+        for flag_, command in (("--sample-from", "sample.py MODEL"), ("--export-hf", "export_hf.py CKPT DIR")):
+            if f" {flag_}" in str(e):  # retired: train_gpt2.py only trains
+                e = UserError(f"{flag_} is no flag of train_gpt2.py, which only trains: use python {command}")
         raise same_on_every_rank(e) from None
-    given = {name: set_at.get(name, "") for name, value in vars(args).items() if value is not unset}
-    for name in roles.keys() - given.keys():
-        setattr(args, name, p.get_default(name))
-    moved = resume_folder(args.resume, args.out_dir, given)  # --resume <a run's folder>: its --out-dir
-    return argparse.Namespace(**{**vars(args), **moved}), {**given, **dict.fromkeys(moved, "")}
+    moved = resume_folder(typed.get("resume"), typed.get("out_dir"))  # --resume <a run's folder>: its --out-dir
+    return argparse.Namespace(**{**defaults, **typed, **moved}), {**given, **dict.fromkeys(moved, "")}
 
 
 def main(argv=None):

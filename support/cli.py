@@ -1,6 +1,6 @@
-"""The one line a mistake is reported in, for every script: the error type (UserError), the
-argument parser that raises it, and run_cli, the wrapper around a script's main() that prints it,
-a Ctrl-C and an out-of-memory each as one line; torch-free, as fineweb.py is."""
+"""The one line a mistake is reported in, for every script: the error type (UserError), the argument
+parser that raises it (its flags: dataclass fields, add_flags), and run_cli, the wrapper around a script's
+main() that prints it, a Ctrl-C and an out-of-memory each as one line; torch-free, as fineweb.py is."""
 
 import argparse
 import math
@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import field, fields
 
 
 class UserError(Exception):
@@ -45,6 +46,28 @@ def flag_type(kind, ok, says):
 
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" line
     return parse
+
+
+def flag(default, help, type=None, **kwargs):
+    """A dataclass field that is a flag too (add_flags); short: a second name (-B); flag_default: the flag's."""
+    return field(default=default, metadata=dict(help=help, type=type, **kwargs))
+
+
+def add_flags(group, cls):
+    """Dataclass cls's fields (flag's) as flags of group (a parser or its argument group), --the-name, the
+    default said in --help, not put in the namespace: parsed, that holds the flags given, only those. A bool
+    is a switch; a field with a const may go without a value. Returns {field: its flag's default}."""
+    defaults = {}
+    for f in fields(cls):
+        kwargs = {key: value for key, value in f.metadata.items() if value is not None}
+        defaults[f.name] = kwargs.pop("flag_default", f.default)
+        kwargs.update(help=f"{kwargs['help']} (default: {defaults[f.name]})", default=argparse.SUPPRESS)
+        if f.type is bool:
+            kwargs["action"] = "store_true"
+        if "const" in kwargs:
+            kwargs["nargs"] = "?"
+        group.add_argument("--" + f.name.replace("_", "-"), *filter(None, [kwargs.pop("short", None)]), **kwargs)
+    return defaults
 
 
 EVERY_RANK_GRACE = 3.0  # seconds the other ranks wait before exiting on a mistake their node's first says

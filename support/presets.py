@@ -2,7 +2,6 @@
 the command line as `@configs/laptop.txt` and read into the same flags; the flags the command line
 gives itself win, before or after the file."""
 
-import argparse
 import difflib
 import os
 import shlex
@@ -13,13 +12,13 @@ from support.cli import UserError
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-def expand_presets(argv, parser):
-    """argv with each `@file` replaced by the file's flags, every file's flags first: the flags
-    typed on the command line come after them and so win (argparse keeps a flag's last value),
-    whatever their order. Only an `@file` where a flag may stand is a preset: a flag's value is
-    never one (`--prompt @alice`). A file that is not there, or a line that is not one of parser's
-    flags with a value it takes, is a UserError naming the file, the line and the fix. Returns (that
-    argv, {flag's dest: "FILE, line N"} for each flag a preset sets and the command line does not)."""
+def parse_with_presets(argv, parser):
+    """argv parsed by parser (add_flags': no defaults), each `@file` replaced by the file's flags, every
+    file's flags first: the flags typed on the command line come after them and so win (argparse keeps a
+    flag's last value), whatever their order. Only an `@file` where a flag may stand is a preset: a flag's
+    value is never one (`--prompt @alice`). A file that is not there, or a line that is not one of parser's
+    flags with a value it takes, is a UserError naming the file, the line and the fix. Returns ({dest:
+    value} of the flags given, {dest: "" typed, or "FILE, line N" of the preset that set it})."""
     nargs = {s: action.nargs for action in parser._actions for s in action.option_strings}
     from_files, typed, values, set_at = [], [], 0, {}  # values: how many of the next arguments are a flag's values
     for arg in argv:
@@ -32,9 +31,9 @@ def expand_presets(argv, parser):
         else:  # a flag (or a mistake argparse reports): None takes one value, "?" may be followed by a flag
             n = nargs.get(arg, 0)
             values = 1 if n is None else n if isinstance(n, int) else 0
-    unset = object()  # the typed flags alone: those a preset set that they leave unset
-    typed_only = parser.parse_args(typed, argparse.Namespace(**dict.fromkeys(set_at, unset)))
-    return from_files + typed, {dest: where for dest, where in set_at.items() if getattr(typed_only, dest) is unset}
+    typed_only = vars(parser.parse_args(typed))  # the typed flags alone: those a preset set that they leave out
+    given = vars(parser.parse_args(from_files + typed))
+    return given, {dest: "" if dest in typed_only else set_at[dest] for dest in given}
 
 
 def preset_lines(path):

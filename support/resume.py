@@ -2,6 +2,7 @@
 support.out_dir.pick_checkpoint), the changes it allows, and the optimizer, data position and loss
 scale it restores."""
 
+import argparse
 import os
 import time
 
@@ -14,7 +15,7 @@ from support.out_dir import claim_out_dir, pick_checkpoint
 from support.out_of_memory import oom_phase
 from support.shards import check_same_data
 
-# The roles a flag has on --resume, declared beside each flag in train_gpt2.py's command_line (a flag
+# The roles a flag has on --resume, declared by the dataclass of each flag in train_gpt2.py (FLAGS; a flag
 # with neither is the machine's or this job's: the device, dtype, compile, --peak-flops and
 # --ddp-timeout, --out-dir, --init-from, ...; a run may continue on another machine).
 # The recipe: left out, a flag takes the checkpoint's value, so that `--resume` alone continues
@@ -34,17 +35,18 @@ ALLOWED_CHANGES = {
 }
 
 
-def resume_folder(resume, out_dir, given):
+def resume_folder(resume, out_dir):
     """--resume <a run's folder> continues that run where it is: returns the flags that says, as
     {"out_dir": that folder, "resume": "latest"} (its newest checkpoint); {} for any other --resume;
-    '' (a script's empty variable) and a transformers folder (config.json: a model, not a run) refused."""
+    '' (a script's empty variable) and a transformers folder (config.json: a model, not a run) refused.
+    out_dir: the --out-dir given, None if none was."""
     if resume == "":
         raise UserError("--resume '' names nothing: pass a checkpoint, a run's folder, or --resume alone (its newest)")
     if resume in (None, "latest") or not os.path.isdir(resume):
         return {}
     if os.path.exists(os.path.join(resume, "config.json")):
         raise UserError(f"--resume {resume} is a transformers model, not a run: train from it via --init-from {resume}")
-    if "out_dir" in given and os.path.realpath(out_dir) != os.path.realpath(resume):
+    if out_dir is not None and os.path.realpath(out_dir) != os.path.realpath(resume):
         raise UserError(
             f"--resume {resume} is a run's folder, --out-dir {out_dir} another: continue that "
             f"run with --resume --out-dir {resume}, or name the checkpoint to start from"
@@ -82,21 +84,18 @@ def reconcile_resume(args, given, roles, ckpt, ckpt_path):
 
 
 def resume_checkpoint(args, given, roles, ddp, master_process, on_exit):
-    """(path, checkpoint, the run's id, the flags it sets, the allowed changes, rank 0's log records:
-    claim_out_dir's, where the checkpoints a new line of the run passes over went: pick_checkpoint's)
-    for --resume, else (None, None, a new run's id, {}, {}, records, []); a run killed before its first
-    checkpoint: its flags from its log's header set, the given ones winning (its log set aside: no
-    records). Rank 0 says what a resume changed and took (report_resume). Rank 0 claims the out-dir
-    first (claim_out_dir) and picks the checkpoint, so that every rank loads the same one (multi-node:
-    the out-dir must be shared); a mistake it finds there ends every rank alike, said once. The other
-    ranks wait in the fence (see fence). roles: reconcile_resume's; on_exit: the run's ExitStack."""
+    """(path, checkpoint, the run's id, args with the flags it sets, the allowed changes, rank 0's log
+    records: claim_out_dir's, where the checkpoints a new line of the run passes over went:
+    pick_checkpoint's) for --resume, else (None, None, a new run's id, args, {}, records, []); a run
+    killed before its first checkpoint: its flags from its log's header set, the given ones winning (its
+    log set aside: no records). Rank 0 says what a resume changed and took (report_resume).
+    Rank 0 claims the out-dir first (claim_out_dir) and picks the checkpoint, so that every rank
+    loads the same one (multi-node: the out-dir must be shared); a mistake it finds there ends every
+    rank alike, said once. The other ranks wait in the fence (see fence). roles: reconcile_resume's;
+    on_exit: the run's ExitStack."""
     oom_phase("loading the checkpoint")
-    picked, ckpt, records, moved = (
-        [None, None, {}],
-        None,
-        [],
-        [],
-    )  # picked: the path, rank 0's error, a new start's flags
+    # picked: the path, rank 0's error, a new start's flags
+    picked, ckpt, records, moved = [None, None, {}], None, [], []
     if master_process:
         try:
             records = claim_out_dir(args.out_dir, args.resume, on_exit, args.dry_run)
@@ -121,7 +120,7 @@ def resume_checkpoint(args, given, roles, ddp, master_process, on_exit):
         taken, changes = reconcile_resume(args, given, roles, ckpt, path)
     if master_process:  # a run started anew says each flag it took, a resumed one the run settings
         report_resume(changes, taken if picked[2] else {n: v for n, v in taken.items() if roles[n] == RUN_SETTING})
-    return path, ckpt, run_id, taken, changes, records, moved
+    return path, ckpt, run_id, argparse.Namespace(**{**vars(args), **taken}), changes, records, moved
 
 
 def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, ddp_rank):

@@ -10,7 +10,7 @@ import torch
 from torch.nn import functional as F
 
 from support.checks import Number
-from support.cli import UserError
+from support.cli import UserError, flag
 from support.out_of_memory import oom_phase
 from support.precision import autocast
 from support.shards import GPT2_VOCAB
@@ -158,15 +158,6 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=No
 # --- Text in, text out: the flags, the prompt, and the samples a run logs (sample.py prints them) -
 
 
-def add_sampling_flags(add):
-    """The sampling flags of train_gpt2.py (its mid-run samples) and sample.py; add: add_argument."""
-    add("--prompt", default="Hello, I'm a language model,", help="'' starts from <|endoftext|>")
-    add("--num-samples", type=Number.POSITIVE, default=4, help="samples drawn at once")
-    add("--max-new-tokens", type=Number.POSITIVE, default=32, help="tokens each sample adds to the prompt")
-    add("--temperature", type=Number.AMOUNT, default=1.0, help="0: greedy")
-    add("--top-k", type=Number.COUNT, default=50, help="sample among the k likeliest tokens (0: all)")
-
-
 def encode_prompt(enc, prompt, block_size, max_new_tokens, say=True):
     """The prompt's tokens; an empty prompt starts from <|endoftext|>, as a new document would.
     generate stops at the model's window: say, a note when the prompt and max_new_tokens overrun it."""
@@ -198,17 +189,17 @@ def sample_text(
 
 @dataclass(frozen=True)
 class Sampling:
-    """A training run's sampling flags; check_sampling returns them with the prompt fitted to the model."""
+    """Sampling flags, train_gpt2.py's (mid-run) and sample.py's; check_sampling fits a run's prompt to the model."""
 
-    prompt: str
-    num_samples: int
-    temperature: float
-    top_k: int | None  # None: every token
-    max_new_tokens: int
+    prompt: str = flag("Hello, I'm a language model,", "'' starts from <|endoftext|>")
+    num_samples: int = flag(4, "samples drawn at once", Number.POSITIVE)
+    max_new_tokens: int = flag(32, "tokens each sample adds to the prompt", Number.POSITIVE)
+    temperature: float = flag(1.0, "0: greedy", Number.AMOUNT)
+    top_k: int = flag(50, "sample among the k likeliest tokens (0: all)", Number.COUNT)
 
     def draw(self, model, enc, max_new_tokens, stop=None):
         return sample_text(
-            model, enc, self.prompt, self.num_samples, max_new_tokens, self.temperature, self.top_k, stop=stop
+            model, enc, self.prompt, self.num_samples, max_new_tokens, self.temperature, self.top_k or None, stop=stop
         )
 
 

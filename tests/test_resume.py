@@ -423,7 +423,7 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_anew_with_
         f"stopped before its first checkpoint: it starts anew with its flags; its log is now {out}/log.jsonl.{run_id}1"
         in said
     )
-    assert "note: continuing with the run's --n-layer 2, --n-head 2, --n-embd 32, " in said
+    assert "note: continuing with the run's --block-size 64, --n-layer 2, --n-head 2, --n-embd 32, " in said
     assert (out / f"log.jsonl.{run_id}1").read_bytes() == dead_log  # kept whole, beside the user's file
     assert (out / f"log.jsonl.{run_id}").read_text() == "a file of the user's at the first name\n"
     assert sorted(read_log(out)[1]) == list(range(5)) and headers(out)[0]["run_id"] != run_id

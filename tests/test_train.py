@@ -166,10 +166,10 @@ def test_help_shows_every_flags_default_and_the_usage_examples_intact(monkeypatc
     assert r.returncode == 0
     assert "python fineweb.py && torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the full recipe" in r.stdout
     assert "python train_gpt2.py @configs/laptop.txt --max-steps 400   # a laptop's" in r.stdout
-    parser, roles = train_gpt2.command_line()
     entries = help_entries(r.stdout)
-    for name in roles:
-        assert f"(default: {parser.get_default(name)})" in entries["--" + name.replace("_", "-")], name
+    _, defaults = train_gpt2.command_line()
+    for name, default in defaults.items():
+        assert f"(default: {default})" in entries["--" + name.replace("_", "-")], name
     assert "--sample-from" not in entries and "--export-hf" not in entries  # training only: sample.py, export_hf.py
 
 
@@ -188,14 +188,14 @@ def test_the_retired_flags_name_the_commands_that_do_their_job(argv, command):
 
 def test_the_flag_table_of_docs_training_md_is_the_parsers():
     """Every flag, with its default: a number or a name as the parser has it, words for None and off."""
-    parser, roles = train_gpt2.command_line()
+    _, parsers = train_gpt2.command_line()  # {flag: its default}
     table = {}
     for flags, defaults in re.findall(r"^\| (`-.*?) \| (.*?) \|", (ROOT / "docs" / "training.md").read_text(), re.M):
         for flag, shown in zip(flags.split(" / "), defaults.split(" / "), strict=True):  # a default a flag
             table[re.match(r"`--([\w-]+)", flag)[1].replace("-", "_")] = shown.strip('`"')
-    assert sorted(table) == sorted(roles)
+    assert sorted(table) == sorted(parsers)
     for name, shown in table.items():
-        default, number = parser.get_default(name), re.fullmatch(r"[\d,.e+-]+", shown)
+        default, number = parsers[name], re.fullmatch(r"[\d,.e+-]+", shown)
         if default in (None, False):
             assert not number, name
         else:
