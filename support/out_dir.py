@@ -280,6 +280,7 @@ def pick_checkpoint(resume, out_dir, load, records, dry_run=False):
             )
         path, ckpt = resume, load(resume)
         check_resume_target(out_dir, path, ckpt, records)
+    if path is not None:  # newer ones, or ones skipped as not this run's: out of reach of the line's writes
         moved = set_aside(out_dir, path, ckpt["step"], dry_run)
     return path, ckpt, moved
 

@@ -468,21 +468,23 @@ def test_a_file_not_the_runs_at_a_checkpoint_name_it_would_write_stops_resume_be
 @pytest.mark.parametrize("kind", ["another run's checkpoint", "this run's, renamed"])
 def test_a_newest_checkpoint_not_the_folders_own_is_passed_over_in_one_line(data, two_runs, capsys, kind):
     a, b = two_runs
-    newest = a / "ckpt_000050.pt"  # the newest name, past this run's last step
+    newest = a / "ckpt_000006.pt"  # the newest name, a step the resumed run writes
     shutil.copy(b / "ckpt_000006.pt" if kind == "another run's checkpoint" else a / "ckpt_000002.pt", newest)
     theirs, own = newest.read_bytes(), load_checkpoint(str(a / "ckpt_000004.pt"))["run_id"]
+    theirs_id = load_checkpoint(str(newest))["run_id"]
     capsys.readouterr()
     args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2, "--resume")
     assert train_gpt2.main(args) == 0
     (line,) = capsys.readouterr().err.strip().splitlines()
     why = {
-        "another run's checkpoint": f"it holds run {load_checkpoint(str(newest))['run_id']}, not this folder's run "
+        "another run's checkpoint": f"it holds run {theirs_id}, not this folder's run "
         f"{own} (which its log.jsonl records)",
-        "this run's, renamed": "it holds step 2, not the 50 its name says",
+        "this run's, renamed": "it holds step 2, not the 6 its name says",
     }[kind]
     assert line == f"warning: skipping {newest}: {why}"
     assert [h["resumed_from"] for h in headers(a)] == [None, 4] and {h["run_id"] for h in headers(a)} == {own}
-    assert newest.read_bytes() == theirs and sorted(read_log(a)[1]) == list(range(6))
+    assert sorted(read_log(a)[1]) == list(range(6)) and load_checkpoint(str(newest))["run_id"] == own
+    assert (a / "aside_1" / "ckpt_000006.pt").read_bytes() == theirs  # set aside, not written over
 
 
 def test_a_folder_with_none_of_its_runs_checkpoints_left_is_refused(data, two_runs, tmp_path):
