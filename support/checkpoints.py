@@ -106,7 +106,8 @@ def load_checkpoint(path, mmap=False):
 def crc_failure(path):
     """The first file in a checkpoint's zip whose bytes fail its CRC, else None. torch.save writes
     a CRC per tensor, which torch.load never checks: without this, a flipped bit on disk loads as
-    silently wrong weights. One pass over a memory map of the file, no copy of it."""
+    silently wrong weights. One pass over a memory map of the file, no copy of it; torch.save stores
+    each file uncompressed, so its CRC is over its bytes as they lie in the zip."""
     with open(path, "rb") as f, zipfile.ZipFile(f) as zf, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         for info in zf.infolist():  # each file's data follows its 30-byte local header, name and extra field
             start = info.header_offset + 30 + sum(struct.unpack_from("<HH", m, info.header_offset + 26))
