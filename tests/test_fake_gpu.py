@@ -188,9 +188,7 @@ def test_the_fake_fails_where_a_gpu_would(fake_gpu):
         assert torch.cuda.is_bf16_supported(including_emulation=False)
     fake_gpu("T4")
     assert torch.cuda.is_available() and torch.cuda.device_count() == 1
-    # CUDA's generator state: its Philox seed and offset, 16 bytes; bf16 by emulation only, below 8.0
-    torch.manual_seed(2**40 + 3)
-    assert torch.cuda.get_rng_state().tolist() == [3, 0, 0, 0, 0, 1, 0, 0] + [0] * 8
+    # bf16 by emulation only, below 8.0
     assert torch.cuda.is_bf16_supported() and not torch.cuda.is_bf16_supported(including_emulation=False)
     props = torch.cuda.get_device_properties("cuda")
     assert (props.name, props.major, props.minor, props.total_memory) == ("Tesla T4", 7, 5, GPUS["T4"]["memory"])
@@ -202,7 +200,6 @@ def test_the_fake_fails_where_a_gpu_would(fake_gpu):
         lambda: torch.zeros(2, device="cuda:1"),
         lambda: torch.cuda.get_device_capability("cpu"),
         lambda: torch.set_float32_matmul_precision("hihg"),  # torch itself only warns
-        lambda: torch.cuda.set_rng_state(torch.get_rng_state()),  # the CPU generator's state
     ):
         with pytest.raises((AttributeError, TypeError, RuntimeError, ValueError)):
             wrong()
