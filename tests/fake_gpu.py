@@ -206,7 +206,6 @@ class FakeGPU:
             # the fake cannot measure GPU memory: its statistics are zeros, their asking recorded
             max_memory_allocated=recorded("max_memory_allocated", 0),
             reset_peak_memory_stats=recorded("reset_peak_memory_stats"),
-            is_bf16_supported=lambda including_emulation: self.capability >= (8, 0) or including_emulation,
         )
 
     def install(self, monkeypatch):
