@@ -49,13 +49,6 @@ def device_properties():
     raise RuntimeError(f"{stubs} declares no _CudaDeviceProperties")
 
 
-def philox_state(seed, offset=0):
-    """A CUDA generator's state (torch.cuda.get_rng_state): Philox seed and offset, two little-endian uint64."""
-    return torch.frombuffer(
-        bytearray((seed % 2**64).to_bytes(8, "little") + offset.to_bytes(8, "little")), dtype=torch.uint8
-    )
-
-
 def asked_by_the_project():
     """Whether the stub's caller is the project's code (under ROOT outside site-packages, or `python -c`)."""
     path = sys._getframe(3).f_code.co_filename  # up from here: the fake, stub()'s wrapper, its caller
@@ -124,7 +117,6 @@ class FakeGPU:
         self.properties = properties()
         for attribute, value in values.items():
             setattr(self.properties, attribute, value)
-        self.rng_state = philox_state(0)  # the cuda generator's (nothing draws from it on the CPU)
         self.asked = []  # (function, its arguments), in the order the program asked
         self.nccl = False  # the default process group was asked for as NCCL
         self.oom = None  # (when, how many more), see out_of_memory
@@ -182,7 +174,7 @@ class FakeGPU:
         def of_device(value):  # value, once device is checked
             def fake(device):
                 self.index(device)
-                return value() if callable(value) else value
+                return value
 
             return fake
 
@@ -196,15 +188,6 @@ class FakeGPU:
         def set_device(device):
             self.record("set_device", device)
             self.current = self.index(device)
-
-        def set_rng_state(new_state, device):
-            self.index(device)
-            if new_state.dtype != torch.uint8 or new_state.numel() != 16:  # a CPU generator's is 5056 bytes
-                raise RuntimeError("RNG state is wrong size")
-            self.rng_state = new_state.clone()
-
-        def seed(seed):
-            self.rng_state = philox_state(seed)
 
         def to_the_project(name, value):  # value to the project's code, the real answer to torch's
             real = getattr(torch.cuda, name)
@@ -223,10 +206,6 @@ class FakeGPU:
             # the fake cannot measure GPU memory: its statistics are zeros, their asking recorded
             max_memory_allocated=recorded("max_memory_allocated", 0),
             reset_peak_memory_stats=recorded("reset_peak_memory_stats"),
-            get_rng_state=of_device(lambda: self.rng_state.clone()),
-            set_rng_state=set_rng_state,
-            manual_seed_all=seed,  # what torch.manual_seed calls
-            is_bf16_supported=lambda including_emulation: self.capability >= (8, 0) or including_emulation,
         )
 
     def install(self, monkeypatch):

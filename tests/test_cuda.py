@@ -17,7 +17,7 @@ import torch
 
 import hellaswag
 import train_gpt2
-from helpers import ROOT, read_log, torchrun_command
+from helpers import ROOT, headers, read_log, torchrun_command
 from support import checkpoints, gpu, precision, sampling, shards
 from support.sampling import generate
 from support.shards import write_shard
@@ -159,37 +159,31 @@ SMALL_EAGER = tuple("--n-layer 4 --n-head 4 --n-embd 256 --block-size 256 -B 4 -
 SMALL_EAGER += ("--no-compile",)
 
 
-def test_bf16_autocast_steps_stay_close_to_fp32(shakespeare, tmp_path):
-    """A 4-layer, 256-wide model, eager, 8 steps in bf16 autocast and the same 8 in fp32: the
-    logged loss and gradient norm agree within the bounds above at every step."""
-    small = SMALL_EAGER
-    logs = {}
-    for dtype in ("bfloat16", "float32"):
-        train(*gpu_args(shakespeare, tmp_path / dtype, "--dtype", dtype, *small))
-        records, logs[dtype] = read_log(tmp_path / dtype)
-        assert records[0]["config"]["dtype"] == dtype and records[0]["config"]["grad_accum_steps"] == 2
-    bf16, fp32 = logs["bfloat16"], logs["float32"]
-    assert sorted(bf16) == sorted(fp32) == list(range(8))
-    assert fp32[7]["train_loss"] < fp32[0]["train_loss"] - 1  # the steps move the model: there is a path to follow
-    for s in range(8):
-        assert bf16[s]["train_loss"] == pytest.approx(fp32[s]["train_loss"], abs=BF16_LOSS_ATOL, rel=0), s
-        assert bf16[s]["grad_norm"] == pytest.approx(fp32[s]["grad_norm"], rel=BF16_NORM_RTOL, abs=0), s
+@pytest.fixture(scope="module")
+def fp32_steps(shakespeare, tmp_path_factory):
+    """{step: its record} of SMALL_EAGER's 8 steps in fp32, the half precisions' reference."""
+    out = tmp_path_factory.mktemp("fp32")
+    train(*gpu_args(shakespeare, out, "--dtype", "float32", *SMALL_EAGER))
+    steps = read_log(out)[1]
+    assert sorted(steps) == list(range(8))
+    assert steps[7]["train_loss"] < steps[0]["train_loss"] - 1  # the steps move the model: there is a path to follow
+    return steps
 
 
-def test_fp16_autocast_steps_stay_close_to_fp32(shakespeare, tmp_path):
-    """The same 8 steps in fp16 autocast with its GradScaler: fp16 keeps 10 mantissa bits to bf16's
-    7, so bf16's bounds hold with room; every step trains (at the first scale, 2**16, this model's
-    scaled gradients fit fp16) and the scale is logged with it."""
-    train(*gpu_args(shakespeare, tmp_path / "fp16", "--dtype", "float16", *SMALL_EAGER))
-    train(*gpu_args(shakespeare, tmp_path / "fp32", "--dtype", "float32", *SMALL_EAGER))
-    records, fp16 = read_log(tmp_path / "fp16")
-    assert records[0]["config"]["dtype"] == "float16"
-    fp32 = read_log(tmp_path / "fp32")[1]
-    assert sorted(fp16) == sorted(fp32) == list(range(8))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_autocast_steps_stay_close_to_fp32(shakespeare, fp32_steps, tmp_path, dtype):
+    """A 4-layer, 256-wide model, eager, 8 steps in bf16 autocast (or fp16's, with its GradScaler) and the same 8
+    in fp32: the logged loss and gradient norm agree within the bounds above at every step. fp16 keeps 10
+    mantissa bits to bf16's 7, so bf16's bounds hold with room; every fp16 step trains (at the first scale,
+    2**16, this model's scaled gradients fit fp16) and the scale is logged with it."""
+    train(*gpu_args(shakespeare, tmp_path / dtype, "--dtype", dtype, *SMALL_EAGER))
+    records, half = read_log(tmp_path / dtype)
+    assert records[0]["config"]["dtype"] == dtype and records[0]["config"]["grad_accum_steps"] == 2
+    assert sorted(half) == list(range(8))
     for s in range(8):
-        assert np.isfinite(fp16[s]["train_loss"]) and fp16[s]["loss_scale"] == 2.0**16, fp16[s]
-        assert fp16[s]["train_loss"] == pytest.approx(fp32[s]["train_loss"], abs=BF16_LOSS_ATOL, rel=0), s
-        assert fp16[s]["grad_norm"] == pytest.approx(fp32[s]["grad_norm"], rel=BF16_NORM_RTOL, abs=0), s
+        assert half[s].get("loss_scale") == (2.0**16 if dtype == "float16" else None), half[s]
+        assert half[s]["train_loss"] == pytest.approx(fp32_steps[s]["train_loss"], abs=BF16_LOSS_ATOL, rel=0), s
+        assert half[s]["grad_norm"] == pytest.approx(fp32_steps[s]["grad_norm"], rel=BF16_NORM_RTOL, abs=0), s
 
 
 def test_fp16_loss_scale_backs_off_on_the_gpu_then_trains(shakespeare, tmp_path, monkeypatch):
@@ -331,8 +325,7 @@ def test_out_of_gpu_memory_is_one_line_and_lowering_B_as_advised_trains(shakespe
         if "--resume" in lines[0] and "--resume" not in args:
             args.append("--resume")
     assert r.returncode == 0, r.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    header = [r for r in records if r.get("event") == "header"][-1]
+    header = headers(out)[-1]
     assert header["config"]["total_batch_size"] == B * 1024 and header["config"]["batch_size"] < B
 
 

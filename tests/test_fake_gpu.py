@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 import bench
-import export_hf
 import hellaswag
 import sample
 import train_gpt2
@@ -139,15 +138,6 @@ def test_sample_py_on_a_gpu_prints_the_cpus_samples(runs, fake_gpu, capsys):
     assert capsys.readouterr().out == on_cpu and on_cpu.count("sample ") == 2
 
 
-def test_export_hf_of_a_gpu_runs_checkpoint_loads_back_with_its_weights(runs, fake_gpu, tmp_path):
-    ckpt = str(runs("H100")[0] / "ckpt_000004.pt")
-    fake_gpu("H100")
-    assert export_hf.main([ckpt, str(tmp_path / "hf")]) == 0
-    ours, back = train_gpt2.load_model(ckpt).state_dict(), train_gpt2.load_model(str(tmp_path / "hf")).state_dict()
-    assert ours.keys() == back.keys()
-    assert all(torch.equal(ours[k][: len(back[k])], back[k]) for k in ours)  # the vocabulary's padding left out
-
-
 def test_a_model_too_big_for_a_16_gb_gpu_is_refused_before_it_is_built(fake_gpu, data, tmp_path):
     fake_gpu("A4000")
     big = ("--n-layer", 48, "--n-head", 25, "--n-embd", 1600, "--block-size", 1024)  # 1.56B parameters: 23 GiB
@@ -184,14 +174,8 @@ def test_bench_on_a_gpu_missing_from_the_peak_table_asks_for_peak_flops(fake_gpu
 
 
 def test_the_fake_fails_where_a_gpu_would(fake_gpu):
-    with faked("H100"):  # bf16 natively from compute capability 8.0
-        assert torch.cuda.is_bf16_supported(including_emulation=False)
     fake_gpu("T4")
     assert torch.cuda.is_available() and torch.cuda.device_count() == 1
-    # CUDA's generator state: its Philox seed and offset, 16 bytes; bf16 by emulation only, below 8.0
-    torch.manual_seed(2**40 + 3)
-    assert torch.cuda.get_rng_state().tolist() == [3, 0, 0, 0, 0, 1, 0, 0] + [0] * 8
-    assert torch.cuda.is_bf16_supported() and not torch.cuda.is_bf16_supported(including_emulation=False)
     props = torch.cuda.get_device_properties("cuda")
     assert (props.name, props.major, props.minor, props.total_memory) == ("Tesla T4", 7, 5, GPUS["T4"]["memory"])
     assert torch.ones(2, device="cuda:0").device.type == "cpu"  # where the fake keeps it
@@ -202,7 +186,6 @@ def test_the_fake_fails_where_a_gpu_would(fake_gpu):
         lambda: torch.zeros(2, device="cuda:1"),
         lambda: torch.cuda.get_device_capability("cpu"),
         lambda: torch.set_float32_matmul_precision("hihg"),  # torch itself only warns
-        lambda: torch.cuda.set_rng_state(torch.get_rng_state()),  # the CPU generator's state
     ):
         with pytest.raises((AttributeError, TypeError, RuntimeError, ValueError)):
             wrong()

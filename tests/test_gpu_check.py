@@ -4,6 +4,7 @@ and says why, the JSON is whole after every item, and the tiny run goes through 
 import ast
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,22 +131,20 @@ def test_estimates_use_the_first_compile_this_run_timed(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv, words",
+    "argv, said",
     [
-        (["--gpu-check", "--budget-s", "0"], ["--budget-s 0: pass a number of seconds above 0"]),
-        (["--gpu-check", "--budget-s", "-5"], ["--budget-s -5: pass a number of seconds above 0"]),
-        (["--gpu-check", "--budget-s", "nan"], ["--budget-s nan: pass a number of seconds above 0"]),
-        (["--budget-s", "60"], ["--budget-s is the time of --gpu-check: pass --gpu-check too"]),
-        (["--gpu-check", "--only", "ladder"], ["--gpu-check runs its own items: leave --only out"]),
-        (["--gpu-check", "--quick"], ["leave --quick out"]),
-        (["--gpu-check", "--configs", "gpt2"], ["leave --configs out"]),
+        (["--gpu-check", "--budget-s", "0"], "--budget-s 0: pass a number of seconds above 0"),
+        (["--gpu-check", "--budget-s", "-5"], "--budget-s -5: pass a number of seconds above 0"),
+        (["--gpu-check", "--budget-s", "nan"], "--budget-s nan: pass a number of seconds above 0"),
+        (["--budget-s", "60"], "--budget-s is the time of --gpu-check: pass --gpu-check too"),
+        (["--gpu-check", "--only", "ladder"], "--gpu-check runs its own items: leave --only out"),
+        (["--gpu-check", "--quick"], "leave --quick out"),
+        (["--gpu-check", "--configs", "gpt2"], "leave --configs out"),
     ],
 )
-def test_gpu_check_flags_are_checked_before_anything_runs(argv, words):
-    with pytest.raises(UserError) as e:
+def test_gpu_check_flags_are_checked_before_anything_runs(argv, said):
+    with pytest.raises(UserError, match=re.escape(said)):
         parse_args(argv)
-    for word in words:
-        assert word in str(e.value)
 
 
 def test_gpu_check_default_budget():
@@ -220,7 +219,7 @@ def test_tiny_gpu_check_on_a_cpu_runs_every_item_a_cpu_can(tmp_path):
     names = {
         f"tests.test_cuda::{n.name}" for n in tests if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
     }
-    assert set(tier["tests"]) == names
+    assert {name.split("[")[0] for name in tier["tests"]} == names  # a parametrized test's cases by its name
     assert {t["outcome"] for t in tier["tests"].values()} == {"skipped"}
     assert all("needs a CUDA GPU" in t["message"] for t in tier["tests"].values())
 

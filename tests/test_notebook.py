@@ -5,7 +5,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 import train_gpt2
-from helpers import ROOT
+from helpers import ROOT, headers
 
 NOTEBOOK = ROOT / "play.ipynb"
 PNGS = ("loss.png", "hellaswag.png", "throughput.png")
@@ -56,6 +55,23 @@ def run_notebook(kernel, log_path, cwd, **params):
     NotebookClient(nb, km=kernel, timeout=120).execute()
     said = json.loads("".join(o.get("text", "") for o in nb.cells[-1].outputs if o.get("name") == "stdout"))
     return nb, said["summary"], said["baselines"]
+
+
+def notebook_error(kernel, log_path, cwd):
+    """What the notebook stopped with, run as run_notebook does: its one line, no traceback of its code."""
+    from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel skips without it)
+
+    with pytest.raises(CellExecutionError) as e:
+        run_notebook(kernel, log_path, cwd)
+    assert "Traceback" not in str(e.value) and "Cell In" not in str(e.value)
+    return str(e.value)
+
+
+def jupyter_execute(cwd, play_log):
+    """`PLAY_LOG=play_log jupyter execute play.ipynb` in folder cwd: the CompletedProcess."""
+    env = {**os.environ, "PLAY_LOG": str(play_log)}
+    command = [sys.executable, "-m", "jupyter", "execute", str(NOTEBOOK)]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def assert_pngs(folder):
@@ -199,45 +215,34 @@ def test_a_record_whose_step_is_not_a_number_is_passed_over_and_named(tmp_path, 
 
 @pytest.mark.parametrize("records", [[], [header()]], ids=["empty", "header_only"])
 def test_an_empty_log_is_said_in_one_line_and_draws_nothing(tmp_path, kernel, records):
-    from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel skips without it)
-
     log = write_log(tmp_path / "run", records)
-    with pytest.raises(CellExecutionError) as e:
-        run_notebook(kernel, log, tmp_path)
     line = f"NothingToDraw: {log} holds no step or eval record yet: nothing to draw; run this again once the run"
-    assert line in str(e.value) and "Traceback" not in str(e.value) and "Cell In" not in str(e.value)
+    assert line in notebook_error(kernel, log, tmp_path)
     assert os.listdir(log.parent) == ["log.jsonl"]  # no blank figure saved
 
 
 def test_missing_log_is_a_clear_error(tmp_path, kernel):
-    from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel skips without it)
-
-    with pytest.raises(CellExecutionError, match="no training log at .*set log_path") as e:
-        run_notebook(kernel, tmp_path / "nowhere", tmp_path)
-    assert f"this notebook's folder, {tmp_path})" not in str(e.value)  # an absolute path: no such note
+    said = notebook_error(kernel, tmp_path / "nowhere", tmp_path)
+    assert f"no training log at {tmp_path / 'nowhere'}" in said and "set log_path" in said
+    assert f"this notebook's folder, {tmp_path})" not in said  # an absolute path: no such note
     # a relative path starts from the notebook's folder (where Jupyter runs it), not the shell's: said
-    with pytest.raises(CellExecutionError, match=f"relative path starts from this notebook's folder, {tmp_path}"):
-        run_notebook(kernel, "log_tiny", tmp_path)
+    assert f"relative path starts from this notebook's folder, {tmp_path}" in notebook_error(
+        kernel, "log_tiny", tmp_path
+    )
 
 
 def test_a_checkpoint_as_the_log_names_its_run_folder_in_one_line(tmp_path, kernel):
-    from nbclient.exceptions import CellExecutionError  # noqa: PLC0415  (optional: kernel skips without it)
-
     ckpt = tmp_path / "log" / "ckpt_000006.pt"
     write_log(ckpt.parent, clean_records())
     ckpt.write_bytes(b"PK\x03\x04 a torch.save zip")
-    with pytest.raises(CellExecutionError) as e:
-        run_notebook(kernel, ckpt, tmp_path)
     line = f"NothingToDraw: {ckpt} is a checkpoint: set log_path (or PLAY_LOG) to its run folder, {ckpt.parent}"
-    assert line in str(e.value) and "Traceback" not in str(e.value) and "Cell In" not in str(e.value)
+    assert line in notebook_error(kernel, ckpt, tmp_path)
 
 
 def test_jupyter_execute_on_a_folder_that_is_not_there_ends_in_one_line(tmp_path, kernel):
     """README's `PLAY_LOG=log jupyter execute play.ipynb` before a run made log/: the notebook's own error is
     one line, the last one (jupyter execute itself still prints the cell it stopped in above it)."""
-    env = {**os.environ, "PLAY_LOG": "no_such_log"}  # relative: from the notebook's folder
-    command = [sys.executable, "-m", "jupyter", "execute", str(NOTEBOOK)]
-    r = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    r = jupyter_execute(tmp_path, "no_such_log")  # relative: from the notebook's folder
     assert r.returncode == 1
     said = f"NothingToDraw: no training log at {ROOT / 'no_such_log'} (a relative path starts from this notebook's"
     assert r.stderr.strip().splitlines()[-1].startswith(said), r.stderr[-2000:]
@@ -282,7 +287,7 @@ def expected_summary(path):
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory, assets, enc):
-    """(run 1's log text, the folder): 12 steps, checkpoints after 6 and 12, then a resume from 6 redoes 6..11."""
+    """The folder of a run of 12 steps, checkpoints after 6 and 12, then a resume from 6 that redoes 6..11."""
     data = tmp_path_factory.mktemp("shards")
     text = assets.shakespeare.read_text()[:20000]
     tokens = np.array([enc.eot_token] + enc.encode_ordinary(text), dtype=np.uint16)
@@ -292,43 +297,18 @@ def real_run(tmp_path_factory, assets, enc):
     flags = "--device cpu --n-layer 2 --n-head 2 --n-embd 32 --block-size 64 -B 4 -T 32 --total-batch-size 128"
     flags += " --max-steps 12 --warmup-steps 2 --max-lr 3e-3 --eval-every 4 --val-tokens 512 --hellaswag-every 6"
     flags += " --hellaswag-limit 8 --sample-every 0 --ckpt-every 6 --keep-ckpts 0"
-    hellaswag = assets.hellaswag
-    args = ["--data-dir", data, "--out-dir", out, *flags.split(), "--hellaswag-data", hellaswag]
+    args = ["--data-dir", data, "--out-dir", out, *flags.split(), "--hellaswag-data", assets.hellaswag]
     assert train_gpt2.main(list(map(str, args))) == 0
-    first = (out / "log.jsonl").read_text()
     assert train_gpt2.main([*map(str, args), "--resume", str(out / "ckpt_000006.pt")]) == 0
-    return first, out
-
-
-def test_real_resumed_log(real_run, tmp_path, kernel):
-    _, run_dir = real_run
-    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
-    assert [r["resumed_from"] for r in records if r.get("event") == "header"] == [None, 6]
-    step_ids = [r["step"] for r in records if "train_loss" in r]
-    assert sorted(step_ids) == sorted(list(range(12)) + list(range(6, 12)))  # steps 6..11 twice
-    nb, s, _ = run_notebook(kernel, run_dir, tmp_path)
-    for key, value in expected_summary(run_dir / "log.jsonl").items():
-        assert s[key] == pytest.approx(value), key
-    assert (s["last_step"], s["redone_steps"], s["skipped_lines"], s["partial_last_line"]) == (11, 6, 0, False)
-    assert_pngs(run_dir)
-    assert text_of(nb, "stderr") == ""
+    return out
 
 
 def test_jupyter_execute_prints_the_summary_table(real_run, tmp_path, kernel, assets):
-    """`jupyter execute` shows no cell output: the summary table still reaches the terminal, the log's numbers."""
-    _, run_dir = real_run
-    log = tmp_path / "run" / "log.jsonl"
-    log.parent.mkdir()
-    shutil.copy(run_dir / "log.jsonl", log)
-    env = {**os.environ, "PLAY_LOG": str(log.parent)}
-    r = subprocess.run(
-        [sys.executable, "-m", "jupyter", "execute", str(NOTEBOOK)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """`jupyter execute` shows no cell output: the summary table of a real resumed run still reaches the terminal,
+    the log's numbers by the plain rule (the last record of each step)."""
+    log = real_run / "log.jsonl"
+    assert [h["resumed_from"] for h in headers(real_run)] == [None, 6]
+    r = jupyter_execute(tmp_path, real_run)
     assert r.returncode == 0, r.stderr
     rows = {line[:18].strip(): line[18:] for line in r.stdout.splitlines() if len(line) > 18}
     want = expected_summary(log)
@@ -356,7 +336,7 @@ def test_play_ipynb_on_a_read_only_run_folder_prints_its_summary(tmp_path, kerne
     nb, s, _ = run_notebook(kernel, log, tmp_path)
     assert s["last_step"] == 49 and s["best_val_loss"] == [40, 6.2]
     said = text_of(nb)
-    for name in ("loss.png", "hellaswag.png", "throughput.png"):
+    for name in PNGS:
         assert f"could not save {name} in {log.parent} (Read-only file system)" in said
     assert os.listdir(log.parent) == ["log.jsonl"]
 

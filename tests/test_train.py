@@ -1,5 +1,5 @@
-"""The training run: schedule, optimizer groups, FLOPs, gradient accumulation, a tiny overfit run with
-its evaluations, log and checkpoint, --help, --dry-run and --val-tokens 0."""
+"""The training run: schedule, optimizer groups, FLOPs, a tiny overfit run with its evaluations, log and
+checkpoint, --help, --dry-run and --val-tokens 0 (gradient accumulation: test_recipe.py, bit for bit)."""
 
 import math
 import re
@@ -15,7 +15,6 @@ from helpers import (
     assert_one_line_error,
     cli,
     help_entries,
-    random_shards,
     read_log,
     strict_records,
     tiny_args,
@@ -59,23 +58,6 @@ def test_flops_per_token_gpt2_124m():
     assert round(flops_per_token(config, 1024) / 1e6) == 855
 
 
-def test_grad_accumulation_equals_one_big_batch(tmp_path):
-    """The training loop's micro-steps (4 of B 2) give the loss and gradient norm of one
-    forward/backward over the same 8 rows (B 8, no accumulation)."""
-    random_shards(tmp_path / "data", train_lengths=(2000,))
-    first = {}
-    for B in (2, 8):
-        out = tmp_path / f"B{B}"
-        flags = f"-B {B} --total-batch-size 128 --max-steps 1 --warmup-steps 1 --eval-every 0 --no-shuffle"
-        args = tiny_args(tmp_path / "data", out, *flags.split())
-        assert train_gpt2.main(args) == 0
-        first[B] = read_log(out)[1][0]
-    header = read_log(tmp_path / "B2")[0][0]
-    assert header["config"]["grad_accum_steps"] == 4
-    assert first[2]["train_loss"] == pytest.approx(first[8]["train_loss"], rel=1e-6)
-    assert first[2]["grad_norm"] == pytest.approx(first[8]["grad_norm"], rel=1e-5)
-
-
 OVERFIT_STEPS = 150
 
 
@@ -111,11 +93,11 @@ def test_tiny_model_overfits(overfit_run):
     assert steps[OVERFIT_STEPS - 1]["epoch"] >= 5  # ~2,300 usable tokens, 128 a step: repeated
 
 
-def test_logged_val_loss_is_the_final_models(overfit_run):
+def test_logged_evals_and_samples_are_the_final_models(overfit_run, assets, enc):
     data, out = overfit_run
     records, _ = read_log(out)
-    logged = [r["val_loss"] for r in records if r.get("step") == OVERFIT_STEPS and "val_loss" in r][0]
     model = load_model(str(out / f"ckpt_{OVERFIT_STEPS:06d}.pt")).eval()
+    logged = [r["val_loss"] for r in records if r.get("step") == OVERFIT_STEPS and "val_loss" in r][0]
     tokens = torch.from_numpy(np.load(data / "ts_val_000000.npy").astype(np.int64))
     n_seq = min(1024, len(tokens) - 1) // 32  # --val-tokens 1024 in sequences of T=32
     with torch.no_grad():
@@ -123,12 +105,6 @@ def test_logged_val_loss_is_the_final_models(overfit_run):
         y = tokens[1 : n_seq * 32 + 1].view(n_seq, 32)
         _, loss = model(x, y)
     assert logged == pytest.approx(loss.item(), rel=1e-5)
-
-
-def test_logged_hellaswag_and_samples_are_the_final_models(overfit_run, assets, enc):
-    _, out = overfit_run
-    records, _ = read_log(out)
-    model = load_model(str(out / f"ckpt_{OVERFIT_STEPS:06d}.pt")).eval()
     hs = [r for r in records if "hellaswag" in r]
     assert [r["step"] for r in hs] == [0, OVERFIT_STEPS] and hs[-1]["hellaswag_n"] == 8
     examples = hellaswag.load_examples(str(assets.hellaswag), limit=8)
