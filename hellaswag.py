@@ -70,7 +70,6 @@ ORIGINAL_DIGESTS = (
 ).split()
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "gpt2-repro", "hellaswag")
 CACHE_NAME = "hellaswag_val.jsonl"
-SPLIT_TYPES = ("indomain", "zeroshot")  # activity labels seen / not seen in HellaSwag's train split
 
 
 class HellaSwagDataError(UserError):
@@ -202,27 +201,19 @@ def render_example(example, enc):
 
 
 class Prepared:
-    """The examples tokenized once (see prepare), and the batches last built from them.
+    """The examples tokenized once (see prepare): one flat array, example 0's context, its 4 endings,
+    example 1's context, ..., with each piece's start and length, from which the batches are cut by
+    array operations: a Python step per batch rather than per token (the full set has 2.4M tokens
+    and 1.27M scored positions)."""
 
-    The tokens are kept twice: as lists (ctx[i], endings[i][j]), which read plainly, and as one
-    flat array with each example's offsets and lengths, from which the batches are cut by array
-    operations: a Python step per batch rather than per token (the full set has 2.4M tokens and
-    1.27M scored positions)."""
-
-    def __init__(self, ctx, endings, labels, split_types):
-        self.ctx = ctx  # context tokens, per example
-        self.endings = endings  # the 4 endings' tokens, per example
-        self.labels = labels
-        self.split_types = split_types
+    def __init__(self, pieces, labels, split_types):
+        self.labels, self.split_types = labels, split_types
         self.batches = {}  # (window, device, share, ...) -> (batches on that device, n_tokens)
-        # tokens holds example 0's context, its 4 endings, example 1's context, ... back to back
-        self.ctx_len = np.array([len(c) for c in ctx], dtype=np.int64)
-        self.end_len = np.array([[len(e) for e in ends] for ends in endings], dtype=np.int64).reshape(-1, 4)
-        lengths = np.concatenate([self.ctx_len[:, None], self.end_len], axis=1)  # (n, 5), in storage order
+        lengths = np.array([len(piece) for piece in pieces], dtype=np.int64).reshape(-1, 5)
+        self.ctx_len, self.end_len = lengths[:, 0], lengths[:, 1:]
         starts = np.cumsum(lengths).reshape(-1, 5) - lengths
         self.ctx_start, self.end_start = starts[:, 0], starts[:, 1:]
-        pieces = itertools.chain.from_iterable(seq for c, ends in zip(ctx, endings, strict=True) for seq in (c, *ends))
-        self.tokens = np.fromiter(pieces, dtype=np.int64, count=int(lengths.sum()))
+        self.tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=int(lengths.sum()))
 
     def __len__(self):
         return len(self.labels)
@@ -231,19 +222,18 @@ class Prepared:
 def prepare(examples, enc):
     """Tokenize every example once, for every later evaluate(). An example that cannot be rendered
     (a missing field, text the tokenizer refuses) is a HellaSwagDataError that names it."""
-    ctx, endings, labels, split_types = [], [], [], []
+    pieces, labels, split_types = [], [], []
     for i, ex in enumerate(examples):
         try:
-            c, ends = render_example(ex, enc)
+            ctx, endings = render_example(ex, enc)
             label, split_type = ex["label"], ex["split_type"]
         except Exception as e:  # KeyError, TypeError, "<|endoftext|>" in the text (ValueError), ...
             name = f"example {i}" + (f" (ind {ex['ind']})" if isinstance(ex, dict) and "ind" in ex else "")
             raise HellaSwagDataError(f"HellaSwag {name} cannot be tokenized: {first_line(e)}") from None
-        ctx.append(c)
-        endings.append(ends)
+        pieces += [ctx, *endings]
         labels.append(label)
         split_types.append(split_type)
-    return Prepared(ctx, endings, labels, split_types)
+    return Prepared(pieces, labels, split_types)
 
 
 def _trunk(model):
@@ -450,7 +440,7 @@ def evaluate(
     of counts that the ranks sum: n, correct (acc), correct_norm (acc_norm), and the same three
     per split_type as n_<type>, correct_<type>, correct_norm_<type>. The keys depend only on the
     examples, so every rank returns the same keys. None if should_stop() became true."""
-    split_types = sorted(set(SPLIT_TYPES) | set(prepared.split_types))
+    split_types = sorted(set(prepared.split_types))
     share = list(range(rank, len(prepared), world_size))
     counts = {f"{k}{t}": 0 for t in ("", *(f"_{s}" for s in split_types)) for k in ("n", "correct", "correct_norm")}
     if share:
