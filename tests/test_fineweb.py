@@ -226,11 +226,11 @@ def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, parquet_files,
     assert shards(tmp_path) == shards(parquet_run)
 
 
-def test_tokenize_docs_matches_tiktoken(enc, assets):
+def test_the_pool_gives_tiktokens_tokens_in_order(enc, assets):
     text = assets.shakespeare.read_text()
-    docs = [text[i : i + 5000 + 37 * i % 9000] for i in range(0, len(text), 9000)] + ["", "\u00e9\n"]
-    expected = [t for d in docs for t in [EOT, *enc.encode_ordinary(d)]]
-    tokens = fineweb.tokenize_docs(docs, workers=2)  # spans several batches of BATCH_CHARS
+    docs = [text[i : i + 5000 + 37 * i % 9000] for i in range(0, len(text), 9000)] + ["", "\u00e9\n", "a \ud800 b"]
+    expected = [t for d in docs for t in [EOT, *enc.encode_ordinary(d)]]  # a lone surrogate repaired as tiktoken does
+    tokens = np.concatenate([t for t, _ in fineweb.tokenize_batches(docs, workers=2)])  # several batches of BATCH_CHARS
     assert tokens.dtype == np.uint16 and tokens.tolist() == expected
 
 
