@@ -194,15 +194,6 @@ def test_max_tokens_stops_exactly_then_resumes(tmp_path, parquet_files, parquet_
     assert file_bytes(tmp_path) == file_bytes(parquet_run)
 
 
-def test_max_shards(tmp_path, parquet_files, parquet_run):
-    fineweb.main(
-        ["--input", *parquet_files, "--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--max-shards", "2"]
-    )
-    shards = {n: b for n, b in file_bytes(tmp_path).items() if n.endswith(".npy")}
-    assert sorted(shards) == ["edufineweb_train_000001.npy", "edufineweb_val_000000.npy"]
-    assert all(shards[n] == file_bytes(parquet_run)[n] for n in shards)
-
-
 def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, parquet_files, parquet_run):
     datasets = pytest.importorskip("datasets")
 
