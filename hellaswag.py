@@ -72,10 +72,6 @@ DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "gpt2-repro"
 CACHE_NAME = "hellaswag_val.jsonl"
 
 
-class HellaSwagDataError(UserError):
-    """The data is missing, malformed or a bad cache: one line that names the file and the fix."""
-
-
 # ----------------------------------------------------------------------------------------------
 # Data
 
@@ -84,11 +80,11 @@ def parse_rows(lines, source):
     """jsonl lines -> list of examples; the first line whose endings or label would be scored wrong
     raises an error that names it (a missing or non-string text fails in prepare, naming it too)."""
     examples = []
-    for lineno, ex in jsonl_rows(lines, source, HellaSwagDataError):
+    for lineno, ex in jsonl_rows(lines, source):
         if not (isinstance(ex, dict) and isinstance(ex.get("endings"), list) and len(ex["endings"]) == 4):
-            raise HellaSwagDataError(f"{source} line {lineno}: not a HellaSwag example (a list of 4 endings)")
+            raise UserError(f"{source} line {lineno}: not a HellaSwag example (a list of 4 endings)")
         if type(ex.get("label")) is not int or not 0 <= ex["label"] <= 3:
-            raise HellaSwagDataError(f"{source} line {lineno}: label {ex.get('label')!r} is not an int from 0 to 3")
+            raise UserError(f"{source} line {lineno}: label {ex.get('label')!r} is not an int from 0 to 3")
         examples.append(ex)
     return examples
 
@@ -98,9 +94,9 @@ def _read_jsonl(path):
         with open(path, encoding="utf-8") as f:
             return parse_rows(f, path)
     except UnicodeDecodeError as e:
-        raise HellaSwagDataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:  # not there, a folder, no read permission, an I/O error
-        raise HellaSwagDataError(f"{path} cannot be read: {e.strerror or first_line(e)}") from None
+        raise UserError(f"{path} cannot be read: {e.strerror or first_line(e)}") from None
 
 
 def digests(examples):
@@ -128,7 +124,7 @@ def download(cache_path):
     hub = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     reason = f"{var} is set" if var else unreachable(hub)  # said at once: the Hub client retries for ~30 s
     if reason:
-        raise HellaSwagDataError(f"cannot download HellaSwag from {hub} ({reason}); {fix}")
+        raise UserError(f"cannot download HellaSwag from {hub} ({reason}); {fix}")
     print(f"downloading the HellaSwag validation split ({HUB_DATASET}) to {cache_path}", file=sys.stderr)
     import datasets  # noqa: PLC0415  only a download needs datasets (half a second to import)
 
@@ -136,7 +132,7 @@ def download(cache_path):
         lines = [original_row(r) for r in datasets.load_dataset(HUB_DATASET, split="validation")]
         examples = parse_rows(lines, HUB_DATASET)
     except Exception as e:  # not found, no network, a changed schema: the library's message says which
-        raise HellaSwagDataError(f"cannot download HellaSwag ({HUB_DATASET}: {first_line(e)}); {fix}") from None
+        raise UserError(f"cannot download HellaSwag ({HUB_DATASET}: {first_line(e)}); {fix}") from None
     n, got, how = ORIGINAL_ROWS, digests(examples), None
     if len(examples) != n:
         how = f"has {len(examples):,} rows, not the original's {n:,}"
@@ -146,7 +142,7 @@ def download(cache_path):
         rows = f"at row {first:,}" if first == last else f"between rows {first:,} and {last:,}"
         how = f"differs from the original first {rows}"
     if how:
-        raise HellaSwagDataError(f"{HUB_DATASET}'s validation split {how} (not cached); {fix}")
+        raise UserError(f"{HUB_DATASET}'s validation split {how} (not cached); {fix}")
     os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
     # a cut download never leaves a partial cache; a link at its name is refused (no flag to name: any caller's)
     write_atomic(cache_path, lambda f: f.write("".join(lines).encode("utf-8")))
@@ -161,7 +157,7 @@ def load_examples(path=None, cache_dir=None, limit=None):
     if path is not None:
         examples = _read_jsonl(path)
         if not examples:
-            raise HellaSwagDataError(f"{path} holds no examples: pass a HellaSwag jsonl file")
+            raise UserError(f"{path} holds no examples: pass a HellaSwag jsonl file")
     else:
         cache_path = os.path.join(cache_dir or DEFAULT_CACHE_DIR, CACHE_NAME)
         if not os.path.exists(cache_path):
@@ -221,7 +217,7 @@ class Prepared:
 
 def prepare(examples, enc):
     """Tokenize every example once, for every later evaluate(). An example that cannot be rendered
-    (a missing field, text the tokenizer refuses) is a HellaSwagDataError that names it."""
+    (a missing field, text the tokenizer refuses) is a UserError that names it."""
     pieces, labels, split_types = [], [], []
     for i, ex in enumerate(examples):
         try:
@@ -229,7 +225,7 @@ def prepare(examples, enc):
             label, split_type = ex["label"], ex["split_type"]
         except Exception as e:  # KeyError, TypeError, "<|endoftext|>" in the text (ValueError), ...
             name = f"example {i}" + (f" (ind {ex['ind']})" if isinstance(ex, dict) and "ind" in ex else "")
-            raise HellaSwagDataError(f"HellaSwag {name} cannot be tokenized: {first_line(e)}") from None
+            raise UserError(f"HellaSwag {name} cannot be tokenized: {first_line(e)}") from None
         pieces += [ctx, *endings]
         labels.append(label)
         split_types.append(split_type)
@@ -484,11 +480,9 @@ def load_for_run(path, limit, enc, master_process, ddp):
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if not ok.item() and problem is None:
             problem = "another rank could not load the HellaSwag data"
-    if problem is not None:
-        if master_process:
-            print(f"warning: HellaSwag evaluation is off for this run: {problem}", file=sys.stderr)
-        return None, problem
-    return prepared, None
+    if problem is not None and master_process:
+        print(f"warning: HellaSwag evaluation is off for this run: {problem}", file=sys.stderr)
+    return (prepared if problem is None else None), problem
 
 
 @torch.no_grad()

@@ -95,7 +95,7 @@ def find_hellaswag_data(path, shared):
         return None, "no HellaSwag data: pass --hellaswag-data path/to/hellaswag_val.jsonl"
     try:
         hellaswag.load_examples(path)
-    except hellaswag.HellaSwagDataError as e:
+    except UserError as e:
         if given:
             raise UserError(f"--hellaswag-data {e}") from None
         return None, str(e)

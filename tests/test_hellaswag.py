@@ -18,7 +18,6 @@ from torch.nn import functional as F
 
 import hellaswag
 import train_gpt2
-from hellaswag import HellaSwagDataError
 from helpers import ROOT, assert_one_line_error, cli, read_log, save_tiny_hf_gpt2, signal_on, tiny_args
 from support import offline
 from support.cli import UserError
@@ -122,7 +121,7 @@ def row(**change):
 def test_a_file_it_cannot_score_is_named_in_one_line(tmp_path, text, message):
     if text is not None:
         (tmp_path / "h.jsonl").write_text(text + "\n")
-    with pytest.raises(HellaSwagDataError, match=message) as e:
+    with pytest.raises(UserError, match=message) as e:
         hellaswag.load_examples(str(tmp_path / "h.jsonl"))
     assert "\n" not in str(e.value)
 
@@ -229,7 +228,7 @@ def change_ending(rows, i):
 )
 def test_a_copy_that_differs_from_the_original_is_one_line_and_not_cached(tmp_path, val_path, hub, change, said):
     hub(hub_rows(val_path, change))
-    with pytest.raises(HellaSwagDataError) as e:
+    with pytest.raises(UserError) as e:
         hellaswag.load_examples(cache_dir=str(tmp_path))
     assert (
         str(e.value)
@@ -256,7 +255,7 @@ def test_a_datasets_error_is_one_line_and_not_cached(tmp_path, monkeypatch, val_
 
     hub(None)
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: served(val_path))
-    with pytest.raises(HellaSwagDataError) as e:
+    with pytest.raises(UserError) as e:
         hellaswag.load_examples(cache_dir=str(tmp_path))
     assert re.fullmatch(rf"cannot download HellaSwag \(Rowan/hellaswag: .*{said}.*\); pass --data \S+", str(e.value))
     assert os.listdir(tmp_path) == []
@@ -319,7 +318,7 @@ def test_offline_or_without_network_it_fails_at_once_after_one_quick_probe(
 
     monkeypatch.setattr(offline.socket, "create_connection", create_connection)
     monkeypatch.setattr(datasets, "load_dataset", never)
-    with pytest.raises(HellaSwagDataError) as e:
+    with pytest.raises(UserError) as e:
         hellaswag.load_examples(cache_dir=str(tmp_path / "c"))
     assert str(e.value) == f"cannot download HellaSwag from {url} ({reason}); pass --data path/to/hellaswag_val.jsonl"
     assert tried == ([(probe, 3.0)] if probe else []) and not (tmp_path / "c").exists()
@@ -479,9 +478,9 @@ def test_should_stop_ends_the_eval_between_batches(small, examples, enc):
 
 def test_prepare_names_an_example_that_cannot_be_tokenized(examples, enc):
     bad = dict(examples[1], ctx="a <|endoftext|> in the text")
-    with pytest.raises(HellaSwagDataError, match=r"example 1 \(ind \d+\) cannot be tokenized: .*endoftext"):
+    with pytest.raises(UserError, match=r"example 1 \(ind \d+\) cannot be tokenized: .*endoftext"):
         hellaswag.prepare([examples[0], bad], enc)
-    with pytest.raises(HellaSwagDataError, match=r"example 0 .*cannot be tokenized: 'ctx'"):
+    with pytest.raises(UserError, match=r"example 0 .*cannot be tokenized: 'ctx'"):
         hellaswag.prepare([{k: v for k, v in examples[0].items() if k != "ctx"}], enc)
 
 
