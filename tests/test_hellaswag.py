@@ -72,14 +72,6 @@ def counts_by_hand(examples, preds, preds_norm):
 # Data and tokens
 
 
-def test_full_validation_file_loads(full_hellaswag, reference):
-    ref, examples = reference["hellaswag_val"], hellaswag.load_examples(str(full_hellaswag))
-    assert len(examples) == ref["num_examples"] == 10042
-    assert dict(Counter(str(ex["label"]) for ex in examples)) == ref["label_counts"]
-    assert dict(Counter(ex["split_type"] for ex in examples)) == ref["split_type_counts"]
-    assert examples[0]["ind"] == 24 and examples[0]["label"] == 3
-
-
 def test_gpt2_124m_is_quoted_everywhere_as_the_number_this_scoring_reproduces(reference):
     """OpenAI GPT-2 124M's acc_norm over all 10,042 rows (hellaswag.py's docstring), not another run's."""
     acc_norm = reference["hellaswag_gpt2_reference_accuracy"]["gpt2_124M"]["completion_style_this_script"]["acc_norm"]
@@ -262,12 +254,16 @@ def test_a_datasets_error_is_one_line_and_not_cached(tmp_path, monkeypatch, val_
 
 
 def test_the_whole_original_converted_from_the_hub_s_form_is_itself_and_gives_the_pinned_digests(
-    full_hellaswag, tmp_path, hub
+    full_hellaswag, tmp_path, hub, reference
 ):
     hub(hub_rows(full_hellaswag), rows=10042, digests=hellaswag.ORIGINAL_DIGESTS)
-    hellaswag.load_examples(cache_dir=str(tmp_path))
+    ref, examples = reference["hellaswag_val"], hellaswag.load_examples(cache_dir=str(tmp_path))
     written = (tmp_path / hellaswag.CACHE_NAME).read_bytes()
     assert hashlib.sha256(written).hexdigest() == ORIGINAL_SHA256
+    assert len(examples) == ref["num_examples"] == 10042
+    assert dict(Counter(str(ex["label"]) for ex in examples)) == ref["label_counts"]
+    assert dict(Counter(ex["split_type"] for ex in examples)) == ref["split_type_counts"]
+    assert examples[0]["ind"] == 24 and examples[0]["label"] == 3
 
 
 @pytest.mark.online
