@@ -253,11 +253,6 @@ def fineweb_of(tmp_path, assets, chars, shard_size, name):
     return out
 
 
-@pytest.fixture
-def fineweb_folder(tmp_path, assets):
-    return fineweb_of(tmp_path, assets, 200_000, 20_000, "shards")
-
-
 def manifest_shards(folder):
     return json.loads((folder / "edufineweb_manifest.json").read_text())["shards"]
 
@@ -314,7 +309,8 @@ def test_a_bad_id_in_the_val_set_is_refused_naming_its_position(big_shards, tmp_
 
 
 @pytest.mark.parametrize("kept", [0, 1, 3])
-def test_a_manifest_copied_into_a_half_written_folder_is_not_finished(fineweb_folder, tmp_path, kept):
+def test_a_manifest_copied_into_a_half_written_folder_is_not_finished(tmp_path, assets, kept):
+    fineweb_folder = fineweb_of(tmp_path, assets, 200_000, 20_000, "shards")
     listed = manifest_shards(fineweb_folder)
     assert len(listed) > 3
     half = tmp_path / "half"
@@ -339,20 +335,11 @@ def test_a_manifest_copied_into_a_half_written_folder_is_not_finished(fineweb_fo
 # Data is finished only if fineweb.py said so
 
 
-@pytest.fixture
-def tiny_text(tmp_path, assets):
-    """The first 40,000 characters of tiny shakespeare as its own input file."""
-    text = tmp_path / "tiny.txt"
-    text.write_text(assets.shakespeare.read_text()[:40000])
-    return text
-
-
 @pytest.mark.parametrize("stop", [[], ["--max-tokens", "7000"], ["--max-shards", "3"]])
 @pytest.mark.parametrize("how", ["Ctrl-C", "SIGKILL"])
-def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(
-    tmp_path, tiny_text, monkeypatch, stop, how
-):
-    shards, out = tmp_path / "shards", tmp_path / "run"
+def test_the_command_that_finishes_a_folder_stops_where_its_run_was_asked_to(tmp_path, assets, monkeypatch, stop, how):
+    shards, out, tiny_text = tmp_path / "shards", tmp_path / "run", tmp_path / "tiny.txt"
+    tiny_text.write_text(assets.shakespeare.read_text()[:40000])
     args = ["--input", str(tiny_text), "--out-dir", str(shards), "--shard-size", "2000", "--workers", "1", *stop]
     if how == "Ctrl-C":  # the manifest made whole as the run stops
         fineweb_stopped_after(monkeypatch, 2, args)  # after 2 of the shards it was asked for
