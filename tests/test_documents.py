@@ -74,7 +74,6 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_first_document(tmp_path, suff
 
 def test_a_resumed_runs_skip_passes_over_whole_files_and_rows(tmp_path, assets, monkeypatch):
     """local_documents(skip=n) is every document after the first n; whole files skipped are not read."""
-    pytest.importorskip("pyarrow")
     (tmp_path / "a.txt").write_text("the first file")
     (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(3)))
     parquet = str(assets.fineweb)

@@ -10,6 +10,8 @@ import subprocess
 import time
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import fineweb
@@ -53,38 +55,27 @@ def file_bytes(out_dir):
     return {n: json.dumps({**json.loads(b), "command": None}) if n.endswith(".json") else b for n, b in files.items()}
 
 
-@pytest.fixture(scope="session")
-def parquet_files(assets):
-    pytest.importorskip("pyarrow")  # optional: a bare GPU image may lack it
-    return [str(assets.fineweb)]
+def parquet_texts(path):
+    return pq.read_table(path, columns=["text"]).column("text").to_pylist()
 
 
 @pytest.fixture(scope="session")
-def parquet_tokens(parquet_files, enc):
+def parquet_tokens(assets, enc):
     """The reference: texts read with pyarrow directly, encoded by tiktoken's own batch API."""
-    pq = pytest.importorskip("pyarrow.parquet")
-    texts = [t for f in parquet_files for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()]
-    parts = []
-    for ids in enc.encode_ordinary_batch(texts, num_threads=2):
-        parts += [EOT, *ids]
-    return np.array(parts, dtype=np.uint16)
+    ids = enc.encode_ordinary_batch(parquet_texts(assets.fineweb), num_threads=2)
+    return np.array([t for doc in ids for t in [EOT, *doc]], dtype=np.uint16)
 
 
 @pytest.fixture(scope="session")
-def parquet_copies(tmp_path_factory, parquet_files, enc):
+def parquet_copies(tmp_path_factory, assets, enc):
     """The parquet sample as 40 files of distinct bytes (copy k ends in " (copy k)"), and tiktoken's tokens."""
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    folder = tmp_path_factory.mktemp("copies")
-    files, texts = [], []
-    for k in range(40):
-        for f in parquet_files:
-            copy = [t + f" (copy {k})" for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()]
-            files.append(str(folder / f"copy{k}_{os.path.basename(f)}"))
-            pq.write_table(pa.table({"text": copy}), files[-1])
-            texts += copy
-    tokens = [t for ids in enc.encode_ordinary_batch(texts, num_threads=2) for t in [EOT, *ids]]
-    return files, np.array(tokens, dtype=np.uint16)
+    folder, texts = tmp_path_factory.mktemp("copies"), parquet_texts(assets.fineweb)
+    copies = [[t + f" (copy {k})" for t in texts] for k in range(40)]
+    files = [str(folder / f"copy{k}.parquet") for k in range(40)]
+    for path, copy in zip(files, copies, strict=True):
+        pq.write_table(pa.table({"text": copy}), path)
+    ids = enc.encode_ordinary_batch([t for copy in copies for t in copy], num_threads=2)
+    return files, np.array([t for doc in ids for t in [EOT, *doc]], dtype=np.uint16)
 
 
 def wait_for_shards(proc, manifest, n, timeout):
@@ -182,8 +173,8 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, monkeypatch, parquet_c
     np.testing.assert_array_equal(np.concatenate(ordered(read_shards(fresh))), tokens)
 
 
-def test_max_tokens_stops_exactly_then_resumes(tmp_path, parquet_files, parquet_run, parquet_tokens):
-    args = ["--input", *parquet_files, "--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--workers", "2"]
+def test_max_tokens_stops_exactly_then_resumes(tmp_path, assets, parquet_run, parquet_tokens):
+    args = ["--input", str(assets.fineweb), "--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--workers", "2"]
     fineweb.main([*args, "--max-tokens", "25001"])  # stops inside a document
     shards = ordered(read_shards(tmp_path))
     assert [len(s) for s in shards] == [SHARD, SHARD, 5_001]
@@ -197,7 +188,7 @@ def test_max_tokens_stops_exactly_then_resumes(tmp_path, parquet_files, parquet_
     assert file_bytes(tmp_path) == file_bytes(parquet_run)
 
 
-def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, parquet_files, parquet_run):
+def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, assets, parquet_run):
     datasets = pytest.importorskip("datasets")
 
     real_load_dataset = datasets.load_dataset
@@ -206,7 +197,7 @@ def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, parquet_files,
     def local_hub(path, name=None, split=None, streaming=False):
         # the Hub stands in as local parquet, still a streamed datasets.IterableDataset
         calls.append((path, name, split, streaming))
-        return real_load_dataset("parquet", data_files=parquet_files, split="train", streaming=True)
+        return real_load_dataset("parquet", data_files=[str(assets.fineweb)], split="train", streaming=True)
 
     monkeypatch.setattr(datasets, "load_dataset", local_hub)
     online(monkeypatch)
@@ -387,7 +378,6 @@ def test_input_within_one_shard_says_there_is_no_train_shard(tmp_path, assets, t
 def test_empty_input_says_no_documents(tmp_path, files, message, out_dir):
     for name, content in files.items():
         if content is None:
-            pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
             pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), tmp_path / name)
         else:
             (tmp_path / name).write_bytes(content)
