@@ -567,11 +567,10 @@ def main(argv=None):
     print(f"HellaSwag {args.model}: {n} examples, {dtype}")
     print(f"acc      {counts['correct'] / n:.4f}  ({counts['correct']}/{n})")
     print(f"acc_norm {counts['correct_norm'] / n:.4f}  ({counts['correct_norm']}/{n})")
-    for t in sorted(k[2:] for k in counts if k.startswith("n_")):
+    for t in sorted(k[2:] for k in counts if k.startswith("n_")):  # the split types the examples have
         n_t = counts[f"n_{t}"]
-        if n_t:
-            acc, acc_norm = counts[f"correct_{t}"] / n_t, counts[f"correct_norm_{t}"] / n_t
-            print(f"  {t:<9} n={n_t:<5} acc {acc:.4f}  acc_norm {acc_norm:.4f}")
+        acc, acc_norm = counts[f"correct_{t}"] / n_t, counts[f"correct_norm_{t}"] / n_t
+        print(f"  {t:<9} n={n_t:<5} acc {acc:.4f}  acc_norm {acc_norm:.4f}")
 
 
 if __name__ == "__main__":

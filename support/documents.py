@@ -132,9 +132,7 @@ def check_inputs(paths, text_field):
             except OSError as e:
                 raise UserError(f"cannot read {path}: {e.strerror or e}") from None
         if not path.endswith(".txt"):
-            docs = read_documents(path, text_field)
-            next(docs, None)  # opens the file and checks the first row
-            docs.close()
+            next(read_documents(path, text_field), None)  # opens the file and checks the first row
 
 
 def local_documents(paths, text_field, skip=0):
