@@ -70,13 +70,10 @@ _EOT_ARRAY = np.array([EOT], dtype=np.uint32)
 
 def _tokenize_batch(enc, texts):
     """The <|endoftext|>-prefixed tokens of texts, concatenated (uint16), and each document's length."""
-    parts, lengths = [], np.empty(len(texts), dtype=np.int64)
-    for i, text in enumerate(texts):
-        ids = encode_ordinary(enc, text)
-        parts += (_EOT_ARRAY, ids)
-        lengths[i] = len(ids) + 1
+    docs = [encode_ordinary(enc, text) for text in texts]
     # exact: every id of GPT-2's encoding fits in 16 bits
-    return np.concatenate(parts).astype(np.uint16), lengths
+    tokens = np.concatenate([part for ids in docs for part in (_EOT_ARRAY, ids)]).astype(np.uint16)
+    return tokens, np.array([len(ids) + 1 for ids in docs], dtype=np.int64)
 
 
 def _batched(documents, batch_chars):
