@@ -175,32 +175,28 @@ def test_the_450_rows_give_their_pinned_digests_and_the_originals_first_ones(val
     assert hellaswag.ORIGINAL_DIGESTS[:9] == DIGESTS_450[:9]  # rows 1..256: the original's, as the asset's README says
 
 
-def test_the_download_writes_the_original_file_and_the_next_load_reads_it(tmp_path, monkeypatch, val_path, hub):
-    hub(hub_rows(val_path))
-    assert len(hellaswag.load_examples(cache_dir=str(tmp_path / "cache"), limit=3)) == 3
-    assert hub.calls == [("Rowan/hellaswag", {"split": "validation"})]
-    # the cache is the original jsonl byte for byte (label an int, the original's field order), alone
-    assert os.listdir(tmp_path / "cache") == [hellaswag.CACHE_NAME]
-    assert (tmp_path / "cache" / hellaswag.CACHE_NAME).read_bytes() == val_path.read_bytes()
-    import datasets  # noqa: PLC0415
-
-    monkeypatch.setattr(datasets, "load_dataset", never)  # the second time reads the cache
-    assert hellaswag.load_examples(cache_dir=str(tmp_path / "cache")) == hellaswag.load_examples(str(val_path))
-
-
-def test_hellaswag_py_on_a_checkpoint_fills_the_cache_from_the_hub_and_scores_as_with_data(
+def test_hellaswag_py_fills_the_cache_with_the_original_file_from_the_hub_and_reads_it_next_time(
     tmp_path, short_run, val_path, hub, capsys, monkeypatch
 ):
+    import datasets  # noqa: PLC0415
+
     hub(hub_rows(val_path))
     # on a CPU it keeps freed memory, as a CPU training run evaluates (what the call does: test_device.py)
     calls = []
     monkeypatch.setattr(hellaswag, "keep_freed_memory", lambda: calls.append("called"))
-    ckpt, cache = str(short_run[1] / "ckpt_000002.pt"), str(tmp_path / "cache")
-    hellaswag.main(["-m", ckpt, "--cache-dir", cache, "--limit", "20", "-d", "cpu"])
+    cache = tmp_path / "cache"
+    args = ["-m", str(short_run[1] / "ckpt_000002.pt"), "--cache-dir", str(cache), "--limit", "20", "-d", "cpu"]
+    hellaswag.main(args)
+    assert hub.calls == [("Rowan/hellaswag", {"split": "validation"})] and calls == ["called"]
+    # the cache is the original jsonl byte for byte (label an int, the original's field order), alone
+    assert (
+        os.listdir(cache) == [hellaswag.CACHE_NAME]
+        and (cache / hellaswag.CACHE_NAME).read_bytes() == val_path.read_bytes()
+    )
     from_hub = capsys.readouterr().out
-    assert hub.calls and os.listdir(cache) == [hellaswag.CACHE_NAME] and calls == ["called"]
-    hellaswag.main(["-m", ckpt, "--data", str(val_path), "--limit", "20", "-d", "cpu"])
-    assert from_hub == capsys.readouterr().out and "acc_norm 0." in from_hub
+    monkeypatch.setattr(datasets, "load_dataset", never)  # the second time reads the cache
+    hellaswag.main(args)
+    assert capsys.readouterr().out == from_hub and "acc_norm 0." in from_hub
 
 
 def change_ending(rows, i):
