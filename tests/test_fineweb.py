@@ -200,7 +200,7 @@ def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, assets, parque
         return real_load_dataset("parquet", data_files=[str(assets.fineweb)], split="train", streaming=True)
 
     monkeypatch.setattr(datasets, "load_dataset", local_hub)
-    online(monkeypatch)
+    monkeypatch.setattr(fineweb, "check_online", lambda dataset: None)  # online (offline: the test below)
     args = ["--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--workers", "2"]
     fineweb.main([*args, "--max-tokens", "33333"])  # and resume through the stream's skip
     summary = fineweb.main(args)
@@ -253,15 +253,6 @@ def test_manifest_from_other_config_is_refused(tmp_path):
     (tmp_path / "out" / "edufineweb_manifest.json").write_text("{not json")  # edited by hand
     with pytest.raises(UserError, match=r"cannot read .*edufineweb_manifest.json as fineweb.py's manifest \("):
         fineweb.main([*args, "--shard-size", "1025"])
-
-
-def online(monkeypatch):
-    """Online without the network: no offline flags, and every TCP connection (check_online's) opens."""
-    for var in HUB_OFFLINE_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(
-        offline.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})()
-    )
 
 
 def unreachable(*args, **kwargs):
