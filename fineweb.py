@@ -70,13 +70,10 @@ _EOT_ARRAY = np.array([EOT], dtype=np.uint32)
 
 def _tokenize_batch(enc, texts):
     """The <|endoftext|>-prefixed tokens of texts, concatenated (uint16), and each document's length."""
-    parts, lengths = [], np.empty(len(texts), dtype=np.int64)
-    for i, text in enumerate(texts):
-        ids = encode_ordinary(enc, text)
-        parts += (_EOT_ARRAY, ids)
-        lengths[i] = len(ids) + 1
+    docs = [encode_ordinary(enc, text) for text in texts]
     # exact: every id of GPT-2's encoding fits in 16 bits
-    return np.concatenate(parts).astype(np.uint16), lengths
+    tokens = np.concatenate([part for ids in docs for part in (_EOT_ARRAY, ids)]).astype(np.uint16)
+    return tokens, np.array([len(ids) + 1 for ids in docs], dtype=np.int64)
 
 
 def _batched(documents, batch_chars):
@@ -128,12 +125,6 @@ def tokenize_batches(documents, workers=None, batch_chars=BATCH_CHARS):
             result.cancel()
         for _ in threads:
             tasks.put(None)
-
-
-def tokenize_docs(documents, workers=None):
-    """All documents as one uint16 array of EOT-prefixed tokens, through the same pool as the CLI."""
-    parts = [tokens for tokens, _ in tokenize_batches(documents, workers)]
-    return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint16)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,101 +216,88 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
 
     # --max-shards is a token limit too: max_shards full shards
     limit = min(max_tokens or float("inf"), max_shards * shard_size if max_shards else float("inf"))
-    pos = sum(s["tokens"] for s in shards)  # tokens written so far
-    summary = dict(out_dir=out_dir, new_tokens=0, seconds=0.0)
-    if manifest["complete"] or pos >= limit:
+    pos = pos0 = sum(s["tokens"] for s in shards)  # tokens written so far
+    nothing_to_do, t0 = manifest["complete"] or pos >= limit, time.time()
+    if nothing_to_do:
         if not (manifest["complete"] or manifest.get("limit") is not None):
             manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
             save_manifest(manifest_path, manifest)
-        return _summary(summary, shards, nothing_to_do=True, complete=manifest["complete"])
-    if shards and shards[-1]["tokens"] < shard_size:
-        pos -= shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone in full
-    manifest.pop("limit", None)  # unfinished until this run reaches the end or its own limit
-    if had_manifest:
-        save_manifest(manifest_path, manifest)  # the list as this run starts from it
-    if shards:
-        print(f"resuming after {shards[-1]['file']}: {pos:,} tokens already in {len(shards)} shards", file=sys.stderr)
+    else:
+        if shards and shards[-1]["tokens"] < shard_size:
+            pos = pos0 = pos - shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone
+        manifest.pop("limit", None)  # unfinished until this run reaches the end or its own limit
+        if had_manifest:
+            save_manifest(manifest_path, manifest)  # the list as this run starts from it
+        if shards:
+            print(
+                f"resuming after {shards[-1]['file']}: {pos:,} tokens already in {len(shards)} shards", file=sys.stderr
+            )
+        # opened before the bar: a dataset that cannot be opened is just an error
+        documents = open_documents(sum(s["documents"] for s in shards))
+        try:
+            pos = _write_shards(out_dir, config, manifest, manifest_path, tokenize_batches(documents, workers), limit)
+        except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
+            raise UserError(
+                f"cannot write to {out_dir} ({e.strerror or e}): the shards finished before are kept; "
+                f"free space (or fix the folder's permissions) and rerun the same command to resume"
+            ) from None
+    return dict(
+        out_dir=out_dir,
+        nothing_to_do=nothing_to_do,
+        complete=manifest["complete"],
+        new_tokens=pos - pos0,
+        seconds=time.time() - t0,
+        documents=sum(s["documents"] for s in shards),
+        tokens=sum(s["tokens"] for s in shards),
+        files=[s["file"] for s in shards],
+    )
 
-    writer = ShardWriter(out_dir, config, manifest, manifest_path)
-    documents = open_documents(writer.docs_done)  # before the bar: a dataset that cannot be opened is just an error
-    t0, pos0 = time.time(), pos
-    try:
-        pos = _write_shards(writer, tokenize_batches(documents, workers), pos, limit)
-    except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
-        raise UserError(
-            f"cannot write to {out_dir} ({e.strerror or e}): the shards finished before are kept; "
-            f"free space (or fix the folder's permissions) and rerun the same command to resume"
-        ) from None
-    summary.update(new_tokens=pos - pos0, seconds=time.time() - t0)
-    return _summary(summary, shards, nothing_to_do=False, complete=manifest["complete"])
 
+def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
+    """The tokenized documents (stream, from tokenize_batches) into shards after the manifest's, up to
+    token limit or the end of the input (the last shard partial, the manifest marked complete); returns
+    the tokens written by then. A shard is listed after its rename (the manifest rewritten whole,
+    atomically), so the manifest never names a file that is not there."""
+    shards, fmt = manifest["shards"], config["format"]
+    buf, fill = np.empty(config["shard_size"], dtype=np.uint16), 0  # the shard being filled
+    pos = pos0 = sum(s["tokens"] for s in shards)
+    # documents whose every token is in a finished shard: the first of the shard being filled, and of the batch
+    docs_done = shard_first_doc = batch_first_doc = sum(s["documents"] for s in shards)
+    skip_tokens = shards[-1]["carry"] if shards else 0  # tokens of the next document already written
 
-class ShardWriter:
-    """The shard being filled, and the manifest that lists the finished ones: a shard is listed
-    after its rename (the manifest rewritten whole, atomically), so the manifest never names a file
-    that is not there."""
-
-    def __init__(self, out_dir, config, manifest, manifest_path):
-        self.out_dir, self.prefix, self.fmt = out_dir, config["prefix"], config["format"]
-        self.manifest, self.manifest_path = manifest, manifest_path
-        self.shards = manifest["shards"]
-        self.docs_done = sum(s["documents"] for s in self.shards)  # documents whose every token is in a finished shard
-        self.shard_start_doc = self.docs_done  # the current shard's first document, by global index
-        self.buf = np.empty(config["shard_size"], dtype=np.uint16)
-        self.fill = 0
-
-    def room(self):
-        """Tokens the shard being filled still takes."""
-        return len(self.buf) - self.fill
-
-    def add(self, tokens):
-        """tokens (no more than room()) into the shard being filled."""
-        self.buf[self.fill : self.fill + len(tokens)] = tokens
-        self.fill += len(tokens)
-
-    def finish_shard(self, end_doc, carry):
-        """The tokens added since the last shard, written as the next shard and listed. end_doc: the
-        index of the first document that does not end in it; carry: that document's tokens in it."""
-        if not self.shards:  # the manifest before the first shard: every shard file is named by one
-            save_manifest(self.manifest_path, self.manifest)
-        path = shard_path(self.out_dir, self.prefix, len(self.shards), self.fmt)
-        write_shard(path, self.buf[: self.fill], self.fmt)
-        self.shards.append(
+    def finish_shard(end_doc, carry):
+        """buf[:fill] written as the next shard and listed. end_doc: the index of the first document that
+        does not end in it; carry: that document's tokens in it."""
+        nonlocal fill, shard_first_doc
+        if not shards:  # the manifest before the first shard: every shard file is named by one
+            save_manifest(manifest_path, manifest)
+        path = shard_path(out_dir, config["prefix"], len(shards), fmt)
+        write_shard(path, buf[:fill], fmt)
+        shards.append(
             dict(
                 file=os.path.basename(path),
-                split="val" if not self.shards else "train",
-                tokens=self.fill,
+                split="val" if not shards else "train",
+                tokens=fill,
                 bytes=os.path.getsize(path),
-                documents=end_doc - self.shard_start_doc,  # documents that end in this shard
+                documents=end_doc - shard_first_doc,  # documents that end in this shard
                 carry=carry,  # tokens of the next document (split across shards) already in this one
             )
         )
-        save_manifest(self.manifest_path, self.manifest)
-        self.fill, self.shard_start_doc = 0, end_doc
+        save_manifest(manifest_path, manifest)
+        fill, shard_first_doc = 0, end_doc
 
-
-def _write_shards(writer, stream, pos, limit):
-    """The tokenized documents (stream, from tokenize_batches) into shards, from token pos up to
-    limit or the end of the input (the last shard partial, the manifest marked complete); returns
-    the tokens written by then."""
-    manifest, shards = writer.manifest, writer.shards
-    skip_tokens = shards[-1]["carry"] if shards else 0  # tokens of the next document already written
-    batch_first_doc = docs_done = writer.docs_done  # the current batch's first document
-    pos0 = pos
-    bar = tqdm(
-        total=None if limit == float("inf") else limit, initial=pos, unit="tok", unit_scale=True, desc=writer.out_dir
-    )
+    bar = tqdm(total=None if limit == float("inf") else limit, initial=pos, unit="tok", unit_scale=True, desc=out_dir)
     try:
         for tokens, lengths in stream:
             ends = np.cumsum(lengths)  # end of each document in this batch's tokens
             i, skip_tokens = skip_tokens, 0
             while i < len(tokens) and pos < limit:
-                n = min(writer.room(), len(tokens) - i, limit - pos)
-                writer.add(tokens[i : i + n])
-                i, pos = i + n, pos + n
-                if writer.room() == 0 or pos == limit:
+                n = min(len(buf) - fill, len(tokens) - i, limit - pos)
+                buf[fill : fill + n] = tokens[i : i + n]
+                fill, i, pos = fill + n, i + n, pos + n
+                if fill == len(buf) or pos == limit:
                     done = int(np.searchsorted(ends, i, side="right"))  # documents of this batch fully written
-                    writer.finish_shard(batch_first_doc + done, i - (int(ends[done - 1]) if done else 0))
+                    finish_shard(batch_first_doc + done, i - (int(ends[done - 1]) if done else 0))
             batch_first_doc += len(lengths)
             bar.update(pos - bar.n)
             bar.set_postfix(docs=batch_first_doc, shards=len(shards), refresh=False)
@@ -332,27 +310,16 @@ def _write_shards(writer, stream, pos, limit):
                     (f"the input's {n:,} documents are all empty" if n else "no documents in the input")
                     + ": nothing to tokenize, no shard written"
                 )
-            if writer.fill:
-                writer.finish_shard(batch_first_doc, 0)
+            if fill:
+                finish_shard(batch_first_doc, 0)
             manifest["complete"] = True
         if not manifest["complete"]:
             manifest["limit"] = int(limit)  # stopped where --max-tokens / --max-shards asked: training may use it
-        save_manifest(writer.manifest_path, manifest)
+        save_manifest(manifest_path, manifest)
     finally:
         stream.close()  # stops the worker pool, also on an early stop or an error
         bar.close()
     return pos
-
-
-def _summary(summary, shards, **extra):
-    summary.update(
-        documents=sum(s["documents"] for s in shards),
-        tokens=sum(s["tokens"] for s in shards),
-        shards=len(shards),
-        files=[s["file"] for s in shards],
-        **extra,
-    )
-    return summary
 
 
 # ----------------------------------------------------------------------------------------------
@@ -470,7 +437,7 @@ def main(argv=None):
     )
     command = f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["python", os.path.relpath(__file__), *argv])
     s = build_shards(open_documents, config, args.out_dir, args.workers, args.max_tokens, args.max_shards, command)
-    where = f"{s['tokens']:,} tokens from {s['documents']:,} documents in {s['shards']} shards in {s['out_dir']}"
+    where = f"{s['tokens']:,} tokens from {s['documents']:,} documents in {len(s['files'])} shards in {s['out_dir']}"
     if s["nothing_to_do"]:
         print(f"nothing to do: {where} already (delete the folder to start over)")
     else:
@@ -479,7 +446,7 @@ def main(argv=None):
         print(
             f"{state}: {where}; this run wrote {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate:,.0f} tokens/s)"
         )
-    if s["complete"] and s["shards"] == 1:  # shard 0 is val: train_gpt2.py would find no train shard
+    if s["complete"] and len(s["files"]) == 1:  # shard 0 is val: train_gpt2.py would find no train shard
         smaller = max(MIN_SHARD_SIZE, s["tokens"] // 10)  # about a tenth of the input, the rest in train shards
         fix = (
             f"write smaller shards into another --out-dir, e.g. --shard-size {smaller}"
@@ -491,7 +458,7 @@ def main(argv=None):
             f"--shard-size ({args.shard_size:,}), so it is all in the val shard {s['files'][0]}; for training, {fix}",
             file=sys.stderr,
         )
-    elif s["shards"] == 1:  # stopped by --max-shards 1 or --max-tokens within shard 0, the val shard
+    elif len(s["files"]) == 1:  # stopped by --max-shards 1 or --max-tokens within shard 0, the val shard
         instead = " and no --max-tokens" if args.max_tokens else ""
         print(
             f"note: there is no train shard: this run stopped within shard 0, {s['files'][0]}, which is held out "

@@ -70,11 +70,6 @@ ORIGINAL_DIGESTS = (
 ).split()
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "gpt2-repro", "hellaswag")
 CACHE_NAME = "hellaswag_val.jsonl"
-SPLIT_TYPES = ("indomain", "zeroshot")  # activity labels seen / not seen in HellaSwag's train split
-
-
-class HellaSwagDataError(UserError):
-    """The data is missing, malformed or a bad cache: one line that names the file and the fix."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,11 +80,11 @@ def parse_rows(lines, source):
     """jsonl lines -> list of examples; the first line whose endings or label would be scored wrong
     raises an error that names it (a missing or non-string text fails in prepare, naming it too)."""
     examples = []
-    for lineno, ex in jsonl_rows(lines, source, HellaSwagDataError):
+    for lineno, ex in jsonl_rows(lines, source):
         if not (isinstance(ex, dict) and isinstance(ex.get("endings"), list) and len(ex["endings"]) == 4):
-            raise HellaSwagDataError(f"{source} line {lineno}: not a HellaSwag example (a list of 4 endings)")
+            raise UserError(f"{source} line {lineno}: not a HellaSwag example (a list of 4 endings)")
         if type(ex.get("label")) is not int or not 0 <= ex["label"] <= 3:
-            raise HellaSwagDataError(f"{source} line {lineno}: label {ex.get('label')!r} is not an int from 0 to 3")
+            raise UserError(f"{source} line {lineno}: label {ex.get('label')!r} is not an int from 0 to 3")
         examples.append(ex)
     return examples
 
@@ -99,9 +94,9 @@ def _read_jsonl(path):
         with open(path, encoding="utf-8") as f:
             return parse_rows(f, path)
     except UnicodeDecodeError as e:
-        raise HellaSwagDataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:  # not there, a folder, no read permission, an I/O error
-        raise HellaSwagDataError(f"{path} cannot be read: {e.strerror or first_line(e)}") from None
+        raise UserError(f"{path} cannot be read: {e.strerror or first_line(e)}") from None
 
 
 def digests(examples):
@@ -129,7 +124,7 @@ def download(cache_path):
     hub = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     reason = f"{var} is set" if var else unreachable(hub)  # said at once: the Hub client retries for ~30 s
     if reason:
-        raise HellaSwagDataError(f"cannot download HellaSwag from {hub} ({reason}); {fix}")
+        raise UserError(f"cannot download HellaSwag from {hub} ({reason}); {fix}")
     print(f"downloading the HellaSwag validation split ({HUB_DATASET}) to {cache_path}", file=sys.stderr)
     import datasets  # noqa: PLC0415  only a download needs datasets (half a second to import)
 
@@ -137,7 +132,7 @@ def download(cache_path):
         lines = [original_row(r) for r in datasets.load_dataset(HUB_DATASET, split="validation")]
         examples = parse_rows(lines, HUB_DATASET)
     except Exception as e:  # not found, no network, a changed schema: the library's message says which
-        raise HellaSwagDataError(f"cannot download HellaSwag ({HUB_DATASET}: {first_line(e)}); {fix}") from None
+        raise UserError(f"cannot download HellaSwag ({HUB_DATASET}: {first_line(e)}); {fix}") from None
     n, got, how = ORIGINAL_ROWS, digests(examples), None
     if len(examples) != n:
         how = f"has {len(examples):,} rows, not the original's {n:,}"
@@ -147,7 +142,7 @@ def download(cache_path):
         rows = f"at row {first:,}" if first == last else f"between rows {first:,} and {last:,}"
         how = f"differs from the original first {rows}"
     if how:
-        raise HellaSwagDataError(f"{HUB_DATASET}'s validation split {how} (not cached); {fix}")
+        raise UserError(f"{HUB_DATASET}'s validation split {how} (not cached); {fix}")
     os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
     # a cut download never leaves a partial cache; a link at its name is refused (no flag to name: any caller's)
     write_atomic(cache_path, lambda f: f.write("".join(lines).encode("utf-8")))
@@ -162,7 +157,7 @@ def load_examples(path=None, cache_dir=None, limit=None):
     if path is not None:
         examples = _read_jsonl(path)
         if not examples:
-            raise HellaSwagDataError(f"{path} holds no examples: pass a HellaSwag jsonl file")
+            raise UserError(f"{path} holds no examples: pass a HellaSwag jsonl file")
     else:
         cache_path = os.path.join(cache_dir or DEFAULT_CACHE_DIR, CACHE_NAME)
         if not os.path.exists(cache_path):
@@ -202,27 +197,19 @@ def render_example(example, enc):
 
 
 class Prepared:
-    """The examples tokenized once (see prepare), and the batches last built from them.
+    """The examples tokenized once (see prepare): one flat array, example 0's context, its 4 endings,
+    example 1's context, ..., with each piece's start and length, from which the batches are cut by
+    array operations: a Python step per batch rather than per token (the full set has 2.4M tokens
+    and 1.27M scored positions)."""
 
-    The tokens are kept twice: as lists (ctx[i], endings[i][j]), which read plainly, and as one
-    flat array with each example's offsets and lengths, from which the batches are cut by array
-    operations: a Python step per batch rather than per token (the full set has 2.4M tokens and
-    1.27M scored positions)."""
-
-    def __init__(self, ctx, endings, labels, split_types):
-        self.ctx = ctx  # context tokens, per example
-        self.endings = endings  # the 4 endings' tokens, per example
-        self.labels = labels
-        self.split_types = split_types
+    def __init__(self, pieces, labels, split_types):
+        self.labels, self.split_types = labels, split_types
         self.batches = {}  # (window, device, share, ...) -> (batches on that device, n_tokens)
-        # tokens holds example 0's context, its 4 endings, example 1's context, ... back to back
-        self.ctx_len = np.array([len(c) for c in ctx], dtype=np.int64)
-        self.end_len = np.array([[len(e) for e in ends] for ends in endings], dtype=np.int64).reshape(-1, 4)
-        lengths = np.concatenate([self.ctx_len[:, None], self.end_len], axis=1)  # (n, 5), in storage order
+        lengths = np.array([len(piece) for piece in pieces], dtype=np.int64).reshape(-1, 5)
+        self.ctx_len, self.end_len = lengths[:, 0], lengths[:, 1:]
         starts = np.cumsum(lengths).reshape(-1, 5) - lengths
         self.ctx_start, self.end_start = starts[:, 0], starts[:, 1:]
-        pieces = itertools.chain.from_iterable(seq for c, ends in zip(ctx, endings, strict=True) for seq in (c, *ends))
-        self.tokens = np.fromiter(pieces, dtype=np.int64, count=int(lengths.sum()))
+        self.tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=int(lengths.sum()))
 
     def __len__(self):
         return len(self.labels)
@@ -230,20 +217,19 @@ class Prepared:
 
 def prepare(examples, enc):
     """Tokenize every example once, for every later evaluate(). An example that cannot be rendered
-    (a missing field, text the tokenizer refuses) is a HellaSwagDataError that names it."""
-    ctx, endings, labels, split_types = [], [], [], []
+    (a missing field, text the tokenizer refuses) is a UserError that names it."""
+    pieces, labels, split_types = [], [], []
     for i, ex in enumerate(examples):
         try:
-            c, ends = render_example(ex, enc)
+            ctx, endings = render_example(ex, enc)
             label, split_type = ex["label"], ex["split_type"]
         except Exception as e:  # KeyError, TypeError, "<|endoftext|>" in the text (ValueError), ...
             name = f"example {i}" + (f" (ind {ex['ind']})" if isinstance(ex, dict) and "ind" in ex else "")
-            raise HellaSwagDataError(f"HellaSwag {name} cannot be tokenized: {first_line(e)}") from None
-        ctx.append(c)
-        endings.append(ends)
+            raise UserError(f"HellaSwag {name} cannot be tokenized: {first_line(e)}") from None
+        pieces += [ctx, *endings]
         labels.append(label)
         split_types.append(split_type)
-    return Prepared(ctx, endings, labels, split_types)
+    return Prepared(pieces, labels, split_types)
 
 
 def _trunk(model):
@@ -450,7 +436,7 @@ def evaluate(
     of counts that the ranks sum: n, correct (acc), correct_norm (acc_norm), and the same three
     per split_type as n_<type>, correct_<type>, correct_norm_<type>. The keys depend only on the
     examples, so every rank returns the same keys. None if should_stop() became true."""
-    split_types = sorted(set(SPLIT_TYPES) | set(prepared.split_types))
+    split_types = sorted(set(prepared.split_types))
     share = list(range(rank, len(prepared), world_size))
     counts = {f"{k}{t}": 0 for t in ("", *(f"_{s}" for s in split_types)) for k in ("n", "correct", "correct_norm")}
     if share:
@@ -494,11 +480,9 @@ def load_for_run(path, limit, enc, master_process, ddp):
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if not ok.item() and problem is None:
             problem = "another rank could not load the HellaSwag data"
-    if problem is not None:
-        if master_process:
-            print(f"warning: HellaSwag evaluation is off for this run: {problem}", file=sys.stderr)
-        return None, problem
-    return prepared, None
+    if problem is not None and master_process:
+        print(f"warning: HellaSwag evaluation is off for this run: {problem}", file=sys.stderr)
+    return (prepared if problem is None else None), problem
 
 
 @torch.no_grad()
@@ -583,11 +567,10 @@ def main(argv=None):
     print(f"HellaSwag {args.model}: {n} examples, {dtype}")
     print(f"acc      {counts['correct'] / n:.4f}  ({counts['correct']}/{n})")
     print(f"acc_norm {counts['correct_norm'] / n:.4f}  ({counts['correct_norm']}/{n})")
-    for t in sorted(k[2:] for k in counts if k.startswith("n_")):
+    for t in sorted(k[2:] for k in counts if k.startswith("n_")):  # the split types the examples have
         n_t = counts[f"n_{t}"]
-        if n_t:
-            acc, acc_norm = counts[f"correct_{t}"] / n_t, counts[f"correct_norm_{t}"] / n_t
-            print(f"  {t:<9} n={n_t:<5} acc {acc:.4f}  acc_norm {acc_norm:.4f}")
+        acc, acc_norm = counts[f"correct_{t}"] / n_t, counts[f"correct_norm_{t}"] / n_t
+        print(f"  {t:<9} n={n_t:<5} acc {acc:.4f}  acc_norm {acc_norm:.4f}")
 
 
 if __name__ == "__main__":

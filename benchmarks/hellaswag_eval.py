@@ -19,12 +19,12 @@ from support.cli import UserError
 from support.shards import get_tokenizer
 
 
-def plain_hellaswag_preds(model, prepared, device):
+def plain_hellaswag_preds(model, examples, enc, device):
     """The plain way, for reference: one (context + ending) row per forward pass, logits and
     log-softmax everywhere, the ending's tokens summed. -> (acc predictions, acc_norm predictions)."""
     preds, preds_norm = [], []
     with torch.no_grad():
-        for ctx, ends in zip(prepared.ctx, prepared.endings, strict=True):
+        for ctx, ends in (hellaswag.render_example(ex, enc) for ex in examples):
             sums = []
             for end in ends:
                 row = torch.tensor([ctx + end], device=device)
@@ -95,7 +95,7 @@ def find_hellaswag_data(path, shared):
         return None, "no HellaSwag data: pass --hellaswag-data path/to/hellaswag_val.jsonl"
     try:
         hellaswag.load_examples(path)
-    except hellaswag.HellaSwagDataError as e:
+    except UserError as e:
         if given:
             raise UserError(f"--hellaswag-data {e}") from None
         return None, str(e)
@@ -119,7 +119,7 @@ def bench_hellaswag(s, path, device, device_type, tmp):
         state["in_loop"] = hellaswag.evaluate(model, prepared, device)
 
     def plain():
-        state["plain"] = counts_of(prepared, *plain_hellaswag_preds(model, prepared, device))
+        state["plain"] = counts_of(prepared, *plain_hellaswag_preds(model, examples[:n], enc, device))
 
     def process():  # fp32 too: the same predictions are asserted
         seconds, state["process"] = run_hellaswag_cli(ckpt, path, n, device, "float32")

@@ -2,6 +2,8 @@
 
 import statistics
 
+import numpy as np
+
 import fineweb
 from benchmarks.report import comparison
 from benchmarks.timing import interleave, log, rates, stats, timed
@@ -39,14 +41,16 @@ def bench_fineweb(s, paths, text_field):
     log(f"  fineweb: {len(docs)} documents, {chars:,} characters, {n_tokens:,} tokens, {workers} workers")
 
     def ours():  # the CLI's own path: its pool of tokenizer threads, EOT-prefixed uint16 tokens
-        out = fineweb.tokenize_docs(docs, workers)
+        out = np.concatenate([t for t, _ in fineweb.tokenize_batches(docs, workers)])
         assert len(out) == n_tokens + len(docs)  # the same work: every token, plus one EOT per document
 
     def theirs():
         enc.encode_ordinary_batch(docs, num_threads=workers)
 
     times, _ = interleave({"fineweb": ours, "tiktoken": theirs}, *s["tok_rounds"], "cpu", "fineweb tokenize")
-    start = [timed(lambda: fineweb.tokenize_docs([""] * workers, workers), "cpu") for _ in range(3)]  # the pool alone
+    start = [
+        timed(lambda: list(fineweb.tokenize_batches([""] * workers, workers)), "cpu") for _ in range(3)
+    ]  # the pool alone
     tok = {k: rates(n_tokens, v) for k, v in times.items()}
     result = {
         "documents": len(docs),

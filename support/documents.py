@@ -7,8 +7,6 @@ import codecs
 import glob
 import os
 import shlex
-import urllib.parse
-import urllib.request
 
 from support.cli import UserError, first_line
 from support.files import jsonl_rows
@@ -134,9 +132,7 @@ def check_inputs(paths, text_field):
             except OSError as e:
                 raise UserError(f"cannot read {path}: {e.strerror or e}") from None
         if not path.endswith(".txt"):
-            docs = read_documents(path, text_field)
-            next(docs, None)  # opens the file and checks the first row
-            docs.close()
+            next(read_documents(path, text_field), None)  # opens the file and checks the first row
 
 
 def local_documents(paths, text_field, skip=0):
@@ -199,18 +195,16 @@ def hub_documents(dataset, name, split, text_field, skip=0):
 HUB_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
-def check_online(dataset, timeout=5.0):
+def check_online(dataset):
     """Offline, the Hub client retries for half a minute and then says nothing about offline use:
     find out at once, and say what to pass instead."""
-    hint = "pass local files with --input instead, e.g. --input 'corpus/*.parquet' (.txt, .jsonl or .parquet)"
-    var = offline_var(HUB_OFFLINE_VARS)
-    if var:
-        raise UserError(f"{var} is set, so {dataset} cannot be streamed from the Hugging Face Hub: {hint}")
     if os.path.exists(dataset):
         return  # a local dataset folder
-    url = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    reason = unreachable(url, timeout)
+    hub = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    var = offline_var(HUB_OFFLINE_VARS)
+    reason = f"{var} is set" if var else unreachable(hub)
     if reason:
         raise UserError(
-            f"cannot reach {urllib.parse.urlsplit(url).hostname} to stream {dataset} ({reason}); offline? {hint}"
+            f"cannot stream {dataset} from {hub} ({reason}): pass local files with --input instead, "
+            f"e.g. --input 'corpus/*.parquet' (.txt, .jsonl or .parquet)"
         )

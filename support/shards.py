@@ -89,20 +89,12 @@ MAX_VOCAB_SIZE = 2**16  # token shards hold uint16 ids: a larger vocabulary has 
 
 def write_shard(path, tokens, fmt="npy"):
     """tokens (uint16) as one shard file, written atomically."""
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
     if fmt == "bin":
-        header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
-        header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-
-        def write(f):
-            f.write(header.tobytes())
-            f.write(tokens.astype("<u2", copy=False).data)
-
+        write_atomic(path, lambda f: f.writelines([header.tobytes(), tokens.astype("<u2", copy=False).data]))
     else:
-
-        def write(f):
-            np.save(f, tokens)
-
-    write_atomic(path, write)
+        write_atomic(path, lambda f: np.save(f, tokens))
 
 
 def load_shard(path):

@@ -21,12 +21,25 @@ from support.documents import check_inputs, expand_inputs, hub_documents, local_
         (lambda tmp, data: [str(data.encoder_json)], "text", "unknown file type"),
         (lambda tmp, data: [str(tmp / "bad.parquet")], "text", "not a readable parquet file"),
         (lambda tmp, data: [str(data.fineweb)], "body", "has no 'body' column"),
+        (lambda tmp, data: [str(tmp / "binary.txt")], "text", "binary.txt holds NUL bytes"),
+        (lambda tmp, data: [str(tmp / "latin1.jsonl")], "text", r"latin1.jsonl is not UTF-8 text \(byte 13"),
     ],
-    ids=["glob-matches-nothing", "missing-file", "directory", "unknown-type", "not-parquet", "missing-column"],
+    ids=[
+        "glob-matches-nothing",
+        "missing-file",
+        "directory",
+        "unknown-type",
+        "not-parquet",
+        "missing-column",
+        "binary",
+        "latin-1",
+    ],
 )
 def test_bad_input_is_one_line_error(tmp_path, assets, make_paths, text_field, message):
-    """Found before any work: when the names are expanded, or in check_inputs' first row."""
+    """Found before any work: when the names are expanded, or in check_inputs' first bytes and row."""
     (tmp_path / "bad.parquet").write_bytes(b"this is not parquet")
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "latin1.jsonl").write_bytes('{"text": "caf\u00e9 au lait"}\n'.encode("latin-1"))
     with pytest.raises(UserError, match=message) as e:
         check_inputs(expand_inputs(make_paths(tmp_path, assets)), text_field)
     assert "\n" not in str(e.value)
@@ -61,7 +74,6 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_first_document(tmp_path, suff
 
 def test_a_resumed_runs_skip_passes_over_whole_files_and_rows(tmp_path, assets, monkeypatch):
     """local_documents(skip=n) is every document after the first n; whole files skipped are not read."""
-    pytest.importorskip("pyarrow")
     (tmp_path / "a.txt").write_text("the first file")
     (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(3)))
     parquet = str(assets.fineweb)

@@ -6,11 +6,12 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import fineweb
@@ -54,38 +55,27 @@ def file_bytes(out_dir):
     return {n: json.dumps({**json.loads(b), "command": None}) if n.endswith(".json") else b for n, b in files.items()}
 
 
-@pytest.fixture(scope="session")
-def parquet_files(assets):
-    pytest.importorskip("pyarrow")  # optional: a bare GPU image may lack it
-    return [str(assets.fineweb)]
+def parquet_texts(path):
+    return pq.read_table(path, columns=["text"]).column("text").to_pylist()
 
 
 @pytest.fixture(scope="session")
-def parquet_tokens(parquet_files, enc):
+def parquet_tokens(assets, enc):
     """The reference: texts read with pyarrow directly, encoded by tiktoken's own batch API."""
-    pq = pytest.importorskip("pyarrow.parquet")
-    texts = [t for f in parquet_files for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()]
-    parts = []
-    for ids in enc.encode_ordinary_batch(texts, num_threads=2):
-        parts += [EOT, *ids]
-    return np.array(parts, dtype=np.uint16)
+    ids = enc.encode_ordinary_batch(parquet_texts(assets.fineweb), num_threads=2)
+    return np.array([t for doc in ids for t in [EOT, *doc]], dtype=np.uint16)
 
 
 @pytest.fixture(scope="session")
-def parquet_copies(tmp_path_factory, parquet_files, enc):
+def parquet_copies(tmp_path_factory, assets, enc):
     """The parquet sample as 40 files of distinct bytes (copy k ends in " (copy k)"), and tiktoken's tokens."""
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    folder = tmp_path_factory.mktemp("copies")
-    files, texts = [], []
-    for k in range(40):
-        for f in parquet_files:
-            copy = [t + f" (copy {k})" for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()]
-            files.append(str(folder / f"copy{k}_{os.path.basename(f)}"))
-            pq.write_table(pa.table({"text": copy}), files[-1])
-            texts += copy
-    tokens = [t for ids in enc.encode_ordinary_batch(texts, num_threads=2) for t in [EOT, *ids]]
-    return files, np.array(tokens, dtype=np.uint16)
+    folder, texts = tmp_path_factory.mktemp("copies"), parquet_texts(assets.fineweb)
+    copies = [[t + f" (copy {k})" for t in texts] for k in range(40)]
+    files = [str(folder / f"copy{k}.parquet") for k in range(40)]
+    for path, copy in zip(files, copies, strict=True):
+        pq.write_table(pa.table({"text": copy}), path)
+    ids = enc.encode_ordinary_batch([t for copy in copies for t in copy], num_threads=2)
+    return files, np.array([t for doc in ids for t in [EOT, *doc]], dtype=np.uint16)
 
 
 def wait_for_shards(proc, manifest, n, timeout):
@@ -118,9 +108,9 @@ def test_parquet_sample_is_tiktoken_encoding_in_order(parquet_run, parquet_token
     assert manifest["complete"] and sum(s["documents"] for s in manifest["shards"]) == 100
 
 
-@pytest.mark.parametrize("fmt, size", [("npy", SHARD), ("bin", 150_000)])
-def test_tinyshakespeare_is_one_document_in_npy_and_in_llmc_bin(tmp_path, assets, enc, fmt, size):
-    text = assets.shakespeare
+def test_tinyshakespeare_is_one_document_in_llmc_bin(tmp_path, assets, enc):
+    # in .npy: test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes
+    text, fmt, size = assets.shakespeare, "bin", 150_000
     expected = np.array([EOT] + enc.encode_ordinary(text.read_text()), dtype=np.uint16)
     assert len(expected) == 300_736 + 1
     fineweb.main(["--input", str(text), "--out-dir", str(tmp_path), "--shard-size", str(size), "--format", fmt])
@@ -145,8 +135,11 @@ def test_txt_and_jsonl_globs_in_order_with_text_field(tmp_path, enc):
     expected = np.array([t for d in docs for t in [EOT, *enc.encode_ordinary(d)]], dtype=np.uint16)
 
     out = tmp_path / "out"
+    os.symlink(src / "a.txt", tmp_path / "link.txt")
+    # each file read once, however often it is named: its glob and its path, another spelling, a link
+    named_again = [str(src / "c.jsonl"), f"{src}/./a.txt", str(tmp_path / "link.txt")]
     # shards of the smallest size, 1,025 tokens: documents split across shards, the long one across several
-    inputs = ["--input", str(src / "*.txt"), str(src / "c.jsonl"), "--text-field", "content"]
+    inputs = ["--input", str(src / "*.txt"), str(src / "c.jsonl"), *named_again, "--text-field", "content"]
     fineweb.main([*inputs, "--out-dir", str(out), "--shard-size", "1025"])
     shards = ordered(read_shards(out))
     assert len(shards) == 3 and all(len(s) == 1025 for s in shards[:-1]) and 0 < len(shards[-1]) <= 1025
@@ -180,8 +173,8 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, monkeypatch, parquet_c
     np.testing.assert_array_equal(np.concatenate(ordered(read_shards(fresh))), tokens)
 
 
-def test_max_tokens_stops_exactly_then_resumes(tmp_path, parquet_files, parquet_run, parquet_tokens):
-    args = ["--input", *parquet_files, "--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--workers", "2"]
+def test_max_tokens_stops_exactly_then_resumes(tmp_path, assets, parquet_run, parquet_tokens):
+    args = ["--input", str(assets.fineweb), "--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--workers", "2"]
     fineweb.main([*args, "--max-tokens", "25001"])  # stops inside a document
     shards = ordered(read_shards(tmp_path))
     assert [len(s) for s in shards] == [SHARD, SHARD, 5_001]
@@ -195,16 +188,7 @@ def test_max_tokens_stops_exactly_then_resumes(tmp_path, parquet_files, parquet_
     assert file_bytes(tmp_path) == file_bytes(parquet_run)
 
 
-def test_max_shards(tmp_path, parquet_files, parquet_run):
-    fineweb.main(
-        ["--input", *parquet_files, "--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--max-shards", "2"]
-    )
-    shards = {n: b for n, b in file_bytes(tmp_path).items() if n.endswith(".npy")}
-    assert sorted(shards) == ["edufineweb_train_000001.npy", "edufineweb_val_000000.npy"]
-    assert all(shards[n] == file_bytes(parquet_run)[n] for n in shards)
-
-
-def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, parquet_files, parquet_run):
+def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, assets, parquet_run):
     datasets = pytest.importorskip("datasets")
 
     real_load_dataset = datasets.load_dataset
@@ -213,10 +197,10 @@ def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, parquet_files,
     def local_hub(path, name=None, split=None, streaming=False):
         # the Hub stands in as local parquet, still a streamed datasets.IterableDataset
         calls.append((path, name, split, streaming))
-        return real_load_dataset("parquet", data_files=parquet_files, split="train", streaming=True)
+        return real_load_dataset("parquet", data_files=[str(assets.fineweb)], split="train", streaming=True)
 
     monkeypatch.setattr(datasets, "load_dataset", local_hub)
-    online(monkeypatch)
+    monkeypatch.setattr(fineweb, "check_online", lambda dataset: None)  # online (offline: the test below)
     args = ["--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--workers", "2"]
     fineweb.main([*args, "--max-tokens", "33333"])  # and resume through the stream's skip
     summary = fineweb.main(args)
@@ -226,11 +210,11 @@ def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, parquet_files,
     assert shards(tmp_path) == shards(parquet_run)
 
 
-def test_tokenize_docs_matches_tiktoken(enc, assets):
+def test_the_pool_gives_tiktokens_tokens_in_order(enc, assets):
     text = assets.shakespeare.read_text()
-    docs = [text[i : i + 5000 + 37 * i % 9000] for i in range(0, len(text), 9000)] + ["", "\u00e9\n"]
-    expected = [t for d in docs for t in [EOT, *enc.encode_ordinary(d)]]
-    tokens = fineweb.tokenize_docs(docs, workers=2)  # spans several batches of BATCH_CHARS
+    docs = [text[i : i + 5000 + 37 * i % 9000] for i in range(0, len(text), 9000)] + ["", "\u00e9\n", "a \ud800 b"]
+    expected = [t for d in docs for t in [EOT, *enc.encode_ordinary(d)]]  # a lone surrogate repaired as tiktoken does
+    tokens = np.concatenate([t for t, _ in fineweb.tokenize_batches(docs, workers=2)])  # several batches of BATCH_CHARS
     assert tokens.dtype == np.uint16 and tokens.tolist() == expected
 
 
@@ -252,13 +236,6 @@ def test_pool_reads_only_a_bounded_amount_ahead(enc):
     assert pulled <= (4 * 2 + 1) * 10  # 4 * workers batches in flight, and the one being read
 
 
-def test_unwritable_out_dir(tmp_path):
-    (tmp_path / "doc.txt").write_text("hello")
-    (tmp_path / "a_file").write_text("")
-    with pytest.raises(UserError, match="a_file is a file, not a folder"):  # a folder inside a file: even as root
-        fineweb.main(["--input", str(tmp_path / "doc.txt"), "--out-dir", str(tmp_path / "a_file" / "shards")])
-
-
 def test_manifest_from_other_config_is_refused(tmp_path):
     (tmp_path / "doc.txt").write_text("hello world, " * 20)
     args = ["--input", str(tmp_path / "doc.txt"), "--out-dir", str(tmp_path / "out"), "--workers", "1"]
@@ -278,15 +255,6 @@ def test_manifest_from_other_config_is_refused(tmp_path):
         fineweb.main([*args, "--shard-size", "1025"])
 
 
-def online(monkeypatch):
-    """Online without the network: no offline flags, and every TCP connection (check_online's) opens."""
-    for var in HUB_OFFLINE_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(
-        offline.socket, "create_connection", lambda *a, **k: type("Ok", (), {"close": lambda self: None})()
-    )
-
-
 def unreachable(*args, **kwargs):
     raise OSError(101, "Network is unreachable")
 
@@ -296,8 +264,8 @@ def unreachable(*args, **kwargs):
     [
         ({"HF_HUB_OFFLINE": "1"}, None, "HF_HUB_OFFLINE is set"),
         ({"HF_DATASETS_OFFLINE": "true"}, None, "HF_DATASETS_OFFLINE is set"),
-        ({}, unreachable, "cannot reach huggingface.co .*Network is unreachable.*offline"),
-        ({"HF_ENDPOINT": "https://hf-mirror.example:8443"}, unreachable, "cannot reach hf-mirror.example"),
+        ({}, unreachable, r"from https://huggingface.co \(\[Errno 101\] Network is unreachable\)"),
+        ({"HF_ENDPOINT": "https://hf-mirror.example:8443"}, unreachable, r"from https://hf-mirror.example:8443 \("),
     ],
     ids=["hub-offline", "datasets-offline", "no-network", "mirror-unreachable"],
 )
@@ -332,8 +300,6 @@ def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, 
     [
         (["--shard-size", "10000000000000"], r"--shard-size: must be below 2\*\*31 \(2,147,483,648\), 4 GiB in memory"),
         (["--shard-size", "1e8"], r"argument --shard-size: invalid int value: '1e8'"),
-        (["--shard-size", "0"], r"--shard-size 0 is too small"),
-        (["--shard-size", "1"], r"^--shard-size 1 is too small: a shard must hold one GPT-2 context of 1,024 tokens"),
         (
             ["--shard-size", "1024"],
             r"^--shard-size 1,024 is too small: .*; pass at least 1025, e.g. --shard-size 100000 ",
@@ -403,7 +369,6 @@ def test_input_within_one_shard_says_there_is_no_train_shard(tmp_path, assets, t
 def test_empty_input_says_no_documents(tmp_path, files, message, out_dir):
     for name, content in files.items():
         if content is None:
-            pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
             pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), tmp_path / name)
         else:
             (tmp_path / name).write_bytes(content)
@@ -446,69 +411,16 @@ def test_foreign_shards_in_out_dir_are_refused_never_deleted(tmp_path, assets, p
     assert snapshot(tmp_path) == before
 
 
-def test_kill_between_shard_and_manifest_resumes(tmp_path, assets, monkeypatch):
-    # a shard renamed into place, then the process dies before the manifest names it: that file has
-    # this run's own name, so the rerun redoes it, not refuses it
-    tiny_shards(tmp_path, assets, "fresh")
-    real_write_shard, written = fineweb.write_shard, []
-
-    def write_then_die(path, tokens, fmt="npy"):
-        real_write_shard(path, tokens, fmt)
-        written.append(path)
-        if len(written) == 2:
-            raise KeyboardInterrupt  # as SIGKILL would land, after the rename
-
-    monkeypatch.setattr(fineweb, "write_shard", write_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        tiny_shards(tmp_path, assets)
-    monkeypatch.undo()
-    manifest = json.loads((tmp_path / "out" / "edufineweb_manifest.json").read_text())
-    assert [s["file"] for s in manifest["shards"]] == ["edufineweb_val_000000.npy"]
-    assert (tmp_path / "out" / "edufineweb_train_000001.npy").exists()
-    tiny_shards(tmp_path, assets)
-    assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "fresh")
-
-
 def test_second_run_into_the_same_folder_is_refused(tmp_path, assets):
-    tiny_shards(tmp_path, assets, "fresh")
     (tmp_path / "out").mkdir()
     lock = lock_folder(str(tmp_path / "out"), fineweb.FOLDER_LOCK, "fineweb.py")  # as a first run holds it
     try:
         before = snapshot(tmp_path)
-        text = assets.shakespeare
-        r = cli("--input", text, "--out-dir", "out", script="fineweb.py", cwd=tmp_path)
+        r = cli("--input", assets.shakespeare, "--out-dir", "out", script="fineweb.py", cwd=tmp_path)
         assert_one_line_error(r, match=r"--out-dir out is in use by another fineweb.py \(pid .*\): wait for it to end")
         assert snapshot(tmp_path) == before
     finally:
         unlock_folder(lock)
-    tiny_shards(tmp_path, assets)  # released: the folder is free again
-    assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "fresh")
-
-
-@pytest.mark.slow  # with the SIGKILL test: parquet_copies writes 40 copies of the sample
-def test_two_real_runs_at_once(tmp_path, parquet_copies):
-    args = ["--input", *parquet_copies[0][:30], "--out-dir", "out", "--shard-size", "50000", "--workers", "1"]
-    first = start_run(*args, script="fineweb.py", cwd=tmp_path)
-    try:
-        manifest = tmp_path / "out" / "edufineweb_manifest.json"
-        deadline = time.time() + 60
-        while not manifest.exists() and first.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
-        r = cli(*args, script="fineweb.py", cwd=tmp_path)
-        assert first.poll() is None, "the first run ended before the second started"
-        # through the lock train_gpt2.py holds its --out-dir with: the holder named in the one line
-        assert_one_line_error(
-            r,
-            match=rf"--out-dir out is in use by another fineweb\.py \(pid {first.pid} on "
-            rf"{re.escape(socket.gethostname())}, since .*: python fineweb\.py --input .*\): wait for it to end, "
-            r"or pass another --out-dir",
-        )
-        assert first.wait(timeout=120) == 0
-    finally:
-        first.kill()
-        first.communicate()
-    assert json.loads(manifest.read_text())["complete"]
-    assert not (tmp_path / "out" / fineweb.FOLDER_LOCK).exists()  # given back
 
 
 @pytest.fixture(scope="module")
@@ -554,49 +466,18 @@ def test_ctrl_c_is_prompt_and_clean_then_resumes(tmp_path, sample_x2, when):
 
 
 # ----------------------------------------------------------------------------------------------
-# Inputs named twice, not UTF-8
-
-
-@pytest.mark.parametrize("how", ["glob and path", "path twice", "./ spelling", "symlink"])
-def test_one_input_named_twice_is_read_once(tmp_path, assets, enc, how):
-    src = tmp_path / "src"
-    src.mkdir()
-    text = assets.shakespeare.read_text()[:30000]
-    (src / "a.txt").write_text(text)
-    second = {
-        "glob and path": src / "*.txt",
-        "path twice": src / "a.txt",
-        "./ spelling": f"{src}/./a.txt",
-        "symlink": tmp_path / "link.txt",
-    }[how]
-    if how == "symlink":
-        os.symlink(src / "a.txt", second)
-    r = cli(
-        "--input", src / "a.txt", second, "--out-dir", "out", "--shard-size", 1025, script="fineweb.py", cwd=tmp_path
-    )
-    assert r.returncode == 0, r.stderr
-    expected = np.array([EOT, *enc.encode_ordinary(text)], dtype=np.uint16)
-    np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path / "out"))), expected)
+# Input that is not UTF-8
 
 
 UTF16_TEXT = "Hello, world: caf\u00e9 \u2603\n" * 50
 
 
-@pytest.mark.parametrize(
-    "encode, name, message",
-    [
-        (lambda t: t.encode("utf-16"), "UTF-16", r"is UTF-16 text \(its byte-order mark says so\)"),
-        (lambda t: t.encode("utf-32"), "UTF-32", r"is UTF-32 text"),
-    ],
-    ids=["utf16", "utf32"],
-)
-@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
-def test_text_that_is_not_utf8_is_refused_naming_the_file_and_the_conversion_works(
-    tmp_path, enc, encode, name, message, suffix
-):
+@pytest.mark.parametrize("encoding, suffix", [("UTF-16", ".txt"), ("UTF-32", ".jsonl")])
+def test_text_that_is_not_utf8_is_refused_naming_the_file_and_the_conversion_works(tmp_path, enc, encoding, suffix):
     content = UTF16_TEXT if suffix == ".txt" else json.dumps({"text": UTF16_TEXT}) + "\n"
     path = tmp_path / f"doc{suffix}"
-    path.write_bytes(encode(content))
+    path.write_bytes(content.encode(encoding))
+    message = rf"is {encoding} text \(its byte-order mark says so\)"
     r = cli("--input", path.name, "--out-dir", "out", "--workers", "1", script="fineweb.py", cwd=tmp_path)
     assert_one_line_error(r, match=rf"^error: doc{re.escape(suffix)} ")
     assert re.search(message, r.stderr) and not (tmp_path / "out").exists()  # before any work
@@ -608,21 +489,6 @@ def test_text_that_is_not_utf8_is_refused_naming_the_file_and_the_conversion_wor
     assert r.returncode == 0, r.stderr
     expected = np.array([EOT, *enc.encode_ordinary(UTF16_TEXT)], dtype=np.uint16)
     np.testing.assert_array_equal(np.concatenate(ordered(read_shards(tmp_path / "out"))), expected)
-
-
-@pytest.mark.parametrize(
-    "content, message",
-    [
-        (bytes(range(256)) * 4, r"holds NUL bytes"),
-        ("caf\u00e9 au lait".encode("latin-1"), r"is not UTF-8 text \(byte 3"),
-    ],
-    ids=["binary", "latin-1"],
-)
-def test_binary_and_other_encodings_are_refused(tmp_path, content, message):
-    (tmp_path / "doc.txt").write_bytes(content)
-    r = cli("--input", "doc.txt", "--out-dir", "out", script="fineweb.py", cwd=tmp_path)
-    assert_one_line_error(r, match=r"doc\.txt " + message)
-    assert not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------------------------

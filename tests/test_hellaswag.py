@@ -7,7 +7,6 @@ run goes on."""
 import hashlib
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -16,11 +15,9 @@ from collections import Counter
 import pytest
 import torch
 from torch.nn import functional as F
-from transformers import GPT2LMHeadModel
 
 import hellaswag
 import train_gpt2
-from hellaswag import HellaSwagDataError
 from helpers import ROOT, assert_one_line_error, cli, read_log, save_tiny_hf_gpt2, signal_on, tiny_args
 from support import offline
 from support.cli import UserError
@@ -75,14 +72,6 @@ def counts_by_hand(examples, preds, preds_norm):
 # Data and tokens
 
 
-def test_full_validation_file_loads(full_hellaswag, reference):
-    ref, examples = reference["hellaswag_val"], hellaswag.load_examples(str(full_hellaswag))
-    assert len(examples) == ref["num_examples"] == 10042
-    assert dict(Counter(str(ex["label"]) for ex in examples)) == ref["label_counts"]
-    assert dict(Counter(ex["split_type"] for ex in examples)) == ref["split_type_counts"]
-    assert examples[0]["ind"] == 24 and examples[0]["label"] == 3
-
-
 def test_gpt2_124m_is_quoted_everywhere_as_the_number_this_scoring_reproduces(reference):
     """OpenAI GPT-2 124M's acc_norm over all 10,042 rows (hellaswag.py's docstring), not another run's."""
     acc_norm = reference["hellaswag_gpt2_reference_accuracy"]["gpt2_124M"]["completion_style_this_script"]["acc_norm"]
@@ -117,12 +106,14 @@ def row(**change):
         (row(label=None), r"line 1: label None is not an int"),
         (row(endings=["a", "b", "c"]), r"line 1: not a HellaSwag example \(a list of 4 endings\)"),
         ("", r"h\.jsonl holds no examples"),
+        (None, r"h\.jsonl cannot be read: No such file or directory"),
     ],
-    ids=["cut", "string-label", "label-4", "label-minus-1", "bool-label", "no-label", "3-endings", "empty"],
+    ids=["cut", "string-label", "label-4", "label-minus-1", "bool-label", "no-label", "3-endings", "empty", "missing"],
 )
 def test_a_file_it_cannot_score_is_named_in_one_line(tmp_path, text, message):
-    (tmp_path / "h.jsonl").write_text(text + "\n")
-    with pytest.raises(HellaSwagDataError, match=message) as e:
+    if text is not None:
+        (tmp_path / "h.jsonl").write_text(text + "\n")
+    with pytest.raises(UserError, match=message) as e:
         hellaswag.load_examples(str(tmp_path / "h.jsonl"))
     assert "\n" not in str(e.value)
 
@@ -184,29 +175,28 @@ def test_the_450_rows_give_their_pinned_digests_and_the_originals_first_ones(val
     assert hellaswag.ORIGINAL_DIGESTS[:9] == DIGESTS_450[:9]  # rows 1..256: the original's, as the asset's README says
 
 
-def test_the_download_writes_the_original_file_and_the_next_load_reads_it(tmp_path, monkeypatch, val_path, hub):
-    hub(hub_rows(val_path))
-    assert len(hellaswag.load_examples(cache_dir=str(tmp_path / "cache"), limit=3)) == 3
-    assert hub.calls == [("Rowan/hellaswag", {"split": "validation"})]
-    # the cache is the original jsonl byte for byte (label an int, the original's field order), alone
-    assert os.listdir(tmp_path / "cache") == [hellaswag.CACHE_NAME]
-    assert (tmp_path / "cache" / hellaswag.CACHE_NAME).read_bytes() == val_path.read_bytes()
+def test_hellaswag_py_fills_the_cache_with_the_original_file_from_the_hub_and_reads_it_next_time(
+    tmp_path, short_run, val_path, hub, capsys, monkeypatch
+):
     import datasets  # noqa: PLC0415
 
-    monkeypatch.setattr(datasets, "load_dataset", never)  # the second time reads the cache
-    assert hellaswag.load_examples(cache_dir=str(tmp_path / "cache")) == hellaswag.load_examples(str(val_path))
-
-
-def test_hellaswag_py_on_a_checkpoint_fills_the_cache_from_the_hub_and_scores_as_with_data(
-    tmp_path, short_run, val_path, hub, capsys
-):
     hub(hub_rows(val_path))
-    ckpt, cache = str(short_run[1] / "ckpt_000002.pt"), str(tmp_path / "cache")
-    hellaswag.main(["-m", ckpt, "--cache-dir", cache, "--limit", "20", "-d", "cpu"])
+    # on a CPU it keeps freed memory, as a CPU training run evaluates (what the call does: test_device.py)
+    calls = []
+    monkeypatch.setattr(hellaswag, "keep_freed_memory", lambda: calls.append("called"))
+    cache = tmp_path / "cache"
+    args = ["-m", str(short_run[1] / "ckpt_000002.pt"), "--cache-dir", str(cache), "--limit", "20", "-d", "cpu"]
+    hellaswag.main(args)
+    assert hub.calls == [("Rowan/hellaswag", {"split": "validation"})] and calls == ["called"]
+    # the cache is the original jsonl byte for byte (label an int, the original's field order), alone
+    assert (
+        os.listdir(cache) == [hellaswag.CACHE_NAME]
+        and (cache / hellaswag.CACHE_NAME).read_bytes() == val_path.read_bytes()
+    )
     from_hub = capsys.readouterr().out
-    assert hub.calls and os.listdir(cache) == [hellaswag.CACHE_NAME]
-    hellaswag.main(["-m", ckpt, "--data", str(val_path), "--limit", "20", "-d", "cpu"])
-    assert from_hub == capsys.readouterr().out and "acc_norm 0." in from_hub
+    monkeypatch.setattr(datasets, "load_dataset", never)  # the second time reads the cache
+    hellaswag.main(args)
+    assert capsys.readouterr().out == from_hub and "acc_norm 0." in from_hub
 
 
 def change_ending(rows, i):
@@ -226,7 +216,7 @@ def change_ending(rows, i):
 )
 def test_a_copy_that_differs_from_the_original_is_one_line_and_not_cached(tmp_path, val_path, hub, change, said):
     hub(hub_rows(val_path, change))
-    with pytest.raises(HellaSwagDataError) as e:
+    with pytest.raises(UserError) as e:
         hellaswag.load_examples(cache_dir=str(tmp_path))
     assert (
         str(e.value)
@@ -253,19 +243,23 @@ def test_a_datasets_error_is_one_line_and_not_cached(tmp_path, monkeypatch, val_
 
     hub(None)
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: served(val_path))
-    with pytest.raises(HellaSwagDataError) as e:
+    with pytest.raises(UserError) as e:
         hellaswag.load_examples(cache_dir=str(tmp_path))
     assert re.fullmatch(rf"cannot download HellaSwag \(Rowan/hellaswag: .*{said}.*\); pass --data \S+", str(e.value))
     assert os.listdir(tmp_path) == []
 
 
 def test_the_whole_original_converted_from_the_hub_s_form_is_itself_and_gives_the_pinned_digests(
-    full_hellaswag, tmp_path, hub
+    full_hellaswag, tmp_path, hub, reference
 ):
     hub(hub_rows(full_hellaswag), rows=10042, digests=hellaswag.ORIGINAL_DIGESTS)
-    hellaswag.load_examples(cache_dir=str(tmp_path))
+    ref, examples = reference["hellaswag_val"], hellaswag.load_examples(cache_dir=str(tmp_path))
     written = (tmp_path / hellaswag.CACHE_NAME).read_bytes()
     assert hashlib.sha256(written).hexdigest() == ORIGINAL_SHA256
+    assert len(examples) == ref["num_examples"] == 10042
+    assert dict(Counter(str(ex["label"]) for ex in examples)) == ref["label_counts"]
+    assert dict(Counter(ex["split_type"] for ex in examples)) == ref["split_type_counts"]
+    assert examples[0]["ind"] == 24 and examples[0]["label"] == 3
 
 
 @pytest.mark.online
@@ -287,51 +281,39 @@ def test_a_cache_dir_that_is_a_file_is_one_line_before_any_download(tmp_path, mo
             hellaswag.load_examples(cache_dir=str(tmp_path / cache_dir))
 
 
-@pytest.mark.parametrize("var", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
-def test_offline_variable_fails_at_once(tmp_path, monkeypatch, var):
+@pytest.mark.parametrize(
+    "env, probe, url, reason",
+    [
+        ({"HF_HUB_OFFLINE": "1"}, None, "https://huggingface.co", "HF_HUB_OFFLINE is set"),
+        ({"HF_DATASETS_OFFLINE": "1"}, None, "https://huggingface.co", "HF_DATASETS_OFFLINE is set"),
+        ({}, ("huggingface.co", 443), "https://huggingface.co", "No route"),
+        # behind a proxy the proxy is what must answer; a mirror named by HF_ENDPOINT is what is probed
+        ({"https_proxy": "http://proxy.example:3128"}, ("proxy.example", 3128), "https://huggingface.co", "No route"),
+        ({"HF_ENDPOINT": "https://hf.example"}, ("hf.example", 443), "https://hf.example", "No route"),
+    ],
+    ids=["hub-offline", "datasets-offline", "no-network", "proxy", "mirror"],
+)
+def test_offline_or_without_network_it_fails_at_once_after_one_quick_probe(
+    tmp_path, monkeypatch, env, probe, url, reason
+):
     import datasets  # noqa: PLC0415
 
-    for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+    for v in "HF_HUB_OFFLINE HF_DATASETS_OFFLINE HF_ENDPOINT https_proxy HTTPS_PROXY all_proxy ALL_PROXY".split():
         monkeypatch.delenv(v, raising=False)
-    monkeypatch.setenv(var, "1")
-    monkeypatch.setattr(datasets, "load_dataset", never)
-    monkeypatch.setattr(offline.socket, "create_connection", never)
-    with pytest.raises(HellaSwagDataError, match=f"{var} is set.*pass --data path/to/hellaswag_val.jsonl"):
-        hellaswag.load_examples(cache_dir=str(tmp_path / "c"))
-    assert not (tmp_path / "c").exists()
-
-
-def test_no_network_fails_after_one_quick_probe(tmp_path, monkeypatch):
-    import datasets  # noqa: PLC0415
-
-    for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT"):
-        monkeypatch.delenv(v, raising=False)
-    for v in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(v, raising=False)
-    probes = []
+    for v, value in env.items():
+        monkeypatch.setenv(v, value)
+    tried = []
 
     def create_connection(address, timeout=None):
-        probes.append((address, timeout))
-        raise OSError("Network is unreachable")
+        tried.append((address, timeout))
+        raise OSError("No route")
 
     monkeypatch.setattr(offline.socket, "create_connection", create_connection)
     monkeypatch.setattr(datasets, "load_dataset", never)
-    said = r"^cannot download HellaSwag from https://huggingface.co \(Network is unreachable\); pass --data path/to/"
-    with pytest.raises(HellaSwagDataError, match=said):
-        hellaswag.load_examples(cache_dir=str(tmp_path))
-    assert probes == [(("huggingface.co", 443), 3.0)]
-    # behind a proxy the proxy is what must answer; a mirror named by HF_ENDPOINT is what is probed
-    probes.clear()
-    monkeypatch.setenv("https_proxy", "http://proxy.example:3128")
-    with pytest.raises(HellaSwagDataError, match="Network is unreachable"):
-        hellaswag.load_examples(cache_dir=str(tmp_path))
-    assert probes == [(("proxy.example", 3128), 3.0)]
-    probes.clear()
-    monkeypatch.delenv("https_proxy")
-    monkeypatch.setenv("HF_ENDPOINT", "https://hf-mirror.example")
-    with pytest.raises(HellaSwagDataError, match="from https://hf-mirror.example \\(Network is unreachable"):
-        hellaswag.load_examples(cache_dir=str(tmp_path))
-    assert probes == [(("hf-mirror.example", 443), 3.0)]
+    with pytest.raises(UserError) as e:
+        hellaswag.load_examples(cache_dir=str(tmp_path / "c"))
+    assert str(e.value) == f"cannot download HellaSwag from {url} ({reason}); pass --data path/to/hellaswag_val.jsonl"
+    assert tried == ([(probe, 3.0)] if probe else []) and not (tmp_path / "c").exists()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,21 +327,6 @@ def hf_dir(tmp_path_factory):
     return save_tiny_hf_gpt2(tmp_path_factory.mktemp("hf_hellaswag"), n_embd=32)  # LayerNorms, biases moved off 1 / 0
 
 
-N_PLAIN = 200
-
-
-@pytest.fixture(scope="module")
-def parity(hf_dir, examples, enc):
-    """Our model and transformers' with the same weights, 100 ActivityNet and 100 WikiHow examples
-    (some too long for block size 128) prepared, and our model's plain losses on them: the reference."""
-    ours = GPT.from_pretrained(str(hf_dir)).eval()
-    exs = examples[: N_PLAIN // 2] + [ex for ex in examples if ex["source_id"].startswith("wikihow")][: N_PLAIN // 2]
-    with torch.no_grad():
-        plain = [plain_losses(lambda x: ours(x)[0], enc, ex, 128) for ex in exs]
-    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
-    return {"hf": hf, "ours": ours, "examples": exs, "prepared": hellaswag.prepare(exs, enc), "plain": plain}
-
-
 @pytest.fixture(scope="module")
 def small(hf_dir, examples, enc):
     """Our model of hf_dir and the plain losses of the first 40 examples of the file."""
@@ -368,39 +335,6 @@ def small(hf_dir, examples, enc):
     with torch.no_grad():
         plain = [plain_losses(lambda x: ours(x)[0], enc, ex, 128) for ex in exs]
     return {"ours": ours, "examples": exs, "plain": plain}
-
-
-@pytest.mark.slow
-def test_fast_scorer_equals_plain_loop_on_200_examples(parity):
-    exs, plain, prepared = parity["examples"], parity["plain"], parity["prepared"]
-    block_size = 128
-    # both paths are exercised: shared contexts, and rows too long for the window
-    too_long = [
-        i for i in range(len(prepared)) if len(prepared.ctx[i]) + max(map(len, prepared.endings[i])) > block_size + 1
-    ]
-    assert 0 < len(too_long) < len(exs) // 2
-    sum_loss, n_tokens = hellaswag.ending_losses(parity["ours"], prepared, "cpu", batch_tokens=3000)
-    assert torch.allclose(sum_loss, torch.tensor([s for s, _ in plain]), rtol=1e-4, atol=1e-4)
-    preds, preds_norm = [argmin(s) for s, _ in plain], [argmin(m) for _, m in plain]
-    assert preds != preds_norm  # the two scores pick differently here, so both are really checked
-    assert sum_loss.argmin(1).tolist() == preds
-    assert (sum_loss / n_tokens).argmin(1).tolist() == preds_norm
-    # the counts, overall and per split_type, are those of the plain predictions
-    by_hand = counts_by_hand(exs, preds, preds_norm)
-    counts = hellaswag.evaluate(parity["ours"], prepared, "cpu", batch_tokens=3000)
-    assert counts == {k: by_hand[k] for k in counts} and counts["n"] == N_PLAIN and counts["n_zeroshot"] > 0
-
-
-@pytest.mark.slow
-def test_head_chunks_cut_anywhere_score_the_same(parity, monkeypatch):
-    # the head runs HEAD_CHUNK scored rows at a time; one chunk of everything is the reference
-    model, prepared = parity["ours"], parity["prepared"]
-    monkeypatch.setitem(hellaswag.HEAD_CHUNK, "cpu", 10**9)
-    whole, n_tokens = hellaswag.ending_losses(model, prepared, "cpu", batch_tokens=3000)
-    monkeypatch.setitem(hellaswag.HEAD_CHUNK, "cpu", 37)  # cuts endings and examples mid-way
-    chunked, n_chunked = hellaswag.ending_losses(model, prepared, "cpu", batch_tokens=3000)
-    assert torch.allclose(chunked, whole, rtol=1e-5, atol=1e-5)
-    assert torch.equal(chunked.argmin(1), whole.argmin(1)) and torch.equal(n_chunked, n_tokens)
 
 
 def scored_from_batches(batches):
@@ -427,7 +361,15 @@ def test_batches_hold_exactly_the_plain_rows(examples, enc, block_size, packed):
     """The batch builder against the definition, per token: every scored token with what it sees."""
     wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
     exs = examples[:150] + wikihow[:150]  # short rows that share their context, long ones that may not fit
+    # packed segments of no cells (one-token endings), and a row of one cell (a one-token context)
+    exs += [
+        dict(examples[0], endings=["a", "b c", "d e f", "."]),
+        dict(examples[1], ctx="x", endings=["y", "z", "w", "v"]),
+    ]
     prepared = hellaswag.prepare(exs, enc)
+    assert (
+        prepared.ctx_len[-1] == 1 and (prepared.end_len[-1] == 1).all() and (prepared.end_len[-2] == [1, 2, 3, 1]).all()
+    )
     for share in (list(range(len(exs))), list(range(1, len(exs), 3))):
         batches, n_tokens = hellaswag._batches(prepared, share, block_size, packed, 700, "cpu")
         if packed:
@@ -444,16 +386,6 @@ def test_batches_hold_exactly_the_plain_rows(examples, enc, block_size, packed):
                 expected_n[-1].append(n_end)
         assert seen == expected
         assert n_tokens.tolist() == expected_n
-
-
-@pytest.mark.slow
-def test_transformers_model_is_scored_the_same(parity, enc):
-    sub = hellaswag.prepare(parity["examples"][:150], enc)
-    plain = parity["plain"][:150]
-    sum_loss, n_tokens = hellaswag.ending_losses(parity["hf"], sub, "cpu", batch_tokens=777)  # a ragged last batch
-    assert torch.allclose(sum_loss, torch.tensor([s for s, _ in plain]), rtol=1e-4, atol=1e-4)
-    assert sum_loss.argmin(1).tolist() == [argmin(s) for s, _ in plain]
-    assert (sum_loss / n_tokens).argmin(1).tolist() == [argmin(m) for _, m in plain]
 
 
 @pytest.fixture(scope="module")
@@ -489,23 +421,6 @@ def test_a_checkpoint_scores_standalone_as_in_training_example_by_example(standa
     assert counts == {k: counts_by_hand(standalone["examples"], preds, preds_norm)[k] for k in counts}
 
 
-@pytest.mark.slow
-def test_cli_prints_for_a_checkpoint_what_training_scores_and_imports_no_script(standalone, val_path, enc):
-    # the first 200 examples: 184 packed at block size 64, 16 too long for the window
-    code = (
-        "import sys, hellaswag; hellaswag.main(sys.argv[1:]); "
-        "print([m for m in ('train_gpt2', 'fineweb') if m in sys.modules])"
-    )
-    args = ["-m", standalone["path"], "--data", val_path, "--limit", 200, "-d", "cpu"]
-    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == "[]"  # neither script loaded
-    prepared = hellaswag.prepare(hellaswag.load_examples(str(val_path), limit=200), enc)
-    counts = hellaswag.evaluate(standalone["ours"], prepared, "cpu")  # as training scores it
-    assert f"acc      {counts['correct'] / 200:.4f}  ({counts['correct']}/200)" in r.stdout
-    assert f"acc_norm {counts['correct_norm'] / 200:.4f}  ({counts['correct_norm']}/200)" in r.stdout
-
-
 def test_rows_longer_than_block_size_keep_their_end(tiny_config, examples, enc):
     torch.manual_seed(0)
     model = GPT(tiny_config)  # block size 64
@@ -524,30 +439,12 @@ def test_rows_longer_than_block_size_keep_their_end(tiny_config, examples, enc):
     assert n_tokens.tolist() == [[block_size, 1, 2, 3]]
 
 
-def test_packed_rows_with_one_token_endings_and_a_one_token_context(tiny_config, examples, enc):
-    """Segments of no cells (one-token endings) and a row of one cell (a one-token context) in one batch."""
-    torch.manual_seed(0)
-    model = GPT(tiny_config)
-    exs = [
-        dict(examples[0], endings=["a", "b c", "d e f", "."]),
-        dict(examples[1], ctx="x", endings=["y", "z", "w", "v"]),
-        examples[2],
-    ]
-    prepared = hellaswag.prepare(exs, enc)
-    assert prepared.ctx_len[1] == 1 and (prepared.end_len[1] == 1).all() and (prepared.end_len[0] == [1, 2, 3, 1]).all()
-    batches, _ = hellaswag._batches(prepared, range(3), tiny_config.block_size, True, 4096, "cpu")
-    assert len(batches) == 1 and "seg" in batches[0]  # all three packed together
-    with torch.no_grad():
-        plain = [plain_losses(lambda x: model(x)[0], enc, ex, tiny_config.block_size) for ex in exs]
-    sum_loss, n_tokens = hellaswag.ending_losses(model, prepared, "cpu")
-    assert torch.allclose(sum_loss, torch.tensor([s for s, _ in plain]), rtol=1e-4, atol=1e-4)
-    assert n_tokens.tolist()[:2] == [[1, 2, 3, 1], [1, 1, 1, 1]]
-
-
 def test_evaluate_counts_and_shards_sum_to_the_whole(small, enc):
     model, exs, plain = small["ours"], small["examples"], small["plain"]
     prepared = hellaswag.prepare(exs, enc)
-    by_hand = counts_by_hand(exs, [argmin(s) for s, _ in plain], [argmin(m) for _, m in plain])
+    preds, preds_norm = [argmin(s) for s, _ in plain], [argmin(m) for _, m in plain]
+    assert preds != preds_norm  # the two scores pick differently here, so both are really checked
+    by_hand = counts_by_hand(exs, preds, preds_norm)
     whole = hellaswag.evaluate(model, prepared, "cpu")
     assert set(whole) == {f"{k}{t}" for k in ("n", "correct", "correct_norm") for t in ("", "_indomain", "_zeroshot")}
     assert whole == {k: by_hand[k] for k in whole} and whole["n"] == 40
@@ -555,9 +452,7 @@ def test_evaluate_counts_and_shards_sum_to_the_whole(small, enc):
     assert [p["n"] for p in parts] == [14, 13, 13]
     assert {k: sum(p[k] for p in parts) for k in whole} == whole
     # a rank with no examples still returns every key, as zeros, so the ranks can be summed
-    assert hellaswag.evaluate(model, hellaswag.prepare(exs[:3], enc), "cpu", rank=5, world_size=8) == dict.fromkeys(
-        whole, 0
-    )
+    assert hellaswag.evaluate(model, prepared, "cpu", rank=45, world_size=48) == dict.fromkeys(whole, 0)
 
 
 def test_should_stop_ends_the_eval_between_batches(small, examples, enc):
@@ -575,23 +470,14 @@ def test_should_stop_ends_the_eval_between_batches(small, examples, enc):
 
 def test_prepare_names_an_example_that_cannot_be_tokenized(examples, enc):
     bad = dict(examples[1], ctx="a <|endoftext|> in the text")
-    with pytest.raises(HellaSwagDataError, match=r"example 1 \(ind \d+\) cannot be tokenized: .*endoftext"):
+    with pytest.raises(UserError, match=r"example 1 \(ind \d+\) cannot be tokenized: .*endoftext"):
         hellaswag.prepare([examples[0], bad], enc)
-    with pytest.raises(HellaSwagDataError, match=r"example 0 .*cannot be tokenized: 'ctx'"):
+    with pytest.raises(UserError, match=r"example 0 .*cannot be tokenized: 'ctx'"):
         hellaswag.prepare([{k: v for k, v in examples[0].items() if k != "ctx"}], enc)
 
 
 # ----------------------------------------------------------------------------------------------
 # Command line
-
-
-@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
-def test_on_a_cpu_hellaswag_py_keeps_freed_memory_as_training_does(short_run, val_path, monkeypatch, capsys):
-    # as a CPU training run evaluates (what the call does: test_device.py): no head chunk faulted in afresh
-    calls = []
-    monkeypatch.setattr(hellaswag, "keep_freed_memory", lambda: calls.append("called"))
-    hellaswag.main(["-m", str(short_run[1]), "--data", str(val_path), "--limit", "4", "-d", "cpu"])
-    assert calls == ["called"] and "acc_norm" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("said", ["import torch", "import transformers"])
@@ -605,6 +491,7 @@ def test_ctrl_c_while_it_starts_is_one_line(short_run, val_path, said):
 def test_cli_prints_accuracy(hf_dir, small, val_path):
     r = cli("-m", hf_dir, "-d", "cpu", "--data", val_path, "--limit", 20, "--batch-tokens", 300, script="hellaswag.py")
     assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"HellaSwag {hf_dir}: 20 examples, float32\n")
     plain = small["plain"][:20]
     c = counts_by_hand(small["examples"][:20], [argmin(s) for s, _ in plain], [argmin(m) for _, m in plain])
     assert f"acc      {c['correct'] / 20:.4f}  ({c['correct']}/20)" in r.stdout
@@ -612,32 +499,11 @@ def test_cli_prints_accuracy(hf_dir, small, val_path):
     assert f"indomain  n={c['n_indomain']:<5} acc {c['correct_indomain'] / c['n_indomain']:.4f}" in r.stdout
 
 
-def test_cli_on_an_export_prints_its_checkpoints_numbers(shakespeare_export, val_path):
-    # the export leaves out the checkpoint's 47 padding rows, a small share of its softmax: the
-    # same predictions here, on 100 examples
-    ckpt, export = shakespeare_export
-    printed = {}
-    for model in (ckpt, export):
-        r = cli("-m", model, "-d", "cpu", "--data", val_path, "--limit", 100, script="hellaswag.py")
-        assert r.returncode == 0, r.stderr
-        assert r.stdout.startswith(f"HellaSwag {model}: 100 examples, float32\n")
-        printed[model] = r.stdout.splitlines()[1:]
-    assert printed[ckpt] == printed[export]
-    assert printed[ckpt][0].startswith("acc      0.") and printed[ckpt][1].startswith("acc_norm 0.")
-
-
 def test_cli_bad_data_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0, "split_type": "indomain"}\nnot json\n')
     r = cli("-m", "gpt2", "--data", bad, script="hellaswag.py")  # as the user sees it
     assert_one_line_error(r, "bad.jsonl line 2 is not valid JSON")
-    for data, message in (  # the other mistakes raise the same one-line error, in this process
-        (tmp_path / "none.jsonl", "none.jsonl cannot be read: No such file or directory"),
-        (tmp_path, "cannot be read: Is a directory"),
-    ):
-        with pytest.raises(HellaSwagDataError) as e:
-            hellaswag.main(["-m", "gpt2", "--data", str(data)])
-        assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_import_needs_neither_transformers_nor_the_trainer():
@@ -652,34 +518,35 @@ def test_import_needs_neither_transformers_nor_the_trainer():
 # training goes on
 
 
-@pytest.mark.parametrize("content", [None, '{"ctx": "no endings here"}\n'], ids=["missing", "broken"])
-def test_a_hellaswag_file_it_cannot_use_is_one_warning_and_training_goes_on(data, tmp_path, capsys, content):
-    path = tmp_path / "hs.jsonl"
+@pytest.mark.parametrize(
+    "content, said",
+    [
+        ("", "{tmp}/hs.jsonl cannot be read: No such file or directory"),  # "": the file not written
+        ('{"ctx": "no endings here"}\n', "{tmp}/hs.jsonl line 1: not a HellaSwag example (a list of 4 endings)"),
+        # no --hellaswag-data, an empty cache, offline (conftest): the message names training's flag
+        (
+            None,
+            "cannot download HellaSwag from https://huggingface.co (HF_HUB_OFFLINE is set); pass --hellaswag-data "
+            "path/to/hellaswag_val.jsonl",
+        ),
+    ],
+    ids=["missing", "broken", "no-data"],
+)
+def test_hellaswag_data_it_cannot_use_is_one_warning_kept_in_the_log_and_training_goes_on(
+    data, tmp_path, capsys, monkeypatch, content, said
+):
+    """What the warning said at start is still there later, where the user looks: the log (and play.ipynb)."""
+    monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(tmp_path / "cache"))
+    out, said = tmp_path / "out", said.format(tmp=tmp_path)
+    args = tiny_args(data, out, "--max-steps", 2, "--hellaswag-every", 1, "--eval-every", 0)
     if content is not None:
-        path.write_text(content)
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 2, "--hellaswag-every", 1, "--hellaswag-data", path, "--eval-every", 0)
+        args += ["--hellaswag-data", str(tmp_path / "hs.jsonl")]
+        if content:
+            (tmp_path / "hs.jsonl").write_text(content)
     assert train_gpt2.main(args) == 0
-    err = capsys.readouterr().err
-    assert err.count("warning: HellaSwag evaluation is off") == 1 and "hs.jsonl" in err
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "HellaSwag evaluation is off" in line]
+    assert warnings == [f"warning: HellaSwag evaluation is off for this run: {said}"]
     records, steps = read_log(out)
     assert sorted(steps) == [0, 1] and not any("hellaswag" in r for r in records)
-
-
-def test_hellaswag_warning_in_training_names_training_s_flag(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(tmp_path / "cache"))  # empty; offline (conftest)
-    r = cli(*tiny_args(data, tmp_path / "out", "--max-steps", 1, "--hellaswag-every", 1, "--eval-every", 0))
-    assert r.returncode == 0, r.stderr
-    warning = [line for line in r.stderr.splitlines() if "HellaSwag evaluation is off" in line]
-    assert len(warning) == 1 and "--hellaswag-data" in warning[0] and "pass --data " not in warning[0]
-
-
-def test_a_run_without_hellaswag_says_why_in_its_log_header(data, tmp_path, capsys):
-    """What the warning said at start is still there later, where the user looks: the log (and play.ipynb)."""
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 1, "--hellaswag-every", 1, "--eval-every", 0, "--hellaswag-data")
-    assert train_gpt2.main([*args, str(tmp_path / "hs.jsonl")]) == 0
-    warning = capsys.readouterr().err.split("warning: HellaSwag evaluation is off for this run: ")[1].splitlines()[0]
-    assert warning == f"{tmp_path}/hs.jsonl cannot be read: No such file or directory"
-    (header,) = [r for r in read_log(out)[0] if r.get("event") == "header"]
-    assert header["config"]["hellaswag_off"] == warning
+    (header,) = [r for r in records if r.get("event") == "header"]
+    assert header["config"]["hellaswag_off"] == said

@@ -1,4 +1,4 @@
-"""DataLoaderLite: every token once per epoch across ranks, shuffling, .bin = .npy, a resumable position,
+"""DataLoaderLite: every token once per epoch across ranks, shuffling, a resumable position,
 and the val loss's fixed budget."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import torch
 
-from helpers import write_known_shards, write_shard
+from helpers import write_known_shards
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig, evaluate_val_loss
 
 
@@ -61,21 +61,6 @@ def test_shard_order_shuffled_per_epoch_and_seed(tmp_path):
     assert a[0] != a[1] and a[1] != a[2] and a[0] != b[0]
     assert a == _shard_visits(tmp_path, seed=1, shuffle=True, epochs=3)  # seeded: reproducible
     assert _shard_visits(tmp_path, seed=1, shuffle=False, epochs=2) == [list(range(8))] * 2
-
-
-def test_bin_and_npy_shards_give_the_same_batches(tmp_path):
-    rng = np.random.default_rng(0)
-    (tmp_path / "npy").mkdir(), (tmp_path / "bin").mkdir()
-    for i, n in enumerate([500, 333, 700], start=1):
-        tokens = rng.integers(0, 50257, n)
-        write_shard(tmp_path / "npy" / f"s_train_{i:06d}.npy", tokens)
-        write_shard(tmp_path / "bin" / f"s_train_{i:06d}.bin", tokens)
-    npy = DataLoaderLite(str(tmp_path / "npy"), "train", 3, 16, seed=3)
-    binl = DataLoaderLite(str(tmp_path / "bin"), "train", 3, 16, seed=3)
-    assert npy.batches_per_epoch == binl.batches_per_epoch
-    for _ in range(2 * npy.batches_per_epoch + 1):
-        (x1, y1), (x2, y2) = npy.next_batch(), binl.next_batch()
-        assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
 def test_position_survives_state_dict(tmp_path):
