@@ -147,7 +147,7 @@ def run_cli(main, interrupted="interrupted", out_of_memory=None):
         print(f"error: {out_of_memory_line(e, memory, out_of_memory)}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt as e:
-        print(str(e) or interrupted, file=sys.stderr)  # its own words, if it has any (signals.Interrupted)
+        print(str(e) or interrupted, file=sys.stderr)  # its own words, if it has any (a second stop signal's)
         code = 130
     sys.exit(code if isinstance(code, int) else 0)
 
