@@ -26,33 +26,23 @@ from support.out_of_memory import (
 )
 from train_gpt2 import GPTConfig
 
-# train_gpt2.py in a process whose address space is capped at what its imports map plus argv[1] MiB
+# a script (argv[2]) in a process whose address space is capped at what its imports map plus argv[1] MiB;
+# sample.py reads that cap as the machine's memory (support.checks.device_memory)
 LIMITED = """
 import resource, runpy, sys
-import numpy, torch, fineweb, train_gpt2
+import numpy, torch, fineweb, sample, support.checks, train_gpt2
 headroom = int(sys.argv[1]) * 2**20
 vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, vm + headroom))
-sys.argv = ["train_gpt2.py", *sys.argv[2:]]
-runpy.run_path("train_gpt2.py", run_name="__main__")
+if sys.argv[2] == "sample.py":
+    support.checks.device_memory = lambda device: (headroom, "the memory under the cap")
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def limited(headroom_mib, *args):
-    return cli(LIMITED, headroom_mib, *args, script="-c")
-
-
-# sample.py under the same cap, which it reads as the machine's memory (support.checks.device_memory)
-SAMPLE_LIMITED = """
-import resource, runpy, sys
-import numpy, torch, sample, support.checks
-headroom = int(sys.argv[1]) * 2**20
-vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
-resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, vm + headroom))
-support.checks.device_memory = lambda device: (headroom, "the memory under the cap")
-sys.argv = ["sample.py", *sys.argv[2:]]
-runpy.run_path("sample.py", run_name="__main__")
-"""
+def limited(headroom_mib, *args, script="train_gpt2.py"):
+    return cli(LIMITED, headroom_mib, script, *args, script="-c")
 
 
 def follow(message, args, flag):
@@ -131,11 +121,11 @@ def test_out_of_memory_in_sample_py_advises_a_num_samples_that_fits_and_it_sampl
     """--num-samples 100,000,000 under a 1 GiB cap: the advice is not half of it (which ran into the OOM
     killer) but a number the memory holds, and that many samples are drawn under the same cap."""
     args = [short_run[1] / "ckpt_000002.pt", "--prompt", "Hi", "--max-new-tokens", 2]
-    r = cli(SAMPLE_LIMITED, 1024, *args, "--num-samples", 10**8, script="-c")
+    r = limited(1024, *args, "--num-samples", 10**8, script="sample.py")
     line = assert_one_line_error(r, "out of host memory while sampling: lower --num-samples 100000000 (e.g. ")
     n = int(re.search(r"\(e\.g\. (\d+)\)", line)[1])
     assert 100 < n < 10**5, line  # a sample of the 2-layer model holds about 1 MB
-    r = cli(SAMPLE_LIMITED, 1024, *args, "--num-samples", n, script="-c")
+    r = limited(1024, *args, "--num-samples", n, script="sample.py")
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.findall(r"^sample (\d+): ", r.stdout, re.M)[-1] == str(n - 1)
 
