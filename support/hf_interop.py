@@ -93,12 +93,10 @@ def check_export_target(out_dir):
     if names and not foreign:  # an earlier export says so in its config.json
         try:
             with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError):
-            config = None
-        if not (
-            isinstance(config, dict) and config.get("model_type") == "gpt2" and config.get("exported_by") == EXPORT_MARK
-        ):
+                ours = json.load(f).get("exported_by") == EXPORT_MARK
+        except (OSError, ValueError, AttributeError):  # unreadable, not JSON, or not a JSON object
+            ours = False
+        if not ours:
             foreign = ["a transformers model (its config.json has no exported_by mark)"]
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
