@@ -159,11 +159,9 @@ def load_hf_model(name_or_dir):
         )
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load transformers GPT-2 from {name_or_dir!r}: {first_line(e)}") from None
-    except pickle.UnpicklingError as e:  # torch.load(weights_only=True) stopped at a pickled object: none ran
-        found = re.search(r"GLOBAL \S+", str(e))
-        held = f" ({found.group(0)})" if found else ""
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) stopped at a pickled object: none ran
         raise UserError(
-            f"{name_or_dir}: its pytorch_model.bin holds more than tensors{held}, which loading would run as code: "
+            f"{name_or_dir}: its pytorch_model.bin holds more than tensors, which loading would run as code: "
             f"refused, and nothing in it ran; use the model as safetensors (model.safetensors: tensors only)"
         ) from None
     if info["missing_keys"]:  # transformers fills them with random numbers and only warns
