@@ -64,12 +64,12 @@ def test_under_nohup_a_hangup_does_not_stop_the_run(data, tmp_path):
     assert sorted(read_log(out)[1]) == list(range(300))
 
 
-@pytest.mark.parametrize("said", ["import torch", "model: ", "step     0/", "step     2/"])
-def test_ctrl_c_during_start_up_or_twice_is_one_line(data, tmp_path, said):
-    """One Ctrl-C while torch loads, after the model is built or in step 0; two at step 2."""
+@pytest.mark.parametrize("said", ["import torch", "model: ", "step     0/"])
+def test_ctrl_c_during_start_up_is_one_line(data, tmp_path, said):
+    """One Ctrl-C while torch loads, after the model is built or in step 0 (two, in-process through
+    run_cli: test_ctrl_c_again_while_the_stop_checkpoint_is_written)."""
     flags = "--max-steps 100000 --warmup-steps 1 --eval-every 1 --val-tokens 512".split()
-    times = 2 if said == "step     2/" else 1
-    proc, out, err = signal_on(said, *tiny_args(data, tmp_path / "out", *flags), times=times)
+    proc, out, err = signal_on(said, *tiny_args(data, tmp_path / "out", *flags))
     assert proc.returncode == 130, err
     said = [line for line in err.strip().splitlines() if not line.startswith("warning: this run trains on")]
     assert "Traceback" not in err and len(said) <= 1, err
