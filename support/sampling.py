@@ -187,7 +187,7 @@ def sample_text(model, enc, prompt, num_samples=4, max_new_tokens=32, temperatur
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling flags, train_gpt2.py's (mid-run) and sample.py's; check_sampling fits a run's prompt to the model."""
+    """Sampling flags, train_gpt2.py's (mid-run) and sample.py's; check_sampling tries a run's on its model."""
 
     prompt: str = flag("Hello, I'm a language model,", "'' starts from <|endoftext|>")
     num_samples: int = flag(4, "samples drawn at once", Number.POSITIVE)
