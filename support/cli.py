@@ -94,22 +94,18 @@ class OutlivesItsReader:
         self.stream = stream
 
     def write(self, text):
-        try:
-            return self.stream.write(text)
-        except OSError:
-            self._to_devnull()
-            return len(text)
+        return self._or_devnull("write", text)
 
     def flush(self):
-        try:
-            self.stream.flush()
-        except OSError:
-            self._to_devnull()
+        self._or_devnull("flush")
 
-    def _to_devnull(self):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self.stream.fileno())  # the same file descriptor, now writing nowhere
-        os.close(devnull)
+    def _or_devnull(self, method, *args):
+        try:
+            return getattr(self.stream, method)(*args)
+        except OSError:  # the same file descriptor, now writing nowhere
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
 
     def __getattr__(self, name):  # fileno, isatty, encoding, ... of the real stream
         return getattr(self.stream, name)
