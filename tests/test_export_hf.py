@@ -99,15 +99,14 @@ def test_a_folder_no_export_wrote_is_refused(run_copy, tmp_path, hf_tiny_dir, ki
 @pytest.mark.parametrize(
     "kind",
     [
-        *("the_checkpoint_itself", "the_other_checkpoint", "other_file", "dangling_link", "link_to_file"),
-        *("under_a_file", "a_read_only_mount", "on_a_read_only_mount", "in_a_read_only_folder"),
+        *("the_checkpoint_itself", "other_file", "dangling_link", "link_to_file", "under_a_file"),
+        *("a_read_only_mount", "on_a_read_only_mount", "in_a_read_only_folder"),
     ],
 )
 def test_a_target_the_export_cannot_write_is_refused(run_copy, tmp_path, read_only, kind):
     """A read-only place is not guessed from the path: the dry run makes (and removes) the export's
     hidden folder where the export makes it, and fails at the same write."""
-    checkpoints = {"the_checkpoint_itself": "ckpt_000002.pt", "the_other_checkpoint": "ckpt_000001.pt"}
-    target = run_copy / checkpoints[kind] if kind in checkpoints else tmp_path / "target"
+    target = run_copy / "ckpt_000002.pt" if kind == "the_checkpoint_itself" else tmp_path / "target"
     if kind in ("other_file", "under_a_file"):
         target.write_text("a file of mine")
     elif kind == "dangling_link":
