@@ -12,7 +12,7 @@ import train_gpt2
 from helpers import read_log, refused_before_step_0, tiny_args
 from support import sampling
 from support.cli import UserError
-from support.sampling import KVCache, decode_step, generate, next_token
+from support.sampling import KVCache, generate, next_token
 from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT
 
@@ -67,25 +67,6 @@ def test_a_prompt_fed_to_the_cache_in_pieces_equals_one_pass(model):
         pieces = [model.hidden_states(tokens[:, a:b], cache) for a, b in ((0, 5), (5, 6), (6, 12))]
     assert cache.pos == 12
     assert torch.allclose(torch.cat(pieces, dim=1), whole, atol=1e-5, rtol=1e-4)
-
-
-def test_decode_step_logits_equal_the_full_forward(model):
-    """The static-shape step (tensor position, masked buffer) gives the plain forward's logits."""
-    tokens = torch.randint(0, GPT2_VOCAB, (2, 12))
-    full, _ = model(tokens)
-    cache = KVCache(model.config.n_layer, 20)  # longer than used: the unused slots must stay masked
-    with torch.no_grad():
-        model.hidden_states(tokens[:, :5], cache)
-        assert cache.pos == 5
-        cache.pos = torch.tensor([5])
-        for t in range(5, 12):
-            logits = model.lm_head(model.hidden_states(tokens[:, t : t + 1], cache)[:, -1])  # decode_step's logits
-            assert torch.allclose(logits, full[:, t], atol=1e-5, rtol=1e-4)
-            # the same position again (a tensor pos is advanced by the caller), through decode_step
-            greedy = decode_step(model, tokens[:, t : t + 1], cache, temperature=0, top_k=None, noise=None)
-            assert torch.equal(greedy, full[:, t, :GPT2_VOCAB].argmax(-1))
-            cache.pos += 1
-    assert cache.k[0].shape == (2, model.config.n_head, 20, model.config.n_embd // model.config.n_head)
 
 
 def test_no_tensor_grows_per_token(model, monkeypatch):
