@@ -44,12 +44,13 @@ def main(argv=None):
         print(f"dry run: {args.model}, the prompt and the sampling flags are fine; nothing was sampled")
         return 0
     model = load_model(args.model, device)
-    tokens = encode_prompt(enc, args.prompt, model.config.block_size, args.max_new_tokens)
+    encode_prompt(enc, args.prompt, model.config.block_size, args.max_new_tokens)  # refused, or the window said
     c = model.config  # a sample holds 5 fp32 rows of logits (next_token's) and a KV cache: half the memory for them
     fit = (device_memory(device)[0] or 0) // 2 // (4 * (5 * c.vocab_size + 2 * c.n_layer * c.block_size * c.n_embd))
     oom_phase("drawing samples", num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, fit=fit)
-    settings = dict(num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k or None)
-    texts = sample_text(model, enc, enc.decode(tokens), max_new_tokens=args.max_new_tokens, seed=args.seed, **settings)
+    texts = sample_text(
+        model, enc, args.prompt, args.num_samples, args.max_new_tokens, args.temperature, args.top_k, args.seed
+    )
     for i, text in enumerate(texts):
         print(f"sample {i}: {text}")
     return 0

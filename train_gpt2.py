@@ -551,7 +551,7 @@ def train(args, given, on_exit):
         examples, hs_off = hellaswag.load_for_run(args.hellaswag_data, args.hellaswag_limit, enc, master_process, ddp)
     if args.sample_every > 0:
         sampling = Sampling(args.prompt, args.num_samples, args.max_new_tokens, args.temperature, args.top_k)
-        sampling = check_sampling(raw_model, enc, sampling, autocast_dtype, master_process)
+        check_sampling(raw_model, enc, sampling, autocast_dtype, master_process)
     if args.dry_run:  # every start-up check passed; nothing is trained or written
         print("dry run: the flags, the data, --out-dir and the sampling check are fine")
         return 0

@@ -94,22 +94,18 @@ class OutlivesItsReader:
         self.stream = stream
 
     def write(self, text):
-        try:
-            return self.stream.write(text)
-        except OSError:
-            self._to_devnull()
-            return len(text)
+        return self._or_devnull("write", text)
 
     def flush(self):
-        try:
-            self.stream.flush()
-        except OSError:
-            self._to_devnull()
+        self._or_devnull("flush")
 
-    def _to_devnull(self):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self.stream.fileno())  # the same file descriptor, now writing nowhere
-        os.close(devnull)
+    def _or_devnull(self, method, *args):
+        try:
+            return getattr(self.stream, method)(*args)
+        except OSError:  # the same file descriptor, now writing nowhere
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
 
     def __getattr__(self, name):  # fileno, isatty, encoding, ... of the real stream
         return getattr(self.stream, name)
@@ -127,7 +123,7 @@ def run_cli(main, interrupted="interrupted", out_of_memory=None):
     """Run a script's main(): a UserError is one `error:` line and exit 1, Ctrl-C the one line
     `interrupted` and exit 130 (the shell's code for SIGINT); anything else is a bug and keeps
     its traceback. Output to a pipe that closes is dropped (OutlivesItsReader), not fatal.
-    Running out of memory is one `error:` line too: out_of_memory(the exception) says during what
+    Running out of memory is one `error:` line too: out_of_memory() says during what
     and which flag to lower (see out_of_memory_line). Under torchrun a mistake every rank makes
     alike (UserError.every_rank) is said once a node, by its LOCAL_RANK 0."""
     signal.signal(signal.SIGINT, on_ctrl_c)  # Ctrl-C raises KeyboardInterrupt from here on
@@ -147,7 +143,7 @@ def run_cli(main, interrupted="interrupted", out_of_memory=None):
         print(f"error: {out_of_memory_line(e, memory, out_of_memory)}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt as e:
-        print(str(e) or interrupted, file=sys.stderr)  # its own words, if it has any (signals.Interrupted)
+        print(str(e) or interrupted, file=sys.stderr)  # its own words, if it has any (a second stop signal's)
         code = 130
     sys.exit(code if isinstance(code, int) else 0)
 
@@ -169,10 +165,10 @@ def memory_kind(e):
 
 
 def out_of_memory_line(e, memory, advice=None):
-    """'out of host memory ...' and during what and what to lower, from advice(e) (the script's own,
-    e.g. out_of_memory.training_out_of_memory, which reads the phase e left); else the allocator's
+    """'out of host memory ...' and during what and what to lower, from advice() (the script's own,
+    e.g. out_of_memory.training_out_of_memory, which reads the phase marked last); else the allocator's
     own words, cut short."""
     said = re.sub(r"\[enforce fail at [^]]*\] *(err == 0\. *)?", "", first_line(e))
     said = re.sub(r"(Tried to allocate [\d.]+ [KMGT]iB)\..*", r"\1", said)  # CUDA's: the size, not its stats
-    where = advice(e) if advice else None
+    where = advice() if advice else None
     return f"out of {memory} {where}" if where else f"out of {memory} ({said})"

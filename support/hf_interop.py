@@ -8,15 +8,12 @@ import os
 import pickle
 import re
 import shutil
-import urllib.error
-import urllib.parse
-import urllib.request
 
 import torch
 
 from support.cli import UserError, first_line
 from support.files import existing_part, write_dir_atomic
-from support.offline import offline_var
+from support.offline import offline_var, unreachable
 from support.shards import GPT2_BPE, GPT2_VOCAB, get_tokenizer, read_gpt2_bpe
 
 HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -48,7 +45,7 @@ def hub_name_is_cached(name):
     return cached("config.json") and (cached("model.safetensors") or cached("pytorch_model.bin"))
 
 
-def check_hub_reachable(name, timeout=3.0):
+def check_hub_reachable(name):
     """Refuse at once, in one line, to fetch `name` (not in the local cache) when offline use is
     set or the Hub does not answer: transformers would retry for half a minute, then not say why."""
     fix = "pass a local transformers GPT-2 directory instead (save_pretrained output, or export_hf.py's)"
@@ -58,16 +55,12 @@ def check_hub_reachable(name, timeout=3.0):
             f"{name!r} is not in the local Hugging Face cache and {var} is set: {fix}, or fill the cache once online"
         )
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    try:
-        urllib.request.urlopen(f"{endpoint}/api/models/{name}", timeout=timeout).close()  # a few KB of metadata
-    except (OSError, ValueError) as e:  # no network, a timeout, a bad HF_ENDPOINT, a proxy's or captive portal's 404
-        if isinstance(e, urllib.error.HTTPError) and e.code == 429:
-            return  # the Hub is there but busy: transformers waits and retries
-        reason = f"HTTP {e.code}" if isinstance(e, urllib.error.HTTPError) else getattr(e, "reason", e)
+    reason = unreachable(endpoint)
+    if reason:
         raise UserError(
-            f"cannot reach the Hugging Face Hub ({endpoint}: {first_line(reason)}) and {name!r} is not "
-            f"in the local cache: {fix}, or set HF_HUB_OFFLINE=1 with a cache that holds it"
-        ) from None
+            f"cannot reach the Hugging Face Hub ({endpoint}: {reason}) and {name!r} is not in the local cache: "
+            f"{fix}, or set HF_HUB_OFFLINE=1 with a cache that holds it"
+        )
 
 
 class _Writable(Exception):
@@ -100,12 +93,10 @@ def check_export_target(out_dir):
     if names and not foreign:  # an earlier export says so in its config.json
         try:
             with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError):
-            config = None
-        if not (
-            isinstance(config, dict) and config.get("model_type") == "gpt2" and config.get("exported_by") == EXPORT_MARK
-        ):
+                ours = json.load(f).get("exported_by") == EXPORT_MARK
+        except (OSError, ValueError, AttributeError):  # unreadable, not JSON, or not a JSON object
+            ours = False
+        if not ours:
             foreign = ["a transformers model (its config.json has no exported_by mark)"]
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
@@ -168,11 +159,9 @@ def load_hf_model(name_or_dir):
         )
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load transformers GPT-2 from {name_or_dir!r}: {first_line(e)}") from None
-    except pickle.UnpicklingError as e:  # torch.load(weights_only=True) stopped at a pickled object: none ran
-        found = re.search(r"GLOBAL \S+", str(e))
-        held = f" ({found.group(0)})" if found else ""
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) stopped at a pickled object: none ran
         raise UserError(
-            f"{name_or_dir}: its pytorch_model.bin holds more than tensors{held}, which loading would run as code: "
+            f"{name_or_dir}: its pytorch_model.bin holds more than tensors, which loading would run as code: "
             f"refused, and nothing in it ran; use the model as safetensors (model.safetensors: tensors only)"
         ) from None
     if info["missing_keys"]:  # transformers fills them with random numbers and only warns
@@ -198,13 +187,15 @@ def load_hf_gpt2(name_or_dir):
     return config, state_dict_from_hf(hf.state_dict())
 
 
-def gpt2_config(config, vocab_size, **extra):
-    """transformers' GPT2Config of our model config (a dict), with vocab_size rows: GPT-2's
-    activation and LayerNorm epsilon, no dropout, tied embeddings."""
-    from transformers import GPT2Config  # noqa: PLC0415  0.8 s to import: only building a transformers model needs it
+def hf_gpt2(config, sd, source, vocab_size=None, **extra):
+    """Our model (config dict, our state dict) as transformers' GPT2LMHeadModel, in memory, every key
+    and shape checked as our loader checks them (a UserError naming source); its vocabulary cut to
+    vocab_size rows (None: as it is, the padding rows kept, so that its losses are our GPT's)."""
+    from transformers import GPT2Config, GPT2LMHeadModel  # noqa: PLC0415  2 s to import: only building one needs it
 
-    return GPT2Config(
-        vocab_size=vocab_size,
+    # GPT-2's activation and LayerNorm epsilon, no dropout, tied embeddings
+    hf_config = GPT2Config(
+        vocab_size=vocab_size or config["vocab_size"],
         n_positions=config["block_size"],
         n_embd=config["n_embd"],
         n_layer=config["n_layer"],
@@ -217,15 +208,6 @@ def gpt2_config(config, vocab_size, **extra):
         attn_pdrop=0.0,
         **extra,
     )
-
-
-def hf_gpt2(config, sd, source, vocab_size=None, **extra):
-    """Our model (config dict, our state dict) as transformers' GPT2LMHeadModel, in memory, every key
-    and shape checked as our loader checks them (a UserError naming source); its vocabulary cut to
-    vocab_size rows (None: as it is, the padding rows kept, so that its losses are our GPT's)."""
-    from transformers import GPT2LMHeadModel  # noqa: PLC0415  2 s to import: only building a transformers model needs it
-
-    hf_config = gpt2_config(config, vocab_size or config["vocab_size"], **extra)
     with torch.device("meta"):  # no random init to throw away: our tensors become the weights
         hf = GPT2LMHeadModel(hf_config)
     if any(True for _ in hf.buffers()):  # a transformers whose attention keeps buffers (a causal mask): real ones
@@ -283,10 +265,5 @@ def save_hf_gpt2(config, sd, out_dir, source="the model", **extra):
         hf.save_pretrained(folder)
         save_gpt2_tokenizer(enc, folder, config["block_size"])
 
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # its bar on stderr would bury a one-line error
-    try:
-        write_dir_atomic(out_dir, write, "the export")
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
+    hf_logging.disable_progress_bar()  # save_pretrained's bar on stderr would bury a one-line error
+    write_dir_atomic(out_dir, write, "the export")

@@ -7,8 +7,8 @@ indenting the work under it:
 
     oom_phase("val loss", step=step)
 
-run_cli's out_of_memory hook (training_out_of_memory, hellaswag_out_of_memory) words the phase of
-its script marked last: the one in progress when the allocation failed. The advice depends on
+run_cli's out_of_memory hook (training_out_of_memory, hellaswag_out_of_memory, sample_out_of_memory)
+words the phase of its script marked last: the one in progress when the allocation failed. The advice depends on
 the marks alone, never on the names of the functions or variables the allocation failed in. Every
 phase a script marks has an entry in its script's advice table (tests/test_out_of_memory.py reads
 the scripts' marks)."""
@@ -39,9 +39,15 @@ def forget_phases():
     _run.clear()
 
 
-def latest_phase(advice):
-    """(name, values) of the phase among advice's keys marked last, or (None, None)."""
-    return next(((name, values) for name, values in reversed(_marked.items()) if name in advice), (None, None))
+def advice_of(table):
+    """A script's out_of_memory hook for run_cli: the line of the phase among table's keys marked last,
+    from that phase's values; None before the first."""
+
+    def advice():
+        name = next((name for name in reversed(_marked) if name in table), None)
+        return None if name is None else table[name](**_marked[name])
+
+    return advice
 
 
 # --- train_gpt2.py ---------------------------------------------------------------------------------
@@ -119,14 +125,7 @@ TRAINING_ADVICE = {
         f"while writing the checkpoint of step {step}", None, "free host memory for it"
     ),
 }
-
-
-def training_out_of_memory(e=None):
-    """For run_cli: in which phase train_gpt2.py ran out of memory (the first step, an eval,
-    sampling, ...), the flag to lower, and the checkpoint to go on from; None before its first.
-    e, the error, is run_cli's to pass: the phase marked last is the one it left."""
-    phase, values = latest_phase(TRAINING_ADVICE)
-    return None if phase is None else TRAINING_ADVICE[phase](**values)
+training_out_of_memory = advice_of(TRAINING_ADVICE)
 
 
 # --- hellaswag.py ----------------------------------------------------------------------------------
@@ -138,12 +137,7 @@ def _scoring(batch_tokens):
 
 
 HELLASWAG_ADVICE = {"scoring HellaSwag": _scoring}  # batch_tokens: the one it used
-
-
-def hellaswag_out_of_memory(e=None):
-    """For run_cli: hellaswag.py's flag to lower, from its "scoring HellaSwag" phase's batch_tokens."""
-    phase, values = latest_phase(HELLASWAG_ADVICE)
-    return None if phase is None else HELLASWAG_ADVICE[phase](**values)
+hellaswag_out_of_memory = advice_of(HELLASWAG_ADVICE)
 
 
 # --- sample.py -------------------------------------------------------------------------------------
@@ -153,9 +147,4 @@ SAMPLE_ADVICE = {
         f"while sampling: {fewer_samples(num_samples, fit)[1]} or --max-new-tokens {max_new_tokens}"
     )
 }
-
-
-def sample_out_of_memory(e=None):
-    """For run_cli: sample.py's flags to lower, from its "drawing samples" phase."""
-    phase, values = latest_phase(SAMPLE_ADVICE)
-    return None if phase is None else SAMPLE_ADVICE[phase](**values)
+sample_out_of_memory = advice_of(SAMPLE_ADVICE)

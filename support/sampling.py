@@ -4,7 +4,7 @@
 hidden_states takes a cache (see KVCache) and whose lm_head gives the logits."""
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
@@ -82,7 +82,7 @@ def draw_noise(B, temperature, generator, device):
 
 def next_token(logits, temperature, top_k, noise):
     """One token per row from the last position's logits (B, vocab): greedy at temperature 0,
-    else a draw from the top_k most likely; padding ids (>= 50257) are cut off first.
+    else a draw from the top_k most likely (0 or None: all); padding ids (>= 50257) are cut off first.
     The draw is the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability
     p_i (torch.multinomial does the same on CUDA). With the noise drawn beforehand this is plain
     arithmetic, so a compiled decode step samples inside its graph."""
@@ -92,7 +92,7 @@ def next_token(logits, temperature, top_k, noise):
     # shifted so the largest is 0: a temperature so low that the scaled logits overflow gives -inf
     # to all but the largest (greedy), never inf - inf = NaN; below 1e-30 float32 has no divisor
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, 1e-30)
-    if top_k is not None:
+    if top_k:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return (F.softmax(logits, dim=-1) / noise).argmax(dim=-1)  # (B,)
@@ -159,8 +159,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=No
 
 
 def encode_prompt(enc, prompt, block_size, max_new_tokens, say=True):
-    """The prompt's tokens; an empty prompt starts from <|endoftext|>, as a new document would.
-    generate stops at the model's window: say, a note when the prompt and max_new_tokens overrun it."""
+    """The prompt's tokens, a literal <|endoftext|> the token itself (as in the training data); an empty
+    prompt starts from <|endoftext|>, as a new document would. generate stops at the model's window:
+    say, a note when the prompt and max_new_tokens overrun it."""
     tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else [enc.eot_token]
     if len(tokens) >= block_size:
         raise UserError(f"--prompt is {len(tokens)} tokens, the model reads at most {block_size - 1} before a new one")
@@ -172,24 +173,21 @@ def encode_prompt(enc, prompt, block_size, max_new_tokens, say=True):
     return tokens
 
 
-def sample_text(
-    model, enc, prompt, num_samples=4, max_new_tokens=32, temperature=1.0, top_k=50, seed=42, compile=False, stop=None
-):
-    """Decode num_samples continuations of prompt; the same seed gives the same text.
-    compile: a compiled (on CUDA, graph-captured) decode step, kept on the model for the next call.
-    stop: polled before every token (a training run's stop signal): None when it cut the samples short."""
+def sample_text(model, enc, prompt, num_samples=4, max_new_tokens=32, temperature=1.0, top_k=50, seed=42, stop=None):
+    """Decode num_samples continuations of prompt (encode_prompt's tokens); the same seed gives the
+    same text. stop: polled before every token (a training run's stop signal): None when it cut the
+    samples short."""
     device = next(model.parameters()).device
-    # a literal <|endoftext|> in the prompt is the token itself, as in the training data
-    tokens = torch.tensor(enc.encode(prompt, allowed_special={"<|endoftext|>"}), dtype=torch.long, device=device)
-    idx = tokens.unsqueeze(0).repeat(num_samples, 1)
+    tokens = encode_prompt(enc, prompt, model.config.block_size, max_new_tokens, say=False)
+    idx = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(0).repeat(num_samples, 1)
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = generate(model, idx, max_new_tokens, temperature, top_k, generator, compile=compile, stop=stop)
+    out = generate(model, idx, max_new_tokens, temperature, top_k, generator, stop=stop)
     return None if out is None else [enc.decode(row.tolist()) for row in out]
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling flags, train_gpt2.py's (mid-run) and sample.py's; check_sampling fits a run's prompt to the model."""
+    """Sampling flags, train_gpt2.py's (mid-run) and sample.py's; check_sampling tries a run's on its model."""
 
     prompt: str = flag("Hello, I'm a language model,", "'' starts from <|endoftext|>")
     num_samples: int = flag(4, "samples drawn at once", Number.POSITIVE)
@@ -199,27 +197,24 @@ class Sampling:
 
     def draw(self, model, enc, max_new_tokens, stop=None):
         return sample_text(
-            model, enc, self.prompt, self.num_samples, max_new_tokens, self.temperature, self.top_k or None, stop=stop
+            model, enc, self.prompt, self.num_samples, max_new_tokens, self.temperature, self.top_k, stop=stop
         )
 
 
 def check_sampling(model, enc, sampling, autocast_dtype, master_process):
     """A training run's samples, checked at start: the prompt tokenized and fitted to the model's
     window (rank 0 says when the samples stop early), and one token drawn with the run's settings:
-    a bad prompt or setting fails now, not at the first sample step hours in. Returns the Sampling
-    the run's samples use; sample_text's fixed seed gives the same noise at every sample step, so
-    the samples show what was learned."""
-    tokens = encode_prompt(enc, sampling.prompt, model.config.block_size, sampling.max_new_tokens, say=master_process)
-    sampling = replace(sampling, prompt=enc.decode(tokens))
+    a bad prompt or setting fails now, not at the first sample step hours in. sample_text's fixed
+    seed gives the same noise at every sample step, so the samples show what was learned."""
+    encode_prompt(enc, sampling.prompt, model.config.block_size, sampling.max_new_tokens, say=master_process)
     oom_phase("sampling check", num_samples=sampling.num_samples)
     with autocast(next(model.parameters()).device.type, autocast_dtype):  # every rank samples, here and mid-run
         sampling.draw(model, enc, max_new_tokens=1)
-    return sampling
 
 
 def log_samples(step, model, enc, sampling, autocast_dtype, log, should_stop):
     """Samples of the prompt after `step` updates (every rank samples, rank 0 logs them), unless a
-    stop signal cut them short; sampling: check_sampling's."""
+    stop signal cut them short; sampling: the one check_sampling checked."""
     oom_phase("sampling", step=step, num_samples=sampling.num_samples, max_new_tokens=sampling.max_new_tokens)
     with autocast(next(model.parameters()).device.type, autocast_dtype):
         samples = sampling.draw(model, enc, sampling.max_new_tokens, stop=should_stop)

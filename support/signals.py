@@ -28,7 +28,7 @@ class StopRequest:
         getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT", "SIGBREAK") if hasattr(signal, name)
     )
 
-    def __init__(self, out_dir=None):
+    def __init__(self, out_dir):
         self.signum, self.out_dir = 0, out_dir
         self.writing = None  # the checkpoint being written (during_write), and whether this process says so
         self.replaced = {}  # signal -> the handler this one replaced, which release() puts back
@@ -63,8 +63,17 @@ class StopRequest:
                     flush=True,
                 )
             return
-        if self.signum:
-            raise Interrupted(self.out_dir)  # the user does not want to wait: run_cli prints one line
+        if self.signum:  # the user does not want to wait: the run ends now, and run_cli prints what continues it
+            found = checkpoint_paths(self.out_dir)
+            if found:
+                name = os.path.basename(found[0])
+                raise KeyboardInterrupt(
+                    f"interrupted: continue from its newest checkpoint, {name}, with --resume --out-dir {self.out_dir}"
+                )
+            raise KeyboardInterrupt(
+                "interrupted before the run's first checkpoint: no checkpoint to continue from; the same command "
+                "with a new --out-dir starts it again"
+            )
         self.signum = signum
         print(f"caught {signal.Signals(signum).name}: stopping after this step with a checkpoint", flush=True)
 
@@ -89,26 +98,3 @@ class StopRequest:
         if ddp:
             dist.all_reduce(signum, op=dist.ReduceOp.MAX)
         return signum.item()
-
-
-class Interrupted(KeyboardInterrupt):
-    """A second stop signal: the run ends at once, without a checkpoint. Its message, read as the
-    process ends, says what continues the run from what the folder holds now: its newest
-    checkpoint, or, with none, the same command in a new --out-dir."""
-
-    def __init__(self, out_dir):
-        super().__init__()
-        self.out_dir = out_dir
-
-    def __str__(self):
-        out_dir = self.out_dir
-        if out_dir is None:
-            return ""
-        found = checkpoint_paths(out_dir)
-        if found:
-            name = os.path.basename(found[0])
-            return f"interrupted: continue from its newest checkpoint, {name}, with --resume --out-dir {out_dir}"
-        return (
-            "interrupted before the run's first checkpoint: no checkpoint to continue from; the same command "
-            "with a new --out-dir starts it again"
-        )

@@ -9,17 +9,11 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, assert_one_line_error, cli, tiny_args
+from helpers import ROOT
 from support.cli import UserError, memory_kind, out_of_memory_line
 
 # ----------------------------------------------------------------------------------------------
 # run_cli: a mistake is one line, an interrupt its own words
-
-
-def test_a_flag_argparse_cannot_parse_is_one_line_not_the_usage(tmp_path):
-    r = cli(*tiny_args(tmp_path / "data", tmp_path / "out", "--keep-ckpts", 1.5))
-    line = assert_one_line_error(r, "argument --keep-ckpts: invalid int value: '1.5'")
-    assert line.endswith("(see python train_gpt2.py --help)") and "usage" not in r.stderr
 
 
 @pytest.mark.parametrize(

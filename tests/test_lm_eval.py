@@ -36,16 +36,13 @@ def read_task(path):
     return yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)
 
 
-def test_tasks_read_hellaswag_pys_cache_by_default():
+def test_tasks_read_hellaswag_pys_cache_by_default_or_the_jsonl_their_metadata_names(tmp_path, assets):
     utils = task_utils()
     assert utils.CACHE == os.path.join(hellaswag.DEFAULT_CACHE_DIR, hellaswag.CACHE_NAME)
-
-
-def test_tasks_read_the_jsonl_metadata_names(tmp_path, assets):
     lines = assets.hellaswag.read_text(encoding="utf-8").splitlines()[:3]
     (tmp_path / "hs.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     # lm-eval passes every task's metadata (its version, the model's arguments) along with ours
-    rows = task_utils().hellaswag_rows(hellaswag_data=str(tmp_path / "hs.jsonl"), version=1.0, pretrained="x")
+    rows = utils.hellaswag_rows(hellaswag_data=str(tmp_path / "hs.jsonl"), version=1.0, pretrained="x")
     assert list(rows) == ["validation"]
     assert [dict(r) for r in rows["validation"]] == [json.loads(line) for line in lines]
 

@@ -26,33 +26,23 @@ from support.out_of_memory import (
 )
 from train_gpt2 import GPTConfig
 
-# train_gpt2.py in a process whose address space is capped at what its imports map plus argv[1] MiB
+# a script (argv[2]) in a process whose address space is capped at what its imports map plus argv[1] MiB;
+# sample.py reads that cap as the machine's memory (support.checks.device_memory)
 LIMITED = """
 import resource, runpy, sys
-import numpy, torch, fineweb, train_gpt2
+import numpy, torch, fineweb, sample, support.checks, train_gpt2
 headroom = int(sys.argv[1]) * 2**20
 vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, vm + headroom))
-sys.argv = ["train_gpt2.py", *sys.argv[2:]]
-runpy.run_path("train_gpt2.py", run_name="__main__")
+if sys.argv[2] == "sample.py":
+    support.checks.device_memory = lambda device: (headroom, "the memory under the cap")
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def limited(headroom_mib, *args):
-    return cli(LIMITED, headroom_mib, *args, script="-c")
-
-
-# sample.py under the same cap, which it reads as the machine's memory (support.checks.device_memory)
-SAMPLE_LIMITED = """
-import resource, runpy, sys
-import numpy, torch, sample, support.checks
-headroom = int(sys.argv[1]) * 2**20
-vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
-resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, vm + headroom))
-support.checks.device_memory = lambda device: (headroom, "the memory under the cap")
-sys.argv = ["sample.py", *sys.argv[2:]]
-runpy.run_path("sample.py", run_name="__main__")
-"""
+def limited(headroom_mib, *args, script="train_gpt2.py"):
+    return cli(LIMITED, headroom_mib, script, *args, script="-c")
 
 
 def follow(message, args, flag):
@@ -131,11 +121,11 @@ def test_out_of_memory_in_sample_py_advises_a_num_samples_that_fits_and_it_sampl
     """--num-samples 100,000,000 under a 1 GiB cap: the advice is not half of it (which ran into the OOM
     killer) but a number the memory holds, and that many samples are drawn under the same cap."""
     args = [short_run[1] / "ckpt_000002.pt", "--prompt", "Hi", "--max-new-tokens", 2]
-    r = cli(SAMPLE_LIMITED, 1024, *args, "--num-samples", 10**8, script="-c")
+    r = limited(1024, *args, "--num-samples", 10**8, script="sample.py")
     line = assert_one_line_error(r, "out of host memory while sampling: lower --num-samples 100000000 (e.g. ")
     n = int(re.search(r"\(e\.g\. (\d+)\)", line)[1])
     assert 100 < n < 10**5, line  # a sample of the 2-layer model holds about 1 MB
-    r = cli(SAMPLE_LIMITED, 1024, *args, "--num-samples", n, script="-c")
+    r = limited(1024, *args, "--num-samples", n, script="sample.py")
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.findall(r"^sample (\d+): ", r.stdout, re.M)[-1] == str(n - 1)
 
@@ -175,20 +165,16 @@ def recipe_run(out, config=None, device="cpu", autocast_dtype=None):
     oom_run(config or GPTConfig(), device, autocast_dtype, B=64, T=1024, total_batch_size=524288, out_dir=out)
 
 
-def test_the_advice_is_the_marked_phases_not_the_function_names(tmp_path):
-    """The phase marked last decides, each script words its own, and no advice before the first mark."""
+def test_the_phase_marked_last_decides_and_each_script_words_its_own(tmp_path):
+    """No advice before the first mark (the allocator's words) nor for the run's shape alone; then the
+    phase marked last among a script's own (a run's HellaSwag eval fails in hellaswag.py's scoring)."""
     out = str(tmp_path / "out")
-
-    def evaluate_val_loss(step=250, start_step=0):  # the val-loss eval's name and the loop's locals
-        raise MemoryError()
-
     forget_phases()
-    with pytest.raises(MemoryError) as raised:
-        evaluate_val_loss()
-    assert training_out_of_memory(raised.value) is None
-    assert out_of_memory_line(raised.value, "host memory", training_out_of_memory) == "out of host memory (MemoryError)"
+    assert (
+        out_of_memory_line(MemoryError(), "host memory", training_out_of_memory) == "out of host memory (MemoryError)"
+    )
     recipe_run(out)
-    assert training_out_of_memory(raised.value) is None  # the run's shape alone is no phase
+    assert training_out_of_memory() is None
     oom_phase("HellaSwag eval", step=250)
     oom_phase("scoring HellaSwag", batch_tokens=65536)
     assert training_out_of_memory() == (
@@ -202,10 +188,8 @@ def test_the_advice_is_the_marked_phases_not_the_function_names(tmp_path):
     forget_phases()
     recipe_run(out)
     oom_phase("training step", step=250, first=False)
-    with pytest.raises(MemoryError) as raised:
-        evaluate_val_loss()
-    assert training_out_of_memory(raised.value).startswith("in training step 250 (-B 64 rows of -T 1024): lower -B")
-    assert hellaswag_out_of_memory(raised.value) is None and sample_out_of_memory(raised.value) is None
+    assert training_out_of_memory().startswith("in training step 250 (-B 64 rows of -T 1024): lower -B")
+    assert hellaswag_out_of_memory() is None and sample_out_of_memory() is None
     oom_phase("drawing samples", num_samples=4, max_new_tokens=32, fit=0)
     assert sample_out_of_memory() == "while sampling: lower --num-samples 4 (e.g. 2) or --max-new-tokens 32"
     forget_phases()
@@ -238,9 +222,9 @@ def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_con
         raise MemoryError()
 
     monkeypatch.setattr(model, "hidden_states", hidden_states)
-    with pytest.raises(MemoryError) as raised:
+    with pytest.raises(MemoryError):
         hellaswag.evaluate(model, hellaswag.prepare(examples, enc), "cpu")  # --batch-tokens' CPU default, 4,096
-    assert hellaswag_out_of_memory(raised.value) == (
+    assert hellaswag_out_of_memory() == (
         "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 2048), or use a smaller --model"
     )
 
@@ -251,22 +235,17 @@ def first_step_error(tmp_path, config, autocast_dtype):
     out = str(tmp_path / "out")
     recipe_run(out, config, "cuda:0", autocast_dtype)
     oom_phase("training step", step=0, first=True)
-    return training_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    return training_out_of_memory()
 
 
 def test_out_of_gpu_memory_names_the_B_the_memory_estimate_fits_where_it_holds(tmp_path, monkeypatch):
-    asked = []
-
-    def properties(device):
-        asked.append(device)
-        return SimpleNamespace(total_memory=int(23.65 * GiB))
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    """Under autocast (fp16 here; bf16 and the whole line through a run on a faked GPU: test_fake_gpu's
+    test_out_of_memory_names_the_B_the_gpu_fits)."""
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=int(23.65 * GiB))
+    )
     recipe = GPTConfig(vocab_size=50304)
-    # the whole line, through a run on a faked 24 GB card: test_fake_gpu's test_out_of_memory_names_the_B_the_gpu_fits
-    for dtype in (torch.bfloat16, torch.float16):
-        assert "lower -B (e.g. -B 16, which this GPU's 23.6 GiB" in first_step_error(tmp_path, recipe, dtype)
-    assert asked == ["cuda:0", "cuda:0"]
+    assert "lower -B (e.g. -B 16, which this GPU's 23.6 GiB" in first_step_error(tmp_path, recipe, torch.float16)
     # where the estimate does not hold, -B halves: fp32, another model, a -B it says fits that ran out
     halved = "lower -B (e.g. -B 32: the total batch"
     assert halved in first_step_error(tmp_path, recipe, None)

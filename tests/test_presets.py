@@ -6,7 +6,7 @@ import re
 import pytest
 
 import train_gpt2
-from helpers import ROOT, headers, read_log, tiny_args, user_error
+from helpers import ROOT, headers, read_log, user_error
 
 CONFIGS = ROOT / "configs"
 TINY_RUN = f"@{ROOT / 'tests' / 'tiny_run.txt'}"  # the tests' tiny run (tiny_args)
@@ -16,8 +16,9 @@ def parsed(*argv):
     return vars(train_gpt2.parse_args([str(a) for a in argv])[0])
 
 
-def test_the_laptop_preset_is_the_flags_it_lists():
-    args = parsed(f"@{CONFIGS / 'laptop.txt'}")
+def test_the_laptop_preset_is_the_flags_it_lists_and_typed_flags_win_before_or_after_it():
+    preset = f"@{CONFIGS / 'laptop.txt'}"
+    args = parsed(preset)
     expected = dict(data_dir="shakespeare", out_dir="log_tiny", device="cpu", n_layer=4, n_head=4, n_embd=64)
     expected.update(block_size=256, batch_size=16, seq_len=64, total_batch_size=4096, max_steps=200)
     expected.update(warmup_steps=20, max_lr=3e-3, eval_every=50, val_tokens=32768, hellaswag_every=0)
@@ -26,22 +27,13 @@ def test_the_laptop_preset_is_the_flags_it_lists():
     assert {k: v for k, v in args.items() if k not in expected} == {
         k: v for k, v in parsed().items() if k not in expected
     }  # every other flag at its default
-
-
-def test_flags_typed_win_before_or_after_the_preset():
-    preset = f"@{CONFIGS / 'laptop.txt'}"
     for argv in ([preset, "--max-steps", 50, "-B", 8], ["--max-steps", 50, "-B", 8, preset]):
         args = parsed(*argv)
         assert (args["max_steps"], args["batch_size"], args["n_layer"]) == (50, 8, 4)
 
 
-def test_the_tests_tiny_run_is_its_preset():
-    assert parsed(*tiny_args("data", "out")) == parsed(TINY_RUN, "--data-dir", "data", "--out-dir", "out")
-
-
 def test_the_log_header_records_the_presets_flags_and_the_run_resumes(data, tmp_path):
-    out = tmp_path / "run"
-    preset = TINY_RUN
+    out, preset = tmp_path / "run", TINY_RUN
     assert train_gpt2.main([preset, "--data-dir", data, "--out-dir", out, "--ckpt-every", 3, "--max-steps", 3]) == 0
     config = headers(out)[0]["config"]
     assert (config["n_layer"], config["n_embd"], config["total_batch_size"], config["max_steps"]) == (2, 32, 64, 3)

@@ -12,7 +12,7 @@ import train_gpt2
 from helpers import read_log, refused_before_step_0, tiny_args
 from support import sampling
 from support.cli import UserError
-from support.sampling import KVCache, decode_step, generate, next_token, sample_text
+from support.sampling import KVCache, generate, next_token
 from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT
 
@@ -69,25 +69,6 @@ def test_a_prompt_fed_to_the_cache_in_pieces_equals_one_pass(model):
     assert torch.allclose(torch.cat(pieces, dim=1), whole, atol=1e-5, rtol=1e-4)
 
 
-def test_decode_step_logits_equal_the_full_forward(model):
-    """The static-shape step (tensor position, masked buffer) gives the plain forward's logits."""
-    tokens = torch.randint(0, GPT2_VOCAB, (2, 12))
-    full, _ = model(tokens)
-    cache = KVCache(model.config.n_layer, 20)  # longer than used: the unused slots must stay masked
-    with torch.no_grad():
-        model.hidden_states(tokens[:, :5], cache)
-        assert cache.pos == 5
-        cache.pos = torch.tensor([5])
-        for t in range(5, 12):
-            logits = model.lm_head(model.hidden_states(tokens[:, t : t + 1], cache)[:, -1])  # decode_step's logits
-            assert torch.allclose(logits, full[:, t], atol=1e-5, rtol=1e-4)
-            # the same position again (a tensor pos is advanced by the caller), through decode_step
-            greedy = decode_step(model, tokens[:, t : t + 1], cache, temperature=0, top_k=None, noise=None)
-            assert torch.equal(greedy, full[:, t, :GPT2_VOCAB].argmax(-1))
-            cache.pos += 1
-    assert cache.k[0].shape == (2, model.config.n_head, 20, model.config.n_embd // model.config.n_head)
-
-
 def test_no_tensor_grows_per_token(model, monkeypatch):
     def no_cat(*args, **kwargs):
         raise AssertionError("torch.cat while sampling")
@@ -141,7 +122,7 @@ def test_the_exponential_race_draws_from_the_softmax():
 
 
 # ----------------------------------------------------------------------------------------------
-# The draw: a temperature too low for the logits is greedy; seeds; the window; a stop request
+# The draw: a temperature too low for the logits is greedy; a stop request
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-50, 1e-320])
@@ -151,13 +132,6 @@ def test_a_temperature_so_low_that_logits_overflow_samples_greedily(temperature)
     token = sampling.next_token(logits, temperature, None, noise)
     assert torch.equal(token, logits[:, :50257].argmax(-1))
     assert torch.equal(sampling.next_token(logits, temperature, 5, noise), token)
-
-
-def test_same_seed_same_text(model, enc):
-    a = sample_text(model, enc, "Hello", num_samples=2, max_new_tokens=10, seed=1)
-    b = sample_text(model, enc, "Hello", num_samples=2, max_new_tokens=10, seed=1)
-    c = sample_text(model, enc, "Hello", num_samples=2, max_new_tokens=10, seed=2)
-    assert a == b and a != c
 
 
 class Countdown:
@@ -191,17 +165,6 @@ def test_generation_polls_the_stop_request_before_every_token(model, monkeypatch
 # and what runs mid-training is exercised before step 0
 
 
-def greedy_tokens(model, tokens, n):
-    """tokens and the n most likely tokens after them, one at a time over the whole prefix (no
-    KV cache), at most up to the model's window."""
-    idx = torch.tensor([tokens])
-    with torch.no_grad():
-        while idx.size(1) < min(len(tokens) + n, model.config.block_size):
-            logits, _ = model(idx)
-            idx = torch.cat([idx, logits[:, -1, :50257].argmax(-1, keepdim=True)], dim=1)
-    return idx[0].tolist()
-
-
 HELLO = "Hello, I'm a language model,"  # the default --prompt
 
 
@@ -217,7 +180,7 @@ HELLO = "Hello, I'm a language model,"  # the default --prompt
 )
 def test_legitimate_sampling_settings_work(data, tmp_path, enc, flags, prompt, n_new, capsys):
     """Each setting has its effect: the logged samples of steps 1 and 2 are the ones computed here
-    from that step's checkpoint (greedy decoding by hand; <|endoftext|> is token 50256)."""
+    from that step's checkpoint (greedy: recomputed without a cache; <|endoftext|> is token 50256)."""
     out = tmp_path / "out"
     run = "--max-steps 2 --sample-every 1 --num-samples 2 --max-new-tokens 4 --eval-every 0 --ckpt-every 1"
     args = tiny_args(data, out, *run.split(), *flags)
@@ -230,7 +193,7 @@ def test_legitimate_sampling_settings_work(data, tmp_path, enc, flags, prompt, n
     for step, texts in samples.items():
         model = train_gpt2.load_model(str(out / f"ckpt_{step:06d}.pt")).eval()
         if "--temperature" in flags:
-            assert texts == [enc.decode(greedy_tokens(model, tokens, n_new))] * 2, step
+            assert texts == [enc.decode(recompute(model, torch.tensor([tokens]), n_new, temperature=0)[0].tolist())] * 2
         else:  # drawn among all 50257 tokens, with the run's fixed sampling seed (42)
             draw = lambda top_k, model=model: generate(  # noqa: E731  (this step's model)
                 model, torch.tensor([tokens] * 2), n_new, top_k=top_k, generator=torch.Generator().manual_seed(42)

@@ -17,7 +17,6 @@ from support import sampling, signals
 from support.checkpoints import load_checkpoint
 from support.cli import run_cli
 from support.signals import StopRequest
-from train_gpt2 import DataLoaderLite, load_model
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # a scheduler; a closed terminal
@@ -30,15 +29,9 @@ def test_sigterm_or_sighup_writes_a_usable_checkpoint(data, tmp_path, signum):
     _, steps = read_log(out)
     last = max(steps)
     path = out / f"ckpt_{last + 1:06d}.pt"
-    ckpt = load_checkpoint(str(path))
+    ckpt = load_checkpoint(str(path))  # the training state, as every checkpoint's (its data position: test_recipe)
     assert ckpt["step"] == last + 1 and ckpt["optimizer"]["state"]
-    # the data position is just after the batches of the steps done: 2 micro-batches a step
-    loader = DataLoaderLite(str(data), "train", 2, 16, seed=1337)
-    for _ in range(2 * (last + 1)):
-        loader.next_batch()
-    assert ckpt["data"] == loader.state_dict()
-    model = load_model(str(path))
-    assert torch.equal(model.lm_head.weight, ckpt["model"]["lm_head.weight"])
+    assert train_gpt2.main([*args, "--resume", "--max-steps", last + 2]) == 0  # and the run goes on from it
 
 
 @pytest.mark.parametrize("launcher, stops", [(None, False), (os.getppid(), False), (os.getppid() + 1, True)])
@@ -64,12 +57,12 @@ def test_under_nohup_a_hangup_does_not_stop_the_run(data, tmp_path):
     assert sorted(read_log(out)[1]) == list(range(300))
 
 
-@pytest.mark.parametrize("said", ["import torch", "model: ", "step     0/", "step     2/"])
-def test_ctrl_c_during_start_up_or_twice_is_one_line(data, tmp_path, said):
-    """One Ctrl-C while torch loads, after the model is built or in step 0; two at step 2."""
+@pytest.mark.parametrize("said", ["import torch", "model: ", "step     0/"])
+def test_ctrl_c_during_start_up_is_one_line(data, tmp_path, said):
+    """One Ctrl-C while torch loads, after the model is built or in step 0 (two, in-process through
+    run_cli: test_ctrl_c_again_while_the_stop_checkpoint_is_written)."""
     flags = "--max-steps 100000 --warmup-steps 1 --eval-every 1 --val-tokens 512".split()
-    times = 2 if said == "step     2/" else 1
-    proc, out, err = signal_on(said, *tiny_args(data, tmp_path / "out", *flags), times=times)
+    proc, out, err = signal_on(said, *tiny_args(data, tmp_path / "out", *flags))
     assert proc.returncode == 130, err
     said = [line for line in err.strip().splitlines() if not line.startswith("warning: this run trains on")]
     assert "Traceback" not in err and len(said) <= 1, err
