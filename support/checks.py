@@ -42,13 +42,12 @@ def need(ok, message):
 
 
 def check_args(recipe, world_size, resume, init_from, given, warmup_lr):
-    """The recipe (a Recipe: on --resume the checkpoint's, with the changes given) against itself and
-    the machine, and --init-from against --resume, before the run does anything (each flag's own range
-    is its type's, at parse time). given: {flag given: "FILE, line N" of its preset, or ""};
-    warmup_lr(step, max_lr, warmup_steps): the recipe's warm-up. A --max-steps inside the default
-    warm-up is refused (a short run forgot it); inside one asked for, said by rank 0: a run may be the
-    first part of a longer one, continued by --resume with a larger --max-steps (the warm-up's lr does
-    not depend on it), but a run meant whole should hear at start that the lr never reaches --max-lr."""
+    """The recipe (a Recipe, on --resume the checkpoint's with the changes given) against itself and the
+    machine, and --init-from against --resume, before the run does anything (each flag's range is its
+    type's). given: {flag given: "FILE, line N" of its preset, or ""}; warmup_lr: the recipe's. A
+    --max-steps inside the default warm-up is refused (a short run forgot it), inside one asked for said:
+    a run continued by --resume with a larger --max-steps trains as one would, but the lr never reaches
+    --max-lr in a run meant whole."""
     r = recipe
     need(
         r.min_lr is None or 0 <= r.min_lr <= r.max_lr, f"--min-lr {r.min_lr} must be between 0 and --max-lr {r.max_lr}"
@@ -137,13 +136,12 @@ def check_model(config, device):
     }
     n = sum(parts.values()) + 2 * C  # and the final LayerNorm
     memory, what = device_memory(device)
-    if memory is not None and n * TRAIN_BYTES_PER_PARAMETER > memory:
-        raise same_on_every_rank(
-            UserError(
-                f"the model flags make {n:,} parameters, {n * TRAIN_BYTES_PER_PARAMETER / 2**30:,.0f} GiB to train "
-                f"(weights, gradients and AdamW's two moments, {TRAIN_BYTES_PER_PARAMETER} bytes each), more than "
-                f"the {memory / 2**30:,.0f} GiB of {what}: lower {max(parts, key=parts.get)}"
-            )
+    if memory is not None:  # None: unknown
+        need(
+            n * TRAIN_BYTES_PER_PARAMETER <= memory,
+            f"the model flags make {n:,} parameters, {n * TRAIN_BYTES_PER_PARAMETER / 2**30:,.0f} GiB to train "
+            f"(weights, gradients and AdamW's two moments, {TRAIN_BYTES_PER_PARAMETER} bytes each), more than "
+            f"the {memory / 2**30:,.0f} GiB of {what}: lower {max(parts, key=parts.get)}",
         )
 
 

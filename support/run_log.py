@@ -20,8 +20,6 @@ from support.out_dir import log_path
 from support.wandb_log import WandbMirror
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # the open of a symbolic link fails (Windows has no such flag)
-
-
 WANDB_FINISH_TIMEOUT = 120  # seconds the end of a run waits for wandb to finish uploading
 
 
@@ -88,7 +86,12 @@ class RunLog:
         if self.file is None:
             return
         self.clock.saw(record)
-        self.write(record)
+        try:
+            self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
+            self.file = None
+            raise disk_error(e, self.path, "continue with --resume") from None
         note_trained(self.trained, record)
         self.print(record)
         if self.wandb is not None and self.wandb.error is None:
@@ -96,15 +99,6 @@ class RunLog:
         elif self.wandb is not None:  # wandb failed: said once, and the run goes on without it
             error, self.wandb = self.wandb.error, None
             self.warn(f"wandb stopped ({error}): the run goes on; log.jsonl holds every record")
-
-    def write(self, record):
-        line = json.dumps(strict_json(record), allow_nan=False) + "\n"
-        try:
-            self.file.write(line)
-            self.file.flush()
-        except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
-            self.file = None
-            raise disk_error(e, self.path, "continue with --resume") from None
 
     def warn(self, message):
         """A warning on the console and in the log, as a record of its own."""

@@ -8,6 +8,7 @@ import ast
 import inspect
 import os
 import re
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,12 +19,12 @@ from helpers import assert_one_line_error, cli, random_shards, read_log, refused
 from support import checks, device, shards
 from support.checkpoints import load_checkpoint
 from support.cli import UserError
-from support.device import check_device
+from support.device import pick_device
 from support.shards import check_batch_fits, check_batch_ids, check_same_data, find_shards
 
 # the functions whose every refusal has a case (check_fineweb_finished's need fineweb.py's own
 # manifests: tests/test_shards.py makes them)
-CHECKED = ("check_args", "check_wandb", "check_model", "check_built_model", "check_data", "check_device")
+CHECKED = ("check_args", "check_wandb", "check_model", "check_built_model", "check_data", "pick_device")
 CHECKED += ("find_shards", "check_batch_fits", "check_same_data", "check_batch_ids")
 CHECKED_IN = (checks, device, shards)  # the modules that hold them
 
@@ -44,6 +45,16 @@ def train(*flags):
 def on_shards(*flags, **shards):
     """The refusal of train_gpt2.main(tiny flags + flags) on random shards (random_shards' keywords)."""
     return lambda tmp: train_gpt2.main(tiny_args(random_shards(tmp / "data", **shards), tmp / "out", *flags))
+
+
+def on_a_cpu(device):
+    """pick_device(device) on a machine with neither CUDA nor MPS (both is_available bool: False)."""
+
+    def case(tmp):
+        with mock.patch("torch.cuda.is_available", bool), mock.patch("torch.backends.mps.is_available", bool):
+            pick_device(device)
+
+    return case
 
 
 def folder(tmp, name, *files):
@@ -167,13 +178,13 @@ CASES = {
         train("-T", 128, "--total-batch-size", 256),
         "--seq-len 128 is longer than the model's block_size 64",
     ),
-    "--device tpu": (lambda tmp: check_device("tpu", True, True), "unknown device 'tpu': use cuda, cuda:N, mps or cpu"),
+    "--device tpu": (on_a_cpu("tpu"), "unknown device 'tpu': use cuda, cuda:N, mps or cpu"),
     "--device cuda without CUDA": (
-        lambda tmp: check_device("cuda:1", False, True),
+        on_a_cpu("cuda:1"),
         "--device cuda was asked for but CUDA is not available: use --device cpu",
     ),
     "--device mps without MPS": (
-        lambda tmp: check_device("mps", True, False),
+        on_a_cpu("mps"),
         "--device mps was asked for but MPS is not available: use --device cpu",
     ),
     # by hand: micro-batches of B*T = 2*16 = 32 tokens, (100 - 1) // 32 = 3 per shard: 96 usable
