@@ -12,14 +12,12 @@ from unittest import mock
 
 import numpy as np
 import pytest
-import torch
 
 import train_gpt2
-from helpers import assert_one_line_error, cli, random_shards, read_log, refused_before_step_0, tiny_args, user_error
+from helpers import random_shards, read_log, refused_before_step_0, tiny_args, user_error
 from support import checks, device, shards
 from support.checkpoints import load_checkpoint
 from support.cli import UserError
-from support.device import pick_device
 from support.shards import check_batch_fits, check_batch_ids, check_same_data, find_shards
 
 # the functions whose every refusal has a case (check_fineweb_finished's need fineweb.py's own
@@ -48,11 +46,11 @@ def on_shards(*flags, **shards):
 
 
 def on_a_cpu(device):
-    """pick_device(device) on a machine with neither CUDA nor MPS (both is_available bool: False)."""
+    """The refusal of train("--device", device) on a machine with neither CUDA nor MPS (is_available: bool())."""
 
     def case(tmp):
         with mock.patch("torch.cuda.is_available", bool), mock.patch("torch.backends.mps.is_available", bool):
-            pick_device(device)
+            train_gpt2.main(tiny_args(tmp / "data", tmp / "out", "--device", device))
 
     return case
 
@@ -367,15 +365,6 @@ def test_a_resume_whose_max_steps_still_ends_inside_the_warm_up_is_said(data, tm
     assert train_gpt2.main(tiny_args(data, out, "--max-steps", 8, "--resume", *common)) == 0  # past it: the whole run
     assert warmup_notes(capsys) == []
     assert max(r["lr"] for r in read_log(out)[1].values()) == pytest.approx(3e-3)
-
-
-def test_cuda_or_mps_that_is_not_there_is_one_line(data, tmp_path):
-    device = "mps" if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()) else None
-    if torch.cuda.is_available() and device is None:
-        pytest.skip("this machine has both CUDA and MPS")
-    r = cli(*tiny_args(data, tmp_path / "out", "--device", device or "cuda"))
-    assert_one_line_error(r, "not available")
-    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("flag, value", [("--n-layer", 3), ("--n-embd", 64), ("--block-size", 128)])
