@@ -343,7 +343,7 @@ def bench_wandb_logging(s, tmp, train_result):
             logs[name] = run_log = RunLog(out, True, n * (rounds + 1), {})
             run_log.print = lambda record: None
             run_log.mirror(project, None, f"bench-{name}-{os.getpid()}", ExitStack())  # finished below
-            run_log.header(f"bench-{name}-{os.getpid()}", "bench", None, {}, {"wandb_project": project, "out_dir": out})
+            run_log.header(f"bench-{name}-{os.getpid()}", "bench", None, {}, {"out_dir": out})
         mirror, step = logs["wandb"].wandb, iter(range(10**9))
 
         def records():
