@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
 from support.checkpoints import save_training_state
-from support.checks import Number, check_args, check_data, check_init_shape, check_model_fits
+from support.checks import Number, check_args, check_built_model, check_data, check_model, check_wandb
 from support.cli import ArgumentParser, UserError, add_flags, flag, run_cli, same_on_every_rank
 from support.ddp import setup_distributed
 from support.device import choose_compile, keep_freed_memory, set_deterministic
@@ -427,8 +427,9 @@ def load_data(args, config, ddp_rank, ddp_world_size, device, master_process):
     B, T, data_dir, vocab_size = args.batch_size, args.seq_len, args.data_dir, config.vocab_size
     try:  # every rank reads the folder (a node's may be its own): a mistake in it is said once a node
         train_loader = DataLoaderLite(data_dir, "train", B, T, **order, vocab_size=vocab_size, device=device)
-        val_tokens = load_val_tokens(data_dir, args.val_tokens, vocab_size) if args.eval_every > 0 else None
-        check_data(args, train_loader.tokens_per_epoch, val_tokens, master_process)
+        n_val = args.val_tokens if args.eval_every > 0 else 0  # --eval-every 0: no val loss, as --val-tokens 0
+        val_tokens = load_val_tokens(data_dir, n_val, vocab_size)
+        check_data(data_dir, train_loader, val_tokens, n_val, args.total_batch_size, args.max_steps, master_process)
     except UserError as e:
         raise same_on_every_rank(e) from None
     return train_loader, val_tokens
@@ -495,17 +496,15 @@ def evaluate_val_loss(model, val_tokens, B, T, device, autocast_dtype=None, rank
 def build_model(args, given, ckpt, ckpt_path, device, master_process):
     """The checkpoint's model on --resume, else a new one from the model flags or --init-from."""
     oom_phase("building the model", init_from=args.init_from, resume=bool(args.resume))
+    flags = GPTConfig(**{f.name: getattr(args, f.name) for f in fields(GPTConfig)})  # the model flags
     if ckpt is not None:
         model = model_from_checkpoint(ckpt, ckpt_path)
     elif args.init_from == "scratch":
-        shape = {name: getattr(args, name) for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")}
-        check_model_fits(shape, device)  # before building it: a model too big would take minutes to fail
-        model = GPT(GPTConfig(**shape))
+        check_model(flags, device)  # before building it: a model too big would take minutes to fail
+        model = GPT(flags)
     else:
         model = load_model(args.init_from)
-        check_init_shape(args, given, asdict(model.config), master_process)  # model flags given too: a note
-    if args.seq_len > model.config.block_size:
-        raise UserError(f"--seq-len {args.seq_len} is longer than the model's block_size {model.config.block_size}")
+    check_built_model(model.config, flags, args.seq_len, args.init_from, given, master_process)
     if master_process:
         print(f"model: {asdict(model.config)}, {sum(p.numel() for p in model.parameters()):,} parameters")
     return model.to(device)
@@ -520,7 +519,9 @@ def train(args, given, on_exit):
     ckpt_path, ckpt, run_id, args, changes, records, moved = resume_checkpoint(
         args, given, ROLES, ddp, master_process, on_exit
     )
-    check_args(args, ddp_world_size, given, warmup_lr)  # the recipe as the checkpoint and the command line make it
+    recipe = Recipe(**{f.name: getattr(args, f.name) for f in fields(Recipe)})  # as the checkpoint and flags make it
+    check_args(recipe, ddp_world_size, args.resume, args.init_from, given, warmup_lr)
+    check_wandb(args.wandb_project, args.wandb_run_name, args.resume)
     B, T = args.batch_size, args.seq_len
     grad_accum_steps = args.total_batch_size // (B * T * ddp_world_size)
     dtype, why, use_compile = set_precision_and_seeds(args, device, ddp_world_size, grad_accum_steps, master_process)
@@ -560,8 +561,9 @@ def train(args, given, on_exit):
     derived.update(compile=use_compile, model_config=asdict(raw_model.config), flops_per_token=flops)
     derived.update(hellaswag_off=hs_off)  # said in the log too, where play.ipynb shows it
     config = {**vars(args), "data_dir": os.path.abspath(args.data_dir)}  # the run's flags: --resume from anywhere
-    log = RunLog(args.out_dir, master_process, args.max_steps, records)  # the log as read at start
-    on_exit.callback(log.finish_wandb)  # what is queued is logged, the wandb run (if any) finished
+    every = dict(val_loss=args.eval_every, hellaswag=args.hellaswag_every, samples=args.sample_every)  # for the ETA
+    log = RunLog(args.out_dir, master_process, args.max_steps, every, records)  # the log as read at start
+    log.mirror(args.wandb_project, args.wandb_run_name, run_id, on_exit)  # to wandb too, when asked for
     log.header(run_id, name, start_step or None, changes, {**config, **derived}, moved)
     peak = args.peak_flops or (peak_flops(name) if device_type == "cuda" else None)  # MFU: of one GPU's peak
 

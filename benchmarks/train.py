@@ -7,6 +7,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 
 import numpy as np
 import torch
@@ -339,9 +340,10 @@ def bench_wandb_logging(s, tmp, train_result):
         for name, project in (("wandb", "bench"), ("plain", None)):
             out = os.path.join(tmp, f"wandb_bench_{name}")
             os.makedirs(out)
-            logs[name] = run_log = RunLog(out, True, n * (rounds + 1))
+            logs[name] = run_log = RunLog(out, True, n * (rounds + 1), {})
             run_log.print = lambda record: None
-            run_log.header(f"bench-{name}-{os.getpid()}", "bench", None, {}, {"wandb_project": project, "out_dir": out})
+            run_log.mirror(project, None, f"bench-{name}-{os.getpid()}", ExitStack())  # finished below
+            run_log.header(f"bench-{name}-{os.getpid()}", "bench", None, {}, {"out_dir": out})
         mirror, step = logs["wandb"].wandb, iter(range(10**9))
 
         def records():

@@ -3,6 +3,7 @@ model too big for the device's memory, too little data for the batch and the run
 
 import os
 import sys
+from dataclasses import fields
 
 import torch
 
@@ -34,81 +35,71 @@ class Number:
     )
 
 
-def check_args(args, world_size, given, warmup_lr):
-    """The flags against one another and the machine, as one-line errors before the run does
-    anything (each flag's own range is its type's, at parse time). given: the flags given ({flag:
-    "FILE, line N" of a preset, or ""}); warmup_lr(step, max_lr, warmup_steps): the recipe's warm-up."""
+def need(ok, message):
+    """A check's one-line refusal, said alike by every rank of a torchrun job."""
+    if not ok:
+        raise same_on_every_rank(UserError(message))
 
-    def need(ok, message):
-        if not ok:
-            raise same_on_every_rank(UserError(message))
 
+def check_args(recipe, world_size, resume, init_from, given, warmup_lr):
+    """The recipe (a Recipe, on --resume the checkpoint's with the changes given) against itself and the
+    machine, and --init-from against --resume, before the run does anything (each flag's range is its
+    type's). given: {flag given: "FILE, line N" of its preset, or ""}; warmup_lr: the recipe's. A
+    --max-steps inside the default warm-up is refused (a short run forgot it), inside one asked for said:
+    a run continued by --resume with a larger --max-steps trains as one would, but the lr never reaches
+    --max-lr in a run meant whole."""
+    r = recipe
     need(
-        args.min_lr is None or 0 <= args.min_lr <= args.max_lr,
-        f"--min-lr {args.min_lr} must be between 0 and --max-lr {args.max_lr}",
-    )
-    need(args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
-    need(args.vocab_size >= GPT2_VOCAB, f"--vocab-size {args.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens")
-    need(
-        args.vocab_size <= MAX_VOCAB_SIZE,
-        f"--vocab-size {args.vocab_size} is more than the {MAX_VOCAB_SIZE:,} token ids a shard can hold (uint16): "
-        f"pass at most {MAX_VOCAB_SIZE} (GPT-2 has {GPT2_VOCAB:,} tokens; the default 50304 pads them to a "
-        f"multiple of 128)",
+        r.min_lr is None or 0 <= r.min_lr <= r.max_lr, f"--min-lr {r.min_lr} must be between 0 and --max-lr {r.max_lr}"
     )
     preset = f" ({given['init_from']})" if given.get("init_from") else ""  # the preset's line that set it
     need(
-        not (args.resume and args.init_from != "scratch"),
-        f"--init-from {args.init_from}{preset} starts a new run, --resume continues one: pass one of them",
+        not (resume and init_from != "scratch"),
+        f"--init-from {init_from}{preset} starts a new run, --resume continues one: pass one of them",
     )
-    micro = args.batch_size * args.seq_len * world_size
+    micro = r.batch_size * r.seq_len * world_size
     need(
-        args.total_batch_size % micro == 0,
-        f"--total-batch-size {args.total_batch_size:,} is not a multiple of B*T*world_size = "
-        f"{args.batch_size}*{args.seq_len}*{world_size} = {micro:,}: change --batch-size, --seq-len or "
+        r.total_batch_size % micro == 0,
+        f"--total-batch-size {r.total_batch_size:,} is not a multiple of B*T*world_size = "
+        f"{r.batch_size}*{r.seq_len}*{world_size} = {micro:,}: change --batch-size, --seq-len or "
         f"--total-batch-size",
     )
-    if args.wandb_project:  # optional: the package is checked only when asked for
-        problem = wandb_problem(args.wandb_project)
-        need(problem is None, problem)
-    elif args.wandb_run_name and not args.resume:  # on --resume the run's project counts
-        need(False, f"--wandb-run-name {args.wandb_run_name} names a wandb run: pass --wandb-project too")
-    check_warmup(args, given, warmup_lr)
-
-
-def check_warmup(args, given, warmup_lr):
-    """A --max-steps that ends inside the warm-up (warmup_lr: the recipe's, for the lr the run's
-    last step reaches). The default warm-up is refused: a short run forgot it. One asked for is
-    said in a note (by rank 0), not
-    refused: a run may be the first part of a longer one, continued by --resume with a larger
-    --max-steps (the warm-up's lr does not depend on --max-steps, so the parts train as one run
-    would), but the lr then never reaches --max-lr, which a run meant whole should hear at start."""
-    if args.warmup_steps < args.max_steps:
+    if r.warmup_steps < r.max_steps:
         return
-    fit = min(max(1, args.max_steps // 10), args.max_steps - 1)  # to advise: a tenth of the run, inside it
-    last_lr = warmup_lr(args.max_steps - 1, args.max_lr, args.warmup_steps)
-    if not args.resume and "warmup_steps" not in given:  # on resume the checkpoint's value counts
-        raise same_on_every_rank(
-            UserError(
-                f"--max-steps {args.max_steps} ends inside the default {args.warmup_steps}-step warm-up (lr would "
-                f"never pass {last_lr:.1e}): pass --warmup-steps below --max-steps (e.g. --warmup-steps {fit})"
-            )
-        )
+    fit = min(max(1, r.max_steps // 10), r.max_steps - 1)  # to advise: a tenth of the run, inside it
+    last_lr = warmup_lr(r.max_steps - 1, r.max_lr, r.warmup_steps)
+    need(
+        resume or "warmup_steps" in given,  # on resume the checkpoint's value counts
+        f"--max-steps {r.max_steps} ends inside the default {r.warmup_steps}-step warm-up (lr would never pass "
+        f"{last_lr:.1e}): pass --warmup-steps below --max-steps (e.g. --warmup-steps {fit})",
+    )
     if os.environ.get("RANK", "0") == "0":
         print(
-            f"note: --max-steps {args.max_steps} ends inside the {args.warmup_steps}-step warm-up (--warmup-steps): "
-            f"the lr climbs to {last_lr:.1e}, never to --max-lr {args.max_lr:.1e}; fine for the start of a longer "
+            f"note: --max-steps {r.max_steps} ends inside the {r.warmup_steps}-step warm-up (--warmup-steps): "
+            f"the lr climbs to {last_lr:.1e}, never to --max-lr {r.max_lr:.1e}; fine for the start of a longer "
             f"run continued with --resume and a larger --max-steps, else pass --warmup-steps {fit}"
         )
 
 
-def check_init_shape(args, given, config, master_process=True):
-    """A model flag given with --init-from that differs from the model it loads (config, a dict) is
-    not used: said in a note, not dropped without a word."""
-    for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
-        if args.init_from != "scratch" and name in given and getattr(args, name) != config[name] and master_process:
+def check_wandb(project, run_name, resume):
+    """--wandb-project's package and name (optional: checked only when asked for), and a run name
+    without a project (on --resume the run's project counts)."""
+    need(project or resume or not run_name, f"--wandb-run-name {run_name} names a wandb run: pass --wandb-project too")
+    problem = wandb_problem(project) if project else None
+    need(problem is None, problem)
+
+
+def check_built_model(config, flags, seq_len, init_from, given, master_process):
+    """The model the run trains (config: its GPTConfig) against the flags: -T within its block_size, and
+    a model flag given (flags: the model flags as a GPTConfig) that --init-from's model does not have
+    said in a note, not dropped without a word."""
+    need(seq_len <= config.block_size, f"--seq-len {seq_len} is longer than the model's block_size {config.block_size}")
+    for f in fields(config):
+        mine, its = getattr(flags, f.name), getattr(config, f.name)
+        if f.name in given and mine != its and master_process:
             print(
-                f"note: --{name.replace('_', '-')} {getattr(args, name)} is not used: --init-from {args.init_from} "
-                f"brings its own shape ({name} {config[name]})"
+                f"note: --{f.name.replace('_', '-')} {mine} is not used: --init-from {init_from} brings its own "
+                f"shape ({f.name} {its})"
             )
 
 
@@ -124,49 +115,60 @@ def device_memory(device):
     return None, None
 
 
-def check_model_fits(shape, device):
-    """A new model (shape: the model flags) whose parameters alone, trained (TRAIN_BYTES_PER_PARAMETER
-    each), exceed the device's memory is refused before it is built: building it could run for
-    minutes (--n-layer 1000000) before failing, and the failure could not tell which flag made it
-    big. The flag named is the one behind most of the parameters."""
-    memory, what = device_memory(device)
-    C = shape["n_embd"]
+def check_model(config, device):
+    """A new model's flags (config: their GPTConfig), before it is built: the heads split the width, the
+    vocabulary holds GPT-2's and fits a shard's uint16, and the parameters alone, trained
+    (TRAIN_BYTES_PER_PARAMETER each), fit the device's memory: building a model too big could run for
+    minutes (--n-layer 1000000) before failing, and the failure could not tell which flag made it big.
+    The flag named is the one behind most of the parameters."""
+    C, V = config.n_embd, config.vocab_size
+    need(C % config.n_head == 0, f"--n-embd {C} is not a multiple of --n-head {config.n_head}")
+    need(V >= GPT2_VOCAB, f"--vocab-size {V} is smaller than GPT-2's {GPT2_VOCAB} tokens")
+    need(
+        V <= MAX_VOCAB_SIZE,
+        f"--vocab-size {V} is more than the {MAX_VOCAB_SIZE:,} token ids a shard can hold (uint16): pass at most "
+        f"{MAX_VOCAB_SIZE} (GPT-2 has {GPT2_VOCAB:,} tokens; the default 50304 pads them to a multiple of 128)",
+    )
     parts = {
-        "--n-embd": shape["vocab_size"] * C,  # the token embedding: its rows are the vocabulary, fixed
-        "--block-size": shape["block_size"] * C,  # the position embedding
-        "--n-layer or --n-embd": shape["n_layer"] * (12 * C * C + 13 * C),
+        "--n-embd": V * C,  # the token embedding: its rows are the vocabulary, fixed
+        "--block-size": config.block_size * C,  # the position embedding
+        "--n-layer or --n-embd": config.n_layer * (12 * C * C + 13 * C),
     }
     n = sum(parts.values()) + 2 * C  # and the final LayerNorm
-    if memory is not None and n * TRAIN_BYTES_PER_PARAMETER > memory:
-        raise UserError(
+    memory, what = device_memory(device)
+    if memory is not None:  # None: unknown
+        need(
+            n * TRAIN_BYTES_PER_PARAMETER <= memory,
             f"the model flags make {n:,} parameters, {n * TRAIN_BYTES_PER_PARAMETER / 2**30:,.0f} GiB to train "
             f"(weights, gradients and AdamW's two moments, {TRAIN_BYTES_PER_PARAMETER} bytes each), more than "
-            f"the {memory / 2**30:,.0f} GiB of {what}: lower {max(parts, key=parts.get)}"
+            f"the {memory / 2**30:,.0f} GiB of {what}: lower {max(parts, key=parts.get)}",
         )
 
 
-def check_data(args, tokens_per_epoch, val_tokens, master_process):
-    """Too little data for the flags is refused before step 0; a short val set or repeated data is said."""
-    T = args.seq_len
-    if tokens_per_epoch < args.total_batch_size:  # one step would see the same tokens twice
-        raise UserError(
-            f"the train shards in {args.data_dir} hold {tokens_per_epoch:,} usable tokens, fewer than "
-            f"one step's --total-batch-size {args.total_batch_size:,}: write more data or lower --total-batch-size"
+def check_data(data_dir, loader, val_tokens, n_val, total_batch_size, max_steps, master_process):
+    """The data against the run, before step 0: too little for the flags is refused, a short val set
+    or repeated data said. loader: the train loader (its T, its tokens_per_epoch); val_tokens: the val
+    set read (None: no val shard), n_val the val tokens asked for (0: no val loss)."""
+    T, tokens_per_epoch = loader.T, loader.tokens_per_epoch
+    need(
+        tokens_per_epoch >= total_batch_size,  # else one step would see the same tokens twice
+        f"the train shards in {data_dir} hold {tokens_per_epoch:,} usable tokens, fewer than one step's "
+        f"--total-batch-size {total_batch_size:,}: write more data or lower --total-batch-size",
+    )
+    if n_val > 0:
+        need(
+            n_val >= T,
+            f"--val-tokens {n_val} is less than one sequence of -T {T} tokens: pass at least {T}, or --val-tokens 0 "
+            f"to train without val loss",
         )
-    if args.eval_every > 0 and args.val_tokens > 0:  # --val-tokens 0: no val loss, as --eval-every 0
-        if args.val_tokens < T:
-            raise UserError(
-                f"--val-tokens {args.val_tokens} is less than one sequence of -T {T} tokens: pass at least {T}, "
-                f"or --val-tokens 0 to train without val loss"
-            )
-        if val_tokens is None or len(val_tokens) < T + 1:
-            raise UserError(
-                f"no val shard (*_val_NNNNNN.npy or .bin) with {T + 1} tokens in {args.data_dir}: fineweb.py "
-                f"writes one (its shard 0), or pass --eval-every 0 to train without val loss"
-            )
-        if master_process and len(val_tokens) < args.val_tokens + 1:
-            print(f"note: the val shards hold only {len(val_tokens) - 1:,} of the --val-tokens {args.val_tokens:,}")
-    run_tokens = args.max_steps * args.total_batch_size
+        need(
+            val_tokens is not None and len(val_tokens) >= T + 1,
+            f"no val shard (*_val_NNNNNN.npy or .bin) with {T + 1} tokens in {data_dir}: fineweb.py writes one (its "
+            f"shard 0), or pass --eval-every 0 to train without val loss",
+        )
+        if master_process and len(val_tokens) < n_val + 1:
+            print(f"note: the val shards hold only {len(val_tokens) - 1:,} of the --val-tokens {n_val:,}")
+    run_tokens = max_steps * total_batch_size
     if master_process and run_tokens > tokens_per_epoch:
         print(
             f"warning: this run trains on {run_tokens:,} tokens but the train shards hold {tokens_per_epoch:,} "

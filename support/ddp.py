@@ -27,29 +27,23 @@ def setup_distributed(device, ddp_timeout):
     if ddp and device_type == "cuda":
         device = f"cuda:{ddp_local_rank}"
         torch.cuda.set_device(device)
-    if ddp:  # a rank that freezes (not dies: torchrun sees that) fails the others' collectives after this
-        join_process_group("nccl" if device_type == "cuda" else "gloo", ddp_timeout)
+    if ddp:  # every rank waits here for the others, --ddp-timeout seconds at most: one that does not come
+        # in time (started late, a node not started, an unreachable address) fails the join of every rank that
+        # did, and each says so in one line
+        try:
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=ddp_timeout))
+        except (RuntimeError, OSError) as e:  # c10d's DistError is a RuntimeError, gloo raises RuntimeError
+            reason = first_line(e)
+            fix = "check that every node can reach the rendezvous address (torchrun's --rdzv-endpoint or --master-addr)"
+            if re.search(r"time ?out|timed out", reason, re.IGNORECASE):
+                fix = (
+                    f"start every rank within --ddp-timeout {ddp_timeout:g} s of the first, or pass a longer "
+                    f"--ddp-timeout (e.g. 60)"
+                )
+            raise UserError(f"rank {ddp_rank} could not join the job's other ranks ({reason}): {fix}") from None
+        # after the join a rank that freezes (not dies: torchrun sees that) fails the others' collectives
         ddp = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(FENCE_TIMEOUT, ddp_timeout)))
     return ddp, ddp_rank, ddp_local_rank, ddp_world_size, device
-
-
-def join_process_group(backend, ddp_timeout):
-    """dist.init_process_group with --ddp-timeout (seconds). Every rank waits here for the others:
-    one that does not arrive in time (started late, a node not started, an unreachable address)
-    fails the join on every rank that did, and each says so in one line."""
-    try:
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=ddp_timeout))
-    except (RuntimeError, OSError) as e:  # c10d's DistError is a RuntimeError, gloo raises RuntimeError
-        reason = first_line(e)
-        if re.search(r"time ?out|timed out", reason, re.IGNORECASE):
-            fix = (
-                f"start every rank within --ddp-timeout {ddp_timeout:g} s of the first, or pass a longer "
-                f"--ddp-timeout (e.g. 60)"
-            )
-        else:
-            fix = "check that every node can reach the rendezvous address (torchrun's --rdzv-endpoint or --master-addr)"
-        rank = os.environ.get("RANK", "?")
-        raise UserError(f"rank {rank} could not join the job's other ranks ({reason}): {fix}") from None
 
 
 def fence(ddp):

@@ -14,22 +14,17 @@ from support.cli import UserError, first_line, same_on_every_rank
 
 
 def pick_device(requested=None):
-    """cuda > mps > cpu unless requested (and then checked); returns (device, device_type)."""
-    has_mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
-    device = requested or ("cuda" if torch.cuda.is_available() else "mps" if has_mps else "cpu")
-    check_device(device, torch.cuda.is_available(), has_mps)
-    return device, device.split(":")[0]
-
-
-def check_device(device, has_cuda, has_mps):
-    """--device names a device this machine has."""
+    """cuda > mps > cpu, or --device (requested) where this machine has it; returns (device, device_type)."""
+    has = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
+    device = requested or next(kind for kind in has if has[kind])
     device_type = device.split(":")[0]
-    if device_type not in ("cuda", "mps", "cpu"):
+    if device_type not in has:
         raise UserError(f"unknown device {device!r}: use cuda, cuda:N, mps or cpu")
-    if device_type == "cuda" and not has_cuda:
-        raise UserError("--device cuda was asked for but CUDA is not available: use --device cpu")
-    if device_type == "mps" and not has_mps:
-        raise UserError("--device mps was asked for but MPS is not available: use --device cpu")
+    if not has[device_type]:
+        raise UserError(
+            f"--device {device_type} was asked for but {device_type.upper()} is not available: use --device cpu"
+        )
+    return device, device_type
 
 
 # --- torch.compile: on by default where it pays, and only where it works ----------------------

@@ -46,7 +46,4 @@ PEAK_FLOPS = (
 
 
 def peak_flops(device_name):
-    for name, flops in PEAK_FLOPS:
-        if name in device_name:
-            return flops
-    return None
+    return next((flops for name, flops in PEAK_FLOPS if name in device_name), None)  # the first match

@@ -20,18 +20,6 @@ from support.out_dir import log_path
 from support.wandb_log import WandbMirror
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # the open of a symbolic link fails (Windows has no such flag)
-
-
-def versions():
-    """The versions that decide a run's numerics, for the log's header."""
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "numpy": np.__version__,
-    }
-
-
 WANDB_FINISH_TIMEOUT = 120  # seconds the end of a run waits for wandb to finish uploading
 
 
@@ -52,15 +40,16 @@ class RunLog:
     """log.jsonl: one JSON record per line, appended, never wiped, so a resumed run continues
     the same file (play.ipynb keeps the last record of each step). Each record is also printed
     as its console line: one record, built once, for the file and the screen, and with
-    --wandb-project for a Weights & Biases run too (WandbMirror). Only rank 0's is enabled; the
-    others' calls do nothing. trained: note_trained's, of the records read at start and written since."""
+    --wandb-project for a Weights & Biases run too (mirror). Only rank 0's is enabled; the others'
+    calls do nothing. every: {"val_loss", "hellaswag", "samples": the steps between two} for the ETA;
+    trained: note_trained's, of the records read at start and written since."""
 
-    def __init__(self, out_dir, enabled, max_steps, records=()):
+    def __init__(self, out_dir, enabled, max_steps, every, records=()):
         self.path, self.file, self.max_steps = log_path(out_dir), None, max_steps
         self.out_dir, self.wandb, self.trained = out_dir, None, {}
         for record in records:
             note_trained(self.trained, record)
-        self.clock = StepClock(max_steps)  # the step line's elapsed time and ETA
+        self.clock = StepClock(max_steps, every)  # the step line's elapsed time and ETA
         if not enabled:
             return
         try:  # never through a symbolic link at its name: the records would go to the file it names
@@ -73,24 +62,36 @@ class RunLog:
         except OSError as e:
             raise disk_error(e, self.path, "start again") from None
 
+    def mirror(self, project, name, run_id, on_exit):
+        """--wandb-project: the records from here on (the header first) mirrored to wandb project's run
+        run_id, named name (None: the run folder's), finished as the run ends (on_exit: its ExitStack)."""
+        if self.file is None or not project:
+            return
+        name = name or os.path.basename(os.path.abspath(self.out_dir))
+        folder = os.environ.get("WANDB_DIR") or self.out_dir  # wandb's files beside the run's, unless set
+        self.wandb = WandbMirror(project, name, run_id, folder)
+        on_exit.callback(self.finish_wandb)  # what is queued is logged, the wandb run finished
+
     def header(self, run_id, device_name, resumed_from, changes, config, set_aside=None):
         """The run's first record (and a resumed run's first in its turn): what ran, where, with what;
         set_aside: where a new line of the run moved the checkpoints it passes over (out_dir.set_aside)."""
         record = {"event": "header", "run_id": run_id, "device": device_name, "resumed_from": resumed_from}
-        if self.file is not None and config.get("wandb_project"):
-            name = config.get("wandb_run_name") or os.path.basename(os.path.abspath(self.out_dir))
-            folder = os.environ.get("WANDB_DIR") or self.out_dir  # wandb's files beside the run's, unless set
-            self.wandb = WandbMirror(config["wandb_project"], name, run_id, folder)
         record.update(changed_on_resume=changes or None, set_aside=set_aside or None)
-        record = {**record, "versions": versions(), "config": config}
-        self.clock.cadences = {kind: config.get(flag, 0) for kind, flag in StepClock.EVALS.items()}
-        self(record)
+        versions = dict(
+            python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda, numpy=np.__version__
+        )
+        self({**record, "versions": versions, "config": config})  # the versions decide a run's numerics
 
     def __call__(self, record):
         if self.file is None:
             return
         self.clock.saw(record)
-        self.write(record)
+        try:
+            self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
+            self.file = None
+            raise disk_error(e, self.path, "continue with --resume") from None
         note_trained(self.trained, record)
         self.print(record)
         if self.wandb is not None and self.wandb.error is None:
@@ -98,15 +99,6 @@ class RunLog:
         elif self.wandb is not None:  # wandb failed: said once, and the run goes on without it
             error, self.wandb = self.wandb.error, None
             self.warn(f"wandb stopped ({error}): the run goes on; log.jsonl holds every record")
-
-    def write(self, record):
-        line = json.dumps(strict_json(record), allow_nan=False) + "\n"
-        try:
-            self.file.write(line)
-            self.file.flush()
-        except OSError as e:  # a full disk: stop now, the checkpoints written so far are intact
-            self.file = None
-            raise disk_error(e, self.path, "continue with --resume") from None
 
     def warn(self, message):
         """A warning on the console and in the log, as a record of its own."""
@@ -168,10 +160,8 @@ class StepClock:
     max_steps. An eval not run yet in this process counts nothing; a checkpoint, a rare few seconds,
     is not counted."""
 
-    EVALS = {"val_loss": "eval_every", "hellaswag": "hellaswag_every", "samples": "sample_every"}
-
-    def __init__(self, max_steps, now=time.monotonic):
-        self.max_steps, self.now, self.cadences = max_steps, now, {}
+    def __init__(self, max_steps, cadences, now=time.monotonic):
+        self.max_steps, self.now, self.cadences = max_steps, now, cadences
         self.started = self.last = now()
         self.step_seconds, self.eval_seconds = collections.deque(maxlen=51), {}
 
@@ -180,7 +170,7 @@ class StepClock:
         now = self.now()
         if "dt_ms" in record:
             self.step_seconds.append(record["dt_ms"] / 1000)
-        for kind in self.EVALS.keys() & record.keys():
+        for kind in self.cadences.keys() & record.keys():
             self.eval_seconds[kind] = now - self.last
         self.last = now
 

@@ -65,8 +65,11 @@ class WandbMirror:
                 elif record.get("event") == "header":  # a resumed run's may change --max-steps
                     header = {key: value for key, value in record.items() if key not in ("event", "config")}
                     run.config.update({**record["config"], "header": header}, allow_val_change=True)
-                else:
-                    run.log(self.row(wandb, record))
+                else:  # a history row: samples as a table of text, missing values (mfu on a CPU) left out
+                    row = {key: value for key, value in record.items() if value is not None}
+                    if "samples" in row:
+                        row["samples"] = wandb.Table(columns=["sample"], data=[[text] for text in row["samples"]])
+                    run.log(row)
             run.finish(exit_code=self.exit_code)
         except Exception as e:  # whatever wandb raises: training goes on without it
             self.error = f"{type(e).__name__}: {first_line(e)}"
@@ -75,14 +78,6 @@ class WandbMirror:
                     run.finish(exit_code=1)  # what reached wandb is kept, the run marked failed
                 except Exception:
                     pass
-
-    @staticmethod
-    def row(wandb, record):
-        """A record as a history row: samples as a table of text, missing values (mfu on a CPU) left out."""
-        row = {key: value for key, value in record.items() if value is not None}
-        if "samples" in row:
-            row["samples"] = wandb.Table(columns=["sample"], data=[[text] for text in row["samples"]])
-        return row
 
     def flush(self, timeout=60):
         """Wait until the records queued so far are logged; False if wandb failed or timeout passed."""

@@ -8,32 +8,28 @@ import ast
 import inspect
 import os
 import re
-from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
-import torch
 
 import train_gpt2
-from helpers import assert_one_line_error, cli, random_shards, read_log, refused_before_step_0, tiny_args, user_error
+from helpers import random_shards, read_log, refused_before_step_0, tiny_args, user_error
 from support import checks, device, shards
 from support.checkpoints import load_checkpoint
-from support.checks import check_data
 from support.cli import UserError
-from support.device import check_device
 from support.shards import check_batch_fits, check_batch_ids, check_same_data, find_shards
 
 # the functions whose every refusal has a case (check_fineweb_finished's need fineweb.py's own
 # manifests: tests/test_shards.py makes them)
-CHECKED = ("check_args", "check_warmup", "check_device", "check_data", "check_model_fits", "find_shards")
-CHECKED += ("check_batch_fits",)
-CHECKED += ("check_same_data", "check_batch_ids")
+CHECKED = ("check_args", "check_wandb", "check_model", "check_built_model", "check_data", "pick_device")
+CHECKED += ("find_shards", "check_batch_fits", "check_same_data", "check_batch_ids")
 CHECKED_IN = (checks, device, shards)  # the modules that hold them
 
 
-def no_warmup(*extra):
+def no_warmup(data, out, *extra):
     """tiny_args without --warmup-steps: the default (715) is in force."""
-    args = tiny_args("data", "out", *extra)
+    args = tiny_args(data, out, *extra)
     i = args.index("--warmup-steps")
     return args[:i] + args[i + 2 :]
 
@@ -44,11 +40,19 @@ def train(*flags):
     return lambda tmp: train_gpt2.main(tiny_args(tmp / "data", tmp / "out", *flags))
 
 
-def data_check(tokens_per_epoch=10_000, val=1000, **flags):
-    args = dict(seq_len=16, total_batch_size=64, data_dir="shards", eval_every=4, val_tokens=256, max_steps=6)
-    args.update(flags)
-    val_tokens = None if val is None else np.zeros(val, dtype=np.uint16)
-    return lambda tmp: check_data(SimpleNamespace(**args), tokens_per_epoch, val_tokens, True)
+def on_shards(*flags, **shards):
+    """The refusal of train_gpt2.main(tiny flags + flags) on random shards (random_shards' keywords)."""
+    return lambda tmp: train_gpt2.main(tiny_args(random_shards(tmp / "data", **shards), tmp / "out", *flags))
+
+
+def on_a_cpu(device):
+    """The refusal of train("--device", device) on a machine with neither CUDA nor MPS (is_available: bool())."""
+
+    def case(tmp):
+        with mock.patch("torch.cuda.is_available", bool), mock.patch("torch.backends.mps.is_available", bool):
+            train_gpt2.main(tiny_args(tmp / "data", tmp / "out", "--device", device))
+
+    return case
 
 
 def folder(tmp, name, *files):
@@ -151,7 +155,7 @@ CASES = {
         ),
     ),
     "--max-steps inside the default warm-up": (
-        lambda tmp: train_gpt2.main(no_warmup("--max-steps", 20)),
+        lambda tmp: train_gpt2.main(no_warmup(tmp / "data", tmp / "out", "--max-steps", 20)),
         "--max-steps 20 ends inside the default 715-step warm-up (lr would never pass 8.4e-05): pass "
         "--warmup-steps below --max-steps (e.g. --warmup-steps 2)",
     ),
@@ -168,29 +172,38 @@ CASES = {
         train("--wandb-run-name", "x"),
         "--wandb-run-name x names a wandb run: pass --wandb-project too",
     ),
-    "--device tpu": (lambda tmp: check_device("tpu", True, True), "unknown device 'tpu': use cuda, cuda:N, mps or cpu"),
+    "-T longer than --block-size": (
+        train("-T", 128, "--total-batch-size", 256),
+        "--seq-len 128 is longer than the model's block_size 64",
+    ),
+    "--device tpu": (on_a_cpu("tpu"), "unknown device 'tpu': use cuda, cuda:N, mps or cpu"),
     "--device cuda without CUDA": (
-        lambda tmp: check_device("cuda:1", False, True),
+        on_a_cpu("cuda:1"),
         "--device cuda was asked for but CUDA is not available: use --device cpu",
     ),
     "--device mps without MPS": (
-        lambda tmp: check_device("mps", True, False),
+        on_a_cpu("mps"),
         "--device mps was asked for but MPS is not available: use --device cpu",
     ),
+    # by hand: micro-batches of B*T = 2*16 = 32 tokens, (100 - 1) // 32 = 3 per shard: 96 usable
     "fewer train tokens than one step": (
-        data_check(tokens_per_epoch=32),
-        "the train shards in shards hold 32 usable tokens, fewer than one step's --total-batch-size 64: write more "
-        "data or lower --total-batch-size",
+        on_shards("--total-batch-size", 128, train_lengths=(100,)),
+        lambda tmp: (
+            f"the train shards in {tmp}/data hold 96 usable tokens, fewer than one step's --total-batch-size 128: "
+            f"write more data or lower --total-batch-size"
+        ),
     ),
     "--val-tokens below -T": (
-        data_check(val_tokens=8),
+        on_shards("--val-tokens", 8),
         "--val-tokens 8 is less than one sequence of -T 16 tokens: pass at least 16, or --val-tokens 0 to train "
         "without val loss",
     ),
-    "no val shard": (
-        data_check(val=None),
-        "no val shard (*_val_NNNNNN.npy or .bin) with 17 tokens in shards: fineweb.py writes one (its shard 0), or "
-        "pass --eval-every 0 to train without val loss",
+    "no val shard with a sequence": (
+        on_shards(val_length=16),
+        lambda tmp: (
+            f"no val shard (*_val_NNNNNN.npy or .bin) with 17 tokens in {tmp}/data: fineweb.py writes one (its shard "
+            f"0), or pass --eval-every 0 to train without val loss"
+        ),
     ),
     "--data-dir a file": (
         lambda tmp: find_shards(folder(tmp, "d", "notes.txt") + "/notes.txt", "train"),
@@ -249,7 +262,7 @@ def refusal(case, tmp_path):
     while tb is not None:  # the innermost frame of a checked function: where need() or raise was called
         code = tb.tb_frame.f_code
         if code.co_name in CHECKED and any(os.path.samefile(code.co_filename, m.__file__) for m in CHECKED_IN):
-            site = (code.co_name, tb.tb_lineno, tb.tb_frame.f_locals.get("name"))
+            site = (code.co_name, tb.tb_lineno)
         tb = tb.tb_next
     return str(e.value), site
 
@@ -264,48 +277,24 @@ def test_each_refusal_is_its_one_line(name, tmp_path):
 
 
 def refusal_sites():
-    """{(function, first line, last line, flag or None)} of every need(...) call and raise statement
-    in the CHECKED functions. A need in a loop over literal flag names (a tuple in the loop or in a
-    variable) is one site per name: each flag's refusal is a case of its own."""
-    trees = [ast.parse(inspect.getsource(m)) for m in CHECKED_IN]
+    """{(function, first line, last line)} of every need(...) call and raise statement in the CHECKED functions."""
     sites = set()
-    for fn in (n for tree in trees for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in CHECKED):
-        tuples = {
-            node.targets[0].id: node.value
-            for node in ast.walk(fn)
-            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
-        }
-
-        def names_of(iter_node, tuples=tuples):  # this function's assignments
-            node = tuples.get(iter_node.id) if isinstance(iter_node, ast.Name) else iter_node
-            if isinstance(node, ast.Tuple) and all(isinstance(e, ast.Constant) for e in node.elts):
-                return [e.value for e in node.elts]
-            return [None]
-
-        def visit(node, names, fn=fn):  # the function whose refusals these are
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.FunctionDef):
-                    continue  # need itself
-                if isinstance(child, ast.For):
-                    visit(child, names_of(child.iter))
-                    continue
-                call = isinstance(child, ast.Call) and isinstance(child.func, ast.Name) and child.func.id == "need"
-                if call or isinstance(child, ast.Raise):
-                    sites.update((fn.name, child.lineno, child.end_lineno, name) for name in names)
-                visit(child, names)
-
-        visit(fn, [None])
+    for fn in (n for m in CHECKED_IN for n in ast.parse(inspect.getsource(m)).body if isinstance(n, ast.FunctionDef)):
+        for node in ast.walk(fn) if fn.name in CHECKED else ():
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "need"
+            if call or isinstance(node, ast.Raise):
+                sites.add((fn.name, node.lineno, node.end_lineno))
     return sites
 
 
 def test_every_refusal_has_a_case(tmp_path):
-    """Each need(...) and raise in the checks is hit by a case above (each flag of a loop by its own)."""
+    """Each need(...) and raise in the checks is hit by a case above."""
     sites = refusal_sites()
-    assert len(sites) >= 20  # the ast walk found the checks (check_args' alone: 8)
+    assert len(sites) >= 20  # the ast walk found the checks (check_args' alone: 4)
     hit = set()
     for name, (case, _) in CASES.items():
-        _, (function, line, flag) = refusal(case, tmp_path / name.replace("/", "_"))
-        site = [s for s in sites if s[0] == function and s[1] <= line <= s[2] and s[3] in (flag, None)]
+        _, (function, line) = refusal(case, tmp_path / name.replace("/", "_"))
+        site = [s for s in sites if s[0] == function and s[1] <= line <= s[2]]
         assert site, f"{name}: refused at {function} line {line}, not at a need or raise"
         hit.add(site[0])
     assert sorted(sites - hit, key=str) == []
@@ -324,9 +313,10 @@ def test_every_number_flag_has_a_checked_type():
 # Numbers the code cannot use
 
 
-def test_the_largest_vocab_size_trains(tmp_path):
-    data = random_shards(tmp_path / "data")
-    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--vocab-size", 2**16, "--max-steps", 1)) == 0
+# one past each is refused: CASES' "--vocab-size 1e9", TYPE_CASES' "--seed 4294967296" and "--ddp-timeout 1e+10"
+@pytest.mark.parametrize("flag, value", [("--vocab-size", 2**16), ("--seed", 2**32 - 1), ("--ddp-timeout", 1e9)])
+def test_the_largest_value_of_a_bounded_flag_trains(data, tmp_path, flag, value):
+    assert train_gpt2.main(tiny_args(data, tmp_path / "out", flag, value, "--max-steps", 1)) == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,9 +324,7 @@ def test_the_largest_vocab_size_trains(tmp_path):
 
 
 def test_a_forgotten_warmup_on_a_short_run_is_refused(data, tmp_path):
-    args = [a for a in tiny_args(data, tmp_path / "out", "--max-steps", 20)]
-    i = args.index("--warmup-steps")
-    del args[i : i + 2]  # the default 715 steps of warm-up stay
+    args = no_warmup(data, tmp_path / "out", "--max-steps", 20)
     msg = refused_before_step_0(args, tmp_path / "out", "--max-steps 20", "715", "--warmup-steps")
     assert "e-" in msg  # the peak lr it would reach
     fix = msg.split("(e.g. ")[1].rstrip(")").split()  # the warm-up it names: the run reaches --max-lr
@@ -379,24 +367,6 @@ def test_a_resume_whose_max_steps_still_ends_inside_the_warm_up_is_said(data, tm
     assert max(r["lr"] for r in read_log(out)[1].values()) == pytest.approx(3e-3)
 
 
-def test_the_largest_seed_works(data, tmp_path):
-    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--seed", 2**32 - 1, "--max-steps", 1)) == 0
-
-
-def test_the_largest_ddp_timeout_fits_torchs_clock(data, tmp_path):
-    # one past it, 1e10, is refused by its type: TYPE_CASES' "--ddp-timeout 1e+10"
-    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--ddp-timeout", 1e9, "--dry-run")) == 0
-
-
-def test_cuda_or_mps_that_is_not_there_is_one_line(data, tmp_path):
-    device = "mps" if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()) else None
-    if torch.cuda.is_available() and device is None:
-        pytest.skip("this machine has both CUDA and MPS")
-    r = cli(*tiny_args(data, tmp_path / "out", "--device", device or "cuda"))
-    assert_one_line_error(r, "not available")
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.parametrize("flag, value", [("--n-layer", 3), ("--n-embd", 64), ("--block-size", 128)])
 def test_model_flags_with_init_from_are_said_not_dropped_silently(short_run, data, tmp_path, capsys, flag, value):
     out = tmp_path / "out"
@@ -411,19 +381,6 @@ def test_model_flags_with_init_from_are_said_not_dropped_silently(short_run, dat
 
 # ----------------------------------------------------------------------------------------------
 # The data against the run's batch and budget
-
-
-@pytest.mark.parametrize(
-    "train_lengths, flags, words",
-    [
-        # by hand: micro-batches of B*T = 2*16 = 32 tokens, (100 - 1) // 32 = 3 per shard: 96 usable
-        ((100,), ["--total-batch-size", 128], ["96 usable tokens", "--total-batch-size 128"]),
-        ((600, 600), ["--val-tokens", 10], ["--val-tokens 10 is less than one sequence of -T 16", "--val-tokens 0"]),
-    ],
-)
-def test_data_too_small_for_the_run_is_refused(tmp_path, train_lengths, flags, words):
-    data = random_shards(tmp_path / "data", train_lengths=train_lengths)
-    refused_before_step_0(tiny_args(data, tmp_path / "out", *flags), tmp_path / "out", *words)
 
 
 def test_missing_val_split(tmp_path):

@@ -25,18 +25,6 @@ def test_runs_one_after_another_in_one_process_under_torchrun_need_no_reset(data
 
 
 @pytest.mark.slow
-def test_a_ddp_timeout_c10d_cannot_wait_is_one_line_under_torchrun(tmp_path):
-    """1e-9 s passed a `> 0` check and ended in c10d's C++ traceback (the join timed out after 0 ms)."""
-    out = tmp_path / "out"
-    r = torchrun(*tiny_args(random_shards(tmp_path / "data"), out, "--ddp-timeout", 1e-9))
-    said = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
-    assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
-    assert "--ddp-timeout: must be a number of seconds from 1" in said[0]
-    assert 'train_gpt2.py", line' not in r.stderr and "DistNetworkError" not in r.stderr  # no worker's traceback
-    assert not out.exists()
-
-
-@pytest.mark.slow
 def test_ranks_that_do_not_join_within_the_timeout_say_so_in_one_line_each(tmp_path):
     """Rank 1 starts once rank 0 has ended, --ddp-timeout 1: each says in one line it could not join, exit 1."""
     args = tiny_args(random_shards(tmp_path / "data"), tmp_path / "out", "--ddp-timeout", 1)

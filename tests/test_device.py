@@ -10,42 +10,35 @@ from helpers import heap_before_and_after, tiny_args
 from support.cli import UserError
 from support.device import choose_compile
 
+BROKEN = "InvalidCxxCompiler: No working C++ compiler found"
 
-def test_default_compile_that_cannot_work_is_a_note_and_eager(capsys):
+
+@pytest.mark.parametrize(
+    "requested, device_type, works, compiles, checked",
+    [
+        (None, "cuda", True, True, True),  # on by default on CUDA
+        (True, "cpu", True, True, True),  # asked for
+        (None, "cpu", True, False, False),  # off by default on a CPU and on MPS: not even checked
+        (None, "mps", True, False, False),
+        (False, "cuda", True, False, False),
+        (None, "cuda", False, False, True),  # on by default but cannot work: a note, and eager
+    ],
+)
+def test_compile_where_asked_or_by_default_checked_only_there(capsys, requested, device_type, works, compiles, checked):
     asked = []
-
-    def broken(device):
-        asked.append(device)
-        return "InvalidCxxCompiler: No working C++ compiler found"
-
-    assert choose_compile(None, "cuda", problem=broken) is False
-    assert asked == ["cuda"]
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("note: torch.compile does not work on this cuda"), lines
-    assert "(InvalidCxxCompiler: No working C++ compiler found)" in lines[0]
-    assert choose_compile(None, "cuda", verbose=False, problem=broken) is False  # another rank: rank 0 says it
-    assert capsys.readouterr().out == ""
-
-
-def test_compile_is_checked_only_where_it_would_be_on():
-    asked = []
-    works = lambda device: asked.append(device)  # noqa: E731  (None: compile works)
-    assert choose_compile(None, "cuda", problem=works) is True
-    assert choose_compile(True, "cpu", problem=works) is True
-    assert asked == ["cuda", "cpu"]
-    assert choose_compile(None, "cpu", problem=works) is False  # off by default on a CPU (and on MPS)
-    assert choose_compile(None, "mps", problem=works) is False
-    assert choose_compile(False, "cuda", problem=works) is False
-    assert asked == ["cuda", "cpu"]
+    problem = lambda device: asked.append(device) or (None if works else BROKEN)  # noqa: E731
+    assert choose_compile(requested, device_type, problem=problem) is compiles
+    assert asked == [device_type] * checked
+    note = f"note: torch.compile does not work on this cuda ({BROKEN}): training without it (slower)\n"
+    assert capsys.readouterr().out == ("" if works else note)
+    assert choose_compile(requested, device_type, verbose=False, problem=problem) is compiles  # another rank
+    assert capsys.readouterr().out == ""  # rank 0 says it
 
 
 def test_compile_asked_for_that_cannot_work_is_a_user_error():
     with pytest.raises(UserError) as e:
-        choose_compile(True, "cpu", problem=lambda device: "InvalidCxxCompiler: No working C++ compiler found")
-    assert str(e.value) == (
-        "--compile: torch.compile does not work on this cpu (InvalidCxxCompiler: No working C++ compiler found); "
-        "run with --no-compile"
-    )
+        choose_compile(True, "cpu", problem=lambda device: BROKEN)
+    assert str(e.value) == f"--compile: torch.compile does not work on this cpu ({BROKEN}); run with --no-compile"
     assert e.value.every_rank  # torchrun: each node's first process alone says it
 
 

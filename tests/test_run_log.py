@@ -27,8 +27,7 @@ def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
 
 def test_the_eta_counts_the_steps_and_each_eval_apart():
     clock = [100.0]  # time.monotonic's seconds, moved on by hand
-    eta = run_log.StepClock(max_steps=10, now=lambda: clock[0])
-    eta.cadences = {"val_loss": 5, "hellaswag": 0, "samples": 4}
+    eta = run_log.StepClock(10, {"val_loss": 5, "hellaswag": 0, "samples": 4}, now=lambda: clock[0])
     for record, seconds in [  # each record logged that many seconds after the one before it
         ({"event": "header"}, 0.0),
         ({"step": 0, "val_loss": 5.0}, 30.0),  # an eval runs before its step's training step

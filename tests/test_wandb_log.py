@@ -103,41 +103,31 @@ def offline(tmp_path, monkeypatch):
     wandb.teardown()
 
 
-def test_offline_run_holds_what_log_jsonl_records(tmp_path, offline, assets):
+def test_a_run_and_its_resume_are_one_wandb_run_holding_what_log_jsonl_records(tmp_path, offline, monkeypatch, assets):
+    """Every kind of record; the run's wandb id (a new run: a new one); --wandb-project '' turns it off;
+    WANDB_DIR names where wandb's files go, else the --out-dir."""
     data, out = random_shards(tmp_path / "data"), tmp_path / "tiny-run"
-    hellaswag = assets.hellaswag
     flags = "--wandb-project tiny --eval-every 3 --sample-every 3 --num-samples 2 --max-new-tokens 4"
-    flags += " --hellaswag-every 3 --hellaswag-limit 4"
-    args = tiny_args(data, out, *flags.split(), "--hellaswag-data", hellaswag)
-    assert train_gpt2.main(args) == 0
-    records, steps = read_log(out)
-    (run,) = offline_runs(offline)
-    assert run["project"] == "tiny" and run["name"] == "tiny-run"  # the name: the --out-dir folder's
-    assert run["id"] == records[0]["run_id"] and run["exit_code"] == 0
-    assert_mirrors(run, records)
-    kinds = {k for row in run["history"] for k in row}
-    assert {"train_loss", "lr", "grad_norm", "tok_per_sec", "tokens", "val_loss", "hellaswag", "samples/path"} <= kinds
-    assert [row["step"] for row in run["history"] if "train_loss" in row] == sorted(steps) == list(range(6))
-    assert not (out / "wandb").exists()  # WANDB_DIR names where wandb's files go
-
-
-def test_resume_continues_the_same_wandb_run(tmp_path, offline, monkeypatch):
-    """The run's wandb id (a new run: a new one); --wandb-project '' turns it off; no WANDB_DIR: the --out-dir."""
-    monkeypatch.delenv("WANDB_DIR")
-    data, out = random_shards(tmp_path / "data"), tmp_path / "out"
-    assert train_gpt2.main(tiny_args(data, out, "--wandb-project", "tiny", "--max-steps", 4)) == 0
+    flags += " --hellaswag-every 3 --hellaswag-limit 4 --max-steps 4"
+    assert train_gpt2.main(tiny_args(data, out, *flags.split(), "--hellaswag-data", assets.hellaswag)) == 0
     assert train_gpt2.main(["--resume", out, "--max-steps", 6]) == 0
-    first, resumed = offline_runs(out)
+    first, resumed = offline_runs(offline)
     records, steps = read_log(out)
     headers = [r for r in records if r.get("event") == "header"]
+    assert first["project"] == resumed["project"] == "tiny" and first["name"] == "tiny-run"  # the --out-dir's name
     assert first["id"] == resumed["id"] == headers[0]["run_id"] == headers[1]["run_id"]
-    assert resumed["project"] == "tiny" and headers[1]["config"]["wandb_project"] == "tiny"
+    assert first["exit_code"] == resumed["exit_code"] == 0 and headers[1]["config"]["wandb_project"] == "tiny"
+    assert_mirrors(first, records[: records.index(headers[1])])
     assert_mirrors(resumed, records[records.index(headers[1]) :])
+    kinds = {k for row in first["history"] + resumed["history"] for k in row}
+    assert {"train_loss", "lr", "grad_norm", "tok_per_sec", "tokens", "val_loss", "hellaswag", "samples/path"} <= kinds
     assert [row["step"] for row in first["history"] + resumed["history"] if "train_loss" in row] == list(range(6))
     assert resumed["config"]["max_steps"] == 6  # the allowed change, in the resumed run's config
+    assert not (out / "wandb").exists()  # WANDB_DIR names where wandb's files go
 
     assert train_gpt2.main(["--resume", out, "--max-steps", 7, "--wandb-project", ""]) == 0
-    assert len(offline_runs(out)) == 2 and sorted(read_log(out)[1]) == list(range(7))
+    assert len(offline_runs(offline)) == 2 and sorted(read_log(out)[1]) == list(range(7))
+    monkeypatch.delenv("WANDB_DIR")
     assert train_gpt2.main(tiny_args(data, tmp_path / "new", "--wandb-project", "tiny", "--max-steps", 2)) == 0
     (new,) = offline_runs(tmp_path / "new")
     assert new["id"] != first["id"] and new["id"] == read_log(tmp_path / "new")[0][0]["run_id"]
