@@ -46,11 +46,11 @@ from support.divergence import NonFiniteGuard, check_finite_state
 from support.gpu import peak_flops
 from support.hf_interop import check_state_dict, load_hf_gpt2
 from support.model_files import find_model
-from support.out_dir import missing_folders, remove_made_folders
 from support.out_of_memory import forget_phases, oom_phase, oom_run, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
 from support.presets import parse_with_presets
 from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
+from support.run_folder import missing_folders, remove_made_folders
 from support.run_log import RunLog
 from support.sampling import Sampling, check_sampling, log_samples
 from support.shards import (

@@ -1,6 +1,6 @@
 """Checkpoint files as plain dicts: a run's training state written atomically, pruned to this run's
 newest few (keeping one known good), and loaded without running code. Which files in a run's folder
-are the run's own is support/out_dir.py's."""
+are the run's own is support/run_folder.py's."""
 
 import mmap
 import os
@@ -16,7 +16,7 @@ from support.cli import UserError, first_line
 from support.ddp import fence
 from support.divergence import known_good
 from support.files import disk_error, write_atomic
-from support.out_dir import checkpoint_path, checkpoint_paths, run_id_of
+from support.run_folder import checkpoint_path, checkpoint_paths, run_id_of
 
 MODEL_CONFIG_KEYS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"}  # train_gpt2.py's GPTConfig
 
@@ -24,7 +24,7 @@ MODEL_CONFIG_KEYS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"} 
 def save_checkpoint(ckpt, out_dir, keep, trained):
     """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
     real name), then prune: delete this run's checkpoints beyond the newest `keep`. What stands at
-    the name was checked at start to be a checkpoint (support.out_dir.check_names_at_start)."""
+    the name was checked at start to be a checkpoint (support.run_folder.check_names_at_start)."""
     path = checkpoint_path(out_dir, ckpt["step"])
     try:
         write_atomic(path, lambda f: torch.save(ckpt, f))

@@ -7,7 +7,7 @@ import math
 import torch
 
 from support.cli import UserError, same_on_every_rank
-from support.out_dir import checkpoint_path, checkpoint_paths, step_of_name
+from support.run_folder import checkpoint_path, checkpoint_paths, step_of_name
 
 MAX_BAD_STEPS = 3  # non-finite steps in a row: one is skipped as a bad batch, this many mean the run diverged
 

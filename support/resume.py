@@ -1,5 +1,5 @@
 """What --resume continues with: the recipe and settings it takes from the checkpoint (which one:
-support.out_dir.pick_checkpoint), the changes it allows, and the optimizer, data position and loss
+support.run_folder.pick_checkpoint), the changes it allows, and the optimizer, data position and loss
 scale it restores."""
 
 import argparse
@@ -11,8 +11,8 @@ import torch.distributed as dist
 from support.checkpoints import load_training_checkpoint
 from support.cli import UserError, same_on_every_rank
 from support.ddp import fence
-from support.out_dir import claim_out_dir, pick_checkpoint
 from support.out_of_memory import oom_phase
+from support.run_folder import claim_out_dir, pick_checkpoint
 from support.shards import check_same_data
 
 # The roles a flag has on --resume, declared by the dataclass of each flag in train_gpt2.py (FLAGS; a flag

@@ -23,7 +23,7 @@ from helpers import assert_one_line_error, cli, snapshot, tiny_args, user_error
 from support import files
 from support.cli import UserError
 from support.files import jsonl_rows, lock_folder, unlock_folder, write_atomic, write_dir_atomic
-from support.out_dir import LOCK_FILE, claim_out_dir
+from support.run_folder import LOCK_FILE, claim_out_dir
 
 # ----------------------------------------------------------------------------------------------
 # Atomic writes are durable

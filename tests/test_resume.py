@@ -1,4 +1,4 @@
-"""--resume, through real runs of train_gpt2.py: which checkpoint it continues from (support/out_dir.py),
+"""--resume, through real runs of train_gpt2.py: which checkpoint it continues from (support/run_folder.py),
 the recipe it takes from that checkpoint (support/resume.py), and that the resumed run is the one it
 continues, bit for bit."""
 

@@ -1,4 +1,4 @@
-"""support/out_dir.py, through real runs of train_gpt2.py: one run per --out-dir, a running run
+"""support/run_folder.py, through real runs of train_gpt2.py: one run per --out-dir, a running run
 locks its folder (an `rm` of its lock file does not undo it), a start that fails leaves no run
 behind, links at the names a run writes reach no file, and what a user trips on there is one line
 whose advice works. (The lock itself: test_files.py.)"""
@@ -32,7 +32,7 @@ from helpers import (
     user_error,
     wait_for_step,
 )
-from support.out_dir import LOCK_FILE
+from support.run_folder import LOCK_FILE
 
 
 def test_a_run_reads_its_log_once_at_start(short_run, tmp_path, monkeypatch):
