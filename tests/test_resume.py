@@ -1,4 +1,4 @@
-"""--resume, through real runs of train_gpt2.py: which checkpoint it continues from (support/run_folder.py),
+"""--resume, through real runs of train_gpt2.py: which checkpoint it continues from (support/out_dir.py),
 the recipe it takes from that checkpoint (support/resume.py), and that the resumed run is the one it
 continues, bit for bit."""
 
@@ -465,26 +465,37 @@ def test_a_file_not_the_runs_at_a_checkpoint_name_it_would_write_stops_resume_be
     assert [h["resumed_from"] for h in headers(a)] == [None, 4] and len({h["run_id"] for h in headers(a)}) == 1
 
 
-@pytest.mark.parametrize("kind", ["another run's checkpoint", "this run's, renamed"])
-def test_a_newest_checkpoint_not_the_folders_own_is_passed_over_in_one_line(data, two_runs, capsys, kind):
+@pytest.mark.parametrize("kind", ["another run's, by its meta", "a copy with no meta"])
+def test_a_checkpoint_not_the_folders_own_is_set_aside_unopened_and_never_pruned(
+    data, two_runs, monkeypatch, capsys, kind
+):
+    """Another run's checkpoint (its meta names that run), or a checkpoint copied without its meta (this run's
+    ckpt_2 as ckpt_6), at the newest name and at an older one: passed over in one line each, never opened (the
+    only torch.load is of the checkpoint resumed), set aside, and out of reach of pruning (--keep-ckpts 1)."""
     a, b = two_runs
-    newest = a / "ckpt_000006.pt"  # the newest name, a step the resumed run writes
-    shutil.copy(b / "ckpt_000006.pt" if kind == "another run's checkpoint" else a / "ckpt_000002.pt", newest)
-    theirs, own = newest.read_bytes(), load_checkpoint(str(a / "ckpt_000004.pt"))["run_id"]
-    theirs_id = load_checkpoint(str(newest))["run_id"]
+    (own,), (theirs_id,) = run_ids(a), run_ids(b)
+    meta = kind == "another run's, by its meta"
+    source = b / "ckpt_000006.pt" if meta else a / "ckpt_000002.pt"
+    for step in (0, 6):  # older and newer than the 4 it resumes from
+        shutil.copy(source, a / f"ckpt_00000{step}.pt")
+        if meta:
+            shutil.copy(b / "meta_000006.json", a / f"meta_00000{step}.json")
+    copied, loads = source.read_bytes(), torch_loads(monkeypatch)
+    args = tiny_args(data, a, "--max-steps", 8, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2, "--resume")
     capsys.readouterr()
-    args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2, "--resume")
-    assert train_gpt2.main(args) == 0
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    why = {
-        "another run's checkpoint": f"it holds run {theirs_id}, not this folder's run "
-        f"{own} (which its log.jsonl records)",
-        "this run's, renamed": "it holds step 2, not the 6 its name says",
-    }[kind]
-    assert line == f"warning: skipping {newest}: {why}"
-    assert [h["resumed_from"] for h in headers(a)] == [None, 4] and {h["run_id"] for h in headers(a)} == {own}
-    assert sorted(read_log(a)[1]) == list(range(6)) and load_checkpoint(str(newest))["run_id"] == own
-    assert (a / "aside_1" / "ckpt_000006.pt").read_bytes() == theirs  # set aside, not written over
+    assert train_gpt2.main([*args, "--keep-ckpts", "1"]) == 0
+    assert loads == [(str(a / "ckpt_000004.pt"), False)]
+    why = f"it holds run {theirs_id}" if meta else "it has no meta_000006.json (a copy?)"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert (
+        line
+        == f"warning: skipping {a / 'ckpt_000006.pt'}: {why}, not this folder's run {own} (which its log.jsonl records)"
+    )
+    assert [h["resumed_from"] for h in headers(a)] == [None, 4] and run_ids(a) == {own}
+    kept, aside = sorted(p.name for p in a.glob("*_0*")), sorted(p.name for p in (a / "aside_1").iterdir())
+    assert kept == ["ckpt_000006.pt", "ckpt_000008.pt", "meta_000006.json", "meta_000008.json"]
+    assert aside == ["ckpt_000000.pt", "ckpt_000006.pt"] + (["meta_000000.json", "meta_000006.json"] if meta else [])
+    assert all((a / "aside_1" / f"ckpt_00000{s}.pt").read_bytes() == copied for s in (0, 6))
 
 
 def test_a_folder_with_none_of_its_runs_checkpoints_left_is_refused(data, two_runs, tmp_path):

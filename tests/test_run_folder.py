@@ -1,9 +1,12 @@
 """support/run_folder.py, through real runs of train_gpt2.py: one run per --out-dir, a running run
 locks its folder (an `rm` of its lock file does not undo it), a start that fails leaves no run
-behind, links at the names a run writes reach no file, and what a user trips on there is one line
-whose advice works. (The lock itself: test_files.py.)"""
+behind, links at the names a run writes reach no file, each checkpoint has its meta and pruning
+removes the two, a failed checkpoint write stops the run in one line, the earlier ones whole, and
+what a user trips on there is one line whose advice works. (The lock itself: test_files.py; which
+checkpoint --resume takes, and what it sets aside: test_resume.py.)"""
 
 import builtins
+import errno
 import json
 import os
 import re
@@ -20,11 +23,13 @@ from helpers import (
     assert_one_line_error,
     at_step,
     cli,
+    fail_nth_write,
     headers,
     random_shards,
     read_log,
     refused_before_step_0,
     run_ids,
+    same_weights,
     snapshot,
     start_run,
     tiny_args,
@@ -32,6 +37,8 @@ from helpers import (
     user_error,
     wait_for_step,
 )
+from support import files
+from support.checkpoints import load_checkpoint, load_training_checkpoint
 from support.run_folder import LOCK_FILE
 
 
@@ -308,7 +315,13 @@ def test_links_at_the_names_a_run_writes_are_replaced_never_written_through(data
     (out / "log.jsonl").unlink()
     assert train_gpt2.main(args) == 0
     assert all(path.read_text() == "the user's file\n" for path in mine)
-    assert sorted(os.listdir(out)) == ["ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"]
+    assert sorted(os.listdir(out)) == [
+        "ckpt_000001.pt",
+        "ckpt_000002.pt",
+        "log.jsonl",
+        "meta_000001.json",
+        "meta_000002.json",
+    ]
 
 
 @pytest.mark.parametrize("resume", [False, True])
@@ -364,3 +377,81 @@ def test_a_run_folder_moved_or_deleted_mid_run_stops_in_one_line_at_its_next_che
         assert sorted(read_log(moved)[1]) == list(range(6)) and not out.exists()
     else:
         assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == list(range(6))
+
+
+# ----------------------------------------------------------------------------------------------
+# A checkpoint write that fails
+
+
+def fail_nth_open(monkeypatch, n, code, reason):
+    """The n-th checkpoint file train_gpt2 opens for writing fails with OSError(code, reason)."""
+    opened = []
+
+    def open_(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).endswith(".pt.tmp"):
+            opened.append(path)
+            if len(opened) == n:
+                raise OSError(code, reason, str(path))
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(files, "open", open_, raising=False)  # files.write_atomic writes the checkpoints
+    return opened
+
+
+@pytest.mark.parametrize(
+    "fault, reason", [("disk-full", "No space left on device"), ("read-only", "Read-only file system")]
+)
+def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_path, monkeypatch, fault, reason):
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)
+    if fault == "disk-full":
+        fail_nth_write(monkeypatch, files, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
+    else:
+        fail_nth_open(monkeypatch, 3, errno.EROFS, reason)
+    msg = user_error(args)
+    assert reason in msg and "ckpt_000003.pt" in msg
+    names = ["ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl", "meta_000001.json", "meta_000002.json"]
+    assert sorted(os.listdir(out)) == names  # no partial file left, no meta of the checkpoint not written
+    assert max(read_log(out)[1]) == 2  # stopped at the failed write, not after more steps
+    previous = load_training_checkpoint(str(out / "ckpt_000002.pt"))
+    monkeypatch.undo()  # the disk has room again: the run continues from the previous checkpoint
+    assert (
+        train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0, "--resume")) == 0
+    )
+    ref = tmp_path / "ref"
+    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)) == 0
+    assert same_weights(previous["model"], load_checkpoint(str(ref / "ckpt_000002.pt"))["model"])
+    assert same_weights(
+        load_checkpoint(str(out / "ckpt_000004.pt"))["model"], load_checkpoint(str(ref / "ckpt_000004.pt"))["model"]
+    )
+
+
+def test_a_failed_first_checkpoint_write_does_not_claim_earlier_ones(data, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    fail_nth_open(monkeypatch, 1, errno.ENOSPC, "No space left on device")
+    msg = user_error(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0))
+    assert f"no earlier checkpoint is in {tmp_path / 'out'}" in msg and "intact" not in msg
+    assert "start the run again in a new --out-dir" in msg
+    monkeypatch.undo()  # room again: the advice, a new --out-dir, starts the run again and finishes it
+    assert (
+        train_gpt2.main(tiny_args(data, tmp_path / "new", "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0)) == 0
+    )
+    assert (tmp_path / "new" / "ckpt_000004.pt").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Each checkpoint has its meta; pruning removes the two together
+
+
+def test_each_checkpoint_has_its_meta_and_pruning_removes_the_two_together(data, tmp_path):
+    """meta_<step>.json beside each checkpoint holds what identifies it, as the checkpoint does: its run,
+    its step and the run's flags; pruning (--keep-ckpts 2) removes a checkpoint's meta with it."""
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 5, "--ckpt-every", 1, "--keep-ckpts", 2)) == 0
+    names = ["ckpt_000004.pt", "ckpt_000005.pt", "log.jsonl", "meta_000004.json", "meta_000005.json"]
+    assert sorted(os.listdir(out)) == names
+    for step in (4, 5):
+        ckpt = load_checkpoint(str(out / f"ckpt_00000{step}.pt"))
+        meta = json.loads((out / f"meta_00000{step}.json").read_text())
+        assert meta == {"run_id": ckpt["run_id"], "step": step, "train_config": ckpt["train_config"]}
