@@ -81,16 +81,14 @@ def reconcile_resume(args, given, roles, ckpt, ckpt_path):
 
 
 def resume_checkpoint(out_dir, resume, dry_run, args, given, roles, ddp, master_process, on_exit):
-    """(path, checkpoint, the run's id, args with the flags it sets, the allowed changes, rank 0's log
-    records: claim_out_dir's, where the checkpoints a new line of the run passes over went:
-    pick_checkpoint's) for resume (--resume: "latest", a checkpoint, or None), else (None, None, a new
-    run's id, args, {}, records, []); a run killed before its first checkpoint: its flags from its log's
-    header set, the given ones winning (its log set aside: no records). Rank 0 says what a resume
-    changed and took (report_resume). Rank 0 claims out_dir first (claim_out_dir) and picks the
-    checkpoint, so that every rank loads the same one (multi-node: the out-dir must be shared); a
-    mistake it finds there ends every rank alike, said once. The other ranks wait in the fence (see
-    fence). args: the command line's flags, reconciled with the checkpoint's by roles
-    (reconcile_resume's); on_exit: the run's ExitStack."""
+    """Rank 0 claims out_dir (claim_out_dir) and picks the checkpoint resume names ("latest", a path,
+    or None: a new run; pick_checkpoint), so that every rank loads the same one (multi-node: the out-dir
+    must be shared); a mistake it finds there ends every rank alike, said once, while the others wait
+    in the fence. args, the command line's flags, are reconciled with the checkpoint's by roles
+    (reconcile_resume); a run killed before its first checkpoint takes its log header's flags, the
+    given ones winning. Returns (path, checkpoint, the run's id, args with the flags it sets, the
+    allowed changes, rank 0's log records, where set_aside moved checkpoints to); for a new run (None,
+    None, a new id, args, {}, records, []). on_exit: the run's ExitStack."""
     oom_phase("loading the checkpoint")
     # picked: the path, rank 0's error, a new start's flags
     picked, ckpt, records, moved = [None, None, {}], None, [], []

@@ -32,8 +32,7 @@ def checkpoint_path(out_dir, step):
 
 def meta_path(path):
     """The name of the meta beside checkpoint path (ckpt_000009.pt: meta_000009.json)."""
-    folder, name = os.path.split(path)
-    return os.path.join(folder, "meta_" + name[len("ckpt_") : -len(".pt")] + ".json")
+    return os.path.join(os.path.dirname(path), f"meta_{step_of_name(path):06d}.json")
 
 
 def run_of(path):
@@ -218,16 +217,12 @@ def other_runs(out_dir, run_id, records, skip=""):
 
 
 def newest_of_its_run(out_dir, records, load, then):
-    """(path, checkpoint) of the newest checkpoint in out_dir of the folder's run (the last run its
-    log's records record steps of, as its meta says; without one, any run's, meta or not) that loads
-    (load(path)); only that one is opened. A checkpoint with no meta is of no known run: passed over,
-    as one of another run is; each one passed over is said in one warning line naming the file and
-    why. (None, None) for a folder with no checkpoint; with checkpoints but none of these, refused in
-    one line (then: what to do instead, where one not of the folder's run was passed over)."""
-    paths, others = checkpoint_paths(out_dir), False
-    if not paths:
-        return None, None
-    run = (log_runs(records) or [None])[-1]
+    """(path, checkpoint) of the newest checkpoint in out_dir that its meta says is of the folder's run
+    (the last run its log's records record steps of; without one, any run's) and that loads
+    (load(path)): only those are opened. One with no meta (a copy) is of no known run, passed over as
+    another run's is, each said in one warning line naming it and why. (None, None) for a folder with
+    no checkpoint; with checkpoints but none of these, refused in one line (then: what to do instead)."""
+    paths, run = checkpoint_paths(out_dir), (log_runs(records) or [None])[-1]
     for path in paths:
         held = run_of(path)
         if run is None or held == run:
@@ -236,16 +231,14 @@ def newest_of_its_run(out_dir, records, load, then):
             except UserError as e:
                 why = str(e)
         else:
-            others = True
             why = f"it holds run {held}" if held else f"it has no {os.path.basename(meta_path(path))} (a copy?)"
             why += f", not this folder's run {run} (which its log.jsonl records)"
         print(f"warning: skipping {path}: {why}", file=sys.stderr)
-    if others:
+    if paths:
         raise UserError(
-            f"none of the {len(paths)} checkpoints in {out_dir} is one of the folder's run that loads: see the "
-            f"warnings above; {then}"
+            f"none of the {len(paths)} checkpoints in {out_dir} can be used (see the warnings above): {then}"
         )
-    raise UserError(f"none of the {len(paths)} checkpoints in {out_dir} can be loaded: see the warnings above")
+    return None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,17 +367,15 @@ def save_checkpoint(ckpt, out_dir, keep, trained):
 
 def known_good(out_dir, trained):
     """out_dir's checkpoints whose weights are known good, newest first: checkpoint N holds the weights
-    step N trains from, good when trained[N] (support.divergence.note_trained), not if skipped or not
-    trained yet."""
+    step N trains from, good when trained[N] (support.divergence.note_trained), not if skipped or untrained."""
     return [path for path in checkpoint_paths(out_dir) if trained.get(step_of_name(path), False)]
 
 
 def prune(out_dir, keep, trained):
-    """Delete the checkpoints in out_dir beyond the newest `keep` (0: none), each with its meta. The
-    newest known good one (trained: the run log's, known_good) stays too while none of the newest
-    `keep` is known good yet (one more file, until a newer one has trained): after a divergence,
-    diverged_advice sends the user to it. The folder holds this run's line alone (the claim and the
-    pick saw to it), so each one is this run's."""
+    """Delete the checkpoints in out_dir beyond the newest `keep` (0: none), each with its meta: the
+    folder holds this run's line alone (the claim and the pick saw to it). The newest known good one
+    (trained: the run log's, known_good) stays too while none of the newest `keep` is known good yet
+    (until a newer one has trained): after a divergence, diverged_advice sends the user to it."""
     found = checkpoint_paths(out_dir)
     if keep <= 0 or len(found) <= keep:
         return
