@@ -325,34 +325,26 @@ def test_links_at_the_names_a_run_writes_are_replaced_never_written_through(data
 
 
 @pytest.mark.parametrize("resume", [False, True])
-def test_a_users_text_at_a_checkpoints_name_is_no_checkpoint_and_setting_it_aside_runs(data, tmp_path, resume):
-    """Said to be no checkpoint of this program, with the `mv` that sets it aside; that, then the command, runs."""
+@pytest.mark.parametrize(
+    "mine, said", [("my notes\n", "is no checkpoint of train_gpt2.py"), ("", "is 0 bytes, a checkpoint cut")]
+)
+def test_a_file_at_a_checkpoints_name_that_is_none_is_refused_and_setting_it_aside_runs(
+    data, tmp_path, resume, mine, said
+):
+    """A user's text, or a copy killed before its first byte (cut short), at a checkpoint's name: said to be no
+    checkpoint, with the `mv` that sets it aside; that, then the same command, runs and keeps the file aside."""
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
     if resume:
         assert train_gpt2.main(args) == 0
         args += ["--max-steps", 4, "--resume"]
     out.mkdir(exist_ok=True)
-    mine = out / "ckpt_000006.pt"
-    mine.write_text("my notes on the run\n")
-    msg = refused_before_step_0(args, out, f"{mine} is no checkpoint of train_gpt2.py", "move it aside (mv ")
+    (out / "ckpt_000004.pt").write_text(mine)
+    msg = refused_before_step_0(args, out, f"{out / 'ckpt_000004.pt'} {said}", "move it aside (mv ")
     assert "another run" not in msg and "--resume" not in msg
     subprocess.run(re.search(r"\((mv [^)]+)\)", msg)[1], shell=True, check=True)  # the advice, as given
-    assert train_gpt2.main(args) == 0
-    assert (out / "ckpt_000006.pt.aside").read_text() == "my notes on the run\n"
-
-
-def test_a_0_byte_checkpoint_is_said_to_be_cut_short_and_setting_it_aside_resumes(data, tmp_path):
-    """A checkpoint copy killed before its first byte: cut short, not "no checkpoint of train_gpt2.py"; the
-    advised `mv`, then --resume, runs."""
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
-    assert train_gpt2.main(args) == 0
-    (out / "ckpt_000004.pt").write_bytes(b"")
-    args += ["--max-steps", 4, "--resume"]
-    msg = refused_before_step_0(args, out, f"{out / 'ckpt_000004.pt'} is 0 bytes, a checkpoint cut short", "(mv ")
-    subprocess.run(re.search(r"\((mv [^)]+)\)", msg)[1], shell=True, check=True)  # the advice, as given
-    assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == [0, 1, 2, 3]
+    assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == list(range(4 if resume else 2))
+    assert (out / "ckpt_000004.pt.aside").read_text() == mine
 
 
 def test_an_empty_out_dir_is_refused_by_name(data, tmp_path, monkeypatch):
