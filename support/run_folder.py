@@ -248,10 +248,10 @@ def newest_of_its_run(out_dir, records, load, then):
 def pick_checkpoint(resume, out_dir, load, records, dry_run=False):
     """Rank 0's choice at start, after claim_out_dir (records: its log's): (path, checkpoint, the paths
     set_aside moved checkpoints to) for --resume ("latest" or a checkpoint's path), (None, None, []) for
-    a new run; load: how a checkpoint holding a run's training state is loaded. A run killed before its
-    first checkpoint starts anew: (None, {"train_config": its flags, from its log's header}, []). A dry
-    run renames nothing."""
-    path, ckpt, moved = None, None, []
+    a new run; load: how a checkpoint holding a run's training state is loaded. What is not the line it
+    continues is set aside (set_aside). A run killed before its first checkpoint starts anew: (None,
+    {"train_config": its flags, from its log's header}, []). A dry run renames nothing."""
+    path, ckpt = None, None
     if resume == "latest":
         then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
         path, ckpt = newest_of_its_run(out_dir, records, load, then)
@@ -275,8 +275,7 @@ def pick_checkpoint(resume, out_dir, load, records, dry_run=False):
             )
         path, ckpt = resume, load(resume)
         check_resume_target(out_dir, path, ckpt, records)
-    if path is not None:  # newer ones, or ones not this run's: out of reach of the line's writes and pruning
-        moved = set_aside(out_dir, path, ckpt["step"], ckpt.get("run_id"), dry_run)
+    moved = set_aside(out_dir, path, ckpt["step"], ckpt.get("run_id"), dry_run) if path is not None else []
     return path, ckpt, moved
 
 
@@ -321,14 +320,16 @@ def check_resume_target(out_dir, path, ckpt, records):
     fine, and said."""
     run_id, folder = ckpt.get("run_id", path), os.path.dirname(path) or "."
     others = other_runs(out_dir, run_id, records, skip=path)
+    elsewhere = os.path.realpath(folder) != os.path.realpath(out_dir)
     if others:
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
         raise UserError(
             f"--resume {path} continues run {run_id}, but --out-dir {out_dir} holds another run "
             f"({', '.join(others[:3])}{more}): its checkpoints would be overwritten and its log mixed with this "
-            f"run's; pass a new or empty --out-dir, or --out-dir {folder} (the run's own folder)"
+            f"run's; pass a new or empty --out-dir"
+            + (f", or --out-dir {folder} (the run's own folder)" if elsewhere else "")
         )
-    if os.path.realpath(folder) != os.path.realpath(out_dir) and not checkpoint_paths(out_dir):
+    if elsewhere and not checkpoint_paths(out_dir):
         print(
             f"note: run {run_id} continues from {path} in --out-dir {out_dir}; its log and checkpoints up to "
             f"step {ckpt.get('step')} stay in {folder}"
@@ -354,12 +355,9 @@ def save_checkpoint(ckpt, out_dir, keep, trained):
             raise  # not the disk: a bug, keep its traceback
         with contextlib.suppress(OSError):  # the meta of a checkpoint not written
             os.remove(meta_path(path))
-        earlier = [p for p in checkpoint_paths(out_dir) if p != path]
-        then = (
-            f"continue with --resume (from {earlier[0]}, intact)"
-            if earlier
-            else f"start the run again in a new --out-dir (no earlier checkpoint is in {out_dir})"
-        )
+        earlier = next((p for p in checkpoint_paths(out_dir) if p != path), None)
+        anew = f"start the run again in a new --out-dir (no earlier checkpoint is in {out_dir})"
+        then = f"continue with --resume (from {earlier}, intact)" if earlier else anew
         raise disk_error(cause, f"checkpoint {path}", then) from None
     prune(out_dir, keep, trained)
     return path

@@ -285,6 +285,19 @@ def test_resume_of_a_checkpoint_into_another_runs_folder_is_refused(data, two_ru
     assert snapshot(a.parent) == before  # B's checkpoints and log untouched, nothing appended
 
 
+def test_a_checkpoint_with_no_meta_beside_the_one_resumed_counts_as_another_runs(data, two_runs, tmp_path):
+    """--resume CKPT into its own folder, which holds a checkpoint copied in without its meta (whose run is
+    unknown): refused as another run's, pointing to a new --out-dir only (not to the folder it is in); followed,
+    the run continues there."""
+    a, b = two_runs
+    (own,) = run_ids(a)
+    shutil.copy(b / "ckpt_000006.pt", a / "ckpt_000006.pt")
+    args = ["--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--resume", a / "ckpt_000004.pt"]
+    msg = refused_before_step_0(tiny_args(data, a, *args), a, f"--out-dir {a} holds another run (ckpt_000006.pt)")
+    assert msg.endswith("pass a new or empty --out-dir")
+    assert train_gpt2.main(tiny_args(data, tmp_path / "new", *args)) == 0 and run_ids(tmp_path / "new") == {own}
+
+
 def test_resume_of_a_checkpoint_into_a_new_folder_continues_the_run_there(data, two_runs, tmp_path, capsys):
     a, _ = two_runs
     new = tmp_path / "C"
