@@ -228,11 +228,15 @@ def test_resume_with_a_run_folder_continues_that_run_in_it(data, run4, tmp_path)
     assert [r for r in records if r.get("event") == "header"][-1]["resumed_from"] == 4
 
 
-def test_resume_with_a_run_folder_and_another_out_dir_is_refused(data, run4, tmp_path):
-    before = snapshot(run4)
-    msg = user_error(tiny_args(data, tmp_path / "other", "--max-steps", 6, "--warmup-steps", 5, "--resume", run4))
-    assert "is a run's folder" in msg and f"--resume --out-dir {run4}" in msg
-    assert snapshot(run4) == before and not (tmp_path / "other").exists()
+@pytest.mark.parametrize("resume, out", [("run", "other"), ("", "run")], ids=["a run's folder", "''"])
+def test_a_resume_naming_a_run_folder_with_another_out_dir_or_nothing_is_refused(data, run4, tmp_path, resume, out):
+    before, (resume, out) = snapshot(run4), (tmp_path / resume if resume else "", tmp_path / out)
+    msg = user_error(tiny_args(data, out, "--max-steps", 6, "--warmup-steps", 5, "--resume", resume))
+    if resume:
+        assert "is a run's folder" in msg and f"--resume --out-dir {run4}" in msg and not out.exists()
+    else:
+        assert msg.startswith("--resume '' names nothing:")
+    assert snapshot(run4) == before
 
 
 def test_resume_of_a_transformers_folder_is_refused_as_a_model_pointing_to_init_from(data, hf_tiny_dir, tmp_path):
@@ -247,12 +251,6 @@ def test_resume_of_a_transformers_folder_is_refused_as_a_model_pointing_to_init_
     assert snapshot(hf_tiny_dir) == before
     init = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0, "--init-from", hf_tiny_dir)
     assert train_gpt2.main(init) == 0  # the advice, followed
-
-
-def test_an_empty_resume_is_refused_as_naming_nothing(data, run4):
-    before = snapshot(run4)
-    msg = user_error(tiny_args(data, run4, "--max-steps", 6, "--resume", ""))
-    assert msg.startswith("--resume '' names nothing:") and snapshot(run4) == before
 
 
 # ----------------------------------------------------------------------------------------------

@@ -237,34 +237,28 @@ def crash_at_the_first_step(monkeypatch):
     monkeypatch.setattr(train_gpt2.torch.nn.utils, "clip_grad_norm_", clip)
 
 
-@pytest.mark.parametrize("folder", ["new", "the user's", "empty"])
+@pytest.mark.parametrize("folder", ["new", "the user's", "empty", "a run's, resumed"])
 def test_a_start_that_crashes_before_its_first_step_is_no_run_and_the_same_command_runs(
     data, tmp_path, monkeypatch, folder
 ):
+    """The header it logged is no run: the same command again runs, without --resume for a new run (not
+    "another run"), and a --resume resumes again."""
     out = tmp_path / "out"
     if folder != "new":
         out.mkdir()
     if folder == "the user's":
         (out / "notes.txt").write_text("mine")
     args = tiny_args(data, out, "--max-steps", 3)  # val loss at step 0 (--eval-every 4): logged, then the crash
+    if folder == "a run's, resumed":
+        assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 1)) == 0
+        args += ["--max-steps", 4, "--resume"]
     crash_at_the_first_step(monkeypatch)
     with pytest.raises(MemoryError):
         train_gpt2.main(args)
     monkeypatch.undo()
-    assert train_gpt2.main(args) == 0  # the same command again, no --resume: not "another run"
-    assert len(run_ids(out)) == 1 and sorted(read_log(out)[1]) == [0, 1, 2]
+    assert train_gpt2.main(args) == 0
+    assert len(run_ids(out)) == 1 and sorted(read_log(out)[1]) == list(range(4 if "--resume" in args else 3))
     assert folder != "the user's" or (out / "notes.txt").read_text() == "mine"
-
-
-def test_a_resume_that_crashes_before_its_first_step_resumes_again(data, tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 1)) == 0
-    crash_at_the_first_step(monkeypatch)
-    with pytest.raises(MemoryError):
-        train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--resume"))
-    monkeypatch.undo()
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--resume")) == 0
-    assert sorted(read_log(out)[1]) == [0, 1, 2, 3] and len(run_ids(out)) == 1
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
