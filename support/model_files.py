@@ -19,8 +19,8 @@ HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_mode
 def find_model(spec):
     """("transformers", name or folder, None) or ("checkpoint", file, its dict, tensors mapped) for a
     model given on the command line; a training run's folder means its newest checkpoint, said in a
-    note: as --resume takes it, the newest of the folder's run that loads and holds the step its name
-    says (one passed over is said in a warning: support.run_folder.newest_of_its_run)."""
+    note: as --resume takes it, the newest that loads of the folder's run by its meta (one passed over
+    is said in a warning: support.run_folder.newest_of_its_run)."""
     if spec not in HF_NAMES and os.path.isdir(spec) and not os.path.exists(os.path.join(spec, "config.json")):
         then = "name the checkpoint file to use instead of the folder"
         records = log_records(log_path(spec))  # read as the folder's run is looked for
