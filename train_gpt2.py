@@ -37,7 +37,6 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
-from support.checkpoints import save_training_state
 from support.checks import Number, check_args, check_built_model, check_data, check_model, check_wandb
 from support.cli import ArgumentParser, UserError, add_flags, flag, run_cli, same_on_every_rank
 from support.ddp import setup_distributed
@@ -46,11 +45,11 @@ from support.divergence import NonFiniteGuard, check_finite_state
 from support.gpu import peak_flops
 from support.hf_interop import check_state_dict, load_hf_gpt2
 from support.model_files import find_model
-from support.out_dir import missing_folders, remove_made_folders
 from support.out_of_memory import forget_phases, oom_phase, oom_run, training_out_of_memory
 from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
 from support.presets import parse_with_presets
 from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
+from support.run_folder import missing_folders, remove_made_folders, save_training_state
 from support.run_log import RunLog
 from support.sampling import Sampling, check_sampling, log_samples
 from support.shards import (
@@ -517,7 +516,7 @@ def train(args, given, on_exit):
         on_exit.callback(dist.destroy_process_group)
     device_type, master_process = torch.device(device).type, ddp_rank == 0  # rank 0 prints, logs, checkpoints
     ckpt_path, ckpt, run_id, args, changes, records, moved = resume_checkpoint(
-        args, given, ROLES, ddp, master_process, on_exit
+        args.out_dir, args.resume, args.dry_run, args, given, ROLES, ddp, master_process, on_exit
     )
     recipe = Recipe(**{f.name: getattr(args, f.name) for f in fields(Recipe)})  # as the checkpoint and flags make it
     check_args(recipe, ddp_world_size, args.resume, args.init_from, given, warmup_lr)
@@ -538,7 +537,7 @@ def train(args, given, on_exit):
     betas, eps = (args.beta1, args.beta2), args.adam_eps
     optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, device_type, betas, eps, master_process)
     scaler = grad_scaler(dtype, device_type)  # fp16's loss scaling; a no-op for bf16 and fp32
-    start_step, val_loss = restore_training_state(ckpt, ckpt_path, optimizer, train_loader, scaler, ddp_rank)
+    start_step, val_loss = restore_training_state(ckpt, ckpt_path, optimizer, train_loader, scaler, args.max_steps)
     del ckpt  # the weights and optimizer state now live in the model and optimizer
     oom_phase("start")
     model = torch.compile(raw_model) if use_compile else raw_model
@@ -574,7 +573,7 @@ def train(args, given, on_exit):
         ckpt.update(world_size=ddp_world_size, data_identity=train_loader.identity)  # the shards it started on
         ckpt.update(train_config=config)
         oom_phase("writing the checkpoint", step=step)
-        check_finite_state(ckpt, args.out_dir, log.trained)  # never a checkpoint of weights that are not finite
+        check_finite_state(ckpt, args.out_dir, log.trained, args.max_lr)  # never a checkpoint of non-finite weights
         return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp, log.trained, stop)
 
     stop = StopRequest(args.out_dir)

@@ -1,9 +1,8 @@
-"""Checkpoint files as plain dicts: a run's training state written atomically, pruned to this run's
-newest few (keeping one known good), and loaded without running code. Which files in a run's folder
-are the run's own is support/out_dir.py's."""
+"""The checkpoint's file format: a plain dict of tensors and plain values in torch.save's zip, loaded
+without running code, its CRCs checked. Where checkpoints are written, and whose they are, is
+support/run_folder.py's."""
 
 import mmap
-import os
 import pickle
 import re
 import struct
@@ -13,69 +12,8 @@ import zlib
 import torch
 
 from support.cli import UserError, first_line
-from support.ddp import fence
-from support.divergence import known_good
-from support.files import disk_error, write_atomic
-from support.out_dir import checkpoint_path, checkpoint_paths, run_id_of
 
 MODEL_CONFIG_KEYS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"}  # train_gpt2.py's GPTConfig
-
-
-def save_checkpoint(ckpt, out_dir, keep, trained):
-    """Write ckpt_<step>.pt atomically (a kill mid-write never leaves a half checkpoint under the
-    real name), then prune: delete this run's checkpoints beyond the newest `keep`. What stands at
-    the name was checked at start to be a checkpoint (support.out_dir.check_names_at_start)."""
-    path = checkpoint_path(out_dir, ckpt["step"])
-    try:
-        write_atomic(path, lambda f: torch.save(ckpt, f))
-    except (OSError, RuntimeError) as e:
-        cause = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write
-        if not isinstance(cause, OSError):
-            raise  # not the disk: a bug, keep its traceback
-        earlier = [p for p in checkpoint_paths(out_dir) if p != path]
-        then = (
-            f"continue with --resume (from {earlier[0]}, intact)"
-            if earlier
-            else f"start the run again in a new --out-dir (no earlier checkpoint is in {out_dir})"
-        )
-        raise disk_error(cause, f"checkpoint {path}", then) from None
-    prune(out_dir, keep, ckpt["run_id"], trained)
-    return path
-
-
-def prune(out_dir, keep, run_id, trained):
-    """Delete run_id's checkpoints in out_dir beyond the newest `keep` (0: none). The newest known
-    good one (trained: the run log's, support.divergence.known_good) stays too while none of the
-    newest `keep` is known good yet (one more file, until a newer one has trained): after a
-    divergence, diverged_advice sends the user to it. Another run's files are never touched."""
-    found = checkpoint_paths(out_dir)
-    if keep <= 0 or len(found) <= keep:
-        return
-    good = known_good(out_dir, trained)
-    kept = [path for path in found[:keep] if path in good] or good[:1]
-    for old in found[keep:]:
-        if old not in kept and run_id_of(old) == run_id:
-            os.remove(old)
-
-
-def save_training_state(ckpt, out_dir, keep, master_process, ddp, trained, stop):
-    """Every rank calls it; rank 0 writes ckpt, the training state as one plain dict (train_gpt2.py
-    gathers it, and checks it is finite, where it checkpoints), to out_dir (save_checkpoint: atomic,
-    pruned to this run's newest `keep`; trained: the log's, note_trained) while the other ranks wait
-    in the fence, not in a collective that times out; stop: the run's StopRequest, told of the write.
-    Returns the path written on rank 0, else None."""
-    path = None
-    with stop.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):
-        if master_process:
-            try:
-                path = save_checkpoint(ckpt, out_dir, keep, trained)
-            except RuntimeError as e:  # torch.save's writer wraps a stop signal raised inside it: a stop
-                if isinstance(e.__context__, KeyboardInterrupt):
-                    raise e.__context__ from None
-                raise
-            print(f"wrote {path}")
-        fence(ddp)
-    return path
 
 
 def load_checkpoint(path, mmap=False):

@@ -7,7 +7,7 @@ import math
 import torch
 
 from support.cli import UserError, same_on_every_rank
-from support.out_dir import checkpoint_path, checkpoint_paths, step_of_name
+from support.run_folder import checkpoint_path, known_good
 
 MAX_BAD_STEPS = 3  # non-finite steps in a row: one is skipped as a bad batch, this many mean the run diverged
 
@@ -60,17 +60,17 @@ class NonFiniteGuard:
         return True
 
 
-def check_finite_state(ckpt, out_dir, trained):
+def check_finite_state(ckpt, out_dir, trained, max_lr):
     """Weights or a val loss that are not finite are never saved as a checkpoint (ckpt: the dict
     about to be), and a run that has them is not done: it stops, saying which checkpoint in out_dir
-    to go on from (trained: note_trained's). The same on every rank (the weights are the same, the
-    val loss all-reduced)."""
+    to go on from (trained: note_trained's) with an --max-lr below max_lr. The same on every rank
+    (the weights are the same, the val loss all-reduced)."""
     bad = [name for name, tensor in ckpt["model"].items() if not torch.isfinite(tensor).all()]
     step, val_loss = ckpt["step"], ckpt.get("val_loss")
     if not bad and (val_loss is None or math.isfinite(val_loss)):
         return
     what = f"the weights after {step} steps are not finite ({bad[0]})" if bad else f"the val loss is {val_loss}"
-    advice = diverged_advice(known_good(out_dir, trained), out_dir, ckpt["train_config"]["max_lr"])
+    advice = diverged_advice(known_good(out_dir, trained), out_dir, max_lr)
     raise same_on_every_rank(UserError(f"{what}: the run diverged and stopped, writing no checkpoint of it; {advice}"))
 
 
@@ -86,14 +86,8 @@ def note_trained(trained, record):
         trained[record.get("step")] = "skipped" not in record
 
 
-def known_good(out_dir, trained):
-    """out_dir's checkpoints whose weights are known good, newest first: checkpoint N holds the
-    weights step N trains from, good when trained[N] (note_trained), not if skipped or not trained yet."""
-    return [path for path in checkpoint_paths(out_dir) if trained.get(step_of_name(path), False)]
-
-
 def diverged_advice(good, out_dir, max_lr):
-    """What to do after a divergence: go on from good[0] (known_good's newest) with an --max-lr below
+    """What to do after a divergence: go on from good[0] (run_folder.known_good's newest) with an --max-lr below
     max_lr, this run's (an allowed change on --resume); with none, start anew."""
     if good:
         return (

@@ -29,16 +29,12 @@ def fsync_dir(folder):
     """Make the names in folder durable: a rename or a new file is an entry in its folder, which
     POSIX keeps in memory until the folder itself is fsynced. A no-op where a folder cannot be
     opened (Windows) or fsynced (some file systems)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def fsync_tree(folder):

@@ -9,7 +9,7 @@ from support.checkpoints import load_checkpoint
 from support.cli import UserError
 from support.files import log_records
 from support.hf_interop import HF_NAMES, check_hub_reachable, hub_name_is_cached
-from support.out_dir import checkpoints_near, log_path, newest_of_its_run
+from support.run_folder import checkpoints_near, log_path, newest_of_its_run
 from support.shards import GPT2_VOCAB
 
 GPT2_BLOCK_SIZE = 1024  # n_positions of every OpenAI GPT-2 (gpt2 .. gpt2-xl)
@@ -19,8 +19,8 @@ HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_mode
 def find_model(spec):
     """("transformers", name or folder, None) or ("checkpoint", file, its dict, tensors mapped) for a
     model given on the command line; a training run's folder means its newest checkpoint, said in a
-    note: as --resume takes it, the newest of the folder's run that loads and holds the step its name
-    says (one passed over is said in a warning: support.out_dir.newest_of_its_run)."""
+    note: as --resume takes it, the newest that loads of the folder's run by its meta (one passed over
+    is said in a warning: support.run_folder.newest_of_its_run)."""
     if spec not in HF_NAMES and os.path.isdir(spec) and not os.path.exists(os.path.join(spec, "config.json")):
         then = "name the checkpoint file to use instead of the folder"
         records = log_records(log_path(spec))  # read as the folder's run is looked for

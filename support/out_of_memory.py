@@ -14,7 +14,7 @@ phase a script marks has an entry in its script's advice table (tests/test_out_o
 the scripts' marks)."""
 
 from support.gpu import GiB, fitting_B, gpu_memory_of
-from support.out_dir import checkpoint_paths
+from support.run_folder import checkpoint_paths
 
 # module-level, not the run's: run_cli reads them after main() raised, marked by code with no handle on a run
 _marked = {}  # phase name -> its values; the phase marked last is last

@@ -1,5 +1,5 @@
 """What --resume continues with: the recipe and settings it takes from the checkpoint (which one:
-support.out_dir.pick_checkpoint), the changes it allows, and the optimizer, data position and loss
+support.run_folder.pick_checkpoint), the changes it allows, and the optimizer, data position and loss
 scale it restores."""
 
 import argparse
@@ -11,8 +11,8 @@ import torch.distributed as dist
 from support.checkpoints import load_training_checkpoint
 from support.cli import UserError, same_on_every_rank
 from support.ddp import fence
-from support.out_dir import claim_out_dir, pick_checkpoint
 from support.out_of_memory import oom_phase
+from support.run_folder import claim_out_dir, pick_checkpoint
 from support.shards import check_same_data
 
 # The roles a flag has on --resume, declared by the dataclass of each flag in train_gpt2.py (FLAGS; a flag
@@ -77,31 +77,25 @@ def reconcile_resume(args, given, roles, ckpt, ckpt_path):
                 f"{fix} to continue the run as it was, or start a new run in another --out-dir"
             )
             raise same_on_every_rank(UserError(message))
-    max_steps = taken.get("max_steps", args.max_steps)
-    if max_steps < ckpt["step"]:
-        raise UserError(f"--max-steps {max_steps} is below the {ckpt['step']} steps {ckpt_path} has done")
     return taken, changes
 
 
-def resume_checkpoint(args, given, roles, ddp, master_process, on_exit):
-    """(path, checkpoint, the run's id, args with the flags it sets, the allowed changes, rank 0's log
-    records: claim_out_dir's, where the checkpoints a new line of the run passes over went:
-    pick_checkpoint's) for --resume, else (None, None, a new run's id, args, {}, records, []); a run
-    killed before its first checkpoint: its flags from its log's header set, the given ones winning (its
-    log set aside: no records). Rank 0 says what a resume changed and took (report_resume).
-    Rank 0 claims the out-dir first (claim_out_dir) and picks the checkpoint, so that every rank
-    loads the same one (multi-node: the out-dir must be shared); a mistake it finds there ends every
-    rank alike, said once. The other ranks wait in the fence (see fence). roles: reconcile_resume's;
-    on_exit: the run's ExitStack."""
+def resume_checkpoint(out_dir, resume, dry_run, args, given, roles, ddp, master_process, on_exit):
+    """Rank 0 claims out_dir (claim_out_dir) and picks the checkpoint resume names ("latest", a path,
+    or None: a new run; pick_checkpoint), so that every rank loads the same one (multi-node: the out-dir
+    must be shared); a mistake it finds there ends every rank alike, said once, while the others wait
+    in the fence. args, the command line's flags, are reconciled with the checkpoint's by roles
+    (reconcile_resume); a run killed before its first checkpoint takes its log header's flags, the
+    given ones winning. Returns (path, checkpoint, the run's id, args with the flags it sets, the
+    allowed changes, rank 0's log records, where set_aside moved checkpoints to); for a new run (None,
+    None, a new id, args, {}, records, []). on_exit: the run's ExitStack."""
     oom_phase("loading the checkpoint")
     # picked: the path, rank 0's error, a new start's flags
     picked, ckpt, records, moved = [None, None, {}], None, [], []
     if master_process:
         try:
-            records = claim_out_dir(args.out_dir, args.resume, on_exit, args.dry_run)
-            picked[0], ckpt, moved = pick_checkpoint(
-                args.resume, args.out_dir, load_training_checkpoint, records, args.dry_run
-            )
+            records = claim_out_dir(out_dir, resume, on_exit, dry_run)
+            picked[0], ckpt, moved = pick_checkpoint(resume, out_dir, load_training_checkpoint, records, dry_run)
             if picked[0] is None and ckpt:  # a run killed before its first checkpoint: its log was set aside
                 picked[2], records = ckpt["train_config"], []
         except UserError as e:
@@ -120,27 +114,31 @@ def resume_checkpoint(args, given, roles, ddp, master_process, on_exit):
         taken, changes = reconcile_resume(args, given, roles, ckpt, path)
     if master_process:  # a run started anew says each flag it took, a resumed one the run settings
         report_resume(changes, taken if picked[2] else {n: v for n, v in taken.items() if roles[n] == RUN_SETTING})
+        if path is not None:
+            print(f"resuming from {path} at step {ckpt['step']}")
     return path, ckpt, run_id, argparse.Namespace(**{**vars(args), **taken}), changes, records, moved
 
 
-def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, ddp_rank):
+def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, max_steps):
     """The optimizer, data position and fp16's loss scaler as a checkpoint left them (a checkpoint of
     a bf16 or fp32 run has no scaler: fp16 starts at its first scale), on the data it was trained on
-    (the loader's identity); returns the step to start at and the last val loss. A new run (ckpt
-    None) starts at 0. No random state: after the model's init nothing in the recipe draws from the
-    global generators (the shard order comes from (seed, epoch), samples from their own seeded
-    generator, and the model has no dropout)."""
+    (the loader's identity); returns the step to start at and the last val loss. A max_steps (the run's
+    last step) below it is refused. A new run (ckpt None) starts at 0. No random state: after the
+    model's init nothing in the recipe draws from the global generators (the shard order comes from
+    (seed, epoch), samples from their own seeded generator, and the model has no dropout)."""
     oom_phase("loading the checkpoint")
     if ckpt is None:
         return 0, None
+    if max_steps < ckpt["step"]:
+        raise same_on_every_rank(
+            UserError(f"--max-steps {max_steps} is below the {ckpt['step']} steps {ckpt_path} has done")
+        )
     if ckpt.get("data_identity") is not None:
         check_same_data(ckpt["data_identity"], loader.identity, ckpt_path, os.path.dirname(loader.shards[0]))
     optimizer.load_state_dict(ckpt["optimizer"])
     loader.load_state_dict(ckpt["data"])
     if scaler.is_enabled() and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
-    if ddp_rank == 0:
-        print(f"resuming from {ckpt_path} at step {ckpt['step']}")
     return ckpt["step"], ckpt.get("val_loss")
 
 

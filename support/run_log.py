@@ -16,7 +16,7 @@ import torch
 from support.cli import UserError
 from support.divergence import note_trained
 from support.files import disk_error
-from support.out_dir import log_path
+from support.run_folder import log_path
 from support.wandb_log import WandbMirror
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # the open of a symbolic link fails (Windows has no such flag)

@@ -7,7 +7,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from support.out_dir import checkpoint_paths
+from support.run_folder import checkpoint_paths
 
 # Under torchrun (it sets TORCHELASTIC_RUN_ID), its pid: each rank runs in a session of its own, so a
 # `kill -9` of torchrun would leave the ranks training unseen; a rank whose parent changed stops as

@@ -15,7 +15,7 @@ import pytest
 import train_gpt2
 from helpers import cli, random_shards, read_log, same_weights, start_run, tiny_args, wait_for_step
 from support.checkpoints import load_checkpoint, load_training_checkpoint
-from support.out_dir import checkpoint_paths
+from support.run_folder import checkpoint_paths
 
 
 def step_records(out):

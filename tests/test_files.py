@@ -6,7 +6,7 @@ either of write_atomic's names is replaced, never written through; the folder lo
 holder on each mechanism, an `rm` of its file notwithstanding; a failed write's line says "make
 room" only when the disk is full; a file where a folder goes is one line in every script; jsonl_rows
 names a bad line. (train_gpt2.py's use of the lock:
-test_out_dir.py; fineweb.py's: test_fineweb.py; without fcntl: test_portable.py.)"""
+test_run_folder.py; fineweb.py's: test_fineweb.py; without fcntl: test_portable.py.)"""
 
 import contextlib
 import errno
@@ -23,7 +23,7 @@ from helpers import assert_one_line_error, cli, snapshot, tiny_args, user_error
 from support import files
 from support.cli import UserError
 from support.files import jsonl_rows, lock_folder, unlock_folder, write_atomic, write_dir_atomic
-from support.out_dir import LOCK_FILE, claim_out_dir
+from support.run_folder import LOCK_FILE, claim_out_dir
 
 # ----------------------------------------------------------------------------------------------
 # Atomic writes are durable

@@ -84,6 +84,7 @@ def test_a_loader_passes_over_another_runs_checkpoint_in_a_run_folder(short_run,
     other = tmp_path / "other"
     assert train_gpt2.main(tiny_args(data, other, "--max-steps", 1, "--seed", 7, "--eval-every", 0)) == 0
     shutil.copy(other / "ckpt_000001.pt", out / "ckpt_000009.pt")  # the newest name, another run
+    shutil.copy(other / "meta_000001.json", out / "meta_000009.json")  # with its meta: whose it is
     capsys.readouterr()
     weights = train_gpt2.load_model(str(out)).state_dict()["lm_head.weight"]
     said = capsys.readouterr()

@@ -150,7 +150,9 @@ def test_two_nodes_train_as_one_job_and_only_global_rank_0_writes(two_node_runs)
     assert ref.files(1 - writer) == []
     assert ref.files(writer) == [
         "out",
-        *(f"out/{n}" for n in ("ckpt_000004.pt", "ckpt_000006.pt", "ckpt_000008.pt", "log.jsonl")),
+        *(f"out/ckpt_00000{s}.pt" for s in (4, 6, 8)),
+        "out/log.jsonl",
+        *(f"out/meta_00000{s}.json" for s in (4, 6, 8)),
     ]
     assert "step     7/8" in ref.stdout(writer) and ref.stdout(1 - writer) == ""  # rank 0 alone prints
     records, steps = read_log(ref.folder / f"node{writer}" / "out")

@@ -17,7 +17,7 @@ import fineweb
 import hellaswag
 import train_gpt2
 from helpers import ROOT, assert_one_line_error, read_log, start_run, tiny_args, wait_for_step
-from support.out_dir import LOCK_FILE
+from support.run_folder import LOCK_FILE
 
 # Windows has none of these; the stand-in SIGBREAK is a signal Linux has that nothing else here uses
 SITECUSTOMIZE = """

@@ -1,4 +1,4 @@
-"""--resume, through real runs of train_gpt2.py: which checkpoint it continues from (support/out_dir.py),
+"""--resume, through real runs of train_gpt2.py: which checkpoint it continues from (support/run_folder.py),
 the recipe it takes from that checkpoint (support/resume.py), and that the resumed run is the one it
 continues, bit for bit."""
 
@@ -36,16 +36,6 @@ from support.resume import ALLOWED_CHANGES
 
 # ----------------------------------------------------------------------------------------------
 # Which checkpoint --resume continues from: the newest that loads
-
-
-def test_a_resume_reads_its_checkpoint_once(short_run, tmp_path, monkeypatch):
-    """The checkpoint --resume picks is the one it continues from: one torch.load of it, read, not mapped."""
-    out = tmp_path / "run"
-    shutil.copytree(short_run[1], out)
-    loads = torch_loads(monkeypatch)
-    assert train_gpt2.main(["--resume", "--out-dir", str(out), "--max-steps", 3, "--device", "cpu"]) == 0
-    assert loads == [(str(out / "ckpt_000002.pt"), False)]
-    assert (out / "ckpt_000003.pt").exists()
 
 
 @pytest.mark.slow
@@ -97,7 +87,7 @@ def test_resume_skips_a_damaged_newest_checkpoint_in_one_line(short_run, tmp_pat
     assert train_gpt2.main(tiny_args(data, run, "--max-steps", 2, "--resume", "--eval-every", 0)) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "skipping" in err[0] and "ckpt_000002.pt" in err[0], err
-    assert damage == "truncated" or "corrupt" in err[0]
+    assert ("cannot be loaded safely (truncated" if damage == "truncated" else "is corrupt: its ") in err[0]
     assert [h["resumed_from"] for h in headers(run)] == [None, 1]
     first, again = [r for r in read_log(run)[0] if r.get("step") == 1 and "train_loss" in r]  # step 1, then redone
     assert (again["train_loss"], again["grad_norm"]) == (first["train_loss"], first["grad_norm"])
@@ -127,21 +117,14 @@ def run4(data, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "flag, value",
-    [("--total-batch-size", 128), ("-T", 8), ("--weight-decay", 0.05), ("--warmup-steps", 2), ("--seed", 3)],
+    "given", ["--total-batch-size 128", "-T 8", "--weight-decay 0.05", "--warmup-steps 2", "--seed 3", "--n-embd 64"]
 )
-def test_a_contradicting_recipe_flag_on_resume_is_refused(data, run4, flag, value):
-    before = snapshot(run4)
+def test_a_contradicting_recipe_flag_on_resume_is_refused(data, run4, given):
+    before, (flag, value) = snapshot(run4), given.split()
     msg = user_error(tiny_args(data, run4, "--max-steps", 8, "--warmup-steps", 5, "--resume", flag, value))
-    assert {"-T": "--seq-len"}.get(flag, flag) in msg
-    assert "contradicts" in msg and "leave" in msg
+    flag = {"-T": "--seq-len"}.get(flag, flag)
+    assert f"{flag} {value} contradicts the " in msg and f"leave {flag} out" in msg
     assert snapshot(run4) == before
-
-
-def test_checkpoint_from_another_config(short_run, tmp_path):
-    data, out = short_run
-    msg = user_error(tiny_args(data, tmp_path / "out", "--n-embd", 64, "--resume", out / "ckpt_000002.pt"))
-    assert "--n-embd 64 contradicts the 32" in msg and "leave --n-embd out" in msg
 
 
 def test_flags_left_out_on_resume_take_the_checkpoints_values(data, run4, tmp_path):
@@ -183,17 +166,6 @@ def test_a_relative_data_dir_resumes_from_another_working_directory(data, tmp_pa
     assert sorted(read_log(work / "run")[1]) == [0, 1, 2, 3]
 
 
-def test_a_longer_max_steps_is_allowed_and_said(data, run4, capsys):
-    args = tiny_args(data, run4, "--max-steps", 6, "--warmup-steps", 5, "--resume", "--eval-every", 0)
-    assert train_gpt2.main(args) == 0
-    assert "note: --max-steps 4 -> 6 on resume" in capsys.readouterr().out
-    records, steps = read_log(run4)
-    assert sorted(steps) == list(range(6))
-    assert records[-1]["step"] == 5
-    header = [r for r in records if r.get("event") == "header"][-1]
-    assert header["changed_on_resume"] == {"max_steps": [4, 6]} and header["resumed_from"] == 4
-
-
 def test_a_mistyped_resume_path_names_the_nearest_folder_and_its_checkpoints(data, run4):
     for typo in (run4 / "ckpt_000009.pt", run4 / "ckpts" / "ckpt_000004.pt"):
         said = f"--resume {typo} does not exist; {run4} holds ckpt_000004.pt, ckpt_000002.pt"
@@ -209,7 +181,8 @@ def test_max_steps_below_the_checkpoint_is_refused(data, run4):
 def test_another_max_lr_on_resume_is_allowed_and_said_in_output_and_header(data, run4_with_val_loss, capsys, max_lr):
     args = tiny_args(data, run4_with_val_loss, "--max-steps", 6, "--warmup-steps", 2, "--ckpt-every", 2)
     assert train_gpt2.main(args + ["--resume", "--max-lr", max_lr, "--eval-every", 2]) == 0
-    assert f"note: --max-lr 0.003 -> {max_lr} on resume" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"note: --max-lr 0.003 -> {max_lr} on resume" in said and "note: --max-steps 4 -> 6 on resume" in said
     header = [x for x in strict_records(run4_with_val_loss) if x.get("event") == "header"][-1]
     assert header["changed_on_resume"] == {"max_lr": [3e-3, max_lr], "max_steps": [4, 6]}
     lr = train_gpt2.get_lr(5, max_lr, max_lr / 10, 2, 6)  # the new peak's schedule
@@ -255,11 +228,15 @@ def test_resume_with_a_run_folder_continues_that_run_in_it(data, run4, tmp_path)
     assert [r for r in records if r.get("event") == "header"][-1]["resumed_from"] == 4
 
 
-def test_resume_with_a_run_folder_and_another_out_dir_is_refused(data, run4, tmp_path):
-    before = snapshot(run4)
-    msg = user_error(tiny_args(data, tmp_path / "other", "--max-steps", 6, "--warmup-steps", 5, "--resume", run4))
-    assert "is a run's folder" in msg and f"--resume --out-dir {run4}" in msg
-    assert snapshot(run4) == before and not (tmp_path / "other").exists()
+@pytest.mark.parametrize("resume, out", [("run", "other"), ("", "run")], ids=["a run's folder", "''"])
+def test_a_resume_naming_a_run_folder_with_another_out_dir_or_nothing_is_refused(data, run4, tmp_path, resume, out):
+    before, (resume, out) = snapshot(run4), (tmp_path / resume if resume else "", tmp_path / out)
+    msg = user_error(tiny_args(data, out, "--max-steps", 6, "--warmup-steps", 5, "--resume", resume))
+    if resume:
+        assert "is a run's folder" in msg and f"--resume --out-dir {run4}" in msg and not out.exists()
+    else:
+        assert msg.startswith("--resume '' names nothing:")
+    assert snapshot(run4) == before
 
 
 def test_resume_of_a_transformers_folder_is_refused_as_a_model_pointing_to_init_from(data, hf_tiny_dir, tmp_path):
@@ -274,12 +251,6 @@ def test_resume_of_a_transformers_folder_is_refused_as_a_model_pointing_to_init_
     assert snapshot(hf_tiny_dir) == before
     init = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0, "--init-from", hf_tiny_dir)
     assert train_gpt2.main(init) == 0  # the advice, followed
-
-
-def test_an_empty_resume_is_refused_as_naming_nothing(data, run4):
-    before = snapshot(run4)
-    msg = user_error(tiny_args(data, run4, "--max-steps", 6, "--resume", ""))
-    assert msg.startswith("--resume '' names nothing:") and snapshot(run4) == before
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,6 +283,19 @@ def test_resume_of_a_checkpoint_into_another_runs_folder_is_refused(data, two_ru
     assert snapshot(a.parent) == before  # B's checkpoints and log untouched, nothing appended
 
 
+def test_a_checkpoint_with_no_meta_beside_the_one_resumed_counts_as_another_runs(data, two_runs, tmp_path):
+    """--resume CKPT into its own folder, which holds a checkpoint copied in without its meta (whose run is
+    unknown): refused as another run's, pointing to a new --out-dir only (not to the folder it is in); followed,
+    the run continues there."""
+    a, b = two_runs
+    (own,) = run_ids(a)
+    shutil.copy(b / "ckpt_000006.pt", a / "ckpt_000006.pt")
+    args = ["--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--resume", a / "ckpt_000004.pt"]
+    msg = refused_before_step_0(tiny_args(data, a, *args), a, f"--out-dir {a} holds another run (ckpt_000006.pt)")
+    assert msg.endswith("pass a new or empty --out-dir")
+    assert train_gpt2.main(tiny_args(data, tmp_path / "new", *args)) == 0 and run_ids(tmp_path / "new") == {own}
+
+
 def test_resume_of_a_checkpoint_into_a_new_folder_continues_the_run_there(data, two_runs, tmp_path, capsys):
     a, _ = two_runs
     new = tmp_path / "C"
@@ -331,13 +315,6 @@ def test_resume_of_a_checkpoint_into_a_new_folder_continues_the_run_there(data, 
     assert sorted(moved) == [2, 3, 4, 5]
     assert [moved[s]["train_loss"] for s in moved] == [in_place[s]["train_loss"] for s in moved]
     assert run_ids(new) == run_ids(a) and (new / "notes.txt").read_text() == "the user's notes"
-
-
-def test_an_older_checkpoint_of_the_folders_own_run_resumes_there(data, two_runs):
-    a, _ = two_runs
-    args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2)
-    assert train_gpt2.main([*map(str, args), "--resume", str(a / "ckpt_000002.pt")]) == 0
-    assert [h["resumed_from"] for h in headers(a)] == [None, 2] and len(run_ids(a)) == 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -443,48 +420,37 @@ def test_a_dry_run_of_that_resume_changes_nothing_and_says_what_the_run_would_do
 # A run folder holds one run, and a run writes over nothing it did not write
 
 
-def advised_mv(msg):
-    """The `mv` command a message advises, run as the user would paste it into a shell."""
-    command = re.search(r"\((mv [^)]+)\)", msg).group(1)
-    subprocess.run(command, shell=True, check=True)
-    return command
-
-
-def test_a_file_not_the_runs_at_a_checkpoint_name_it_would_write_stops_resume_before_step_0(data, two_runs):
-    a, _ = two_runs  # A: checkpoints 2 and 4 of 4 steps
-    target = a / "ckpt_000005.pt"
-    target.write_bytes(b"the user's own bytes")
-    mine = target.read_bytes()
-    args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2, "--resume")
-    said = "is no checkpoint of train_gpt2.py (not the zip torch.save writes), and this run writes"
-    msg = refused_before_step_0(args, a, f"{target} {said}")
-    assert target.read_bytes() == mine and len(headers(a)) == 1
-    advised_mv(msg)  # the advice, then the same command: the run goes on, the file kept aside
-    assert train_gpt2.main(args) == 0
-    assert (a / "ckpt_000005.pt.aside").read_bytes() == mine and sorted(read_log(a)[1]) == list(range(6))
-    assert [h["resumed_from"] for h in headers(a)] == [None, 4] and len({h["run_id"] for h in headers(a)}) == 1
-
-
-@pytest.mark.parametrize("kind", ["another run's checkpoint", "this run's, renamed"])
-def test_a_newest_checkpoint_not_the_folders_own_is_passed_over_in_one_line(data, two_runs, capsys, kind):
+@pytest.mark.parametrize("kind", ["another run's, by its meta", "a copy with no meta"])
+def test_a_checkpoint_not_the_folders_own_is_set_aside_unopened_and_never_pruned(
+    data, two_runs, monkeypatch, capsys, kind
+):
+    """Another run's checkpoint (its meta names that run), or a checkpoint copied without its meta (this run's
+    ckpt_2 as ckpt_6), at the newest name and at an older one: passed over in one line each, never opened (the
+    only torch.load is of the checkpoint resumed), set aside, and out of reach of pruning (--keep-ckpts 1)."""
     a, b = two_runs
-    newest = a / "ckpt_000006.pt"  # the newest name, a step the resumed run writes
-    shutil.copy(b / "ckpt_000006.pt" if kind == "another run's checkpoint" else a / "ckpt_000002.pt", newest)
-    theirs, own = newest.read_bytes(), load_checkpoint(str(a / "ckpt_000004.pt"))["run_id"]
-    theirs_id = load_checkpoint(str(newest))["run_id"]
+    (own,), (theirs_id,) = run_ids(a), run_ids(b)
+    meta = kind == "another run's, by its meta"
+    source = b / "ckpt_000006.pt" if meta else a / "ckpt_000002.pt"
+    for step in (0, 6):  # older and newer than the 4 it resumes from
+        shutil.copy(source, a / f"ckpt_00000{step}.pt")
+        if meta:
+            shutil.copy(b / "meta_000006.json", a / f"meta_00000{step}.json")
+    copied, loads = source.read_bytes(), torch_loads(monkeypatch)
+    args = tiny_args(data, a, "--max-steps", 8, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2, "--resume")
     capsys.readouterr()
-    args = tiny_args(data, a, "--max-steps", 6, "--warmup-steps", 2, "--eval-every", 0, "--ckpt-every", 2, "--resume")
-    assert train_gpt2.main(args) == 0
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    why = {
-        "another run's checkpoint": f"it holds run {theirs_id}, not this folder's run "
-        f"{own} (which its log.jsonl records)",
-        "this run's, renamed": "it holds step 2, not the 6 its name says",
-    }[kind]
-    assert line == f"warning: skipping {newest}: {why}"
-    assert [h["resumed_from"] for h in headers(a)] == [None, 4] and {h["run_id"] for h in headers(a)} == {own}
-    assert sorted(read_log(a)[1]) == list(range(6)) and load_checkpoint(str(newest))["run_id"] == own
-    assert (a / "aside_1" / "ckpt_000006.pt").read_bytes() == theirs  # set aside, not written over
+    assert train_gpt2.main([*args, "--keep-ckpts", "1"]) == 0
+    assert loads == [(str(a / "ckpt_000004.pt"), False)]
+    why = f"it holds run {theirs_id}" if meta else "it has no meta_000006.json (a copy?)"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert (
+        line
+        == f"warning: skipping {a / 'ckpt_000006.pt'}: {why}, not this folder's run {own} (which its log.jsonl records)"
+    )
+    assert [h["resumed_from"] for h in headers(a)] == [None, 4] and run_ids(a) == {own}
+    kept, aside = sorted(p.name for p in a.glob("*_0*")), sorted(p.name for p in (a / "aside_1").iterdir())
+    assert kept == ["ckpt_000006.pt", "ckpt_000008.pt", "meta_000006.json", "meta_000008.json"]
+    assert aside == ["ckpt_000000.pt", "ckpt_000006.pt"] + (["meta_000000.json", "meta_000006.json"] if meta else [])
+    assert all((a / "aside_1" / f"ckpt_00000{s}.pt").read_bytes() == copied for s in (0, 6))
 
 
 def test_a_folder_with_none_of_its_runs_checkpoints_left_is_refused(data, two_runs, tmp_path):
@@ -499,18 +465,6 @@ def test_a_folder_with_none_of_its_runs_checkpoints_left_is_refused(data, two_ru
     # the advice: that run continues in a folder of its own
     assert train_gpt2.main(tiny_args(data, tmp_path / "new", *args, "--resume", a / "ckpt_000006.pt")) == 0
     assert sorted(read_log(tmp_path / "new")[1]) == [6, 7] and run_ids(tmp_path / "new") == run_ids(b)
-
-
-def test_resume_into_a_folder_whose_log_is_not_a_runs_leaves_it_alone(data, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "log.jsonl").write_text("the user's notes, not a run's log\n")
-    args = tiny_args(data, out, "--max-steps", 2, "--resume")
-    msg = refused_before_step_0(args, out, f"{out / 'log.jsonl'} is not this run's (its first line is not a run's")
-    assert (out / "log.jsonl").read_text() == "the user's notes, not a run's log\n"
-    advised_mv(msg)
-    assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == [0, 1]
-    assert (out / "log.jsonl.aside").read_text() == "the user's notes, not a run's log\n"
 
 
 @pytest.mark.slow

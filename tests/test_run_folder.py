@@ -1,9 +1,12 @@
-"""support/out_dir.py, through real runs of train_gpt2.py: one run per --out-dir, a running run
+"""support/run_folder.py, through real runs of train_gpt2.py: one run per --out-dir, a running run
 locks its folder (an `rm` of its lock file does not undo it), a start that fails leaves no run
-behind, links at the names a run writes reach no file, and what a user trips on there is one line
-whose advice works. (The lock itself: test_files.py.)"""
+behind, links at the names a run writes reach no file, each checkpoint has its meta and pruning
+removes the two, a failed checkpoint write stops the run in one line, the earlier ones whole, and
+what a user trips on there is one line whose advice works. (The lock itself: test_files.py; which
+checkpoint --resume takes, and what it sets aside: test_resume.py.)"""
 
 import builtins
+import errno
 import json
 import os
 import re
@@ -20,11 +23,13 @@ from helpers import (
     assert_one_line_error,
     at_step,
     cli,
+    fail_nth_write,
     headers,
     random_shards,
     read_log,
     refused_before_step_0,
     run_ids,
+    same_weights,
     snapshot,
     start_run,
     tiny_args,
@@ -32,7 +37,9 @@ from helpers import (
     user_error,
     wait_for_step,
 )
-from support.out_dir import LOCK_FILE
+from support import files
+from support.checkpoints import load_checkpoint, load_training_checkpoint
+from support.run_folder import LOCK_FILE
 
 
 def test_a_run_reads_its_log_once_at_start(short_run, tmp_path, monkeypatch):
@@ -230,34 +237,28 @@ def crash_at_the_first_step(monkeypatch):
     monkeypatch.setattr(train_gpt2.torch.nn.utils, "clip_grad_norm_", clip)
 
 
-@pytest.mark.parametrize("folder", ["new", "the user's", "empty"])
+@pytest.mark.parametrize("folder", ["new", "the user's", "empty", "a run's, resumed"])
 def test_a_start_that_crashes_before_its_first_step_is_no_run_and_the_same_command_runs(
     data, tmp_path, monkeypatch, folder
 ):
+    """The header it logged is no run: the same command again runs, without --resume for a new run (not
+    "another run"), and a --resume resumes again."""
     out = tmp_path / "out"
     if folder != "new":
         out.mkdir()
     if folder == "the user's":
         (out / "notes.txt").write_text("mine")
     args = tiny_args(data, out, "--max-steps", 3)  # val loss at step 0 (--eval-every 4): logged, then the crash
+    if folder == "a run's, resumed":
+        assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 1)) == 0
+        args += ["--max-steps", 4, "--resume"]
     crash_at_the_first_step(monkeypatch)
     with pytest.raises(MemoryError):
         train_gpt2.main(args)
     monkeypatch.undo()
-    assert train_gpt2.main(args) == 0  # the same command again, no --resume: not "another run"
-    assert len(run_ids(out)) == 1 and sorted(read_log(out)[1]) == [0, 1, 2]
+    assert train_gpt2.main(args) == 0
+    assert len(run_ids(out)) == 1 and sorted(read_log(out)[1]) == list(range(4 if "--resume" in args else 3))
     assert folder != "the user's" or (out / "notes.txt").read_text() == "mine"
-
-
-def test_a_resume_that_crashes_before_its_first_step_resumes_again(data, tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 1)) == 0
-    crash_at_the_first_step(monkeypatch)
-    with pytest.raises(MemoryError):
-        train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--resume"))
-    monkeypatch.undo()
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--resume")) == 0
-    assert sorted(read_log(out)[1]) == [0, 1, 2, 3] and len(run_ids(out)) == 1
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
@@ -308,38 +309,36 @@ def test_links_at_the_names_a_run_writes_are_replaced_never_written_through(data
     (out / "log.jsonl").unlink()
     assert train_gpt2.main(args) == 0
     assert all(path.read_text() == "the user's file\n" for path in mine)
-    assert sorted(os.listdir(out)) == ["ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl"]
+    assert sorted(os.listdir(out)) == [
+        "ckpt_000001.pt",
+        "ckpt_000002.pt",
+        "log.jsonl",
+        "meta_000001.json",
+        "meta_000002.json",
+    ]
 
 
 @pytest.mark.parametrize("resume", [False, True])
-def test_a_users_text_at_a_checkpoints_name_is_no_checkpoint_and_setting_it_aside_runs(data, tmp_path, resume):
-    """Said to be no checkpoint of this program, with the `mv` that sets it aside; that, then the command, runs."""
+@pytest.mark.parametrize(
+    "mine, said", [("my notes\n", "is no checkpoint of train_gpt2.py"), ("", "is 0 bytes, a checkpoint cut")]
+)
+def test_a_file_at_a_checkpoints_name_that_is_none_is_refused_and_setting_it_aside_runs(
+    data, tmp_path, resume, mine, said
+):
+    """A user's text, or a copy killed before its first byte (cut short), at a checkpoint's name: said to be no
+    checkpoint, with the `mv` that sets it aside; that, then the same command, runs and keeps the file aside."""
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
     if resume:
         assert train_gpt2.main(args) == 0
         args += ["--max-steps", 4, "--resume"]
     out.mkdir(exist_ok=True)
-    mine = out / "ckpt_000006.pt"
-    mine.write_text("my notes on the run\n")
-    msg = refused_before_step_0(args, out, f"{mine} is no checkpoint of train_gpt2.py", "move it aside (mv ")
+    (out / "ckpt_000004.pt").write_text(mine)
+    msg = refused_before_step_0(args, out, f"{out / 'ckpt_000004.pt'} {said}", "move it aside (mv ")
     assert "another run" not in msg and "--resume" not in msg
     subprocess.run(re.search(r"\((mv [^)]+)\)", msg)[1], shell=True, check=True)  # the advice, as given
-    assert train_gpt2.main(args) == 0
-    assert (out / "ckpt_000006.pt.aside").read_text() == "my notes on the run\n"
-
-
-def test_a_0_byte_checkpoint_is_said_to_be_cut_short_and_setting_it_aside_resumes(data, tmp_path):
-    """A checkpoint copy killed before its first byte: cut short, not "no checkpoint of train_gpt2.py"; the
-    advised `mv`, then --resume, runs."""
-    out = tmp_path / "out"
-    args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
-    assert train_gpt2.main(args) == 0
-    (out / "ckpt_000004.pt").write_bytes(b"")
-    args += ["--max-steps", 4, "--resume"]
-    msg = refused_before_step_0(args, out, f"{out / 'ckpt_000004.pt'} is 0 bytes, a checkpoint cut short", "(mv ")
-    subprocess.run(re.search(r"\((mv [^)]+)\)", msg)[1], shell=True, check=True)  # the advice, as given
-    assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == [0, 1, 2, 3]
+    assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == list(range(4 if resume else 2))
+    assert (out / "ckpt_000004.pt.aside").read_text() == mine
 
 
 def test_an_empty_out_dir_is_refused_by_name(data, tmp_path, monkeypatch):
@@ -364,3 +363,81 @@ def test_a_run_folder_moved_or_deleted_mid_run_stops_in_one_line_at_its_next_che
         assert sorted(read_log(moved)[1]) == list(range(6)) and not out.exists()
     else:
         assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == list(range(6))
+
+
+# ----------------------------------------------------------------------------------------------
+# A checkpoint write that fails
+
+
+def fail_nth_open(monkeypatch, n, code, reason):
+    """The n-th checkpoint file train_gpt2 opens for writing fails with OSError(code, reason)."""
+    opened = []
+
+    def open_(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).endswith(".pt.tmp"):
+            opened.append(path)
+            if len(opened) == n:
+                raise OSError(code, reason, str(path))
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(files, "open", open_, raising=False)  # files.write_atomic writes the checkpoints
+    return opened
+
+
+@pytest.mark.parametrize(
+    "fault, reason", [("disk-full", "No space left on device"), ("read-only", "Read-only file system")]
+)
+def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_path, monkeypatch, fault, reason):
+    data = random_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)
+    if fault == "disk-full":
+        fail_nth_write(monkeypatch, files, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
+    else:
+        fail_nth_open(monkeypatch, 3, errno.EROFS, reason)
+    msg = user_error(args)
+    assert reason in msg and "ckpt_000003.pt" in msg
+    names = ["ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl", "meta_000001.json", "meta_000002.json"]
+    assert sorted(os.listdir(out)) == names  # no partial file left, no meta of the checkpoint not written
+    assert max(read_log(out)[1]) == 2  # stopped at the failed write, not after more steps
+    previous = load_training_checkpoint(str(out / "ckpt_000002.pt"))
+    monkeypatch.undo()  # the disk has room again: the run continues from the previous checkpoint
+    assert (
+        train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0, "--resume")) == 0
+    )
+    ref = tmp_path / "ref"
+    assert train_gpt2.main(tiny_args(data, ref, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)) == 0
+    assert same_weights(previous["model"], load_checkpoint(str(ref / "ckpt_000002.pt"))["model"])
+    assert same_weights(
+        load_checkpoint(str(out / "ckpt_000004.pt"))["model"], load_checkpoint(str(ref / "ckpt_000004.pt"))["model"]
+    )
+
+
+def test_a_failed_first_checkpoint_write_does_not_claim_earlier_ones(data, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    fail_nth_open(monkeypatch, 1, errno.ENOSPC, "No space left on device")
+    msg = user_error(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0))
+    assert f"no earlier checkpoint is in {tmp_path / 'out'}" in msg and "intact" not in msg
+    assert "start the run again in a new --out-dir" in msg
+    monkeypatch.undo()  # room again: the advice, a new --out-dir, starts the run again and finishes it
+    assert (
+        train_gpt2.main(tiny_args(data, tmp_path / "new", "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0)) == 0
+    )
+    assert (tmp_path / "new" / "ckpt_000004.pt").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Each checkpoint has its meta; pruning removes the two together
+
+
+def test_each_checkpoint_has_its_meta_and_pruning_removes_the_two_together(data, tmp_path):
+    """meta_<step>.json beside each checkpoint holds what identifies it, as the checkpoint does: its run,
+    its step and the run's flags; pruning (--keep-ckpts 2) removes a checkpoint's meta with it."""
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 5, "--ckpt-every", 1, "--keep-ckpts", 2)) == 0
+    names = ["ckpt_000004.pt", "ckpt_000005.pt", "log.jsonl", "meta_000004.json", "meta_000005.json"]
+    assert sorted(os.listdir(out)) == names
+    for step in (4, 5):
+        ckpt = load_checkpoint(str(out / f"ckpt_00000{step}.pt"))
+        meta = json.loads((out / f"meta_00000{step}.json").read_text())
+        assert meta == {"run_id": ckpt["run_id"], "step": step, "train_config": ckpt["train_config"]}

@@ -1,7 +1,11 @@
-"""The run's folder and whose each file in it is: the names a run writes (its checkpoints, its log),
-the lock that keeps one run per --out-dir, which files are the run's own (to write over, to resume
-from), which checkpoint --resume continues, and the folders a refused start made, removed again."""
+"""The run's folder, one run's: the names it writes (ckpt_<step>.pt, each with its meta_<step>.json,
+log.jsonl, the lock), the claim at start (the lock; another run's folder refused), which checkpoint
+--resume continues (the ones its line passes over set aside), the checkpoint's atomic write, and
+pruning. Whose a checkpoint is, its meta says, unopened. Ownership is decided once, at the claim and
+the pick: after them the folder holds this run's line alone, and pruning trusts it."""
 
+import contextlib
+import json
 import os
 import re
 import shlex
@@ -10,12 +14,14 @@ import sys
 import torch
 
 from support.cli import UserError
-from support.files import check_folder, disk_error, existing_part, lock_folder, log_records, unlock_folder
+from support.ddp import fence
+from support.files import check_folder, disk_error, existing_part, lock_folder, log_records, unlock_folder, write_atomic
 
 # ----------------------------------------------------------------------------------------------
-# The names a run writes: its log.jsonl, its checkpoints and their temporary files, its lock
+# The names a run writes: its log.jsonl, its checkpoints and their metas, their temporary files, its lock
 
 CHECKPOINT_NAME = re.compile(r"ckpt_(\d+)\.pt")  # checkpoint_path's names; the group: the step
+UNFINISHED = re.compile(r"\.(ckpt_\d+\.pt|meta_\d+\.json)\.tmp")  # write_atomic's temporary names of those
 LOCK_FILE = ".train_gpt2.lock"  # in --out-dir while a run holds it; its text names that run's process
 
 
@@ -24,18 +30,29 @@ def checkpoint_path(out_dir, step):
     return os.path.join(out_dir, f"ckpt_{step:06d}.pt")
 
 
+def meta_path(path):
+    """The name of the meta beside checkpoint path (ckpt_000009.pt: meta_000009.json)."""
+    return os.path.join(os.path.dirname(path), f"meta_{step_of_name(path):06d}.json")
+
+
+def run_of(path):
+    """The run id checkpoint path's meta names, read without opening the checkpoint; None where it has
+    no meta that reads (a copy of the checkpoint alone)."""
+    try:
+        with open(meta_path(path), encoding="utf-8") as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def log_path(out_dir):
     """The run's log: one JSON record a line (support.run_log)."""
     return os.path.join(out_dir, "log.jsonl")
 
 
-def step_of_name(path, temporary=False):
-    """The step a checkpoint's file name says (ckpt_000009.pt: 9), None for another name; with
-    temporary, of the name write_atomic writes it through first (.ckpt_000009.pt.tmp)."""
-    name = os.path.basename(path)
-    if temporary:
-        name = name[1:-4] if name.startswith(".") and name.endswith(".tmp") else ""
-    match = CHECKPOINT_NAME.fullmatch(name)
+def step_of_name(path):
+    """The step a checkpoint's file name says (ckpt_000009.pt: 9), None for another name."""
+    match = CHECKPOINT_NAME.fullmatch(os.path.basename(path))
     return int(match[1]) if match else None
 
 
@@ -128,7 +145,7 @@ def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
         raise UserError(f"--out-dir {out_dir} is read-only or another user's: make it writable, or {fix}")
     records = list(log_records(log_path(out_dir)))  # with the folder held: no other run changes it meanwhile
     check_names_at_start(out_dir, records)
-    log, theirs = log_path(out_dir), other_runs(out_dir, None, records)
+    log, theirs = log_path(out_dir), other_runs(out_dir, None, records)  # a new run's: any run's files
     if theirs and not resume:
         raise UserError(
             f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}): continue it with --resume, "
@@ -139,7 +156,7 @@ def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
         print(f"note: {log} holds {said}: this run's records follow it")
     if dry_run:
         return records
-    for name in [n for n in os.listdir(out_dir) if step_of_name(n, temporary=True) is not None]:
+    for name in [n for n in os.listdir(out_dir) if UNFINISHED.fullmatch(n)]:
         print(f"removing the unfinished {name}")  # a checkpoint write of this run cut short by a kill
         try:
             os.remove(os.path.join(out_dir, name))
@@ -185,65 +202,43 @@ def log_runs(records):
 
 
 # ----------------------------------------------------------------------------------------------
-# Whose a file is: a run writes only over its own files, and resumes only from its own folder's
+# Whose a file is: decided here, at the claim and the pick, by the log's records and the metas
 
 
-def run_id_of(path):
-    """The run a checkpoint belongs to (None if it cannot be read), read cheaply: its tensors are
-    mapped, not read (mmap reads only the small pickled part)."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        return None
-    return ckpt.get("run_id") if isinstance(ckpt, dict) else None
-
-
-def other_runs(out_dir, run_id, records, skip=None):
-    """The files in out_dir of runs other than run_id (None: a new run, which no file is of):
-    checkpoints (one whose run cannot be read counts), and log.jsonl when its records record another
-    run's steps. skip: the checkpoint being resumed, wherever it lies."""
+def other_runs(out_dir, run_id, records, skip=""):
+    """The files in out_dir of runs other than run_id (None: a new run, which no file is of): its
+    checkpoints whose meta names another run or none (a copy, or one written before metas were),
+    and log.jsonl when its records record another run's steps. skip: the checkpoint being resumed."""
     found = [os.path.basename(log_path(out_dir))] if any(r != run_id for r in log_runs(records)) else []
     for path in checkpoint_paths(out_dir):
-        if skip and os.path.realpath(path) == os.path.realpath(skip):
-            continue
-        if run_id is None or run_id_of(path) != run_id:
+        if run_id is None or run_of(path) != run_id and os.path.realpath(path) != os.path.realpath(skip):
             found.append(os.path.basename(path))
     return found
 
 
 def newest_of_its_run(out_dir, records, load, then):
-    """(path, checkpoint) of the newest checkpoint in out_dir that loads (load(path)), holds the
-    folder's run (the last run its log's records record steps of; without one, any run) and the step
-    its name says; each one passed over is said in one warning line naming the file and why. (None,
-    None) for a folder with no checkpoint; with checkpoints but none of these, refused in one line
-    (then: what to do instead, where another run's or a misnamed one was passed over)."""
-    paths = checkpoint_paths(out_dir)
-    if not paths:
-        return None, None
-    run = (log_runs(records) or [None])[-1]
-    others = False
+    """(path, checkpoint) of the newest checkpoint in out_dir that its meta says is of the folder's run
+    (the last run its log's records record steps of; without one, any run's) and that loads
+    (load(path)): only those are opened. One with no meta (a copy) is of no known run, passed over as
+    another run's is, each said in one warning line naming it and why. (None, None) for a folder with
+    no checkpoint; with checkpoints but none of these, refused in one line (then: what to do instead)."""
+    paths, run = checkpoint_paths(out_dir), (log_runs(records) or [None])[-1]
     for path in paths:
-        try:
-            ckpt = load(path)
-        except UserError as e:
-            print(f"warning: skipping {path}: {e}", file=sys.stderr)
-            continue
-        held_run = ckpt.get("run_id")
-        if run is not None and held_run is not None and held_run != run:  # one with no run_id: of no other run
-            why = f"it holds run {held_run}, not this folder's run {run} (which its log.jsonl records)"
-        elif ckpt.get("step") != step_of_name(path):
-            why = f"it holds step {ckpt.get('step')}, not the {step_of_name(path)} its name says"
+        held = run_of(path)
+        if run is None or held == run:
+            try:
+                return path, load(path)
+            except UserError as e:
+                why = str(e)
         else:
-            return path, ckpt
+            why = f"it holds run {held}" if held else f"it has no {os.path.basename(meta_path(path))} (a copy?)"
+            why += f", not this folder's run {run} (which its log.jsonl records)"
         print(f"warning: skipping {path}: {why}", file=sys.stderr)
-        others = True
-    message = f"none of the {len(paths)} checkpoints in {out_dir} can be loaded: see the warnings above"
-    if others:
-        message = (
-            f"none of the {len(paths)} checkpoints in {out_dir} is one of the folder's run that loads and holds the "
-            f"step its name says: see the warnings above; {then}"
+    if paths:
+        raise UserError(
+            f"none of the {len(paths)} checkpoints in {out_dir} can be used (see the warnings above): {then}"
         )
-    raise UserError(message)
+    return None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,10 +248,10 @@ def newest_of_its_run(out_dir, records, load, then):
 def pick_checkpoint(resume, out_dir, load, records, dry_run=False):
     """Rank 0's choice at start, after claim_out_dir (records: its log's): (path, checkpoint, the paths
     set_aside moved checkpoints to) for --resume ("latest" or a checkpoint's path), (None, None, []) for
-    a new run; load: how a checkpoint holding a run's training state is loaded. A run killed before its
-    first checkpoint starts anew: (None, {"train_config": its flags, from its log's header}, []). A dry
-    run renames nothing."""
-    path, ckpt, moved = None, None, []
+    a new run; load: how a checkpoint holding a run's training state is loaded. What is not the line it
+    continues is set aside (set_aside). A run killed before its first checkpoint starts anew: (None,
+    {"train_config": its flags, from its log's header}, []). A dry run renames nothing."""
+    path, ckpt = None, None
     if resume == "latest":
         then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
         path, ckpt = newest_of_its_run(out_dir, records, load, then)
@@ -280,20 +275,21 @@ def pick_checkpoint(resume, out_dir, load, records, dry_run=False):
             )
         path, ckpt = resume, load(resume)
         check_resume_target(out_dir, path, ckpt, records)
-    if path is not None:  # newer ones, or ones skipped as not this run's: out of reach of the line's writes
-        moved = set_aside(out_dir, path, ckpt["step"], dry_run)
+    moved = set_aside(out_dir, path, ckpt["step"], ckpt.get("run_id"), dry_run) if path is not None else []
     return path, ckpt, moved
 
 
-def set_aside(out_dir, path, step, dry_run):
-    """--resume of a checkpoint older than out_dir's newest starts a new line of the run there: the
-    checkpoints that line would pass over (from its step on; all of them for one from another folder)
-    move into out_dir/aside_<n>/, where no pick, prune or write reaches them, said in one line. The
-    new line then prunes only its own and the one it started from. Returns where they now are, as
-    paths in out_dir (aside_1/ckpt_000009.pt), for the log."""
+def set_aside(out_dir, path, step, run_id, dry_run):
+    """--resume of path (of run run_id, at step) continues a line of the run in out_dir: the checkpoints
+    there not of that line (from its step on; not of run_id by their meta; all of them for a path from
+    another folder) move, each with its meta, into out_dir/aside_<n>/, where no pick, prune or write
+    reaches them, said in one line. After that the folder holds the line's checkpoints alone: pruning
+    trusts it. Returns where they now are, as paths in out_dir (aside_1/ckpt_000009.pt), for the log."""
     here, start = os.path.realpath(os.path.dirname(path) or ".") == os.path.realpath(out_dir), os.path.realpath(path)
     passed = [
-        p for p in checkpoint_paths(out_dir) if (step_of_name(p) >= step or not here) and os.path.realpath(p) != start
+        p
+        for p in checkpoint_paths(out_dir)
+        if (step_of_name(p) >= step or not here or run_of(p) != run_id) and os.path.realpath(p) != start
     ]
     if not passed:
         return []
@@ -312,24 +308,99 @@ def set_aside(out_dir, path, step, dry_run):
     os.mkdir(aside)
     for old, new in zip(reversed(passed), moved, strict=True):
         os.rename(old, new)
+        with contextlib.suppress(FileNotFoundError):  # one with no meta: none to move
+            os.rename(meta_path(old), meta_path(new))
     return [os.path.relpath(p, out_dir) for p in moved]
 
 
 def check_resume_target(out_dir, path, ckpt, records):
     """--resume CKPT continues CKPT's run in --out-dir: refused, before anything is written, when
     that folder holds another run (its checkpoints would be overwritten, pruned, and its log mixed
-    with this one's); a folder new to the run is fine, and said."""
+    with this one's; a checkpoint with no meta counts as another run's); a folder new to the run is
+    fine, and said."""
     run_id, folder = ckpt.get("run_id", path), os.path.dirname(path) or "."
     others = other_runs(out_dir, run_id, records, skip=path)
+    elsewhere = os.path.realpath(folder) != os.path.realpath(out_dir)
     if others:
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
         raise UserError(
             f"--resume {path} continues run {run_id}, but --out-dir {out_dir} holds another run "
             f"({', '.join(others[:3])}{more}): its checkpoints would be overwritten and its log mixed with this "
-            f"run's; pass a new or empty --out-dir, or --out-dir {folder} (the run's own folder)"
+            f"run's; pass a new or empty --out-dir"
+            + (f", or --out-dir {folder} (the run's own folder)" if elsewhere else "")
         )
-    if os.path.realpath(folder) != os.path.realpath(out_dir) and not checkpoint_paths(out_dir):
+    if elsewhere and not checkpoint_paths(out_dir):
         print(
             f"note: run {run_id} continues from {path} in --out-dir {out_dir}; its log and checkpoints up to "
             f"step {ckpt.get('step')} stay in {folder}"
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# The checkpoint's write, and pruning
+
+
+def save_checkpoint(ckpt, out_dir, keep, trained):
+    """Write meta_<step>.json, then ckpt_<step>.pt, each atomically (a kill mid-write never leaves a
+    half file under the real name, and a checkpoint under its name always has its meta), then prune to
+    the newest `keep`. What stands at the name was checked at start to be a checkpoint (check_names_at_start)."""
+    path = checkpoint_path(out_dir, ckpt["step"])
+    meta = {"run_id": ckpt["run_id"], "step": ckpt["step"], "train_config": ckpt["train_config"]}
+    try:
+        write_atomic(meta_path(path), lambda f: json.dump(meta, f, indent=1), mode="w")
+        write_atomic(path, lambda f: torch.save(ckpt, f))
+    except (OSError, RuntimeError) as e:
+        cause = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write
+        if not isinstance(cause, OSError):
+            raise  # not the disk: a bug, keep its traceback
+        with contextlib.suppress(OSError):  # the meta of a checkpoint not written
+            os.remove(meta_path(path))
+        earlier = next((p for p in checkpoint_paths(out_dir) if p != path), None)
+        anew = f"start the run again in a new --out-dir (no earlier checkpoint is in {out_dir})"
+        then = f"continue with --resume (from {earlier}, intact)" if earlier else anew
+        raise disk_error(cause, f"checkpoint {path}", then) from None
+    prune(out_dir, keep, trained)
+    return path
+
+
+def known_good(out_dir, trained):
+    """out_dir's checkpoints whose weights are known good, newest first: checkpoint N holds the weights
+    step N trains from, good when trained[N] (support.divergence.note_trained), not if skipped or untrained."""
+    return [path for path in checkpoint_paths(out_dir) if trained.get(step_of_name(path), False)]
+
+
+def prune(out_dir, keep, trained):
+    """Delete the checkpoints in out_dir beyond the newest `keep` (0: none), each with its meta: the
+    folder holds this run's line alone (the claim and the pick saw to it). The newest known good one
+    (trained: the run log's, known_good) stays too while none of the newest `keep` is known good yet
+    (until a newer one has trained): after a divergence, diverged_advice sends the user to it."""
+    found = checkpoint_paths(out_dir)
+    if keep <= 0 or len(found) <= keep:
+        return
+    good = known_good(out_dir, trained)
+    kept = [path for path in found[:keep] if path in good] or good[:1]
+    for old in found[keep:]:
+        if old not in kept:
+            os.remove(old)  # the checkpoint first: a kill between the two leaves a meta of no checkpoint, harmless
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(meta_path(old))
+
+
+def save_training_state(ckpt, out_dir, keep, master_process, ddp, trained, stop):
+    """Every rank calls it; rank 0 writes ckpt, the training state as one plain dict (train_gpt2.py
+    gathers it, and checks it is finite, where it checkpoints), to out_dir (save_checkpoint: atomic,
+    pruned to the newest `keep`; trained: the log's, note_trained) while the other ranks wait in the
+    fence, not in a collective that times out; stop: the run's StopRequest, told of the write.
+    Returns the path written on rank 0, else None."""
+    path = None
+    with stop.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):
+        if master_process:
+            try:
+                path = save_checkpoint(ckpt, out_dir, keep, trained)
+            except RuntimeError as e:  # torch.save's writer wraps a stop signal raised inside it: a stop
+                if isinstance(e.__context__, KeyboardInterrupt):
+                    raise e.__context__ from None
+                raise
+            print(f"wrote {path}")
+        fence(ddp)
+    return path
