@@ -353,13 +353,14 @@ def save_checkpoint(ckpt, out_dir, keep, trained):
         cause = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write
         if not isinstance(cause, OSError):
             raise  # not the disk: a bug, keep its traceback
-        with contextlib.suppress(OSError):  # the meta of a checkpoint not written
-            os.remove(meta_path(path))
+        if not os.path.exists(path):  # the meta of a checkpoint not written (not of one rewritten in place)
+            with contextlib.suppress(OSError):
+                os.remove(meta_path(path))
         earlier = next((p for p in checkpoint_paths(out_dir) if p != path), None)
         anew = f"start the run again in a new --out-dir (no earlier checkpoint is in {out_dir})"
         then = f"continue with --resume (from {earlier}, intact)" if earlier else anew
         raise disk_error(cause, f"checkpoint {path}", then) from None
-    prune(out_dir, keep, trained)
+    prune(out_dir, keep, trained, ckpt["run_id"])
     return path
 
 
@@ -369,9 +370,10 @@ def known_good(out_dir, trained):
     return [path for path in checkpoint_paths(out_dir) if trained.get(step_of_name(path), False)]
 
 
-def prune(out_dir, keep, trained):
+def prune(out_dir, keep, trained, run_id):
     """Delete the checkpoints in out_dir beyond the newest `keep` (0: none), each with its meta: the
-    folder holds this run's line alone (the claim and the pick saw to it). The newest known good one
+    folder holds this run's line alone (the claim and the pick saw to it), and a file put there since
+    is kept unless its meta names run_id (read, never the checkpoint). The newest known good one
     (trained: the run log's, known_good) stays too while none of the newest `keep` is known good yet
     (until a newer one has trained): after a divergence, diverged_advice sends the user to it."""
     found = checkpoint_paths(out_dir)
@@ -380,7 +382,7 @@ def prune(out_dir, keep, trained):
     good = known_good(out_dir, trained)
     kept = [path for path in found[:keep] if path in good] or good[:1]
     for old in found[keep:]:
-        if old not in kept:
+        if old not in kept and run_of(old) == run_id:
             os.remove(old)  # the checkpoint first: a kill between the two leaves a meta of no checkpoint, harmless
             with contextlib.suppress(FileNotFoundError):
                 os.remove(meta_path(old))

@@ -39,7 +39,7 @@ from helpers import (
 )
 from support import files
 from support.checkpoints import load_checkpoint, load_training_checkpoint
-from support.run_folder import LOCK_FILE
+from support.run_folder import LOCK_FILE, save_checkpoint
 
 
 def test_a_run_reads_its_log_once_at_start(short_run, tmp_path, monkeypatch):
@@ -441,3 +441,21 @@ def test_each_checkpoint_has_its_meta_and_pruning_removes_the_two_together(data,
         ckpt = load_checkpoint(str(out / f"ckpt_00000{step}.pt"))
         meta = json.loads((out / f"meta_00000{step}.json").read_text())
         assert meta == {"run_id": ckpt["run_id"], "step": step, "train_config": ckpt["train_config"]}
+
+
+@pytest.mark.parametrize("meta", [None, "another-run"])
+def test_pruning_keeps_a_checkpoint_put_in_the_folder_while_the_run_trains(tmp_path, meta):
+    """A checkpoint copied into a running run's folder, with no meta or another run's, is never pruned:
+    pruning reads each older checkpoint's meta and deletes only the run's own."""
+    out, trained = str(tmp_path), {step: True for step in range(5)}
+
+    def state(step, run_id="this-run"):
+        return {"run_id": run_id, "step": step, "train_config": {}}
+
+    save_checkpoint(state(2), out, 1, trained)
+    save_checkpoint(state(1, meta or "another-run"), out, 9, trained)  # the copy, at an older step
+    if meta is None:
+        os.remove(tmp_path / "meta_000001.json")
+    save_checkpoint(state(3), out, 1, trained)
+    kept = ["ckpt_000001.pt", "ckpt_000003.pt", "meta_000003.json"] + (["meta_000001.json"] if meta else [])
+    assert sorted(os.listdir(out)) == sorted(kept)
