@@ -20,8 +20,8 @@ from support.shards import GPT2_VOCAB
 
 class KVCache:
     """Keys and values of every layer, preallocated for max_len positions: one more token costs one
-    position, not the whole prefix. pos, where the next positions go, is a Python int (a prompt) or,
-    in a decode step, a 1-element tensor the decode loop advances in place: static shapes, so the
+    position, not the whole prefix. pos, where the next positions go, is 0 for the prompt (one pass)
+    or, in a decode step, a 1-element tensor the decode loop advances in place: static shapes, so the
     step compiles. The model asks it positions(T) for its next T tokens, calls attend(layer, q, k, v)
     in every layer in place of its own attention, and advance(T) after the last layer."""
 
@@ -58,15 +58,9 @@ class KVCache:
             # query (docs/performance.md has the profile)
             att = (q @ self.k[layer].transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, 1, max_len)
             return att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ self.v[layer]
-        pos = self.pos
-        self.k[layer][:, :, pos : pos + T] = k
-        self.v[layer][:, :, pos : pos + T] = v
-        k, v = self.k[layer][:, :, : pos + T], self.v[layer][:, :, : pos + T]
-        if pos == 0 or T == 1:  # a plain causal prefix, or one query that sees every key
-            return F.scaled_dot_product_attention(q, k, v, is_causal=pos == 0 and T > 1)
-        # query i sits at absolute position pos+i and sees keys 0 .. pos+i
-        mask = torch.ones(T, pos + T, dtype=torch.bool, device=k.device).tril(pos)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        self.k[layer][:, :, :T] = k  # the prompt, in one pass from position 0: causal over itself
+        self.v[layer][:, :, :T] = v
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
 
 
 # --- Drawing a token ---------------------------------------------------------------------------
