@@ -53,7 +53,7 @@ from support.device import keep_freed_memory, pick_device
 from support.files import check_folder, jsonl_rows, write_atomic
 from support.hf_interop import hf_gpt2, load_hf_model
 from support.model_files import find_model
-from support.offline import offline_var, unreachable
+from support.offline import hub_offline
 from support.out_of_memory import hellaswag_out_of_memory, oom_phase
 from support.precision import AUTOCAST_DTYPES, pick_dtype
 from support.shards import get_tokenizer
@@ -120,9 +120,7 @@ def download(cache_path):
     """Fetch the validation split from the Hub, turn it into the original jsonl (label an int, the
     original's fields and rows in order), check it against the original, and write cache_path atomically."""
     fix = "pass --data path/to/hellaswag_val.jsonl"
-    var = offline_var(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    hub = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    reason = f"{var} is set" if var else unreachable(hub)  # said at once: the Hub client retries for ~30 s
+    hub, reason = hub_offline(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))  # at once: the Hub client retries for ~30 s
     if reason:
         raise UserError(f"cannot download HellaSwag from {hub} ({reason}); {fix}")
     print(f"downloading the HellaSwag validation split ({HUB_DATASET}) to {cache_path}", file=sys.stderr)

@@ -13,7 +13,7 @@ import torch
 
 from support.cli import UserError, first_line
 from support.files import existing_part, write_dir_atomic
-from support.offline import offline_var, unreachable
+from support.offline import hub_offline
 from support.shards import GPT2_BPE, GPT2_VOCAB, get_tokenizer, read_gpt2_bpe
 
 HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -48,18 +48,12 @@ def hub_name_is_cached(name):
 def check_hub_reachable(name):
     """Refuse at once, in one line, to fetch `name` (not in the local cache) when offline use is
     set or the Hub does not answer: transformers would retry for half a minute, then not say why."""
-    fix = "pass a local transformers GPT-2 directory instead (save_pretrained output, or export_hf.py's)"
-    var = offline_var(("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    if var:
-        raise UserError(
-            f"{name!r} is not in the local Hugging Face cache and {var} is set: {fix}, or fill the cache once online"
-        )
-    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    reason = unreachable(endpoint)
+    hub, reason = hub_offline(("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     if reason:
         raise UserError(
-            f"cannot reach the Hugging Face Hub ({endpoint}: {reason}) and {name!r} is not in the local cache: "
-            f"{fix}, or set HF_HUB_OFFLINE=1 with a cache that holds it"
+            f"{name!r} is not in the local Hugging Face cache and the Hub ({hub}) cannot be asked ({reason}): pass a "
+            f"local transformers GPT-2 directory instead (save_pretrained output, or export_hf.py's), or fill the "
+            f"cache once online"
         )
 
 

@@ -154,7 +154,7 @@ def hub(monkeypatch):
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(hellaswag, "unreachable", lambda url, timeout=3.0: None)
+    monkeypatch.setattr(offline, "unreachable", lambda url, timeout=3.0: None)
 
     def serve(dataset, rows=450, digests=DIGESTS_450):
         monkeypatch.setattr(hellaswag, "ORIGINAL_ROWS", rows)  # the test's rows are the original here
