@@ -139,9 +139,7 @@ def load_hf_model(name_or_dir):
     a local transformers GPT-2 directory (save_pretrained output), with SDPA attention (which takes
     the boolean masks of hellaswag.py's packed rows). A name not in the local cache is refused at
     once when offline; weights missing from the files are refused, not filled with random numbers."""
-    is_dir = os.path.isdir(name_or_dir)
-    if name_or_dir not in HF_NAMES and not is_dir:
-        raise UserError(f"{name_or_dir!r} is neither one of {', '.join(HF_NAMES)} nor a directory")
+    is_dir = os.path.isdir(name_or_dir)  # else one of HF_NAMES (the scripts ask find_model first)
     local_only = not is_dir and hub_name_is_cached(name_or_dir)
     if not is_dir and not local_only:
         check_hub_reachable(name_or_dir)
