@@ -119,16 +119,15 @@ def compiled_decode(model, B, max_len, device):
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, compile=False, stop=None):
     """idx (B, T) with up to max_new_tokens sampled tokens appended, stopping at the model's
-    block_size; temperature 0 is greedy, padding ids (>= 50257) never come out. The prompt fills a
-    KVCache in one pass, then each token is one step. compile: a compiled one-token step (CUDA graphs
+    block_size (T below it, max_new_tokens at least 1: encode_prompt and the flags check them);
+    temperature 0 is greedy, padding ids (>= 50257) never come out. The prompt fills a KVCache in
+    one pass, then each token is one step. compile: a compiled one-token step (CUDA graphs
     on a GPU, where eager decoding waits on kernel launches). stop: polled before every token (a stop
     signal mid-sample); when it says True, None is returned."""
     B, T0 = idx.shape
-    n_new = max(0, min(max_new_tokens, model.config.block_size - T0))
+    n_new = min(max_new_tokens, model.config.block_size - T0)
     out = idx.new_empty(B, T0 + n_new)  # preallocated: no torch.cat per token
     out[:, :T0] = idx
-    if n_new == 0:
-        return out
     draw = lambda: draw_noise(B, temperature, generator, idx.device)  # noqa: E731
     if compile:
         step, cache = compiled_decode(model, B, T0 + n_new, idx.device)
