@@ -242,7 +242,6 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
                 f"free space (or fix the folder's permissions) and rerun the same command to resume"
             ) from None
     return dict(
-        out_dir=out_dir,
         nothing_to_do=nothing_to_do,
         complete=manifest["complete"],
         new_tokens=pos - pos0,
@@ -437,7 +436,7 @@ def main(argv=None):
     )
     command = f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["python", os.path.relpath(__file__), *argv])
     s = build_shards(open_documents, config, args.out_dir, args.workers, args.max_tokens, args.max_shards, command)
-    where = f"{s['tokens']:,} tokens from {s['documents']:,} documents in {len(s['files'])} shards in {s['out_dir']}"
+    where = f"{s['tokens']:,} tokens from {s['documents']:,} documents in {len(s['files'])} shards in {args.out_dir}"
     if s["nothing_to_do"]:
         print(f"nothing to do: {where} already (delete the folder to start over)")
     else:

@@ -53,7 +53,7 @@ from support.device import keep_freed_memory, pick_device
 from support.files import check_folder, jsonl_rows, write_atomic
 from support.hf_interop import hf_gpt2, load_hf_model
 from support.model_files import find_model
-from support.offline import offline_var, unreachable
+from support.offline import hub_offline
 from support.out_of_memory import hellaswag_out_of_memory, oom_phase
 from support.precision import AUTOCAST_DTYPES, pick_dtype
 from support.shards import get_tokenizer
@@ -120,9 +120,7 @@ def download(cache_path):
     """Fetch the validation split from the Hub, turn it into the original jsonl (label an int, the
     original's fields and rows in order), check it against the original, and write cache_path atomically."""
     fix = "pass --data path/to/hellaswag_val.jsonl"
-    var = offline_var(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    hub = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    reason = f"{var} is set" if var else unreachable(hub)  # said at once: the Hub client retries for ~30 s
+    hub, reason = hub_offline(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))  # at once: the Hub client retries for ~30 s
     if reason:
         raise UserError(f"cannot download HellaSwag from {hub} ({reason}); {fix}")
     print(f"downloading the HellaSwag validation split ({HUB_DATASET}) to {cache_path}", file=sys.stderr)
@@ -184,9 +182,8 @@ def load_examples(path=None, cache_dir=None, limit=None):
 # - a batch holds rows of similar length; the batches are built once per (window, device, share
 #   of the examples), by array operations (no Python step per token), copied to the device once
 #   and kept there, and the scores stay there until the end: no host sync per batch.
-# Examples whose longest (context + ending) does not fit the window, and transformers models with
-# eager attention (which takes no boolean mask), are scored one row per ending, still with the head
-# only at the scored positions.
+# Examples whose longest (context + ending) does not fit the window are scored one row per ending,
+# still with the head only at the scored positions.
 
 
 def render_example(example, enc):
@@ -233,20 +230,19 @@ def prepare(examples, enc):
 
 
 def _trunk(model):
-    """-> (hidden(idx, pos=None, mask=None): the final LayerNorm's output, the LM head, whether
-    hidden takes positions and a mask, as our GPT does, for packed rows). model: our GPT or
-    transformers' GPT2LMHeadModel itself, not wrapped by DDP or torch.compile."""
+    """-> (hidden(idx, pos=None, mask=None): the final LayerNorm's output, the LM head). model: our
+    GPT or transformers' GPT2LMHeadModel itself (SDPA attention, as load_model asks for), not
+    wrapped by DDP or torch.compile."""
     if hasattr(model, "hidden_states"):  # our GPT
-        return model.hidden_states, model.lm_head, True
+        return model.hidden_states, model.lm_head
 
-    # transformers' GPT2LMHeadModel: .transformer ends with ln_f, .lm_head is the head. With SDPA
-    # attention it takes position_ids and a 4D boolean mask (True: attend) as ours does; eager
-    # attention adds the mask to the scores, which a boolean mask gets wrong: one row per ending there
+    # transformers' GPT2LMHeadModel: .transformer ends with ln_f, .lm_head is the head; its SDPA
+    # attention takes position_ids and a 4D boolean mask (True: attend) as ours does
     def hidden(idx, pos=None, mask=None):
         out = model.transformer(input_ids=idx, position_ids=pos, attention_mask=mask, use_cache=False)
         return out.last_hidden_state
 
-    return hidden, model.lm_head, model.config._attn_implementation == "sdpa"
+    return hidden, model.lm_head
 
 
 # The batches are cut from Prepared.tokens with index arrays. A batch's rows are laid out along
@@ -345,10 +341,10 @@ def _row_batches(p, exs, slot, block_size, batch_tokens):
     return batches
 
 
-def _batches(p, share, block_size, packed, batch_tokens, device):
+def _batches(p, share, block_size, batch_tokens, device):
     """This share's batches on the device and the number of scored tokens of each of its endings
     (len(share), 4), built once; slot 4 k + j is ending j of share[k]."""
-    key = (block_size, packed, batch_tokens, str(device), tuple(share))
+    key = (block_size, batch_tokens, str(device), tuple(share))
     if key not in p.batches:
         share = np.asarray(share, dtype=np.int64)
         slot = np.zeros(len(p), dtype=np.int64)
@@ -356,7 +352,7 @@ def _batches(p, share, block_size, packed, batch_tokens, device):
         ctx_len, end_len = p.ctx_len[share], p.end_len[share]
         row_len = ctx_len[:, None] + end_len
         # a packed row needs a context to continue from, and every (context + ending) in the window
-        fits = (ctx_len > 0) & (row_len.max(1) <= block_size + 1) if packed else np.zeros(len(share), dtype=bool)
+        fits = (ctx_len > 0) & (row_len.max(1) <= block_size + 1)
         batches = _packed_batches(p, share[fits], slot, batch_tokens)
         batches += _row_batches(p, share[~fits], slot, block_size, batch_tokens)
         n_tokens = np.minimum(end_len, np.minimum(row_len, block_size + 1) - 1)  # a cut row scores fewer
@@ -388,9 +384,9 @@ def ending_losses(
     batch_tokens = batch_tokens or (65536 if device_type == "cuda" else 4096)
     config = model.config
     block_size = getattr(config, "block_size", None) or config.n_positions
-    hidden, lm_head, packs = _trunk(model)
+    hidden, lm_head = _trunk(model)
     oom_phase("scoring HellaSwag", batch_tokens=batch_tokens)  # its advice: a smaller --batch-tokens
-    batches, n_tokens = _batches(prepared, share, block_size, packs, batch_tokens, device)
+    batches, n_tokens = _batches(prepared, share, block_size, batch_tokens, device)
     sum_loss = torch.zeros(4 * len(share), device=device)
     head_chunk = HEAD_CHUNK.get(device_type, 2048)
     t0 = t_print = time.time()

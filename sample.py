@@ -18,7 +18,7 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not 
 from support.checks import Number, device_memory
 from support.cli import ArgumentParser, add_flags, run_cli
 from support.device import pick_device
-from support.model_files import model_config_of
+from support.model_files import block_size_of
 from support.out_of_memory import oom_phase, sample_out_of_memory
 from support.sampling import Sampling, encode_prompt, sample_text
 from support.shards import get_tokenizer
@@ -40,7 +40,7 @@ def main(argv=None):
     device, _ = pick_device(args.device)
     enc = get_tokenizer()
     if args.dry_run:  # the model found, its window read from its files (no weights loaded), the prompt fitted to it
-        encode_prompt(enc, args.prompt, model_config_of(args.model)["block_size"], args.max_new_tokens)
+        encode_prompt(enc, args.prompt, block_size_of(args.model), args.max_new_tokens)
         print(f"dry run: {args.model}, the prompt and the sampling flags are fine; nothing was sampled")
         return 0
     model = load_model(args.model, device)

@@ -181,7 +181,7 @@ def bench_hellaswag(s, path, device, device_type, tmp):
         full = hellaswag.prepare(examples, enc)
         host["prepare"].append(time.perf_counter() - t0)
         host["batches"].append(
-            timed(lambda p=full: hellaswag._batches(p, range(len(p)), 1024, True, batch_tokens, device), device_type)
+            timed(lambda p=full: hellaswag._batches(p, range(len(p)), 1024, batch_tokens, device), device_type)
         )
     result["full_set_host_s"] = {k: stats(v) for k, v in host.items()}
     rows.append(

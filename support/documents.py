@@ -10,7 +10,7 @@ import shlex
 
 from support.cli import UserError, first_line
 from support.files import jsonl_rows
-from support.offline import offline_var, unreachable
+from support.offline import hub_offline
 
 INPUT_TYPES = (".txt", ".jsonl", ".parquet")
 
@@ -192,17 +192,12 @@ def hub_documents(dataset, name, split, text_field, skip=0):
     return documents()
 
 
-HUB_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-
-
 def check_online(dataset):
     """Offline, the Hub client retries for half a minute and then says nothing about offline use:
     find out at once, and say what to pass instead."""
     if os.path.exists(dataset):
         return  # a local dataset folder
-    hub = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    var = offline_var(HUB_OFFLINE_VARS)
-    reason = f"{var} is set" if var else unreachable(hub)
+    hub, reason = hub_offline(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
     if reason:
         raise UserError(
             f"cannot stream {dataset} from {hub} ({reason}): pass local files with --input instead, "

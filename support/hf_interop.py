@@ -13,7 +13,7 @@ import torch
 
 from support.cli import UserError, first_line
 from support.files import existing_part, write_dir_atomic
-from support.offline import offline_var, unreachable
+from support.offline import hub_offline
 from support.shards import GPT2_BPE, GPT2_VOCAB, get_tokenizer, read_gpt2_bpe
 
 HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -48,18 +48,12 @@ def hub_name_is_cached(name):
 def check_hub_reachable(name):
     """Refuse at once, in one line, to fetch `name` (not in the local cache) when offline use is
     set or the Hub does not answer: transformers would retry for half a minute, then not say why."""
-    fix = "pass a local transformers GPT-2 directory instead (save_pretrained output, or export_hf.py's)"
-    var = offline_var(("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    if var:
-        raise UserError(
-            f"{name!r} is not in the local Hugging Face cache and {var} is set: {fix}, or fill the cache once online"
-        )
-    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    reason = unreachable(endpoint)
+    hub, reason = hub_offline(("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     if reason:
         raise UserError(
-            f"cannot reach the Hugging Face Hub ({endpoint}: {reason}) and {name!r} is not in the local cache: "
-            f"{fix}, or set HF_HUB_OFFLINE=1 with a cache that holds it"
+            f"{name!r} is not in the local Hugging Face cache and the Hub ({hub}) cannot be asked ({reason}): pass a "
+            f"local transformers GPT-2 directory instead (save_pretrained output, or export_hf.py's), or fill the "
+            f"cache once online"
         )
 
 
@@ -145,9 +139,7 @@ def load_hf_model(name_or_dir):
     a local transformers GPT-2 directory (save_pretrained output), with SDPA attention (which takes
     the boolean masks of hellaswag.py's packed rows). A name not in the local cache is refused at
     once when offline; weights missing from the files are refused, not filled with random numbers."""
-    is_dir = os.path.isdir(name_or_dir)
-    if name_or_dir not in HF_NAMES and not is_dir:
-        raise UserError(f"{name_or_dir!r} is neither one of {', '.join(HF_NAMES)} nor a directory")
+    is_dir = os.path.isdir(name_or_dir)  # else one of HF_NAMES (the scripts ask find_model first)
     local_only = not is_dir and hub_name_is_cached(name_or_dir)
     if not is_dir and not local_only:
         check_hub_reachable(name_or_dir)

@@ -10,7 +10,6 @@ from support.cli import UserError
 from support.files import log_records
 from support.hf_interop import HF_NAMES, check_hub_reachable, hub_name_is_cached
 from support.run_folder import checkpoints_near, log_path, newest_of_its_run
-from support.shards import GPT2_VOCAB
 
 GPT2_BLOCK_SIZE = 1024  # n_positions of every OpenAI GPT-2 (gpt2 .. gpt2-xl)
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -37,18 +36,18 @@ def find_model(spec):
     raise UserError(f"{spec!r} does not exist, and is not a GPT-2 name ({', '.join(HF_NAMES)}){checkpoints_near(spec)}")
 
 
-def model_config_of(spec):
-    """{"block_size", "vocab_size"} of a model as sample.py takes it, found and read without its
+def block_size_of(spec):
+    """The window (block_size) of a model as sample.py takes it, found and read without its
     weights (its --dry-run): a checkpoint's zip CRCs and pickle (weights_only; the tensors mapped,
     not read), a transformers folder's config.json beside its weights, a GPT-2 name in the local
     cache or on a Hub that answers."""
     kind, path, ckpt = find_model(spec)
     if kind == "checkpoint":
-        return ckpt["model_config"]
+        return ckpt["model_config"]["block_size"]
     if path in HF_NAMES and not os.path.isdir(path):
         if not hub_name_is_cached(path):
             check_hub_reachable(path)
-        return {"block_size": GPT2_BLOCK_SIZE, "vocab_size": GPT2_VOCAB}
+        return GPT2_BLOCK_SIZE
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
@@ -58,4 +57,4 @@ def model_config_of(spec):
         raise UserError(f"{path}/config.json is not a transformers GPT-2's (model_type gpt2)")
     if not any(os.path.isfile(os.path.join(path, name)) for name in HF_WEIGHTS):
         raise UserError(f"{path} holds a config.json but no weights ({', '.join(HF_WEIGHTS)})")
-    return {"block_size": config.get("n_positions", GPT2_BLOCK_SIZE), "vocab_size": config.get("vocab_size")}
+    return config.get("n_positions", GPT2_BLOCK_SIZE)

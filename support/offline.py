@@ -11,9 +11,12 @@ import urllib.request
 from support.cli import first_line
 
 
-def offline_var(names=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")):
-    """The first of these variables set to a true value, as huggingface_hub reads them, or None."""
-    return next((v for v in names if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")), None)
+def hub_offline(variables):
+    """(the Hub's address: HF_ENDPOINT, else huggingface.co; why it cannot be asked now, or None):
+    the first of variables set to a true value, as huggingface_hub reads them, else unreachable's."""
+    hub = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    var = next((v for v in variables if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")), None)
+    return hub, f"{var} is set" if var else unreachable(hub)
 
 
 def unreachable(url, timeout=3.0):

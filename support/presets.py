@@ -28,9 +28,8 @@ def parse_with_presets(argv, parser):
         typed.append(arg)
         if values:
             values -= 1
-        else:  # a flag (or a mistake argparse reports): None takes one value, "?" may be followed by a flag
-            n = nargs.get(arg, 0)
-            values = 1 if n is None else n if isinstance(n, int) else 0
+        else:  # a flag (or a mistake argparse reports): nargs None takes one value, "?" and switches none
+            values = int(nargs.get(arg, 0) is None)
     typed_only = vars(parser.parse_args(typed))  # the typed flags alone: those a preset set that they leave out
     given = vars(parser.parse_args(from_files + typed))
     return given, {dest: "" if dest in typed_only else set_at[dest] for dest in given}

@@ -20,8 +20,8 @@ from support.shards import GPT2_VOCAB
 
 class KVCache:
     """Keys and values of every layer, preallocated for max_len positions: one more token costs one
-    position, not the whole prefix. pos, where the next positions go, is a Python int (a prompt) or,
-    in a decode step, a 1-element tensor the decode loop advances in place: static shapes, so the
+    position, not the whole prefix. pos, where the next positions go, is 0 for the prompt (one pass)
+    or, in a decode step, a 1-element tensor the decode loop advances in place: static shapes, so the
     step compiles. The model asks it positions(T) for its next T tokens, calls attend(layer, q, k, v)
     in every layer in place of its own attention, and advance(T) after the last layer."""
 
@@ -58,15 +58,9 @@ class KVCache:
             # query (docs/performance.md has the profile)
             att = (q @ self.k[layer].transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, 1, max_len)
             return att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ self.v[layer]
-        pos = self.pos
-        self.k[layer][:, :, pos : pos + T] = k
-        self.v[layer][:, :, pos : pos + T] = v
-        k, v = self.k[layer][:, :, : pos + T], self.v[layer][:, :, : pos + T]
-        if pos == 0 or T == 1:  # a plain causal prefix, or one query that sees every key
-            return F.scaled_dot_product_attention(q, k, v, is_causal=pos == 0 and T > 1)
-        # query i sits at absolute position pos+i and sees keys 0 .. pos+i
-        mask = torch.ones(T, pos + T, dtype=torch.bool, device=k.device).tril(pos)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        self.k[layer][:, :, :T] = k  # the prompt, in one pass from position 0: causal over itself
+        self.v[layer][:, :, :T] = v
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
 
 
 # --- Drawing a token ---------------------------------------------------------------------------
@@ -125,16 +119,15 @@ def compiled_decode(model, B, max_len, device):
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, compile=False, stop=None):
     """idx (B, T) with up to max_new_tokens sampled tokens appended, stopping at the model's
-    block_size; temperature 0 is greedy, padding ids (>= 50257) never come out. The prompt fills a
-    KVCache in one pass, then each token is one step. compile: a compiled one-token step (CUDA graphs
+    block_size (T below it, max_new_tokens at least 1: encode_prompt and the flags check them);
+    temperature 0 is greedy, padding ids (>= 50257) never come out. The prompt fills a KVCache in
+    one pass, then each token is one step. compile: a compiled one-token step (CUDA graphs
     on a GPU, where eager decoding waits on kernel launches). stop: polled before every token (a stop
     signal mid-sample); when it says True, None is returned."""
     B, T0 = idx.shape
-    n_new = max(0, min(max_new_tokens, model.config.block_size - T0))
+    n_new = min(max_new_tokens, model.config.block_size - T0)
     out = idx.new_empty(B, T0 + n_new)  # preallocated: no torch.cat per token
     out[:, :T0] = idx
-    if n_new == 0:
-        return out
     draw = lambda: draw_noise(B, temperature, generator, idx.device)  # noqa: E731
     if compile:
         step, cache = compiled_decode(model, B, T0 + n_new, idx.device)

@@ -18,7 +18,6 @@ import fineweb
 from helpers import assert_one_line_error, cli, fail_nth_write, snapshot, start_run, started_until
 from support import files, offline
 from support.cli import UserError
-from support.documents import HUB_OFFLINE_VARS
 from support.files import lock_folder, unlock_folder
 from support.shards import EOT
 
@@ -272,7 +271,7 @@ def unreachable(*args, **kwargs):
 def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, connect, message):
     # rule 8: the library would retry for ~27 s and then say nothing about offline use
     datasets = pytest.importorskip("datasets")
-    for var in (*HUB_OFFLINE_VARS, "HF_ENDPOINT"):
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)

@@ -154,7 +154,7 @@ def hub(monkeypatch):
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(hellaswag, "unreachable", lambda url, timeout=3.0: None)
+    monkeypatch.setattr(offline, "unreachable", lambda url, timeout=3.0: None)
 
     def serve(dataset, rows=450, digests=DIGESTS_450):
         monkeypatch.setattr(hellaswag, "ORIGINAL_ROWS", rows)  # the test's rows are the original here
@@ -356,8 +356,8 @@ def scored_from_batches(batches):
     return seen
 
 
-@pytest.mark.parametrize("block_size, packed", [(128, True), (64, True), (128, False)])
-def test_batches_hold_exactly_the_plain_rows(examples, enc, block_size, packed):
+@pytest.mark.parametrize("block_size", [128, 64])
+def test_batches_hold_exactly_the_plain_rows(examples, enc, block_size):
     """The batch builder against the definition, per token: every scored token with what it sees."""
     wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
     exs = examples[:150] + wikihow[:150]  # short rows that share their context, long ones that may not fit
@@ -371,9 +371,8 @@ def test_batches_hold_exactly_the_plain_rows(examples, enc, block_size, packed):
         prepared.ctx_len[-1] == 1 and (prepared.end_len[-1] == 1).all() and (prepared.end_len[-2] == [1, 2, 3, 1]).all()
     )
     for share in (list(range(len(exs))), list(range(1, len(exs), 3))):
-        batches, n_tokens = hellaswag._batches(prepared, share, block_size, packed, 700, "cpu")
-        if packed:
-            assert any("seg" in b for b in batches) and any("seg" not in b for b in batches)
+        batches, n_tokens = hellaswag._batches(prepared, share, block_size, 700, "cpu")
+        assert any("seg" in b for b in batches) and any("seg" not in b for b in batches)
         seen = scored_from_batches(batches)
         expected, expected_n = {}, []
         for k, i in enumerate(share):
@@ -406,9 +405,9 @@ def standalone(short_run, examples, enc):
 
 def test_a_checkpoint_scores_standalone_as_in_training_example_by_example(standalone):
     hf, ours, prepared = standalone["hf"], standalone["ours"], standalone["prepared"]
-    assert type(hf).__name__ == "GPT2LMHeadModel" and hellaswag._trunk(hf)[2]  # transformers', packed
+    assert type(hf).__name__ == "GPT2LMHeadModel"
     assert hf.lm_head.weight.shape == ours.lm_head.weight.shape  # the padded vocabulary kept: the same softmax
-    batches, _ = hellaswag._batches(prepared, range(len(prepared)), 64, True, 2000, "cpu")
+    batches, _ = hellaswag._batches(prepared, range(len(prepared)), 64, 2000, "cpu")
     assert any("seg" in b for b in batches) and any("seg" not in b for b in batches)  # both paths run
     theirs, n_tokens = hellaswag.ending_losses(hf, prepared, "cpu", batch_tokens=2000)
     reference, n_reference = hellaswag.ending_losses(ours, prepared, "cpu", batch_tokens=2000)

@@ -198,11 +198,11 @@ def test_a_hub_name_without_the_hub_fails_at_once_and_transformers_is_never_aske
 
     monkeypatch.setattr(socket, "create_connection", create_connection)
     monkeypatch.setattr(GPT2LMHeadModel, "from_pretrained", never)
-    with pytest.raises(UserError, match="not in the local Hugging Face cache and TRANSFORMERS_OFFLINE is set"):
+    with pytest.raises(UserError, match=r"not in the local Hugging Face cache and .*\(TRANSFORMERS_OFFLINE is set\)"):
         train_gpt2.GPT.from_pretrained("gpt2-xl")
     assert timeouts == []
     monkeypatch.delenv("TRANSFORMERS_OFFLINE")
-    with pytest.raises(UserError, match="cannot reach the Hugging Face Hub .*timed out") as e:
+    with pytest.raises(UserError, match=r"the Hub \(http.*\) cannot be asked \(timed out\)") as e:
         train_gpt2.GPT.from_pretrained("gpt2")
     assert "\n" not in str(e.value)
     assert len(timeouts) == 1 and 0 < timeouts[0] <= 5
@@ -247,8 +247,6 @@ def test_a_transformers_folder_that_is_not_a_whole_gpt2_is_refused(tmp_path, hf_
     bad.save_pretrained(tmp_path / "relu")
     with pytest.raises(UserError, match="activation"):
         GPT.from_pretrained(str(tmp_path / "relu"))
-    with pytest.raises(UserError, match="neither"):
-        GPT.from_pretrained(str(tmp_path / "nope"))
 
 
 class RunsCode:

@@ -12,7 +12,7 @@ import train_gpt2
 from helpers import read_log, refused_before_step_0, tiny_args
 from support import sampling
 from support.cli import UserError
-from support.sampling import KVCache, generate, next_token
+from support.sampling import generate, next_token
 from support.shards import GPT2_VOCAB
 from train_gpt2 import GPT
 
@@ -58,17 +58,6 @@ def test_seeded_top_k_is_reproducible_and_equal_to_recompute(model):
     assert torch.equal(generate(model, idx, 30, top_k=1), generate(model, idx, 30, temperature=0))
 
 
-def test_a_prompt_fed_to_the_cache_in_pieces_equals_one_pass(model):
-    """Several tokens at a time into the cache give the hidden states of the whole row at once."""
-    tokens = torch.randint(0, GPT2_VOCAB, (2, 12))
-    with torch.no_grad():
-        whole = model.hidden_states(tokens)
-        cache = KVCache(model.config.n_layer, 12)
-        pieces = [model.hidden_states(tokens[:, a:b], cache) for a, b in ((0, 5), (5, 6), (6, 12))]
-    assert cache.pos == 12
-    assert torch.allclose(torch.cat(pieces, dim=1), whole, atol=1e-5, rtol=1e-4)
-
-
 def test_no_tensor_grows_per_token(model, monkeypatch):
     def no_cat(*args, **kwargs):
         raise AssertionError("torch.cat while sampling")
@@ -87,12 +76,6 @@ def test_padding_ids_are_never_produced(model, temperature):
     idx = torch.zeros(2, 1, dtype=torch.long)
     out = generate(model, idx, 40, temperature=temperature, top_k=None, generator=torch.Generator().manual_seed(0))
     assert out.shape == (2, 41) and out.max().item() < GPT2_VOCAB
-
-
-def test_nothing_to_generate_returns_the_prompt(model):
-    idx = torch.randint(0, GPT2_VOCAB, (1, 64))
-    assert torch.equal(generate(model, idx, 10), idx)
-    assert torch.equal(generate(model, idx[:, :5], 0), idx[:, :5])
 
 
 @pytest.mark.slow
