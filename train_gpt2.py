@@ -225,8 +225,8 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, cache=None):
-        x = self.hidden_states(idx, cache)
+    def forward(self, idx, targets=None):
+        x = self.hidden_states(idx)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
@@ -250,8 +250,6 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache, i, mask)
-        if cache is not None:
-            cache.advance(T)
         return self.transformer.ln_f(x)
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, betas=(0.9, 0.95), eps=1e-8, verbose=True):

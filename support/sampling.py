@@ -22,8 +22,8 @@ class KVCache:
     """Keys and values of every layer, preallocated for max_len positions: one more token costs one
     position, not the whole prefix. pos, where the next positions go, is 0 for the prompt (one pass)
     or, in a decode step, a 1-element tensor the decode loop advances in place: static shapes, so the
-    step compiles. The model asks it positions(T) for its next T tokens, calls attend(layer, q, k, v)
-    in every layer in place of its own attention, and advance(T) after the last layer."""
+    step compiles. The model asks it positions(T) for its next T tokens and calls attend(layer, q, k, v)
+    in every layer in place of its own attention."""
 
     def __init__(self, n_layer, max_len):
         self.k = [None] * n_layer
@@ -32,15 +32,8 @@ class KVCache:
         self.pos = 0
 
     def positions(self, T, device):
-        """The positions of the next T tokens: (1,) in a decode step, else (T,) from pos on."""
-        if torch.is_tensor(self.pos):
-            return self.pos
-        return torch.arange(self.pos, self.pos + T, dtype=torch.long, device=device)
-
-    def advance(self, T):
-        """Past the T tokens just attended to; a decode step's tensor pos is its loop's to advance."""
-        if not torch.is_tensor(self.pos):
-            self.pos += T
+        """The positions of the next T tokens: (1,) in a decode step, else the prompt's 0 .. T-1."""
+        return self.pos if torch.is_tensor(self.pos) else torch.arange(T, dtype=torch.long, device=device)
 
     def attend(self, layer, q, k, v):
         """Store k, v (B, nh, T, hs) at pos; -> each query's attention (B, nh, T, hs) over every
