@@ -24,7 +24,6 @@ from helpers import (
     cli,
     fail_nth_write,
     headers,
-    random_shards,
     read_log,
     refused_before_step_0,
     run_ids,
@@ -367,8 +366,7 @@ def fail_nth_open(monkeypatch, n, code, reason):
 @pytest.mark.parametrize(
     "fault, reason", [("disk-full", "No space left on device"), ("read-only", "Read-only file system")]
 )
-def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(tmp_path, monkeypatch, fault, reason):
-    data = random_shards(tmp_path / "data")
+def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(data, tmp_path, monkeypatch, fault, reason):
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)
     if fault == "disk-full":
