@@ -74,6 +74,19 @@ def write_known_shards(folder, lengths, ext="npy", val_length=0):
 TINY_RUN = [word for _, words in preset_lines(ROOT / "tests" / "tiny_run.txt") for word in words]
 
 
+# texts a tokenizer can get wrong: spaces, line ends, digits, non-ASCII, emoji, control characters
+UNICODE_TEXTS = [
+    " leading space, trailing space ",
+    "two  spaces,   three,\ttab\tand\u00a0no-break, trailing\n\n  ",
+    "lines\nand\n\nblank lines\r\nwith CRLF\n",
+    "digits 1234567890, 3.14159, 1e-5, 2026-11-26, $1,000.00; it's, we'll, they've, I'm, you'd, 'S",
+    "non-ASCII: naïve café, Straße, Ωμέγα, Москва, 東京, 한국어, عربى, हिन्दी, \u00ad soft hyphen",
+    "emoji 🤖👍🏽👩\u200d👩\u200d👧 and ✓ ✗ ∑ ∞, a lone surrogate-free \U0001f600",
+    "controls \x00\x01\x1b[0m\x7f\x85",
+    "",
+]
+
+
 def tiny_args(data_dir, out_dir, *extra):
     """tests/tiny_run.txt's flags (2 layers, 32 wide, on the CPU, 6 steps) on data_dir into out_dir, then
     extra (the later flag wins); listed, not passed as @tests/tiny_run.txt, so that a test can leave one out."""

@@ -48,8 +48,7 @@ def nonfinite_at(monkeypatch, factors, grad_accum_steps=2):
     monkeypatch.setattr(train_gpt2.GPT, "forward", scaled)
 
 
-def test_nonfinite_steps_are_not_applied(tmp_path, monkeypatch):
-    data = random_shards(tmp_path / "data")
+def test_nonfinite_steps_are_not_applied(data, tmp_path, monkeypatch):
     out = tmp_path / "out"
     nonfinite_at(monkeypatch, {2: math.nan, 4: math.inf})
     args = tiny_args(data, out, "--max-steps", 6, "--ckpt-every", 1, "--keep-ckpts", 0, "--eval-every", 0)
@@ -66,8 +65,7 @@ def test_nonfinite_steps_are_not_applied(tmp_path, monkeypatch):
     assert all(np.isfinite(steps[s]["train_loss"]) for s in (0, 1, 3, 5))
 
 
-def test_nonfinite_steps_in_a_row_stop_with_a_checkpoint_of_the_last_good_state(tmp_path, monkeypatch):
-    data = random_shards(tmp_path / "data")
+def test_nonfinite_steps_in_a_row_stop_with_a_checkpoint_of_the_last_good_state(data, tmp_path, monkeypatch):
     out = tmp_path / "out"
     nonfinite_at(monkeypatch, {2: math.nan, 3: math.inf, 4: math.nan})
     args = tiny_args(data, out, "--max-steps", 20, "--ckpt-every", 2, "--keep-ckpts", 0, "--eval-every", 0)

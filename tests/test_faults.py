@@ -34,7 +34,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
     rng = random.Random(8)
     # when to kill each run: during start-up, while torch.save writes a checkpoint, a random few steps in
     plan = ["start-up", "checkpoint write", "steps", "checkpoint write", "steps"]
-    hit = []
+    hit, said = [], []
     for when in plan:
         expected = (checkpoint_paths(str(out)) or [None])[0]  # what --resume must pick: the newest complete one
         proc = start_run(*args(out), "--resume", env=env)
@@ -58,6 +58,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
             proc.kill()
         finally:
             stdout, stderr = proc.communicate()
+        said.append(stdout)
         assert proc.returncode == -signal.SIGKILL, f"{when}: the run ended before the kill\n{stderr}"
         if "resuming from" in stdout or expected is not None:
             assert f"resuming from {expected} " in stdout, (when, expected, stdout[-2000:])
@@ -67,12 +68,14 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume_equals_uninter
     assert hit.count("checkpoint write") >= 1, hit  # at least one kill really cut a checkpoint in half
     final = cli(*args(out), "--resume", process=True)
     assert final.returncode == 0, final.stderr
-    assert not list(out.glob("*.tmp"))
-    ref_steps, steps = read_log(tmp_path / "ref")[1], read_log(out)[1]
+    assert not list(out.glob("*.tmp")) and "removing the unfinished .ckpt_" in "".join(said) + final.stdout
+    (ref_records, ref_steps), (records, steps) = read_log(tmp_path / "ref"), read_log(out)
     assert sorted(steps) == list(range(12))
     for s in range(12):  # bitwise: JSON floats round-trip exactly
         for key in ("train_loss", "grad_norm", "lr", "tokens", "epoch"):
             assert steps[s][key] == ref_steps[s][key], (s, key)
+    vals = lambda recs: {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}  # noqa: E731
+    assert vals(records) == vals(ref_records)
     a, b = load_checkpoint(str(tmp_path / "ref" / "ckpt_000012.pt")), load_checkpoint(str(out / "ckpt_000012.pt"))
     assert same_weights(a["model"], b["model"])
     print("kills:", hit)

@@ -18,7 +18,6 @@ import fineweb
 from helpers import assert_one_line_error, cli, fail_nth_write, snapshot, start_run, started_until
 from support import files, offline
 from support.cli import UserError
-from support.files import lock_folder, unlock_folder
 from support.shards import EOT
 
 SHARD = 10_000  # small shards: the 174,082-token FineWeb sample gives 17 full ones and a partial one
@@ -408,18 +407,6 @@ def test_foreign_shards_in_out_dir_are_refused_never_deleted(tmp_path, assets, p
     r = cli(*args, "--shard-size", "100000", script="fineweb.py", cwd=tmp_path)
     assert_one_line_error(r, match=message + r".*train_gpt2.py would read")
     assert snapshot(tmp_path) == before
-
-
-def test_second_run_into_the_same_folder_is_refused(tmp_path, assets):
-    (tmp_path / "out").mkdir()
-    lock = lock_folder(str(tmp_path / "out"), fineweb.FOLDER_LOCK, "fineweb.py")  # as a first run holds it
-    try:
-        before = snapshot(tmp_path)
-        r = cli("--input", assets.shakespeare, "--out-dir", "out", script="fineweb.py", cwd=tmp_path)
-        assert_one_line_error(r, match=r"--out-dir out is in use by another fineweb.py \(pid .*\): wait for it to end")
-        assert snapshot(tmp_path) == before
-    finally:
-        unlock_folder(lock)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 import hellaswag
 import train_gpt2
-from helpers import ROOT, assert_one_line_error, cli, read_log, save_tiny_hf_gpt2, signal_on, tiny_args
+from helpers import ROOT, cli, read_log, save_tiny_hf_gpt2, signal_on, tiny_args
 from support import offline
 from support.cli import UserError
 from train_gpt2 import GPT
@@ -496,13 +496,6 @@ def test_cli_prints_accuracy(hf_dir, small, val_path):
     assert f"acc      {c['correct'] / 20:.4f}  ({c['correct']}/20)" in r.stdout
     assert f"acc_norm {c['correct_norm'] / 20:.4f}  ({c['correct_norm']}/20)" in r.stdout
     assert f"indomain  n={c['n_indomain']:<5} acc {c['correct_indomain'] / c['n_indomain']:.4f}" in r.stdout
-
-
-def test_cli_bad_data_is_one_line(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0, "split_type": "indomain"}\nnot json\n')
-    r = cli("-m", "gpt2", "--data", bad, script="hellaswag.py")  # as the user sees it
-    assert_one_line_error(r, "bad.jsonl line 2 is not valid JSON")
 
 
 def test_import_needs_neither_transformers_nor_the_trainer():

@@ -81,9 +81,8 @@ def test_dtype_auto_which_the_help_points_to_the_readme_for_is_defined_there_as_
         "up, fp16 with loss scaling on older ones"
     )
     assert said in readme_text()
-    picks = [pick_dtype("auto", "cpu"), pick_dtype("auto", "mps"), pick_dtype("auto", "cuda", (8, 0))]
-    picks += [pick_dtype("auto", "cuda", (9, 0)), pick_dtype("auto", "cuda", (7, 5))]
-    assert [dtype for dtype, _ in picks] == ["float32", "float32", "bfloat16", "bfloat16", "float16"]
+    # the CUDA picks by compute capability (8.0, 9.0, 7.5): test_fake_gpu's tiny runs on an A100, H100 and T4
+    assert [pick_dtype("auto", device)[0] for device in ("cpu", "mps")] == ["float32", "float32"]
 
 
 @pytest.mark.slow  # the laptop run itself: minutes on 2 cores

@@ -7,13 +7,12 @@ import os
 import re
 
 import train_gpt2
-from helpers import fail_nth_write, random_shards, read_log, tiny_args, user_error
+from helpers import fail_nth_write, read_log, tiny_args, user_error
 from support import run_log
 from support.checkpoints import load_training_checkpoint
 
 
-def test_failing_log_write_stops_in_one_line(tmp_path, monkeypatch):
-    data = random_shards(tmp_path / "data")
+def test_failing_log_write_stops_in_one_line(data, tmp_path, monkeypatch):
     out = tmp_path / "out"
     fail_nth_write(monkeypatch, run_log, "log.jsonl", 1, room=3000)  # room for the header and a few steps
     msg = user_error(tiny_args(data, out, "--max-steps", 50, "--ckpt-every", 1, "--eval-every", 0))

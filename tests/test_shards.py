@@ -26,6 +26,7 @@ import support.shards
 import train_gpt2
 from helpers import (
     ROOT,
+    UNICODE_TEXTS,
     as_typed,
     assert_one_line_error,
     cli,
@@ -47,18 +48,6 @@ from train_gpt2 import DataLoaderLite
 # The tokenizer
 
 
-UNICODE = [
-    " leading space, trailing space ",
-    "two  spaces,   three,\ttab\tand\u00a0no-break, trailing\n\n  ",
-    "lines\nand\n\nblank lines\r\nwith CRLF\n",
-    "digits 1234567890, 3.14159, 1e-5, 2026-11-26, $1,000.00; it's, we'll, they've, I'm, you'd, 'S",
-    "non-ASCII: naïve café, Straße, Ωμέγα, Москва, 東京, 한국어, عربى, हिन्दी, \u00ad soft hyphen",
-    "emoji 🤖👍🏽👩\u200d👩\u200d👧 and ✓ ✗ ∑ ∞, a lone surrogate-free \U0001f600",
-    "controls \x00\x01\x1b[0m\x7f\x85",
-    "",
-]
-
-
 def test_tokenizer_is_tiktokens_gpt2(enc, assets, tmp_path):
     """The shipped vocab.bpe's tokenizer is tiktoken's gpt2: every token, and texts both ways; and
     transformers' GPT-2 tokenizer, a second implementation, tokenizes the texts as it does."""
@@ -69,9 +58,9 @@ def test_tokenizer_is_tiktokens_gpt2(enc, assets, tmp_path):
     assert [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)] == [
         reference.decode_single_token_bytes(i) for i in range(reference.n_vocab)
     ]
-    texts = [assets.shakespeare.read_text(), *UNICODE]
+    texts = [assets.shakespeare.read_text(), *UNICODE_TEXTS]
     texts += pq.read_table(assets.fineweb, columns=["text"]).column("text").to_pylist()
-    assert len(texts) == 1 + len(UNICODE) + 100
+    assert len(texts) == 1 + len(UNICODE_TEXTS) + 100
     ours = enc.encode_ordinary_batch(texts)
     assert ours == reference.encode_ordinary_batch(texts)
     assert ours == GPT2TokenizerFast.from_pretrained(tmp_path)(texts)["input_ids"]
