@@ -17,7 +17,6 @@ Usage:
     python fineweb.py --max-tokens 10000000                                # a quick 10M-token run
 """
 
-import argparse
 import collections
 import concurrent.futures
 import json
@@ -36,7 +35,7 @@ if __name__ == "__main__":  # Ctrl-C while numpy loads: one line, not a tracebac
 import numpy as np
 from tqdm import tqdm
 
-from support.cli import ArgumentParser, UserError, flag_type, run_cli
+from support.cli import ArgumentParser, Number, UserError, flag_type, run_cli
 from support.documents import check_inputs, check_online, default_workers, expand_inputs, hub_documents, local_documents
 from support.files import check_folder, lock_folder, unlock_folder, write_atomic
 from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_path, write_shard
@@ -325,7 +324,6 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
 # Command line
 
 
-POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")
 # the shard is built in memory (2 bytes a token) before it is written, and llm.c's .bin header counts
 # its tokens in an int32
 SHARD_SIZE = flag_type(int, lambda n: n < 2**31, "below 2**31 (2,147,483,648), 4 GiB in memory")
@@ -338,7 +336,7 @@ HUB_DEFAULTS = dict(dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", spl
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(prog="fineweb.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="fineweb.py", description=__doc__)
     src = p.add_argument_group("input (default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub)")
     # the Hub flags default to None here, so that one given together with --input can be refused
     src.add_argument("--dataset", default=None, help=f"Hub dataset (default {HUB_DEFAULTS['dataset']})")
@@ -372,9 +370,9 @@ def parse_args(argv=None):
         "--format", choices=("npy", "bin"), default="npy", help="npy (np.save) or bin (llm.c header + uint16)"
     )
     out.add_argument(
-        "--max-tokens", type=POSITIVE, help="stop after this many tokens in all (the last shard may be partial)"
+        "--max-tokens", type=Number.POSITIVE, help="stop after this many tokens in all (the last shard may be partial)"
     )
-    out.add_argument("--max-shards", type=POSITIVE, help="stop after this many shards")
+    out.add_argument("--max-shards", type=Number.POSITIVE, help="stop after this many shards")
     p.add_argument("--workers", type=WORKERS, default=None, help="tokenizer threads (default: the CPU cores)")
     args = p.parse_args(argv)
     check_args(args)

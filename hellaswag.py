@@ -35,7 +35,6 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not a traceback from inside an import
     signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
 
-import argparse
 import hashlib
 import itertools
 import json
@@ -47,7 +46,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from support.cli import ArgumentParser, UserError, first_line, flag_type, run_cli
+from support.cli import ArgumentParser, Number, UserError, first_line, run_cli
 from support.ddp import fence
 from support.device import keep_freed_memory, pick_device
 from support.files import check_folder, jsonl_rows, write_atomic
@@ -519,11 +518,8 @@ def load_model(spec, device):
     return hf_gpt2(ckpt["model_config"], ckpt["model"], f"checkpoint {path}", attn_implementation="sdpa").to(device)
 
 
-POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")  # --limit, --batch-tokens
-
-
 def main(argv=None):
-    p = ArgumentParser(prog="hellaswag.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="hellaswag.py", description=__doc__)
     p.add_argument(
         "-m",
         "--model",
@@ -531,10 +527,10 @@ def main(argv=None):
         help="gpt2*, a transformers dir, our checkpoint or a run's folder (its newest) (default gpt2)",
     )
     p.add_argument("-d", "--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
-    p.add_argument("--limit", type=POSITIVE, default=None, help="evaluate only the first N examples")
+    p.add_argument("--limit", type=Number.POSITIVE, default=None, help="evaluate only the first N examples")
     p.add_argument(
         "--batch-tokens",
-        type=POSITIVE,
+        type=Number.POSITIVE,
         default=None,
         help="most positions in one forward pass (default 65536 on CUDA, 4096 elsewhere)",
     )

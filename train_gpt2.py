@@ -37,8 +37,8 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
-from support.checks import Number, check_args, check_built_model, check_data, check_model, check_wandb
-from support.cli import ArgumentParser, UserError, add_flags, flag, run_cli, same_on_every_rank
+from support.checks import check_args, check_built_model, check_data, check_model, check_wandb
+from support.cli import ArgumentParser, Number, UserError, add_flags, flag, run_cli, same_on_every_rank
 from support.ddp import setup_distributed
 from support.device import choose_compile, keep_freed_memory, set_deterministic
 from support.divergence import NonFiniteGuard, check_finite_state
@@ -654,8 +654,7 @@ def train(args, given, on_exit):
 
 def command_line():
     """(the parser of FLAGS' flags, {flag: its default}); parsed, its namespace holds the flags given (add_flags)."""
-    formatter = argparse.RawDescriptionHelpFormatter  # the usage examples as written; add_flags says the defaults
-    p = ArgumentParser(prog="train_gpt2.py", description=__doc__, formatter_class=formatter, allow_abbrev=False)
+    p = ArgumentParser(prog="train_gpt2.py", description=__doc__, allow_abbrev=False)  # add_flags says the defaults
     defaults = {}
     for cls in FLAGS:
         if cls is not Sampling:  # Sampling's flags (sample.py's too) join RunSettings' group
