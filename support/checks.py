@@ -5,10 +5,8 @@ import os
 import sys
 from dataclasses import fields
 
-import torch
-
 from support.cli import UserError, same_on_every_rank
-from support.gpu import TRAIN_BYTES_PER_PARAMETER
+from support.gpu import TRAIN_BYTES_PER_PARAMETER, device_memory
 from support.shards import GPT2_VOCAB, MAX_VOCAB_SIZE
 from support.wandb_log import wandb_problem
 
@@ -79,18 +77,6 @@ def check_built_model(config, flags, seq_len, init_from, given, master_process):
                 f"note: --{f.name.replace('_', '-')} {mine} is not used: --init-from {init_from} brings its own "
                 f"shape ({f.name} {its})"
             )
-
-
-def device_memory(device):
-    """(bytes, what they are) of the memory a model on device lives in: a CUDA GPU's own, else the
-    machine's RAM (a CPU's, and MPS's, which shares it); (None, None) where it cannot be read."""
-    if device.startswith("cuda"):
-        props = torch.cuda.get_device_properties(device)
-        return props.total_memory, f"the GPU's memory ({props.name})"
-    names = getattr(os, "sysconf_names", {})
-    if "SC_PHYS_PAGES" in names and "SC_PAGE_SIZE" in names:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's memory"
-    return None, None
 
 
 def check_model(config, device):
