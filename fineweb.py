@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from support.cli import ArgumentParser, Number, UserError, add_flags, flag, flag_type, run_cli
 from support.documents import check_inputs, check_online, default_workers, expand_inputs, hub_documents, local_documents
-from support.files import check_folder, lock_folder, unlock_folder, write_atomic
+from support.files import check_folder, disk_error, lock_folder, unlock_folder, write_atomic
 from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_path, write_shard
 
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
@@ -197,7 +197,7 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
         os.makedirs(out_dir, exist_ok=True)
         lock = lock_folder(out_dir, FOLDER_LOCK, "fineweb.py")  # a second run would interleave its shards
     except OSError as e:
-        raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror or e}") from None
+        raise disk_error(e, f"to --out-dir {out_dir}", "run the same command again") from None
     try:
         return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command)
     finally:
@@ -238,10 +238,7 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
         try:
             pos = _write_shards(out_dir, config, manifest, manifest_path, tokenize_batches(documents, workers), limit)
         except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
-            raise UserError(
-                f"cannot write to {out_dir} ({e.strerror or e}): the shards finished before are kept; "
-                f"free space (or fix the folder's permissions) and rerun the same command to resume"
-            ) from None
+            raise disk_error(e, f"to {out_dir}", "rerun the same command: it resumes after the shards kept") from None
     return dict(
         nothing_to_do=nothing_to_do,
         complete=manifest["complete"],
