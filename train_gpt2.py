@@ -42,6 +42,7 @@ from support.cli import ArgumentParser, Number, UserError, add_flags, flag, run_
 from support.ddp import setup_distributed
 from support.device import choose_compile, keep_freed_memory, set_deterministic
 from support.divergence import NonFiniteGuard, check_finite_state
+from support.files import missing_folders, remove_made_folders
 from support.gpu import peak_flops
 from support.hf_interop import check_state_dict, load_hf_gpt2
 from support.model_files import find_model
@@ -49,7 +50,7 @@ from support.out_of_memory import forget_phases, oom_phase, oom_run, training_ou
 from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
 from support.presets import parse_with_presets
 from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
-from support.run_folder import missing_folders, remove_made_folders, save_training_state
+from support.run_folder import save_training_state
 from support.run_log import RunLog
 from support.sampling import Sampling, check_sampling, log_samples
 from support.shards import (

@@ -164,6 +164,25 @@ def unlock_folder(lock):
             os.remove(path + ".msvcrt")
 
 
+def missing_folders(path):
+    """The folders of path that do not exist yet, deepest first: those os.makedirs would create."""
+    path, missing = os.path.abspath(path), []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_made_folders(made):
+    """Remove the folders a refused or failed start created (missing_folders' list), while still empty:
+    a typo'd flag leaves no empty --out-dir behind, and a folder written to stays."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            break
+
+
 MOUNTINFO_ESCAPES = {ord(c): f"\\{ord(c):03o}" for c in " \t\n\\"}  # how /proc/self/mountinfo writes these
 
 
@@ -187,11 +206,7 @@ def write_dir_atomic(out_dir, write, what):
     folders and the parents this made are removed and out_dir is as it was."""
     parent = os.path.dirname(out_dir)
     into = is_mount_point(out_dir)
-    made = []  # parent folders this call creates, deepest first
-    d = parent
-    while not os.path.isdir(d):
-        made.append(d)
-        d = os.path.dirname(d)
+    made = missing_folders(parent)  # the parent folders this call creates
     tmp = old = None
     try:
         os.makedirs(parent, exist_ok=True)
@@ -235,11 +250,7 @@ def write_dir_atomic(out_dir, write, what):
     except BaseException as e:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-        for d in made:
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass  # not empty: someone else wrote there meanwhile
+        remove_made_folders(made)  # one not empty stays: someone else wrote there meanwhile
         if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # safetensors' failed write
             reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
             reason = re.sub(r".*I/O error: (.*) \(os error \d+\).*", r"\1", reason)  # safetensors' wording

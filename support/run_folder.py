@@ -96,25 +96,6 @@ def head(path, line=False):
         return b""
 
 
-def missing_folders(path):
-    """The folders of path that do not exist yet, deepest first: those os.makedirs would create."""
-    path, missing = os.path.abspath(path), []
-    while not os.path.lexists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing
-
-
-def remove_made_folders(made):
-    """Remove the folders a refused start created (missing_folders' list), while still empty: a
-    typo'd flag leaves no empty --out-dir behind, and a folder the run wrote to stays."""
-    for folder in made:
-        try:
-            os.rmdir(folder)
-        except OSError:
-            break
-
-
 # ----------------------------------------------------------------------------------------------
 # One run per folder: the claim at start, given back at the end
 
