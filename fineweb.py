@@ -192,18 +192,14 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
     with at least shard_size, prefix and format) must match the manifest's to resume. command: this
     run's, which the manifest keeps for training to name while the folder is unfinished.
     Returns a summary dict."""
-    created = not os.path.isdir(out_dir)
     try:
-        os.makedirs(out_dir, exist_ok=True)
-        lock = lock_folder(out_dir, FOLDER_LOCK, "fineweb.py")  # a second run would interleave its shards
+        lock = lock_folder(out_dir, FOLDER_LOCK, "fineweb.py")  # made if need be; a second run would interleave
     except OSError as e:
         raise disk_error(e, f"to --out-dir {out_dir}", "run the same command again") from None
     try:
         return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command)
     finally:
-        unlock_folder(lock)
-        if created and not os.listdir(out_dir):
-            os.rmdir(out_dir)  # stopped before anything was written: leave no empty folder behind
+        unlock_folder(lock)  # stopped before anything was written: the folder it made, removed
 
 
 def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command):

@@ -42,7 +42,6 @@ from support.cli import ArgumentParser, Number, UserError, add_flags, flag, run_
 from support.ddp import setup_distributed
 from support.device import choose_compile, keep_freed_memory, set_deterministic
 from support.divergence import NonFiniteGuard, check_finite_state
-from support.files import missing_folders, remove_made_folders
 from support.gpu import peak_flops
 from support.hf_interop import check_state_dict, load_hf_gpt2
 from support.model_files import find_model
@@ -682,9 +681,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args, given = parse_args(argv)
     forget_phases()  # a start of its own: no phase of an earlier main() in this process is in progress
-    made = missing_folders(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else []  # rank 0 makes it
     with ExitStack() as on_exit:  # what the run takes, given back in reverse order however it ends
-        on_exit.callback(remove_made_folders, made)  # last: a run refused at start leaves no empty --out-dir behind
         return train(args, given, on_exit)
 
 
