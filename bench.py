@@ -125,7 +125,7 @@ def machine(device, device_type):
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="bench.py", description=__doc__)
     p.add_argument(
         "--quick",
         action="store_true",

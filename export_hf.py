@@ -14,7 +14,6 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not a traceback from inside an import
     signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
 
-import argparse
 
 from support.cli import ArgumentParser, UserError, run_cli
 from support.hf_interop import check_export_target, save_hf_gpt2
@@ -23,7 +22,7 @@ from support.shards import GPT2_VOCAB
 
 
 def main(argv=None):
-    p = ArgumentParser(prog="export_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="export_hf.py", description=__doc__)
     p.add_argument("ckpt", metavar="CKPT", help="our checkpoint, or a run's folder (its newest checkpoint)")
     p.add_argument("out_dir", metavar="DIR", help="the folder to write: new, empty or an earlier export")
     p.add_argument("--dry-run", action="store_true", help="make the export's checks, then exit: nothing is written")

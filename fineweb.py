@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 if __name__ == "__main__":  # Ctrl-C while numpy loads: one line, not a traceback from inside an import
     signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
@@ -36,9 +37,9 @@ if __name__ == "__main__":  # Ctrl-C while numpy loads: one line, not a tracebac
 import numpy as np
 from tqdm import tqdm
 
-from support.cli import ArgumentParser, UserError, flag_type, run_cli
+from support.cli import ArgumentParser, Number, UserError, add_flags, flag, flag_type, run_cli
 from support.documents import check_inputs, check_online, default_workers, expand_inputs, hub_documents, local_documents
-from support.files import check_folder, lock_folder, unlock_folder, write_atomic
+from support.files import check_folder, disk_error, lock_folder, unlock_folder, write_atomic
 from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_path, write_shard
 
 BATCH_CHARS = 1 << 16  # characters per task of a worker thread: ~15K tokens, a few ms of work
@@ -191,18 +192,14 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
     with at least shard_size, prefix and format) must match the manifest's to resume. command: this
     run's, which the manifest keeps for training to name while the folder is unfinished.
     Returns a summary dict."""
-    created = not os.path.isdir(out_dir)
     try:
-        os.makedirs(out_dir, exist_ok=True)
-        lock = lock_folder(out_dir, FOLDER_LOCK, "fineweb.py")  # a second run would interleave its shards
+        lock = lock_folder(out_dir, FOLDER_LOCK, "fineweb.py")  # made if need be; a second run would interleave
     except OSError as e:
-        raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror or e}") from None
+        raise disk_error(e, f"to --out-dir {out_dir}", "run the same command again") from None
     try:
         return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command)
     finally:
-        unlock_folder(lock)
-        if created and not os.listdir(out_dir):
-            os.rmdir(out_dir)  # stopped before anything was written: leave no empty folder behind
+        unlock_folder(lock)  # stopped before anything was written: the folder it made, removed
 
 
 def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command):
@@ -237,10 +234,7 @@ def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shar
         try:
             pos = _write_shards(out_dir, config, manifest, manifest_path, tokenize_batches(documents, workers), limit)
         except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
-            raise UserError(
-                f"cannot write to {out_dir} ({e.strerror or e}): the shards finished before are kept; "
-                f"free space (or fix the folder's permissions) and rerun the same command to resume"
-            ) from None
+            raise disk_error(e, f"to {out_dir}", "rerun the same command: it resumes after the shards kept") from None
     return dict(
         nothing_to_do=nothing_to_do,
         complete=manifest["complete"],
@@ -325,7 +319,6 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
 # Command line
 
 
-POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")
 # the shard is built in memory (2 bytes a token) before it is written, and llm.c's .bin header counts
 # its tokens in an int32
 SHARD_SIZE = flag_type(int, lambda n: n < 2**31, "below 2**31 (2,147,483,648), 4 GiB in memory")
@@ -334,61 +327,47 @@ WORKERS = flag_type(int, lambda n: 1 <= n <= 256, "from 1 to 256 (threads beyond
 # train_gpt2.py cuts from a shard (a batch never spans two)
 MIN_SHARD_SIZE = 1025
 
-HUB_DEFAULTS = dict(dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train")
+
+@dataclass
+class Input:
+    """input (default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub)"""
+
+    dataset: str = flag("HuggingFaceFW/fineweb-edu", "Hub dataset")
+    name: str = flag("sample-10BT", "its subset, e.g. sample-100BT; '' for none")
+    split: str = flag("train", "the dataset's split to read")
+    input: list | None = flag(
+        None,
+        "local .txt (one document each), .jsonl or .parquet files or globs, instead of the Hub",
+        nargs="+",
+        metavar="FILE",
+    )
+    text_field: str = flag("text", "the jsonl field / parquet / dataset column holding the text")
+
+
+@dataclass
+class Output:
+    """output"""
+
+    out_dir: str = flag("edu_fineweb10B", "shard folder, relative to the working dir")
+    prefix: str = flag("edufineweb", "shard name prefix")
+    shard_size: int = flag(100_000_000, f"tokens per shard, at least {MIN_SHARD_SIZE}", SHARD_SIZE)
+    format: str = flag("npy", "npy (np.save) or bin (llm.c header + uint16)", choices=("npy", "bin"))
+    max_tokens: int | None = flag(None, "stop after this many tokens (the last shard may be partial)", Number.POSITIVE)
+    max_shards: int | None = flag(None, "stop after this many shards", Number.POSITIVE)
+    workers: int | None = flag(None, "tokenizer threads (None: the CPU cores)", WORKERS)
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(prog="fineweb.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_argument_group("input (default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub)")
-    # the Hub flags default to None here, so that one given together with --input can be refused
-    src.add_argument("--dataset", default=None, help=f"Hub dataset (default {HUB_DEFAULTS['dataset']})")
-    src.add_argument(
-        "--name", default=None, help=f"its subset, e.g. sample-100BT; '' for none (default {HUB_DEFAULTS['name']})"
-    )
-    src.add_argument("--split", default=None, help=f"the dataset's split to read (default {HUB_DEFAULTS['split']})")
-    src.add_argument(
-        "--input",
-        nargs="+",
-        metavar="FILE",
-        help="local .txt (one document each), .jsonl or .parquet files or globs, instead of the Hub",
-    )
-    src.add_argument(
-        "--text-field",
-        default="text",
-        help="the jsonl field / parquet / dataset column holding the text (default %(default)s)",
-    )
-    out = p.add_argument_group("output")
-    out.add_argument(
-        "--out-dir", default="edu_fineweb10B", help="shard folder, relative to the working dir (default %(default)s)"
-    )
-    out.add_argument("--prefix", default="edufineweb", help="shard name prefix (default %(default)s)")
-    out.add_argument(
-        "--shard-size",
-        type=SHARD_SIZE,
-        default=100_000_000,
-        help=f"tokens per shard, at least {MIN_SHARD_SIZE} (default %(default)s)",
-    )
-    out.add_argument(
-        "--format", choices=("npy", "bin"), default="npy", help="npy (np.save) or bin (llm.c header + uint16)"
-    )
-    out.add_argument(
-        "--max-tokens", type=POSITIVE, help="stop after this many tokens in all (the last shard may be partial)"
-    )
-    out.add_argument("--max-shards", type=POSITIVE, help="stop after this many shards")
-    p.add_argument("--workers", type=WORKERS, default=None, help="tokenizer threads (default: the CPU cores)")
-    args = p.parse_args(argv)
-    check_args(args)
-    return args
-
-
-def check_args(args):
-    """The flags against each other, before any work (each number's own range is its type's)."""
-    given = [f"--{k}" for k in HUB_DEFAULTS if getattr(args, k) is not None]
-    if args.input and given:
-        raise UserError(f"{given[0]} chooses a Hub dataset, but --input reads local files instead: pass one of them")
-    for k, v in HUB_DEFAULTS.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    """The flags (the defaults, the ones given over them), checked against each other before any work
+    (each number's own range is its type's)."""
+    p, defaults = ArgumentParser(prog="fineweb.py", description=__doc__), {}
+    for cls in (Input, Output):
+        defaults.update(add_flags(p.add_argument_group(cls.__doc__), cls))
+    given = vars(p.parse_args(argv))
+    hub = [f"--{k}" for k in ("dataset", "name", "split") if k in given]
+    args = argparse.Namespace(**{**defaults, **given})
+    if args.input and hub:
+        raise UserError(f"{hub[0]} chooses a Hub dataset, but --input reads local files instead: pass one of them")
     check_folder(args.out_dir, "--out-dir")
     prefix = args.prefix
     if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or "\0" in prefix:
@@ -403,6 +382,7 @@ def check_args(args):
             f"at least {MIN_SHARD_SIZE}, e.g. --shard-size 100000 for a small text like README's Shakespeare (the "
             f"default, 100,000,000, suits FineWeb)"
         )
+    return args
 
 
 def main(argv=None):

@@ -35,11 +35,11 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not a traceback from inside an import
     signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
 
-import argparse
 import hashlib
 import itertools
 import json
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from support.cli import ArgumentParser, UserError, first_line, flag_type, run_cli
+from support.cli import ArgumentParser, Number, UserError, add_flags, first_line, flag, run_cli
 from support.ddp import fence
 from support.device import keep_freed_memory, pick_device
 from support.files import check_folder, jsonl_rows, write_atomic
@@ -519,35 +519,23 @@ def load_model(spec, device):
     return hf_gpt2(ckpt["model_config"], ckpt["model"], f"checkpoint {path}", attn_implementation="sdpa").to(device)
 
 
-POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")  # --limit, --batch-tokens
+@dataclass
+class EvalFlags:
+    """hellaswag.py's flags."""
+
+    model: str = flag("gpt2", "gpt2*, a transformers dir, our checkpoint or a run's folder (its newest)", short="-m")
+    device: str | None = flag(None, "cuda, cuda:N, mps or cpu (None: the best available)", short="-d")
+    limit: int | None = flag(None, "evaluate only the first N examples (None: all)", Number.POSITIVE)
+    batch_tokens: int | None = flag(None, "tokens per forward pass (None: 65536 on CUDA, else 4096)", Number.POSITIVE)
+    data: str | None = flag(None, "a local HellaSwag jsonl instead of the cache / download")
+    cache_dir: str = flag(DEFAULT_CACHE_DIR, "where the downloaded jsonl is kept")
+    dtype: str = flag("auto", "autocast dtype (auto: as training picks)", choices=("auto", *AUTOCAST_DTYPES))
 
 
 def main(argv=None):
-    p = ArgumentParser(prog="hellaswag.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "-m",
-        "--model",
-        default="gpt2",
-        help="gpt2*, a transformers dir, our checkpoint or a run's folder (its newest) (default gpt2)",
-    )
-    p.add_argument("-d", "--device", default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
-    p.add_argument("--limit", type=POSITIVE, default=None, help="evaluate only the first N examples")
-    p.add_argument(
-        "--batch-tokens",
-        type=POSITIVE,
-        default=None,
-        help="most positions in one forward pass (default 65536 on CUDA, 4096 elsewhere)",
-    )
-    p.add_argument("--data", default=None, help="a local HellaSwag jsonl instead of the cache / download")
-    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="where the downloaded jsonl is kept")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="autocast dtype (default auto, as training picks: bfloat16 on GPUs with native bf16, float16 on "
-        "older ones, float32 elsewhere)",
-    )
-    args = p.parse_args(argv)
+    p = ArgumentParser(prog="hellaswag.py", description=__doc__)
+    add_flags(p, EvalFlags)
+    args = EvalFlags(**vars(p.parse_args(argv)))  # the flags given over the defaults
     examples = load_examples(args.data, args.cache_dir, args.limit)  # bad data fails before the model loads
     device, device_type = pick_device(args.device)
     if device_type == "cpu":

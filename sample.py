@@ -15,9 +15,9 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not a traceback from inside an import
     signal.signal(signal.SIGINT, lambda signum, frame: (print("interrupted", file=sys.stderr), os._exit(130)))
 
-from support.checks import Number, device_memory
-from support.cli import ArgumentParser, add_flags, run_cli
+from support.cli import ArgumentParser, Number, add_flags, run_cli
 from support.device import pick_device
+from support.gpu import device_memory
 from support.model_files import block_size_of
 from support.out_of_memory import oom_phase, sample_out_of_memory
 from support.sampling import Sampling, encode_prompt, sample_text

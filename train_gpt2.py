@@ -37,8 +37,8 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
-from support.checks import Number, check_args, check_built_model, check_data, check_model, check_wandb
-from support.cli import ArgumentParser, UserError, add_flags, flag, run_cli, same_on_every_rank
+from support.checks import check_args, check_built_model, check_data, check_model, check_wandb
+from support.cli import ArgumentParser, Number, UserError, add_flags, flag, run_cli, same_on_every_rank
 from support.ddp import setup_distributed
 from support.device import choose_compile, keep_freed_memory, set_deterministic
 from support.divergence import NonFiniteGuard, check_finite_state
@@ -49,7 +49,7 @@ from support.out_of_memory import forget_phases, oom_phase, oom_run, training_ou
 from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
 from support.presets import parse_with_presets
 from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
-from support.run_folder import missing_folders, remove_made_folders, save_training_state
+from support.run_folder import save_training_state
 from support.run_log import RunLog
 from support.sampling import Sampling, check_sampling, log_samples
 from support.shards import (
@@ -654,8 +654,7 @@ def train(args, given, on_exit):
 
 def command_line():
     """(the parser of FLAGS' flags, {flag: its default}); parsed, its namespace holds the flags given (add_flags)."""
-    formatter = argparse.RawDescriptionHelpFormatter  # the usage examples as written; add_flags says the defaults
-    p = ArgumentParser(prog="train_gpt2.py", description=__doc__, formatter_class=formatter, allow_abbrev=False)
+    p = ArgumentParser(prog="train_gpt2.py", description=__doc__, allow_abbrev=False)  # add_flags says the defaults
     defaults = {}
     for cls in FLAGS:
         if cls is not Sampling:  # Sampling's flags (sample.py's too) join RunSettings' group
@@ -682,9 +681,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args, given = parse_args(argv)
     forget_phases()  # a start of its own: no phase of an earlier main() in this process is in progress
-    made = missing_folders(args.out_dir) if int(os.environ.get("RANK", "0")) == 0 else []  # rank 0 makes it
     with ExitStack() as on_exit:  # what the run takes, given back in reverse order however it ends
-        on_exit.callback(remove_made_folders, made)  # last: a run refused at start leaves no empty --out-dir behind
         return train(args, given, on_exit)
 
 

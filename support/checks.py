@@ -5,34 +5,10 @@ import os
 import sys
 from dataclasses import fields
 
-import torch
-
-from support.cli import UserError, flag_type, same_on_every_rank
-from support.gpu import TRAIN_BYTES_PER_PARAMETER
+from support.cli import UserError, same_on_every_rank
+from support.gpu import TRAIN_BYTES_PER_PARAMETER, device_memory
 from support.shards import GPT2_VOCAB, MAX_VOCAB_SIZE
 from support.wandb_log import wandb_problem
-
-
-class Number:
-    """The types of the scripts' number flags (flag_type), each beside its flag in its parser."""
-
-    COUNT = flag_type(int, lambda n: n >= 0, "0 or more")  # steps, tokens, checkpoints: 0 is never / none
-    POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")  # sizes and counts the code divides or loops by
-    AMOUNT = flag_type(float, lambda x: x >= 0, "0 or more")  # weight decay, clip, temperature: 0 turns it off
-    ABOVE_ZERO = flag_type(float, lambda x: x > 0, "above 0")
-    FRACTION = flag_type(float, lambda x: 0 <= x < 1, "in [0, 1)")  # AdamW's betas
-    FINITE = flag_type(float, lambda x: True, "finite")
-    SEED = flag_type(int, lambda n: 0 <= n < 2**32, f"between 0 and {2**32 - 1:,}")  # numpy's generators (shard order)
-    TORCH_SEED = flag_type(int, lambda n: -(2**63) <= n < 2**64, f"between {-(2**63)} and {2**64 - 1:,}")  # sample.py's
-    # c10d counts the timeout in whole milliseconds (below 1 ms it is 0, and every wait fails at
-    # once), the ranks of a job take about a second to join even on one machine, and torch turns the
-    # seconds into int64 nanoseconds, which larger ones overflow
-    DDP_SECONDS = flag_type(
-        float,
-        lambda x: 1 <= x <= 1e9,
-        "a number of seconds from 1 (the ranks take about a second to join) to 1e+09 (about 31 years: torch "
-        "counts it in nanoseconds)",
-    )
 
 
 def need(ok, message):
@@ -101,18 +77,6 @@ def check_built_model(config, flags, seq_len, init_from, given, master_process):
                 f"note: --{f.name.replace('_', '-')} {mine} is not used: --init-from {init_from} brings its own "
                 f"shape ({f.name} {its})"
             )
-
-
-def device_memory(device):
-    """(bytes, what they are) of the memory a model on device lives in: a CUDA GPU's own, else the
-    machine's RAM (a CPU's, and MPS's, which shares it); (None, None) where it cannot be read."""
-    if device.startswith("cuda"):
-        props = torch.cuda.get_device_properties(device)
-        return props.total_memory, f"the GPU's memory ({props.name})"
-    names = getattr(os, "sysconf_names", {})
-    if "SC_PHYS_PAGES" in names and "SC_PAGE_SIZE" in names:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's memory"
-    return None, None
 
 
 def check_model(config, device):

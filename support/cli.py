@@ -1,6 +1,7 @@
 """The one line a mistake is reported in, for every script: the error type (UserError), the argument
-parser that raises it (its flags: dataclass fields, add_flags), and run_cli, the wrapper around a script's
-main() that prints it, a Ctrl-C and an out-of-memory each as one line; torch-free, as fineweb.py is."""
+parser that raises it (its flags: dataclass fields, add_flags; their number types, Number), and run_cli,
+the wrapper around a script's main() that prints it, a Ctrl-C and an out-of-memory each as one line;
+torch-free, as fineweb.py is."""
 
 import argparse
 import math
@@ -26,7 +27,10 @@ class UserError(Exception):
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a flag it cannot parse (a typo, `--keep-ckpts 1.5`) is a UserError: one `error:`
     line and exit 1, like every other mistake, not the whole usage before it. prog: the script's
-    file name, for the --help the line points to."""
+    file name, for the --help the line points to; its description (the usage examples) as written."""
+
+    def __init__(self, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs):
+        super().__init__(formatter_class=formatter_class, **kwargs)
 
     def error(self, message):
         raise UserError(f"{message} (see python {self.prog} --help)")
@@ -46,6 +50,28 @@ def flag_type(kind, ok, says):
 
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" line
     return parse
+
+
+class Number:
+    """The types of the scripts' number flags (flag_type), each beside its flag in its parser."""
+
+    COUNT = flag_type(int, lambda n: n >= 0, "0 or more")  # steps, tokens, checkpoints: 0 is never / none
+    POSITIVE = flag_type(int, lambda n: n >= 1, "at least 1")  # sizes and counts the code divides or loops by
+    AMOUNT = flag_type(float, lambda x: x >= 0, "0 or more")  # weight decay, clip, temperature: 0 turns it off
+    ABOVE_ZERO = flag_type(float, lambda x: x > 0, "above 0")
+    FRACTION = flag_type(float, lambda x: 0 <= x < 1, "in [0, 1)")  # AdamW's betas
+    FINITE = flag_type(float, lambda x: True, "finite")
+    SEED = flag_type(int, lambda n: 0 <= n < 2**32, f"between 0 and {2**32 - 1:,}")  # numpy's generators (shard order)
+    TORCH_SEED = flag_type(int, lambda n: -(2**63) <= n < 2**64, f"between {-(2**63)} and {2**64 - 1:,}")  # sample.py's
+    # c10d counts the timeout in whole milliseconds (below 1 ms it is 0, and every wait fails at
+    # once), the ranks of a job take about a second to join even on one machine, and torch turns the
+    # seconds into int64 nanoseconds, which larger ones overflow
+    DDP_SECONDS = flag_type(
+        float,
+        lambda x: 1 <= x <= 1e9,
+        "a number of seconds from 1 (the ranks take about a second to join) to 1e+09 (about 31 years: torch "
+        "counts it in nanoseconds)",
+    )
 
 
 def flag(default, help, type=None, **kwargs):

@@ -104,7 +104,8 @@ LOCK_HOLDERS = {".train_gpt2.lock": "a train_gpt2.py run", ".fineweb.lock": "a f
 
 
 def lock_folder(folder, name, who, note="", dry_run=False):
-    """Hold folder for this process's life: a second `who` started into it is refused in one line
+    """Hold folder (made, parents too, where it is missing) for this process's life: a second `who`
+    started into it is refused in one line
     naming the holder, whose pid, host, start and command (note: more on the pid) this writes to
     the file `name` in folder (by rename, as every write here). The lock is flock on the folder
     itself, or on Windows msvcrt.locking on NAME.msvcrt held open (Windows deletes no open file): a
@@ -113,8 +114,10 @@ def lock_folder(folder, name, who, note="", dry_run=False):
     network file systems), said in a warning. dry_run: only whether another holds it; nothing is
     made or written."""
     path = os.path.join(folder, name)
-    if not fcntl and dry_run and not os.path.exists(path + ".msvcrt"):
-        return None  # no lock file: no process holds the folder
+    if dry_run and not os.path.exists(folder if fcntl else path + ".msvcrt"):
+        return None  # no folder (on Windows no lock file): no process holds it
+    made = missing_folders(folder)  # unlock_folder removes them while still empty
+    os.makedirs(folder, exist_ok=True)
     fd = os.open(folder, os.O_RDONLY) if fcntl else os.open(path + ".msvcrt", os.O_RDWR | os.O_CREAT)
     try:
         if fcntl:
@@ -139,29 +142,49 @@ def lock_folder(folder, name, who, note="", dry_run=False):
             f"--out-dir {folder} is in use by {by}{holder}: wait for it to end, or pass another --out-dir"
         ) from None
     if dry_run:
-        return fd, None
+        return fd, None, made
     command = " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]]).replace("\n", " ")
     command = command if len(command) <= 160 else command[:157] + "..."
     since = time.strftime("%Y-%m-%d %H:%M:%S")
     holder = f"pid {os.getpid()}{note} on {socket.gethostname()}, since {since}: {command}"
     with contextlib.suppress(OSError):  # a full disk: the lock holds all the same, unnamed
         write_atomic(path, lambda f: f.write(holder.encode()))
-    return fd, path
+    return fd, path, made
 
 
 def unlock_folder(lock):
     """Give lock_folder's lock back (None: none was taken): the holder's file removed while the
     lock still keeps others out, then the lock (on Windows its file too, unless another process
-    has it open)."""
+    has it open), then the folders lock_folder made, if nothing was written there."""
     if lock is None:
         return
-    fd, path = lock
+    fd, path, made = lock
     with contextlib.suppress(OSError, TypeError):  # TypeError: a dry run's, which wrote no file
         os.remove(path)
     os.close(fd)
     if not fcntl and path:
         with contextlib.suppress(OSError):
             os.remove(path + ".msvcrt")
+    remove_made_folders(made)
+
+
+def missing_folders(path):
+    """The folders of path that do not exist yet, deepest first: those os.makedirs would create."""
+    path, missing = os.path.abspath(path), []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_made_folders(made):
+    """Remove the folders a refused or failed start created (missing_folders' list), while still empty:
+    a typo'd flag leaves no empty --out-dir behind, and a folder written to stays."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            break
 
 
 MOUNTINFO_ESCAPES = {ord(c): f"\\{ord(c):03o}" for c in " \t\n\\"}  # how /proc/self/mountinfo writes these
@@ -187,11 +210,7 @@ def write_dir_atomic(out_dir, write, what):
     folders and the parents this made are removed and out_dir is as it was."""
     parent = os.path.dirname(out_dir)
     into = is_mount_point(out_dir)
-    made = []  # parent folders this call creates, deepest first
-    d = parent
-    while not os.path.isdir(d):
-        made.append(d)
-        d = os.path.dirname(d)
+    made = missing_folders(parent)  # the parent folders this call creates
     tmp = old = None
     try:
         os.makedirs(parent, exist_ok=True)
@@ -235,11 +254,7 @@ def write_dir_atomic(out_dir, write, what):
     except BaseException as e:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-        for d in made:
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass  # not empty: someone else wrote there meanwhile
+        remove_made_folders(made)  # one not empty stays: someone else wrote there meanwhile
         if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # safetensors' failed write
             reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
             reason = re.sub(r".*I/O error: (.*) \(os error \d+\).*", r"\1", reason)  # safetensors' wording

@@ -1,5 +1,7 @@
-"""What a GPU gives a run's numbers: its datasheet peak FLOP/s (MFU's denominator) and the
-micro-batch -B its memory fits (which the out-of-memory advice names, support/out_of_memory.py)."""
+"""What a GPU gives a run's numbers: its datasheet peak FLOP/s (MFU's denominator), its memory (or the
+machine's, for a model elsewhere) and the micro-batch -B it fits (which the out-of-memory advice names)."""
+
+import os
 
 import torch
 
@@ -28,9 +30,16 @@ def fitting_B(B, T, gpu_memory):
     return max(fits, default=None)
 
 
-def gpu_memory_of(device):
-    """Total bytes of the CUDA device's memory, or None elsewhere."""
-    return torch.cuda.get_device_properties(device).total_memory if torch.device(device).type == "cuda" else None
+def device_memory(device):
+    """(bytes, what they are) of the memory a model on device lives in: a CUDA GPU's own, else the
+    machine's RAM (a CPU's, and MPS's, which shares it); (None, None) where it cannot be read."""
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, f"the GPU's memory ({props.name})"
+    names = getattr(os, "sysconf_names", {})
+    if "SC_PHYS_PAGES" in names and "SC_PAGE_SIZE" in names:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's memory"
+    return None, None
 
 
 # peak dense bf16 tensor-core FLOP/s from NVIDIA's datasheets, matched in this order against

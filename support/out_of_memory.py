@@ -13,7 +13,7 @@ the marks alone, never on the names of the functions or variables the allocation
 phase a script marks has an entry in its script's advice table (tests/test_out_of_memory.py reads
 the scripts' marks)."""
 
-from support.gpu import GiB, fitting_B, gpu_memory_of
+from support.gpu import GiB, device_memory, fitting_B
 from support.run_folder import checkpoint_paths
 
 # module-level, not the run's: run_cli reads them after main() raised, marked by code with no handle on a run
@@ -59,7 +59,8 @@ def lower_B():
     the next divisor down; also when the estimate's B is not below -B (that B has just run out)."""
     config, B = _run["config"], _run["B"]
     recipe = (config.n_layer, config.n_embd) == (12, 768)
-    memory = gpu_memory_of(_run["device"]) if recipe and _run["autocast_dtype"] is not None else None
+    on_gpu = recipe and _run["autocast_dtype"] is not None and _run["device"].startswith("cuda")
+    memory = device_memory(_run["device"])[0] if on_gpu else None
     fit = fitting_B(B, _run["T"], memory) if memory else None
     why = f", which this GPU's {memory / GiB:.1f} GiB should fit, see docs/gpus.md" if fit and fit < B else ""
     smaller = fit if why else max((d for d in range(1, B) if B % d == 0), default=None)

@@ -96,25 +96,6 @@ def head(path, line=False):
         return b""
 
 
-def missing_folders(path):
-    """The folders of path that do not exist yet, deepest first: those os.makedirs would create."""
-    path, missing = os.path.abspath(path), []
-    while not os.path.lexists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing
-
-
-def remove_made_folders(made):
-    """Remove the folders a refused start created (missing_folders' list), while still empty: a
-    typo'd flag leaves no empty --out-dir behind, and a folder the run wrote to stays."""
-    for folder in made:
-        try:
-            os.rmdir(folder)
-        except OSError:
-            break
-
-
 # ----------------------------------------------------------------------------------------------
 # One run per folder: the claim at start, given back at the end
 
@@ -132,11 +113,8 @@ def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
         )
     check_folder(out_dir, "--out-dir")
     note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
-    try:
-        if not dry_run:
-            os.makedirs(out_dir, exist_ok=True)
-        if os.path.isdir(out_dir):  # a dry run too: refused where the real run would be
-            on_exit.callback(unlock_folder, lock_folder(out_dir, LOCK_FILE, "run", note, dry_run))
+    try:  # a dry run too: refused where the real run would be
+        on_exit.callback(unlock_folder, lock_folder(out_dir, LOCK_FILE, "run", note, dry_run))
     except OSError as e:
         raise UserError(f"cannot create or open --out-dir {out_dir}: {e.strerror}") from None
     if os.path.isdir(out_dir) and not os.access(out_dir, os.W_OK):  # refused now, not after the whole start-up

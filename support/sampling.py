@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from support.checks import Number
-from support.cli import UserError, flag
+from support.cli import Number, UserError, flag
 from support.out_of_memory import oom_phase
 from support.precision import autocast
 from support.shards import GPT2_VOCAB

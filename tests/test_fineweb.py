@@ -513,8 +513,8 @@ def test_online_fineweb_edu_on_the_hub_is_the_text_fineweb_py_makes_shards_of(tm
     of them tokenized, each after an <|endoftext|>."""
     import datasets  # noqa: PLC0415  (half a second: only this test needs it)
 
-    hub = fineweb.HUB_DEFAULTS
-    rows = list(datasets.load_dataset(hub["dataset"], name=hub["name"], split=hub["split"], streaming=True).take(2))
+    hub = fineweb.Input()
+    rows = list(datasets.load_dataset(hub.dataset, name=hub.name, split=hub.split, streaming=True).take(2))
     assert all(isinstance(row["text"], str) and len(row["text"]) > 100 for row in rows)
     s = fineweb.main(["--out-dir", str(tmp_path), "--max-tokens", "2000", "--shard-size", "2000", "--workers", "1"])
     want = [EOT, *enc.encode_ordinary(rows[0]["text"]), EOT, *enc.encode_ordinary(rows[1]["text"])][:2000]

@@ -27,15 +27,15 @@ from support.out_of_memory import (
 from train_gpt2 import GPTConfig
 
 # a script (argv[2]) in a process whose address space is capped at what its imports map plus argv[1] MiB;
-# sample.py reads that cap as the machine's memory (support.checks.device_memory)
+# sample.py reads that cap as the machine's memory (support.gpu.device_memory)
 LIMITED = """
 import resource, runpy, sys
-import numpy, torch, fineweb, sample, support.checks, train_gpt2
+import numpy, torch, fineweb, sample, support.gpu, train_gpt2
 headroom = int(sys.argv[1]) * 2**20
 vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, vm + headroom))
 if sys.argv[2] == "sample.py":
-    support.checks.device_memory = lambda device: (headroom, "the memory under the cap")
+    support.gpu.device_memory = lambda device: (headroom, "the memory under the cap")
 sys.argv = sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -229,11 +229,11 @@ def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_con
     )
 
 
-def first_step_error(tmp_path, config, autocast_dtype):
+def first_step_error(tmp_path, config, autocast_dtype, device="cuda:0"):
     """The advice for a run of config out of GPU memory in its first step at the recipe's batch."""
     forget_phases()
     out = str(tmp_path / "out")
-    recipe_run(out, config, "cuda:0", autocast_dtype)
+    recipe_run(out, config, device, autocast_dtype)
     oom_phase("training step", step=0, first=True)
     return training_out_of_memory()
 
@@ -242,7 +242,7 @@ def test_out_of_gpu_memory_names_the_B_the_memory_estimate_fits_where_it_holds(t
     """Under autocast (fp16 here; bf16 and the whole line through a run on a faked GPU: test_fake_gpu's
     test_out_of_memory_names_the_B_the_gpu_fits)."""
     monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=int(23.65 * GiB))
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(name="GPU", total_memory=int(23.65 * GiB))
     )
     recipe = GPTConfig(vocab_size=50304)
     assert "lower -B (e.g. -B 16, which this GPU's 23.6 GiB" in first_step_error(tmp_path, recipe, torch.float16)
@@ -251,5 +251,8 @@ def test_out_of_gpu_memory_names_the_B_the_memory_estimate_fits_where_it_holds(t
     assert halved in first_step_error(tmp_path, recipe, None)
     wider = GPTConfig(vocab_size=50304, n_layer=24, n_head=16, n_embd=1024)
     assert halved in first_step_error(tmp_path, wider, torch.bfloat16)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GiB))
+    assert halved in first_step_error(tmp_path, recipe, torch.bfloat16, "cpu")  # the estimate is a GPU's
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(name="GPU", total_memory=80 * GiB)
+    )
     assert halved in first_step_error(tmp_path, recipe, torch.bfloat16)
