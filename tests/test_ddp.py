@@ -42,13 +42,13 @@ def test_ranks_that_do_not_join_within_the_timeout_say_so_in_one_line_each(tmp_p
 SLOW_DISK = """
 import os, sys, time
 import train_gpt2
-from support import checkpoints, cli
-write = checkpoints.write_atomic
+from support import cli, run_folder
+write = run_folder.write_atomic
 def slow(path, *args, **kwargs):
     if path.endswith(".pt") and os.environ["RANK"] == "0":
         time.sleep(8)
     return write(path, *args, **kwargs)
-checkpoints.write_atomic = slow  # the name save_checkpoint calls
+run_folder.write_atomic = slow  # the name save_checkpoint calls
 cli.run_cli(lambda: train_gpt2.main(sys.argv[1:]))
 """
 
