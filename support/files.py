@@ -105,14 +105,13 @@ LOCK_HOLDERS = {".train_gpt2.lock": "a train_gpt2.py run", ".fineweb.lock": "a f
 
 def lock_folder(folder, name, who, note="", dry_run=False):
     """Hold folder (made, parents too, where it is missing) for this process's life: a second `who`
-    started into it is refused in one line
-    naming the holder, whose pid, host, start and command (note: more on the pid) this writes to
-    the file `name` in folder (by rename, as every write here). The lock is flock on the folder
-    itself, or on Windows msvcrt.locking on NAME.msvcrt held open (Windows deletes no open file): a
-    user's `rm` of a file cannot undo it, and the OS gives it back when the process ends, a kill
-    included. Returns what unlock_folder takes; None where the file system cannot lock (some
-    network file systems), said in a warning. dry_run: only whether another holds it; nothing is
-    made or written."""
+    started into it is refused in one line naming the holder, whose pid, host, start and command
+    (note: more on the pid) this writes to the file `name` in folder (by rename, as every write here).
+    The lock is flock on the folder itself, or on Windows msvcrt.locking on NAME.msvcrt held open
+    (Windows deletes no open file): a user's `rm` of a file cannot undo it, and the OS gives it back
+    when the process ends, a kill included. Returns what unlock_folder takes; None where the file
+    system cannot lock (some network file systems), said in a warning. dry_run: only whether another
+    holds it; nothing is made or written."""
     path = os.path.join(folder, name)
     if dry_run and not os.path.exists(folder if fcntl else path + ".msvcrt"):
         return None  # no folder (on Windows no lock file): no process holds it
@@ -158,9 +157,10 @@ def unlock_folder(lock):
     has it open), then the folders lock_folder made, if nothing was written there."""
     if lock is None:
         return
-    fd, path, made = lock
-    with contextlib.suppress(OSError, TypeError):  # TypeError: a dry run's, which wrote no file
-        os.remove(path)
+    fd, path, made = lock  # path None: a dry run's, which wrote no file
+    if path:
+        with contextlib.suppress(OSError):
+            os.remove(path)
     os.close(fd)
     if not fcntl and path:
         with contextlib.suppress(OSError):
