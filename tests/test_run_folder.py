@@ -87,13 +87,15 @@ def test_a_folder_it_cannot_write_is_refused_when_claimed_with_advice_that_fits(
 ):
     """A read-only folder, or another user's, as os.access says it to a user who is not root (root
     writes through a folder's mode): refused at the claim, before the model is built and the data
-    read; on --resume the advice continues the run in a folder of the user's, and works."""
+    read (a killed write's temporary file there too); on --resume the advice continues the run in a
+    folder of the user's, and works."""
     out = tmp_path / "out"
     out.mkdir()
     args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
     if resume:
         assert train_gpt2.main(args) == 0
         args += ["--max-steps", 4, "--resume"]
+        (out / ".ckpt_000004.pt.tmp").write_bytes(b"PK\x03\x04cut short")  # a killed write's, left
     access = os.access
     monkeypatch.setattr(
         os, "access", lambda path, mode, **kw: access(path, mode, **kw) and not (mode & os.W_OK and path == str(out))
