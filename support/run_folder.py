@@ -146,8 +146,7 @@ def check_names_at_start(out_dir, records):
     one: this run's records would follow steps of no known run), are refused, each named with the
     `mv` that sets it aside. records: the log's."""
     log, what = log_path(out_dir), "is no checkpoint of train_gpt2.py (not the zip torch.save writes)"
-    cut = "is 0 bytes, a checkpoint cut short (a copy or a write that did not finish)"
-    found = [(p, cut if os.path.getsize(p) == 0 else what) for p in checkpoint_paths(out_dir) if head(p) != ZIP]
+    found = [(p, what) for p in checkpoint_paths(out_dir) if head(p) != ZIP]
     if head(log) and (records or [{}])[0].get("event") != "header":
         found.append((log, "is not this run's (its first line is not a run's header)"))
     if found:

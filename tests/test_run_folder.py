@@ -287,13 +287,9 @@ def test_links_at_the_names_a_run_writes_are_replaced_never_written_through(data
 
 
 @pytest.mark.parametrize("resume", [False, True])
-@pytest.mark.parametrize(
-    "mine, said", [("my notes\n", "is no checkpoint of train_gpt2.py"), ("", "is 0 bytes, a checkpoint cut")]
-)
-def test_a_file_at_a_checkpoints_name_that_is_none_is_refused_and_setting_it_aside_runs(
-    data, tmp_path, resume, mine, said
-):
-    """A user's text, or a copy killed before its first byte (cut short), at a checkpoint's name: said to be no
+@pytest.mark.parametrize("mine", ["my notes\n", ""])
+def test_a_file_at_a_checkpoints_name_that_is_none_is_refused_and_setting_it_aside_runs(data, tmp_path, resume, mine):
+    """A user's text, or a copy killed before its first byte, at a checkpoint's name: said to be no
     checkpoint, with the `mv` that sets it aside; that, then the same command, runs and keeps the file aside."""
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
@@ -302,7 +298,9 @@ def test_a_file_at_a_checkpoints_name_that_is_none_is_refused_and_setting_it_asi
         args += ["--max-steps", 4, "--resume"]
     out.mkdir(exist_ok=True)
     (out / "ckpt_000004.pt").write_text(mine)
-    msg = refused_before_step_0(args, out, f"{out / 'ckpt_000004.pt'} {said}", "move it aside (mv ")
+    msg = refused_before_step_0(
+        args, out, f"{out / 'ckpt_000004.pt'} is no checkpoint of train_gpt2.py", "move it aside (mv "
+    )
     assert "another run" not in msg and "--resume" not in msg
     subprocess.run(re.search(r"\((mv [^)]+)\)", msg)[1], shell=True, check=True)  # the advice, as given
     assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == list(range(4 if resume else 2))
