@@ -25,18 +25,6 @@ except ImportError:  # not Windows
     msvcrt = None
 
 
-def fsync_dir(folder):
-    """Make the names in folder durable: a rename or a new file is an entry in its folder, which
-    POSIX keeps in memory until the folder itself is fsynced. A no-op where a folder cannot be
-    opened (Windows) or fsynced (some file systems)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def write_atomic(path, write, mode="wb"):
     """write(f) into a hidden temporary file beside path, fsync it, then rename it over path and
     fsync the folder: readers and a resumed run see the whole old file or the whole new one, never
@@ -50,7 +38,12 @@ def write_atomic(path, write, mode="wb"):
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it count
         os.replace(tmp, path)
-        fsync_dir(os.path.dirname(path) or ".")  # the rename itself on disk: a crash now keeps the new file
+        with contextlib.suppress(OSError):  # the rename, an entry of the folder, on disk (Windows opens no folder)
+            fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     except BaseException:
         with contextlib.suppress(OSError):  # a full disk: give back the space it holds
             os.remove(tmp)
