@@ -200,10 +200,9 @@ def write_dir_atomic(out_dir, write, what):
             if os.path.isfile(path) and not os.path.islink(path):
                 os.chmod(path, 0o666 & ~umask)
         if into:
-            earlier = set(os.listdir(out_dir)) - {os.path.basename(tmp)}
+            earlier = set(os.listdir(out_dir)) - {os.path.basename(tmp), *os.listdir(tmp)}  # not written again
             for name in os.listdir(tmp):
                 os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-                earlier.discard(name)
             os.rmdir(tmp)
             tmp = None
             for name in earlier:
