@@ -574,8 +574,7 @@ def train(args, given, on_exit):
         check_finite_state(ckpt, args.out_dir, log.trained, args.max_lr)  # never a checkpoint of non-finite weights
         return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp, log.trained, stop)
 
-    stop = StopRequest(args.out_dir)
-    on_exit.callback(stop.release)  # the signal handlers from before the run, back
+    stop = StopRequest(args.out_dir, on_exit)  # the signal handlers from before the run, back as it ends
     guard = NonFiniteGuard(log, master_process, checkpoint, args.out_dir, args.max_lr, scaler)
     for step in range(start_step, args.max_steps + 1):  # evaluate the model after `step` updates, then update
         last_step = step == args.max_steps

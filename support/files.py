@@ -25,38 +25,6 @@ except ImportError:  # not Windows
     msvcrt = None
 
 
-def fsync_dir(folder):
-    """Make the names in folder durable: a rename or a new file is an entry in its folder, which
-    POSIX keeps in memory until the folder itself is fsynced. A no-op where a folder cannot be
-    opened (Windows) or fsynced (some file systems)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def fsync_tree(folder):
-    """Every file under folder, then every folder in it, on disk (write_dir_atomic, before its swap)."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDWR)  # written by us; Windows fsyncs only writable ones
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(root)
-
-
-def _new_file(path, flags):
-    """An opener that makes path afresh (O_EXCL): whatever a killed write left at the name (a file,
-    a link) loses the name first, so that no other name of it is ever written through."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
-    return os.open(path, flags | os.O_EXCL, 0o666)
-
-
 def write_atomic(path, write, mode="wb"):
     """write(f) into a hidden temporary file beside path, fsync it, then rename it over path and
     fsync the folder: readers and a resumed run see the whole old file or the whole new one, never
@@ -65,12 +33,17 @@ def write_atomic(path, write, mode="wb"):
     and Ctrl-C included."""
     tmp = os.path.join(os.path.dirname(path) or ".", "." + os.path.basename(path) + ".tmp")
     try:
-        with open(tmp, mode, opener=_new_file) as f:
+        with open(tmp, mode) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it count
         os.replace(tmp, path)
-        fsync_dir(os.path.dirname(path) or ".")  # the rename itself on disk: a crash now keeps the new file
+        with contextlib.suppress(OSError):  # the rename, an entry of the folder, on disk (Windows opens no folder)
+            fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     except BaseException:
         with contextlib.suppress(OSError):  # a full disk: give back the space it holds
             os.remove(tmp)
@@ -207,7 +180,8 @@ def write_dir_atomic(out_dir, write, what):
     point (`docker -v host:dir`, a tmpfs, a bind mount) cannot be renamed: the hidden folder is made
     inside it, and its files take the places of those there (a file of the earlier folder not
     written again is deleted). On any failure, a full disk and Ctrl-C included, the hidden
-    folders and the parents this made are removed and out_dir is as it was."""
+    folders and the parents this made are removed and out_dir is as it was. Nothing is fsynced: a
+    power cut may cost the export, which the checkpoint makes again."""
     parent = os.path.dirname(out_dir)
     into = is_mount_point(out_dir)
     made = missing_folders(parent)  # the parent folders this call creates
@@ -225,17 +199,14 @@ def write_dir_atomic(out_dir, write, what):
             path = os.path.join(tmp, name)
             if os.path.isfile(path) and not os.path.islink(path):
                 os.chmod(path, 0o666 & ~umask)
-        fsync_tree(tmp)  # what write() wrote (save_pretrained does not fsync) on disk before the swap
         if into:
-            earlier = set(os.listdir(out_dir)) - {os.path.basename(tmp)}
+            earlier = set(os.listdir(out_dir)) - {os.path.basename(tmp), *os.listdir(tmp)}  # not written again
             for name in os.listdir(tmp):
                 os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-                earlier.discard(name)
             os.rmdir(tmp)
             tmp = None
             for name in earlier:
                 os.remove(os.path.join(out_dir, name))
-            fsync_dir(out_dir)
             return
         if os.path.isdir(out_dir) and os.listdir(out_dir):
             old = os.path.join(parent, f".old_{os.getpid()}_{os.path.basename(out_dir)}")
@@ -248,7 +219,6 @@ def write_dir_atomic(out_dir, write, what):
                 old = None
             raise
         tmp = None
-        fsync_dir(parent or ".")  # the swap itself on disk
         if old:
             shutil.rmtree(old)
     except BaseException as e:

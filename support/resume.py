@@ -133,8 +133,7 @@ def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, max_steps
         raise same_on_every_rank(
             UserError(f"--max-steps {max_steps} is below the {ckpt['step']} steps {ckpt_path} has done")
         )
-    if ckpt.get("data_identity") is not None:
-        check_same_data(ckpt["data_identity"], loader.identity, ckpt_path, os.path.dirname(loader.shards[0]))
+    check_same_data(ckpt["data_identity"], loader.identity, ckpt_path, os.path.dirname(loader.shards[0]))
     optimizer.load_state_dict(ckpt["optimizer"])
     loader.load_state_dict(ckpt["data"])
     if scaler.is_enabled() and ckpt.get("scaler"):

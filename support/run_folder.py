@@ -86,12 +86,11 @@ def free_name(path, tag):
 ZIP = b"PK\x03\x04"  # how torch.save's zip begins
 
 
-def head(path, line=False):
-    """The first 4 bytes of the file at path (ZIP for a checkpoint), or its first line (a run's
-    header for a log); b"" if it cannot be read."""
+def head(path):
+    """The first 4 bytes of the file at path (ZIP for a checkpoint); b"" if it cannot be read."""
     try:
         with open(path, "rb") as f:
-            return f.readline() if line else f.read(4)
+            return f.read(4)
     except OSError:
         return b""
 
@@ -136,10 +135,7 @@ def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
         return records
     for name in [n for n in os.listdir(out_dir) if UNFINISHED.fullmatch(n)]:
         print(f"removing the unfinished {name}")  # a checkpoint write of this run cut short by a kill
-        try:
-            os.remove(os.path.join(out_dir, name))
-        except OSError as e:  # a read-only folder: the run could write nothing there either
-            raise disk_error(e, f"to --out-dir {out_dir} (removing {name})", "continue with --resume") from None
+        os.remove(os.path.join(out_dir, name))  # the folder is writable: os.access said so above
     return records
 
 
@@ -150,9 +146,8 @@ def check_names_at_start(out_dir, records):
     one: this run's records would follow steps of no known run), are refused, each named with the
     `mv` that sets it aside. records: the log's."""
     log, what = log_path(out_dir), "is no checkpoint of train_gpt2.py (not the zip torch.save writes)"
-    cut = "is 0 bytes, a checkpoint cut short (a copy or a write that did not finish)"
-    found = [(p, cut if os.path.getsize(p) == 0 else what) for p in checkpoint_paths(out_dir) if head(p) != ZIP]
-    if head(log, line=True) and (records or [{}])[0].get("event") != "header":
+    found = [(p, what) for p in checkpoint_paths(out_dir) if head(p) != ZIP]
+    if head(log) and (records or [{}])[0].get("event") != "header":
         found.append((log, "is not this run's (its first line is not a run's header)"))
     if found:
         path, what = found[0]
@@ -328,7 +323,9 @@ def save_checkpoint(ckpt, out_dir, keep, trained):
         write_atomic(meta_path(path), lambda f: json.dump(meta, f, indent=1), mode="w")
         write_atomic(path, lambda f: torch.save(ckpt, f))
     except (OSError, RuntimeError) as e:
-        cause = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write
+        cause = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write, and a stop signal
+        if isinstance(cause, KeyboardInterrupt):
+            raise cause from None
         if not isinstance(cause, OSError):
             raise  # not the disk: a bug, keep its traceback
         if not os.path.exists(path):  # the meta of a checkpoint not written (not of one rewritten in place)
@@ -375,12 +372,7 @@ def save_training_state(ckpt, out_dir, keep, master_process, ddp, trained, stop)
     path = None
     with stop.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):
         if master_process:
-            try:
-                path = save_checkpoint(ckpt, out_dir, keep, trained)
-            except RuntimeError as e:  # torch.save's writer wraps a stop signal raised inside it: a stop
-                if isinstance(e.__context__, KeyboardInterrupt):
-                    raise e.__context__ from None
-                raise
+            path = save_checkpoint(ckpt, out_dir, keep, trained)
             print(f"wrote {path}")
         fence(ddp)
     return path

@@ -28,19 +28,14 @@ class StopRequest:
         getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT", "SIGBREAK") if hasattr(signal, name)
     )
 
-    def __init__(self, out_dir):
+    def __init__(self, out_dir, on_exit):
         self.signum, self.out_dir = 0, out_dir
         self.writing = None  # the checkpoint being written (during_write), and whether this process says so
-        self.replaced = {}  # signal -> the handler this one replaced, which release() puts back
         for s in self.SIGNALS:
             if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN:
                 continue  # started under nohup: hangups are to be ignored, and are
-            self.replaced[s] = signal.signal(s, self.on_signal)
-
-    def release(self):
-        """The handlers from before the run, back: the process goes on without it (a test, a notebook)."""
-        for signum, handler in self.replaced.items():
-            signal.signal(signum, handler)
+            # on_exit, the run's ExitStack, puts the handler from before the run back: a test or a notebook goes on
+            on_exit.callback(signal.signal, s, signal.signal(s, self.on_signal))
 
     @contextlib.contextmanager
     def during_write(self, path, say):

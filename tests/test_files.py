@@ -1,8 +1,7 @@
 """support/files.py: atomic writes are durable (write_atomic fsyncs the temporary file before the
-rename and the folder after it; write_dir_atomic fsyncs every file and folder it wrote before the
-swap and the parent after it; seen through os.fsync and os.replace themselves, by the identity
+rename and the folder after it, seen through os.fsync and os.replace themselves, by the identity
 (device, inode) of what each fsync reached: a write that skips one fails here), and a link at
-either of write_atomic's names is replaced, never written through; the folder lock refuses a second
+the name write_atomic writes is replaced, never written through; the folder lock refuses a second
 holder on each mechanism, an `rm` of its file notwithstanding; a failed write's line says "make
 room" only when the disk is full; a file where a folder goes is one line in every script; jsonl_rows
 names a bad line. (train_gpt2.py's use of the lock:
@@ -22,66 +21,37 @@ import train_gpt2
 from helpers import assert_one_line_error, cli, snapshot, tiny_args, user_error
 from support import files
 from support.cli import UserError
-from support.files import jsonl_rows, lock_folder, unlock_folder, write_atomic, write_dir_atomic
+from support.files import jsonl_rows, lock_folder, unlock_folder, write_atomic
 from support.run_folder import LOCK_FILE, claim_out_dir
 
 # ----------------------------------------------------------------------------------------------
 # Atomic writes are durable
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    """The fsyncs and renames support.files makes, in order: ("fsync", identity of the fd's file or
-    folder) and ("replace", identity of what is renamed, destination)."""
-    seen, fsync, replace = [], os.fsync, os.replace
+def identity(st):
+    return st.st_dev, st.st_ino
 
-    def identity(st):
-        return st.st_dev, st.st_ino
+
+def test_write_atomic_fsyncs_the_file_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    calls, fsync, replace = [], os.fsync, os.replace  # the identity of what each fsync reached; each rename's target
 
     def recording_fsync(fd):
-        seen.append(("fsync", identity(os.fstat(fd))))
+        calls.append(identity(os.fstat(fd)))
         return fsync(fd)
 
     def recording_replace(src, dst):
-        seen.append(("replace", identity(os.stat(src)), os.fspath(dst)))
+        calls.append(os.fspath(dst))
         return replace(src, dst)
 
     monkeypatch.setattr(files.os, "fsync", recording_fsync)
     monkeypatch.setattr(files.os, "replace", recording_replace)
-    return seen
-
-
-def identity(path):
-    st = os.stat(path)
-    return st.st_dev, st.st_ino
-
-
-def test_write_atomic_fsyncs_the_file_before_the_rename_and_the_folder_after(tmp_path, calls):
     path = tmp_path / "ckpt.pt"
     path.write_bytes(b"old")
     write_atomic(str(path), lambda f: f.write(b"new"))
     assert path.read_bytes() == b"new"
-    (rename,) = [i for i, call in enumerate(calls) if call[0] == "replace" and call[2] == str(path)]
-    assert ("fsync", identity(path)) in calls[:rename]  # the new file's inode, before its rename
-    assert ("fsync", identity(tmp_path)) in calls[rename + 1 :]  # the rename is an entry of the folder
-
-
-def test_write_dir_atomic_fsyncs_every_file_and_folder_before_the_swap_and_the_parent_after(tmp_path, calls):
-    out = tmp_path / "export"
-
-    def write(folder):  # a file in the folder and one in a subfolder, written without any fsync
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            f.write("{}")
-        os.mkdir(os.path.join(folder, "sub"))
-        with open(os.path.join(folder, "sub", "model.safetensors"), "wb") as f:
-            f.write(b"x" * 100)
-
-    write_dir_atomic(str(out), write, "the export")
-    (swap,) = [i for i, call in enumerate(calls) if call[0] == "replace" and call[2] == str(out)]
-    before = calls[:swap]
-    for path in (out / "config.json", out / "sub" / "model.safetensors", out / "sub", out):
-        assert ("fsync", identity(path)) in before, path  # the same inodes, under their final names
-    assert ("fsync", identity(tmp_path)) in calls[swap + 1 :]
+    rename = calls.index(str(path))
+    assert identity(os.stat(path)) in calls[:rename]  # the new file's inode, before its rename
+    assert identity(os.stat(tmp_path)) in calls[rename + 1 :]  # the rename is an entry of the folder
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,16 +89,15 @@ def test_a_file_where_a_folder_goes_is_one_line_naming_it(tmp_path, monkeypatch,
 
 
 # ----------------------------------------------------------------------------------------------
-# A link at a name write_atomic writes is replaced, never written through
+# A link at the name write_atomic writes is replaced, never written through
 
 
 @pytest.mark.parametrize("link", [os.symlink, os.link], ids=["symbolic link", "hard link"])
-@pytest.mark.parametrize("at", ["the final name", "the temporary file's name"])
-def test_write_atomic_replaces_a_link_and_leaves_what_it_names_alone(tmp_path, link, at):
+def test_write_atomic_replaces_a_link_and_leaves_what_it_names_alone(tmp_path, link):
     folder, theirs = tmp_path / "run", tmp_path / "theirs.txt"
     folder.mkdir()
     theirs.write_bytes(b"the user's file\n")
-    link(theirs, folder / ("out.json" if at == "the final name" else ".out.json.tmp"))
+    link(theirs, folder / "out.json")
     write_atomic(str(folder / "out.json"), lambda f: f.write(b"new"))
     assert theirs.read_bytes() == b"the user's file\n" and os.listdir(folder) == ["out.json"]
     assert (folder / "out.json").read_bytes() == b"new" and not (folder / "out.json").is_symlink()

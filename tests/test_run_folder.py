@@ -6,7 +6,6 @@ what a user trips on there is one line whose advice works. (The lock itself: tes
 checkpoint --resume takes, and what it sets aside: test_resume.py.)"""
 
 import builtins
-import errno
 import json
 import os
 import re
@@ -87,13 +86,15 @@ def test_a_folder_it_cannot_write_is_refused_when_claimed_with_advice_that_fits(
 ):
     """A read-only folder, or another user's, as os.access says it to a user who is not root (root
     writes through a folder's mode): refused at the claim, before the model is built and the data
-    read; on --resume the advice continues the run in a folder of the user's, and works."""
+    read (a killed write's temporary file there too); on --resume the advice continues the run in a
+    folder of the user's, and works."""
     out = tmp_path / "out"
     out.mkdir()
     args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
     if resume:
         assert train_gpt2.main(args) == 0
         args += ["--max-steps", 4, "--resume"]
+        (out / ".ckpt_000004.pt.tmp").write_bytes(b"PK\x03\x04cut short")  # a killed write's, left
     access = os.access
     monkeypatch.setattr(
         os, "access", lambda path, mode, **kw: access(path, mode, **kw) and not (mode & os.W_OK and path == str(out))
@@ -114,7 +115,8 @@ def test_a_folder_it_cannot_write_is_refused_when_claimed_with_advice_that_fits(
 
 def test_a_second_process_into_a_running_runs_folder_is_refused_naming_it(data, tmp_path):
     """A new run, its dry run, a --resume, and a --resume after a user's `rm` of the lock file (the folder
-    itself is locked: the refusal then cannot name the holder); the running run goes on untouched."""
+    itself is locked: the refusal then cannot name the holder); the running run goes on untouched, and
+    once killed leaves no lock behind."""
     out = tmp_path / "out"
     first = start_run(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2))
     try:
@@ -134,26 +136,13 @@ def test_a_second_process_into_a_running_runs_folder_is_refused_naming_it(data, 
             if "--resume" in extra:
                 (out / LOCK_FILE).unlink(missing_ok=True)  # "a stale lock", as a user takes it
         assert first.poll() is None  # the first run goes on, untouched
-        first.send_signal(signal.SIGTERM)
-        _, err = first.communicate(timeout=120)
     finally:
-        first.kill()
-    assert first.returncode == 128 + signal.SIGTERM, err
-    assert len(headers(out)) == 1 and len(run_ids(out)) == 1  # the refused processes wrote nothing
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", max(read_log(out)[1]) + 3, "--resume")) == 0  # free
-
-
-def test_a_killed_run_leaves_no_lock_to_clean_by_hand(data, tmp_path):
-    out = tmp_path / "out"
-    first = start_run(*tiny_args(data, out, "--max-steps", 100000, "--ckpt-every", 2))
-    try:
-        wait_for_step(first, out, 3)
-    finally:
-        first.send_signal(signal.SIGKILL)
+        first.kill()  # killed: its lock goes with the process, nothing to clean by hand
         first.communicate()
-    assert (out / LOCK_FILE).exists()  # the file stays; its lock went with the process
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 8, "--resume")) == 0
-    assert sorted(read_log(out)[1]) == list(range(8)) and len(run_ids(out)) == 1
+    assert len(headers(out)) == 1 and len(run_ids(out)) == 1  # the refused processes wrote nothing
+    end = max(read_log(out)[1]) + 3
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", end, "--resume")) == 0  # free
+    assert sorted(read_log(out)[1]) == list(range(end)) and len(run_ids(out)) == 1
 
 
 @pytest.mark.slow
@@ -298,13 +287,9 @@ def test_links_at_the_names_a_run_writes_are_replaced_never_written_through(data
 
 
 @pytest.mark.parametrize("resume", [False, True])
-@pytest.mark.parametrize(
-    "mine, said", [("my notes\n", "is no checkpoint of train_gpt2.py"), ("", "is 0 bytes, a checkpoint cut")]
-)
-def test_a_file_at_a_checkpoints_name_that_is_none_is_refused_and_setting_it_aside_runs(
-    data, tmp_path, resume, mine, said
-):
-    """A user's text, or a copy killed before its first byte (cut short), at a checkpoint's name: said to be no
+@pytest.mark.parametrize("mine", ["my notes\n", ""])
+def test_a_file_at_a_checkpoints_name_that_is_none_is_refused_and_setting_it_aside_runs(data, tmp_path, resume, mine):
+    """A user's text, or a copy killed before its first byte, at a checkpoint's name: said to be no
     checkpoint, with the `mv` that sets it aside; that, then the same command, runs and keeps the file aside."""
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 2, "--ckpt-every", 2, "--eval-every", 0)
@@ -313,7 +298,9 @@ def test_a_file_at_a_checkpoints_name_that_is_none_is_refused_and_setting_it_asi
         args += ["--max-steps", 4, "--resume"]
     out.mkdir(exist_ok=True)
     (out / "ckpt_000004.pt").write_text(mine)
-    msg = refused_before_step_0(args, out, f"{out / 'ckpt_000004.pt'} {said}", "move it aside (mv ")
+    msg = refused_before_step_0(
+        args, out, f"{out / 'ckpt_000004.pt'} is no checkpoint of train_gpt2.py", "move it aside (mv "
+    )
     assert "another run" not in msg and "--resume" not in msg
     subprocess.run(re.search(r"\((mv [^)]+)\)", msg)[1], shell=True, check=True)  # the advice, as given
     assert train_gpt2.main(args) == 0 and sorted(read_log(out)[1]) == list(range(4 if resume else 2))
@@ -348,33 +335,12 @@ def test_a_run_folder_moved_or_deleted_mid_run_stops_in_one_line_at_its_next_che
 # A checkpoint write that fails
 
 
-def fail_nth_open(monkeypatch, n, code, reason):
-    """The n-th checkpoint file train_gpt2 opens for writing fails with OSError(code, reason)."""
-    opened = []
-
-    def open_(path, mode="r", *args, **kwargs):
-        if "w" in mode and str(path).endswith(".pt.tmp"):
-            opened.append(path)
-            if len(opened) == n:
-                raise OSError(code, reason, str(path))
-        return open(path, mode, *args, **kwargs)
-
-    monkeypatch.setattr(files, "open", open_, raising=False)  # files.write_atomic writes the checkpoints
-    return opened
-
-
-@pytest.mark.parametrize(
-    "fault, reason", [("disk-full", "No space left on device"), ("read-only", "Read-only file system")]
-)
-def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(data, tmp_path, monkeypatch, fault, reason):
+def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(data, tmp_path, monkeypatch):
     out = tmp_path / "out"
     args = tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 1, "--eval-every", 0)
-    if fault == "disk-full":
-        fail_nth_write(monkeypatch, files, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
-    else:
-        fail_nth_open(monkeypatch, 3, errno.EROFS, reason)
+    fail_nth_write(monkeypatch, files, ".pt.tmp", 3, room=100_000)  # torch.save fails inside a tensor
     msg = user_error(args)
-    assert reason in msg and "ckpt_000003.pt" in msg
+    assert "No space left on device" in msg and "ckpt_000003.pt" in msg
     names = ["ckpt_000001.pt", "ckpt_000002.pt", "log.jsonl", "meta_000001.json", "meta_000002.json"]
     assert sorted(os.listdir(out)) == names  # no partial file left, no meta of the checkpoint not written
     assert max(read_log(out)[1]) == 2  # stopped at the failed write, not after more steps
@@ -393,7 +359,7 @@ def test_failing_checkpoint_write_stops_in_one_line_and_keeps_the_previous(data,
 
 def test_a_failed_first_checkpoint_write_does_not_claim_earlier_ones(data, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    fail_nth_open(monkeypatch, 1, errno.ENOSPC, "No space left on device")
+    fail_nth_write(monkeypatch, files, ".pt.tmp", 1, room=100_000)
     msg = user_error(tiny_args(data, out, "--max-steps", 4, "--ckpt-every", 2, "--eval-every", 0))
     assert f"no earlier checkpoint is in {tmp_path / 'out'}" in msg and "intact" not in msg
     assert "start the run again in a new --out-dir" in msg

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from contextlib import ExitStack
 from types import SimpleNamespace
 
 import pytest
@@ -39,8 +40,8 @@ def test_under_torchrun_a_rank_whose_parent_changed_stops_as_for_sigterm(monkeyp
     """signals.TORCHRUN: torchrun's pid as the rank started (None: a plain run); another parent: it is gone."""
     monkeypatch.setattr(signals, "TORCHRUN", launcher, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")
-    stop = StopRequest("log")
-    stop.release()
+    with ExitStack() as on_exit:
+        stop = StopRequest("log", on_exit)
     assert stop.agreed("cpu", ddp=False) == (signal.SIGTERM if stops else 0)
     gone = f"torchrun (pid {launcher}) is gone: stopping after this step with a checkpoint in log\n"
     assert capsys.readouterr().out == (gone if stops else "")
