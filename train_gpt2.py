@@ -670,9 +670,6 @@ def parse_args(argv=None):
     try:  # every rank of a torchrun job parses the same command line (@presets too): said once
         typed, given = parse_with_presets(argv, p)
     except UserError as e:
-        for flag_, command in (("--sample-from", "sample.py MODEL"), ("--export-hf", "export_hf.py CKPT DIR")):
-            if f" {flag_}" in str(e):  # retired: train_gpt2.py only trains
-                e = UserError(f"{flag_} is no flag of train_gpt2.py, which only trains: use python {command}")
         raise same_on_every_rank(e) from None
     moved = resume_folder(typed.get("resume"), typed.get("out_dir"))  # --resume <a run's folder>: its --out-dir
     return argparse.Namespace(**{**defaults, **typed, **moved}), {**given, **dict.fromkeys(moved, "")}
