@@ -108,12 +108,19 @@ def test_out_of_memory_while_sampling_mid_run_keeps_the_checkpoint_and_resume_co
     assert samples and len(samples[-1]) == int(args[args.index("--num-samples") + 1]) < 64
 
 
-def test_out_of_memory_in_the_start_up_sampling_check_leaves_nothing(data, tmp_path):
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (
+            ("--sample-every", 2, "--num-samples", 3000),
+            ("in the start-up sampling check", "--num-samples 3000 (e.g. 1500)"),
+        ),
+        (("--n-embd", 2048, "--n-head", 1), ("while building the model", "--n-layer or --n-embd")),  # 0.8 GB of weights
+    ],
+)
+def test_out_of_memory_at_the_start_names_its_phase_and_flag_and_leaves_nothing(data, tmp_path, flags, words):
     out = tmp_path / "out"
-    r = limited(400, *tiny_args(data, out, "--sample-every", 2, "--num-samples", 3000))
-    assert_one_line_error(
-        r, "out of host memory in the start-up sampling check", "lower --num-samples 3000 (e.g. 1500)"
-    )
+    assert_one_line_error(limited(400, *tiny_args(data, out, *flags)), "out of host memory " + words[0], words[1])
     assert not out.exists()
 
 
@@ -128,11 +135,6 @@ def test_out_of_memory_in_sample_py_advises_a_num_samples_that_fits_and_it_sampl
     r = limited(1024, *args, "--num-samples", n, script="sample.py")
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.findall(r"^sample (\d+): ", r.stdout, re.M)[-1] == str(n - 1)
-
-
-def test_out_of_memory_building_a_too_wide_model_names_the_model_flags(data, tmp_path):
-    r = limited(400, *tiny_args(data, tmp_path / "out", "--n-embd", 2048, "--n-head", 1))  # 0.8 GB of weights
-    assert_one_line_error(r, "out of host memory while building the model", "--n-layer or --n-embd")
 
 
 def test_out_of_memory_in_the_val_loss_eval_gets_its_advice_not_the_training_steps(data, tmp_path, monkeypatch, capsys):
