@@ -167,9 +167,10 @@ def recipe_run(out, config=None, device="cpu", autocast_dtype=None):
     oom_run(config or GPTConfig(), device, autocast_dtype, B=64, T=1024, total_batch_size=524288, out_dir=out)
 
 
-def test_the_phase_marked_last_decides_and_each_script_words_its_own(tmp_path):
+def test_the_phase_marked_last_decides_and_each_script_words_its_own(tmp_path, tiny_config, enc, assets, monkeypatch):
     """No advice before the first mark (the allocator's words) nor for the run's shape alone; then the
-    phase marked last among a script's own (a run's HellaSwag eval fails in hellaswag.py's scoring)."""
+    phase marked last among a script's own (a run's HellaSwag eval fails in hellaswag.py's scoring, which
+    names the --batch-tokens it used: the CPU default, 4,096)."""
     out = str(tmp_path / "out")
     forget_phases()
     assert (
@@ -178,14 +179,22 @@ def test_the_phase_marked_last_decides_and_each_script_words_its_own(tmp_path):
     recipe_run(out)
     assert training_out_of_memory() is None
     oom_phase("HellaSwag eval", step=250)
-    oom_phase("scoring HellaSwag", batch_tokens=65536)
+    model = train_gpt2.GPT(tiny_config).eval()
+    examples = hellaswag.load_examples(str(assets.hellaswag), limit=4)
+
+    def hidden_states(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(model, "hidden_states", hidden_states)
+    with pytest.raises(MemoryError):
+        hellaswag.evaluate(model, hellaswag.prepare(examples, enc), "cpu")  # --batch-tokens' CPU default, 4,096
     assert training_out_of_memory() == (
         "in the HellaSwag eval at step 250: turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores "
         "a checkpoint in less); no checkpoint was written yet: start the run again with --hellaswag-every 0 in a new "
         "--out-dir"
     )
     assert hellaswag_out_of_memory() == (
-        "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 32768), or use a smaller --model"
+        "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 2048), or use a smaller --model"
     )
     forget_phases()
     recipe_run(out)
@@ -214,21 +223,6 @@ def test_every_phase_a_script_marks_has_its_advice():
     assert sorted(training) == sorted(TRAINING_ADVICE), training
     assert sorted(marked_phases("hellaswag.py")) == sorted(HELLASWAG_ADVICE)
     assert sorted(marked_phases("sample.py")) == sorted(SAMPLE_ADVICE)
-
-
-def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_config, enc, assets, monkeypatch):
-    model = train_gpt2.GPT(tiny_config).eval()
-    examples = hellaswag.load_examples(str(assets.hellaswag), limit=4)
-
-    def hidden_states(*args, **kwargs):
-        raise MemoryError()
-
-    monkeypatch.setattr(model, "hidden_states", hidden_states)
-    with pytest.raises(MemoryError):
-        hellaswag.evaluate(model, hellaswag.prepare(examples, enc), "cpu")  # --batch-tokens' CPU default, 4,096
-    assert hellaswag_out_of_memory() == (
-        "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 2048), or use a smaller --model"
-    )
 
 
 def first_step_error(tmp_path, config, autocast_dtype, device="cuda:0"):
