@@ -24,7 +24,6 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, not 
 import argparse
 import math
 import platform
-import random
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, fields
@@ -317,7 +316,7 @@ def model_from_checkpoint(ckpt, path):
 
 
 def set_precision_and_seeds(args, device, world_size, grad_accum_steps, master_process):
-    """bf16 (fp16) autocast, TF32 and compile on CUDA, the seeds, --deterministic; rank 0 says how the
+    """bf16 (fp16) autocast, TF32 and compile on CUDA, the seed, --deterministic; rank 0 says how the
     run computes. -> (the dtype's name, why that one, whether to compile)."""
     device_type = torch.device(device).type
     if device_type == "cpu":
@@ -327,8 +326,6 @@ def set_precision_and_seeds(args, device, world_size, grad_accum_steps, master_p
         torch.set_float32_matmul_precision("high")  # TF32 for the matmuls autocast leaves in fp32
     if args.deterministic:
         set_deterministic(device_type)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
     torch.manual_seed(args.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
     use_compile = choose_compile(args.compile, device_type, verbose=master_process)
     B, T, total = args.batch_size, args.seq_len, args.total_batch_size
@@ -669,9 +666,6 @@ def parse_args(argv=None):
     try:  # every rank of a torchrun job parses the same command line (@presets too): said once
         typed, given = parse_with_presets(argv, p)
     except UserError as e:
-        for flag_, command in (("--sample-from", "sample.py MODEL"), ("--export-hf", "export_hf.py CKPT DIR")):
-            if f" {flag_}" in str(e):  # retired: train_gpt2.py only trains
-                e = UserError(f"{flag_} is no flag of train_gpt2.py, which only trains: use python {command}")
         raise same_on_every_rank(e) from None
     moved = resume_folder(typed.get("resume"), typed.get("out_dir"))  # --resume <a run's folder>: its --out-dir
     return argparse.Namespace(**{**defaults, **typed, **moved}), {**given, **dict.fromkeys(moved, "")}

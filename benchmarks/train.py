@@ -6,6 +6,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from contextlib import ExitStack
 
@@ -320,6 +321,17 @@ def bench_train(s, device, device_type, peak, tmp):
     return results, rows + r
 
 
+def drained(mirror, timeout=60):
+    """Wait until the records the wandb mirror has queued so far are logged (its thread sets an Event it
+    meets in the queue); False if wandb failed or timeout passed."""
+    done, deadline = threading.Event(), time.monotonic() + timeout
+    mirror.records.put(done)
+    while not done.wait(0.01):
+        if mirror.error is not None or time.monotonic() > deadline:
+            return False
+    return True
+
+
 def bench_wandb_logging(s, tmp, train_result):
     """The cost of --wandb-project per step record, with wandb offline (no network: what is
     measured is wandb's own work): RunLog with its wandb mirror against RunLog alone (log.jsonl),
@@ -367,13 +379,13 @@ def bench_wandb_logging(s, tmp, train_result):
             for record in records():
                 logs["plain"](record)
             t1 = time.perf_counter()
-            if not mirror.flush():
+            if not drained(mirror):
                 raise UserError(f"wandb failed in the benchmark: {mirror.error}")
             t2 = time.perf_counter()
             for record in records():
                 logs["wandb"](record)
             t3 = time.perf_counter()
-            mirror.flush()
+            drained(mirror)
             t4 = time.perf_counter()
             if r > 0:
                 times["plain"].append((t1 - t0) / n)

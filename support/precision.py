@@ -16,17 +16,16 @@ def autocast(device_type, dtype):
     return torch.autocast(device_type=device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
-def pick_dtype(requested, device_type, capability=None):
-    """(dtype name, why) for --dtype. An explicit dtype is used as given. auto: bf16 where the GPU
-    computes it natively (compute capability 8.0 and up: A100, RTX 30xx, H100, ...); fp16 with
+def pick_dtype(requested, device_type):
+    """(dtype name, why) for --dtype. An explicit dtype is used as given. auto: bf16 where the current
+    CUDA GPU computes it natively (compute capability 8.0 and up: A100, RTX 30xx, H100, ...); fp16 with
     loss scaling on older CUDA GPUs (T4, V100, GTX 10xx, RTX 20xx), where torch.cuda.is_bf16_supported()
-    is true by emulation, without tensor cores; fp32 on a CPU or a Mac. capability: (major, minor),
-    the current CUDA device's when None."""
+    is true by emulation, without tensor cores; fp32 on a CPU or a Mac."""
     if requested != "auto":
         return requested, f"--dtype {requested}"
     if device_type != "cuda":
         return "float32", f"auto: fp32 on {device_type}, not a CUDA GPU"
-    capability = capability or torch.cuda.get_device_capability()
+    capability = torch.cuda.get_device_capability()
     cc = f"compute capability {capability[0]}.{capability[1]}"
     if tuple(capability) >= (8, 0):
         return "bfloat16", f"auto: {cc} has native bf16"

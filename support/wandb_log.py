@@ -6,7 +6,6 @@ import os
 import queue
 import re
 import threading
-import time
 
 from support.cli import first_line
 
@@ -60,7 +59,7 @@ class WandbMirror:
             run.define_metric("step")
             run.define_metric("*", step_metric="step")
             while (record := self.records.get()) is not None:
-                if isinstance(record, threading.Event):  # flush()
+                if isinstance(record, threading.Event):  # benchmarks/train.py's: the records before it are logged
                     record.set()
                 elif record.get("event") == "header":  # a resumed run's may change --max-steps
                     header = {key: value for key, value in record.items() if key not in ("event", "config")}
@@ -78,15 +77,6 @@ class WandbMirror:
                     run.finish(exit_code=1)  # what reached wandb is kept, the run marked failed
                 except Exception:
                     pass
-
-    def flush(self, timeout=60):
-        """Wait until the records queued so far are logged; False if wandb failed or timeout passed."""
-        done, deadline = threading.Event(), time.monotonic() + timeout
-        self.records.put(done)
-        while not done.wait(0.01):
-            if self.error is not None or time.monotonic() > deadline:
-                return False
-        return True
 
     def finish(self, exit_code, timeout):
         """Log what is queued and finish the wandb run; True if it did within timeout seconds."""

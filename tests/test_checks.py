@@ -323,10 +323,10 @@ def test_the_largest_value_of_a_bounded_flag_trains(data, tmp_path, flag, value)
 # Flags checked in a real run before step 0, alone and against the others
 
 
-def test_a_forgotten_warmup_on_a_short_run_is_refused(data, tmp_path):
+def test_the_warm_up_a_short_run_is_refused_for_names_reaches_max_lr(data, tmp_path):
+    """The refusal's words: CASES' "--max-steps inside the default warm-up"."""
     args = no_warmup(data, tmp_path / "out", "--max-steps", 20)
     msg = refused_before_step_0(args, tmp_path / "out", "--max-steps 20", "715", "--warmup-steps")
-    assert "e-" in msg  # the peak lr it would reach
     fix = msg.split("(e.g. ")[1].rstrip(")").split()  # the warm-up it names: the run reaches --max-lr
     assert train_gpt2.main([*args, *fix, "--eval-every", 0]) == 0
     assert max(r["lr"] for r in read_log(tmp_path / "out")[1].values()) == pytest.approx(3e-3)
@@ -336,35 +336,29 @@ def warmup_notes(capsys):
     return [line for line in capsys.readouterr().out.splitlines() if "warm-up" in line]
 
 
-def test_a_run_that_ends_inside_its_warm_up_is_said_and_the_advised_warm_up_reaches_max_lr(data, tmp_path, capsys):
-    # asked for, not refused: the first part of a longer run (test_resume.py's run4) is one
-    args = tiny_args(data, tmp_path / "out", "--max-steps", 3, "--warmup-steps", 10, "--eval-every", 0)
-    assert train_gpt2.main(args) == 0
+def test_a_run_or_resume_inside_its_asked_for_warm_up_is_said_and_the_advised_warm_up_reaches_max_lr(
+    data, tmp_path, capsys
+):
+    """Asked for, not refused: the first part of a longer run (test_resume.py's run4) is one; a --resume still
+    inside it says it again, one past it nothing."""
+    out, common = tmp_path / "out", ["--warmup-steps", 10, "--eval-every", 0]
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 3, *common)) == 0
     [note] = warmup_notes(capsys)
     assert note.startswith("note: --max-steps 3 ends inside the 10-step warm-up (--warmup-steps): the lr climbs to ")
     assert "9.0e-04, never to --max-lr 3.0e-03" in note and "--resume and a larger --max-steps" in note
-    lrs = [r["lr"] for _, r in sorted(read_log(tmp_path / "out")[1].items())]
-    assert max(lrs) == pytest.approx(3e-3 * 3 / 10)  # what it says: the lr never reaches --max-lr
+    assert max(r["lr"] for r in read_log(out)[1].values()) == pytest.approx(3e-3 * 3 / 10)  # what it says
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 6, "--resume", *common)) == 0
+    assert [n.split(":")[1] for n in warmup_notes(capsys)] == [
+        " --max-steps 6 ends inside the 10-step warm-up (--warmup-steps)"
+    ]
+    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 12, "--resume", *common)) == 0  # past it: the whole run
+    assert warmup_notes(capsys) == []
+    assert max(r["lr"] for r in read_log(out)[1].values()) == pytest.approx(3e-3)
     fix = note.split("else pass ")[1].split()  # the fix it names: the lr reaches --max-lr, and nothing is said
-    args = tiny_args(data, tmp_path / "fixed", "--max-steps", 3, *fix, "--eval-every", 0)
-    assert train_gpt2.main(args) == 0
+    assert train_gpt2.main(tiny_args(data, tmp_path / "fixed", "--max-steps", 3, *fix, "--eval-every", 0)) == 0
     assert warmup_notes(capsys) == []
     lrs = [r["lr"] for _, r in sorted(read_log(tmp_path / "fixed")[1].items())]
     assert lrs[int(fix[1])] == pytest.approx(3e-3)
-
-
-def test_a_resume_whose_max_steps_still_ends_inside_the_warm_up_is_said(data, tmp_path, capsys):
-    out = tmp_path / "out"
-    common = ["--warmup-steps", 5, "--ckpt-every", 2, "--eval-every", 0]
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 2, *common)) == 0
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 4, "--resume", *common)) == 0
-    assert [n.split(":")[1] for n in warmup_notes(capsys)] == [
-        " --max-steps 2 ends inside the 5-step warm-up (--warmup-steps)",
-        " --max-steps 4 ends inside the 5-step warm-up (--warmup-steps)",
-    ]
-    assert train_gpt2.main(tiny_args(data, out, "--max-steps", 8, "--resume", *common)) == 0  # past it: the whole run
-    assert warmup_notes(capsys) == []
-    assert max(r["lr"] for r in read_log(out)[1].values()) == pytest.approx(3e-3)
 
 
 @pytest.mark.parametrize("flag, value", [("--n-layer", 3), ("--n-embd", 64), ("--block-size", 128)])
@@ -383,13 +377,12 @@ def test_model_flags_with_init_from_are_said_not_dropped_silently(short_run, dat
 # The data against the run's batch and budget
 
 
-def test_missing_val_split(tmp_path):
+def test_without_a_val_shard_the_advised_eval_every_0_trains(tmp_path):
+    """The refusal's words: CASES' "no val shard with a sequence"."""
     data = random_shards(tmp_path / "data")
     os.remove(data / "rand_val_000000.npy")
-    msg = user_error(tiny_args(data, tmp_path / "out"))
-    assert "no val shard" in msg and "--eval-every 0" in msg
-    assert not (tmp_path / "out" / "log.jsonl").exists()
-    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0)) == 0  # the fix works
+    assert "--eval-every 0" in user_error(tiny_args(data, tmp_path / "out"))
+    assert train_gpt2.main(tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0)) == 0
 
 
 def test_warns_when_the_run_repeats_data(tmp_path, capsys):

@@ -108,12 +108,19 @@ def test_out_of_memory_while_sampling_mid_run_keeps_the_checkpoint_and_resume_co
     assert samples and len(samples[-1]) == int(args[args.index("--num-samples") + 1]) < 64
 
 
-def test_out_of_memory_in_the_start_up_sampling_check_leaves_nothing(data, tmp_path):
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (
+            ("--sample-every", 2, "--num-samples", 3000),
+            ("in the start-up sampling check", "--num-samples 3000 (e.g. 1500)"),
+        ),
+        (("--n-embd", 2048, "--n-head", 1), ("while building the model", "--n-layer or --n-embd")),  # 0.8 GB of weights
+    ],
+)
+def test_out_of_memory_at_the_start_names_its_phase_and_flag_and_leaves_nothing(data, tmp_path, flags, words):
     out = tmp_path / "out"
-    r = limited(400, *tiny_args(data, out, "--sample-every", 2, "--num-samples", 3000))
-    assert_one_line_error(
-        r, "out of host memory in the start-up sampling check", "lower --num-samples 3000 (e.g. 1500)"
-    )
+    assert_one_line_error(limited(400, *tiny_args(data, out, *flags)), "out of host memory " + words[0], words[1])
     assert not out.exists()
 
 
@@ -128,11 +135,6 @@ def test_out_of_memory_in_sample_py_advises_a_num_samples_that_fits_and_it_sampl
     r = limited(1024, *args, "--num-samples", n, script="sample.py")
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.findall(r"^sample (\d+): ", r.stdout, re.M)[-1] == str(n - 1)
-
-
-def test_out_of_memory_building_a_too_wide_model_names_the_model_flags(data, tmp_path):
-    r = limited(400, *tiny_args(data, tmp_path / "out", "--n-embd", 2048, "--n-head", 1))  # 0.8 GB of weights
-    assert_one_line_error(r, "out of host memory while building the model", "--n-layer or --n-embd")
 
 
 def test_out_of_memory_in_the_val_loss_eval_gets_its_advice_not_the_training_steps(data, tmp_path, monkeypatch, capsys):
@@ -165,9 +167,10 @@ def recipe_run(out, config=None, device="cpu", autocast_dtype=None):
     oom_run(config or GPTConfig(), device, autocast_dtype, B=64, T=1024, total_batch_size=524288, out_dir=out)
 
 
-def test_the_phase_marked_last_decides_and_each_script_words_its_own(tmp_path):
+def test_the_phase_marked_last_decides_and_each_script_words_its_own(tmp_path, tiny_config, enc, assets, monkeypatch):
     """No advice before the first mark (the allocator's words) nor for the run's shape alone; then the
-    phase marked last among a script's own (a run's HellaSwag eval fails in hellaswag.py's scoring)."""
+    phase marked last among a script's own (a run's HellaSwag eval fails in hellaswag.py's scoring, which
+    names the --batch-tokens it used: the CPU default, 4,096)."""
     out = str(tmp_path / "out")
     forget_phases()
     assert (
@@ -176,14 +179,22 @@ def test_the_phase_marked_last_decides_and_each_script_words_its_own(tmp_path):
     recipe_run(out)
     assert training_out_of_memory() is None
     oom_phase("HellaSwag eval", step=250)
-    oom_phase("scoring HellaSwag", batch_tokens=65536)
+    model = train_gpt2.GPT(tiny_config).eval()
+    examples = hellaswag.load_examples(str(assets.hellaswag), limit=4)
+
+    def hidden_states(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(model, "hidden_states", hidden_states)
+    with pytest.raises(MemoryError):
+        hellaswag.evaluate(model, hellaswag.prepare(examples, enc), "cpu")  # --batch-tokens' CPU default, 4,096
     assert training_out_of_memory() == (
         "in the HellaSwag eval at step 250: turn it off with --hellaswag-every 0 (hellaswag.py --batch-tokens scores "
         "a checkpoint in less); no checkpoint was written yet: start the run again with --hellaswag-every 0 in a new "
         "--out-dir"
     )
     assert hellaswag_out_of_memory() == (
-        "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 32768), or use a smaller --model"
+        "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 2048), or use a smaller --model"
     )
     forget_phases()
     recipe_run(out)
@@ -212,21 +223,6 @@ def test_every_phase_a_script_marks_has_its_advice():
     assert sorted(training) == sorted(TRAINING_ADVICE), training
     assert sorted(marked_phases("hellaswag.py")) == sorted(HELLASWAG_ADVICE)
     assert sorted(marked_phases("sample.py")) == sorted(SAMPLE_ADVICE)
-
-
-def test_out_of_memory_scoring_hellaswag_names_the_batch_tokens_it_used(tiny_config, enc, assets, monkeypatch):
-    model = train_gpt2.GPT(tiny_config).eval()
-    examples = hellaswag.load_examples(str(assets.hellaswag), limit=4)
-
-    def hidden_states(*args, **kwargs):
-        raise MemoryError()
-
-    monkeypatch.setattr(model, "hidden_states", hidden_states)
-    with pytest.raises(MemoryError):
-        hellaswag.evaluate(model, hellaswag.prepare(examples, enc), "cpu")  # --batch-tokens' CPU default, 4,096
-    assert hellaswag_out_of_memory() == (
-        "while scoring HellaSwag: lower --batch-tokens (e.g. --batch-tokens 2048), or use a smaller --model"
-    )
 
 
 def first_step_error(tmp_path, config, autocast_dtype, device="cuda:0"):

@@ -32,31 +32,24 @@ def test_the_laptop_preset_is_the_flags_it_lists_and_typed_flags_win_before_or_a
         assert (args["max_steps"], args["batch_size"], args["n_layer"]) == (50, 8, 4)
 
 
-def test_the_log_header_records_the_presets_flags_and_the_run_resumes(data, tmp_path):
-    out, preset = tmp_path / "run", TINY_RUN
-    assert train_gpt2.main([preset, "--data-dir", data, "--out-dir", out, "--ckpt-every", 3, "--max-steps", 3]) == 0
+def test_a_preset_run_records_its_flags_resumes_and_a_contradiction_names_the_presets_file_and_line(data, tmp_path):
+    out, preset = tmp_path / "run", tmp_path / "mine.txt"
+    assert train_gpt2.main([TINY_RUN, "--data-dir", data, "--out-dir", out, "--ckpt-every", 3, "--max-steps", 3]) == 0
     config = headers(out)[0]["config"]
     assert (config["n_layer"], config["n_embd"], config["total_batch_size"], config["max_steps"]) == (2, 32, 64, 3)
-    # the preset again with --resume: the same values, given; then a run's folder alone
-    assert train_gpt2.main([preset, "--data-dir", data, "--out-dir", out, "--max-steps", 5, "--resume"]) == 0
-    assert train_gpt2.main(["--resume", str(out), "--max-steps", 6, "--device", "cpu"]) == 0
-    assert sorted(read_log(out)[1]) == list(range(6))
-    assert [h["resumed_from"] for h in headers(out)] == [None, 3, 5]
-
-
-def test_a_contradiction_on_resume_from_a_preset_names_its_file_and_line(data, tmp_path):
-    out, preset = tmp_path / "run", tmp_path / "mine.txt"
-    assert train_gpt2.main([TINY_RUN, "--data-dir", data, "--out-dir", out, "--max-steps", 2, "--ckpt-every", 2]) == 0
     preset.write_text("# my run, 3 layers\n--n-layer 3\n")
-    resume = [TINY_RUN, f"@{preset}", "--data-dir", data, "--out-dir", out, "--max-steps", 4, "--resume"]
+    resume = [TINY_RUN, f"@{preset}", "--data-dir", data, "--out-dir", out, "--max-steps", 5, "--resume"]
     assert user_error(resume) == (
-        f"--n-layer 3 ({preset}, line 2) contradicts the 2 that {out / 'ckpt_000002.pt'} was trained with: "
+        f"--n-layer 3 ({preset}, line 2) contradicts the 2 that {out / 'ckpt_000003.pt'} was trained with: "
         f"drop that line to continue the run as it was, or start a new run in another --out-dir"
     )
     typed = user_error(["--n-layer", 3, *resume])  # typed, before the preset too: the command line's, not the preset's
     assert typed.startswith("--n-layer 3 contradicts the 2") and "leave --n-layer out" in typed
-    preset.write_text("# my run, 3 layers\n")  # the advice, followed
-    assert train_gpt2.main(resume) == 0 and sorted(read_log(out)[1]) == list(range(4))
+    preset.write_text("# my run, 3 layers\n")  # the advice, followed: the presets again with --resume, values given
+    assert train_gpt2.main(resume) == 0
+    assert train_gpt2.main(["--resume", str(out), "--max-steps", 6, "--device", "cpu"]) == 0  # a run's folder alone
+    assert sorted(read_log(out)[1]) == list(range(6))
+    assert [h["resumed_from"] for h in headers(out)] == [None, 3, 5]
 
 
 def test_a_preset_is_found_where_typed_then_beside_train_gpt2(tmp_path, monkeypatch):

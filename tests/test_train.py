@@ -10,17 +10,7 @@ import torch
 
 import hellaswag
 import train_gpt2
-from helpers import (
-    ROOT,
-    assert_one_line_error,
-    cli,
-    help_entries,
-    read_log,
-    strict_records,
-    tiny_args,
-    user_error,
-    write_shard,
-)
+from helpers import ROOT, cli, help_entries, read_log, strict_records, tiny_args, user_error, write_shard
 from support.checkpoints import load_checkpoint
 from support.sampling import sample_text
 from train_gpt2 import GPT, GPTConfig, flops_per_token, get_lr, load_model
@@ -146,20 +136,6 @@ def test_help_shows_every_flags_default_and_the_usage_examples_intact(monkeypatc
     _, defaults = train_gpt2.command_line()
     for name, default in defaults.items():
         assert f"(default: {default})" in entries["--" + name.replace("_", "-")], name
-    assert "--sample-from" not in entries and "--export-hf" not in entries  # training only: sample.py, export_hf.py
-
-
-@pytest.mark.parametrize(
-    "argv, command", [(["--sample-from", "log"], "sample.py MODEL"), (["--export-hf=x"], "export_hf.py CKPT DIR")]
-)
-def test_the_retired_flags_name_the_commands_that_do_their_job(argv, command):
-    """train_gpt2.py only trains: its old sampling and export flags name sample.py and export_hf.py, whose
-    usage lines take those arguments."""
-    line = assert_one_line_error(cli(*argv), f"{argv[0].split('=')[0]} is no flag of train_gpt2.py")
-    assert line.endswith(f"which only trains: use python {command}")
-    script, *args = command.split()
-    usage = cli("--help", script=script).stdout.split("\n\n")[0].split()  # its first paragraph: usage: ...
-    assert usage[:2] == ["usage:", script] and usage[-len(args) :] == args
 
 
 def test_the_flag_table_of_docs_training_md_is_the_parsers():
