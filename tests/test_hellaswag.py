@@ -384,24 +384,15 @@ def test_batches_hold_exactly_the_plain_rows(examples, enc, block_size):
         assert n_tokens.tolist() == expected_n
 
 
-@pytest.fixture(scope="module")
-def standalone(short_run, examples, enc):
-    """A tiny checkpoint as hellaswag.py loads it (transformers') and as training does (our GPT), and
-    100 short ActivityNet examples (packed) and 50 WikiHow ones (many too long for block size 64)."""
+def test_a_checkpoint_scores_standalone_as_in_training_and_as_the_plain_rows(short_run, examples, enc):
+    """A tiny checkpoint as hellaswag.py loads it (transformers') and as training does (our GPT), on 100 short
+    ActivityNet examples (packed), 50 WikiHow ones (many too long for block size 64: cut) and an ending longer
+    than the window: the same losses, which are those of the plain one-row-per-forward scoring."""
     path = str(short_run[1] / "ckpt_000002.pt")
+    hf, ours = hellaswag.load_model(path, "cpu"), train_gpt2.load_model(path).eval()
     wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
-    exs = examples[:100] + wikihow[:50]
-    return {
-        "path": path,
-        "hf": hellaswag.load_model(path, "cpu"),
-        "ours": train_gpt2.load_model(path).eval(),
-        "examples": exs,
-        "prepared": hellaswag.prepare(exs, enc),
-    }
-
-
-def test_a_checkpoint_scores_standalone_as_in_training_example_by_example(standalone):
-    hf, ours, prepared = standalone["hf"], standalone["ours"], standalone["prepared"]
+    exs = examples[:100] + wikihow[:50] + [dict(examples[0], endings=["word " * 100, "a", "b c", "d e f"])]
+    prepared = hellaswag.prepare(exs, enc)
     assert type(hf).__name__ == "GPT2LMHeadModel"
     assert hf.lm_head.weight.shape == ours.lm_head.weight.shape  # the padded vocabulary kept: the same softmax
     batches, _ = hellaswag._batches(prepared, range(len(prepared)), 64, 2000, "cpu")
@@ -410,29 +401,15 @@ def test_a_checkpoint_scores_standalone_as_in_training_example_by_example(standa
     reference, n_reference = hellaswag.ending_losses(ours, prepared, "cpu", batch_tokens=2000)
     assert torch.equal(n_tokens, n_reference)
     assert torch.allclose(theirs, reference, rtol=1e-5, atol=1e-4)
+    with torch.no_grad():  # short rows, cut rows and the long ending: summed and mean loss, by the definition
+        plain = torch.tensor([plain_losses(lambda x: ours(x)[0], enc, ex, 64) for ex in exs[90:]])
+    assert torch.allclose(reference[90:], plain[:, 0], rtol=1e-4, atol=1e-4)
+    assert torch.allclose((reference / n_tokens)[90:], plain[:, 1], rtol=1e-4, atol=1e-4)
     preds, preds_norm = reference.argmin(1).tolist(), (reference / n_tokens).argmin(1).tolist()
     for i in range(len(prepared)):  # each example picks the same ending, by summed and by mean loss
         assert theirs[i].argmin() == preds[i] and (theirs[i] / n_tokens[i]).argmin() == preds_norm[i], i
     counts = hellaswag.evaluate(hf, prepared, "cpu", batch_tokens=2000)
-    assert counts == counts_by_hand(standalone["examples"], preds, preds_norm)
-
-
-def test_rows_longer_than_block_size_keep_their_end(tiny_config, examples, enc):
-    torch.manual_seed(0)
-    model = GPT(tiny_config)  # block size 64
-    block_size = tiny_config.block_size
-    wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
-    exs = examples[:10] + wikihow[:10]  # short ActivityNet rows and long WikiHow ones
-    lengths = [len(enc.encode(ex["ctx"])) + len(enc.encode(" " + e)) for ex in exs for e in ex["endings"]]
-    assert sum(n > block_size + 1 for n in lengths) >= 40 and sum(n <= block_size + 1 for n in lengths) >= 40
-    with torch.no_grad():
-        plain = [plain_losses(lambda x: model(x)[0], enc, ex, block_size) for ex in exs]
-    sum_loss, _ = hellaswag.ending_losses(model, hellaswag.prepare(exs, enc), "cpu", batch_tokens=500)
-    assert torch.allclose(sum_loss, torch.tensor([s for s, _ in plain]), rtol=1e-4, atol=1e-4)
-    # an ending longer than the window: every target in the window is an ending token
-    long = dict(exs[0], endings=["word " * 100, "a", "b c", "d e f"])
-    _, n_tokens = hellaswag.ending_losses(model, hellaswag.prepare([long], enc), "cpu")
-    assert n_tokens.tolist() == [[block_size, 1, 2, 3]]
+    assert counts == counts_by_hand(exs, preds, preds_norm)
 
 
 def test_evaluate_counts_and_shards_sum_to_the_whole(small, enc):
