@@ -111,25 +111,19 @@ def test_a_temperature_so_low_that_logits_overflow_samples_greedily(temperature)
     assert torch.equal(sampling.next_token(logits, temperature, 5, noise), token)
 
 
-class Countdown:
-    """A stop request that says True from its n-th poll on; counts the polls."""
-
-    def __init__(self, n):
-        self.n, self.polls = n, 0
-
-    def __call__(self):
-        self.polls += 1
-        return self.polls >= self.n
-
-
 def test_generation_polls_the_stop_request_before_every_token(model, monkeypatch):
     forwards = []
     real = model.hidden_states
     monkeypatch.setattr(model, "hidden_states", lambda *a, **k: forwards.append(1) or real(*a, **k))
     idx = torch.randint(0, GPT2_VOCAB, (2, 3))
-    stop = Countdown(5)  # says stop before the 5th token
+    polls = []
+
+    def stop():  # says stop from its 5th poll on: before the 5th token
+        polls.append(1)
+        return len(polls) >= 5
+
     assert generate(model, idx, 50, stop=stop) is None
-    assert stop.polls == 5 and len(forwards) == 5  # the prompt's pass and 4 one-token steps
+    assert len(polls) == 5 and len(forwards) == 5  # the prompt's pass and 4 one-token steps
     # never asked to stop: the whole sample, the same tokens as without a stop request
     torch.manual_seed(1)
     a = generate(model, idx, 20, stop=lambda: False)
