@@ -334,65 +334,18 @@ def small(hf_dir, examples, enc):
     return {"ours": ours, "examples": exs, "plain": plain}
 
 
-def scored_from_batches(batches):
-    """{slot: [(what the model sees before a scored token, that token)]}, read back from the batches;
-    a packed row's token sees the context and its own segment, at positions 0, 1, ..."""
-    seen = {}
-    for b in batches:
-        b = {k: v.tolist() for k, v in b.items()}
-        width = len(b["idx"][0])
-        for g, target, slot in zip(b["gather"], b["targets"], b["slots"], strict=True):
-            r, t = divmod(g, width)  # flat position r * width + t of the grid
-            if "seg" in b:
-                segs, pos = b["seg"][r], b["pos"][r]
-                visible = [c for c in range(t + 1) if segs[c] in (0, segs[t])]
-                assert [pos[c] for c in visible] == list(range(len(visible)))
-                seen.setdefault(slot, []).append((tuple(b["idx"][r][c] for c in visible), target))
-            else:
-                seen.setdefault(slot, []).append((tuple(b["idx"][r][: t + 1]), target))
-    return seen
-
-
-@pytest.mark.parametrize("block_size", [128, 64])
-def test_batches_hold_exactly_the_plain_rows(examples, enc, block_size):
-    """The batch builder against the definition, per token: every scored token with what it sees."""
-    wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
-    exs = examples[:150] + wikihow[:150]  # short rows that share their context, long ones that may not fit
-    # packed segments of no cells (one-token endings), and a row of one cell (a one-token context)
-    exs += [
-        dict(examples[0], endings=["a", "b c", "d e f", "."]),
-        dict(examples[1], ctx="x", endings=["y", "z", "w", "v"]),
-    ]
-    prepared = hellaswag.prepare(exs, enc)
-    assert (
-        prepared.ctx_len[-1] == 1 and (prepared.end_len[-1] == 1).all() and (prepared.end_len[-2] == [1, 2, 3, 1]).all()
-    )
-    for share in (list(range(len(exs))), list(range(1, len(exs), 3))):
-        batches, n_tokens = hellaswag._batches(prepared, share, block_size, 700, "cpu")
-        assert any("seg" in b for b in batches) and any("seg" not in b for b in batches)
-        seen = scored_from_batches(batches)
-        expected, expected_n = {}, []
-        for k, i in enumerate(share):
-            ctx, ends = enc.encode(exs[i]["ctx"]), [enc.encode(" " + e) for e in exs[i]["endings"]]
-            expected_n.append([])
-            for j, end in enumerate(ends):
-                row = (ctx + end)[-(block_size + 1) :]  # the documented cut
-                n_end = min(len(end), len(row) - 1)
-                expected[4 * k + j] = [(tuple(row[:t]), row[t]) for t in range(len(row) - n_end, len(row))]
-                expected_n[-1].append(n_end)
-        assert seen == expected
-        assert n_tokens.tolist() == expected_n
-
-
 def test_a_checkpoint_scores_standalone_as_in_training_and_as_the_plain_rows(short_run, examples, enc):
     """A tiny checkpoint as hellaswag.py loads it (transformers') and as training does (our GPT), on 100 short
-    ActivityNet examples (packed), 50 WikiHow ones (many too long for block size 64: cut) and an ending longer
-    than the window: the same losses, which are those of the plain one-row-per-forward scoring."""
+    ActivityNet examples (packed), 50 WikiHow ones (many too long for block size 64: cut), an ending longer
+    than the window, packed segments of no cells (one-token endings) and a row of one cell (a one-token
+    context): the same losses, which are those of the plain one-row-per-forward scoring, for a share too."""
     path = str(short_run[1] / "ckpt_000002.pt")
     hf, ours = hellaswag.load_model(path, "cpu"), train_gpt2.load_model(path).eval()
     wikihow = [ex for ex in examples if ex["source_id"].startswith("wikihow")]
     exs = examples[:100] + wikihow[:50] + [dict(examples[0], endings=["word " * 100, "a", "b c", "d e f"])]
+    exs += [dict(examples[0], endings=["a", "b c", "d e f", "."]), dict(examples[1], ctx="x", endings=[*"yzwv"])]
     prepared = hellaswag.prepare(exs, enc)
+    assert prepared.end_len[-3, 0] > 65 and prepared.ctx_len[-1] == 1 and prepared.end_len[-2:].min() == 1
     assert type(hf).__name__ == "GPT2LMHeadModel"
     assert hf.lm_head.weight.shape == ours.lm_head.weight.shape  # the padded vocabulary kept: the same softmax
     batches, _ = hellaswag._batches(prepared, range(len(prepared)), 64, 2000, "cpu")
@@ -405,6 +358,9 @@ def test_a_checkpoint_scores_standalone_as_in_training_and_as_the_plain_rows(sho
         plain = torch.tensor([plain_losses(lambda x: ours(x)[0], enc, ex, 64) for ex in exs[90:]])
     assert torch.allclose(reference[90:], plain[:, 0], rtol=1e-4, atol=1e-4)
     assert torch.allclose((reference / n_tokens)[90:], plain[:, 1], rtol=1e-4, atol=1e-4)
+    share = range(1, len(exs), 3)  # a rank's share: its examples' losses in its order
+    shard, n_shard = hellaswag.ending_losses(ours, prepared, "cpu", share, batch_tokens=700)
+    assert torch.equal(n_shard, n_tokens[share]) and torch.allclose(shard, reference[share], rtol=1e-5, atol=1e-4)
     preds, preds_norm = reference.argmin(1).tolist(), (reference / n_tokens).argmin(1).tolist()
     for i in range(len(prepared)):  # each example picks the same ending, by summed and by mean loss
         assert theirs[i].argmin() == preds[i] and (theirs[i] / n_tokens[i]).argmin() == preds_norm[i], i
