@@ -100,7 +100,7 @@ def _read_jsonl(path):
 
 
 def digests(examples):
-    """sha256 (16 hex digits) of what the scoring reads (ctx, endings, label, split_type) of the first 1, 2,
+    """sha256 (16 hex digits) of the ctx, endings, label and split_type of the first 1, 2,
     4, ... rows and of all of them: two copies that differ first differ between two of these."""
     h, out = hashlib.sha256(), []
     for i, ex in enumerate(examples, 1):
@@ -199,8 +199,8 @@ class Prepared:
     array operations: a Python step per batch rather than per token (the full set has 2.4M tokens
     and 1.27M scored positions)."""
 
-    def __init__(self, pieces, labels, split_types):
-        self.labels, self.split_types = labels, split_types
+    def __init__(self, pieces, labels):
+        self.labels = np.array(labels, dtype=np.int64)
         self.batches = {}  # (window, device, share, ...) -> (batches on that device, n_tokens)
         lengths = np.array([len(piece) for piece in pieces], dtype=np.int64).reshape(-1, 5)
         self.ctx_len, self.end_len = lengths[:, 0], lengths[:, 1:]
@@ -215,18 +215,17 @@ class Prepared:
 def prepare(examples, enc):
     """Tokenize every example once, for every later evaluate(). An example that cannot be rendered
     (a missing field, text the tokenizer refuses) is a UserError that names it."""
-    pieces, labels, split_types = [], [], []
+    pieces, labels = [], []
     for i, ex in enumerate(examples):
         try:
             ctx, endings = render_example(ex, enc)
-            label, split_type = ex["label"], ex["split_type"]
+            label = ex["label"]
         except Exception as e:  # KeyError, TypeError, "<|endoftext|>" in the text (ValueError), ...
             name = f"example {i}" + (f" (ind {ex['ind']})" if isinstance(ex, dict) and "ind" in ex else "")
             raise UserError(f"HellaSwag {name} cannot be tokenized: {first_line(e)}") from None
         pieces += [ctx, *endings]
         labels.append(label)
-        split_types.append(split_type)
-    return Prepared(pieces, labels, split_types)
+    return Prepared(pieces, labels)
 
 
 def _trunk(model):
@@ -429,25 +428,18 @@ def evaluate(
     batch_tokens=None,
 ):
     """Score this rank's share of the prepared examples (every world_size-th, from rank): a dict
-    of counts that the ranks sum: n, correct (acc), correct_norm (acc_norm), and the same three
-    per split_type as n_<type>, correct_<type>, correct_norm_<type>. The keys depend only on the
-    examples, so every rank returns the same keys. None if should_stop() became true."""
-    split_types = sorted(set(prepared.split_types))
+    of counts that the ranks sum: n, correct (acc) and correct_norm (acc_norm). None if
+    should_stop() became true."""
     share = list(range(rank, len(prepared), world_size))
-    counts = {f"{k}{t}": 0 for t in ("", *(f"_{s}" for s in split_types)) for k in ("n", "correct", "correct_norm")}
+    counts = {"n": len(share), "correct": 0, "correct_norm": 0}
     if share:
         result = ending_losses(model, prepared, device, share, autocast_dtype, should_stop, progress, batch_tokens)
         if result is None:
             return None
         sum_loss, n_tokens = result
-        pred = sum_loss.argmin(1).tolist()
-        pred_norm = (sum_loss / n_tokens).argmin(1).tolist()
-        for i, p, pn in zip(share, pred, pred_norm, strict=True):
-            label = prepared.labels[i]
-            for t in ("", f"_{prepared.split_types[i]}"):
-                counts[f"n{t}"] += 1
-                counts[f"correct{t}"] += int(p == label)
-                counts[f"correct_norm{t}"] += int(pn == label)
+        labels = torch.from_numpy(prepared.labels[share])
+        counts["correct"] = int((sum_loss.argmin(1) == labels).sum())
+        counts["correct_norm"] = int(((sum_loss / n_tokens).argmin(1) == labels).sum())
     return counts
 
 
@@ -551,10 +543,6 @@ def main(argv=None):
     print(f"HellaSwag {args.model}: {n} examples, {dtype}")
     print(f"acc      {counts['correct'] / n:.4f}  ({counts['correct']}/{n})")
     print(f"acc_norm {counts['correct_norm'] / n:.4f}  ({counts['correct_norm']}/{n})")
-    for t in sorted(k[2:] for k in counts if k.startswith("n_")):  # the split types the examples have
-        n_t = counts[f"n_{t}"]
-        acc, acc_norm = counts[f"correct_{t}"] / n_t, counts[f"correct_norm_{t}"] / n_t
-        print(f"  {t:<9} n={n_t:<5} acc {acc:.4f}  acc_norm {acc_norm:.4f}")
 
 
 if __name__ == "__main__":

@@ -40,16 +40,6 @@ def test_a_mistyped_checkpoint_names_the_ones_its_folder_holds(short_run, tmp_pa
     )
 
 
-@pytest.fixture
-def damaged_newest(short_run, tmp_path):
-    """A copy of a run's folder whose newest checkpoint (ckpt_000002.pt) is cut short."""
-    out = tmp_path / "run"
-    shutil.copytree(short_run[1], out)
-    raw = (out / "ckpt_000002.pt").read_bytes()
-    (out / "ckpt_000002.pt").write_bytes(raw[: len(raw) // 2])
-    return out
-
-
 def skipped(err):
     """The one warning line a loader prints for a checkpoint it passes over."""
     (line,) = err.strip().splitlines()
@@ -57,9 +47,12 @@ def skipped(err):
     return line
 
 
-def test_every_loader_of_a_run_folder_falls_back_past_a_cut_short_newest_checkpoint(damaged_newest, tmp_path, capsys):
+def test_every_loader_of_a_run_folder_falls_back_past_a_cut_short_newest_checkpoint(short_run, tmp_path, capsys):
     # as --resume does: the newest that loads, ckpt_000001.pt, said in one warning naming the file passed over
-    out, older = damaged_newest, damaged_newest / "ckpt_000001.pt"
+    out, older = tmp_path / "run", tmp_path / "run" / "ckpt_000001.pt"
+    shutil.copytree(short_run[1], out)
+    raw = (out / "ckpt_000002.pt").read_bytes()
+    (out / "ckpt_000002.pt").write_bytes(raw[: len(raw) // 2])  # the newest checkpoint cut short
     capsys.readouterr()
     args = ["--prompt", "Hi", "--num-samples", "1", "--max-new-tokens", "4", "--device", "cpu"]
     assert sample.main([str(out), *args]) == 0

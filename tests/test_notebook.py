@@ -147,10 +147,16 @@ def test_committed_notebook_is_clean():
 
 
 def test_a_log_still_being_written_summary_baselines_and_pngs(tmp_path, kernel, assets):
-    """A clean run's log, then a NaN val loss at step 50 (as RunLog writes one) and step 50's record half written."""
+    """A clean run's log with two records whose step or value is not a number (passed over and named), then a
+    NaN val loss at step 50 (as RunLog writes one) and step 50's record half written."""
+    records = clean_records()
+    records.insert(5, {"step": "3", "train_loss": 1.0})  # a hand-edited or foreign record: line 6
+    records.insert(9, {"step": 7, "train_loss": "low"})  # line 10
     partial = json.dumps(step_record(50, 5.0))[:40]
-    log = write_log(tmp_path / "run", [*clean_records(), {"step": 50, "val_loss": "NaN"}], tail=partial)
+    log = write_log(tmp_path / "run", [*records, {"step": 50, "val_loss": "NaN"}], tail=partial)
     nb, s, baselines = run_notebook(kernel, tmp_path / "run", tmp_path)  # the run folder works as well as the file
+    assert s["passed_over"] == ["line 6 (step '3')", "line 10 (step 7)"]
+    assert "passed over, a step or a value not a number: line 6 (step '3'), line 10 (step 7)" in text_of(nb)
     assert s["last_step"] == 49
     assert s["tokens"] == 50 * 1024
     assert s["last_train_loss"] == pytest.approx(10.0 - 4.9)
@@ -198,19 +204,6 @@ def test_resumed_log_keeps_the_last_record_per_step(tmp_path, kernel):
     assert s["skipped_lines"] == 1  # the killed line
     assert s["partial_last_line"] is False
     assert_pngs(path.parent)
-
-
-def test_a_record_whose_step_is_not_a_number_is_passed_over_and_named(tmp_path, kernel):
-    records = clean_records()
-    records.insert(5, {"step": "3", "train_loss": 1.0})  # a hand-edited or foreign record: line 6
-    records.insert(9, {"step": 7, "train_loss": "low"})  # line 10
-    log = write_log(tmp_path / "run", records)
-    nb, s, _ = run_notebook(kernel, log, tmp_path)
-    assert s["passed_over"] == ["line 6 (step '3')", "line 10 (step 7)"]
-    assert (s["last_step"], s["best_val_loss"], s["tokens"]) == (49, [40, 6.2], 50 * 1024)  # the rest as it is
-    said = text_of(nb)
-    assert "passed over, a step or a value not a number: line 6 (step '3'), line 10 (step 7)" in said
-    assert_pngs(log.parent)
 
 
 @pytest.mark.parametrize("records", [[], [header()]], ids=["empty", "header_only"])

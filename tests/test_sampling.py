@@ -38,10 +38,14 @@ def recompute(model, idx, n, temperature=1.0, top_k=50, generator=None):
     return idx
 
 
-def test_greedy_kv_cache_equals_recompute_up_to_block_size(model):
+def test_greedy_kv_cache_equals_recompute_up_to_block_size_and_no_tensor_grows(model, monkeypatch):
+    def no_cat(*args, **kwargs):
+        raise AssertionError("torch.cat while sampling")
+
     idx = torch.randint(0, GPT2_VOCAB, (3, 7))
-    cached = generate(model, idx, 100, temperature=0)  # runs into the 64-position window
     full = recompute(model, idx, 100, temperature=0)
+    monkeypatch.setattr(torch, "cat", no_cat)  # preallocated: no tensor grows per token
+    cached = generate(model, idx, 100, temperature=0)  # runs into the 64-position window
     assert cached.shape == (3, 64) and torch.equal(cached[:, :7], idx)
     assert torch.equal(cached, full)
 
@@ -56,16 +60,6 @@ def test_seeded_top_k_is_reproducible_and_equal_to_recompute(model):
     assert len(set(a[:, 4:].flatten().tolist())) > 20  # the draws vary: the comparison is not empty
     # top_k=1 is greedy
     assert torch.equal(generate(model, idx, 30, top_k=1), generate(model, idx, 30, temperature=0))
-
-
-def test_no_tensor_grows_per_token(model, monkeypatch):
-    def no_cat(*args, **kwargs):
-        raise AssertionError("torch.cat while sampling")
-
-    idx = torch.randint(0, GPT2_VOCAB, (2, 3))
-    expected = generate(model, idx, 20, temperature=0)
-    monkeypatch.setattr(torch, "cat", no_cat)
-    assert torch.equal(generate(model, idx, 20, temperature=0), expected)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -117,25 +111,19 @@ def test_a_temperature_so_low_that_logits_overflow_samples_greedily(temperature)
     assert torch.equal(sampling.next_token(logits, temperature, 5, noise), token)
 
 
-class Countdown:
-    """A stop request that says True from its n-th poll on; counts the polls."""
-
-    def __init__(self, n):
-        self.n, self.polls = n, 0
-
-    def __call__(self):
-        self.polls += 1
-        return self.polls >= self.n
-
-
 def test_generation_polls_the_stop_request_before_every_token(model, monkeypatch):
     forwards = []
     real = model.hidden_states
     monkeypatch.setattr(model, "hidden_states", lambda *a, **k: forwards.append(1) or real(*a, **k))
     idx = torch.randint(0, GPT2_VOCAB, (2, 3))
-    stop = Countdown(5)  # says stop before the 5th token
+    polls = []
+
+    def stop():  # says stop from its 5th poll on: before the 5th token
+        polls.append(1)
+        return len(polls) >= 5
+
     assert generate(model, idx, 50, stop=stop) is None
-    assert stop.polls == 5 and len(forwards) == 5  # the prompt's pass and 4 one-token steps
+    assert len(polls) == 5 and len(forwards) == 5  # the prompt's pass and 4 one-token steps
     # never asked to stop: the whole sample, the same tokens as without a stop request
     torch.manual_seed(1)
     a = generate(model, idx, 20, stop=lambda: False)
