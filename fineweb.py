@@ -253,9 +253,9 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
     atomically), so the manifest never names a file that is not there."""
     shards, fmt = manifest["shards"], config["format"]
     buf, fill = np.empty(config["shard_size"], dtype=np.uint16), 0  # the shard being filled
-    pos = pos0 = sum(s["tokens"] for s in shards)
+    pos = sum(s["tokens"] for s in shards)
     # documents whose every token is in a finished shard: the first of the shard being filled, and of the batch
-    docs_done = shard_first_doc = batch_first_doc = sum(s["documents"] for s in shards)
+    shard_first_doc = batch_first_doc = sum(s["documents"] for s in shards)
     skip_tokens = shards[-1]["carry"] if shards else 0  # tokens of the next document already written
 
     def finish_shard(end_doc, carry):
@@ -297,12 +297,8 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
             if pos >= limit:
                 break
         else:  # the input is exhausted: write the last, partial shard
-            if not shards and pos == pos0 + batch_first_doc - docs_done:  # nothing, or only the EOTs of empty texts
-                n = batch_first_doc - docs_done
-                raise UserError(
-                    (f"the input's {n:,} documents are all empty" if n else "no documents in the input")
-                    + ": nothing to tokenize, no shard written"
-                )
+            if not shards and pos == batch_first_doc:  # a first run that read nothing but empty texts' EOTs
+                raise UserError("no text in the input (no documents, or only empty ones): no shard written")
             if fill:
                 finish_shard(batch_first_doc, 0)
             manifest["complete"] = True
@@ -425,23 +421,18 @@ def main(argv=None):
         print(
             f"{state}: {where}; this run wrote {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate:,.0f} tokens/s)"
         )
-    if s["complete"] and len(s["files"]) == 1:  # shard 0 is val: train_gpt2.py would find no train shard
+    if len(s["files"]) == 1:  # shard 0 is val: train_gpt2.py would find no train shard
         smaller = max(MIN_SHARD_SIZE, s["tokens"] // 10)  # about a tenth of the input, the rest in train shards
-        fix = (
-            f"write smaller shards into another --out-dir, e.g. --shard-size {smaller}"
-            if smaller < s["tokens"]
-            else f"add input: even the smallest --shard-size, {MIN_SHARD_SIZE}, puts all of it in the val shard"
-        )
+        if not s["complete"]:  # stopped by --max-shards 1 or --max-tokens within shard 0
+            instead = " and no --max-tokens" if args.max_tokens else ""
+            fix = f"run it again with --max-shards 2{instead} (it adds a train shard)"
+        elif smaller < s["tokens"]:
+            fix = f"write smaller shards into another --out-dir, e.g. --shard-size {smaller}"
+        else:
+            fix = f"add input: even the smallest --shard-size, {MIN_SHARD_SIZE}, puts all of it in the val shard"
         print(
-            f"note: there is no train shard: the whole input ({s['tokens']:,} tokens) is smaller than one "
-            f"--shard-size ({args.shard_size:,}), so it is all in the val shard {s['files'][0]}; for training, {fix}",
-            file=sys.stderr,
-        )
-    elif len(s["files"]) == 1:  # stopped by --max-shards 1 or --max-tokens within shard 0, the val shard
-        instead = " and no --max-tokens" if args.max_tokens else ""
-        print(
-            f"note: there is no train shard: this run stopped within shard 0, {s['files'][0]}, which is held out "
-            f"for validation; for training, run it again with --max-shards 2{instead} (it adds a train shard)",
+            f"note: there is no train shard: all {s['tokens']:,} tokens are in the val shard {s['files'][0]}; "
+            f"for training, {fix}",
             file=sys.stderr,
         )
     return s

@@ -136,7 +136,7 @@ def test_max_shards_1_says_there_is_no_train_shard_and_how_to_add_one(tmp_path, 
         ["--input", str(tmp_path / "input.txt"), "--out-dir", str(data), "--shard-size", "2000", "--max-shards", "1"]
     )
     note = capsys.readouterr().err.strip().splitlines()[-1]
-    assert note.startswith("note: there is no train shard: this run stopped within shard 0, edufineweb_val_000000.npy")
+    assert note.startswith("note: there is no train shard: all 2,000 tokens are in the val shard edufineweb_val_000000")
     assert note.endswith("run it again with --max-shards 2 (it adds a train shard)")
     args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0)
     assert user_error(args).startswith(f"no train shards (*_train_NNNNNN.npy or .bin) in {data}")
