@@ -29,8 +29,6 @@ def expand_inputs(patterns):
     for path in paths:
         if os.path.isdir(path):
             raise UserError(f"--input {path} is a directory: pass its files, e.g. '{path}/*.parquet'")
-        if not os.path.exists(path):
-            raise UserError(f"--input {path} does not exist")
         if not path.endswith(INPUT_TYPES):
             raise UserError(f"--input {path}: unknown file type, use {', '.join(INPUT_TYPES)}")
     return paths
@@ -42,17 +40,11 @@ TEXT_PROBE = 1 << 16  # bytes of a .txt / .jsonl file whose encoding is checked 
 def check_encoding(path, head):
     """Refuse text that is not UTF-8, seen in its first bytes `head`: tiktoken would take UTF-16 (what
     Windows PowerShell's `>` writes) as text full of NULs, and a binary file as text."""
-    for bom, name in (
-        (codecs.BOM_UTF32_LE, "UTF-32"),
-        (codecs.BOM_UTF16_LE, "UTF-16"),
-        (codecs.BOM_UTF16_BE, "UTF-16"),
-    ):
-        if head.startswith(bom):
-            root, ext = os.path.splitext(path)
-            command = f"iconv -f {name} -t UTF-8 {shlex.quote(path)} > {shlex.quote(root + '.utf8' + ext)}"
-            raise UserError(
-                f"{path} is {name} text (its byte-order mark says so), not UTF-8: convert it (e.g. {command})"
-            )
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # UTF-32's (LE) starts as UTF-16's
+        name = "UTF-32" if head.startswith(codecs.BOM_UTF32_LE) else "UTF-16"
+        root, ext = os.path.splitext(path)
+        command = f"iconv -f {name} -t UTF-8 {shlex.quote(path)} > {shlex.quote(root + '.utf8' + ext)}"
+        raise UserError(f"{path} is {name} text (its byte-order mark says so), not UTF-8: convert it (e.g. {command})")
     if b"\0" in head:
         raise UserError(f"{path} holds NUL bytes: not UTF-8 text (UTF-16 without a byte-order mark? binary?)")
     try:

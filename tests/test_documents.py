@@ -16,7 +16,8 @@ from support.documents import check_inputs, expand_inputs, hub_documents, local_
     "make_paths, text_field, message",
     [
         (lambda tmp, data: [str(tmp / "nothing*.parquet")], "text", "no files match"),
-        (lambda tmp, data: [str(tmp / "missing.txt")], "text", "does not exist"),
+        (lambda tmp, data: [str(tmp / "missing.txt")], "text", "cannot read .*missing.txt: No such file"),
+        (lambda tmp, data: [str(tmp / "missing.parquet")], "text", "cannot read .*missing.parquet: .*No such file"),
         (lambda tmp, data: [str(tmp)], "text", "is a directory"),
         (lambda tmp, data: [str(data.encoder_json)], "text", "unknown file type"),
         (lambda tmp, data: [str(tmp / "bad.parquet")], "text", "not a readable parquet file"),
@@ -27,6 +28,7 @@ from support.documents import check_inputs, expand_inputs, hub_documents, local_
     ids=[
         "glob-matches-nothing",
         "missing-file",
+        "missing-parquet",
         "directory",
         "unknown-type",
         "not-parquet",
