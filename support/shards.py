@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shlex
-import sys
 
 import numpy as np
 import tiktoken
@@ -200,16 +199,14 @@ def check_fineweb_finished(data_dir):
     train on what is there, and could not be resumed once fineweb.py adds the rest. A stop at
     --max-tokens / --max-shards is finished as asked. A manifest that lists a shard not there (a
     copy cut short) is refused too. Shards with no manifest (llm.c's, the user's own) are not
-    fineweb.py's to judge."""
+    fineweb.py's to judge, nor is a *_manifest.json that is not fineweb.py's."""
     for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
         path = os.path.join(data_dir, name)
         try:
             with open(path, encoding="utf-8") as f:
                 manifest = json.load(f)
             command, listed = manifest["command"], [os.path.join(data_dir, s["file"]) for s in manifest["shards"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:  # damaged, or not fineweb.py's
-            said = f"cannot read {path} as fineweb.py's manifest ({type(e).__name__})"
-            warn_once(f"{said}: whether fineweb.py finished the folder is not checked")
+        except (OSError, ValueError, KeyError, TypeError):  # another program's (fineweb.py's are written whole)
             continue
         if not (manifest.get("complete") or manifest.get("limit") is not None):
             raise UserError(
@@ -224,13 +221,6 @@ def check_fineweb_finished(data_dir):
                 f"there ({len(missing)} of its {len(listed)} shards are missing): copy the folder again from "
                 f"where fineweb.py wrote it"
             )
-
-
-@functools.cache
-def warn_once(message):
-    """A warning said once a process (the shards are looked for several times a run) and once a node."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def check_batch_fits(batches_per_epoch, sizes, chunk, data_dir, split):

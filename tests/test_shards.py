@@ -200,17 +200,6 @@ def test_a_shard_cut_short_while_the_run_reads_it_is_one_line_not_a_bus_error(tm
             loader.next_batch()
 
 
-@pytest.mark.parametrize("manifest", [b"{not json", b"[]", b'{"command": "x", "shards": [{"file": null}]}'])
-def test_a_manifest_that_cannot_be_read_is_one_warning_line(tmp_path, manifest):
-    data, out = random_shards(tmp_path / "data"), tmp_path / "out"
-    (data / "edufineweb_manifest.json").write_bytes(manifest)
-    r = cli(*tiny_args(data, out, "--max-steps", 2))
-    assert r.returncode == 0, r.stderr
-    [line] = [line for line in r.stderr.splitlines() if "manifest" in line]  # once, though read at each look
-    assert line.startswith(f"warning: cannot read {data / 'edufineweb_manifest.json'} as fineweb.py's manifest (")
-    assert line.endswith("): whether fineweb.py finished the folder is not checked")
-
-
 def test_shards_smaller_than_one_batch_name_the_largest_and_the_fix(tmp_path):
     # 150 tokens in all, but a batch (B 2 x T 32, + 1 for the targets: 65) is cut from one shard
     data = random_shards(tmp_path / "data", train_lengths=(40, 50, 60))
