@@ -185,8 +185,8 @@ FOLDER_LOCK = ".fineweb.lock"  # in --out-dir while a run writes there; its text
 # The run
 
 
-def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None, max_shards=None, command=None):
-    """Tokenize documents into shards in out_dir, resuming from its manifest.
+def build_shards(open_documents, config, out_dir, workers=None, limit=float("inf"), command=None):
+    """Tokenize documents into shards in out_dir, up to `limit` tokens, resuming from its manifest.
 
     open_documents(skip) returns the documents after the first `skip`. config (a JSON-able dict
     with at least shard_size, prefix and format) must match the manifest's to resume. command: this
@@ -196,61 +196,55 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
         lock = lock_folder(out_dir, FOLDER_LOCK, "fineweb.py")  # made if need be; a second run would interleave
     except OSError as e:
         raise disk_error(e, f"to --out-dir {out_dir}", "run the same command again") from None
-    try:
-        return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command)
+    try:  # stopped before anything was written, unlock_folder removes the folder it made
+        manifest_path = os.path.join(out_dir, f"{config['prefix']}_manifest.json")
+        had_manifest = os.path.exists(manifest_path)
+        manifest = load_manifest(manifest_path, config)
+        manifest["command"] = command  # rerun, it finishes what this run leaves unfinished, and stops where it asked
+        shards = manifest["shards"]
+        check_no_foreign_shards(out_dir, config, had_manifest)
+
+        pos0 = sum(s["tokens"] for s in shards)  # tokens written so far
+        nothing_to_do, t0 = manifest["complete"] or pos0 >= limit, time.time()
+        if nothing_to_do:
+            if not (manifest["complete"] or manifest.get("limit") is not None):
+                manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
+                save_manifest(manifest_path, manifest)
+        else:
+            if shards and shards[-1]["tokens"] < config["shard_size"]:
+                pos0 -= shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone
+            manifest.pop("limit", None)  # unfinished until this run reaches the end or its own limit
+            if had_manifest:
+                save_manifest(manifest_path, manifest)  # the list as this run starts from it
+            if shards:
+                print(f"resuming after {shards[-1]['file']}: {pos0:,} tokens in {len(shards)} shards", file=sys.stderr)
+            # opened before the bar: a dataset that cannot be opened is just an error
+            stream = tokenize_batches(open_documents(sum(s["documents"] for s in shards)), workers)
+            try:
+                _write_shards(out_dir, config, manifest, manifest_path, stream, limit)
+            except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
+                raise disk_error(
+                    e, f"to {out_dir}", "rerun the same command: it resumes after the shards kept"
+                ) from None
     finally:
-        unlock_folder(lock)  # stopped before anything was written: the folder it made, removed
-
-
-def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command):
-    shard_size, prefix = config["shard_size"], config["prefix"]
-    manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
-    had_manifest = os.path.exists(manifest_path)
-    manifest = load_manifest(manifest_path, config)
-    manifest["command"] = command  # rerun, it finishes what this run leaves unfinished, and stops where it asked
-    shards = manifest["shards"]
-    check_no_foreign_shards(out_dir, config, had_manifest)
-
-    # --max-shards is a token limit too: max_shards full shards
-    limit = min(max_tokens or float("inf"), max_shards * shard_size if max_shards else float("inf"))
-    pos = pos0 = sum(s["tokens"] for s in shards)  # tokens written so far
-    nothing_to_do, t0 = manifest["complete"] or pos >= limit, time.time()
-    if nothing_to_do:
-        if not (manifest["complete"] or manifest.get("limit") is not None):
-            manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
-            save_manifest(manifest_path, manifest)
-    else:
-        if shards and shards[-1]["tokens"] < shard_size:
-            pos = pos0 = pos - shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone
-        manifest.pop("limit", None)  # unfinished until this run reaches the end or its own limit
-        if had_manifest:
-            save_manifest(manifest_path, manifest)  # the list as this run starts from it
-        if shards:
-            print(
-                f"resuming after {shards[-1]['file']}: {pos:,} tokens already in {len(shards)} shards", file=sys.stderr
-            )
-        # opened before the bar: a dataset that cannot be opened is just an error
-        documents = open_documents(sum(s["documents"] for s in shards))
-        try:
-            pos = _write_shards(out_dir, config, manifest, manifest_path, tokenize_batches(documents, workers), limit)
-        except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
-            raise disk_error(e, f"to {out_dir}", "rerun the same command: it resumes after the shards kept") from None
+        unlock_folder(lock)
+    tokens = sum(s["tokens"] for s in shards)
     return dict(
         nothing_to_do=nothing_to_do,
         complete=manifest["complete"],
-        new_tokens=pos - pos0,
+        new_tokens=tokens - pos0,
         seconds=time.time() - t0,
         documents=sum(s["documents"] for s in shards),
-        tokens=sum(s["tokens"] for s in shards),
+        tokens=tokens,
         files=[s["file"] for s in shards],
     )
 
 
 def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
     """The tokenized documents (stream, from tokenize_batches) into shards after the manifest's, up to
-    token limit or the end of the input (the last shard partial, the manifest marked complete); returns
-    the tokens written by then. A shard is listed after its rename (the manifest rewritten whole,
-    atomically), so the manifest never names a file that is not there."""
+    token limit or the end of the input (the last shard partial, the manifest marked complete). A shard
+    is listed after its rename (the manifest rewritten whole, atomically), so the manifest never names
+    a file that is not there."""
     shards, fmt = manifest["shards"], config["format"]
     buf, fill = np.empty(config["shard_size"], dtype=np.uint16), 0  # the shard being filled
     pos = sum(s["tokens"] for s in shards)
@@ -308,7 +302,6 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
     finally:
         stream.close()  # stops the worker pool, also on an early stop or an error
         bar.close()
-    return pos
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,7 +404,9 @@ def main(argv=None):
         format=args.format,
     )
     command = f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["python", os.path.relpath(__file__), *argv])
-    s = build_shards(open_documents, config, args.out_dir, args.workers, args.max_tokens, args.max_shards, command)
+    # --max-shards is a token limit too: max_shards full shards
+    limit = min(args.max_tokens or float("inf"), args.max_shards * args.shard_size if args.max_shards else float("inf"))
+    s = build_shards(open_documents, config, args.out_dir, args.workers, limit, command)
     where = f"{s['tokens']:,} tokens from {s['documents']:,} documents in {len(s['files'])} shards in {args.out_dir}"
     if s["nothing_to_do"]:
         print(f"nothing to do: {where} already (delete the folder to start over)")
