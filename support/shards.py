@@ -5,6 +5,7 @@ trained on), and on every batch's ids as it is read (check_batch_ids)."""
 
 import functools
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -32,10 +33,8 @@ def byte_stand_ins():
     """GPT-2's printable stand-in for each byte, which vocab.bpe (and vocab.json) spell tokens with:
     the 188 bytes that print as a Latin-1 character keep it, the other 68 (controls, space, soft
     hyphen, ...) take chr(256), chr(257), ... in byte order."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
-    others = (b for b in range(256) if b not in printable)
-    stand_in = {b: chr(256 + i) for i, b in enumerate(others)}
-    return [chr(b) if b in printable else stand_in[b] for b in range(256)]
+    others = itertools.count(256)
+    return [chr(b) if chr(b).isprintable() and b != ord(" ") else chr(next(others)) for b in range(256)]
 
 
 def read_gpt2_bpe():
