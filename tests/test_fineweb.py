@@ -241,8 +241,6 @@ def test_manifest_from_other_config_is_refused(tmp_path):
     before = file_bytes(tmp_path / "out")
     with pytest.raises(UserError, match=r"different configuration \(shard_size 1025 there, 2000 now\)"):
         fineweb.main([*args, "--shard-size", "2000"])
-    with pytest.raises(UserError, match=r"different configuration \(format 'npy' there, 'bin' now\)"):
-        fineweb.main([*args, "--shard-size", "1025", "--format", "bin"])
     with (tmp_path / "doc.txt").open("a") as f:
         f.write("one more line")  # the input grew: skipping by document count would be wrong
     with pytest.raises(UserError, match=r"different configuration \(the input \(files or sizes\)\)"):
@@ -263,9 +261,8 @@ def unreachable(*args, **kwargs):
         ({"HF_HUB_OFFLINE": "1"}, None, "HF_HUB_OFFLINE is set"),
         ({"HF_DATASETS_OFFLINE": "true"}, None, "HF_DATASETS_OFFLINE is set"),
         ({}, unreachable, r"from https://huggingface.co \(\[Errno 101\] Network is unreachable\)"),
-        ({"HF_ENDPOINT": "https://hf-mirror.example:8443"}, unreachable, r"from https://hf-mirror.example:8443 \("),
     ],
-    ids=["hub-offline", "datasets-offline", "no-network", "mirror-unreachable"],
+    ids=["hub-offline", "datasets-offline", "no-network"],
 )
 def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, connect, message):
     # rule 8: the library would retry for ~27 s and then say nothing about offline use
@@ -298,14 +295,9 @@ def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, 
     [
         (["--shard-size", "10000000000000"], r"--shard-size: must be below 2\*\*31 \(2,147,483,648\), 4 GiB in memory"),
         (["--shard-size", "1e8"], r"argument --shard-size: invalid int value: '1e8'"),
-        (
-            ["--shard-size", "1024"],
-            r"^--shard-size 1,024 is too small: .*; pass at least 1025, e.g. --shard-size 100000 ",
-        ),
         (["--max-tokens", "-5"], r"--max-tokens: must be at least 1, not -5"),
         (["--max-shards", "2.5"], r"invalid int value: '2.5'"),
         (["--workers", "100000"], r"--workers: must be from 1 to 256 \(threads beyond the cores only add overhead\)"),
-        (["--workers", "0"], r"--workers: must be from 1 to 256"),
         (["--prefix", ""], r"--prefix '': a shard name prefix is a plain name"),
         (["--prefix", "../elsewhere"], r"--prefix '../elsewhere'"),
         (["--prefix", ".hidden"], r"--prefix '.hidden'"),
@@ -379,12 +371,6 @@ def test_empty_input_says_no_text(tmp_path, files, out_dir):
     assert snapshot(tmp_path) == before  # no manifest; a folder made for nothing removed, the user's kept
 
 
-def tiny_shards(tmp_path, assets, out="out", extra=()):
-    """tiny shakespeare in 4 shards of 100,000 tokens (the last one partial)."""
-    args = ["--input", str(assets.shakespeare), "--out-dir", str(tmp_path / out)]
-    return fineweb.main([*args, "--shard-size", "100000", "--workers", "1", *extra]), args
-
-
 @pytest.mark.parametrize(
     "plant, message",
     [
@@ -401,10 +387,11 @@ def tiny_shards(tmp_path, assets, out="out", extra=()):
     ids=["manifest-deleted", "other-prefix", "other-format"],
 )
 def test_foreign_shards_in_out_dir_are_refused_never_deleted(tmp_path, assets, plant, message):
-    _, args = tiny_shards(tmp_path, assets, extra=["--max-tokens", "250000"])  # to be continued
+    args = ["--input", str(assets.shakespeare), "--out-dir", str(tmp_path / "out"), "--shard-size", "100000"]
+    fineweb.main([*args, "--max-tokens", "250000"])  # tiny shakespeare's first 3 shards, to be continued
     plant(tmp_path / "out")
     before = snapshot(tmp_path)
-    r = cli(*args, "--shard-size", "100000", script="fineweb.py", cwd=tmp_path)
+    r = cli(*args, script="fineweb.py", cwd=tmp_path)
     assert_one_line_error(r, match=message + r".*train_gpt2.py would read")
     assert snapshot(tmp_path) == before
 

@@ -12,14 +12,11 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import tiktoken
-from transformers import GPT2TokenizerFast
 
 import fineweb
 import support.shards
@@ -48,12 +45,10 @@ from train_gpt2 import DataLoaderLite
 # The tokenizer
 
 
-def test_tokenizer_is_tiktokens_gpt2(enc, assets, tmp_path):
-    """The shipped vocab.bpe's tokenizer is tiktoken's gpt2: every token, and texts both ways; and
-    transformers' GPT-2 tokenizer, a second implementation, tokenizes the texts as it does."""
+def test_tokenizer_is_tiktokens_gpt2(enc, assets):
+    """The shipped vocab.bpe's tokenizer is tiktoken's gpt2: every token, texts both ways, and
+    <|endoftext|> where special tokens are allowed."""
     reference = tiktoken.get_encoding("gpt2")  # from GPT-2's published files (conftest's tiktoken_cache)
-    shutil.copy(assets.encoder_json, tmp_path / "vocab.json")
-    shutil.copy(assets.vocab_bpe, tmp_path / "merges.txt")
     assert (enc.n_vocab, enc.eot_token, enc.max_token_value) == (reference.n_vocab, reference.eot_token, 50256)
     assert [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)] == [
         reference.decode_single_token_bytes(i) for i in range(reference.n_vocab)
@@ -63,33 +58,10 @@ def test_tokenizer_is_tiktokens_gpt2(enc, assets, tmp_path):
     assert len(texts) == 1 + len(UNICODE_TEXTS) + 100
     ours = enc.encode_ordinary_batch(texts)
     assert ours == reference.encode_ordinary_batch(texts)
-    assert ours == GPT2TokenizerFast.from_pretrained(tmp_path)(texts)["input_ids"]
     assert [enc.decode(ids) for ids in ours] == texts
     special = "a<|endoftext|>b <|endoftext|>"
     assert enc.encode(special, allowed_special="all") == reference.encode(special, allowed_special="all")
-    assert enc.encode(special, allowed_special="all").count(50256) == 2
-    assert enc.encode_ordinary(special) == reference.encode_ordinary(special) and 50256 not in enc.encode_ordinary(
-        special
-    )
-    with pytest.raises(ValueError, match="disallowed special token"):
-        enc.encode(special)  # as tiktoken's: a special token in text is refused unless allowed
-
-
-def test_fineweb_tokenizes_offline_without_tiktokens_files(tmp_path, enc):
-    """No tiktoken cache and no network: fineweb.py's shard holds GPT-2's tokens all the same."""
-    text = "First Citizen:\nBefore we proceed any further, hear me speak. naïve 東京 🤖\n" * 100
-    (tmp_path / "input.txt").write_text(text, encoding="utf-8")
-    (tmp_path / "empty_cache").mkdir()
-    env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"), "NO_PROXY": ""}
-    env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
-    cmd = [sys.executable, str(ROOT / "fineweb.py"), "--input", "input.txt", "--out-dir", "shards"]
-    r = subprocess.run(
-        [*cmd, "--shard-size", "100000"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert r.returncode == 0, r.stderr
-    assert os.listdir(tmp_path / "empty_cache") == []
-    tokens = np.load(tmp_path / "shards" / "edufineweb_val_000000.npy").tolist()
-    assert tokens == [50256, *tiktoken.get_encoding("gpt2").encode_ordinary(text)]  # tiktoken's own
+    assert enc.encode_ordinary(special) == reference.encode_ordinary(special)
 
 
 SCRIPTS_THAT_TOKENIZE = {
