@@ -260,16 +260,8 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
             save_manifest(manifest_path, manifest)
         path = shard_path(out_dir, config["prefix"], len(shards), fmt)
         write_shard(path, buf[:fill], fmt)
-        shards.append(
-            dict(
-                file=os.path.basename(path),
-                split="val" if not shards else "train",
-                tokens=fill,
-                bytes=os.path.getsize(path),
-                documents=end_doc - shard_first_doc,  # documents that end in this shard
-                carry=carry,  # tokens of the next document (split across shards) already in this one
-            )
-        )
+        # documents: those that end in this shard; carry: the next one's tokens in it (it is split across shards)
+        shards.append(dict(file=os.path.basename(path), tokens=fill, documents=end_doc - shard_first_doc, carry=carry))
         save_manifest(manifest_path, manifest)
         fill, shard_first_doc = 0, end_doc
 
@@ -289,6 +281,7 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
             bar.update(pos - bar.n)
             bar.set_postfix(docs=batch_first_doc, shards=len(shards), refresh=False)
             if pos >= limit:
+                manifest["limit"] = int(limit)  # stopped where --max-tokens / --max-shards asked: training may use it
                 break
         else:  # the input is exhausted: write the last, partial shard
             if not shards and pos == batch_first_doc:  # a first run that read nothing but empty texts' EOTs
@@ -296,8 +289,6 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
             if fill:
                 finish_shard(batch_first_doc, 0)
             manifest["complete"] = True
-        if not manifest["complete"]:
-            manifest["limit"] = int(limit)  # stopped where --max-tokens / --max-shards asked: training may use it
         save_manifest(manifest_path, manifest)
     finally:
         stream.close()  # stops the worker pool, also on an early stop or an error
