@@ -38,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from support.cli import ArgumentParser, Number, UserError, add_flags, flag, flag_type, run_cli
-from support.documents import check_inputs, check_online, default_workers, expand_inputs, hub_documents, local_documents
+from support.documents import check_inputs, default_workers, expand_inputs, hub_documents, local_documents
 from support.files import check_folder, disk_error, lock_folder, unlock_folder, write_atomic
 from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_path, write_shard
 
@@ -382,8 +382,7 @@ def main(argv=None):
         name = args.name or None
         source = {"dataset": args.dataset, "name": name, "split": args.split}
 
-        def open_documents(skip):
-            check_online(args.dataset)  # here, not sooner: a finished folder needs no network
+        def open_documents(skip):  # called only if there is work to do: a finished folder needs no network
             return hub_documents(args.dataset, name, args.split, args.text_field, skip)
 
     config = dict(

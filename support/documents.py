@@ -147,6 +147,14 @@ def local_documents(paths, text_field, skip=0):
 def hub_documents(dataset, name, split, text_field, skip=0):
     """Documents streamed from the Hugging Face Hub: tokenizing starts at once, nothing but the
     shards is kept on disk. Opens the dataset now, so a bad name fails before any work."""
+    if not os.path.exists(dataset):  # a dataset's local folder needs no Hub
+        # offline, the Hub client retries for half a minute and then says nothing about offline use: say it at once
+        hub, reason = hub_offline(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+        if reason:
+            raise UserError(
+                f"cannot stream {dataset} from {hub} ({reason}): pass local files with --input instead, "
+                f"e.g. --input 'corpus/*.parquet' (.txt, .jsonl or .parquet)"
+            )
     import datasets  # noqa: PLC0415  only streaming from the Hub needs datasets (half a second to import)
 
     try:
@@ -182,16 +190,3 @@ def hub_documents(dataset, name, split, text_field, skip=0):
                 yield _text(text, f"{dataset} row {row}")
 
     return documents()
-
-
-def check_online(dataset):
-    """Offline, the Hub client retries for half a minute and then says nothing about offline use:
-    find out at once, and say what to pass instead."""
-    if os.path.exists(dataset):
-        return  # a local dataset folder
-    hub, reason = hub_offline(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    if reason:
-        raise UserError(
-            f"cannot stream {dataset} from {hub} ({reason}): pass local files with --input instead, "
-            f"e.g. --input 'corpus/*.parquet' (.txt, .jsonl or .parquet)"
-        )

@@ -98,5 +98,6 @@ def test_hub_dataset_that_cannot_be_opened(monkeypatch):
         raise FileNotFoundError(f"Dataset '{path}' doesn't exist on the Hub or cannot be accessed.")
 
     monkeypatch.setattr(datasets, "load_dataset", not_found)
+    monkeypatch.setattr(documents, "hub_offline", lambda variables: ("hub", None))  # online
     with pytest.raises(UserError, match="cannot open no-such-user/no-such-dataset .*doesn't exist on the Hub"):
         hub_documents("no-such-user/no-such-dataset", "sample-10BT", "train", "text")

@@ -16,7 +16,7 @@ import pytest
 
 import fineweb
 from helpers import assert_one_line_error, cli, fail_nth_write, snapshot, start_run, started_until
-from support import files, offline
+from support import documents, files, offline
 from support.cli import UserError
 from support.shards import EOT
 
@@ -198,7 +198,7 @@ def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, assets, parque
         return real_load_dataset("parquet", data_files=[str(assets.fineweb)], split="train", streaming=True)
 
     monkeypatch.setattr(datasets, "load_dataset", local_hub)
-    monkeypatch.setattr(fineweb, "check_online", lambda dataset: None)  # online (offline: the test below)
+    monkeypatch.setattr(documents, "hub_offline", lambda variables: ("hub", None))  # online (offline: below)
     args = ["--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--workers", "2"]
     fineweb.main([*args, "--max-tokens", "33333"])  # and resume through the stream's skip
     summary = fineweb.main(args)
