@@ -145,11 +145,8 @@ def load_manifest(path, config):
             f"cannot read {path} as fineweb.py's manifest ({type(e).__name__}): use another --out-dir"
         ) from None
     if old != config:
-        diff = [k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
-        shown = ", ".join(
-            f"{k} {old.get(k)!r} there, {config.get(k)!r} now" if k != "source" else "the input (files or sizes)"
-            for k in diff
-        )
+        k = next(k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k))  # the first that differs
+        shown = "the input (files or sizes)" if k == "source" else f"{k} {old.get(k)!r} there, {config.get(k)!r} now"
         raise UserError(
             f"{path} was written by a different configuration ({shown}): use another --out-dir, "
             f"or delete that folder's shards and manifest to start over"

@@ -244,9 +244,7 @@ def check_same_data(saved, now, ckpt_path, data_dir):
     for split in ("train", "val"):
         was = {name: (size, digest) for name, size, digest in saved.get(split, [])}
         is_ = {name: (size, digest) for name, size, digest in now.get(split, [])}
-        for name in sorted(set(was) | set(is_)):
-            if was.get(name) == is_.get(name):
-                continue
+        for name in sorted(n for n in set(was) | set(is_) if was.get(n) != is_.get(n)):  # raised at the first
             what = "missing" if name not in is_ else "new" if name not in was else "rewritten (other bytes)"
             raise same_on_every_rank(
                 UserError(
