@@ -101,11 +101,10 @@ def tokenize_batches(documents, workers=None, batch_chars=BATCH_CHARS):
     def work():
         while (task := tasks.get()) is not None:
             texts, result = task
-            if result.set_running_or_notify_cancel():  # False: cancelled by an early stop
-                try:
-                    result.set_result(_tokenize_batch(enc, texts))
-                except BaseException as e:
-                    result.set_exception(e)
+            try:
+                result.set_result(_tokenize_batch(enc, texts))
+            except BaseException as e:
+                result.set_exception(e)
 
     # daemon threads: on Ctrl-C the process exits without waiting for a batch in progress (a single
     # large .txt is one document, and one encode call, of minutes)
@@ -121,9 +120,8 @@ def tokenize_batches(documents, workers=None, batch_chars=BATCH_CHARS):
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
-    finally:  # the end, an early stop (the generator closed), an error or Ctrl-C: stop every thread
-        for result in pending:
-            result.cancel()
+    finally:  # the end, an early stop (the generator closed), an error or Ctrl-C: stop every thread once it
+        # has done the batches queued (at most 4 * workers, a few ms each; Ctrl-C's exit does not wait)
         for _ in threads:
             tasks.put(None)
 
