@@ -102,19 +102,13 @@ def test_a_missing_or_damaged_vocab_bpe_is_one_line_naming_it_and_the_checkout(
 
 
 def test_max_shards_1_says_there_is_no_train_shard_and_how_to_add_one(tmp_path, capsys, assets):
-    (tmp_path / "input.txt").write_text(assets.shakespeare.read_text()[:20000])
-    data = tmp_path / "data"
-    fineweb.main(
-        ["--input", str(tmp_path / "input.txt"), "--out-dir", str(data), "--shard-size", "2000", "--max-shards", "1"]
-    )
+    data = fineweb_of(tmp_path, assets, 20000, 2000, "data", "--max-shards", "1")
     note = capsys.readouterr().err.strip().splitlines()[-1]
     assert note.startswith("note: there is no train shard: all 2,000 tokens are in the val shard edufineweb_val_000000")
     assert note.endswith("run it again with --max-shards 2 (it adds a train shard)")
     args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0)
     assert user_error(args).startswith(f"no train shards (*_train_NNNNNN.npy or .bin) in {data}")
-    fineweb.main(
-        ["--input", str(tmp_path / "input.txt"), "--out-dir", str(data), "--shard-size", "2000", "--max-shards", "2"]
-    )
+    fineweb_of(tmp_path, assets, 20000, 2000, "data", "--max-shards", "2")
     assert train_gpt2.main(args) == 0  # the note's advice
 
 
@@ -194,12 +188,14 @@ def test_token_ids_outside_the_vocab(tmp_path):
     assert not (tmp_path / "out" / "log.jsonl").exists()
 
 
-def fineweb_of(tmp_path, assets, chars, shard_size, name):
+def fineweb_of(tmp_path, assets, chars, shard_size, name, *flags):
     """fineweb.py's shards of the first chars characters of tiny shakespeare, in tmp_path / name."""
     text = tmp_path / "input.txt"
     text.write_text(assets.shakespeare.read_text()[:chars])
     out = tmp_path / name
-    fineweb.main(["--input", str(text), "--out-dir", str(out), "--shard-size", str(shard_size), "--workers", "1"])
+    fineweb.main(
+        ["--input", str(text), "--out-dir", str(out), "--shard-size", str(shard_size), "--workers", "1", *flags]
+    )
     return out
 
 
@@ -225,13 +221,9 @@ def put_id(path, token_id, position=1500):
     return position
 
 
-def big_train_shards(folder):
-    return [folder / s["file"] for s in manifest_shards(folder) if "_train_" in s["file"] and s["tokens"] == 40000]
-
-
 @pytest.mark.parametrize("token_id, refused", [(50303, False), (50304, True), (65535, True)])
 def test_every_batch_is_checked_up_to_the_last_id_of_the_vocabulary(big_shards, token_id, refused):
-    path = big_train_shards(big_shards)[0]
+    path = big_shards / manifest_shards(big_shards)[1]["file"]  # the first train shard, of 40,000 tokens
     at = put_id(path, token_id)
     loader = DataLoaderLite(str(big_shards), "train", 4, 64, shuffle=False, vocab_size=50304)  # the start passes
     batches = range(loader.batches_per_epoch)
