@@ -20,6 +20,7 @@ Usage:
 import argparse
 import collections
 import concurrent.futures
+import functools
 import json
 import os
 import queue
@@ -369,17 +370,12 @@ def main(argv=None):
         paths = list(dict.fromkeys(map(os.path.realpath, paths)))  # a file named twice (a glob and its path) once
         # each file's size goes in the manifest: resuming over input that grew would skip the wrong documents
         source = {"input": [{"path": path, "bytes": os.path.getsize(path)} for path in paths]}
-
-        def open_documents(skip):
-            return local_documents(paths, args.text_field, skip)
-
+        open_documents = functools.partial(local_documents, paths, args.text_field)  # given the documents to skip
     else:
         name = args.name or None
         source = {"dataset": args.dataset, "name": name, "split": args.split}
-
-        def open_documents(skip):  # called only if there is work to do: a finished folder needs no network
-            return hub_documents(args.dataset, name, args.split, args.text_field, skip)
-
+        # called only if there is work to do: a finished folder needs no network
+        open_documents = functools.partial(hub_documents, args.dataset, name, args.split, args.text_field)
     config = dict(
         source=source,
         text_field=args.text_field,
