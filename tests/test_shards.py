@@ -180,9 +180,7 @@ def test_shards_smaller_than_one_batch_name_the_largest_and_the_fix(tmp_path):
 
 def test_token_ids_outside_the_vocab(tmp_path):
     data = random_shards(tmp_path / "data")
-    tokens = np.load(data / "rand_train_000002.npy")
-    tokens[123] = 50400  # fits in uint16, but the model's embedding has 50304 rows
-    write_shard(data / "rand_train_000002.npy", tokens)
+    put_id(data / "rand_train_000002.npy", 50400, 123)  # fits in uint16, but the model's embedding has 50304 rows
     msg = user_error(tiny_args(data, tmp_path / "out"))
     assert "rand_train_000002.npy" in msg and "50400" in msg and "50304" in msg
     assert not (tmp_path / "out" / "log.jsonl").exists()
@@ -214,7 +212,7 @@ def big_shards(tmp_path, assets):
 
 
 def put_id(path, token_id, position=1500):
-    """token_id at position of the shard at path: past its first 1,024 ids, which the start checks."""
+    """token_id at position of the shard at path (by default past its first 1,024 ids, which the start checks)."""
     tokens = np.load(path)
     tokens[position] = token_id
     np.save(path, tokens)
