@@ -153,10 +153,9 @@ def shard_path(out_dir, prefix, index, fmt="npy"):
 def find_shards(data_dir, split, required=False):
     """The {prefix}_{split}_{index}.npy (or .bin) shards in data_dir, in name order."""
     if os.path.isfile(data_dir) and os.path.splitext(data_dir)[1] in (".npy", ".bin"):  # one shard
-        folder = os.path.dirname(data_dir) or "."
         raise UserError(
             f"--data-dir {data_dir} is a token shard, not the folder of shards: pass the folder that holds it, "
-            f"--data-dir {shlex.quote(folder)}"
+            f"--data-dir {shlex.quote(os.path.dirname(data_dir) or '.')}"
         )
     if os.path.isfile(data_dir):  # a text file where the folder of shards goes
         raise UserError(
