@@ -19,16 +19,13 @@ def expand_inputs(patterns):
     """Files named on the command line, globs expanded (sorted), in the order given."""
     paths = []
     for pattern in patterns:
-        if any(c in pattern for c in "*?["):
-            matches = [m for m in sorted(glob.glob(pattern, recursive=True)) if not os.path.isdir(m)]
-            if not matches:
-                raise UserError(f"no files match --input {pattern!r}")
-            paths += matches
-        else:
-            paths.append(pattern)
+        if os.path.isdir(pattern):
+            raise UserError(f"--input {pattern} is a directory: pass its files, e.g. '{pattern}/*.parquet'")
+        matches = [m for m in sorted(glob.glob(pattern, recursive=True)) if not os.path.isdir(m)]  # a path: itself
+        if not matches:
+            raise UserError(f"--input {pattern!r} matches no file")
+        paths += matches
     for path in paths:
-        if os.path.isdir(path):
-            raise UserError(f"--input {path} is a directory: pass its files, e.g. '{path}/*.parquet'")
         if not path.endswith(INPUT_TYPES):
             raise UserError(f"--input {path}: unknown file type, use {', '.join(INPUT_TYPES)}")
     return paths

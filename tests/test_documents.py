@@ -15,9 +15,8 @@ from support.documents import check_inputs, expand_inputs, hub_documents, local_
 @pytest.mark.parametrize(
     "make_paths, text_field, message",
     [
-        (lambda tmp, data: [str(tmp / "nothing*.parquet")], "text", "no files match"),
-        (lambda tmp, data: [str(tmp / "missing.txt")], "text", "cannot read .*missing.txt: No such file"),
-        (lambda tmp, data: [str(tmp / "missing.parquet")], "text", "cannot read .*missing.parquet: .*No such file"),
+        (lambda tmp, data: [str(tmp / "nothing*.parquet")], "text", r"nothing\*.parquet' matches no file"),
+        (lambda tmp, data: [str(tmp / "missing.txt")], "text", "missing.txt' matches no file"),
         (lambda tmp, data: [str(tmp)], "text", "is a directory"),
         (lambda tmp, data: [str(data.encoder_json)], "text", "unknown file type"),
         (lambda tmp, data: [str(tmp / "bad.parquet")], "text", "not a readable parquet file"),
@@ -28,7 +27,6 @@ from support.documents import check_inputs, expand_inputs, hub_documents, local_
     ids=[
         "glob-matches-nothing",
         "missing-file",
-        "missing-parquet",
         "directory",
         "unknown-type",
         "not-parquet",
