@@ -20,6 +20,7 @@ Usage:
 import argparse
 import collections
 import concurrent.futures
+import functools
 import json
 import os
 import queue
@@ -38,7 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from support.cli import ArgumentParser, Number, UserError, add_flags, flag, flag_type, run_cli
-from support.documents import check_inputs, check_online, default_workers, expand_inputs, hub_documents, local_documents
+from support.documents import check_inputs, default_workers, expand_inputs, hub_documents, local_documents
 from support.files import check_folder, disk_error, lock_folder, unlock_folder, write_atomic
 from support.shards import EOT, SHARD_NAME, get_tokenizer, shard_path, write_shard
 
@@ -101,11 +102,10 @@ def tokenize_batches(documents, workers=None, batch_chars=BATCH_CHARS):
     def work():
         while (task := tasks.get()) is not None:
             texts, result = task
-            if result.set_running_or_notify_cancel():  # False: cancelled by an early stop
-                try:
-                    result.set_result(_tokenize_batch(enc, texts))
-                except BaseException as e:
-                    result.set_exception(e)
+            try:
+                result.set_result(_tokenize_batch(enc, texts))
+            except BaseException as e:
+                result.set_exception(e)
 
     # daemon threads: on Ctrl-C the process exits without waiting for a batch in progress (a single
     # large .txt is one document, and one encode call, of minutes)
@@ -121,9 +121,8 @@ def tokenize_batches(documents, workers=None, batch_chars=BATCH_CHARS):
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
-    finally:  # the end, an early stop (the generator closed), an error or Ctrl-C: stop every thread
-        for result in pending:
-            result.cancel()
+    finally:  # the end, an early stop (the generator closed), an error or Ctrl-C: stop every thread once it
+        # has done the batches queued (at most 4 * workers, a few ms each; Ctrl-C's exit does not wait)
         for _ in threads:
             tasks.put(None)
 
@@ -145,11 +144,8 @@ def load_manifest(path, config):
             f"cannot read {path} as fineweb.py's manifest ({type(e).__name__}): use another --out-dir"
         ) from None
     if old != config:
-        diff = [k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
-        shown = ", ".join(
-            f"{k} {old.get(k)!r} there, {config.get(k)!r} now" if k != "source" else "the input (files or sizes)"
-            for k in diff
-        )
+        k = next(k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k))  # the first that differs
+        shown = "the input (files or sizes)" if k == "source" else f"{k} {old.get(k)!r} there, {config.get(k)!r} now"
         raise UserError(
             f"{path} was written by a different configuration ({shown}): use another --out-dir, "
             f"or delete that folder's shards and manifest to start over"
@@ -185,8 +181,8 @@ FOLDER_LOCK = ".fineweb.lock"  # in --out-dir while a run writes there; its text
 # The run
 
 
-def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None, max_shards=None, command=None):
-    """Tokenize documents into shards in out_dir, resuming from its manifest.
+def build_shards(open_documents, config, out_dir, workers=None, limit=float("inf"), command=None):
+    """Tokenize documents into shards in out_dir, up to `limit` tokens, resuming from its manifest.
 
     open_documents(skip) returns the documents after the first `skip`. config (a JSON-able dict
     with at least shard_size, prefix and format) must match the manifest's to resume. command: this
@@ -196,66 +192,60 @@ def build_shards(open_documents, config, out_dir, workers=None, max_tokens=None,
         lock = lock_folder(out_dir, FOLDER_LOCK, "fineweb.py")  # made if need be; a second run would interleave
     except OSError as e:
         raise disk_error(e, f"to --out-dir {out_dir}", "run the same command again") from None
-    try:
-        return _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command)
+    try:  # stopped before anything was written, unlock_folder removes the folder it made
+        manifest_path = os.path.join(out_dir, f"{config['prefix']}_manifest.json")
+        had_manifest = os.path.exists(manifest_path)
+        manifest = load_manifest(manifest_path, config)
+        manifest["command"] = command  # rerun, it finishes what this run leaves unfinished, and stops where it asked
+        shards = manifest["shards"]
+        check_no_foreign_shards(out_dir, config, had_manifest)
+
+        pos0 = sum(s["tokens"] for s in shards)  # tokens written so far
+        nothing_to_do, t0 = manifest["complete"] or pos0 >= limit, time.time()
+        if nothing_to_do:
+            if not (manifest["complete"] or manifest.get("limit") is not None):
+                manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
+                save_manifest(manifest_path, manifest)
+        else:
+            if shards and shards[-1]["tokens"] < config["shard_size"]:
+                pos0 -= shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone
+            manifest.pop("limit", None)  # unfinished until this run reaches the end or its own limit
+            if had_manifest:
+                save_manifest(manifest_path, manifest)  # the list as this run starts from it
+            if shards:
+                print(f"resuming after {shards[-1]['file']}: {pos0:,} tokens in {len(shards)} shards", file=sys.stderr)
+            # opened before the bar: a dataset that cannot be opened is just an error
+            stream = tokenize_batches(open_documents(sum(s["documents"] for s in shards)), workers)
+            try:
+                _write_shards(out_dir, config, manifest, manifest_path, stream, limit)
+            except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
+                raise disk_error(
+                    e, f"to {out_dir}", "rerun the same command: it resumes after the shards kept"
+                ) from None
     finally:
-        unlock_folder(lock)  # stopped before anything was written: the folder it made, removed
-
-
-def _build_shards(open_documents, config, out_dir, workers, max_tokens, max_shards, command):
-    shard_size, prefix = config["shard_size"], config["prefix"]
-    manifest_path = os.path.join(out_dir, f"{prefix}_manifest.json")
-    had_manifest = os.path.exists(manifest_path)
-    manifest = load_manifest(manifest_path, config)
-    manifest["command"] = command  # rerun, it finishes what this run leaves unfinished, and stops where it asked
-    shards = manifest["shards"]
-    check_no_foreign_shards(out_dir, config, had_manifest)
-
-    # --max-shards is a token limit too: max_shards full shards
-    limit = min(max_tokens or float("inf"), max_shards * shard_size if max_shards else float("inf"))
-    pos = pos0 = sum(s["tokens"] for s in shards)  # tokens written so far
-    nothing_to_do, t0 = manifest["complete"] or pos >= limit, time.time()
-    if nothing_to_do:
-        if not (manifest["complete"] or manifest.get("limit") is not None):
-            manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
-            save_manifest(manifest_path, manifest)
-    else:
-        if shards and shards[-1]["tokens"] < shard_size:
-            pos = pos0 = pos - shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone
-        manifest.pop("limit", None)  # unfinished until this run reaches the end or its own limit
-        if had_manifest:
-            save_manifest(manifest_path, manifest)  # the list as this run starts from it
-        if shards:
-            print(
-                f"resuming after {shards[-1]['file']}: {pos:,} tokens already in {len(shards)} shards", file=sys.stderr
-            )
-        # opened before the bar: a dataset that cannot be opened is just an error
-        documents = open_documents(sum(s["documents"] for s in shards))
-        try:
-            pos = _write_shards(out_dir, config, manifest, manifest_path, tokenize_batches(documents, workers), limit)
-        except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
-            raise disk_error(e, f"to {out_dir}", "rerun the same command: it resumes after the shards kept") from None
+        unlock_folder(lock)
+    tokens = sum(s["tokens"] for s in shards)
     return dict(
         nothing_to_do=nothing_to_do,
         complete=manifest["complete"],
-        new_tokens=pos - pos0,
+        new_tokens=tokens - pos0,
         seconds=time.time() - t0,
         documents=sum(s["documents"] for s in shards),
-        tokens=sum(s["tokens"] for s in shards),
+        tokens=tokens,
         files=[s["file"] for s in shards],
     )
 
 
 def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
     """The tokenized documents (stream, from tokenize_batches) into shards after the manifest's, up to
-    token limit or the end of the input (the last shard partial, the manifest marked complete); returns
-    the tokens written by then. A shard is listed after its rename (the manifest rewritten whole,
-    atomically), so the manifest never names a file that is not there."""
+    token limit or the end of the input (the last shard partial, the manifest marked complete). A shard
+    is listed after its rename (the manifest rewritten whole, atomically), so the manifest never names
+    a file that is not there."""
     shards, fmt = manifest["shards"], config["format"]
     buf, fill = np.empty(config["shard_size"], dtype=np.uint16), 0  # the shard being filled
-    pos = pos0 = sum(s["tokens"] for s in shards)
+    pos = sum(s["tokens"] for s in shards)
     # documents whose every token is in a finished shard: the first of the shard being filled, and of the batch
-    docs_done = shard_first_doc = batch_first_doc = sum(s["documents"] for s in shards)
+    shard_first_doc = batch_first_doc = sum(s["documents"] for s in shards)
     skip_tokens = shards[-1]["carry"] if shards else 0  # tokens of the next document already written
 
     def finish_shard(end_doc, carry):
@@ -266,16 +256,8 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
             save_manifest(manifest_path, manifest)
         path = shard_path(out_dir, config["prefix"], len(shards), fmt)
         write_shard(path, buf[:fill], fmt)
-        shards.append(
-            dict(
-                file=os.path.basename(path),
-                split="val" if not shards else "train",
-                tokens=fill,
-                bytes=os.path.getsize(path),
-                documents=end_doc - shard_first_doc,  # documents that end in this shard
-                carry=carry,  # tokens of the next document (split across shards) already in this one
-            )
-        )
+        # documents: those that end in this shard; carry: the next one's tokens in it (it is split across shards)
+        shards.append(dict(file=os.path.basename(path), tokens=fill, documents=end_doc - shard_first_doc, carry=carry))
         save_manifest(manifest_path, manifest)
         fill, shard_first_doc = 0, end_doc
 
@@ -295,24 +277,18 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
             bar.update(pos - bar.n)
             bar.set_postfix(docs=batch_first_doc, shards=len(shards), refresh=False)
             if pos >= limit:
+                manifest["limit"] = int(limit)  # stopped where --max-tokens / --max-shards asked: training may use it
                 break
         else:  # the input is exhausted: write the last, partial shard
-            if not shards and pos == pos0 + batch_first_doc - docs_done:  # nothing, or only the EOTs of empty texts
-                n = batch_first_doc - docs_done
-                raise UserError(
-                    (f"the input's {n:,} documents are all empty" if n else "no documents in the input")
-                    + ": nothing to tokenize, no shard written"
-                )
+            if not shards and pos == batch_first_doc:  # a first run that read nothing but empty texts' EOTs
+                raise UserError("no text in the input (no documents, or only empty ones): no shard written")
             if fill:
                 finish_shard(batch_first_doc, 0)
             manifest["complete"] = True
-        if not manifest["complete"]:
-            manifest["limit"] = int(limit)  # stopped where --max-tokens / --max-shards asked: training may use it
         save_manifest(manifest_path, manifest)
     finally:
         stream.close()  # stops the worker pool, also on an early stop or an error
         bar.close()
-    return pos
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,18 +370,12 @@ def main(argv=None):
         paths = list(dict.fromkeys(map(os.path.realpath, paths)))  # a file named twice (a glob and its path) once
         # each file's size goes in the manifest: resuming over input that grew would skip the wrong documents
         source = {"input": [{"path": path, "bytes": os.path.getsize(path)} for path in paths]}
-
-        def open_documents(skip):
-            return local_documents(paths, args.text_field, skip)
-
+        open_documents = functools.partial(local_documents, paths, args.text_field)  # given the documents to skip
     else:
         name = args.name or None
         source = {"dataset": args.dataset, "name": name, "split": args.split}
-
-        def open_documents(skip):
-            check_online(args.dataset)  # here, not sooner: a finished folder needs no network
-            return hub_documents(args.dataset, name, args.split, args.text_field, skip)
-
+        # called only if there is work to do: a finished folder needs no network
+        open_documents = functools.partial(hub_documents, args.dataset, name, args.split, args.text_field)
     config = dict(
         source=source,
         text_field=args.text_field,
@@ -415,7 +385,9 @@ def main(argv=None):
         format=args.format,
     )
     command = f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["python", os.path.relpath(__file__), *argv])
-    s = build_shards(open_documents, config, args.out_dir, args.workers, args.max_tokens, args.max_shards, command)
+    # --max-shards is a token limit too: max_shards full shards
+    limit = min(args.max_tokens or float("inf"), args.max_shards * args.shard_size if args.max_shards else float("inf"))
+    s = build_shards(open_documents, config, args.out_dir, args.workers, limit, command)
     where = f"{s['tokens']:,} tokens from {s['documents']:,} documents in {len(s['files'])} shards in {args.out_dir}"
     if s["nothing_to_do"]:
         print(f"nothing to do: {where} already (delete the folder to start over)")
@@ -425,23 +397,18 @@ def main(argv=None):
         print(
             f"{state}: {where}; this run wrote {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate:,.0f} tokens/s)"
         )
-    if s["complete"] and len(s["files"]) == 1:  # shard 0 is val: train_gpt2.py would find no train shard
+    if len(s["files"]) == 1:  # shard 0 is val: train_gpt2.py would find no train shard
         smaller = max(MIN_SHARD_SIZE, s["tokens"] // 10)  # about a tenth of the input, the rest in train shards
-        fix = (
-            f"write smaller shards into another --out-dir, e.g. --shard-size {smaller}"
-            if smaller < s["tokens"]
-            else f"add input: even the smallest --shard-size, {MIN_SHARD_SIZE}, puts all of it in the val shard"
-        )
+        if not s["complete"]:  # stopped by --max-shards 1 or --max-tokens within shard 0
+            instead = " and no --max-tokens" if args.max_tokens else ""
+            fix = f"run it again with --max-shards 2{instead} (it adds a train shard)"
+        elif smaller < s["tokens"]:
+            fix = f"write smaller shards into another --out-dir, e.g. --shard-size {smaller}"
+        else:
+            fix = f"add input: even the smallest --shard-size, {MIN_SHARD_SIZE}, puts all of it in the val shard"
         print(
-            f"note: there is no train shard: the whole input ({s['tokens']:,} tokens) is smaller than one "
-            f"--shard-size ({args.shard_size:,}), so it is all in the val shard {s['files'][0]}; for training, {fix}",
-            file=sys.stderr,
-        )
-    elif len(s["files"]) == 1:  # stopped by --max-shards 1 or --max-tokens within shard 0, the val shard
-        instead = " and no --max-tokens" if args.max_tokens else ""
-        print(
-            f"note: there is no train shard: this run stopped within shard 0, {s['files'][0]}, which is held out "
-            f"for validation; for training, run it again with --max-shards 2{instead} (it adds a train shard)",
+            f"note: there is no train shard: all {s['tokens']:,} tokens are in the val shard {s['files'][0]}; "
+            f"for training, {fix}",
             file=sys.stderr,
         )
     return s

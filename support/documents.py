@@ -19,18 +19,13 @@ def expand_inputs(patterns):
     """Files named on the command line, globs expanded (sorted), in the order given."""
     paths = []
     for pattern in patterns:
-        if any(c in pattern for c in "*?["):
-            matches = [m for m in sorted(glob.glob(pattern, recursive=True)) if not os.path.isdir(m)]
-            if not matches:
-                raise UserError(f"no files match --input {pattern!r}")
-            paths += matches
-        else:
-            paths.append(pattern)
+        if os.path.isdir(pattern):
+            raise UserError(f"--input {pattern} is a directory: pass its files, e.g. '{pattern}/*.parquet'")
+        matches = [m for m in sorted(glob.glob(pattern, recursive=True)) if not os.path.isdir(m)]  # a path: itself
+        if not matches:
+            raise UserError(f"--input {pattern!r} matches no file")
+        paths += matches
     for path in paths:
-        if os.path.isdir(path):
-            raise UserError(f"--input {path} is a directory: pass its files, e.g. '{path}/*.parquet'")
-        if not os.path.exists(path):
-            raise UserError(f"--input {path} does not exist")
         if not path.endswith(INPUT_TYPES):
             raise UserError(f"--input {path}: unknown file type, use {', '.join(INPUT_TYPES)}")
     return paths
@@ -42,17 +37,11 @@ TEXT_PROBE = 1 << 16  # bytes of a .txt / .jsonl file whose encoding is checked 
 def check_encoding(path, head):
     """Refuse text that is not UTF-8, seen in its first bytes `head`: tiktoken would take UTF-16 (what
     Windows PowerShell's `>` writes) as text full of NULs, and a binary file as text."""
-    for bom, name in (
-        (codecs.BOM_UTF32_LE, "UTF-32"),
-        (codecs.BOM_UTF16_LE, "UTF-16"),
-        (codecs.BOM_UTF16_BE, "UTF-16"),
-    ):
-        if head.startswith(bom):
-            root, ext = os.path.splitext(path)
-            command = f"iconv -f {name} -t UTF-8 {shlex.quote(path)} > {shlex.quote(root + '.utf8' + ext)}"
-            raise UserError(
-                f"{path} is {name} text (its byte-order mark says so), not UTF-8: convert it (e.g. {command})"
-            )
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # UTF-32's (LE) starts as UTF-16's
+        name = "UTF-32" if head.startswith(codecs.BOM_UTF32_LE) else "UTF-16"
+        root, ext = os.path.splitext(path)
+        command = f"iconv -f {name} -t UTF-8 {shlex.quote(path)} > {shlex.quote(root + '.utf8' + ext)}"
+        raise UserError(f"{path} is {name} text (its byte-order mark says so), not UTF-8: convert it (e.g. {command})")
     if b"\0" in head:
         raise UserError(f"{path} holds NUL bytes: not UTF-8 text (UTF-16 without a byte-order mark? binary?)")
     try:
@@ -155,6 +144,14 @@ def local_documents(paths, text_field, skip=0):
 def hub_documents(dataset, name, split, text_field, skip=0):
     """Documents streamed from the Hugging Face Hub: tokenizing starts at once, nothing but the
     shards is kept on disk. Opens the dataset now, so a bad name fails before any work."""
+    if not os.path.exists(dataset):  # a dataset's local folder needs no Hub
+        # offline, the Hub client retries for half a minute and then says nothing about offline use: say it at once
+        hub, reason = hub_offline(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+        if reason:
+            raise UserError(
+                f"cannot stream {dataset} from {hub} ({reason}): pass local files with --input instead, "
+                f"e.g. --input 'corpus/*.parquet' (.txt, .jsonl or .parquet)"
+            )
     import datasets  # noqa: PLC0415  only streaming from the Hub needs datasets (half a second to import)
 
     try:
@@ -190,16 +187,3 @@ def hub_documents(dataset, name, split, text_field, skip=0):
                 yield _text(text, f"{dataset} row {row}")
 
     return documents()
-
-
-def check_online(dataset):
-    """Offline, the Hub client retries for half a minute and then says nothing about offline use:
-    find out at once, and say what to pass instead."""
-    if os.path.exists(dataset):
-        return  # a local dataset folder
-    hub, reason = hub_offline(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    if reason:
-        raise UserError(
-            f"cannot stream {dataset} from {hub} ({reason}): pass local files with --input instead, "
-            f"e.g. --input 'corpus/*.parquet' (.txt, .jsonl or .parquet)"
-        )

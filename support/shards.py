@@ -5,11 +5,11 @@ trained on), and on every batch's ids as it is read (check_batch_ids)."""
 
 import functools
 import hashlib
+import itertools
 import json
 import os
 import re
 import shlex
-import sys
 
 import numpy as np
 import tiktoken
@@ -33,10 +33,8 @@ def byte_stand_ins():
     """GPT-2's printable stand-in for each byte, which vocab.bpe (and vocab.json) spell tokens with:
     the 188 bytes that print as a Latin-1 character keep it, the other 68 (controls, space, soft
     hyphen, ...) take chr(256), chr(257), ... in byte order."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
-    others = (b for b in range(256) if b not in printable)
-    stand_in = {b: chr(256 + i) for i, b in enumerate(others)}
-    return [chr(b) if b in printable else stand_in[b] for b in range(256)]
+    others = itertools.count(256)
+    return [chr(b) if chr(b).isprintable() and b != ord(" ") else chr(next(others)) for b in range(256)]
 
 
 def read_gpt2_bpe():
@@ -155,10 +153,9 @@ def shard_path(out_dir, prefix, index, fmt="npy"):
 def find_shards(data_dir, split, required=False):
     """The {prefix}_{split}_{index}.npy (or .bin) shards in data_dir, in name order."""
     if os.path.isfile(data_dir) and os.path.splitext(data_dir)[1] in (".npy", ".bin"):  # one shard
-        folder = os.path.dirname(data_dir) or "."
         raise UserError(
             f"--data-dir {data_dir} is a token shard, not the folder of shards: pass the folder that holds it, "
-            f"--data-dir {shlex.quote(folder)}"
+            f"--data-dir {shlex.quote(os.path.dirname(data_dir) or '.')}"
         )
     if os.path.isfile(data_dir):  # a text file where the folder of shards goes
         raise UserError(
@@ -200,16 +197,14 @@ def check_fineweb_finished(data_dir):
     train on what is there, and could not be resumed once fineweb.py adds the rest. A stop at
     --max-tokens / --max-shards is finished as asked. A manifest that lists a shard not there (a
     copy cut short) is refused too. Shards with no manifest (llm.c's, the user's own) are not
-    fineweb.py's to judge."""
+    fineweb.py's to judge, nor is a *_manifest.json that is not fineweb.py's."""
     for name in sorted(n for n in os.listdir(data_dir) if n.endswith("_manifest.json")):
         path = os.path.join(data_dir, name)
         try:
             with open(path, encoding="utf-8") as f:
                 manifest = json.load(f)
             command, listed = manifest["command"], [os.path.join(data_dir, s["file"]) for s in manifest["shards"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:  # damaged, or not fineweb.py's
-            said = f"cannot read {path} as fineweb.py's manifest ({type(e).__name__})"
-            warn_once(f"{said}: whether fineweb.py finished the folder is not checked")
+        except (OSError, ValueError, KeyError, TypeError):  # another program's (fineweb.py's are written whole)
             continue
         if not (manifest.get("complete") or manifest.get("limit") is not None):
             raise UserError(
@@ -224,13 +219,6 @@ def check_fineweb_finished(data_dir):
                 f"there ({len(missing)} of its {len(listed)} shards are missing): copy the folder again from "
                 f"where fineweb.py wrote it"
             )
-
-
-@functools.cache
-def warn_once(message):
-    """A warning said once a process (the shards are looked for several times a run) and once a node."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def check_batch_fits(batches_per_epoch, sizes, chunk, data_dir, split):
@@ -255,9 +243,7 @@ def check_same_data(saved, now, ckpt_path, data_dir):
     for split in ("train", "val"):
         was = {name: (size, digest) for name, size, digest in saved.get(split, [])}
         is_ = {name: (size, digest) for name, size, digest in now.get(split, [])}
-        for name in sorted(set(was) | set(is_)):
-            if was.get(name) == is_.get(name):
-                continue
+        for name in sorted(n for n in set(was) | set(is_) if was.get(n) != is_.get(n)):  # raised at the first
             what = "missing" if name not in is_ else "new" if name not in was else "rewritten (other bytes)"
             raise same_on_every_rank(
                 UserError(

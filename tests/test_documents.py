@@ -15,8 +15,8 @@ from support.documents import check_inputs, expand_inputs, hub_documents, local_
 @pytest.mark.parametrize(
     "make_paths, text_field, message",
     [
-        (lambda tmp, data: [str(tmp / "nothing*.parquet")], "text", "no files match"),
-        (lambda tmp, data: [str(tmp / "missing.txt")], "text", "does not exist"),
+        (lambda tmp, data: [str(tmp / "nothing*.parquet")], "text", r"nothing\*.parquet' matches no file"),
+        (lambda tmp, data: [str(tmp / "missing.txt")], "text", "missing.txt' matches no file"),
         (lambda tmp, data: [str(tmp)], "text", "is a directory"),
         (lambda tmp, data: [str(data.encoder_json)], "text", "unknown file type"),
         (lambda tmp, data: [str(tmp / "bad.parquet")], "text", "not a readable parquet file"),
@@ -96,5 +96,6 @@ def test_hub_dataset_that_cannot_be_opened(monkeypatch):
         raise FileNotFoundError(f"Dataset '{path}' doesn't exist on the Hub or cannot be accessed.")
 
     monkeypatch.setattr(datasets, "load_dataset", not_found)
+    monkeypatch.setattr(documents, "hub_offline", lambda variables: ("hub", None))  # online
     with pytest.raises(UserError, match="cannot open no-such-user/no-such-dataset .*doesn't exist on the Hub"):
         hub_documents("no-such-user/no-such-dataset", "sample-10BT", "train", "text")

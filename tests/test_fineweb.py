@@ -15,9 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import fineweb
-from helpers import assert_one_line_error, cli, fail_nth_write, snapshot, start_run, started_until
-from support import files, offline
-from support.cli import UserError
+from helpers import assert_one_line_error, cli, fail_nth_write, snapshot, start_run, started_until, user_error
+from support import documents, files, offline
 from support.shards import EOT
 
 SHARD = 10_000  # small shards: the 174,082-token FineWeb sample gives 17 full ones and a partial one
@@ -198,7 +197,7 @@ def test_hub_path_streams_through_datasets(tmp_path, monkeypatch, assets, parque
         return real_load_dataset("parquet", data_files=[str(assets.fineweb)], split="train", streaming=True)
 
     monkeypatch.setattr(datasets, "load_dataset", local_hub)
-    monkeypatch.setattr(fineweb, "check_online", lambda dataset: None)  # online (offline: the test below)
+    monkeypatch.setattr(documents, "hub_offline", lambda variables: ("hub", None))  # online (offline: below)
     args = ["--out-dir", str(tmp_path), "--shard-size", str(SHARD), "--workers", "2"]
     fineweb.main([*args, "--max-tokens", "33333"])  # and resume through the stream's skip
     summary = fineweb.main(args)
@@ -217,7 +216,7 @@ def test_the_pool_gives_tiktokens_tokens_in_order(enc, assets):
 
 
 def test_pool_reads_only_a_bounded_amount_ahead(enc):
-    # memory must not grow with the dataset: the input is read at most 2 * workers batches ahead
+    # memory must not grow with the dataset: the input is read at most 4 * workers batches ahead
     pulled = 0
 
     def documents():
@@ -239,18 +238,14 @@ def test_manifest_from_other_config_is_refused(tmp_path):
     args = ["--input", str(tmp_path / "doc.txt"), "--out-dir", str(tmp_path / "out"), "--workers", "1"]
     fineweb.main([*args, "--shard-size", "1025"])
     before = file_bytes(tmp_path / "out")
-    with pytest.raises(UserError, match=r"different configuration \(shard_size 1025 there, 2000 now\)"):
-        fineweb.main([*args, "--shard-size", "2000"])
-    with pytest.raises(UserError, match=r"different configuration \(format 'npy' there, 'bin' now\)"):
-        fineweb.main([*args, "--shard-size", "1025", "--format", "bin"])
+    assert "configuration (shard_size 1025 there, 2000 now)" in user_error([*args, "--shard-size", 2000], fineweb.main)
     with (tmp_path / "doc.txt").open("a") as f:
         f.write("one more line")  # the input grew: skipping by document count would be wrong
-    with pytest.raises(UserError, match=r"different configuration \(the input \(files or sizes\)\)"):
-        fineweb.main([*args, "--shard-size", "1025"])
+    assert "configuration (the input (files or sizes))" in user_error([*args, "--shard-size", 1025], fineweb.main)
     assert file_bytes(tmp_path / "out") == before  # refused without touching anything
     (tmp_path / "out" / "edufineweb_manifest.json").write_text("{not json")  # edited by hand
-    with pytest.raises(UserError, match=r"cannot read .*edufineweb_manifest.json as fineweb.py's manifest \("):
-        fineweb.main([*args, "--shard-size", "1025"])
+    msg = user_error([*args, "--shard-size", 1025], fineweb.main)
+    assert re.match(r"cannot read .*edufineweb_manifest.json as fineweb.py's manifest \(", msg)
 
 
 def unreachable(*args, **kwargs):
@@ -263,9 +258,8 @@ def unreachable(*args, **kwargs):
         ({"HF_HUB_OFFLINE": "1"}, None, "HF_HUB_OFFLINE is set"),
         ({"HF_DATASETS_OFFLINE": "true"}, None, "HF_DATASETS_OFFLINE is set"),
         ({}, unreachable, r"from https://huggingface.co \(\[Errno 101\] Network is unreachable\)"),
-        ({"HF_ENDPOINT": "https://hf-mirror.example:8443"}, unreachable, r"from https://hf-mirror.example:8443 \("),
     ],
-    ids=["hub-offline", "datasets-offline", "no-network", "mirror-unreachable"],
+    ids=["hub-offline", "datasets-offline", "no-network"],
 )
 def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, connect, message):
     # rule 8: the library would retry for ~27 s and then say nothing about offline use
@@ -280,9 +274,8 @@ def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("the user's")
     before = snapshot(tmp_path)
-    with pytest.raises(UserError, match=message) as e:
-        fineweb.main(["--out-dir", str(tmp_path / "out"), "--max-tokens", "1000"])
-    assert "\n" not in str(e.value) and "--input" in str(e.value)  # says what to pass instead
+    msg = user_error(["--out-dir", tmp_path / "out", "--max-tokens", 1000], fineweb.main)
+    assert re.search(message, msg) and "--input" in msg  # says what to pass instead
     assert bool(tried) == (connect is not None)  # the flag alone decides, without a connection attempt
     assert snapshot(tmp_path) == before
 
@@ -298,14 +291,8 @@ def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, 
     [
         (["--shard-size", "10000000000000"], r"--shard-size: must be below 2\*\*31 \(2,147,483,648\), 4 GiB in memory"),
         (["--shard-size", "1e8"], r"argument --shard-size: invalid int value: '1e8'"),
-        (
-            ["--shard-size", "1024"],
-            r"^--shard-size 1,024 is too small: .*; pass at least 1025, e.g. --shard-size 100000 ",
-        ),
         (["--max-tokens", "-5"], r"--max-tokens: must be at least 1, not -5"),
-        (["--max-shards", "2.5"], r"invalid int value: '2.5'"),
         (["--workers", "100000"], r"--workers: must be from 1 to 256 \(threads beyond the cores only add overhead\)"),
-        (["--workers", "0"], r"--workers: must be from 1 to 256"),
         (["--prefix", ""], r"--prefix '': a shard name prefix is a plain name"),
         (["--prefix", "../elsewhere"], r"--prefix '../elsewhere'"),
         (["--prefix", ".hidden"], r"--prefix '.hidden'"),
@@ -318,9 +305,8 @@ def test_offline_hub_mode_says_at_once_what_to_pass(tmp_path, monkeypatch, env, 
 def test_every_flag_is_checked_before_any_work(tmp_path, flags, message):
     (tmp_path / "doc.txt").write_text("hello world")
     before = snapshot(tmp_path)
-    with pytest.raises(UserError, match=message) as e:
-        fineweb.main(["--input", str(tmp_path / "doc.txt"), "--out-dir", str(tmp_path / "out"), *flags])
-    assert "\n" not in str(e.value)
+    msg = user_error(["--input", tmp_path / "doc.txt", "--out-dir", tmp_path / "out", *flags], fineweb.main)
+    assert re.search(message, msg)
     assert snapshot(tmp_path) == before  # not even the out-dir was made
 
 
@@ -354,17 +340,17 @@ def test_input_within_one_shard_says_there_is_no_train_shard(tmp_path, assets, t
 
 
 @pytest.mark.parametrize(
-    "files, message",
+    "files",
     [
-        ({"docs.jsonl": b""}, "no documents in the input"),
-        ({"docs.jsonl": b"\n\n  \n"}, "no documents in the input"),
-        ({"none.parquet": None}, "no documents in the input"),  # a parquet table of no rows
-        ({"a.txt": b"", "b.jsonl": b'{"text": ""}\n'}, "the input's 2 documents are all empty"),
+        {"docs.jsonl": b""},
+        {"docs.jsonl": b"\n\n  \n"},
+        {"none.parquet": None},  # a parquet table of no rows
+        {"a.txt": b"", "b.jsonl": b'{"text": ""}\n'},
     ],
     ids=["empty-file", "blank-lines", "empty-parquet", "empty-texts"],
 )
 @pytest.mark.parametrize("out_dir", ["new", "the user's empty folder"])
-def test_empty_input_says_no_documents(tmp_path, files, message, out_dir):
+def test_empty_input_says_no_text(tmp_path, files, out_dir):
     for name, content in files.items():
         if content is None:
             pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), tmp_path / name)
@@ -374,15 +360,9 @@ def test_empty_input_says_no_documents(tmp_path, files, message, out_dir):
         (tmp_path / "out").mkdir()
     before = snapshot(tmp_path)
     r = cli("--input", *files, "--out-dir", "out", "--workers", "1", script="fineweb.py", cwd=tmp_path)
-    assert_one_line_error(r, match=message)
+    assert_one_line_error(r, match=r"no text in the input \(no documents, or only empty ones\): no shard written")
     assert "done" not in r.stdout
     assert snapshot(tmp_path) == before  # no manifest; a folder made for nothing removed, the user's kept
-
-
-def tiny_shards(tmp_path, assets, out="out", extra=()):
-    """tiny shakespeare in 4 shards of 100,000 tokens (the last one partial)."""
-    args = ["--input", str(assets.shakespeare), "--out-dir", str(tmp_path / out)]
-    return fineweb.main([*args, "--shard-size", "100000", "--workers", "1", *extra]), args
 
 
 @pytest.mark.parametrize(
@@ -401,10 +381,11 @@ def tiny_shards(tmp_path, assets, out="out", extra=()):
     ids=["manifest-deleted", "other-prefix", "other-format"],
 )
 def test_foreign_shards_in_out_dir_are_refused_never_deleted(tmp_path, assets, plant, message):
-    _, args = tiny_shards(tmp_path, assets, extra=["--max-tokens", "250000"])  # to be continued
+    args = ["--input", str(assets.shakespeare), "--out-dir", str(tmp_path / "out"), "--shard-size", "100000"]
+    fineweb.main([*args, "--max-tokens", "250000"])  # tiny shakespeare's first 3 shards, to be continued
     plant(tmp_path / "out")
     before = snapshot(tmp_path)
-    r = cli(*args, "--shard-size", "100000", script="fineweb.py", cwd=tmp_path)
+    r = cli(*args, script="fineweb.py", cwd=tmp_path)
     assert_one_line_error(r, match=message + r".*train_gpt2.py would read")
     assert snapshot(tmp_path) == before
 
@@ -487,17 +468,12 @@ def test_fineweb_disk_full_mid_run_keeps_finished_shards_and_resumes(tmp_path, m
     out = tmp_path / "out"
     args = ["--input", str(text_path), "--out-dir", str(out), "--shard-size", "100000", "--workers", "1"]
     opened = fail_nth_write(monkeypatch, files, ".npy.tmp", 3)  # the third shard hits a full disk
-    with pytest.raises(UserError) as e:
-        fineweb.main(args)
-    msg = str(e.value)
-    assert len(opened) == 3 and "\n" not in msg
-    assert "No space left on device" in msg and "rerun the same command" in msg
+    msg = user_error(args, fineweb.main)
+    assert len(opened) == 3 and "No space left on device" in msg and "rerun the same command" in msg
     # the two finished shards and their manifest are untouched; the half-written one is gone
-    manifest = json.loads((out / "edufineweb_manifest.json").read_text())
-    assert [s["file"] for s in manifest["shards"]] == ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy"]
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        [*(s["file"] for s in manifest["shards"]), "edufineweb_manifest.json"]
-    )
+    listed = [s["file"] for s in json.loads((out / "edufineweb_manifest.json").read_text())["shards"]]
+    assert listed == ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy"]
+    assert sorted(os.listdir(out)) == sorted([*listed, "edufineweb_manifest.json"])
     np.testing.assert_array_equal(np.load(out / "edufineweb_train_000001.npy"), expected[100_000:200_000])
 
     monkeypatch.undo()  # space freed: the same command continues after the finished shards

@@ -12,14 +12,11 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import tiktoken
-from transformers import GPT2TokenizerFast
 
 import fineweb
 import support.shards
@@ -48,12 +45,10 @@ from train_gpt2 import DataLoaderLite
 # The tokenizer
 
 
-def test_tokenizer_is_tiktokens_gpt2(enc, assets, tmp_path):
-    """The shipped vocab.bpe's tokenizer is tiktoken's gpt2: every token, and texts both ways; and
-    transformers' GPT-2 tokenizer, a second implementation, tokenizes the texts as it does."""
+def test_tokenizer_is_tiktokens_gpt2(enc, assets):
+    """The shipped vocab.bpe's tokenizer is tiktoken's gpt2: every token, texts both ways, and
+    <|endoftext|> where special tokens are allowed."""
     reference = tiktoken.get_encoding("gpt2")  # from GPT-2's published files (conftest's tiktoken_cache)
-    shutil.copy(assets.encoder_json, tmp_path / "vocab.json")
-    shutil.copy(assets.vocab_bpe, tmp_path / "merges.txt")
     assert (enc.n_vocab, enc.eot_token, enc.max_token_value) == (reference.n_vocab, reference.eot_token, 50256)
     assert [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)] == [
         reference.decode_single_token_bytes(i) for i in range(reference.n_vocab)
@@ -63,33 +58,10 @@ def test_tokenizer_is_tiktokens_gpt2(enc, assets, tmp_path):
     assert len(texts) == 1 + len(UNICODE_TEXTS) + 100
     ours = enc.encode_ordinary_batch(texts)
     assert ours == reference.encode_ordinary_batch(texts)
-    assert ours == GPT2TokenizerFast.from_pretrained(tmp_path)(texts)["input_ids"]
     assert [enc.decode(ids) for ids in ours] == texts
     special = "a<|endoftext|>b <|endoftext|>"
     assert enc.encode(special, allowed_special="all") == reference.encode(special, allowed_special="all")
-    assert enc.encode(special, allowed_special="all").count(50256) == 2
-    assert enc.encode_ordinary(special) == reference.encode_ordinary(special) and 50256 not in enc.encode_ordinary(
-        special
-    )
-    with pytest.raises(ValueError, match="disallowed special token"):
-        enc.encode(special)  # as tiktoken's: a special token in text is refused unless allowed
-
-
-def test_fineweb_tokenizes_offline_without_tiktokens_files(tmp_path, enc):
-    """No tiktoken cache and no network: fineweb.py's shard holds GPT-2's tokens all the same."""
-    text = "First Citizen:\nBefore we proceed any further, hear me speak. naïve 東京 🤖\n" * 100
-    (tmp_path / "input.txt").write_text(text, encoding="utf-8")
-    (tmp_path / "empty_cache").mkdir()
-    env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"), "NO_PROXY": ""}
-    env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
-    cmd = [sys.executable, str(ROOT / "fineweb.py"), "--input", "input.txt", "--out-dir", "shards"]
-    r = subprocess.run(
-        [*cmd, "--shard-size", "100000"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert r.returncode == 0, r.stderr
-    assert os.listdir(tmp_path / "empty_cache") == []
-    tokens = np.load(tmp_path / "shards" / "edufineweb_val_000000.npy").tolist()
-    assert tokens == [50256, *tiktoken.get_encoding("gpt2").encode_ordinary(text)]  # tiktoken's own
+    assert enc.encode_ordinary(special) == reference.encode_ordinary(special)
 
 
 SCRIPTS_THAT_TOKENIZE = {
@@ -130,19 +102,13 @@ def test_a_missing_or_damaged_vocab_bpe_is_one_line_naming_it_and_the_checkout(
 
 
 def test_max_shards_1_says_there_is_no_train_shard_and_how_to_add_one(tmp_path, capsys, assets):
-    (tmp_path / "input.txt").write_text(assets.shakespeare.read_text()[:20000])
-    data = tmp_path / "data"
-    fineweb.main(
-        ["--input", str(tmp_path / "input.txt"), "--out-dir", str(data), "--shard-size", "2000", "--max-shards", "1"]
-    )
+    data = fineweb_of(tmp_path, assets, 20000, 2000, "data", "--max-shards", "1")
     note = capsys.readouterr().err.strip().splitlines()[-1]
-    assert note.startswith("note: there is no train shard: this run stopped within shard 0, edufineweb_val_000000.npy")
+    assert note.startswith("note: there is no train shard: all 2,000 tokens are in the val shard edufineweb_val_000000")
     assert note.endswith("run it again with --max-shards 2 (it adds a train shard)")
     args = tiny_args(data, tmp_path / "out", "--max-steps", 1, "--eval-every", 0)
     assert user_error(args).startswith(f"no train shards (*_train_NNNNNN.npy or .bin) in {data}")
-    fineweb.main(
-        ["--input", str(tmp_path / "input.txt"), "--out-dir", str(data), "--shard-size", "2000", "--max-shards", "2"]
-    )
+    fineweb_of(tmp_path, assets, 20000, 2000, "data", "--max-shards", "2")
     assert train_gpt2.main(args) == 0  # the note's advice
 
 
@@ -200,17 +166,6 @@ def test_a_shard_cut_short_while_the_run_reads_it_is_one_line_not_a_bus_error(tm
             loader.next_batch()
 
 
-@pytest.mark.parametrize("manifest", [b"{not json", b"[]", b'{"command": "x", "shards": [{"file": null}]}'])
-def test_a_manifest_that_cannot_be_read_is_one_warning_line(tmp_path, manifest):
-    data, out = random_shards(tmp_path / "data"), tmp_path / "out"
-    (data / "edufineweb_manifest.json").write_bytes(manifest)
-    r = cli(*tiny_args(data, out, "--max-steps", 2))
-    assert r.returncode == 0, r.stderr
-    [line] = [line for line in r.stderr.splitlines() if "manifest" in line]  # once, though read at each look
-    assert line.startswith(f"warning: cannot read {data / 'edufineweb_manifest.json'} as fineweb.py's manifest (")
-    assert line.endswith("): whether fineweb.py finished the folder is not checked")
-
-
 def test_shards_smaller_than_one_batch_name_the_largest_and_the_fix(tmp_path):
     # 150 tokens in all, but a batch (B 2 x T 32, + 1 for the targets: 65) is cut from one shard
     data = random_shards(tmp_path / "data", train_lengths=(40, 50, 60))
@@ -225,20 +180,20 @@ def test_shards_smaller_than_one_batch_name_the_largest_and_the_fix(tmp_path):
 
 def test_token_ids_outside_the_vocab(tmp_path):
     data = random_shards(tmp_path / "data")
-    tokens = np.load(data / "rand_train_000002.npy")
-    tokens[123] = 50400  # fits in uint16, but the model's embedding has 50304 rows
-    write_shard(data / "rand_train_000002.npy", tokens)
+    put_id(data / "rand_train_000002.npy", 50400, 123)  # fits in uint16, but the model's embedding has 50304 rows
     msg = user_error(tiny_args(data, tmp_path / "out"))
     assert "rand_train_000002.npy" in msg and "50400" in msg and "50304" in msg
     assert not (tmp_path / "out" / "log.jsonl").exists()
 
 
-def fineweb_of(tmp_path, assets, chars, shard_size, name):
+def fineweb_of(tmp_path, assets, chars, shard_size, name, *flags):
     """fineweb.py's shards of the first chars characters of tiny shakespeare, in tmp_path / name."""
     text = tmp_path / "input.txt"
     text.write_text(assets.shakespeare.read_text()[:chars])
     out = tmp_path / name
-    fineweb.main(["--input", str(text), "--out-dir", str(out), "--shard-size", str(shard_size), "--workers", "1"])
+    fineweb.main(
+        ["--input", str(text), "--out-dir", str(out), "--shard-size", str(shard_size), "--workers", "1", *flags]
+    )
     return out
 
 
@@ -257,20 +212,16 @@ def big_shards(tmp_path, assets):
 
 
 def put_id(path, token_id, position=1500):
-    """token_id at position of the shard at path: past its first 1,024 ids, which the start checks."""
+    """token_id at position of the shard at path (by default past its first 1,024 ids, which the start checks)."""
     tokens = np.load(path)
     tokens[position] = token_id
     np.save(path, tokens)
     return position
 
 
-def big_train_shards(folder):
-    return [folder / s["file"] for s in manifest_shards(folder) if s["split"] == "train" and s["tokens"] == 40000]
-
-
 @pytest.mark.parametrize("token_id, refused", [(50303, False), (50304, True), (65535, True)])
 def test_every_batch_is_checked_up_to_the_last_id_of_the_vocabulary(big_shards, token_id, refused):
-    path = big_train_shards(big_shards)[0]
+    path = big_shards / manifest_shards(big_shards)[1]["file"]  # the first train shard, of 40,000 tokens
     at = put_id(path, token_id)
     loader = DataLoaderLite(str(big_shards), "train", 4, 64, shuffle=False, vocab_size=50304)  # the start passes
     batches = range(loader.batches_per_epoch)
