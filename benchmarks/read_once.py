@@ -4,7 +4,9 @@
 this tree against another (--base: an older commit's files), interleaved rounds after a warm-up one
 (the checkpoint in the page cache): wall time, median of the rounds, and the bytes each process
 read (rchar of its /proc/self/io at exit: read() calls, imports included; the pages a memory map
-touches are not counted). Linux only.
+touches are not counted). The floor, `python -c "import torch"` timed in the same rounds, is what
+every command pays in either tree; "above floor" is the ratio of the two trees' times less it.
+Linux only.
 
 Usage:
     git worktree add /tmp/base 87b7da5 && python -m benchmarks.read_once --base /tmp/base
@@ -68,15 +70,17 @@ def main():
             "export_hf.py RUN DIR --dry-run": ["export_hf.py", out, os.path.join(tmp, "hf"), "--dry-run"],
         }
         print(f"checkpoint: {size / 1e9:.2f} GB; wall: median of {args.rounds}; read: rchar / checkpoint size")
-        print("| command | base wall s | this wall s | ratio | base read | this read |")
-        print("|---|---|---|---|---|---|")
+        print("| command | base wall s | this wall s | ratio | floor s | above floor | base read | this read |")
+        print("|---|---|---|---|---|---|---|---|")
         trees = {"base": args.base, "this": ROOT}
         for label, command in commands.items():
             read = {}
             contenders = {k: lambda k=k, c=command, r=read: r.update({k: run(trees[k], c, tmp)}) for k in trees}
+            contenders["floor"] = lambda: subprocess.run([sys.executable, "-c", "import torch"], check=True)
             times, _ = interleave(contenders, 1, args.rounds, "cpu", label)
-            base, this = statistics.median(times["base"]), statistics.median(times["this"])
-            print(f"| `{label}` | {base:.2f} | {this:.2f} | {this / base:.2f}x | ", end="")
+            base, this, floor = (statistics.median(times[k]) for k in ("base", "this", "floor"))
+            print(f"| `{label}` | {base:.2f} | {this:.2f} | {this / base:.2f}x | {floor:.2f} | ", end="")
+            print(f"{(this - floor) / (base - floor):.2f}x | ", end="")
             print(f"{read['base'] / size:.2f}x | {read['this'] / size:.2f}x |")
     finally:
         shutil.rmtree(tmp)
