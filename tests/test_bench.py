@@ -19,9 +19,7 @@ from support.cli import UserError
 def test_tiny_bench_writes_table_and_json(tmp_path, assets):
     pq = pytest.importorskip("pyarrow.parquet")  # the fineweb section reads the parquet sample
     out = tmp_path / "bench.json"
-    docs = assets.fineweb
-    hellaswag = assets.hellaswag
-    args = ("--tiny", "--out", out, "--docs", docs, "--hellaswag-data", hellaswag)
+    args = ("--tiny", "--out", out, "--docs", assets.fineweb, "--hellaswag-data", assets.hellaswag)
     # a fresh process: the loader's memory. About 80 s idle on 2 cores: 600 s guards a hang, with room for 5x slower
     r = cli(*args, script="bench.py", cwd=tmp_path, process=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

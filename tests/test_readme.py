@@ -29,14 +29,6 @@ def commands(block):
     return [line.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def offline_env(**more):
-    """A new user's environment offline: no test data or tiktoken cache, the Hub off, `python` this interpreter."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GPT2_TEST_DATA", "TIKTOKEN_CACHE_DIR")}
-    bin_dir = str(Path(sys.executable).parent)
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PATH=bin_dir + os.pathsep + env.get("PATH", ""), **more)
-    return env
-
-
 def test_first_block_is_the_laptop_run():
     cmds = commands(code_blocks("bash")[0])
     assert [c for c in cmds if c.startswith(INSTALL)] == cmds[:2]  # installing, then the run itself
@@ -90,7 +82,10 @@ def test_first_screen_commands_train_and_sample_in_a_fresh_clone_offline(tmp_pat
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
     assert not any((base / "shared" / "data").is_dir() for base in (clone, *clone.parents))  # no test data
-    env = offline_env()
+    # a new user's environment offline: no test data or tiktoken cache, the Hub off, `python` this interpreter
+    env = {k: v for k, v in os.environ.items() if k not in ("GPT2_TEST_DATA", "TIKTOKEN_CACHE_DIR")}
+    path = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PATH=path)
     outputs = []
     for cmd in commands(code_blocks("bash")[0]):
         if cmd.startswith(INSTALL):
