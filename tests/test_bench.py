@@ -152,8 +152,6 @@ def test_out_in_a_read_only_folder_is_refused_before_anything_is_measured(tmp_pa
 
 def test_out_that_is_a_fifo_bench_did_not_write_is_left_alone(tmp_path):
     out = tmp_path / "results.json"
-    if not hasattr(os, "mkfifo"):
-        pytest.skip("no named pipes here")
     os.mkfifo(out)
     r = cli("--tiny", "--only", "ceiling", "--out", out, script="bench.py", cwd=tmp_path)
     assert_one_line_error(r, f"--out {out}: a file bench.py did not write is there", "pass another --out")
