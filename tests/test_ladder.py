@@ -239,47 +239,6 @@ def test_rung_3_is_fp16_on_a_gpu_without_native_bf16(monkeypatch, device, capabi
     assert ladder_precision({"tf32", "bf16"}, ladder_half(device)) == ("fp16" if half == torch.float16 else "bf16")
 
 
-def chunked_and_full(N, C, V, chunk_rows, half=None, grad_scale=1.0):
-    """(loss, grad h, grad W) of chunked_cross_entropy and of F.cross_entropy on the full logits, same inputs."""
-    torch.manual_seed(0)
-    h0, w0, y = torch.randn(N, C), 0.1 * torch.randn(V, C), torch.randint(0, V, (N,))
-    out = []
-    for fn in (
-        lambda h, w: chunked_cross_entropy(h, w, y, chunk_rows),
-        lambda h, w: F.cross_entropy(F.linear(h, w).float(), y),
-    ):
-        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
-            loss = fn(h, w)
-        (grad_scale * loss).backward()
-        out.append((loss.detach(), h.grad, w.grad))
-    return out
-
-
-@pytest.mark.parametrize("chunk_rows", [8, 37, 1000])  # 8 does not divide the 37 rows; 1000 is one chunk
-def test_chunked_loss_is_cross_entropy_in_fp32(chunk_rows):
-    """Rung 8's loss and gradients (scaled by 3, as fp16's are) are F.cross_entropy's, to fp32 rounding."""
-    (loss, gh, gw), (ref, rh, rw) = chunked_and_full(37, 16, 101, chunk_rows, grad_scale=3.0)
-    assert loss.dtype == torch.float32 and loss.shape == ()
-    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-6)
-    torch.testing.assert_close(gh, rh, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-7)
-    assert gh.dtype == gw.dtype == torch.float32
-
-
-def test_chunked_loss_is_cross_entropy_under_bf16_autocast():
-    """Under bf16 autocast (bf16 matmuls, fp32 softmax): the loss to fp32 rounding of the same bf16 logits, the
-    gradients to a few bf16 roundings (2**-8 relative each; W's is summed over 5 chunks here)."""
-    (loss, gh, gw), (ref, rh, rw) = chunked_and_full(37, 16, 101, 8, half=torch.bfloat16)
-    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-5)
-    for got, want in ((gh, rh), (gw, rw)):
-        assert got.dtype == want.dtype == torch.float32
-        torch.testing.assert_close(got, want, rtol=0, atol=4 * 2**-8 * want.abs().max().item())
-    # and bf16 is what ran: the fp32 loss on the same inputs differs by more than fp32 rounding
-    (fp32_loss, _, _), _ = chunked_and_full(37, 16, 101, 8)
-    assert abs(fp32_loss - loss) > 1e-5
-
-
 class LargestOutputs(TorchDispatchMode):
     """Records the shape of every tensor any aten op returns (forward and backward alike)."""
 
@@ -295,21 +254,57 @@ class LargestOutputs(TorchDispatchMode):
         return out
 
 
+def chunked_and_full(chunk_rows, half=None, grad_scale=1.0):
+    """(loss, grad h, grad W, the (rows, vocab) shapes its ops returned, forward and backward) of
+    chunked_cross_entropy and of F.cross_entropy on the full logits, same inputs: 37 rows, 16 wide, vocab 101."""
+    N, C, V = 37, 16, 101
+    torch.manual_seed(0)
+    h0, w0, y = torch.randn(N, C), 0.1 * torch.randn(V, C), torch.randint(0, V, (N,))
+    out = []
+    for fn in (
+        lambda h, w: chunked_cross_entropy(h, w, y, chunk_rows),
+        lambda h, w: F.cross_entropy(F.linear(h, w).float(), y),
+    ):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with LargestOutputs() as watch:
+            with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
+                loss = fn(h, w)
+            (grad_scale * loss).backward()
+        logits = [s for s in watch.shapes if len(s) == 2 and s[1] == V]
+        out.append((loss.detach(), h.grad, w.grad, logits))
+    return out
+
+
+@pytest.mark.parametrize("chunk_rows", [8, 37, 1000])  # 8 does not divide the 37 rows; 1000 is one chunk
+def test_chunked_loss_is_cross_entropy_in_fp32(chunk_rows):
+    """Rung 8's loss and gradients (scaled by 3, as fp16's are) are F.cross_entropy's, to fp32 rounding."""
+    (loss, gh, gw, _), (ref, rh, rw, _) = chunked_and_full(chunk_rows, grad_scale=3.0)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(gh, rh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-7)
+    assert gh.dtype == gw.dtype == torch.float32
+
+
+def test_chunked_loss_is_cross_entropy_under_bf16_autocast():
+    """Under bf16 autocast (bf16 matmuls, fp32 softmax): the loss to fp32 rounding of the same bf16 logits, the
+    gradients to a few bf16 roundings (2**-8 relative each; W's is summed over 5 chunks here)."""
+    (loss, gh, gw, _), (ref, rh, rw, _) = chunked_and_full(8, half=torch.bfloat16)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-5)
+    for got, want in ((gh, rh), (gw, rw)):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=4 * 2**-8 * want.abs().max().item())
+    # and bf16 is what ran: the fp32 loss on the same inputs differs by more than fp32 rounding
+    (fp32_loss, *_), _ = chunked_and_full(8)
+    assert abs(fp32_loss - loss) > 1e-5
+
+
 @pytest.mark.parametrize("half", [None, torch.bfloat16])
 def test_chunked_loss_never_makes_the_full_logits(half):
     """No op of the chunked loss returns over chunk_rows rows of logits; the full loss, watched too, does."""
-    N, C, V, chunk = 40, 8, 97, 16
-    torch.manual_seed(0)
-    y = torch.randint(0, V, (N,))
-    seen = {}
-    for name, fn in (("chunked", lambda h, w: chunked_cross_entropy(h, w, y, chunk)), ("full", None)):
-        fn = fn or (lambda h, w: F.cross_entropy(F.linear(h, w).float(), y))
-        h, w = torch.randn(N, C, requires_grad=True), torch.randn(V, C, requires_grad=True)
-        with LargestOutputs() as watch, torch.autocast("cpu", dtype=torch.bfloat16, enabled=half is not None):
-            fn(h, w).backward()
-        seen[name] = [s for s in watch.shapes if len(s) == 2 and s[1] == V]  # logits-like: (rows, vocab)
-    assert (N, V) in seen["full"]  # the watch sees the full logits where they are made
-    assert seen["chunked"] and max(rows for rows, _ in seen["chunked"]) == chunk
+    (*_, chunked), (*_, full) = chunked_and_full(24, half=half)  # chunks of 24 and 13 rows; W's transpose has 16
+    assert (37, 101) in full  # the watch sees the full logits where they are made
+    assert max(rows for rows, _ in chunked) == 24
 
 
 def test_rungs_compute_the_same_loss_within_their_precision(shard_dir):
