@@ -38,8 +38,7 @@ def results(out):
 
 
 def args_for(data, out, assets, *flags):
-    hs = ("--hellaswag-data", assets.hellaswag)
-    return tiny_args(data, out, *EVALS, *hs, *flags)
+    return tiny_args(data, out, *EVALS, "--hellaswag-data", assets.hellaswag, *flags)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from benchmarks.ladder import (
     ladder_step,
     loss_check,
 )
-from helpers import cli
+from helpers import cli, headers, read_log
 from support.shards import shard_path, write_shard
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig
 
@@ -218,10 +218,9 @@ def test_ddp_rung_runs_train_gpt2_under_torchrun(tmp_path, shard_dir):
     """The DDP rung's command, on 2 CPU processes (gloo): the job's tok/s is its batch over each step's time."""
     r8 = ladder_ddp(2, TINY, 2, 6, shard_dir, str(tmp_path / "ddp"), "cpu")
     assert r8["processes"] == 2 and r8["steps"] == 6 and r8["steps_dropped"] == 2
-    records = [json.loads(line) for line in open(tmp_path / "ddp" / "log.jsonl")]
-    header = next(rec for rec in records if rec.get("event") == "header")
+    (header,) = headers(tmp_path / "ddp")
     assert header["config"]["world_size"] == 2 and header["config"]["grad_accum_steps"] == 1
-    steps = [rec for rec in records if "train_loss" in rec]
+    steps = list(read_log(tmp_path / "ddp")[1].values())
     tok = [2 * 2 * 32 / (rec["dt_ms"] / 1000) for rec in steps[2:]]  # 2 processes x B 2 x T 32 per step
     assert r8["tok_per_sec"]["median"] == pytest.approx(statistics.median(tok), rel=1e-6)
     assert r8["tok_per_sec_per_process"]["median"] == pytest.approx(statistics.median(tok) / 2, rel=1e-6)
