@@ -143,10 +143,8 @@ def test_a_mistake_is_one_line_before_anything_is_measured_or_written(tmp_path, 
 
 
 def test_out_in_a_read_only_folder_is_refused_before_anything_is_measured(tmp_path, read_only):
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    read_only(folder)
-    r = cli("--tiny", "--only", "ceiling", "--out", folder / "bench.json", script="bench.py", cwd=tmp_path)
+    folder = read_only(tmp_path)
+    r = cli("--tiny", "--only", "ceiling", "--out", folder / "bench.json", script="bench.py", cwd=folder)
     assert_one_line_error(r, f"cannot write in {folder}", "Read-only file system", "pass an --out in a writable folder")
 
 
