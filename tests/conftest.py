@@ -117,15 +117,13 @@ def read_only(tmp_path):
     mounted = []
 
     def make(folder, writable=False):
-        if shutil.which("mount") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        if shutil.which("mount") is None or os.geteuid() != 0:
             pytest.skip("a bind mount needs root")
-        for cmd in (["mount", "--bind", folder, folder], ["mount", "-o", "remount,bind,ro", folder, folder]):
-            if writable and cmd[1] != "--bind":
-                break
-            r = subprocess.run([*map(str, cmd)], capture_output=True, text=True)
+        for options in (["--bind"], ["-o", "remount,bind,ro"])[: 1 if writable else 2]:
+            r = subprocess.run(["mount", *options, str(folder), str(folder)], capture_output=True, text=True)
             if r.returncode != 0:
                 pytest.skip(f"cannot mount read-only here: {r.stderr.strip()}")
-            if cmd[1] == "--bind":
+            if options == ["--bind"]:
                 mounted.append(folder)
         return folder
 

@@ -166,7 +166,7 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
     if process or script == "-c" or "env" in kwargs:
         command = [sys.executable, script if script == "-c" else str(ROOT / script), *argv]
         return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, **kwargs)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)}
     environ, folder, argv0 = dict(os.environ), os.getcwd(), sys.argv
     torch_state = torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()
     rngs = random.getstate(), np.random.get_state(), torch.get_rng_state()
@@ -175,10 +175,8 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
     def overran(signum, frame):
         raise Overran(f"{script} {' '.join(argv)} did not end within {timeout} s")
 
-    alarm = hasattr(signal, "SIGALRM")  # a run that a bug keeps going fails, as a process's timeout does
-    if alarm:
-        handlers[signal.SIGALRM] = signal.signal(signal.SIGALRM, overran)
-        signal.alarm(timeout)
+    signal.signal(signal.SIGALRM, overran)  # a run that a bug keeps going fails, as a process's timeout does
+    signal.alarm(timeout)
     try:
         os.chdir(cwd)
         sys.argv = [str(ROOT / script), *argv]
@@ -189,8 +187,7 @@ def cli(*args, script="train_gpt2.py", cwd=ROOT, process=False, timeout=300, **k
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=err)
     finally:
-        if alarm:
-            signal.alarm(0)
+        signal.alarm(0)
         os.chdir(folder)
         sys.argv = argv0
         os.environ.clear()

@@ -19,9 +19,7 @@ from support.cli import UserError
 def test_tiny_bench_writes_table_and_json(tmp_path, assets):
     pq = pytest.importorskip("pyarrow.parquet")  # the fineweb section reads the parquet sample
     out = tmp_path / "bench.json"
-    docs = assets.fineweb
-    hellaswag = assets.hellaswag
-    args = ("--tiny", "--out", out, "--docs", docs, "--hellaswag-data", hellaswag)
+    args = ("--tiny", "--out", out, "--docs", assets.fineweb, "--hellaswag-data", assets.hellaswag)
     # a fresh process: the loader's memory. About 80 s idle on 2 cores: 600 s guards a hang, with room for 5x slower
     r = cli(*args, script="bench.py", cwd=tmp_path, process=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -145,17 +143,13 @@ def test_a_mistake_is_one_line_before_anything_is_measured_or_written(tmp_path, 
 
 
 def test_out_in_a_read_only_folder_is_refused_before_anything_is_measured(tmp_path, read_only):
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    read_only(folder)
-    r = cli("--tiny", "--only", "ceiling", "--out", folder / "bench.json", script="bench.py", cwd=tmp_path)
+    folder = read_only(tmp_path)
+    r = cli("--tiny", "--only", "ceiling", "--out", folder / "bench.json", script="bench.py", cwd=folder)
     assert_one_line_error(r, f"cannot write in {folder}", "Read-only file system", "pass an --out in a writable folder")
 
 
 def test_out_that_is_a_fifo_bench_did_not_write_is_left_alone(tmp_path):
     out = tmp_path / "results.json"
-    if not hasattr(os, "mkfifo"):
-        pytest.skip("no named pipes here")
     os.mkfifo(out)
     r = cli("--tiny", "--only", "ceiling", "--out", out, script="bench.py", cwd=tmp_path)
     assert_one_line_error(r, f"--out {out}: a file bench.py did not write is there", "pass another --out")

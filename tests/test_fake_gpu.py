@@ -2,6 +2,7 @@
 they compute what the CPU computes in that dtype; last, every CUDA-only place must have run on the fake."""
 
 import ast
+import contextlib
 import io
 import json
 import os
@@ -37,8 +38,7 @@ def results(out):
 
 
 def args_for(data, out, assets, *flags):
-    hs = ("--hellaswag-data", assets.hellaswag)
-    return tiny_args(data, out, *EVALS, *hs, *flags)
+    return tiny_args(data, out, *EVALS, "--hellaswag-data", assets.hellaswag, *flags)
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +49,10 @@ def runs(data, assets, tmp_path_factory):
     def run(where, *flags):
         if (where, flags) not in made:
             out = tmp_path_factory.mktemp(where)
-            if where == "cpu":
-                assert train_gpt2.main(args_for(data, out, assets, "--device", "cpu", *flags)) == 0
-                made[where, flags] = out, None
-            else:
-                with faked(where) as fake:
-                    args = args_for(data, out, assets, "--device", "cuda", "--no-compile", *flags)
-                    assert train_gpt2.main(args) == 0
-                made[where, flags] = out, fake
+            device = ("--device", "cpu") if where == "cpu" else ("--device", "cuda", "--no-compile")
+            with contextlib.nullcontext() if where == "cpu" else faked(where) as fake:
+                assert train_gpt2.main(args_for(data, out, assets, *device, *flags)) == 0
+            made[where, flags] = out, fake
         return made[where, flags]
 
     return run

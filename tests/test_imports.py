@@ -90,24 +90,6 @@ def import_graph(root):
     return project, external
 
 
-def shortest_path(graph, start, goal):
-    """The nodes of a shortest path start -> ... -> goal in graph ({node: its successors}), or None (BFS)."""
-    came_from, queue = {start: None}, deque([start])
-    while queue:
-        node = queue.popleft()
-        if node == goal:
-            path = []
-            while node is not None:
-                path.append(node)
-                node = came_from[node]
-            return path[::-1]
-        for succ in sorted(graph.get(node, ())):
-            if succ not in came_from:
-                came_from[succ] = node
-                queue.append(succ)
-    return None
-
-
 def find_cycle(graph):
     """A cycle of graph ({node: its successors}) as [a, b, ..., a] from its least node, or None (graphlib)."""
     try:
@@ -141,8 +123,14 @@ def forbidden_imports(project):
 
 def torch_paths(start, project, external):
     """(the shortest chain of modules from start to one that imports torch, that Import) for each such module."""
-    chains = {m: shortest_path(project, start, m) for m in project}
-    return [(chains[m], imp) for m in sorted(project) if chains[m] for imp in external[m] if imp.target == "torch"]
+    chains, queue = {start: [start]}, deque([start])
+    while queue:  # breadth first: each module is reached first by a shortest chain
+        node = queue.popleft()
+        for succ in sorted(project[node]):
+            if succ not in chains:
+                chains[succ] = [*chains[node], succ]
+                queue.append(succ)
+    return [(chains[m], imp) for m in sorted(chains) for imp in external[m] if imp.target == "torch"]
 
 
 @functools.cache
@@ -186,38 +174,19 @@ def test_the_graph_holds_every_project_module_and_the_known_imports():
     assert any(m.startswith("benchmarks.") for m in project["bench"])
 
 
-@pytest.mark.parametrize(
-    "graph, cycle",
-    [
-        ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, None),
-        ({"a": {"a"}}, ["a", "a"]),
-        ({"c": {"a"}, "a": {"b"}, "b": {"c"}, "d": {"a"}}, ["a", "b", "c", "a"]),
-    ],
-)
-def test_find_cycle_on_small_graphs(graph, cycle):
-    assert find_cycle(graph) == cycle
-
-
-def write_project(root, files):
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
-    return root
-
-
 def test_the_walk_on_a_project_made_here_names_its_imports_cycles_and_torch(tmp_path):
-    root = write_project(
-        tmp_path,
-        {
-            "train_gpt2.py": "import os\nfrom support.common import x\n",
-            "hellaswag.py": "from support import common\n\ndef f():\n    import train_gpt2\n",
-            "support/__init__.py": "",
-            "support/common.py": "from . import sibling\n\ndef f():\n    from support.machine import g\n",
-            "support/sibling.py": "import numpy as np\n",
-            "support/machine.py": "import torch.nn as nn\n",
-        },
-    )
-    project, external = import_graph(root)
+    files = {
+        "train_gpt2.py": "import os\nfrom support.common import x\n",
+        "hellaswag.py": "from support import common\n\ndef f():\n    import train_gpt2\n",
+        "support/__init__.py": "",
+        "support/common.py": "from . import sibling\n\ndef f():\n    from support.machine import g\n",
+        "support/sibling.py": "import numpy as np\n",
+        "support/machine.py": "import torch.nn as nn\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    project, external = import_graph(tmp_path)
     assert project["hellaswag"] == {
         "support": [Import("support", "hellaswag.py", 1, False)],
         "support.common": [Import("support.common", "hellaswag.py", 1, False)],
@@ -232,8 +201,8 @@ def test_the_walk_on_a_project_made_here_names_its_imports_cycles_and_torch(tmp_
     assert torch_paths("support.sibling", project, external) == []
 
     # a function-local import closes a cycle, and the message names where each import is
-    (root / "train_gpt2.py").write_text("import os\n\ndef evaluate():\n    import hellaswag\n")
-    project, _ = import_graph(root)
+    (tmp_path / "train_gpt2.py").write_text("import os\n\ndef evaluate():\n    import hellaswag\n")
+    project, _ = import_graph(tmp_path)
     cycle = find_cycle({a: set(t) for a, t in project.items()})
     assert describe_cycle(cycle, project) == (
         "hellaswag -> train_gpt2 -> hellaswag\n"

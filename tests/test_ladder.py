@@ -23,7 +23,7 @@ from benchmarks.ladder import (
     ladder_step,
     loss_check,
 )
-from helpers import cli
+from helpers import cli, headers, read_log
 from support.shards import shard_path, write_shard
 from train_gpt2 import GPT, DataLoaderLite, GPTConfig
 
@@ -83,32 +83,6 @@ def test_rung_one_computes_the_models_own_loss(shard_dir):
         _, loss = model(x, y)
     assert losses[1][0] == pytest.approx(loss.item(), abs=1e-5)
     assert losses[1][0] == pytest.approx(np.log(50257), abs=0.2)  # random init: about uniform
-
-
-@pytest.mark.slow
-def test_rungs_compute_the_same_loss_within_their_precision(shard_dir):
-    rungs = {
-        1: set(),
-        3: {"bf16"},
-        5: {"bf16", "sdpa"},
-        6: {"bf16", "sdpa", "padded_vocab"},
-        7: {"bf16", "sdpa", "padded_vocab", "fused_adamw"},
-        "5 fp32": {"sdpa"},
-        "6 fp32": {"sdpa", "padded_vocab"},
-        "7 fp32": {"sdpa", "padded_vocab", "fused_adamw"},
-    }
-    losses = run_rungs(rungs, shard_dir)  # each within its tolerance: the tiny ladder's losses_agree
-    # how close: flash attention is the same fp32 arithmetic in another order
-    assert max(abs(a - b) for a, b in zip(losses["5 fp32"], losses[1], strict=True)) < 1e-5
-    # the 47 padded rows start at zero, logits near 0 at init: the loss rises by log(1 + 47 / 50257) a step
-    for rung in ("6 fp32", "7 fp32"):
-        shift = [a - b for a, b in zip(losses[rung], losses["5 fp32"], strict=True)]
-        assert shift == pytest.approx([np.log1p(47 / 50257)] * 4, abs=1e-4), shift
-    # bf16 moves the loss more than fp32's reordering, and within its tolerance
-    bf16 = max(abs(a - b) for a, b in zip(losses[3], losses[1], strict=True))
-    assert 1e-6 < bf16 < LADDER_LOSS_TOL["bf16"]
-    # the steps learn: the optimizer ran (losses are not all one number)
-    assert len(set(losses[1])) == 4
 
 
 def test_the_loss_check_catches_a_rung_that_computes_something_else(shard_dir, monkeypatch):
@@ -244,10 +218,9 @@ def test_ddp_rung_runs_train_gpt2_under_torchrun(tmp_path, shard_dir):
     """The DDP rung's command, on 2 CPU processes (gloo): the job's tok/s is its batch over each step's time."""
     r8 = ladder_ddp(2, TINY, 2, 6, shard_dir, str(tmp_path / "ddp"), "cpu")
     assert r8["processes"] == 2 and r8["steps"] == 6 and r8["steps_dropped"] == 2
-    records = [json.loads(line) for line in open(tmp_path / "ddp" / "log.jsonl")]
-    header = next(rec for rec in records if rec.get("event") == "header")
+    (header,) = headers(tmp_path / "ddp")
     assert header["config"]["world_size"] == 2 and header["config"]["grad_accum_steps"] == 1
-    steps = [rec for rec in records if "train_loss" in rec]
+    steps = list(read_log(tmp_path / "ddp")[1].values())
     tok = [2 * 2 * 32 / (rec["dt_ms"] / 1000) for rec in steps[2:]]  # 2 processes x B 2 x T 32 per step
     assert r8["tok_per_sec"]["median"] == pytest.approx(statistics.median(tok), rel=1e-6)
     assert r8["tok_per_sec_per_process"]["median"] == pytest.approx(statistics.median(tok) / 2, rel=1e-6)
@@ -265,47 +238,6 @@ def test_rung_3_is_fp16_on_a_gpu_without_native_bf16(monkeypatch, device, capabi
     assert ladder_precision({"tf32", "bf16"}, ladder_half(device)) == ("fp16" if half == torch.float16 else "bf16")
 
 
-def chunked_and_full(N, C, V, chunk_rows, half=None, grad_scale=1.0):
-    """(loss, grad h, grad W) of chunked_cross_entropy and of F.cross_entropy on the full logits, same inputs."""
-    torch.manual_seed(0)
-    h0, w0, y = torch.randn(N, C), 0.1 * torch.randn(V, C), torch.randint(0, V, (N,))
-    out = []
-    for fn in (
-        lambda h, w: chunked_cross_entropy(h, w, y, chunk_rows),
-        lambda h, w: F.cross_entropy(F.linear(h, w).float(), y),
-    ):
-        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
-            loss = fn(h, w)
-        (grad_scale * loss).backward()
-        out.append((loss.detach(), h.grad, w.grad))
-    return out
-
-
-@pytest.mark.parametrize("chunk_rows", [8, 37, 1000])  # 8 does not divide the 37 rows; 1000 is one chunk
-def test_chunked_loss_is_cross_entropy_in_fp32(chunk_rows):
-    """Rung 8's loss and gradients (scaled by 3, as fp16's are) are F.cross_entropy's, to fp32 rounding."""
-    (loss, gh, gw), (ref, rh, rw) = chunked_and_full(37, 16, 101, chunk_rows, grad_scale=3.0)
-    assert loss.dtype == torch.float32 and loss.shape == ()
-    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-6)
-    torch.testing.assert_close(gh, rh, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-7)
-    assert gh.dtype == gw.dtype == torch.float32
-
-
-def test_chunked_loss_is_cross_entropy_under_bf16_autocast():
-    """Under bf16 autocast (bf16 matmuls, fp32 softmax): the loss to fp32 rounding of the same bf16 logits, the
-    gradients to a few bf16 roundings (2**-8 relative each; W's is summed over 5 chunks here)."""
-    (loss, gh, gw), (ref, rh, rw) = chunked_and_full(37, 16, 101, 8, half=torch.bfloat16)
-    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-5)
-    for got, want in ((gh, rh), (gw, rw)):
-        assert got.dtype == want.dtype == torch.float32
-        torch.testing.assert_close(got, want, rtol=0, atol=4 * 2**-8 * want.abs().max().item())
-    # and bf16 is what ran: the fp32 loss on the same inputs differs by more than fp32 rounding
-    (fp32_loss, _, _), _ = chunked_and_full(37, 16, 101, 8)
-    assert abs(fp32_loss - loss) > 1e-5
-
-
 class LargestOutputs(TorchDispatchMode):
     """Records the shape of every tensor any aten op returns (forward and backward alike)."""
 
@@ -321,32 +253,71 @@ class LargestOutputs(TorchDispatchMode):
         return out
 
 
+def chunked_and_full(chunk_rows, half=None, grad_scale=1.0):
+    """(loss, grad h, grad W, the (rows, vocab) shapes its ops returned, forward and backward) of
+    chunked_cross_entropy and of F.cross_entropy on the full logits, same inputs: 37 rows, 16 wide, vocab 101."""
+    N, C, V = 37, 16, 101
+    torch.manual_seed(0)
+    h0, w0, y = torch.randn(N, C), 0.1 * torch.randn(V, C), torch.randint(0, V, (N,))
+    out = []
+    for fn in (
+        lambda h, w: chunked_cross_entropy(h, w, y, chunk_rows),
+        lambda h, w: F.cross_entropy(F.linear(h, w).float(), y),
+    ):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with LargestOutputs() as watch:
+            with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
+                loss = fn(h, w)
+            (grad_scale * loss).backward()
+        logits = [s for s in watch.shapes if len(s) == 2 and s[1] == V]
+        out.append((loss.detach(), h.grad, w.grad, logits))
+    return out
+
+
+@pytest.mark.parametrize("chunk_rows", [8, 37, 1000])  # 8 does not divide the 37 rows; 1000 is one chunk
+def test_chunked_loss_is_cross_entropy_in_fp32(chunk_rows):
+    """Rung 8's loss and gradients (scaled by 3, as fp16's are) are F.cross_entropy's, to fp32 rounding."""
+    (loss, gh, gw, _), (ref, rh, rw, _) = chunked_and_full(chunk_rows, grad_scale=3.0)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(gh, rh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-7)
+    assert gh.dtype == gw.dtype == torch.float32
+
+
+def test_chunked_loss_is_cross_entropy_under_bf16_autocast():
+    """Under bf16 autocast (bf16 matmuls, fp32 softmax): the loss to fp32 rounding of the same bf16 logits, the
+    gradients to a few bf16 roundings (2**-8 relative each; W's is summed over 5 chunks here)."""
+    (loss, gh, gw, _), (ref, rh, rw, _) = chunked_and_full(8, half=torch.bfloat16)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-5)
+    for got, want in ((gh, rh), (gw, rw)):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=4 * 2**-8 * want.abs().max().item())
+    # and bf16 is what ran: the fp32 loss on the same inputs differs by more than fp32 rounding
+    (fp32_loss, *_), _ = chunked_and_full(8)
+    assert abs(fp32_loss - loss) > 1e-5
+
+
 @pytest.mark.parametrize("half", [None, torch.bfloat16])
 def test_chunked_loss_never_makes_the_full_logits(half):
     """No op of the chunked loss returns over chunk_rows rows of logits; the full loss, watched too, does."""
-    N, C, V, chunk = 40, 8, 97, 16
-    torch.manual_seed(0)
-    y = torch.randint(0, V, (N,))
-    seen = {}
-    for name, fn in (("chunked", lambda h, w: chunked_cross_entropy(h, w, y, chunk)), ("full", None)):
-        fn = fn or (lambda h, w: F.cross_entropy(F.linear(h, w).float(), y))
-        h, w = torch.randn(N, C, requires_grad=True), torch.randn(V, C, requires_grad=True)
-        with LargestOutputs() as watch, torch.autocast("cpu", dtype=torch.bfloat16, enabled=half is not None):
-            fn(h, w).backward()
-        seen[name] = [s for s in watch.shapes if len(s) == 2 and s[1] == V]  # logits-like: (rows, vocab)
-    assert (N, V) in seen["full"]  # the watch sees the full logits where they are made
-    assert seen["chunked"] and max(rows for rows, _ in seen["chunked"]) == chunk
+    (*_, chunked), (*_, full) = chunked_and_full(24, half=half)  # chunks of 24 and 13 rows; W's transpose has 16
+    assert (37, 101) in full  # the watch sees the full logits where they are made
+    assert max(rows for rows, _ in chunked) == 24
 
 
-def test_project_rungs_compute_the_same_loss_as_rungs_1_and_7(shard_dir):
-    """Rungs 8 (chunked loss) and 9 (one micro-batch of 2B) train to rung 7's and rung 1's losses; rung 9 is
-    checked at the same total batch (the same 4 rows), not against one micro-batch of B."""
+def test_rungs_compute_the_same_loss_within_their_precision(shard_dir):
+    """Each rung trains to rung 1's and rung 7's losses within its precision (the tiny ladder's losses_agree);
+    rung 9 (one micro-batch of 2B) is checked at the same total batch (the same 4 rows), not against one
+    micro-batch of B."""
     r7 = {"sdpa", "padded_vocab", "fused_adamw"}
     rungs = {
         1: set(),
+        3: {"bf16"},
         7: r7 | {"bf16"},
         8: r7 | {"bf16", "chunked_loss"},
         9: r7 | {"bf16", "chunked_loss", "bigger_B"},
+        "5 fp32": {"sdpa"},
         "7 fp32": r7,
         "8 fp32": r7 | {"chunked_loss"},
         "9 fp32": r7 | {"chunked_loss", "bigger_B"},
@@ -355,8 +326,15 @@ def test_project_rungs_compute_the_same_loss_as_rungs_1_and_7(shard_dir):
     for against in (1, 7):
         checks = loss_check(losses, rungs, against)
         assert all(agree for _, _, agree in checks.values()), (against, checks)
-    assert max(abs(a - b) for a, b in zip(losses["8 fp32"], losses["7 fp32"], strict=True)) < 1e-5
-    assert max(abs(a - b) for a, b in zip(losses["9 fp32"], losses["8 fp32"], strict=True)) < 1e-5
+    diff = lambda a, b: max(abs(x - y) for x, y in zip(losses[a], losses[b], strict=True))  # noqa: E731
+    # how close: flash attention, the chunked loss and one bigger micro-batch are the same fp32 arithmetic
+    # in another order
+    assert diff("5 fp32", 1) < 1e-5 and diff("8 fp32", "7 fp32") < 1e-5 and diff("9 fp32", "8 fp32") < 1e-5
+    # the 47 padded rows start at zero, logits near 0 at init: the loss rises by log(1 + 47 / 50257) a step
+    shift = [a - b for a, b in zip(losses["7 fp32"], losses["5 fp32"], strict=True)]
+    assert shift == pytest.approx([np.log1p(47 / 50257)] * 3, abs=1e-4), shift
+    # bf16 moves the loss more than fp32's reordering, and within its tolerance
+    assert 1e-6 < diff(3, 1) < LADDER_LOSS_TOL["bf16"]
     assert len(set(losses[9])) == 3  # the steps learn
     one = run_rungs({8: rungs["8 fp32"]}, shard_dir, steps=2, accum=1)
     assert abs(one[8][1] - losses["9 fp32"][1]) > 1e-4  # a different batch: another loss

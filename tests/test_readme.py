@@ -29,30 +29,19 @@ def commands(block):
     return [line.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def offline_env(**more):
-    """A new user's environment offline: no test data or tiktoken cache, the Hub off, `python` this interpreter."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GPT2_TEST_DATA", "TIKTOKEN_CACHE_DIR")}
-    bin_dir = str(Path(sys.executable).parent)
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PATH=bin_dir + os.pathsep + env.get("PATH", ""), **more)
-    return env
-
-
-def test_first_block_is_the_laptop_run():
-    cmds = commands(code_blocks("bash")[0])
-    assert [c for c in cmds if c.startswith(INSTALL)] == cmds[:2]  # installing, then the run itself
-    assert any(c.startswith("python train_gpt2.py @configs/laptop.txt") for c in cmds)
-    assert cmds[-1].startswith("python sample.py log_tiny")
-
-
 def readme_text():
     """The README's prose and code on one line, each run of spaces and line ends one space."""
     return " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
 
 
-def test_the_laptop_runs_shards_are_named_for_shakespeare_and_its_epochs_warning_is_explained(tmp_path):
-    """The first block's fineweb.py writes shakespeare_* shards where configs/laptop.txt reads; the laptop run's
-    warning that the data repeats, with its number of epochs, is the one the README explains."""
-    (make,) = [c for c in commands(code_blocks("bash")[0]) if c.startswith("python fineweb.py")]
+def test_first_block_is_the_laptop_run_on_shakespeare_shards_and_its_epochs_warning_is_explained(tmp_path):
+    """The first block installs, makes shakespeare_* shards where configs/laptop.txt reads, trains and samples;
+    the laptop run's warning that the data repeats, with its number of epochs, is the one the README explains."""
+    cmds = commands(code_blocks("bash")[0])
+    assert [c for c in cmds if c.startswith(INSTALL)] == cmds[:2]  # installing, then the run itself
+    assert any(c.startswith("python train_gpt2.py @configs/laptop.txt") for c in cmds)
+    assert cmds[-1].startswith("python sample.py log_tiny")
+    (make,) = [c for c in cmds if c.startswith("python fineweb.py")]
     assert as_typed(make, "--out-dir", tmp_path / "shards").returncode == 0  # typed after: this --out-dir wins
     assert sorted(p.name for p in (tmp_path / "shards").glob("*.npy"))[0] == "shakespeare_train_000001.npy"
     assert all(p.name.startswith("shakespeare_") for p in (tmp_path / "shards").iterdir())
@@ -90,7 +79,10 @@ def test_first_screen_commands_train_and_sample_in_a_fresh_clone_offline(tmp_pat
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
     assert not any((base / "shared" / "data").is_dir() for base in (clone, *clone.parents))  # no test data
-    env = offline_env()
+    # a new user's environment offline: no test data or tiktoken cache, the Hub off, `python` this interpreter
+    env = {k: v for k, v in os.environ.items() if k not in ("GPT2_TEST_DATA", "TIKTOKEN_CACHE_DIR")}
+    path = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PATH=path)
     outputs = []
     for cmd in commands(code_blocks("bash")[0]):
         if cmd.startswith(INSTALL):
