@@ -119,7 +119,7 @@ def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
             "--only ceiling --out {tmp}/a_file/b.json",
             ["--out {tmp}/a_file/b.json: {tmp}/a_file is a file, not"],
         ),
-        (None, "--only ceiling,fineweb --docs {tmp}/none/*.parquet", ["no files match --docs", "none/*.parquet"]),
+        (None, "--only ceiling,fineweb --docs {tmp}/none/*.parquet", ["--docs", "none/*.parquet' matches no file"]),
         (
             None,
             "--only ceiling,hellaswag --hellaswag-data {tmp}/hs.jsonl",
