@@ -107,3 +107,16 @@ def test_transformers_snippet_runs_on_an_export(shakespeare_export, tmp_path, mo
     monkeypatch.chdir(tmp_path)  # in this process: the Hub is off here too (conftest), transformers loaded once
     exec(compile(snippet, "README.md", "exec"), {})
     assert "Hello, I'm a language model," in capsys.readouterr().out  # the pipeline's text: prompt, continuation
+
+
+def test_every_test_the_docs_name_exists():
+    """docs/ and README.md cite the tests that pin each rule: a test renamed or merged away leaves its
+    citation pointing nowhere, so each test_* name they give is a test function (or file) of tests/."""
+    tests = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    for path in (ROOT / "tests").glob("*.py"):
+        tests |= set(re.findall(r"^def (test_\w+)", path.read_text(encoding="utf-8"), re.M))
+    cited = {}
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for name in re.findall(r"`[^`]*?\b(test_\w+)", path.read_text(encoding="utf-8")):
+            cited.setdefault(name, path.name)
+    assert {name: where for name, where in cited.items() if name not in tests and name != "test_X"} == {}
