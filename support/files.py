@@ -160,67 +160,38 @@ def remove_made_folders(made):
             break
 
 
-MOUNTINFO_ESCAPES = {ord(c): f"\\{ord(c):03o}" for c in " \t\n\\"}  # how /proc/self/mountinfo writes these
-
-
-def is_mount_point(path):
-    """os.path.ismount, which misses a bind mount of a folder of the same file system (`mount
-    --bind`, `docker -v`), and on Linux also the mount points /proc/self/mountinfo lists."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            points = {line.split()[4] for line in f}
-    except OSError:  # not Linux
-        points = set()
-    return os.path.ismount(path) or os.path.realpath(path).translate(MOUNTINFO_ESCAPES) in points
+UNFINISHED = ".unfinished_export"  # in a folder whose files an export was moving when it stopped
 
 
 def write_dir_atomic(out_dir, write, what):
-    """write(tmp) fills a hidden folder beside out_dir, which then takes out_dir's place (a folder
-    already there is renamed aside first and deleted last: the caller checked it may go). A mount
-    point (`docker -v host:dir`, a tmpfs, a bind mount) cannot be renamed: the hidden folder is made
-    inside it, and its files take the places of those there (a file of the earlier folder not
-    written again is deleted). On any failure, a full disk and Ctrl-C included, the hidden
-    folders and the parents this made are removed and out_dir is as it was. Nothing is fsynced: a
-    power cut may cost the export, which the checkpoint makes again."""
-    parent = os.path.dirname(out_dir)
-    into = is_mount_point(out_dir)
-    made = missing_folders(parent)  # the parent folders this call creates
-    tmp = old = None
+    """write(tmp) fills a hidden folder made inside out_dir (a mount point too: nothing is renamed
+    but files), whose files then take the places of those there, config.json last; the earlier
+    export's config.json and its files not written again go first. A failure while writing, a full
+    disk and Ctrl-C included, leaves out_dir as it was, less the hidden folder and the parents this
+    made; one in the moves (a rename) leaves a folder without config.json, which never loads as a
+    model, and the same command run again finishes it. Nothing is fsynced: a power cut may cost
+    the export, which the checkpoint makes again."""
+    made = missing_folders(out_dir)  # the folders this call creates
+    tmp, left = None, "nothing was changed"
     try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp_", dir=out_dir if into else parent)
-        # mkdtemp makes it private (0700): give it the mode of the folder it replaces, or else
-        # the one os.mkdir would give a new folder
+        os.makedirs(out_dir, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp_", dir=out_dir)
+        write(tmp)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777 if os.path.isdir(out_dir) else 0o777 & ~umask)
-        write(tmp)
-        for name in os.listdir(tmp):  # a file some writer made private (safetensors' 0600) gets a new file's mode
-            path = os.path.join(tmp, name)
-            if os.path.isfile(path) and not os.path.islink(path):
-                os.chmod(path, 0o666 & ~umask)
-        if into:
-            earlier = set(os.listdir(out_dir)) - {os.path.basename(tmp), *os.listdir(tmp)}  # not written again
-            for name in os.listdir(tmp):
-                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-            os.rmdir(tmp)
-            tmp = None
-            for name in earlier:
+        new = sorted(os.listdir(tmp), key=lambda name: name == "config.json")  # config.json last
+        for name in new:  # a file some writer made private (safetensors' 0600) gets a new file's mode
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        earlier = set(os.listdir(out_dir)) - {os.path.basename(tmp), *new, UNFINISHED}  # not written again
+        left = f"{out_dir} has no config.json yet: run the command again"
+        open(os.path.join(out_dir, UNFINISHED), "w").close()  # what lets the run again replace it
+        for name in ["config.json", *earlier]:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out_dir, name))
-            return
-        if os.path.isdir(out_dir) and os.listdir(out_dir):
-            old = os.path.join(parent, f".old_{os.getpid()}_{os.path.basename(out_dir)}")
-            os.replace(out_dir, old)
-        try:
-            os.replace(tmp, out_dir)
-        except BaseException:
-            if old:
-                os.replace(old, out_dir)  # put the earlier folder back
-                old = None
-            raise
-        tmp = None
-        if old:
-            shutil.rmtree(old)
+        for name in new:
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+        os.rmdir(tmp)
+        os.remove(os.path.join(out_dir, UNFINISHED))
     except BaseException as e:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -230,9 +201,10 @@ def write_dir_atomic(out_dir, write, what):
             reason = re.sub(r".*I/O error: (.*) \(os error \d+\).*", r"\1", reason)  # safetensors' wording
             full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in reason
             fix = "make room or choose another folder" if full else "choose a folder you can write to"
-            raise UserError(f"cannot write {what} to {out_dir} ({reason}): nothing was changed; {fix}") from None
+            raise UserError(f"cannot write {what} to {out_dir} ({reason}): {left}; {fix}") from None
         if isinstance(e, KeyboardInterrupt):
-            raise KeyboardInterrupt(f"interrupted: {what} was not written ({out_dir} is as it was)") from None
+            as_it_was = f"{out_dir} is as it was" if left == "nothing was changed" else left
+            raise KeyboardInterrupt(f"interrupted: {what} was not written ({as_it_was})") from None
         raise
 
 

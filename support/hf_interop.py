@@ -12,7 +12,7 @@ import shutil
 import torch
 
 from support.cli import UserError, first_line
-from support.files import existing_part, write_dir_atomic
+from support.files import UNFINISHED, existing_part, write_dir_atomic
 from support.offline import hub_offline
 from support.shards import GPT2_BPE, GPT2_VOCAB, get_tokenizer, read_gpt2_bpe
 
@@ -25,7 +25,7 @@ EXPORT_MARK = "export_hf.py"  # config.json's "exported_by": a folder an export 
 # (transformers 4 writes special_tokens_map.json too)
 EXPORT_FILES = re.compile(
     r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
-    r"|vocab\.json|merges\.txt|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json"
+    r"|vocab\.json|merges\.txt|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|\.unfinished_export"
 )
 
 
@@ -84,7 +84,7 @@ def check_export_target(out_dir):
         for n in names
         if not (EXPORT_FILES.fullmatch(n) and os.path.isfile(p := os.path.join(out_dir, n)) and not os.path.islink(p))
     ]
-    if names and not foreign:  # an earlier export says so in its config.json
+    if names and not foreign and UNFINISHED not in names:  # an earlier export says so in its config.json
         try:
             with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
                 ours = json.load(f).get("exported_by") == EXPORT_MARK

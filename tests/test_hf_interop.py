@@ -123,21 +123,32 @@ def test_a_full_disk_mid_write_leaves_everything_as_it_was(export, tmp_path, mon
     assert snapshot(tmp_path) == before  # the parent it made is gone too
 
 
-def test_failed_rename_puts_the_earlier_export_back(export, tmp_path, monkeypatch):
+def test_a_failed_move_leaves_no_config_json_and_a_rerun_finishes(export, tmp_path, monkeypatch):
+    """A rename that fails as the new files take their places: no config.json, so no mix of old and
+    new files loads as a model; the line says to run again, which writes the export."""
     target = tmp_path / "hf"
     export(target)
-    before = snapshot(tmp_path)
     real_replace = os.replace
 
     def replace(src, dst):
-        if os.path.basename(src).startswith(".tmp_"):  # the new export, not the earlier one set aside
-            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        if os.path.basename(dst) == "model.safetensors":
+            raise OSError(errno.EIO, "Input/output error")
         return real_replace(src, dst)
 
     monkeypatch.setattr(files.os, "replace", replace)
-    with pytest.raises(UserError, match="Invalid cross-device link"):
+    with pytest.raises(UserError, match="has no config.json yet: run the command again"):
         export(target)
-    assert snapshot(tmp_path) == before
+    assert "config.json" not in os.listdir(target) and not any(n.startswith(".tmp_") for n in os.listdir(target))
+    (target / "config.json.orig").write_text("{}")  # a file no export writes: a user's, refused
+    with pytest.raises(UserError, match="not an earlier export"):
+        export(target)
+    (target / "config.json.orig").unlink()
+    monkeypatch.setattr(files.os, "replace", real_replace)
+    export(target)
+    export(tmp_path / "again")
+    assert sorted(os.listdir(target)) == sorted(os.listdir(tmp_path / "again"))
+    for name in os.listdir(target):
+        assert (target / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
 
 
 def sample_cli(spec, env, cwd):
