@@ -13,6 +13,8 @@ the marks alone, never on the names of the functions or variables the allocation
 phase a script marks has an entry in its script's advice table (tests/test_out_of_memory.py reads
 the scripts' marks)."""
 
+from functools import partial
+
 from support.gpu import GiB, device_memory, fitting_B
 from support.run_folder import checkpoint_paths
 
@@ -39,15 +41,11 @@ def forget_phases():
     _run.clear()
 
 
-def advice_of(table):
-    """A script's out_of_memory hook for run_cli: the line of the phase among table's keys marked last,
-    from that phase's values; None before the first."""
-
-    def advice():
-        name = next((name for name in reversed(_marked) if name in table), None)
-        return None if name is None else table[name](**_marked[name])
-
-    return advice
+def advice(table):
+    """The line of the phase among table's keys (a script's phases) marked last, from that phase's
+    values; None before the first. With its table bound, a script's out_of_memory hook for run_cli."""
+    name = next((name for name in reversed(_marked) if name in table), None)
+    return None if name is None else table[name](**_marked[name])
 
 
 # --- train_gpt2.py ---------------------------------------------------------------------------------
@@ -126,7 +124,7 @@ TRAINING_ADVICE = {
         f"while writing the checkpoint of step {step}", None, "free host memory for it"
     ),
 }
-training_out_of_memory = advice_of(TRAINING_ADVICE)
+training_out_of_memory = partial(advice, TRAINING_ADVICE)
 
 
 # --- hellaswag.py ----------------------------------------------------------------------------------
@@ -138,7 +136,7 @@ def _scoring(batch_tokens):
 
 
 HELLASWAG_ADVICE = {"scoring HellaSwag": _scoring}  # batch_tokens: the one it used
-hellaswag_out_of_memory = advice_of(HELLASWAG_ADVICE)
+hellaswag_out_of_memory = partial(advice, HELLASWAG_ADVICE)
 
 
 # --- sample.py -------------------------------------------------------------------------------------
@@ -148,4 +146,4 @@ SAMPLE_ADVICE = {
         f"while sampling: {fewer_samples(num_samples, fit)[1]} or --max-new-tokens {max_new_tokens}"
     )
 }
-sample_out_of_memory = advice_of(SAMPLE_ADVICE)
+sample_out_of_memory = partial(advice, SAMPLE_ADVICE)
