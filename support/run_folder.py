@@ -100,12 +100,11 @@ def head(path):
 
 
 def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
-    """An out-dir belongs to one run: a new run next to another run's checkpoints would have them
-    pruned instead of its own and its log drawn as one curve with theirs, so it is refused. The
-    folder is locked for the run (support.files.lock_folder), given back as on_exit (the run's
-    ExitStack) closes; a checkpoint write a kill cut short is removed. Rank 0 alone claims it. A dry
-    run makes, writes and removes nothing: it checks the folder as it finds it (or none), and is
-    refused where the real run would be. Returns the records of its log.jsonl, read here, once."""
+    """An out-dir belongs to one run: it is locked for the run (support.files.lock_folder), given back
+    as on_exit (the run's ExitStack) closes; whose its files are, pick_checkpoint decides. Rank 0 alone
+    claims it. A dry run makes, writes and removes nothing: it checks the folder as it finds it (or
+    none), and is refused where the real run would be. Returns the records of its log.jsonl, read
+    here, once."""
     if not out_dir:
         raise UserError(
             "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
@@ -122,20 +121,15 @@ def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
         raise UserError(f"--out-dir {out_dir} is read-only or another user's: make it writable, or {fix}")
     records = list(log_records(log_path(out_dir)))  # with the folder held: no other run changes it meanwhile
     check_names_at_start(out_dir, records)
-    log, theirs = log_path(out_dir), other_runs(out_dir, None, records)  # a new run's: any run's files
-    if theirs and not resume:
-        raise UserError(
-            f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}): continue it with --resume, "
-            f"or pass a new --out-dir"
+    log = log_path(out_dir)
+    if os.path.lexists(log) and not log_runs(records):  # no step: a run killed at start, or a cut log
+        found = checkpoint_paths(out_dir)
+        said = (
+            f"no step, though {os.path.basename(found[0])} does"
+            if found
+            else "only the start of a run that never trained a step"
         )
-    if os.path.lexists(log) and os.path.basename(log) not in theirs:  # no step: a run killed at start, or a cut log
-        said = f"no step, though {theirs[0]} does" if theirs else "only the start of a run that never trained a step"
         print(f"note: {log} holds {said}: this run's records follow it")
-    if dry_run:
-        return records
-    for name in [n for n in os.listdir(out_dir) if UNFINISHED.fullmatch(n)]:
-        print(f"removing the unfinished {name}")  # a checkpoint write of this run cut short by a kill
-        os.remove(os.path.join(out_dir, name))  # the folder is writable: os.access said so above
     return records
 
 
@@ -175,18 +169,7 @@ def log_runs(records):
 
 
 # ----------------------------------------------------------------------------------------------
-# Whose a file is: decided here, at the claim and the pick, by the log's records and the metas
-
-
-def other_runs(out_dir, run_id, records, skip=""):
-    """The files in out_dir of runs other than run_id (None: a new run, which no file is of): its
-    checkpoints whose meta names another run or none (a copy, or one written before metas were),
-    and log.jsonl when its records record another run's steps. skip: the checkpoint being resumed."""
-    found = [os.path.basename(log_path(out_dir))] if any(r != run_id for r in log_runs(records)) else []
-    for path in checkpoint_paths(out_dir):
-        if run_id is None or run_of(path) != run_id and os.path.realpath(path) != os.path.realpath(skip):
-            found.append(os.path.basename(path))
-    return found
+# Whose a file is: decided here, at the pick, by the log's records and the metas
 
 
 def newest_of_its_run(out_dir, records, load, then):
@@ -247,7 +230,11 @@ def pick_checkpoint(resume, out_dir, load, records, dry_run=False):
                 f"--resume {resume} does not exist{checkpoints_near(resume)}: pass a checkpoint or a run's folder"
             )
         path, ckpt = resume, load(resume)
-        check_resume_target(out_dir, path, ckpt, records)
+    if resume != "latest":  # a new run's folder, or the one --resume CKPT continues in: no other run's
+        check_owner(out_dir, records, path, ckpt)
+    for name in [] if dry_run else [n for n in os.listdir(out_dir) if UNFINISHED.fullmatch(n)]:
+        print(f"removing the unfinished {name}")  # a checkpoint write of this run cut short by a kill
+        os.remove(os.path.join(out_dir, name))  # the folder is writable: claim_out_dir checked
     moved = set_aside(out_dir, path, ckpt["step"], ckpt.get("run_id"), dry_run) if path is not None else []
     return path, ckpt, moved
 
@@ -286,21 +273,26 @@ def set_aside(out_dir, path, step, run_id, dry_run):
     return [os.path.relpath(p, out_dir) for p in moved]
 
 
-def check_resume_target(out_dir, path, ckpt, records):
-    """--resume CKPT continues CKPT's run in --out-dir: refused, before anything is written, when
-    that folder holds another run (its checkpoints would be overwritten, pruned, and its log mixed
-    with this one's; a checkpoint with no meta counts as another run's); a folder new to the run is
-    fine, and said."""
-    run_id, folder = ckpt.get("run_id", path), os.path.dirname(path) or "."
-    others = other_runs(out_dir, run_id, records, skip=path)
+def check_owner(out_dir, records, path, ckpt):
+    """A new run (path None) or --resume CKPT (path, its checkpoint ckpt) into an --out-dir holding
+    another run's files is refused before anything is written: its checkpoints would be overwritten or
+    pruned, its log mixed with this run's. Another run's: a checkpoint whose meta names another run or
+    none (a copy), and a log.jsonl recording another run's steps. A folder new to the run is fine, and said."""
+    run_id, folder = (ckpt.get("run_id", path), os.path.dirname(path) or ".") if path else (None, out_dir)
+    theirs = [os.path.basename(log_path(out_dir))] if any(r != run_id for r in log_runs(records)) else []
+    for p in checkpoint_paths(out_dir):
+        if run_id is None or run_of(p) != run_id and os.path.realpath(p) != os.path.realpath(path):
+            theirs.append(os.path.basename(p))
     elsewhere = os.path.realpath(folder) != os.path.realpath(out_dir)
-    if others:
-        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+    if theirs:
+        fix = f", or --out-dir {folder} (the run's own folder)" if elsewhere else ""
+        if path is None:
+            fix = ", or continue it with --resume"
+        more = f" and {len(theirs) - 3} more" if len(theirs) > 3 else ""
         raise UserError(
-            f"--resume {path} continues run {run_id}, but --out-dir {out_dir} holds another run "
-            f"({', '.join(others[:3])}{more}): its checkpoints would be overwritten and its log mixed with this "
-            f"run's; pass a new or empty --out-dir"
-            + (f", or --out-dir {folder} (the run's own folder)" if elsewhere else "")
+            (f"--resume {path} continues run {run_id}, but " if path else "")
+            + f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}{more}): its checkpoints would be "
+            f"overwritten and its log mixed with this run's; pass a new or empty --out-dir{fix}"
         )
     if elsewhere and not checkpoint_paths(out_dir):
         print(
