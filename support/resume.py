@@ -54,20 +54,15 @@ def resume_folder(resume, out_dir):
     return {"out_dir": resume, "resume": "latest"}
 
 
-def differing(config, args, roles):
-    """{flag: its value in config} for each flag of the recipe or a run setting (roles: {flag: RECIPE,
-    RUN_SETTING or None}) whose value there is not the command line's."""
-    return {n: config[n] for n in roles if roles[n] and n in config and config[n] != getattr(args, n)}
-
-
-def reconcile_resume(args, given, roles, ckpt, ckpt_path):
-    """The checkpoint's recipe and settings against the command line (roles: {flag: RECIPE or
-    RUN_SETTING}); refuses contradictions. Returns the flags the checkpoint sets, {flag: its value}
-    (the recipe's and the run settings left out), and the allowed changes, {flag: [checkpoint's
-    value, new value]}."""
-    differ = differing(ckpt.get("train_config", {}), args, roles)
+def reconcile_resume(args, given, roles, config, ckpt_path):
+    """The recipe and settings config (a checkpoint's train_config) against the command line (roles:
+    {flag: RECIPE, RUN_SETTING or None}); refuses contradictions. Returns the flags config sets, {flag:
+    its value} (the recipe's and the run settings left out), and the allowed changes, {flag:
+    [config's value, new value]}. ckpt_path None: config is the flags of a run killed before its first
+    checkpoint, started anew, in which the given ones win."""
+    differ = {n: config[n] for n in roles if roles[n] and n in config and config[n] != getattr(args, n)}
     taken = {n: value for n, value in differ.items() if n not in given}
-    changes = {n: [value, getattr(args, n)] for n, value in differ.items() if n in given and roles[n] == RECIPE}
+    changes = {n: [v, getattr(args, n)] for n, v in differ.items() if n in given and roles[n] == RECIPE and ckpt_path}
     for name, (was, new) in changes.items():
         if name not in ALLOWED_CHANGES:
             flag, preset = "--" + name.replace("_", "-"), given[name]  # preset: "FILE, line N" that set it, or ""
@@ -104,14 +99,11 @@ def resume_checkpoint(out_dir, resume, dry_run, args, given, roles, ddp, master_
         dist.broadcast_object_list(picked, src=0, group=fence(ddp))
     if picked[1] is not None:
         raise same_on_every_rank(UserError(picked[1]))
-    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"  # a new run's: when, and bytes no other has
-    path, changes = picked[0], {}
-    # a run killed before its first checkpoint starts anew with its flags (picked[2]), the given ones winning
-    taken = {n: value for n, value in differing(picked[2], args, roles).items() if n not in given}
-    ckpt = None if path is None else ckpt or load_training_checkpoint(path)  # rank 0 loaded it as it picked it
-    if path is not None:
-        run_id = ckpt.get("run_id", path)
-        taken, changes = reconcile_resume(args, given, roles, ckpt, path)
+    path = picked[0]
+    ckpt = (ckpt or load_training_checkpoint(path)) if path else None  # rank 0 loaded it as it picked it
+    # a new run's id: when, and bytes no other has
+    run_id = ckpt.get("run_id", path) if path else f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"
+    taken, changes = reconcile_resume(args, given, roles, ckpt.get("train_config", {}) if path else picked[2], path)
     if master_process:  # a run started anew says each flag it took, a resumed one the run settings
         report_resume(changes, taken if picked[2] else {n: v for n, v in taken.items() if roles[n] == RUN_SETTING})
         if path is not None:
