@@ -121,15 +121,6 @@ def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
         raise UserError(f"--out-dir {out_dir} is read-only or another user's: make it writable, or {fix}")
     records = list(log_records(log_path(out_dir)))  # with the folder held: no other run changes it meanwhile
     check_names_at_start(out_dir, records)
-    log = log_path(out_dir)
-    if os.path.lexists(log) and not log_runs(records):  # no step: a run killed at start, or a cut log
-        found = checkpoint_paths(out_dir)
-        said = (
-            f"no step, though {os.path.basename(found[0])} does"
-            if found
-            else "only the start of a run that never trained a step"
-        )
-        print(f"note: {log} holds {said}: this run's records follow it")
     return records
 
 
