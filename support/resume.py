@@ -104,8 +104,13 @@ def resume_checkpoint(out_dir, resume, dry_run, args, given, roles, ddp, master_
     # a new run's id: when, and bytes no other has
     run_id = ckpt.get("run_id", path) if path else f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"
     taken, changes = reconcile_resume(args, given, roles, ckpt.get("train_config", {}) if path else picked[2], path)
-    if master_process:  # a run started anew says each flag it took, a resumed one the run settings
-        report_resume(changes, taken if picked[2] else {n: v for n, v in taken.items() if roles[n] == RUN_SETTING})
+    if master_process:  # what it changed (allowed), and took: a run started anew each flag, a resumed one the settings
+        for name, (old, new) in changes.items():
+            print(f"note: --{name.replace('_', '-')} {old} -> {new} on resume: {ALLOWED_CHANGES[name]}")
+        said = taken if picked[2] else {n: v for n, v in taken.items() if roles[n] == RUN_SETTING}
+        if said:
+            flags = ", ".join(f"--{name.replace('_', '-')} {value!r}" for name, value in said.items())
+            print(f"note: continuing with the run's {flags} (flags left out on --resume are the run's)")
         if path is not None:
             print(f"resuming from {path} at step {ckpt['step']}")
     return path, ckpt, run_id, argparse.Namespace(**{**vars(args), **taken}), changes, records, moved
@@ -131,12 +136,3 @@ def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, max_steps
     if scaler.is_enabled() and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     return ckpt["step"], ckpt.get("val_loss")
-
-
-def report_resume(changes, taken):
-    """Say what a resumed run changed (allowed) and what it took from the checkpoint."""
-    for name, (old, new) in changes.items():
-        print(f"note: --{name.replace('_', '-')} {old} -> {new} on resume: {ALLOWED_CHANGES[name]}")
-    if taken:
-        flags = ", ".join(f"--{name.replace('_', '-')} {value!r}" for name, value in taken.items())
-        print(f"note: continuing with the run's {flags} (flags left out on --resume are the run's)")
