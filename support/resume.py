@@ -1,5 +1,5 @@
 """What --resume continues with: the recipe and settings it takes from the checkpoint (which one:
-support.run_folder.pick_checkpoint), the changes it allows, and the optimizer, data position and loss
+support.run_folder.claim_out_dir), the changes it allows, and the optimizer, data position and loss
 scale it restores."""
 
 import argparse
@@ -12,7 +12,7 @@ from support.checkpoints import load_training_checkpoint
 from support.cli import UserError, same_on_every_rank
 from support.ddp import fence
 from support.out_of_memory import oom_phase
-from support.run_folder import claim_out_dir, pick_checkpoint
+from support.run_folder import claim_out_dir
 from support.shards import check_same_data
 
 # The roles a flag has on --resume, declared by the dataclass of each flag in train_gpt2.py (FLAGS; a flag
@@ -76,8 +76,8 @@ def reconcile_resume(args, given, roles, config, ckpt_path):
 
 
 def resume_checkpoint(out_dir, resume, dry_run, args, given, roles, ddp, master_process, on_exit):
-    """Rank 0 claims out_dir (claim_out_dir) and picks the checkpoint resume names ("latest", a path,
-    or None: a new run; pick_checkpoint), so that every rank loads the same one (multi-node: the out-dir
+    """Rank 0 claims out_dir and picks the checkpoint resume names ("latest", a path, or None: a new
+    run; claim_out_dir), so that every rank loads the same one (multi-node: the out-dir
     must be shared); a mistake it finds there ends every rank alike, said once, while the others wait
     in the fence. args, the command line's flags, are reconciled with the checkpoint's by roles
     (reconcile_resume); a run killed before its first checkpoint takes its log header's flags, the
@@ -89,8 +89,7 @@ def resume_checkpoint(out_dir, resume, dry_run, args, given, roles, ddp, master_
     picked, ckpt, records, moved = [None, None, {}], None, [], []
     if master_process:
         try:
-            records = claim_out_dir(out_dir, resume, on_exit, dry_run)
-            picked[0], ckpt, moved = pick_checkpoint(resume, out_dir, load_training_checkpoint, records, dry_run)
+            records, picked[0], ckpt, moved = claim_out_dir(out_dir, resume, on_exit, dry_run)
             if picked[0] is None and ckpt:  # a run killed before its first checkpoint: its log was set aside
                 picked[2], records = ckpt["train_config"], []
         except UserError as e:

@@ -1,8 +1,8 @@
 """The run's folder, one run's: the names it writes (ckpt_<step>.pt, each with its meta_<step>.json,
-log.jsonl, the lock), the claim at start (the lock; another run's folder refused), which checkpoint
---resume continues (the ones its line passes over set aside), the checkpoint's atomic write, and
-pruning. Whose a checkpoint is, its meta says, unopened. Ownership is decided once, at the claim and
-the pick: after them the folder holds this run's line alone, and pruning trusts it."""
+log.jsonl, the lock), the claim at start (the lock; another run's folder refused; which checkpoint
+--resume continues, the ones its line passes over set aside), the checkpoint's atomic write, and
+pruning. Whose a checkpoint is, its meta says, unopened. Ownership is decided once, at the claim:
+after it the folder holds this run's line alone, and pruning trusts it."""
 
 import contextlib
 import json
@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from support.checkpoints import load_training_checkpoint
 from support.cli import UserError
 from support.ddp import fence
 from support.files import check_folder, disk_error, existing_part, lock_folder, log_records, unlock_folder, write_atomic
@@ -96,32 +97,7 @@ def head(path):
 
 
 # ----------------------------------------------------------------------------------------------
-# One run per folder: the claim at start, given back at the end
-
-
-def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
-    """An out-dir belongs to one run: it is locked for the run (support.files.lock_folder), given back
-    as on_exit (the run's ExitStack) closes; whose its files are, pick_checkpoint decides. Rank 0 alone
-    claims it. A dry run makes, writes and removes nothing: it checks the folder as it finds it (or
-    none), and is refused where the real run would be. Returns the records of its log.jsonl, read
-    here, once."""
-    if not out_dir:
-        raise UserError(
-            "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
-        )
-    check_folder(out_dir, "--out-dir")
-    note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
-    try:  # a dry run too: refused where the real run would be
-        on_exit.callback(unlock_folder, lock_folder(out_dir, LOCK_FILE, "run", note, dry_run))
-    except OSError as e:
-        raise UserError(f"cannot create or open --out-dir {out_dir}: {e.strerror}") from None
-    if os.path.isdir(out_dir) and not os.access(out_dir, os.W_OK):  # refused now, not after the whole start-up
-        ckpt = resume if resume != "latest" else next(iter(checkpoint_paths(out_dir)), None)  # what it would resume
-        fix = f"continue the run elsewhere with --resume {ckpt} --out-dir NEW_DIR" if ckpt else "pass another --out-dir"
-        raise UserError(f"--out-dir {out_dir} is read-only or another user's: make it writable, or {fix}")
-    records = list(log_records(log_path(out_dir)))  # with the folder held: no other run changes it meanwhile
-    check_names_at_start(out_dir, records)
-    return records
+# What stands at a name the run writes, checked at start
 
 
 def check_names_at_start(out_dir, records):
@@ -160,7 +136,7 @@ def log_runs(records):
 
 
 # ----------------------------------------------------------------------------------------------
-# Whose a file is: decided here, at the pick, by the log's records and the metas
+# Whose a file is: decided here, at the claim, by the log's records and the metas
 
 
 def newest_of_its_run(out_dir, records, load, then):
@@ -189,19 +165,39 @@ def newest_of_its_run(out_dir, records, load, then):
 
 
 # ----------------------------------------------------------------------------------------------
-# What --resume continues from, and the names the run will write
+# One run per folder: the claim at start (given back at the end), and what --resume continues
 
 
-def pick_checkpoint(resume, out_dir, load, records, dry_run=False):
-    """Rank 0's choice at start, after claim_out_dir (records: its log's): (path, checkpoint, the paths
-    set_aside moved checkpoints to) for --resume ("latest" or a checkpoint's path), (None, None, []) for
-    a new run; load: how a checkpoint holding a run's training state is loaded. What is not the line it
-    continues is set aside (set_aside). A run killed before its first checkpoint starts anew: (None,
-    {"train_config": its flags, from its log's header}, []). A dry run renames nothing."""
+def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
+    """An out-dir belongs to one run, decided here, once, by rank 0 at start: it is locked for the run
+    (support.files.lock_folder), given back as on_exit (the run's ExitStack) closes; a new run or
+    --resume CKPT next to another run's files is refused (check_owner); what --resume continues
+    ("latest" or a checkpoint's path) is picked, and the checkpoints not of its line set aside
+    (set_aside). Returns (the records of its log.jsonl, read here, once; the checkpoint's path; the
+    checkpoint; the paths set_aside moved checkpoints to), (records, None, None, []) for a new run. A run
+    killed before its first checkpoint starts anew: (records, None, {"train_config": its flags, from its
+    log's header}, []). A dry run makes, writes, renames and removes nothing: it checks the folder as it
+    finds it (or none), and is refused where the real run would be."""
+    if not out_dir:
+        raise UserError(
+            "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
+        )
+    check_folder(out_dir, "--out-dir")
+    note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
+    try:  # a dry run too: refused where the real run would be
+        on_exit.callback(unlock_folder, lock_folder(out_dir, LOCK_FILE, "run", note, dry_run))
+    except OSError as e:
+        raise UserError(f"cannot create or open --out-dir {out_dir}: {e.strerror}") from None
+    if os.path.isdir(out_dir) and not os.access(out_dir, os.W_OK):  # refused now, not after the whole start-up
+        ckpt = resume if resume != "latest" else next(iter(checkpoint_paths(out_dir)), None)  # what it would resume
+        fix = f"continue the run elsewhere with --resume {ckpt} --out-dir NEW_DIR" if ckpt else "pass another --out-dir"
+        raise UserError(f"--out-dir {out_dir} is read-only or another user's: make it writable, or {fix}")
+    records = list(log_records(log_path(out_dir)))  # with the folder held: no other run changes it meanwhile
+    check_names_at_start(out_dir, records)
     path, ckpt = None, None
     if resume == "latest":
         then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
-        path, ckpt = newest_of_its_run(out_dir, records, load, then)
+        path, ckpt = newest_of_its_run(out_dir, records, load_training_checkpoint, then)
         log = log_path(out_dir)
         if path is None and (runs := log_runs(records)):
             # killed before its first checkpoint: nothing to continue, so the same command starts it
@@ -220,14 +216,14 @@ def pick_checkpoint(resume, out_dir, load, records, dry_run=False):
             raise UserError(
                 f"--resume {resume} does not exist{checkpoints_near(resume)}: pass a checkpoint or a run's folder"
             )
-        path, ckpt = resume, load(resume)
+        path, ckpt = resume, load_training_checkpoint(resume)
     if resume != "latest":  # a new run's folder, or the one --resume CKPT continues in: no other run's
         check_owner(out_dir, records, path, ckpt)
     for name in [] if dry_run else [n for n in os.listdir(out_dir) if UNFINISHED.fullmatch(n)]:
         print(f"removing the unfinished {name}")  # a checkpoint write of this run cut short by a kill
         os.remove(os.path.join(out_dir, name))  # the folder is writable: claim_out_dir checked
     moved = set_aside(out_dir, path, ckpt["step"], ckpt.get("run_id"), dry_run) if path is not None else []
-    return path, ckpt, moved
+    return records, path, ckpt, moved
 
 
 def set_aside(out_dir, path, step, run_id, dry_run):
@@ -330,7 +326,7 @@ def known_good(out_dir, trained):
 
 def prune(out_dir, keep, trained, run_id):
     """Delete the checkpoints in out_dir beyond the newest `keep` (0: none), each with its meta: the
-    folder holds this run's line alone (the claim and the pick saw to it), and a file put there since
+    folder holds this run's line alone (the claim saw to it), and a file put there since
     is kept unless its meta names run_id (read, never the checkpoint). The newest known good one
     (trained: the run log's, known_good) stays too while none of the newest `keep` is known good yet
     (until a newer one has trained): after a divergence, diverged_advice sends the user to it."""
