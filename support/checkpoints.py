@@ -36,9 +36,8 @@ def load_checkpoint(path, mmap=False):
                 f"loaded here, for loading them can run code from the file; pass a train_gpt2.py checkpoint, or a "
                 f"transformers GPT-2 as its folder (config.json beside its weights, as save_pretrained writes it)"
             ) from None
-        first = first_line(e)
         raise UserError(
-            f"checkpoint {path} cannot be loaded safely (truncated, corrupt or not ours): {first}"
+            f"checkpoint {path} cannot be loaded safely (truncated, corrupt or not ours): {first_line(e)}"
         ) from None
     if bad is not None:
         raise UserError(f"checkpoint {path} is corrupt: its {bad} fails the zip CRC check")
