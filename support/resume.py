@@ -85,13 +85,12 @@ def resume_checkpoint(out_dir, resume, dry_run, args, given, roles, ddp, master_
     allowed changes, rank 0's log records, where set_aside moved checkpoints to); for a new run (None,
     None, a new id, args, {}, records, []). on_exit: the run's ExitStack."""
     oom_phase("loading the checkpoint")
-    # picked: the path, rank 0's error, a new start's flags
+    # picked: rank 0's path, its error, and the flags the run goes on with (a run started anew: its log header's)
     picked, ckpt, records, moved = [None, None, {}], None, [], []
     if master_process:
         try:
             records, picked[0], ckpt, moved = claim_out_dir(out_dir, resume, on_exit, dry_run)
-            if picked[0] is None and ckpt:  # a run killed before its first checkpoint: its log was set aside
-                picked[2], records = ckpt["train_config"], []
+            picked[2] = ckpt.get("train_config", {}) if ckpt else {}
         except UserError as e:
             picked[1] = str(e)
     if ddp:
@@ -102,11 +101,11 @@ def resume_checkpoint(out_dir, resume, dry_run, args, given, roles, ddp, master_
     ckpt = (ckpt or load_training_checkpoint(path)) if path else None  # rank 0 loaded it as it picked it
     # a new run's id: when, and bytes no other has
     run_id = ckpt.get("run_id", path) if path else f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"
-    taken, changes = reconcile_resume(args, given, roles, ckpt.get("train_config", {}) if path else picked[2], path)
+    taken, changes = reconcile_resume(args, given, roles, picked[2], path)
     if master_process:  # what it changed (allowed), and took: a run started anew each flag, a resumed one the settings
         for name, (old, new) in changes.items():
             print(f"note: --{name.replace('_', '-')} {old} -> {new} on resume: {ALLOWED_CHANGES[name]}")
-        said = taken if picked[2] else {n: v for n, v in taken.items() if roles[n] == RUN_SETTING}
+        said = taken if path is None else {n: v for n, v in taken.items() if roles[n] == RUN_SETTING}
         if said:
             flags = ", ".join(f"--{name.replace('_', '-')} {value!r}" for name, value in said.items())
             print(f"note: continuing with the run's {flags} (flags left out on --resume are the run's)")

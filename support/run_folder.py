@@ -175,8 +175,8 @@ def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
     ("latest" or a checkpoint's path) is picked, and the checkpoints not of its line set aside
     (set_aside). Returns (the records of its log.jsonl, read here, once; the checkpoint's path; the
     checkpoint; the paths set_aside moved checkpoints to), (records, None, None, []) for a new run. A run
-    killed before its first checkpoint starts anew: (records, None, {"train_config": its flags, from its
-    log's header}, []). A dry run makes, writes, renames and removes nothing: it checks the folder as it
+    killed before its first checkpoint starts anew: ([], None, {"train_config": its flags, from its log's
+    header}, []). A dry run makes, writes, renames and removes nothing: it checks the folder as it
     finds it (or none), and is refused where the real run would be."""
     if not out_dir:
         raise UserError(
@@ -204,7 +204,7 @@ def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
             # anew with its flags (a spot script that repeats --resume goes on); its log is kept aside
             aside, run = free_name(log, runs[-1]), runs[-1]
             header = next(r for r in records if r.get("event") == "header" and r.get("run_id") == run)
-            ckpt = {"train_config": header.get("config", {})}
+            ckpt, records = {"train_config": header.get("config", {})}, []  # records: of the log set aside
             if not dry_run:
                 os.rename(log, aside)
             said = f"would be set aside as {aside} (not in a dry run)" if dry_run else f"is now {aside}"
