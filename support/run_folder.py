@@ -221,7 +221,7 @@ def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
         check_owner(out_dir, records, path, ckpt)
     for name in [] if dry_run else [n for n in os.listdir(out_dir) if UNFINISHED.fullmatch(n)]:
         print(f"removing the unfinished {name}")  # a checkpoint write of this run cut short by a kill
-        os.remove(os.path.join(out_dir, name))  # the folder is writable: claim_out_dir checked
+        os.remove(os.path.join(out_dir, name))  # the folder is writable: checked above
     moved = set_aside(out_dir, path, ckpt["step"], ckpt.get("run_id"), dry_run) if path is not None else []
     return records, path, ckpt, moved
 
