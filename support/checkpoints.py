@@ -28,10 +28,16 @@ def load_checkpoint(path, mmap=False):
         raise UserError(f"checkpoint {path} does not exist") from None
     except Exception as e:
         if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
-            raise UserError(refused_pickle(path, e)) from None
-        first = first_line(e)
+            # not torch's own advice, weights_only=False: that would run code from a file no one vouched for
+            what = re.search(r"GLOBAL (\S+)", str(e))
+            raise UserError(
+                f"{path} is not a checkpoint written by train_gpt2.py (or is one of an older format): it pickles "
+                f"Python objects ({what.group(1) if what else 'not tensors or plain values'}), which are never "
+                f"loaded here, for loading them can run code from the file; pass a train_gpt2.py checkpoint, or a "
+                f"transformers GPT-2 as its folder (config.json beside its weights, as save_pretrained writes it)"
+            ) from None
         raise UserError(
-            f"checkpoint {path} cannot be loaded safely (truncated, corrupt or not ours): {first}"
+            f"checkpoint {path} cannot be loaded safely (truncated, corrupt or not ours): {first_line(e)}"
         ) from None
     if bad is not None:
         raise UserError(f"checkpoint {path} is corrupt: its {bad} fails the zip CRC check")
@@ -52,18 +58,6 @@ def crc_failure(path):
             with memoryview(m)[start : start + info.compress_size] as data:
                 if zlib.crc32(data) != info.CRC:
                     return info.filename
-
-
-def refused_pickle(path, e):
-    """The line for a file torch.load(weights_only=True) refuses for the Python objects it pickles
-    (torch's own advice, weights_only=False, would run code from a file no one vouched for)."""
-    what = re.search(r"GLOBAL (\S+)", str(e))
-    return (
-        f"{path} is not a checkpoint written by train_gpt2.py (or is one of an older format): it pickles Python "
-        f"objects ({what.group(1) if what else 'not tensors or plain values'}), which are never loaded here, for "
-        f"loading them can run code from the file; pass a train_gpt2.py checkpoint, or a transformers GPT-2 as its "
-        f"folder (config.json beside its weights, as save_pretrained writes it)"
-    )
 
 
 def load_training_checkpoint(path):

@@ -1,5 +1,5 @@
 """What --resume continues with: the recipe and settings it takes from the checkpoint (which one:
-support.run_folder.pick_checkpoint), the changes it allows, and the optimizer, data position and loss
+support.run_folder.claim_out_dir), the changes it allows, and the optimizer, data position and loss
 scale it restores."""
 
 import argparse
@@ -12,7 +12,7 @@ from support.checkpoints import load_training_checkpoint
 from support.cli import UserError, same_on_every_rank
 from support.ddp import fence
 from support.out_of_memory import oom_phase
-from support.run_folder import claim_out_dir, pick_checkpoint
+from support.run_folder import claim_out_dir
 from support.shards import check_same_data
 
 # The roles a flag has on --resume, declared by the dataclass of each flag in train_gpt2.py (FLAGS; a flag
@@ -54,20 +54,15 @@ def resume_folder(resume, out_dir):
     return {"out_dir": resume, "resume": "latest"}
 
 
-def differing(config, args, roles):
-    """{flag: its value in config} for each flag of the recipe or a run setting (roles: {flag: RECIPE,
-    RUN_SETTING or None}) whose value there is not the command line's."""
-    return {n: config[n] for n in roles if roles[n] and n in config and config[n] != getattr(args, n)}
-
-
-def reconcile_resume(args, given, roles, ckpt, ckpt_path):
-    """The checkpoint's recipe and settings against the command line (roles: {flag: RECIPE or
-    RUN_SETTING}); refuses contradictions. Returns the flags the checkpoint sets, {flag: its value}
-    (the recipe's and the run settings left out), and the allowed changes, {flag: [checkpoint's
-    value, new value]}."""
-    differ = differing(ckpt.get("train_config", {}), args, roles)
+def reconcile_resume(args, given, roles, config, ckpt_path):
+    """The recipe and settings config (a checkpoint's train_config) against the command line (roles:
+    {flag: RECIPE, RUN_SETTING or None}); refuses contradictions. Returns the flags config sets, {flag:
+    its value} (the recipe's and the run settings left out), and the allowed changes, {flag:
+    [config's value, new value]}. ckpt_path None: config is the flags of a run killed before its first
+    checkpoint, started anew, in which the given ones win."""
+    differ = {n: config[n] for n in roles if roles[n] and n in config and config[n] != getattr(args, n)}
     taken = {n: value for n, value in differ.items() if n not in given}
-    changes = {n: [value, getattr(args, n)] for n, value in differ.items() if n in given and roles[n] == RECIPE}
+    changes = {n: [v, getattr(args, n)] for n, v in differ.items() if n in given and roles[n] == RECIPE and ckpt_path}
     for name, (was, new) in changes.items():
         if name not in ALLOWED_CHANGES:
             flag, preset = "--" + name.replace("_", "-"), given[name]  # preset: "FILE, line N" that set it, or ""
@@ -81,8 +76,8 @@ def reconcile_resume(args, given, roles, ckpt, ckpt_path):
 
 
 def resume_checkpoint(out_dir, resume, dry_run, args, given, roles, ddp, master_process, on_exit):
-    """Rank 0 claims out_dir (claim_out_dir) and picks the checkpoint resume names ("latest", a path,
-    or None: a new run; pick_checkpoint), so that every rank loads the same one (multi-node: the out-dir
+    """Rank 0 claims out_dir and picks the checkpoint resume names ("latest", a path, or None: a new
+    run; claim_out_dir), so that every rank loads the same one (multi-node: the out-dir
     must be shared); a mistake it finds there ends every rank alike, said once, while the others wait
     in the fence. args, the command line's flags, are reconciled with the checkpoint's by roles
     (reconcile_resume); a run killed before its first checkpoint takes its log header's flags, the
@@ -90,30 +85,30 @@ def resume_checkpoint(out_dir, resume, dry_run, args, given, roles, ddp, master_
     allowed changes, rank 0's log records, where set_aside moved checkpoints to); for a new run (None,
     None, a new id, args, {}, records, []). on_exit: the run's ExitStack."""
     oom_phase("loading the checkpoint")
-    # picked: the path, rank 0's error, a new start's flags
+    # picked: rank 0's path, its error, and the flags the run goes on with (a run started anew: its log header's)
     picked, ckpt, records, moved = [None, None, {}], None, [], []
     if master_process:
         try:
-            records = claim_out_dir(out_dir, resume, on_exit, dry_run)
-            picked[0], ckpt, moved = pick_checkpoint(resume, out_dir, load_training_checkpoint, records, dry_run)
-            if picked[0] is None and ckpt:  # a run killed before its first checkpoint: its log was set aside
-                picked[2], records = ckpt["train_config"], []
+            records, picked[0], ckpt, moved = claim_out_dir(out_dir, resume, on_exit, dry_run)
+            picked[2] = ckpt.get("train_config", {}) if ckpt else {}
         except UserError as e:
             picked[1] = str(e)
     if ddp:
         dist.broadcast_object_list(picked, src=0, group=fence(ddp))
     if picked[1] is not None:
         raise same_on_every_rank(UserError(picked[1]))
-    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"  # a new run's: when, and bytes no other has
-    path, changes = picked[0], {}
-    # a run killed before its first checkpoint starts anew with its flags (picked[2]), the given ones winning
-    taken = {n: value for n, value in differing(picked[2], args, roles).items() if n not in given}
-    ckpt = None if path is None else ckpt or load_training_checkpoint(path)  # rank 0 loaded it as it picked it
-    if path is not None:
-        run_id = ckpt.get("run_id", path)
-        taken, changes = reconcile_resume(args, given, roles, ckpt, path)
-    if master_process:  # a run started anew says each flag it took, a resumed one the run settings
-        report_resume(changes, taken if picked[2] else {n: v for n, v in taken.items() if roles[n] == RUN_SETTING})
+    path = picked[0]
+    ckpt = (ckpt or load_training_checkpoint(path)) if path else None  # rank 0 loaded it as it picked it
+    # a new run's id: when, and bytes no other has
+    run_id = ckpt.get("run_id", path) if path else f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}"
+    taken, changes = reconcile_resume(args, given, roles, picked[2], path)
+    if master_process:  # what it changed (allowed), and took: a run started anew each flag, a resumed one the settings
+        for name, (old, new) in changes.items():
+            print(f"note: --{name.replace('_', '-')} {old} -> {new} on resume: {ALLOWED_CHANGES[name]}")
+        said = taken if path is None else {n: v for n, v in taken.items() if roles[n] == RUN_SETTING}
+        if said:
+            flags = ", ".join(f"--{name.replace('_', '-')} {value!r}" for name, value in said.items())
+            print(f"note: continuing with the run's {flags} (flags left out on --resume are the run's)")
         if path is not None:
             print(f"resuming from {path} at step {ckpt['step']}")
     return path, ckpt, run_id, argparse.Namespace(**{**vars(args), **taken}), changes, records, moved
@@ -139,12 +134,3 @@ def restore_training_state(ckpt, ckpt_path, optimizer, loader, scaler, max_steps
     if scaler.is_enabled() and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     return ckpt["step"], ckpt.get("val_loss")
-
-
-def report_resume(changes, taken):
-    """Say what a resumed run changed (allowed) and what it took from the checkpoint."""
-    for name, (old, new) in changes.items():
-        print(f"note: --{name.replace('_', '-')} {old} -> {new} on resume: {ALLOWED_CHANGES[name]}")
-    if taken:
-        flags = ", ".join(f"--{name.replace('_', '-')} {value!r}" for name, value in taken.items())
-        print(f"note: continuing with the run's {flags} (flags left out on --resume are the run's)")

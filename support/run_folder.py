@@ -1,8 +1,8 @@
 """The run's folder, one run's: the names it writes (ckpt_<step>.pt, each with its meta_<step>.json,
-log.jsonl, the lock), the claim at start (the lock; another run's folder refused), which checkpoint
---resume continues (the ones its line passes over set aside), the checkpoint's atomic write, and
-pruning. Whose a checkpoint is, its meta says, unopened. Ownership is decided once, at the claim and
-the pick: after them the folder holds this run's line alone, and pruning trusts it."""
+log.jsonl, the lock), the claim at start (the lock; another run's folder refused; which checkpoint
+--resume continues, the ones its line passes over set aside), the checkpoint's atomic write, and
+pruning. Whose a checkpoint is, its meta says, unopened. Ownership is decided once, at the claim:
+after it the folder holds this run's line alone, and pruning trusts it."""
 
 import contextlib
 import json
@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from support.checkpoints import load_training_checkpoint
 from support.cli import UserError
 from support.ddp import fence
 from support.files import check_folder, disk_error, existing_part, lock_folder, log_records, unlock_folder, write_atomic
@@ -96,47 +97,7 @@ def head(path):
 
 
 # ----------------------------------------------------------------------------------------------
-# One run per folder: the claim at start, given back at the end
-
-
-def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
-    """An out-dir belongs to one run: a new run next to another run's checkpoints would have them
-    pruned instead of its own and its log drawn as one curve with theirs, so it is refused. The
-    folder is locked for the run (support.files.lock_folder), given back as on_exit (the run's
-    ExitStack) closes; a checkpoint write a kill cut short is removed. Rank 0 alone claims it. A dry
-    run makes, writes and removes nothing: it checks the folder as it finds it (or none), and is
-    refused where the real run would be. Returns the records of its log.jsonl, read here, once."""
-    if not out_dir:
-        raise UserError(
-            "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
-        )
-    check_folder(out_dir, "--out-dir")
-    note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
-    try:  # a dry run too: refused where the real run would be
-        on_exit.callback(unlock_folder, lock_folder(out_dir, LOCK_FILE, "run", note, dry_run))
-    except OSError as e:
-        raise UserError(f"cannot create or open --out-dir {out_dir}: {e.strerror}") from None
-    if os.path.isdir(out_dir) and not os.access(out_dir, os.W_OK):  # refused now, not after the whole start-up
-        ckpt = resume if resume != "latest" else next(iter(checkpoint_paths(out_dir)), None)  # what it would resume
-        fix = f"continue the run elsewhere with --resume {ckpt} --out-dir NEW_DIR" if ckpt else "pass another --out-dir"
-        raise UserError(f"--out-dir {out_dir} is read-only or another user's: make it writable, or {fix}")
-    records = list(log_records(log_path(out_dir)))  # with the folder held: no other run changes it meanwhile
-    check_names_at_start(out_dir, records)
-    log, theirs = log_path(out_dir), other_runs(out_dir, None, records)  # a new run's: any run's files
-    if theirs and not resume:
-        raise UserError(
-            f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}): continue it with --resume, "
-            f"or pass a new --out-dir"
-        )
-    if os.path.lexists(log) and os.path.basename(log) not in theirs:  # no step: a run killed at start, or a cut log
-        said = f"no step, though {theirs[0]} does" if theirs else "only the start of a run that never trained a step"
-        print(f"note: {log} holds {said}: this run's records follow it")
-    if dry_run:
-        return records
-    for name in [n for n in os.listdir(out_dir) if UNFINISHED.fullmatch(n)]:
-        print(f"removing the unfinished {name}")  # a checkpoint write of this run cut short by a kill
-        os.remove(os.path.join(out_dir, name))  # the folder is writable: os.access said so above
-    return records
+# What stands at a name the run writes, checked at start
 
 
 def check_names_at_start(out_dir, records):
@@ -175,18 +136,7 @@ def log_runs(records):
 
 
 # ----------------------------------------------------------------------------------------------
-# Whose a file is: decided here, at the claim and the pick, by the log's records and the metas
-
-
-def other_runs(out_dir, run_id, records, skip=""):
-    """The files in out_dir of runs other than run_id (None: a new run, which no file is of): its
-    checkpoints whose meta names another run or none (a copy, or one written before metas were),
-    and log.jsonl when its records record another run's steps. skip: the checkpoint being resumed."""
-    found = [os.path.basename(log_path(out_dir))] if any(r != run_id for r in log_runs(records)) else []
-    for path in checkpoint_paths(out_dir):
-        if run_id is None or run_of(path) != run_id and os.path.realpath(path) != os.path.realpath(skip):
-            found.append(os.path.basename(path))
-    return found
+# Whose a file is: decided here, at the claim, by the log's records and the metas
 
 
 def newest_of_its_run(out_dir, records, load, then):
@@ -215,26 +165,46 @@ def newest_of_its_run(out_dir, records, load, then):
 
 
 # ----------------------------------------------------------------------------------------------
-# What --resume continues from, and the names the run will write
+# One run per folder: the claim at start (given back at the end), and what --resume continues
 
 
-def pick_checkpoint(resume, out_dir, load, records, dry_run=False):
-    """Rank 0's choice at start, after claim_out_dir (records: its log's): (path, checkpoint, the paths
-    set_aside moved checkpoints to) for --resume ("latest" or a checkpoint's path), (None, None, []) for
-    a new run; load: how a checkpoint holding a run's training state is loaded. What is not the line it
-    continues is set aside (set_aside). A run killed before its first checkpoint starts anew: (None,
-    {"train_config": its flags, from its log's header}, []). A dry run renames nothing."""
+def claim_out_dir(out_dir, resume, on_exit, dry_run=False):
+    """An out-dir belongs to one run, decided here, once, by rank 0 at start: it is locked for the run
+    (support.files.lock_folder), given back as on_exit (the run's ExitStack) closes; a new run or
+    --resume CKPT next to another run's files is refused (check_owner); what --resume continues
+    ("latest" or a checkpoint's path) is picked, and the checkpoints not of its line set aside
+    (set_aside). Returns (the records of its log.jsonl, read here, once; the checkpoint's path; the
+    checkpoint; the paths set_aside moved checkpoints to), (records, None, None, []) for a new run. A run
+    killed before its first checkpoint starts anew: ([], None, {"train_config": its flags, from its log's
+    header}, []). A dry run makes, writes, renames and removes nothing: it checks the folder as it
+    finds it (or none), and is refused where the real run would be."""
+    if not out_dir:
+        raise UserError(
+            "--out-dir '' names no folder: pass the folder for the run's log and checkpoints (--out-dir log)"
+        )
+    check_folder(out_dir, "--out-dir")
+    note = " (rank 0 of a torchrun job)" if "RANK" in os.environ else ""  # the lock's text: rank 0 holds it for the job
+    try:  # a dry run too: refused where the real run would be
+        on_exit.callback(unlock_folder, lock_folder(out_dir, LOCK_FILE, "run", note, dry_run))
+    except OSError as e:
+        raise UserError(f"cannot create or open --out-dir {out_dir}: {e.strerror}") from None
+    if os.path.isdir(out_dir) and not os.access(out_dir, os.W_OK):  # refused now, not after the whole start-up
+        ckpt = resume if resume != "latest" else next(iter(checkpoint_paths(out_dir)), None)  # what it would resume
+        fix = f"continue the run elsewhere with --resume {ckpt} --out-dir NEW_DIR" if ckpt else "pass another --out-dir"
+        raise UserError(f"--out-dir {out_dir} is read-only or another user's: make it writable, or {fix}")
+    records = list(log_records(log_path(out_dir)))  # with the folder held: no other run changes it meanwhile
+    check_names_at_start(out_dir, records)
     path, ckpt = None, None
     if resume == "latest":
         then = "to continue another run from one of them, pass it as --resume CKPT with a new --out-dir"
-        path, ckpt = newest_of_its_run(out_dir, records, load, then)
+        path, ckpt = newest_of_its_run(out_dir, records, load_training_checkpoint, then)
         log = log_path(out_dir)
         if path is None and (runs := log_runs(records)):
             # killed before its first checkpoint: nothing to continue, so the same command starts it
             # anew with its flags (a spot script that repeats --resume goes on); its log is kept aside
             aside, run = free_name(log, runs[-1]), runs[-1]
             header = next(r for r in records if r.get("event") == "header" and r.get("run_id") == run)
-            ckpt = {"train_config": header.get("config", {})}
+            ckpt, records = {"train_config": header.get("config", {})}, []  # records: of the log set aside
             if not dry_run:
                 os.rename(log, aside)
             said = f"would be set aside as {aside} (not in a dry run)" if dry_run else f"is now {aside}"
@@ -246,10 +216,14 @@ def pick_checkpoint(resume, out_dir, load, records, dry_run=False):
             raise UserError(
                 f"--resume {resume} does not exist{checkpoints_near(resume)}: pass a checkpoint or a run's folder"
             )
-        path, ckpt = resume, load(resume)
-        check_resume_target(out_dir, path, ckpt, records)
+        path, ckpt = resume, load_training_checkpoint(resume)
+    if resume != "latest":  # a new run's folder, or the one --resume CKPT continues in: no other run's
+        check_owner(out_dir, records, path, ckpt)
+    for name in [] if dry_run else [n for n in os.listdir(out_dir) if UNFINISHED.fullmatch(n)]:
+        print(f"removing the unfinished {name}")  # a checkpoint write of this run cut short by a kill
+        os.remove(os.path.join(out_dir, name))  # the folder is writable: checked above
     moved = set_aside(out_dir, path, ckpt["step"], ckpt.get("run_id"), dry_run) if path is not None else []
-    return path, ckpt, moved
+    return records, path, ckpt, moved
 
 
 def set_aside(out_dir, path, step, run_id, dry_run):
@@ -286,21 +260,26 @@ def set_aside(out_dir, path, step, run_id, dry_run):
     return [os.path.relpath(p, out_dir) for p in moved]
 
 
-def check_resume_target(out_dir, path, ckpt, records):
-    """--resume CKPT continues CKPT's run in --out-dir: refused, before anything is written, when
-    that folder holds another run (its checkpoints would be overwritten, pruned, and its log mixed
-    with this one's; a checkpoint with no meta counts as another run's); a folder new to the run is
-    fine, and said."""
-    run_id, folder = ckpt.get("run_id", path), os.path.dirname(path) or "."
-    others = other_runs(out_dir, run_id, records, skip=path)
+def check_owner(out_dir, records, path, ckpt):
+    """A new run (path None) or --resume CKPT (path, its checkpoint ckpt) into an --out-dir holding
+    another run's files is refused before anything is written: its checkpoints would be overwritten or
+    pruned, its log mixed with this run's. Another run's: a checkpoint whose meta names another run or
+    none (a copy), and a log.jsonl recording another run's steps. A folder new to the run is fine, and said."""
+    run_id, folder = (ckpt.get("run_id", path), os.path.dirname(path) or ".") if path else (None, out_dir)
+    theirs = [os.path.basename(log_path(out_dir))] if any(r != run_id for r in log_runs(records)) else []
+    for p in checkpoint_paths(out_dir):
+        if run_id is None or run_of(p) != run_id and os.path.realpath(p) != os.path.realpath(path):
+            theirs.append(os.path.basename(p))
     elsewhere = os.path.realpath(folder) != os.path.realpath(out_dir)
-    if others:
-        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+    if theirs:
+        fix = f", or --out-dir {folder} (the run's own folder)" if elsewhere else ""
+        if path is None:
+            fix = ", or continue it with --resume"
+        more = f" and {len(theirs) - 3} more" if len(theirs) > 3 else ""
         raise UserError(
-            f"--resume {path} continues run {run_id}, but --out-dir {out_dir} holds another run "
-            f"({', '.join(others[:3])}{more}): its checkpoints would be overwritten and its log mixed with this "
-            f"run's; pass a new or empty --out-dir"
-            + (f", or --out-dir {folder} (the run's own folder)" if elsewhere else "")
+            (f"--resume {path} continues run {run_id}, but " if path else "")
+            + f"--out-dir {out_dir} holds another run ({', '.join(theirs[:3])}{more}): its checkpoints would be "
+            f"overwritten and its log mixed with this run's; pass a new or empty --out-dir{fix}"
         )
     if elsewhere and not checkpoint_paths(out_dir):
         print(
@@ -347,7 +326,7 @@ def known_good(out_dir, trained):
 
 def prune(out_dir, keep, trained, run_id):
     """Delete the checkpoints in out_dir beyond the newest `keep` (0: none), each with its meta: the
-    folder holds this run's line alone (the claim and the pick saw to it), and a file put there since
+    folder holds this run's line alone (the claim saw to it), and a file put there since
     is kept unless its meta names run_id (read, never the checkpoint). The newest known good one
     (trained: the run log's, known_good) stays too while none of the newest `keep` is known good yet
     (until a newer one has trained): after a divergence, diverged_advice sends the user to it."""
