@@ -416,24 +416,15 @@ def ending_losses(
     return sum_loss.view(-1, 4).cpu(), n_tokens
 
 
-def evaluate(
-    model,
-    prepared,
-    device,
-    rank=0,
-    world_size=1,
-    autocast_dtype=None,
-    should_stop=None,
-    progress=False,
-    batch_tokens=None,
-):
+def evaluate(model, prepared, device, rank=0, world_size=1, **scoring):
     """Score this rank's share of the prepared examples (every world_size-th, from rank): a dict
     of counts that the ranks sum: n, correct (acc) and correct_norm (acc_norm). None if
-    should_stop() became true."""
+    should_stop() became true. scoring: ending_losses's autocast_dtype, should_stop, progress
+    and batch_tokens."""
     share = list(range(rank, len(prepared), world_size))
     counts = {"n": len(share), "correct": 0, "correct_norm": 0}
     if share:
-        result = ending_losses(model, prepared, device, share, autocast_dtype, should_stop, progress, batch_tokens)
+        result = ending_losses(model, prepared, device, share, **scoring)
         if result is None:
             return None
         sum_loss, n_tokens = result
@@ -477,16 +468,8 @@ def load_for_run(path, limit, enc, master_process, ddp):
 def evaluate_all_ranks(model, prepared, device, autocast_dtype, rank, world_size, should_stop):
     """acc_norm, acc and n summed over every rank (each scores its share), or None when a rank was
     interrupted. The model is left in training mode."""
-    counts = evaluate(
-        model,
-        prepared,
-        device,
-        rank,
-        world_size,
-        autocast_dtype=autocast_dtype,
-        should_stop=should_stop,
-        progress=rank == 0,
-    )
+    scoring = dict(autocast_dtype=autocast_dtype, should_stop=should_stop, progress=rank == 0)  # rank 0 says how far
+    counts = evaluate(model, prepared, device, rank, world_size, **scoring)
     model.train()
     c = counts or {"n": 0, "correct": 0, "correct_norm": 0}
     totals = torch.tensor([c["n"], c["correct"], c["correct_norm"], counts is None], device=device)
@@ -533,12 +516,10 @@ def main(argv=None):
     if device_type == "cpu":
         keep_freed_memory()  # as a CPU training run evaluates, so that the two take the same time
     prepared = prepare(examples, get_tokenizer())
-    model = load_model(args.model, device).eval()
+    model = load_model(args.model, device)
     dtype, _ = pick_dtype(args.dtype, device_type)  # what training picks on this machine
-    autocast_dtype = AUTOCAST_DTYPES[dtype]
-    counts = evaluate(
-        model, prepared, device, autocast_dtype=autocast_dtype, progress=True, batch_tokens=args.batch_tokens
-    )
+    scoring = dict(autocast_dtype=AUTOCAST_DTYPES[dtype], progress=True, batch_tokens=args.batch_tokens)
+    counts = evaluate(model, prepared, device, **scoring)
     n = counts["n"]
     print(f"HellaSwag {args.model}: {n} examples, {dtype}")
     print(f"acc      {counts['correct'] / n:.4f}  ({counts['correct']}/{n})")
