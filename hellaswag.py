@@ -464,13 +464,11 @@ def load_for_run(path, limit, enc, master_process, ddp):
     return (prepared if problem is None else None), problem
 
 
-@torch.no_grad()
 def evaluate_all_ranks(model, prepared, device, autocast_dtype, rank, world_size, should_stop):
     """acc_norm, acc and n summed over every rank (each scores its share), or None when a rank was
-    interrupted. The model is left in training mode."""
+    interrupted. The model is used in the mode it is in (our GPT has no dropout)."""
     scoring = dict(autocast_dtype=autocast_dtype, should_stop=should_stop, progress=rank == 0)  # rank 0 says how far
     counts = evaluate(model, prepared, device, rank, world_size, **scoring)
-    model.train()
     c = counts or {"n": 0, "correct": 0, "correct_norm": 0}
     totals = torch.tensor([c["n"], c["correct"], c["correct_norm"], counts is None], device=device)
     if world_size > 1:
