@@ -201,7 +201,7 @@ class Prepared:
 
     def __init__(self, pieces, labels):
         self.labels = np.array(labels, dtype=np.int64)
-        self.batches = {}  # (window, device, share, ...) -> (batches on that device, n_tokens)
+        self.batches = None  # (key, _batches' answer) of the last set built: a training run asks for one
         lengths = np.array([len(piece) for piece in pieces], dtype=np.int64).reshape(-1, 5)
         self.ctx_len, self.end_len = lengths[:, 0], lengths[:, 1:]
         starts = np.cumsum(lengths).reshape(-1, 5) - lengths
@@ -344,7 +344,7 @@ def _batches(p, share, block_size, batch_tokens, device):
     """This share's batches on the device and the number of scored tokens of each of its endings
     (len(share), 4), built once; slot 4 k + j is ending j of share[k]."""
     key = (block_size, batch_tokens, str(device), tuple(share))
-    if key not in p.batches:
+    if p.batches is None or p.batches[0] != key:
         share = np.asarray(share, dtype=np.int64)
         slot = np.zeros(len(p), dtype=np.int64)
         slot[share] = 4 * np.arange(len(share))
@@ -355,10 +355,9 @@ def _batches(p, share, block_size, batch_tokens, device):
         batches = _packed_batches(p, share[fits], slot, batch_tokens)
         batches += _row_batches(p, share[~fits], slot, block_size, batch_tokens)
         n_tokens = np.minimum(end_len, np.minimum(row_len, block_size + 1) - 1)  # a cut row scores fewer
-        p.batches.clear()  # keep one set: a training run asks for the same one every time
         on_device = [{k: torch.from_numpy(a).to(device) for k, a in b.items()} for b in batches]
-        p.batches[key] = (on_device, torch.from_numpy(n_tokens))
-    return p.batches[key]
+        p.batches = key, (on_device, torch.from_numpy(n_tokens))
+    return p.batches[1]
 
 
 # Rows of logits (chunk x vocab, fp32) computed at a time. On a CPU, 128 rows are 26 MB of logits,
