@@ -201,7 +201,7 @@ class Prepared:
 
     def __init__(self, pieces, labels):
         self.labels = np.array(labels, dtype=np.int64)
-        self.batches = {}  # (window, device, share, ...) -> (batches on that device, n_tokens)
+        self.batches = None  # (key, _batches' answer) of the last set built: a training run asks for one
         lengths = np.array([len(piece) for piece in pieces], dtype=np.int64).reshape(-1, 5)
         self.ctx_len, self.end_len = lengths[:, 0], lengths[:, 1:]
         starts = np.cumsum(lengths).reshape(-1, 5) - lengths
@@ -344,7 +344,7 @@ def _batches(p, share, block_size, batch_tokens, device):
     """This share's batches on the device and the number of scored tokens of each of its endings
     (len(share), 4), built once; slot 4 k + j is ending j of share[k]."""
     key = (block_size, batch_tokens, str(device), tuple(share))
-    if key not in p.batches:
+    if p.batches is None or p.batches[0] != key:
         share = np.asarray(share, dtype=np.int64)
         slot = np.zeros(len(p), dtype=np.int64)
         slot[share] = 4 * np.arange(len(share))
@@ -355,10 +355,9 @@ def _batches(p, share, block_size, batch_tokens, device):
         batches = _packed_batches(p, share[fits], slot, batch_tokens)
         batches += _row_batches(p, share[~fits], slot, block_size, batch_tokens)
         n_tokens = np.minimum(end_len, np.minimum(row_len, block_size + 1) - 1)  # a cut row scores fewer
-        p.batches.clear()  # keep one set: a training run asks for the same one every time
         on_device = [{k: torch.from_numpy(a).to(device) for k, a in b.items()} for b in batches]
-        p.batches[key] = (on_device, torch.from_numpy(n_tokens))
-    return p.batches[key]
+        p.batches = key, (on_device, torch.from_numpy(n_tokens))
+    return p.batches[1]
 
 
 # Rows of logits (chunk x vocab, fp32) computed at a time. On a CPU, 128 rows are 26 MB of logits,
@@ -416,24 +415,15 @@ def ending_losses(
     return sum_loss.view(-1, 4).cpu(), n_tokens
 
 
-def evaluate(
-    model,
-    prepared,
-    device,
-    rank=0,
-    world_size=1,
-    autocast_dtype=None,
-    should_stop=None,
-    progress=False,
-    batch_tokens=None,
-):
+def evaluate(model, prepared, device, rank=0, world_size=1, **scoring):
     """Score this rank's share of the prepared examples (every world_size-th, from rank): a dict
     of counts that the ranks sum: n, correct (acc) and correct_norm (acc_norm). None if
-    should_stop() became true."""
+    should_stop() became true. scoring: ending_losses's autocast_dtype, should_stop, progress
+    and batch_tokens."""
     share = list(range(rank, len(prepared), world_size))
     counts = {"n": len(share), "correct": 0, "correct_norm": 0}
     if share:
-        result = ending_losses(model, prepared, device, share, autocast_dtype, should_stop, progress, batch_tokens)
+        result = ending_losses(model, prepared, device, share, **scoring)
         if result is None:
             return None
         sum_loss, n_tokens = result
@@ -473,21 +463,11 @@ def load_for_run(path, limit, enc, master_process, ddp):
     return (prepared if problem is None else None), problem
 
 
-@torch.no_grad()
 def evaluate_all_ranks(model, prepared, device, autocast_dtype, rank, world_size, should_stop):
     """acc_norm, acc and n summed over every rank (each scores its share), or None when a rank was
-    interrupted. The model is left in training mode."""
-    counts = evaluate(
-        model,
-        prepared,
-        device,
-        rank,
-        world_size,
-        autocast_dtype=autocast_dtype,
-        should_stop=should_stop,
-        progress=rank == 0,
-    )
-    model.train()
+    interrupted. The model is used in the mode it is in (our GPT has no dropout)."""
+    scoring = dict(autocast_dtype=autocast_dtype, should_stop=should_stop, progress=rank == 0)  # rank 0 says how far
+    counts = evaluate(model, prepared, device, rank, world_size, **scoring)
     c = counts or {"n": 0, "correct": 0, "correct_norm": 0}
     totals = torch.tensor([c["n"], c["correct"], c["correct_norm"], counts is None], device=device)
     if world_size > 1:
@@ -533,12 +513,10 @@ def main(argv=None):
     if device_type == "cpu":
         keep_freed_memory()  # as a CPU training run evaluates, so that the two take the same time
     prepared = prepare(examples, get_tokenizer())
-    model = load_model(args.model, device).eval()
+    model = load_model(args.model, device)
     dtype, _ = pick_dtype(args.dtype, device_type)  # what training picks on this machine
-    autocast_dtype = AUTOCAST_DTYPES[dtype]
-    counts = evaluate(
-        model, prepared, device, autocast_dtype=autocast_dtype, progress=True, batch_tokens=args.batch_tokens
-    )
+    scoring = dict(autocast_dtype=AUTOCAST_DTYPES[dtype], progress=True, batch_tokens=args.batch_tokens)
+    counts = evaluate(model, prepared, device, **scoring)
     n = counts["n"]
     print(f"HellaSwag {args.model}: {n} examples, {dtype}")
     print(f"acc      {counts['correct'] / n:.4f}  ({counts['correct']}/{n})")
