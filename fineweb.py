@@ -305,8 +305,9 @@ MIN_SHARD_SIZE = 1025
 
 
 @dataclass
-class Input:
-    """input (default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub)"""
+class Flags:
+    """fineweb.py's flags: the input (default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub),
+    then the output."""
 
     dataset: str = flag("HuggingFaceFW/fineweb-edu", "Hub dataset")
     name: str = flag("sample-10BT", "its subset, e.g. sample-100BT; '' for none")
@@ -318,12 +319,6 @@ class Input:
         metavar="FILE",
     )
     text_field: str = flag("text", "the jsonl field / parquet / dataset column holding the text")
-
-
-@dataclass
-class Output:
-    """output"""
-
     out_dir: str = flag("edu_fineweb10B", "shard folder, relative to the working dir")
     prefix: str = flag("edufineweb", "shard name prefix")
     shard_size: int = flag(100_000_000, f"tokens per shard, at least {MIN_SHARD_SIZE}", SHARD_SIZE)
@@ -336,9 +331,8 @@ class Output:
 def parse_args(argv=None):
     """The flags (the defaults, the ones given over them), checked against each other before any work
     (each number's own range is its type's)."""
-    p, defaults = ArgumentParser(prog="fineweb.py", description=__doc__), {}
-    for cls in (Input, Output):
-        defaults.update(add_flags(p.add_argument_group(cls.__doc__), cls))
+    p = ArgumentParser(prog="fineweb.py", description=__doc__)
+    defaults = add_flags(p, Flags)
     given = vars(p.parse_args(argv))
     hub = [f"--{k}" for k in ("dataset", "name", "split") if k in given]
     args = argparse.Namespace(**{**defaults, **given})
