@@ -214,14 +214,7 @@ def build_shards(open_documents, config, out_dir, workers=None, limit=float("inf
                 save_manifest(manifest_path, manifest)  # the list as this run starts from it
             if shards:
                 print(f"resuming after {shards[-1]['file']}: {pos0:,} tokens in {len(shards)} shards", file=sys.stderr)
-            # opened before the bar: a dataset that cannot be opened is just an error
-            stream = tokenize_batches(open_documents(sum(s["documents"] for s in shards)), workers)
-            try:
-                _write_shards(out_dir, config, manifest, manifest_path, stream, limit)
-            except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
-                raise disk_error(
-                    e, f"to {out_dir}", "rerun the same command: it resumes after the shards kept"
-                ) from None
+            _write_shards(out_dir, config, manifest, manifest_path, open_documents, workers, limit)
     finally:
         unlock_folder(lock)
     tokens = sum(s["tokens"] for s in shards)
@@ -236,8 +229,8 @@ def build_shards(open_documents, config, out_dir, workers=None, limit=float("inf
     )
 
 
-def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
-    """The tokenized documents (stream, from tokenize_batches) into shards after the manifest's, up to
+def _write_shards(out_dir, config, manifest, manifest_path, open_documents, workers, limit):
+    """The documents after the manifest's, tokenized by `workers` threads, into shards after its, up to
     token limit or the end of the input (the last shard partial, the manifest marked complete). A shard
     is listed after its rename (the manifest rewritten whole, atomically), so the manifest never names
     a file that is not there."""
@@ -247,6 +240,8 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
     # documents whose every token is in a finished shard: the first of the shard being filled, and of the batch
     shard_first_doc = batch_first_doc = sum(s["documents"] for s in shards)
     skip_tokens = shards[-1]["carry"] if shards else 0  # tokens of the next document already written
+    # opened before the bar: a dataset that cannot be opened is just an error
+    stream = tokenize_batches(open_documents(batch_first_doc), workers)
 
     def finish_shard(end_doc, carry):
         """buf[:fill] written as the next shard and listed. end_doc: the index of the first document that
@@ -286,6 +281,8 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
                 finish_shard(batch_first_doc, 0)
             manifest["complete"] = True
         save_manifest(manifest_path, manifest)
+    except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
+        raise disk_error(e, f"to {out_dir}", "rerun the same command: it resumes after the shards kept") from None
     finally:
         stream.close()  # stops the worker pool, also on an early stop or an error
         bar.close()
