@@ -379,15 +379,12 @@ def main(argv=None):
     # --max-shards is a token limit too: max_shards full shards
     limit = min(args.max_tokens or float("inf"), args.max_shards * args.shard_size if args.max_shards else float("inf"))
     s = build_shards(open_documents, config, args.out_dir, args.workers, limit, command)
-    where = f"{s['tokens']:,} tokens from {s['documents']:,} documents in {len(s['files'])} shards in {args.out_dir}"
-    if s["nothing_to_do"]:
-        print(f"nothing to do: {where} already (delete the folder to start over)")
-    else:
-        rate = s["new_tokens"] / max(s["seconds"], 1e-9)
-        state = "done" if s["complete"] else "stopped early"
-        print(
-            f"{state}: {where}; this run wrote {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate:,.0f} tokens/s)"
-        )
+    state = "nothing to do" if s["nothing_to_do"] else "done" if s["complete"] else "stopped early"
+    rate = s["new_tokens"] / max(s["seconds"], 1e-9)
+    print(
+        f"{state}: {s['tokens']:,} tokens from {s['documents']:,} documents in {len(s['files'])} shards in "
+        f"{args.out_dir}; this run wrote {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate:,.0f} tokens/s)"
+    )
     if len(s["files"]) == 1:  # shard 0 is val: train_gpt2.py would find no train shard
         smaller = max(MIN_SHARD_SIZE, s["tokens"] // 10)  # about a tenth of the input, the rest in train shards
         if not s["complete"]:  # stopped by --max-shards 1 or --max-tokens within shard 0
