@@ -202,11 +202,7 @@ def build_shards(open_documents, config, out_dir, workers=None, limit=float("inf
 
         pos0 = sum(s["tokens"] for s in shards)  # tokens written so far
         nothing_to_do, t0 = manifest["complete"] or pos0 >= limit, time.time()
-        if nothing_to_do:
-            if not (manifest["complete"] or manifest.get("limit") is not None):
-                manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
-                save_manifest(manifest_path, manifest)
-        else:
+        if not nothing_to_do:
             if shards and shards[-1]["tokens"] < config["shard_size"]:
                 pos0 -= shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone
             manifest.pop("limit", None)  # unfinished until this run reaches the end or its own limit
@@ -215,6 +211,9 @@ def build_shards(open_documents, config, out_dir, workers=None, limit=float("inf
             if shards:
                 print(f"resuming after {shards[-1]['file']}: {pos0:,} tokens in {len(shards)} shards", file=sys.stderr)
             _write_shards(out_dir, config, manifest, manifest_path, open_documents, workers, limit)
+        elif not (manifest["complete"] or manifest.get("limit") is not None):
+            manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
+            save_manifest(manifest_path, manifest)
     finally:
         unlock_folder(lock)
     tokens = sum(s["tokens"] for s in shards)
