@@ -67,14 +67,12 @@ def encode_ordinary(enc, text):
         return enc.encode_to_numpy(text, disallowed_special=())
 
 
-_EOT_ARRAY = np.array([EOT], dtype=np.uint32)
-
-
 def _tokenize_batch(enc, texts):
     """The <|endoftext|>-prefixed tokens of texts, concatenated (uint16), and each document's length."""
     docs = [encode_ordinary(enc, text) for text in texts]
+    eot = np.array([EOT], dtype=np.uint32)
     # exact: every id of GPT-2's encoding fits in 16 bits
-    tokens = np.concatenate([part for ids in docs for part in (_EOT_ARRAY, ids)]).astype(np.uint16)
+    tokens = np.concatenate([part for ids in docs for part in (eot, ids)]).astype(np.uint16)
     return tokens, np.array([len(ids) + 1 for ids in docs], dtype=np.int64)
 
 
