@@ -67,14 +67,12 @@ def encode_ordinary(enc, text):
         return enc.encode_to_numpy(text, disallowed_special=())
 
 
-_EOT_ARRAY = np.array([EOT], dtype=np.uint32)
-
-
 def _tokenize_batch(enc, texts):
     """The <|endoftext|>-prefixed tokens of texts, concatenated (uint16), and each document's length."""
     docs = [encode_ordinary(enc, text) for text in texts]
+    eot = np.array([EOT], dtype=np.uint32)
     # exact: every id of GPT-2's encoding fits in 16 bits
-    tokens = np.concatenate([part for ids in docs for part in (_EOT_ARRAY, ids)]).astype(np.uint16)
+    tokens = np.concatenate([part for ids in docs for part in (eot, ids)]).astype(np.uint16)
     return tokens, np.array([len(ids) + 1 for ids in docs], dtype=np.int64)
 
 
@@ -202,11 +200,7 @@ def build_shards(open_documents, config, out_dir, workers=None, limit=float("inf
 
         pos0 = sum(s["tokens"] for s in shards)  # tokens written so far
         nothing_to_do, t0 = manifest["complete"] or pos0 >= limit, time.time()
-        if nothing_to_do:
-            if not (manifest["complete"] or manifest.get("limit") is not None):
-                manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
-                save_manifest(manifest_path, manifest)
-        else:
+        if not nothing_to_do:
             if shards and shards[-1]["tokens"] < config["shard_size"]:
                 pos0 -= shards.pop()["tokens"]  # a partial last shard (an earlier --max-tokens stop) is redone
             manifest.pop("limit", None)  # unfinished until this run reaches the end or its own limit
@@ -214,14 +208,10 @@ def build_shards(open_documents, config, out_dir, workers=None, limit=float("inf
                 save_manifest(manifest_path, manifest)  # the list as this run starts from it
             if shards:
                 print(f"resuming after {shards[-1]['file']}: {pos0:,} tokens in {len(shards)} shards", file=sys.stderr)
-            # opened before the bar: a dataset that cannot be opened is just an error
-            stream = tokenize_batches(open_documents(sum(s["documents"] for s in shards)), workers)
-            try:
-                _write_shards(out_dir, config, manifest, manifest_path, stream, limit)
-            except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
-                raise disk_error(
-                    e, f"to {out_dir}", "rerun the same command: it resumes after the shards kept"
-                ) from None
+            _write_shards(out_dir, config, manifest, manifest_path, open_documents, workers, limit)
+        elif not (manifest["complete"] or manifest.get("limit") is not None):
+            manifest["limit"] = int(limit)  # finished as asked (a manifest that did not say so yet)
+            save_manifest(manifest_path, manifest)
     finally:
         unlock_folder(lock)
     tokens = sum(s["tokens"] for s in shards)
@@ -236,8 +226,8 @@ def build_shards(open_documents, config, out_dir, workers=None, limit=float("inf
     )
 
 
-def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
-    """The tokenized documents (stream, from tokenize_batches) into shards after the manifest's, up to
+def _write_shards(out_dir, config, manifest, manifest_path, open_documents, workers, limit):
+    """The documents after the manifest's, tokenized by `workers` threads, into shards after its, up to
     token limit or the end of the input (the last shard partial, the manifest marked complete). A shard
     is listed after its rename (the manifest rewritten whole, atomically), so the manifest never names
     a file that is not there."""
@@ -247,6 +237,8 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
     # documents whose every token is in a finished shard: the first of the shard being filled, and of the batch
     shard_first_doc = batch_first_doc = sum(s["documents"] for s in shards)
     skip_tokens = shards[-1]["carry"] if shards else 0  # tokens of the next document already written
+    # opened before the bar: a dataset that cannot be opened is just an error
+    stream = tokenize_batches(open_documents(batch_first_doc), workers)
 
     def finish_shard(end_doc, carry):
         """buf[:fill] written as the next shard and listed. end_doc: the index of the first document that
@@ -286,6 +278,8 @@ def _write_shards(out_dir, config, manifest, manifest_path, stream, limit):
                 finish_shard(batch_first_doc, 0)
             manifest["complete"] = True
         save_manifest(manifest_path, manifest)
+    except OSError as e:  # a full disk, a folder gone read-only: the manifest still names only whole shards
+        raise disk_error(e, f"to {out_dir}", "rerun the same command: it resumes after the shards kept") from None
     finally:
         stream.close()  # stops the worker pool, also on an early stop or an error
         bar.close()
@@ -305,8 +299,9 @@ MIN_SHARD_SIZE = 1025
 
 
 @dataclass
-class Input:
-    """input (default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub)"""
+class Flags:
+    """fineweb.py's flags: the input (default: FineWeb-Edu sample-10BT streamed from the Hugging Face Hub),
+    then the output."""
 
     dataset: str = flag("HuggingFaceFW/fineweb-edu", "Hub dataset")
     name: str = flag("sample-10BT", "its subset, e.g. sample-100BT; '' for none")
@@ -318,12 +313,6 @@ class Input:
         metavar="FILE",
     )
     text_field: str = flag("text", "the jsonl field / parquet / dataset column holding the text")
-
-
-@dataclass
-class Output:
-    """output"""
-
     out_dir: str = flag("edu_fineweb10B", "shard folder, relative to the working dir")
     prefix: str = flag("edufineweb", "shard name prefix")
     shard_size: int = flag(100_000_000, f"tokens per shard, at least {MIN_SHARD_SIZE}", SHARD_SIZE)
@@ -336,9 +325,8 @@ class Output:
 def parse_args(argv=None):
     """The flags (the defaults, the ones given over them), checked against each other before any work
     (each number's own range is its type's)."""
-    p, defaults = ArgumentParser(prog="fineweb.py", description=__doc__), {}
-    for cls in (Input, Output):
-        defaults.update(add_flags(p.add_argument_group(cls.__doc__), cls))
+    p = ArgumentParser(prog="fineweb.py", description=__doc__)
+    defaults = add_flags(p, Flags)
     given = vars(p.parse_args(argv))
     hub = [f"--{k}" for k in ("dataset", "name", "split") if k in given]
     args = argparse.Namespace(**{**defaults, **given})
@@ -388,15 +376,12 @@ def main(argv=None):
     # --max-shards is a token limit too: max_shards full shards
     limit = min(args.max_tokens or float("inf"), args.max_shards * args.shard_size if args.max_shards else float("inf"))
     s = build_shards(open_documents, config, args.out_dir, args.workers, limit, command)
-    where = f"{s['tokens']:,} tokens from {s['documents']:,} documents in {len(s['files'])} shards in {args.out_dir}"
-    if s["nothing_to_do"]:
-        print(f"nothing to do: {where} already (delete the folder to start over)")
-    else:
-        rate = s["new_tokens"] / max(s["seconds"], 1e-9)
-        state = "done" if s["complete"] else "stopped early"
-        print(
-            f"{state}: {where}; this run wrote {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate:,.0f} tokens/s)"
-        )
+    state = "nothing to do" if s["nothing_to_do"] else "done" if s["complete"] else "stopped early"
+    rate = s["new_tokens"] / max(s["seconds"], 1e-9)
+    print(
+        f"{state}: {s['tokens']:,} tokens from {s['documents']:,} documents in {len(s['files'])} shards in "
+        f"{args.out_dir}; this run wrote {s['new_tokens']:,} tokens in {s['seconds']:.1f}s ({rate:,.0f} tokens/s)"
+    )
     if len(s["files"]) == 1:  # shard 0 is val: train_gpt2.py would find no train shard
         smaller = max(MIN_SHARD_SIZE, s["tokens"] // 10)  # about a tenth of the input, the rest in train shards
         if not s["complete"]:  # stopped by --max-shards 1 or --max-tokens within shard 0

@@ -128,12 +128,11 @@ def local_documents(paths, text_field, skip=0):
     """All documents of the files in order, after the first `skip` (a resumed run)."""
     for path in paths:
         # a whole file whose row count is known without reading its text is skipped for free
-        if skip and path.endswith(".txt"):
-            skip -= 1
-            continue
-        if skip and path.endswith(".parquet") and skip >= (rows := _parquet_rows(path)):
-            skip -= rows
-            continue
+        if skip and path.endswith((".txt", ".parquet")):
+            rows = 1 if path.endswith(".txt") else _parquet_rows(path)
+            if skip >= rows:
+                skip -= rows
+                continue
         for text in read_documents(path, text_field):
             if skip:
                 skip -= 1
@@ -165,8 +164,7 @@ def hub_documents(dataset, name, split, text_field, skip=0):
                 f"choose one with --text-field"
             )
         ds = ds.select_columns([text_field])  # the other columns are then never decoded
-    if skip:
-        ds = ds.skip(skip)
+    ds = ds.skip(skip)
 
     def documents():
         row = skip

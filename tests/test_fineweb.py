@@ -489,7 +489,7 @@ def test_online_fineweb_edu_on_the_hub_is_the_text_fineweb_py_makes_shards_of(tm
     of them tokenized, each after an <|endoftext|>."""
     import datasets  # noqa: PLC0415  (half a second: only this test needs it)
 
-    hub = fineweb.Input()
+    hub = fineweb.Flags()
     rows = list(datasets.load_dataset(hub.dataset, name=hub.name, split=hub.split, streaming=True).take(2))
     assert all(isinstance(row["text"], str) and len(row["text"]) > 100 for row in rows)
     s = fineweb.main(["--out-dir", str(tmp_path), "--max-tokens", "2000", "--shard-size", "2000", "--workers", "1"])
