@@ -118,7 +118,7 @@ def check_names_at_start(out_dir, records):
 
 
 # ----------------------------------------------------------------------------------------------
-# The log's runs
+# Whose a file is: decided here, at the claim, by the log's records and the metas
 
 
 def log_runs(records):
@@ -132,10 +132,6 @@ def log_runs(records):
         elif any(key in record for key in ("train_loss", "skipped", "scaler_skipped")) and current not in runs:
             runs.append(current)
     return runs
-
-
-# ----------------------------------------------------------------------------------------------
-# Whose a file is: decided here, at the claim, by the log's records and the metas
 
 
 def newest_of_its_run(out_dir, records, load, then):
