@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hellaswag
 from support.checks import check_args, check_built_model, check_data, check_model, check_wandb
 from support.cli import ArgumentParser, Number, UserError, add_flags, flag, run_cli, same_on_every_rank
-from support.ddp import setup_distributed
+from support.ddp import fence, setup_distributed
 from support.device import choose_compile, keep_freed_memory, set_deterministic
 from support.divergence import NonFiniteGuard, check_finite_state
 from support.gpu import peak_flops
@@ -48,7 +48,7 @@ from support.out_of_memory import forget_phases, oom_phase, oom_run, training_ou
 from support.precision import AUTOCAST_DTYPES, autocast, grad_scaler, loss_scale, pick_dtype
 from support.presets import parse_with_presets
 from support.resume import RECIPE, RUN_SETTING, restore_training_state, resume_checkpoint, resume_folder
-from support.run_folder import save_training_state
+from support.run_folder import checkpoint_path, save_checkpoint
 from support.run_log import RunLog
 from support.sampling import Sampling, check_sampling, log_samples
 from support.shards import (
@@ -569,7 +569,10 @@ def train(args, given, on_exit):
         ckpt.update(train_config=config)
         oom_phase("writing the checkpoint", step=step)
         check_finite_state(ckpt, args.out_dir, log.trained, args.max_lr)  # never a checkpoint of non-finite weights
-        return save_training_state(ckpt, args.out_dir, args.keep_ckpts, master_process, ddp, log.trained, stop)
+        with stop.during_write(checkpoint_path(args.out_dir, step), say=master_process):  # ranks 1..: wait in the fence
+            path = save_checkpoint(ckpt, args.out_dir, args.keep_ckpts, log.trained) if master_process else None
+            fence(ddp)  # not a collective that times out during a long write
+        return path
 
     stop = StopRequest(args.out_dir, on_exit)  # the signal handlers from before the run, back as it ends
     guard = NonFiniteGuard(log, master_process, checkpoint, args.out_dir, args.max_lr, scaler)

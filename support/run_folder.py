@@ -15,7 +15,6 @@ import torch
 
 from support.checkpoints import load_training_checkpoint
 from support.cli import UserError
-from support.ddp import fence
 from support.files import check_folder, disk_error, existing_part, lock_folder, log_records, unlock_folder, write_atomic
 
 # ----------------------------------------------------------------------------------------------
@@ -119,7 +118,7 @@ def check_names_at_start(out_dir, records):
 
 
 # ----------------------------------------------------------------------------------------------
-# The log's runs
+# Whose a file is: decided here, at the claim, by the log's records and the metas
 
 
 def log_runs(records):
@@ -133,10 +132,6 @@ def log_runs(records):
         elif any(key in record for key in ("train_loss", "skipped", "scaler_skipped")) and current not in runs:
             runs.append(current)
     return runs
-
-
-# ----------------------------------------------------------------------------------------------
-# Whose a file is: decided here, at the claim, by the log's records and the metas
 
 
 def newest_of_its_run(out_dir, records, load, then):
@@ -315,6 +310,7 @@ def save_checkpoint(ckpt, out_dir, keep, trained):
         then = f"continue with --resume (from {earlier}, intact)" if earlier else anew
         raise disk_error(cause, f"checkpoint {path}", then) from None
     prune(out_dir, keep, trained, ckpt["run_id"])
+    print(f"wrote {path}")
     return path
 
 
@@ -340,18 +336,3 @@ def prune(out_dir, keep, trained, run_id):
             os.remove(old)  # the checkpoint first: a kill between the two leaves a meta of no checkpoint, harmless
             with contextlib.suppress(FileNotFoundError):
                 os.remove(meta_path(old))
-
-
-def save_training_state(ckpt, out_dir, keep, master_process, ddp, trained, stop):
-    """Every rank calls it; rank 0 writes ckpt, the training state as one plain dict (train_gpt2.py
-    gathers it, and checks it is finite, where it checkpoints), to out_dir (save_checkpoint: atomic,
-    pruned to the newest `keep`; trained: the log's, note_trained) while the other ranks wait in the
-    fence, not in a collective that times out; stop: the run's StopRequest, told of the write.
-    Returns the path written on rank 0, else None."""
-    path = None
-    with stop.during_write(checkpoint_path(out_dir, ckpt["step"]), say=master_process):
-        if master_process:
-            path = save_checkpoint(ckpt, out_dir, keep, trained)
-            print(f"wrote {path}")
-        fence(ddp)
-    return path
