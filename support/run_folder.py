@@ -268,8 +268,7 @@ def check_owner(out_dir, records, path, ckpt):
     elsewhere = os.path.realpath(folder) != os.path.realpath(out_dir)
     if theirs:
         fix = f", or --out-dir {folder} (the run's own folder)" if elsewhere else ""
-        if path is None:
-            fix = ", or continue it with --resume"
+        fix = ", or continue it with --resume" if path is None else fix
         more = f" and {len(theirs) - 3} more" if len(theirs) > 3 else ""
         raise UserError(
             (f"--resume {path} continues run {run_id}, but " if path else "")
